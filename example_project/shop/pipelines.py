@@ -1,0 +1,81 @@
+"""The naive baseline pipeline: what a typical tutorial pipeline does.
+
+:class:`NaiveInsertPipeline` inserts every item as a new row and commits it. It is here to be
+compared with ``scrapy_idempotent``: with Scrapy's default in-memory scheduler, every restart of
+an interrupted crawl fetches and inserts everything again, so the table fills with duplicates.
+It is not used unless a run enables it::
+
+    scrapy crawl shop -s ADDONS={} \\
+        -s 'ITEM_PIPELINES={"shop.pipelines.NaiveInsertPipeline": 300}' \\
+        -s NAIVE_DATABASE=/tmp/naive.sqlite3
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from itemadapter import ItemAdapter
+
+if TYPE_CHECKING:
+    from scrapy.crawler import Crawler
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS products (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    sku TEXT,
+    name TEXT,
+    price TEXT,
+    url TEXT,
+    scraped_at TEXT
+)
+"""
+
+
+class NaiveInsertPipeline:
+    """Insert each item into the SQLite table ``products`` and commit, one item at a time.
+
+    Settings:
+        NAIVE_DATABASE: path of the SQLite file (required).
+    """
+
+    def __init__(self, database: str) -> None:
+        self.database = database
+        self.connection: sqlite3.Connection | None = None
+
+    @classmethod
+    def from_crawler(cls, crawler: Crawler) -> NaiveInsertPipeline:
+        database = crawler.settings.get("NAIVE_DATABASE")
+        if not database:
+            raise ValueError(
+                "NaiveInsertPipeline needs the NAIVE_DATABASE setting (the path of an SQLite "
+                "file), e.g. -s NAIVE_DATABASE=/tmp/naive.sqlite3"
+            )
+        return cls(str(database))
+
+    def open_spider(self) -> None:
+        self.connection = sqlite3.connect(self.database)
+        self.connection.execute(SCHEMA)
+        self.connection.commit()
+
+    def close_spider(self) -> None:
+        if self.connection is not None:
+            self.connection.close()
+            self.connection = None
+
+    def process_item(self, item: Any) -> Any:
+        assert self.connection is not None, "open_spider() was not called"
+        adapter = ItemAdapter(item)
+        self.connection.execute(
+            "INSERT INTO products (sku, name, price, url, scraped_at) VALUES (?, ?, ?, ?, ?)",
+            (
+                adapter.get("sku"),
+                adapter.get("name"),
+                adapter.get("price"),
+                adapter.get("url"),
+                datetime.now(timezone.utc).isoformat(),
+            ),
+        )
+        self.connection.commit()
+        return item
