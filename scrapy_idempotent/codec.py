@@ -1,0 +1,249 @@
+"""Values and requests as JSON text: the only form in which anything enters the database.
+
+Tagged JSON keeps what plain JSON would lose, so a stored value comes back equal to what was
+given (value semantics: a stored object comes back as a copy, never the same object, see
+scrapy/scrapy#6120):
+
+=================  =======================================
+Python value       stored as
+=================  =======================================
+``None``, bool,    itself
+int, float, str
+list               list
+dict (str keys)    object (keys starting with ``$`` escaped)
+other dict         ``{"$dict": [[key, value], ...]}``
+bytes              ``{"$bytes": "<base64>"}``
+tuple              ``{"$tuple": [...]}``
+set, frozenset     ``{"$set": [...]}`` / ``{"$frozenset": [...]}`` (sorted)
+datetime.datetime  ``{"$datetime": "<ISO 8601>"}`` (timezone kept)
+datetime.date      ``{"$date": "YYYY-MM-DD"}``
+decimal.Decimal    ``{"$decimal": "<str>"}``
+=================  =======================================
+
+Anything else (generators, open files, sockets, arbitrary objects) is refused with the path of
+the value, e.g. ``meta['page'].cursor``. Nothing is ever pickled: reading the database must
+not execute code (Scrapy's disk queues pickle, see notes/scrapy-internals.md).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import decimal
+import json
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from itemadapter import ItemAdapter
+from scrapy.utils.misc import load_object
+from scrapy.utils.request import request_from_dict
+
+from .exceptions import UnstorableRequest
+
+if TYPE_CHECKING:
+    from scrapy import Request, Spider
+
+__all__ = [
+    "BUILTIN_REQUEST_CLASSES",
+    "EncodeError",
+    "RequestCodec",
+    "canonical_json",
+    "decode_value",
+    "dumps",
+    "encode_value",
+    "loads",
+]
+
+#: Request classes that may be stored without configuration (``_class`` of ``to_dict``).
+BUILTIN_REQUEST_CLASSES: frozenset[str] = frozenset(
+    {
+        "scrapy.http.request.Request",
+        "scrapy.http.request.form.FormRequest",
+        "scrapy.http.request.json_request.JsonRequest",
+        "scrapy.http.request.rpc.XmlRpcRequest",
+    }
+)
+
+
+class EncodeError(ValueError):
+    """A value has no tagged-JSON form. ``path`` locates it from the root (``['a'][0]``)."""
+
+    def __init__(self, path: str, value: object) -> None:
+        self.path = path
+        self.type_name = type(value).__qualname__
+        super().__init__(f"{path or 'value'}: {self.type_name} cannot be stored as data")
+
+
+def _json_items(value: dict[Any, Any], path: str, items: bool) -> Any:
+    if all(isinstance(k, str) and not k.startswith("$") for k in value):
+        return {k: encode_value(v, f"{path}[{k!r}]", items=items) for k, v in value.items()}
+    return {
+        "$dict": [
+            [encode_value(k, f"{path}<key>", items=items),
+             encode_value(v, f"{path}[{k!r}]", items=items)]
+            for k, v in value.items()
+        ]
+    }
+
+
+def encode_value(value: Any, path: str = "", *, items: bool = False) -> Any:
+    """Return the tagged-JSON form of ``value`` (plain dicts, lists and scalars).
+
+    With ``items=True`` nested items of any type :mod:`itemadapter` supports are stored as
+    dicts of their fields. Raises :class:`EncodeError` naming the first value that has no form.
+    """
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value
+    if isinstance(value, dict):
+        return _json_items(value, path, items)
+    if isinstance(value, list):
+        return [encode_value(v, f"{path}[{i}]", items=items) for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return {"$tuple": [encode_value(v, f"{path}[{i}]", items=items)
+                           for i, v in enumerate(value)]}
+    if isinstance(value, (bytes, bytearray)):
+        return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, (set, frozenset)):
+        tag = "$set" if isinstance(value, set) else "$frozenset"
+        members = [encode_value(v, f"{path}<member>", items=items) for v in value]
+        return {tag: sorted(members, key=canonical_json)}
+    if isinstance(value, datetime.datetime):
+        return {"$datetime": value.isoformat()}
+    if isinstance(value, datetime.date):
+        return {"$date": value.isoformat()}
+    if isinstance(value, decimal.Decimal):
+        return {"$decimal": str(value)}
+    if items and ItemAdapter.is_item(value):
+        return _json_items(ItemAdapter(value).asdict(), path, items)
+    raise EncodeError(path, value)
+
+
+_DECODERS: dict[str, Callable[[Any], Any]] = {
+    "$bytes": lambda v: base64.b64decode(v),
+    "$tuple": lambda v: tuple(decode_value(x) for x in v),
+    "$set": lambda v: {decode_value(x) for x in v},
+    "$frozenset": lambda v: frozenset(decode_value(x) for x in v),
+    "$datetime": datetime.datetime.fromisoformat,
+    "$date": datetime.date.fromisoformat,
+    "$decimal": decimal.Decimal,
+    "$dict": lambda v: {decode_value(k): decode_value(x) for k, x in v},
+}
+
+
+def decode_value(value: Any) -> Any:
+    """Inverse of :func:`encode_value`."""
+    if isinstance(value, list):
+        return [decode_value(v) for v in value]
+    if isinstance(value, dict):
+        if len(value) == 1:
+            (key, inner), = value.items()
+            decoder = _DECODERS.get(key)
+            if decoder is not None:
+                return decoder(inner)
+        return {k: decode_value(v) for k, v in value.items()}
+    return value
+
+
+def dumps(value: Any, *, items: bool = False) -> str:
+    """Tagged JSON text of ``value``. Raises :class:`EncodeError`."""
+    return json.dumps(encode_value(value, items=items), ensure_ascii=False,
+                      separators=(",", ":"), allow_nan=True)
+
+
+def loads(text: str) -> Any:
+    """Inverse of :func:`dumps`."""
+    return decode_value(json.loads(text))
+
+
+def canonical_json(encoded: Any) -> str:
+    """Deterministic text of an already encoded value (sorted keys): input of content hashes."""
+    return json.dumps(encoded, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+class RequestCodec:
+    """Turns requests into JSON text and back, for one spider.
+
+    Built on :meth:`scrapy.Request.to_dict` and :func:`scrapy.utils.request.request_from_dict`.
+    Stored callbacks and errbacks are method *names* of the spider; on loading they must name
+    a callable attribute of the spider that is not a dunder (no attribute chains, no imports);
+    the request class must be allow-listed (the built-in request classes plus
+    ``IDEMPOTENT_REQUEST_CLASSES``). ``request_from_dict`` alone would import any ``_class``.
+    """
+
+    def __init__(self, spider: Spider, extra_classes: Iterable[str] = ()) -> None:
+        self.spider = spider
+        self.allowed_classes = BUILTIN_REQUEST_CLASSES | frozenset(extra_classes)
+
+    def encode(self, request: Request) -> str:
+        """JSON text of ``request``.
+
+        Raises :class:`~.UnstorableRequest` naming the request and the offending value: a
+        callback or errback that is not a method of the spider (lambda, partial, function,
+        method of another object), a request class outside the allow-list, or a value in
+        ``meta``, ``cb_kwargs``, cookies or headers with no tagged-JSON form.
+        """
+        for attr in ("callback", "errback"):
+            func = getattr(request, attr)
+            if func is not None and not _is_spider_method(self.spider, func):
+                raise UnstorableRequest(
+                    repr(request), attr,
+                    f"{func!r} is not a method of the spider; use a spider method and pass "
+                    "data through cb_kwargs",
+                )
+        try:
+            data = request.to_dict(spider=self.spider)
+        except ValueError as exc:  # callback not found on the spider
+            raise UnstorableRequest(repr(request), "callback", str(exc)) from None
+        cls_path = data.get("_class")
+        if cls_path is not None and cls_path not in self.allowed_classes:
+            raise UnstorableRequest(
+                repr(request), "_class",
+                f"request class {cls_path} is not allowed; add it to IDEMPOTENT_REQUEST_CLASSES",
+            )
+        try:
+            return dumps(data)
+        except EncodeError as exc:
+            raise UnstorableRequest(repr(request), _pretty_path(exc.path),
+                                    f"{exc.type_name} cannot be stored as data") from None
+
+    def decode(self, text: str) -> Request:
+        """The request stored as ``text``. Raises ``ValueError`` with a clear reason when the
+        stored class is not allowed or a callback/errback no longer exists on the spider."""
+        data = loads(text)
+        cls_path = data.get("_class")
+        if cls_path is not None and cls_path not in self.allowed_classes:
+            raise ValueError(f"stored request class {cls_path!r} is not allowed")
+        for attr in ("callback", "errback"):
+            name = data.get(attr)
+            if name is None:
+                continue
+            if not isinstance(name, str) or not name.isidentifier() or name.startswith("__"):
+                raise ValueError(f"stored {attr} {name!r} is not a spider method name")
+            if not callable(getattr(self.spider, name, None)):
+                raise ValueError(
+                    f"stored {attr} {name!r} is not a method of spider {self.spider.name!r} "
+                    "(was it renamed or removed?)"
+                )
+        if cls_path is not None:
+            load_object(cls_path)  # only allow-listed paths reach this point
+        return request_from_dict(data, spider=self.spider)
+
+
+def _is_spider_method(spider: Spider, func: Any) -> bool:
+    name = getattr(func, "__name__", None)
+    return (
+        getattr(func, "__self__", None) is spider
+        and isinstance(name, str)
+        and not name.startswith("__")
+        and getattr(type(spider), name, None) is getattr(func, "__func__", None)
+    )
+
+
+def _pretty_path(path: str) -> str:
+    """``['meta']['page']`` -> ``meta['page']`` for messages."""
+    if path.startswith("['") and "']" in path:
+        head, _, rest = path[2:].partition("']")
+        return head + rest
+    return path or "value"

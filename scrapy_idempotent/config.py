@@ -1,0 +1,205 @@
+"""All ``IDEMPOTENT_*`` settings, read and validated once into a frozen :class:`IdempotentConfig`.
+
+A wrong value stops the crawl before the first request with a :class:`~.ConfigError` that names
+the setting, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from scrapy.utils.project import data_path
+
+from .exceptions import ConfigError
+
+if TYPE_CHECKING:
+    from scrapy import Spider
+    from scrapy.settings import BaseSettings
+
+__all__ = ["DEFAULT_URL_IGNORE_PARAMS", "SETTINGS", "IdempotentConfig", "RunMode"]
+
+#: Query parameters ignored when a page URL serves as a natural key: analytics and session ids
+#: (scrapy/scrapy#1560, #1113). Matching is by exact name, or by prefix for names ending in ``*``.
+DEFAULT_URL_IGNORE_PARAMS: tuple[str, ...] = (
+    "utm_*",
+    "fbclid",
+    "gclid",
+    "dclid",
+    "msclkid",
+    "mc_cid",
+    "mc_eid",
+    "ref",
+    "sid",
+    "sessionid",
+    "session_id",
+    "phpsessid",
+    "jsessionid",
+)
+
+
+class RunMode:
+    """Values of ``IDEMPOTENT_RUN_MODE``."""
+
+    AUTO = "auto"  #: resume an unfinished run, else start a new run
+    RESUME = "resume"  #: always continue the last run (a finished run stays finished)
+    FRESH = "fresh"  #: always start a new run (the frontier is cleared, records are kept)
+    ALL = (AUTO, RESUME, FRESH)
+
+
+#: Every setting with its default; the docs test checks each one is documented in the README.
+SETTINGS: dict[str, Any] = {
+    "IDEMPOTENT_DATABASE": None,
+    "IDEMPOTENT_LEASE_SECONDS": 60.0,
+    "IDEMPOTENT_LEASE_BATCH": 8,
+    "IDEMPOTENT_RUN_MODE": RunMode.AUTO,
+    "IDEMPOTENT_NATURAL_KEYS": {},
+    "IDEMPOTENT_SOURCE": None,
+    "IDEMPOTENT_RECORD_ID_FIELD": "record_id",
+    "IDEMPOTENT_VOLATILE_FIELDS": [],
+    "IDEMPOTENT_URL_IGNORE_PARAMS": list(DEFAULT_URL_IGNORE_PARAMS),
+    "IDEMPOTENT_MAX_ATTEMPTS": 10,
+    "IDEMPOTENT_SYNCHRONOUS": "NORMAL",
+    "IDEMPOTENT_BUSY_TIMEOUT_SECONDS": 10.0,
+    "IDEMPOTENT_REQUEST_CLASSES": [],
+    "IDEMPOTENT_LOG_INTERVAL_SECONDS": 60.0,
+}
+
+
+@dataclass(frozen=True)
+class IdempotentConfig:
+    """The validated ``IDEMPOTENT_*`` settings of one crawl. Field names carry units."""
+
+    database_path: str
+    lease_seconds: float
+    lease_batch: int
+    run_mode: str
+    natural_keys: dict[str, tuple[str, ...]]
+    source: str
+    record_id_field: str | None
+    volatile_fields: frozenset[str]
+    url_ignore_params: tuple[str, ...]
+    max_attempts: int
+    synchronous: str
+    busy_timeout_seconds: float
+    request_classes: tuple[str, ...]
+    log_interval_seconds: float
+
+    @classmethod
+    def from_settings(cls, settings: BaseSettings, spider: Spider) -> IdempotentConfig:
+        """Read every ``IDEMPOTENT_*`` setting; the spider's ``idempotent_natural_keys``
+        attribute (same shape as ``IDEMPOTENT_NATURAL_KEYS``) overrides entries of the setting.
+
+        Raises :class:`~.ConfigError` naming the first bad setting.
+        """
+
+        def get(name: str) -> Any:
+            return settings.get(name, SETTINGS[name])
+
+        natural_keys = _natural_keys("IDEMPOTENT_NATURAL_KEYS", get("IDEMPOTENT_NATURAL_KEYS"))
+        override = getattr(spider, "idempotent_natural_keys", None)
+        if override is not None:
+            natural_keys.update(_natural_keys(f"{type(spider).__name__}.idempotent_natural_keys",
+                                              override))
+        source = get("IDEMPOTENT_SOURCE")
+        if source is None:
+            source = spider.name
+        if not isinstance(source, str) or not source.strip():
+            raise ConfigError("IDEMPOTENT_SOURCE", source, "a non-empty string (default: spider name)")
+        record_id_field = get("IDEMPOTENT_RECORD_ID_FIELD")
+        if record_id_field in (None, ""):
+            record_id_field = None
+        elif not isinstance(record_id_field, str):
+            raise ConfigError("IDEMPOTENT_RECORD_ID_FIELD", record_id_field,
+                              "a field name, or None/'' to keep items unchanged")
+        synchronous = str(get("IDEMPOTENT_SYNCHRONOUS")).upper()
+        if synchronous not in ("NORMAL", "FULL"):
+            raise ConfigError("IDEMPOTENT_SYNCHRONOUS", get("IDEMPOTENT_SYNCHRONOUS"),
+                              "'NORMAL' (survives a process kill) or 'FULL' (also power loss)")
+        run_mode = get("IDEMPOTENT_RUN_MODE")
+        if run_mode not in RunMode.ALL:
+            raise ConfigError("IDEMPOTENT_RUN_MODE", run_mode, f"one of {', '.join(RunMode.ALL)}")
+        lease_seconds = _number(settings, "IDEMPOTENT_LEASE_SECONDS", minimum=1.0)
+        return cls(
+            database_path=_database_path(get("IDEMPOTENT_DATABASE"), spider.name),
+            lease_seconds=lease_seconds,
+            lease_batch=int(_number(settings, "IDEMPOTENT_LEASE_BATCH", minimum=1, integer=True)),
+            run_mode=run_mode,
+            natural_keys=natural_keys,
+            source=source,
+            record_id_field=record_id_field,
+            volatile_fields=frozenset(_names(settings, "IDEMPOTENT_VOLATILE_FIELDS")),
+            url_ignore_params=tuple(_names(settings, "IDEMPOTENT_URL_IGNORE_PARAMS")),
+            max_attempts=int(_number(settings, "IDEMPOTENT_MAX_ATTEMPTS", minimum=1,
+                                     integer=True)),
+            synchronous=synchronous,
+            busy_timeout_seconds=_number(settings, "IDEMPOTENT_BUSY_TIMEOUT_SECONDS", minimum=0.0),
+            request_classes=tuple(_names(settings, "IDEMPOTENT_REQUEST_CLASSES")),
+            log_interval_seconds=_number(settings, "IDEMPOTENT_LOG_INTERVAL_SECONDS",
+                                         minimum=0.0),
+        )
+
+
+def _number(settings: BaseSettings, name: str, *, minimum: float, integer: bool = False) -> float:
+    raw = settings.get(name, SETTINGS[name])
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = float("nan")
+    kind = "an integer" if integer else "a number"
+    if isinstance(raw, bool) or not value >= minimum or (integer and value != int(value)):
+        raise ConfigError(name, raw, f"{kind} >= {minimum:g}")
+    return value
+
+
+def _names(settings: BaseSettings, name: str) -> list[str]:
+    raw = settings.get(name, SETTINGS[name])
+    if isinstance(raw, str):
+        raw = [part.strip() for part in raw.split(",") if part.strip()]
+    if not isinstance(raw, (list, tuple, set, frozenset)) or not all(
+        isinstance(v, str) and v for v in raw
+    ):
+        raise ConfigError(name, raw, "a list of non-empty strings (or a comma-separated string)")
+    return list(raw)
+
+
+def _natural_keys(name: str, raw: Any) -> dict[str, tuple[str, ...]]:
+    allowed = ("a dict mapping an item class ('module.Class', 'Class' or '*') to a field name "
+               "or a list of field names")
+    if isinstance(raw, str):  # a JSON string given with -s
+        import json
+
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            raise ConfigError(name, raw, allowed) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(name, raw, allowed)
+    result: dict[str, tuple[str, ...]] = {}
+    for item_type, fields in raw.items():
+        if isinstance(item_type, type):
+            item_type = f"{item_type.__module__}.{item_type.__qualname__}"
+        if isinstance(fields, str):
+            fields = (fields,)
+        if (
+            not isinstance(item_type, str)
+            or not item_type
+            or not isinstance(fields, (list, tuple))
+            or not fields
+            or not all(isinstance(f, str) and f for f in fields)
+        ):
+            raise ConfigError(name, raw, allowed)
+        result[item_type] = tuple(fields)
+    return result
+
+
+def _database_path(raw: Any, spider_name: str) -> str:
+    if raw is None or raw == "":
+        return data_path(os.path.join("idempotent", f"{spider_name}.sqlite3"))
+    if not isinstance(raw, (str, os.PathLike)):
+        raise ConfigError("IDEMPOTENT_DATABASE", raw, "a file path (may contain {spider})")
+    path = os.fspath(raw)
+    if "{spider}" in path:
+        path = path.replace("{spider}", spider_name)
+    return path

@@ -1,0 +1,74 @@
+"""Exceptions raised by scrapy_idempotent.
+
+Every error the package raises derives from :class:`IdempotentError`, so callers can catch
+them all at once. At the Scrapy boundary the components translate them into Scrapy's own
+exceptions (``DropItem``, a spider close with a clear reason) where Scrapy expects those.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "IdempotentError",
+    "MissingNaturalKey",
+    "StoreError",
+    "UnstorableRequest",
+    "UnsupportedScrapy",
+]
+
+
+class IdempotentError(Exception):
+    """Base class of every error raised by scrapy_idempotent."""
+
+
+class ConfigError(IdempotentError, ValueError):
+    """A setting has a wrong value.
+
+    Raised while the crawl is being set up, before any request is fetched. The message names
+    the setting, the value found and what is allowed.
+    """
+
+    def __init__(self, setting: str, value: object, allowed: str) -> None:
+        self.setting = setting
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"{setting}={value!r} is not valid: {allowed}")
+
+
+class UnsupportedScrapy(IdempotentError, RuntimeError):
+    """The running Scrapy lacks an internal hook that exact request completion relies on."""
+
+
+class UnstorableRequest(IdempotentError, ValueError):
+    """A request cannot be stored in the frontier as data.
+
+    ``path`` names the offending value inside the request (for example ``cb_kwargs['rows']``),
+    ``request`` is the ``repr`` of the request. Raised at enqueue time so the fault is seen
+    where it was made (Scrapy's disk queues instead fall back silently to memory, see
+    scrapy/scrapy#6119).
+    """
+
+    def __init__(self, request: str, path: str, reason: str) -> None:
+        self.request = request
+        self.path = path
+        self.reason = reason
+        super().__init__(f"cannot store {request}: {path}: {reason}")
+
+
+class MissingNaturalKey(IdempotentError, KeyError):
+    """An item lacks the field(s) its natural key is made of (missing, None or empty)."""
+
+    def __init__(self, item_type: str, field: str, detail: str = "") -> None:
+        self.item_type = item_type
+        self.field = field
+        message = f"{item_type} item has no natural key: field {field!r} is missing or empty"
+        if detail:
+            message = f"{message} ({detail})"
+        super().__init__(message)
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class StoreError(IdempotentError, RuntimeError):
+    """The frontier database failed in a way retrying did not cure."""

@@ -1,0 +1,84 @@
+"""``RecordIdMiddleware``: the spider middleware that ties output to the request it came from.
+
+It must be the last spider middleware to see the output (a priority number below
+``StartSpiderMiddleware``'s 25; the add-on uses 10), so the items and requests it sees are the
+final ones. For every item it computes the record ID from the item's data (see
+:mod:`scrapy_idempotent.records`) and stamps it into the item's ``IDEMPOTENT_RECORD_ID_FIELD``
+when the item type has room for it; for every item and child request it notes which leased
+request produced it, so their writes commit with that request's completion.
+
+Errback output bypasses spider middlewares (notes/scrapy-internals.md); the scheduler
+attributes it through the same code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from scrapy import Request, signals
+
+from .exceptions import IdempotentError
+
+if TYPE_CHECKING:
+    from scrapy.crawler import Crawler
+    from scrapy.http import Response
+    from typing_extensions import Self
+
+    from .scheduler import IdempotentScheduler
+
+__all__ = ["RecordIdMiddleware"]
+
+
+def _scheduler_of(crawler: Crawler, component: str) -> IdempotentScheduler:
+    from .scheduler import IdempotentScheduler
+
+    scheduler = crawler.engine.scheduler if crawler.engine is not None else None
+    if not isinstance(scheduler, IdempotentScheduler):
+        raise IdempotentError(
+            f"{component} needs SCHEDULER = 'scrapy_idempotent.IdempotentScheduler' (found "
+            f"{type(scheduler).__module__}.{type(scheduler).__qualname__}); add "
+            "ADDONS = {'scrapy_idempotent.Addon': 0} to the settings"
+        )
+    return scheduler
+
+
+class RecordIdMiddleware:
+    """Spider middleware: record IDs on items, and output attributed to its request."""
+
+    def __init__(self, crawler: Crawler) -> None:
+        self.crawler = crawler
+        self._scheduler: IdempotentScheduler | None = None
+        crawler.signals.connect(self._spider_opened, signals.spider_opened)
+
+    @classmethod
+    def from_crawler(cls, crawler: Crawler) -> Self:
+        return cls(crawler)
+
+    def _spider_opened(self) -> None:
+        self.scheduler  # noqa: B018 - fail at start when wired without the scheduler
+
+    @property
+    def scheduler(self) -> IdempotentScheduler:
+        if self._scheduler is None:
+            self._scheduler = _scheduler_of(self.crawler, type(self).__name__)
+        return self._scheduler
+
+    async def process_start(self, start: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """Start requests are marked so ``dont_filter`` ones get stable keys; start items
+        get their record IDs."""
+        async for output in start:
+            if isinstance(output, Request):
+                self.scheduler.mark_start(output)
+            else:
+                self.scheduler.track(output, None, None)
+            yield output
+
+    async def process_spider_output(
+        self, response: Response, result: AsyncIterator[Any]
+    ) -> AsyncIterator[Any]:
+        scheduler = self.scheduler
+        entry = scheduler.entry_for(response)
+        async for output in result:
+            scheduler.track(output, entry, response.url)
+            yield output

@@ -1,0 +1,76 @@
+"""``UpsertPipeline``: items become records, committed with their request's completion.
+
+Put it last (the highest number in ``ITEM_PIPELINES``; the add-on uses 1000), so what it stores
+is what every other pipeline let through. A record is inserted the first time its record ID
+is seen, updated only when its content hash changed (``last_changed`` moves, ``first_seen``
+never does), and otherwise left alone. The write happens in the transaction that marks the
+producing request done, so a crash leaves either both or neither.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from scrapy.exceptions import DropItem
+
+from .codec import EncodeError, dumps
+from .middleware import _scheduler_of
+from .records import item_type_name
+from .store.base import Reject
+
+if TYPE_CHECKING:
+    from scrapy.crawler import Crawler
+    from typing_extensions import Self
+
+    from .scheduler import IdempotentScheduler
+
+__all__ = ["UpsertPipeline"]
+
+logger = logging.getLogger(__name__)
+
+
+class UpsertPipeline:
+    """Item pipeline: upsert every item as a record keyed by its record ID.
+
+    An item without its natural key (missing, None or empty), or with a value that has no
+    JSON form, is kept in the ``rejects`` table, counted (``idempotent/records/rejected``) and
+    dropped with a :class:`~scrapy.exceptions.DropItem` naming the item type and field.
+    """
+
+    def __init__(self, crawler: Crawler) -> None:
+        self.crawler = crawler
+        self.scheduler: IdempotentScheduler | None = None
+
+    @classmethod
+    def from_crawler(cls, crawler: Crawler) -> Self:
+        return cls(crawler)
+
+    def open_spider(self) -> None:
+        self.scheduler = _scheduler_of(self.crawler, type(self).__name__)
+
+    def process_item(self, item: Any) -> Any:
+        scheduler = self.scheduler
+        assert scheduler is not None
+        tag = scheduler.take_item(item)
+        reason: str | None = None
+        if tag.error is not None:
+            reason = str(tag.error)
+        else:
+            assert tag.record_id is not None and tag.key_values is not None
+            try:
+                record = scheduler.identity.record(item, tag.record_id, tag.key_values)
+            except EncodeError as exc:
+                reason = f"{item_type_name(item)} item: {exc}"
+            else:
+                scheduler.add_record(tag, record)
+                return item
+        try:
+            data = dumps(item, items=True)
+        except EncodeError:
+            data = repr(item)
+        scheduler.add_reject(tag, Reject(
+            item_type=item_type_name(item), reason=reason, data=data,
+            request_key=tag.entry.key if tag.entry is not None else None,
+        ))
+        raise DropItem(f"scrapy_idempotent: {reason}; kept in the rejects table")

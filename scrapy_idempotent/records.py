@@ -1,0 +1,169 @@
+"""Record identity: natural keys, record IDs and content hashes, all derived from item data.
+
+``record_id = sha256(canonical JSON of [source, natural key values])[:32]`` (128 bits, hex).
+The source defaults to the spider name; the natural key is a field (or fields) configured per
+item type, or, when none is configured, the canonical URL of the page the item came from with
+tracking and session parameters removed. Nothing here depends on time, position on the page,
+or the Python process, so the same data always gets the same ID.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl, urlsplit
+
+from itemadapter import ItemAdapter
+from w3lib.url import canonicalize_url, url_query_cleaner
+
+from .codec import canonical_json, encode_value
+from .exceptions import MissingNaturalKey
+from .store.base import Record
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+__all__ = ["URL_KEY", "Record", "RecordIdentity", "item_type_name", "page_key"]
+
+#: Pseudo field name reported when the page URL is the natural key.
+URL_KEY = "<page url>"
+
+
+def item_type_name(item: Any) -> str:
+    """``module.QualName`` of the item's class (``dict`` for plain dicts)."""
+    cls = type(item)
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def page_key(url: str, ignore_params: Iterable[str]) -> str:
+    """The canonical form of a page URL used as a natural key.
+
+    :func:`w3lib.url.canonicalize_url` (sorted query, no fragment), then every query argument
+    and ``;name=value`` path parameter whose name matches ``ignore_params`` is removed (exact,
+    case-insensitive; a trailing ``*`` matches a prefix), so ``?utm_source=x`` or
+    ``;jsessionid=...`` variants of a page are one key (scrapy/scrapy#1560).
+    """
+    patterns = [p.lower() for p in ignore_params]
+
+    def ignored(name: str) -> bool:
+        name = name.lower()
+        return any(name.startswith(p[:-1]) if p.endswith("*") else name == p for p in patterns)
+
+    url = canonicalize_url(url)
+    parts = urlsplit(url)
+    if ";" in parts.path:
+
+        def clean(segment: str) -> str:
+            head, *params = segment.split(";")
+            kept = [p for p in params if not ignored(p.split("=", 1)[0])]
+            return ";".join([head, *kept])
+
+        url = parts._replace(path="/".join(clean(s) for s in parts.path.split("/"))).geturl()
+    names = {name for name, _ in parse_qsl(urlsplit(url).query, keep_blank_values=True)}
+    drop = [name for name in names if ignored(name)]
+    if drop:
+        url = url_query_cleaner(url, drop, remove=True, keep_fragments=False)
+    return url
+
+
+class RecordIdentity:
+    """Computes record IDs and content hashes for one crawl.
+
+    ``natural_keys`` maps an item class (``module.Class``, ``Class`` or ``*``) to the field
+    names of its natural key; classes without an entry use the page URL (see :func:`page_key`).
+    """
+
+    def __init__(
+        self,
+        *,
+        source: str,
+        natural_keys: dict[str, tuple[str, ...]],
+        url_ignore_params: Iterable[str] = (),
+        record_id_field: str | None = "record_id",
+        volatile_fields: Iterable[str] = (),
+    ) -> None:
+        self.source = source
+        self.natural_keys = dict(natural_keys)
+        self.url_ignore_params = tuple(url_ignore_params)
+        self.record_id_field = record_id_field
+        self.volatile_fields = frozenset(volatile_fields)
+        self._fields_by_type: dict[type, tuple[str, ...] | None] = {}
+
+    def key_fields(self, item: Any) -> tuple[str, ...] | None:
+        """The natural key fields configured for the item's type, or None for the page URL."""
+        cls = type(item)
+        try:
+            return self._fields_by_type[cls]
+        except KeyError:
+            pass
+        fields = None
+        for klass in cls.__mro__:
+            for name in (f"{klass.__module__}.{klass.__qualname__}", klass.__qualname__):
+                if name in self.natural_keys:
+                    fields = self.natural_keys[name]
+                    break
+            if fields is not None:
+                break
+        if fields is None:
+            fields = self.natural_keys.get("*")
+        self._fields_by_type[cls] = fields
+        return fields
+
+    def natural_key(self, item: Any, page_url: str | None) -> list[str]:
+        """The normalised natural key values of ``item``: each value as a string with
+        surrounding whitespace removed (so ``123`` and ``" 123 "`` are one key).
+
+        Raises :class:`~.MissingNaturalKey` naming the item type and the field when a key
+        field is missing, None or empty, or when the page URL is the key and is unknown.
+        """
+        fields = self.key_fields(item)
+        if fields is None:
+            if not page_url:
+                raise MissingNaturalKey(
+                    item_type_name(item), URL_KEY,
+                    "no page URL is known for it; set IDEMPOTENT_NATURAL_KEYS for this type",
+                )
+            return [page_key(page_url, self.url_ignore_params)]
+        adapter = ItemAdapter(item)
+        values = []
+        for field in fields:
+            value = adapter.get(field)
+            if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+                text = str(value).strip()
+            elif value is None:
+                text = ""
+            else:
+                text = canonical_json(encode_value(value, items=True))
+            if not text:
+                raise MissingNaturalKey(item_type_name(item), field)
+            values.append(text)
+        return values
+
+    def record_id(self, key_values: list[str]) -> str:
+        """128-bit hex record ID of a natural key within this source."""
+        digest = hashlib.sha256(canonical_json([self.source, key_values]).encode("utf-8"))
+        return digest.hexdigest()[:32]
+
+    def record(self, item: Any, record_id: str, key_values: list[str]) -> Record:
+        """The stored form of ``item``. Raises :class:`~.codec.EncodeError` for a field
+        value that has no tagged-JSON form."""
+        data = ItemAdapter(item).asdict()
+        if self.record_id_field is not None:
+            data.pop(self.record_id_field, None)
+        encoded = encode_value(data, items=True)
+        hashed = (
+            {k: v for k, v in encoded.items() if k not in self.volatile_fields}
+            if self.volatile_fields and isinstance(encoded, dict)
+            else encoded
+        )
+        return Record(
+            record_id=record_id,
+            source=self.source,
+            natural_key=canonical_json(key_values),
+            item_type=item_type_name(item),
+            data=canonical_json(encoded),
+            content_hash=hashlib.sha256(canonical_json(hashed).encode("utf-8")).hexdigest(),
+        )
+

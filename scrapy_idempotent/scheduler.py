@@ -1,0 +1,731 @@
+"""``IdempotentScheduler``: Scrapy's scheduler on a durable frontier with leases.
+
+Set ``SCHEDULER = "scrapy_idempotent.IdempotentScheduler"`` (the add-on does it). The
+scheduler keeps every request in the store, hands them out under a lease, and marks a request
+done only when Scrapy has completely finished with it, in the same transaction as the records
+and child requests its response produced ("done is the last write").
+
+When is a request finished? Not when a spider middleware's output iterator ends: items are
+processed concurrently and child requests reach the scheduler later. The exact moment is the
+engine's ``_slot.remove_request(request)``, which fires once per handed-out request after its
+items went through the pipelines and its children were enqueued, whatever the outcome
+(notes/scrapy-internals.md). It is private API, so :meth:`IdempotentScheduler.open` checks the
+hooks exist and refuses to run otherwise (:class:`~.UnsupportedScrapy`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import sqlite3
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
+from typing import TYPE_CHECKING, Any
+
+from scrapy import Request, signals
+from scrapy.core.scheduler import BaseScheduler
+from scrapy.exceptions import IgnoreRequest
+from scrapy.http import Response
+from twisted.internet import task
+from twisted.python.failure import Failure
+
+from . import __version__
+from ._tracking import Entry, ItemTag, Pending
+from .codec import RequestCodec
+from .config import IdempotentConfig
+from .exceptions import MissingNaturalKey, UnstorableRequest, UnsupportedScrapy
+from .records import URL_KEY, RecordIdentity
+from .store.base import Completion, FrontierStore, NewRequest, RequestState, UnitOfWork
+from .store.sqlite import SQLiteStore
+
+if TYPE_CHECKING:
+    from scrapy import Spider
+    from scrapy.crawler import Crawler
+    from typing_extensions import Self
+
+    from .store.base import CommitResult
+
+__all__ = ["IdempotentScheduler", "worker_id"]
+
+logger = logging.getLogger(__name__)
+
+#: Attempts at a write transaction before the crawl is closed (database locked or I/O error).
+_COMMIT_ATTEMPTS = 5
+#: Reason the spider closes with when the store keeps failing.
+STORE_ERROR_REASON = "idempotent_store_error"
+
+
+def _process_start_ticks(pid: int) -> str | None:
+    """Start time of a process in clock ticks since boot (Linux), to tell a pid reused by
+    another process from the process that took a lease. None where /proc is not available."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def worker_id() -> str:
+    """``host:pid:start`` of this process: unique on a host, and never equal to the id of a
+    dead process that had the same pid (the process start time is part of it)."""
+    pid = os.getpid()
+    return f"{socket.gethostname()}:{pid}:{_process_start_ticks(pid) or int(time.time())}"
+
+
+def _worker_is_dead(worker: str) -> bool:
+    """True only when ``worker`` ran on this host and that process is gone. Workers of other
+    hosts are never declared dead here: their leases end by expiry."""
+    try:
+        host, pid_text, start = worker.rsplit(":", 2)
+        pid = int(pid_text)
+    except ValueError:
+        return False
+    if host != socket.gethostname():
+        return False
+    current = _process_start_ticks(pid)
+    if current is not None:
+        return current != start
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+class IdempotentScheduler(BaseScheduler):
+    """A durable, leased frontier as Scrapy's scheduler.
+
+    Enqueue is idempotent by request key: the crawler's request fingerprint (hex), or for a
+    request with ``dont_filter=True`` a key derived from its parent's key (``start`` for
+    start requests), its fingerprint and its rank among the parent's ``dont_filter`` children
+    with that fingerprint, so a replayed parent or a restarted ``start()`` maps to the same
+    keys. Leasing order: priority (highest first), then non-start before start requests, then
+    newest first (Scrapy's default LIFO queues).
+
+    Never raises into Scrapy from :meth:`enqueue_request` or :meth:`next_request`: a raise
+    there loses requests or hangs the crawl. A request that cannot be stored is refused (False)
+    with an error naming it and the offending value; a store that keeps failing closes the
+    spider with reason ``idempotent_store_error``.
+    """
+
+    def __init__(self, crawler: Crawler, config: IdempotentConfig,
+                 store: FrontierStore | None = None) -> None:
+        self.crawler = crawler
+        self.config = config
+        self.stats = crawler.stats
+        self.worker = worker_id()
+        self.store: FrontierStore = store or SQLiteStore(
+            config.database_path,
+            lease_seconds=config.lease_seconds,
+            max_attempts=config.max_attempts,
+            synchronous=config.synchronous,
+            busy_timeout_seconds=config.busy_timeout_seconds,
+        )
+        self.identity = RecordIdentity(
+            source=config.source,
+            natural_keys=config.natural_keys,
+            url_ignore_params=config.url_ignore_params,
+            record_id_field=config.record_id_field,
+            volatile_fields=config.volatile_fields,
+        )
+        self.spider: Spider | None = None
+        self.codec: RequestCodec | None = None
+        self._fingerprinter = crawler.request_fingerprinter
+        self._local: deque[Any] = deque()  # LeasedRequest claimed, not yet handed out
+        self._inflight: dict[int, Entry] = {}  # id(handed-out request) -> entry
+        self._by_fingerprint: dict[str, Entry] = {}
+        self._tracked: dict[int, tuple[Entry | None, Any]] = {}  # id(child request) -> owner
+        self._items: dict[int, ItemTag] = {}  # id(item) -> tag
+        self._continuations: dict[int, tuple[Entry, Request]] = {}
+        self._start_requests: dict[int, Request] = {}
+        self._root_counts: dict[str, int] = {}
+        self._pending = Pending()
+        self._maybe_claimable = True
+        self._recheck_at = 0.0
+        self._dead_check_at = 0.0
+        self._closing = False
+        self._failed = False
+        self._warned_page_key = False
+        self._unhook: list[Any] = []
+        self._renewal: task.LoopingCall | None = None
+
+    @classmethod
+    def from_crawler(cls, crawler: Crawler) -> Self:
+        """Read and validate the ``IDEMPOTENT_*`` settings (a bad one raises
+        :class:`~.ConfigError` here, before the first request)."""
+        assert crawler.spider is not None
+        return cls(crawler, IdempotentConfig.from_settings(crawler.settings, crawler.spider))
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def open(self, spider: Spider) -> None:
+        """Open the store, join or start a run, reclaim the leases of this host's dead
+        workers, and hook into the engine. Raises :class:`~.StoreError` or
+        :class:`~.UnsupportedScrapy` before anything is fetched."""
+        self.spider = spider
+        self.codec = RequestCodec(spider, self.config.request_classes)
+        self._install_hooks()
+        fingerprinter = type(self._fingerprinter)
+        changed = self.store.open(
+            fingerprinter=f"{fingerprinter.__module__}.{fingerprinter.__qualname__}")
+        if changed is not None:
+            logger.warning(
+                "The frontier in %s was built with request fingerprinter %s; this crawl uses "
+                "another one, so known requests may be fetched again.",
+                self.config.database_path, changed,
+            )
+        run = self.store.begin_session(self.worker, self.config.run_mode)
+        reclaimed = self._reclaim_dead_workers()
+        counts = self.store.counts()
+        self.stats.set_value("idempotent/run_id", run.run_id)
+        logger.info(
+            "scrapy_idempotent %s: %s run %d in %s: %d pending, %d leased (%d reclaimed from "
+            "dead workers), %d done, %d failed, %d records",
+            __version__, "started" if run.new else "resumed", run.run_id,
+            self.config.database_path, counts["pending"], counts["leased"], reclaimed,
+            counts["done"] + counts["redirected"], counts["failed"], counts["records"],
+        )
+        self._renewal = task.LoopingCall(self._tick)
+        self._renewal.start(max(1.0, self.config.lease_seconds / 3), now=False)
+
+    def close(self, reason: str) -> None:
+        """Flush what is buffered, release this worker's remaining leases (a graceful stop
+        frees them at once), and record the end of this session; on ``finished`` with an
+        empty frontier the run is marked finished."""
+        self._closing = True
+        if self._renewal is not None and self._renewal.running:
+            self._renewal.stop()
+        for undo in reversed(self._unhook):
+            undo()
+        self._unhook.clear()
+        try:
+            if not self._failed:
+                self._commit(UnitOfWork())
+            released = self.store.end_session(self.worker, reason)
+            if released:
+                self.stats.inc_value("idempotent/requests/released", released)
+            self._local.clear()
+            counts = self.store.counts()
+            records = counts["records"]
+            fetched = self.stats.get_value("idempotent/requests/leased", 0)
+            if records:
+                self.stats.set_value("idempotent/requests_per_record",
+                                     round(fetched / records, 3))
+            done_filtered = self.stats.get_value("idempotent/requests/already_done", 0)
+            logger.info(
+                "scrapy_idempotent: closing (%s): %d pending, %d leased, %d done, %d failed, "
+                "%d records; %d requests released; %d requests not fetched because already "
+                "done",
+                reason, counts["pending"], counts["leased"],
+                counts["done"] + counts["redirected"], counts["failed"], records, released,
+                done_filtered,
+            )
+        except Exception:
+            logger.exception("scrapy_idempotent: error while closing the frontier")
+        finally:
+            self.store.close()
+
+    def _install_hooks(self) -> None:
+        engine = self.crawler.engine
+        slot = getattr(engine, "_slot", None)
+        scraper = getattr(engine, "scraper", None)
+        missing = [
+            name for obj, name in (
+                (slot, "remove_request"),
+                (engine, "_handle_downloader_output"),
+                (scraper, "handle_spider_output_async"),
+            ) if not callable(getattr(obj, name, None))
+        ]
+        if missing:
+            import scrapy
+
+            raise UnsupportedScrapy(
+                f"scrapy_idempotent needs Scrapy internals that Scrapy {scrapy.__version__} "
+                f"lacks ({', '.join(missing)}); supported: Scrapy 2.19"
+            )
+        assert slot is not None and scraper is not None and engine is not None
+        remove_request = slot.remove_request
+        handle_output = engine._handle_downloader_output
+        spider_output = scraper.handle_spider_output_async
+
+        def hooked_remove_request(request: Request) -> None:
+            try:
+                self._finish(request)
+            except Exception:
+                logger.exception("scrapy_idempotent: error completing %r", request)
+            remove_request(request)
+
+        def hooked_handle_output(result: Any, request: Request) -> Any:
+            entry = self._inflight.get(id(request))
+            if entry is not None:
+                self._observe(entry, result)
+            return handle_output(result, request)
+
+        async def hooked_spider_output(result: Any, request: Request,
+                                       response: Response | Failure) -> None:
+            # Errback output bypasses every spider middleware: attribute it here.
+            entry = self._inflight.get(id(request))
+            if isinstance(response, Failure) and entry is not None:
+                result = self._track_output(result, entry, request.url)
+            await spider_output(result, request, response)
+
+        slot.remove_request = hooked_remove_request
+        engine._handle_downloader_output = hooked_handle_output
+        scraper.handle_spider_output_async = hooked_spider_output
+        self._unhook = [
+            lambda: setattr(slot, "remove_request", remove_request),
+            lambda: delattr(engine, "_handle_downloader_output"),
+            lambda: delattr(scraper, "handle_spider_output_async"),
+        ]
+        self.crawler.signals.connect(self._on_spider_error, signals.spider_error)
+        self._unhook.append(
+            lambda: self.crawler.signals.disconnect(self._on_spider_error, signals.spider_error))
+
+    # -- the scheduler contract -------------------------------------------------------------
+
+    def has_pending_requests(self) -> bool:
+        """True while anything could still be handed out: claimed or buffered requests,
+        pending entries, or entries other workers hold (their lease may come back). Never
+        raises; on a store error it answers True and lets the close take its course."""
+        if self._failed:
+            return False
+        if self._local or self._pending.requests:
+            return True
+        try:
+            status = self.store.status(self.worker)
+            if status.claimable:
+                self._maybe_claimable = True
+                return True
+            if status.leased_elsewhere:
+                now = time.time()
+                if now >= self._dead_check_at:
+                    self._dead_check_at = now + 1.0
+                    if self._reclaim_dead_workers() or self.store.reclaim_expired():
+                        self._maybe_claimable = True
+                return True
+            return False
+        except Exception:
+            logger.exception("scrapy_idempotent: cannot read the frontier")
+            self._fail("cannot read the frontier")
+            return False
+
+    def enqueue_request(self, request: Request) -> bool:
+        """Add ``request`` to the frontier (buffered until the transaction that completes the
+        request it came from). Returns False, and logs an error naming the request and the
+        offending value, when it cannot be stored. Never raises."""
+        try:
+            return self._enqueue(request)
+        except Exception:
+            logger.exception("scrapy_idempotent: cannot enqueue %r", request)
+            self._fail(f"cannot enqueue {request!r}")
+            return False
+
+    def next_request(self) -> Request | None:
+        """The next request under lease, or None when nothing can be claimed now. Never
+        raises."""
+        if self._failed or self._closing:
+            return None
+        try:
+            while True:
+                if not self._local and not self._refill():
+                    return None
+                leased = self._local.popleft()
+                request = self._load(leased)
+                if request is not None:
+                    return request
+        except Exception:
+            logger.exception("scrapy_idempotent: cannot lease the next request")
+            self._fail("cannot lease the next request")
+            return None
+
+    def __len__(self) -> int:
+        """Pending and leased entries in the frontier (all workers), plus buffered ones."""
+        counts = self.store.counts()
+        return counts["pending"] + counts["leased"] + len(self._pending.requests)
+
+    # -- enqueue ----------------------------------------------------------------------------
+
+    def _enqueue(self, request: Request) -> bool:
+        assert self.codec is not None
+        self.stats.inc_value("idempotent/requests/enqueued")
+        try:
+            data = self.codec.encode(request)
+        except UnstorableRequest as exc:
+            self.stats.inc_value("idempotent/requests/unstorable")
+            logger.error("scrapy_idempotent: refused %s", exc)
+            self._forget_request(request)
+            return False
+        fingerprint = self._fingerprinter.fingerprint(request).hex()
+        parent: Entry | None = None
+        continuation = self._continuations.pop(id(request), None)
+        if continuation is not None:
+            parent = continuation[0]
+        else:
+            owner = self._tracked.pop(id(request), None)
+            if owner is not None:
+                parent = owner[0]
+                if parent is not None:
+                    parent.tracked.pop(id(request), None)
+        if parent is not None and fingerprint == parent.fingerprint:
+            # A retry (RetryMiddleware, get_retry_request): the same frontier entry continues.
+            parent.continuation = (data, request.priority)
+            self.stats.inc_value("idempotent/requests/retried")
+            return True
+        is_start = self._start_requests.pop(id(request), None) is not None
+        new = NewRequest(
+            key=self._key(request, fingerprint, parent, is_start),
+            fingerprint=fingerprint,
+            url=request.url,
+            priority=request.priority,
+            data=data,
+            parent_key=parent.key if parent is not None else None,
+            is_start=is_start,
+        )
+        if parent is not None:
+            parent.children.append(new)
+        else:
+            self._pending.requests.append(new)
+        return True
+
+    def _key(self, request: Request, fingerprint: str, parent: Entry | None,
+             is_start: bool) -> str:
+        if not request.dont_filter:
+            return fingerprint
+        if parent is not None:
+            scope = parent.key
+            parent.dont_filter_counts[fingerprint] += 1
+            rank = parent.dont_filter_counts[fingerprint]
+        else:
+            scope = "start" if is_start else "orphan"
+            rank = self._root_counts[f"{scope}|{fingerprint}"] = (
+                self._root_counts.get(f"{scope}|{fingerprint}", 0) + 1)
+        return hashlib.sha1(f"{scope}|{fingerprint}|{rank}".encode()).hexdigest()
+
+    def _forget_request(self, request: Request) -> None:
+        owner = self._tracked.pop(id(request), None)
+        if owner is not None and owner[0] is not None:
+            owner[0].tracked.pop(id(request), None)
+        self._start_requests.pop(id(request), None)
+        self._continuations.pop(id(request), None)
+
+    # -- lease ------------------------------------------------------------------------------
+
+    def _claim_size(self) -> int:
+        if self._closing or not self._maybe_claimable:
+            return 0
+        if len(self._local) >= max(1, self.config.lease_batch // 2):
+            return 0
+        return self.config.lease_batch - len(self._local)
+
+    def _refill(self) -> bool:
+        now = time.time()
+        if not self._maybe_claimable and now < self._recheck_at and not self._pending:
+            return False
+        self._maybe_claimable = True
+        claim = self._claim_size()
+        result = self._commit(UnitOfWork(claim=claim))
+        if result is None:
+            return False
+        if not result.leased:
+            self._maybe_claimable = False
+            self._recheck_at = now + 1.0
+        return bool(self._local)
+
+    def _load(self, leased: Any) -> Request | None:
+        assert self.codec is not None
+        try:
+            request = self.codec.decode(leased.data)
+        except Exception as exc:
+            self.stats.inc_value("idempotent/requests/unloadable")
+            logger.error("scrapy_idempotent: cannot load stored request %s: %s", leased.key, exc)
+            self._pending.completions.append(
+                Completion(leased.key, RequestState.FAILED, "unloadable", str(exc)))
+            return None
+        entry = Entry(key=leased.key, fingerprint=leased.fingerprint, priority=leased.priority,
+                      attempts=leased.attempts, request=request)
+        self._inflight[id(request)] = entry
+        self._by_fingerprint[leased.fingerprint] = entry
+        self.stats.inc_value("idempotent/requests/leased")
+        if leased.attempts > 1:
+            self.stats.inc_value("idempotent/requests/repeated")
+        return request
+
+    # -- observing the engine ---------------------------------------------------------------
+
+    def _observe(self, entry: Entry, result: Any) -> None:
+        if isinstance(result, Request):  # a redirect or retry from a downloader middleware
+            self._continuations[id(result)] = (entry, result)
+            if self._fingerprinter.fingerprint(result).hex() != entry.fingerprint:
+                entry.redirected = True
+        elif isinstance(result, Response):
+            entry.status = result.status
+            entry.http_error = not self._status_handled(result)
+        elif isinstance(result, Failure):
+            exc = result.value
+            kind = "ignored" if isinstance(exc, IgnoreRequest) else "download_error"
+            entry.failure = (f"{kind}/{type(exc).__name__}", str(exc)[:1000])
+
+    def _status_handled(self, response: Response) -> bool:
+        """Whether the callback sees this response (HttpErrorMiddleware's rule)."""
+        if 200 <= response.status < 300:
+            return True
+        meta = response.meta
+        if meta.get("handle_httpstatus_all", False):
+            return True
+        if "handle_httpstatus_list" in meta:
+            return response.status in meta["handle_httpstatus_list"]
+        settings = self.crawler.settings
+        if settings.getbool("HTTPERROR_ALLOW_ALL"):
+            return True
+        allowed = getattr(self.spider, "handle_httpstatus_list",
+                          settings.getlist("HTTPERROR_ALLOWED_CODES"))
+        return response.status in [int(s) for s in allowed]
+
+    def _on_spider_error(self, failure: Failure, response: Any, spider: Spider) -> None:
+        request = getattr(response, "request", None)
+        entry = self._inflight.get(id(request)) if request is not None else None
+        if entry is not None and entry.spider_error is None:
+            exc = failure.value
+            entry.spider_error = (f"spider_error/{type(exc).__name__}", str(exc)[:1000])
+
+    # -- attribution (used by RecordIdMiddleware and the errback hook) ----------------------
+
+    def entry_for(self, response: Response) -> Entry | None:
+        """The in-flight entry ``response`` answers, or None if it is not ours."""
+        request = response.request
+        if request is None:
+            return None
+        entry = self._inflight.get(id(request))
+        if entry is None:
+            entry = self._by_fingerprint.get(self._fingerprinter.fingerprint(request).hex())
+        return entry
+
+    def mark_start(self, request: Request) -> None:
+        """Remember that ``request`` came from ``Spider.start()`` (keys ``dont_filter`` start
+        requests deterministically)."""
+        self._start_requests[id(request)] = request
+
+    def track(self, output: Any, entry: Entry | None, page_url: str | None) -> None:
+        """Attribute one output of a callback (or errback) to the entry that produced it; for
+        an item also compute its record ID and stamp it into the item when the item type has
+        room for ``IDEMPOTENT_RECORD_ID_FIELD``."""
+        if isinstance(output, Request):
+            if entry is not None:
+                self._tracked[id(output)] = (entry, output)
+                entry.tracked[id(output)] = output
+            return
+        if output is None:
+            return
+        tag = ItemTag(item=output, entry=entry, record_id=None, key_values=None)
+        try:
+            tag.key_values = self.identity.natural_key(output, page_url)
+            tag.record_id = self.identity.record_id(tag.key_values)
+        except MissingNaturalKey as exc:
+            tag.error = exc
+        else:
+            if entry is not None and self.identity.key_fields(output) is None:
+                self._check_page_key(entry, tag.key_values[0], output)
+            self._stamp(output, tag.record_id)
+        self._items[id(output)] = tag
+        if entry is not None:
+            entry.tracked[id(output)] = output
+
+    def _track_output(self, result: Any, entry: Entry, page_url: str) -> Any:
+        if hasattr(result, "__aiter__"):
+            async def tracked_async(it: AsyncIterator[Any]) -> AsyncIterator[Any]:
+                async for output in it:
+                    self.track(output, entry, page_url)
+                    yield output
+            return tracked_async(result)
+
+        def tracked_sync(it: Iterable[Any]) -> Iterable[Any]:
+            for output in it:
+                self.track(output, entry, page_url)
+                yield output
+        return tracked_sync(result)
+
+    def _stamp(self, item: Any, record_id: str) -> None:
+        field = self.config.record_id_field
+        if field is None:
+            return
+        from itemadapter import ItemAdapter
+
+        try:
+            ItemAdapter(item)[field] = record_id
+        except (KeyError, TypeError, AttributeError):
+            pass  # the item type has no such field: the record ID travels beside it
+
+    def _check_page_key(self, entry: Entry, key: str, item: Any) -> None:
+        entry.page_keys[key] += 1
+        if entry.page_keys[key] == 2 and not self._warned_page_key:
+            self._warned_page_key = True
+            logger.warning(
+                "scrapy_idempotent: %s yielded several %s items and no natural key is "
+                "configured for that type, so they share the page URL as key and overwrite "
+                "each other; set IDEMPOTENT_NATURAL_KEYS = {%r: '<field>'}",
+                key, type(item).__name__, type(item).__name__,
+            )
+
+    def take_item(self, item: Any) -> ItemTag:
+        """What :meth:`track` learnt about ``item`` (the pipeline's side), or a fresh tag for
+        an item no middleware saw (an earlier pipeline replaced it, or it came from
+        ``start()``)."""
+        tag = self._items.pop(id(item), None)
+        if tag is not None:
+            if tag.entry is not None:
+                tag.entry.tracked.pop(id(item), None)
+            return tag
+        tag = ItemTag(item=item, entry=None, record_id=None, key_values=None)
+        field = self.config.record_id_field
+        try:
+            tag.key_values = self.identity.natural_key(item, None)
+            tag.record_id = self.identity.record_id(tag.key_values)
+        except MissingNaturalKey as exc:
+            stamped = _stamped_id(item, field)
+            if stamped is not None and exc.field == URL_KEY:
+                tag.record_id, tag.key_values = stamped, []
+            else:
+                tag.error = exc
+        return tag
+
+    def add_record(self, tag: ItemTag, record: Any) -> None:
+        """Queue a record for the transaction that completes its request."""
+        target = tag.entry if tag.entry is not None and id(tag.entry.request) in self._inflight \
+            else None
+        key = target.key if target is not None else None
+        (target.records if target is not None else self._pending.records).append((record, key))
+
+    def add_reject(self, tag: ItemTag, reject: Any) -> None:
+        target = tag.entry if tag.entry is not None and id(tag.entry.request) in self._inflight \
+            else None
+        (target.rejects if target is not None else self._pending.rejects).append(reject)
+
+    # -- completion -------------------------------------------------------------------------
+
+    def _finish(self, request: Request) -> None:
+        entry = self._inflight.pop(id(request), None)
+        if entry is None:
+            return  # not handed out by us (robots.txt, media downloads)
+        if self._by_fingerprint.get(entry.fingerprint) is entry:
+            del self._by_fingerprint[entry.fingerprint]
+        for oid in entry.tracked:
+            self._tracked.pop(oid, None)
+            self._items.pop(oid, None)
+        completion = entry.completion()
+        self.stats.inc_value(f"idempotent/requests/{completion.state.value}"
+                             if completion.state is not RequestState.PENDING
+                             else "idempotent/requests/continued")
+        if completion.error_kind:
+            self.stats.inc_value(f"idempotent/failed/{completion.error_kind}")
+        work = UnitOfWork(requests=entry.children, records=entry.records,
+                          rejects=entry.rejects, completions=[completion])
+        if entry.children or completion.state is RequestState.PENDING:
+            self._maybe_claimable = True
+        self._commit(work)
+
+    def _commit(self, work: UnitOfWork) -> CommitResult | None:
+        """Write ``work`` plus everything buffered in one transaction, claiming new leases
+        when the local batch runs low. Retries on a locked or failing database, then closes
+        the spider (the uncommitted entries stay leased and are released at close)."""
+        if self._failed:
+            return None
+        self._pending.drain_into(work)
+        if not work.claim:
+            work.claim = self._claim_size()
+        if not work:
+            return None
+        delay = 0.05
+        for attempt in range(1, _COMMIT_ATTEMPTS + 1):
+            try:
+                result = self.store.commit(work, self.worker)
+                break
+            except sqlite3.OperationalError as exc:
+                if attempt == _COMMIT_ATTEMPTS:
+                    logger.error("scrapy_idempotent: giving up on the frontier database "
+                                 "after %d attempts: %s", attempt, exc)
+                    self._pending.restore_from(work)
+                    self._fail(f"frontier database error: {exc}")
+                    return None
+                logger.warning("scrapy_idempotent: database busy or failing (%s), retrying",
+                               exc)
+                time.sleep(delay)
+                delay *= 2
+            except Exception as exc:
+                logger.exception("scrapy_idempotent: cannot write to the frontier database")
+                self._fail(f"frontier database error: {exc}")
+                return None
+        self._record_stats(result)
+        self._local.extend(result.leased)
+        return result
+
+    def _record_stats(self, result: CommitResult) -> None:
+        inc = self.stats.inc_value
+        inc("idempotent/transactions")
+        for name, value in (
+            ("requests/added", result.requests_added),
+            ("requests/duplicate", result.requests_duplicate),
+            ("requests/already_done", result.requests_already_done),
+            ("records/inserted", result.records_inserted),
+            ("records/updated", result.records_updated),
+            ("records/unchanged", result.records_unchanged),
+            ("records/rejected", result.rejects),
+            ("requests/leases_lost", result.leases_lost),
+            ("requests/quarantined", result.quarantined),
+        ):
+            if value:
+                inc(f"idempotent/{name}", value)
+
+    def _fail(self, reason: str) -> None:
+        if self._failed:
+            return
+        self._failed = True
+        self.stats.set_value("idempotent/error", reason)
+        logger.error("scrapy_idempotent: closing the spider: %s", reason)
+        engine = self.crawler.engine
+        if engine is not None and self.spider is not None:
+            from scrapy.utils.defer import deferred_from_coro
+
+            deferred_from_coro(engine.close_spider_async(reason=STORE_ERROR_REASON))
+
+    # -- periodic work ----------------------------------------------------------------------
+
+    def _tick(self) -> None:
+        """Every lease_seconds / 3: renew this worker's leases (one statement for all),
+        flush buffered writes, reclaim expired leases."""
+        if self._failed or self._closing:
+            return
+        try:
+            renewed = self.store.renew_leases(self.worker)
+            if renewed:
+                self.stats.inc_value("idempotent/leases/renewals")
+            if self._pending:
+                self._commit(UnitOfWork())
+        except Exception:
+            logger.exception("scrapy_idempotent: cannot renew leases")
+
+    def _reclaim_dead_workers(self) -> int:
+        dead = [h.worker for h in self.store.lease_holders()
+                if h.worker != self.worker and _worker_is_dead(h.worker)]
+        reclaimed = self.store.release_leases(dead) if dead else 0
+        if reclaimed:
+            self.stats.inc_value("idempotent/requests/reclaimed", reclaimed)
+            self._maybe_claimable = True
+            logger.info("scrapy_idempotent: reclaimed %d leases of dead workers %s",
+                        reclaimed, ", ".join(dead))
+        return reclaimed
+
+
+def _stamped_id(item: Any, field: str | None) -> str | None:
+    if field is None:
+        return None
+    from itemadapter import ItemAdapter
+
+    value = ItemAdapter(item).get(field)
+    return value if isinstance(value, str) and len(value) == 32 else None
+

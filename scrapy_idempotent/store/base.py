@@ -1,0 +1,223 @@
+"""The store interface: what the frontier, leases, runs and records need from a database.
+
+Plain values in, plain values out; nothing here imports Scrapy. :class:`~.SQLiteStore` is the
+embedded implementation; a PostgreSQL store for many machines is to follow and must pass the
+same contract tests (``tests/test_store.py``).
+
+Transaction guarantees every implementation gives:
+
+* :meth:`FrontierStore.commit` applies one :class:`UnitOfWork` in ONE transaction: new
+  requests, records, rejects, completions and the lease claim are all durable together, or
+  none is. This is how "done is the last write" holds: a completion is never committed before
+  the records and child requests its response produced.
+* Enqueue is idempotent by request key: a key already in the frontier is not inserted again,
+  whatever its state.
+* A lease is held by one worker; a claim never returns a request leased by another worker
+  whose lease has not expired.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+__all__ = [
+    "CommitResult",
+    "Completion",
+    "FrontierStatus",
+    "FrontierStore",
+    "LeaseHolder",
+    "LeasedRequest",
+    "NewRequest",
+    "Record",
+    "Reject",
+    "RequestState",
+    "RunInfo",
+    "UnitOfWork",
+]
+
+
+class RequestState(str, enum.Enum):
+    """States of a frontier entry: ``pending -> leased -> done | failed | redirected``.
+
+    A leased entry whose lease expired (or whose worker is known dead) goes back to pending.
+    """
+
+    PENDING = "pending"
+    LEASED = "leased"
+    DONE = "done"
+    FAILED = "failed"
+    REDIRECTED = "redirected"  #: answered with a redirect; the target is its own entry
+
+    @property
+    def terminal(self) -> bool:
+        return self in (RequestState.DONE, RequestState.FAILED, RequestState.REDIRECTED)
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request to add to the frontier. ``data`` is the request as JSON text."""
+
+    key: str
+    fingerprint: str
+    url: str
+    priority: int
+    data: str
+    parent_key: str | None = None
+    is_start: bool = False
+
+
+@dataclass(frozen=True)
+class LeasedRequest:
+    """A request claimed by a worker. ``attempts`` counts leases, this one included."""
+
+    key: str
+    fingerprint: str
+    data: str
+    priority: int
+    attempts: int
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The end of one leased request's processing.
+
+    ``state`` is terminal, or :attr:`RequestState.PENDING` for a continuation (a retry of the
+    same request), in which case ``data``/``priority`` replace the stored request.
+    """
+
+    key: str
+    state: RequestState
+    error_kind: str | None = None
+    error_message: str | None = None
+    data: str | None = None
+    priority: int | None = None
+
+
+@dataclass(frozen=True)
+class Record:
+    """An item as it is stored: identity, type, data and content hash."""
+
+    record_id: str
+    source: str
+    natural_key: str  #: JSON list of the natural key values
+    item_type: str
+    data: str  #: JSON object of the item's fields (record ID field removed)
+    content_hash: str  #: sha256 hex of the data without volatile fields
+
+
+@dataclass(frozen=True)
+class Reject:
+    """An item that could not become a record (for example, no natural key)."""
+
+    item_type: str
+    reason: str
+    data: str
+    request_key: str | None
+
+
+@dataclass
+class UnitOfWork:
+    """Everything one transaction writes. ``claim`` asks for that many new leases."""
+
+    requests: list[NewRequest] = field(default_factory=list)
+    records: list[tuple[Record, str | None]] = field(default_factory=list)  #: (record, request key)
+    rejects: list[Reject] = field(default_factory=list)
+    completions: list[Completion] = field(default_factory=list)
+    claim: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.requests or self.records or self.rejects or self.completions
+                    or self.claim)
+
+
+@dataclass
+class CommitResult:
+    """What a :meth:`FrontierStore.commit` did. Counts are of this transaction only."""
+
+    requests_added: int = 0
+    requests_duplicate: int = 0  #: key already pending or leased
+    requests_already_done: int = 0  #: key already in a terminal state
+    records_inserted: int = 0
+    records_updated: int = 0
+    records_unchanged: int = 0
+    rejects: int = 0
+    completed: dict[str, int] = field(default_factory=dict)  #: state value -> count
+    leases_lost: int = 0  #: completions whose lease another worker had taken over
+    leased: list[LeasedRequest] = field(default_factory=list)
+    quarantined: int = 0  #: claimed entries failed for exceeding the attempt limit
+
+
+@dataclass(frozen=True)
+class FrontierStatus:
+    """``claimable``: pending entries exist; ``leased_elsewhere``: other workers hold leases."""
+
+    claimable: bool
+    leased_elsewhere: bool
+
+
+@dataclass(frozen=True)
+class LeaseHolder:
+    worker: str
+    leases: int
+    leased_until: float  #: latest expiry among its leases, unix seconds
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """The run a worker joined. ``new`` is True when this session started the run."""
+
+    run_id: int
+    new: bool
+    counts: dict[str, int]
+
+
+class FrontierStore(ABC):
+    """A durable frontier with leases, plus the records table. See the module docstring."""
+
+    @abstractmethod
+    def open(self, *, fingerprinter: str) -> str | None:
+        """Create or migrate the schema. Returns the fingerprinter recorded at creation when
+        it differs from ``fingerprinter`` (request keys may not match), else None.
+        Raises :class:`~.StoreError` for a corrupt, unreadable or newer-schema database."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @abstractmethod
+    def begin_session(self, worker: str, run_mode: str) -> RunInfo:
+        """Join the current run or start a new one (``auto``/``resume``/``fresh``, see
+        :class:`~.config.RunMode`). A new run clears the frontier and keeps the records."""
+
+    @abstractmethod
+    def end_session(self, worker: str, reason: str) -> int:
+        """Release the worker's leases; mark the run finished when ``reason`` is
+        ``finished`` and nothing is pending or leased. Returns the leases released."""
+
+    @abstractmethod
+    def commit(self, work: UnitOfWork, worker: str) -> CommitResult:
+        """Apply ``work`` in one transaction (see the module docstring)."""
+
+    @abstractmethod
+    def status(self, worker: str) -> FrontierStatus: ...
+
+    @abstractmethod
+    def renew_leases(self, worker: str) -> int:
+        """Extend every lease of ``worker`` by the lease time. Returns how many."""
+
+    @abstractmethod
+    def release_leases(self, workers: list[str]) -> int:
+        """Put the leases of ``workers`` back to pending at once (a graceful stop, or dead
+        workers). Returns how many."""
+
+    @abstractmethod
+    def reclaim_expired(self) -> int:
+        """Put leases whose time is up back to pending. Returns how many."""
+
+    @abstractmethod
+    def lease_holders(self) -> list[LeaseHolder]: ...
+
+    @abstractmethod
+    def counts(self) -> dict[str, int]:
+        """Frontier entries by state value, plus ``records``."""

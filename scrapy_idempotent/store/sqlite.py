@@ -1,0 +1,438 @@
+"""The embedded store: one SQLite file in WAL mode, one write transaction per unit of work.
+
+Durability: with ``synchronous=NORMAL`` (default) a committed transaction survives the death
+of the process (SIGKILL, OOM) but the last transactions may be lost on power failure;
+``synchronous=FULL`` survives power failure too, at one fsync per commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..exceptions import StoreError
+from .base import (
+    CommitResult,
+    FrontierStatus,
+    FrontierStore,
+    LeasedRequest,
+    LeaseHolder,
+    RequestState,
+    RunInfo,
+    UnitOfWork,
+)
+
+__all__ = ["SCHEMA_VERSION", "SQLiteStore"]
+
+SCHEMA_VERSION = 1
+
+#: Schema migrations: ``_MIGRATIONS[n]`` brings version n to n + 1, one transaction each.
+_MIGRATIONS: list[list[str]] = [
+    [
+        """CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)""",
+        """CREATE TABLE runs (
+            run_id INTEGER PRIMARY KEY,
+            started_at REAL NOT NULL,
+            finished_at REAL,
+            reason TEXT
+        )""",
+        """CREATE TABLE sessions (
+            session_id INTEGER PRIMARY KEY,
+            run_id INTEGER NOT NULL,
+            worker TEXT NOT NULL,
+            started_at REAL NOT NULL,
+            ended_at REAL,
+            reason TEXT
+        )""",
+        """CREATE TABLE requests (
+            id INTEGER PRIMARY KEY,
+            key TEXT NOT NULL UNIQUE,
+            fingerprint TEXT NOT NULL,
+            url TEXT NOT NULL,
+            priority INTEGER NOT NULL,
+            is_start INTEGER NOT NULL DEFAULT 0,
+            state TEXT NOT NULL,
+            data TEXT NOT NULL,
+            parent_key TEXT,
+            worker TEXT,
+            leased_until REAL,
+            attempts INTEGER NOT NULL DEFAULT 0,
+            enqueued_at REAL NOT NULL,
+            finished_at REAL,
+            error_kind TEXT,
+            error_message TEXT,
+            run_id INTEGER NOT NULL
+        )""",
+        # Leasing reads the head of this index: O(log n) whatever the frontier size.
+        """CREATE INDEX requests_pending ON requests (priority DESC, is_start, id DESC)
+           WHERE state = 'pending'""",
+        """CREATE INDEX requests_leased ON requests (worker, leased_until)
+           WHERE state = 'leased'""",
+        """CREATE INDEX requests_state ON requests (state)""",
+        """CREATE TABLE records (
+            record_id TEXT PRIMARY KEY,
+            source TEXT NOT NULL,
+            natural_key TEXT NOT NULL,
+            item_type TEXT NOT NULL,
+            data TEXT NOT NULL,
+            content_hash TEXT NOT NULL,
+            first_seen REAL NOT NULL,
+            last_changed REAL NOT NULL,
+            first_run_id INTEGER NOT NULL,
+            changed_run_id INTEGER NOT NULL,
+            request_key TEXT
+        ) WITHOUT ROWID""",
+        """CREATE INDEX records_last_changed ON records (last_changed)""",
+        """CREATE TABLE rejects (
+            id INTEGER PRIMARY KEY,
+            item_type TEXT NOT NULL,
+            reason TEXT NOT NULL,
+            data TEXT NOT NULL,
+            request_key TEXT,
+            created_at REAL NOT NULL,
+            run_id INTEGER NOT NULL
+        )""",
+    ],
+]
+assert len(_MIGRATIONS) == SCHEMA_VERSION
+
+_TERMINAL = tuple(s.value for s in RequestState if s.terminal)
+
+
+class SQLiteStore(FrontierStore):
+    """The :class:`~.FrontierStore` on one SQLite file.
+
+    :param path: database file; its directory is created if missing; a new file is created
+        readable and writable by its owner only (0600).
+    :param lease_seconds: how long a claim lasts unless renewed.
+    :param max_attempts: a request leased more often than this is failed as ``quarantined``
+        instead of being handed out again (a page that kills the worker every time).
+    :param clock: unix seconds; injected so tests drive lease expiry without sleeping.
+    :param synchronous: ``NORMAL`` or ``FULL`` (see the module docstring).
+    :param busy_timeout_seconds: how long a statement waits for another process's write lock.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        lease_seconds: float = 60.0,
+        max_attempts: int = 10,
+        clock: Callable[[], float] = time.time,
+        synchronous: str = "NORMAL",
+        busy_timeout_seconds: float = 10.0,
+    ) -> None:
+        self.path = path
+        self.lease_seconds = lease_seconds
+        self.max_attempts = max_attempts
+        self.clock = clock
+        self.synchronous = synchronous
+        self.busy_timeout_seconds = busy_timeout_seconds
+        self.run_id: int | None = None
+        self.transactions = 0  #: write transactions committed by this object
+        self._conn: sqlite3.Connection | None = None
+
+    # -- connection and schema --------------------------------------------------------------
+
+    @property
+    def conn(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise StoreError(f"store {self.path} is not open")
+        return self._conn
+
+    def open(self, *, fingerprinter: str = "") -> str | None:
+        directory = os.path.dirname(os.path.abspath(self.path))
+        try:
+            os.makedirs(directory, exist_ok=True)
+            if not os.path.exists(self.path):
+                os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600))
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise StoreError(f"cannot create the database {self.path}: {exc}") from exc
+        try:
+            conn = sqlite3.connect(self.path, isolation_level=None, timeout=self.busy_timeout_seconds)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open the database {self.path}: {exc}") from exc
+        self._conn = conn
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_seconds * 1000)}")
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise StoreError(
+                    f"{self.path} has schema version {version}, newer than this "
+                    f"scrapy_idempotent supports ({SCHEMA_VERSION}); upgrade the package"
+                )
+            # WAL is switched on outside any transaction, and only when it is not on already.
+            if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute(f"PRAGMA synchronous = {self.synchronous}")
+            for step in range(version, SCHEMA_VERSION):
+                with self._write() as cur:
+                    current = cur.execute("PRAGMA user_version").fetchone()[0]
+                    if current != step:  # another process migrated meanwhile
+                        continue
+                    for statement in _MIGRATIONS[step]:
+                        cur.execute(statement)
+                    cur.execute(f"PRAGMA user_version = {step + 1}")
+            with self._write() as cur:
+                cur.execute("INSERT OR IGNORE INTO meta VALUES ('fingerprinter', ?)",
+                            (fingerprinter,))
+                cur.execute("INSERT OR IGNORE INTO meta VALUES ('created_at', ?)",
+                            (repr(self.clock()),))
+                stored = cur.execute(
+                    "SELECT value FROM meta WHERE key = 'fingerprinter'").fetchone()[0]
+        except StoreError:
+            self.close()
+            raise
+        except sqlite3.DatabaseError as exc:
+            self.close()
+            raise StoreError(f"cannot use the database {self.path}: {exc}") from exc
+        return stored if stored != fingerprinter else None
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[sqlite3.Cursor]:
+        """The one write-transaction primitive: ``BEGIN IMMEDIATE`` ... ``COMMIT``, rolled
+        back on any exception, so a transaction is all or nothing."""
+        cur = self.conn.cursor()
+        cur.execute("BEGIN IMMEDIATE")
+        try:
+            yield cur
+        except BaseException:
+            cur.execute("ROLLBACK")
+            raise
+        cur.execute("COMMIT")
+        self.transactions += 1
+
+    # -- runs and sessions ------------------------------------------------------------------
+
+    def begin_session(self, worker: str, run_mode: str) -> RunInfo:
+        now = self.clock()
+        with self._write() as cur:
+            last = cur.execute(
+                "SELECT run_id, finished_at FROM runs ORDER BY run_id DESC LIMIT 1"
+            ).fetchone()
+            new = (
+                last is None
+                or run_mode == "fresh"
+                or (run_mode == "auto" and last[1] is not None)
+            )
+            if new:
+                cur.execute("DELETE FROM requests")
+                run_id = cur.execute(
+                    "INSERT INTO runs (started_at) VALUES (?)", (now,)).lastrowid
+            else:
+                run_id = last[0]
+            assert run_id is not None
+            cur.execute(
+                "INSERT INTO sessions (run_id, worker, started_at) VALUES (?, ?, ?)",
+                (run_id, worker, now),
+            )
+        self.run_id = run_id
+        return RunInfo(run_id=run_id, new=new, counts=self.counts())
+
+    def end_session(self, worker: str, reason: str) -> int:
+        now = self.clock()
+        with self._write() as cur:
+            released = self._release(cur, [worker])
+            cur.execute(
+                "UPDATE sessions SET ended_at = ?, reason = ? "
+                "WHERE worker = ? AND ended_at IS NULL",
+                (now, reason, worker),
+            )
+            if reason == "finished" and self.run_id is not None:
+                busy = cur.execute(
+                    "SELECT EXISTS (SELECT 1 FROM requests WHERE state IN ('pending', 'leased'))"
+                ).fetchone()[0]
+                if not busy:
+                    cur.execute(
+                        "UPDATE runs SET finished_at = ?, reason = ? "
+                        "WHERE run_id = ? AND finished_at IS NULL",
+                        (now, reason, self.run_id),
+                    )
+        return released
+
+    # -- the unit of work -------------------------------------------------------------------
+
+    def commit(self, work: UnitOfWork, worker: str) -> CommitResult:
+        result = CommitResult()
+        if not work:
+            return result
+        run_id = self.run_id if self.run_id is not None else 0
+        now = self.clock()
+        with self._write() as cur:
+            for req in work.requests:
+                cur.execute(
+                    "INSERT INTO requests (key, fingerprint, url, priority, is_start, state, data,"
+                    " parent_key, enqueued_at, run_id) VALUES (?, ?, ?, ?, ?, 'pending', ?, ?, ?, ?)"
+                    " ON CONFLICT (key) DO NOTHING",
+                    (req.key, req.fingerprint, req.url, req.priority, int(req.is_start),
+                     req.data, req.parent_key, now, run_id),
+                )
+                if cur.rowcount:
+                    result.requests_added += 1
+                else:
+                    state = cur.execute(
+                        "SELECT state FROM requests WHERE key = ?", (req.key,)).fetchone()[0]
+                    if state in _TERMINAL:
+                        result.requests_already_done += 1
+                    else:
+                        result.requests_duplicate += 1
+            for record, request_key in work.records:
+                row = cur.execute(
+                    "SELECT content_hash FROM records WHERE record_id = ?", (record.record_id,)
+                ).fetchone()
+                if row is None:
+                    cur.execute(
+                        "INSERT INTO records (record_id, source, natural_key, item_type, data,"
+                        " content_hash, first_seen, last_changed, first_run_id, changed_run_id,"
+                        " request_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        (record.record_id, record.source, record.natural_key, record.item_type,
+                         record.data, record.content_hash, now, now, run_id, run_id,
+                         request_key),
+                    )
+                    result.records_inserted += 1
+                elif row[0] != record.content_hash:
+                    cur.execute(
+                        "UPDATE records SET data = ?, content_hash = ?, item_type = ?,"
+                        " last_changed = ?, changed_run_id = ?, request_key = ?"
+                        " WHERE record_id = ?",
+                        (record.data, record.content_hash, record.item_type, now, run_id,
+                         request_key, record.record_id),
+                    )
+                    result.records_updated += 1
+                else:
+                    result.records_unchanged += 1
+            for reject in work.rejects:
+                cur.execute(
+                    "INSERT INTO rejects (item_type, reason, data, request_key, created_at,"
+                    " run_id) VALUES (?, ?, ?, ?, ?, ?)",
+                    (reject.item_type, reject.reason, reject.data, reject.request_key, now,
+                     run_id),
+                )
+                result.rejects += 1
+            for done in work.completions:
+                if done.state is RequestState.PENDING:
+                    cur.execute(
+                        "UPDATE requests SET state = 'pending', worker = NULL,"
+                        " leased_until = NULL, data = COALESCE(?, data),"
+                        " priority = COALESCE(?, priority), error_kind = ?, error_message = ?"
+                        " WHERE key = ? AND state = 'leased' AND worker = ?",
+                        (done.data, done.priority, done.error_kind, done.error_message,
+                         done.key, worker),
+                    )
+                else:
+                    cur.execute(
+                        "UPDATE requests SET state = ?, worker = NULL, leased_until = NULL,"
+                        " finished_at = ?, error_kind = ?, error_message = ?"
+                        " WHERE key = ? AND state = 'leased' AND worker = ?",
+                        (done.state.value, now, done.error_kind, done.error_message, done.key,
+                         worker),
+                    )
+                if cur.rowcount:
+                    result.completed[done.state.value] = (
+                        result.completed.get(done.state.value, 0) + 1)
+                else:
+                    result.leases_lost += 1
+            if work.claim:
+                self._claim(cur, worker, work.claim, now, result)
+        return result
+
+    def _claim(self, cur: sqlite3.Cursor, worker: str, count: int, now: float,
+               result: CommitResult) -> None:
+        rows = cur.execute(
+            "UPDATE requests SET state = 'leased', worker = ?, leased_until = ?,"
+            " attempts = attempts + 1"
+            " WHERE id IN (SELECT id FROM requests WHERE state = 'pending'"
+            "  ORDER BY priority DESC, is_start, id DESC LIMIT ?)"
+            " RETURNING id, key, fingerprint, data, priority, is_start, attempts",
+            (worker, now + self.lease_seconds, count),
+        ).fetchall()
+        # RETURNING gives no order: restore the claim order.
+        rows.sort(key=lambda r: (-r[4], r[5], -r[0]))
+        over = [r[1] for r in rows if r[6] > self.max_attempts]
+        if over:
+            cur.executemany(
+                "UPDATE requests SET state = 'failed', worker = NULL, leased_until = NULL,"
+                " finished_at = ?, error_kind = 'quarantined', error_message = ?"
+                " WHERE key = ?",
+                [(now, f"leased {self.max_attempts} times without finishing "
+                       "(IDEMPOTENT_MAX_ATTEMPTS)", key) for key in over],
+            )
+            result.quarantined += len(over)
+        result.leased.extend(
+            LeasedRequest(key=r[1], fingerprint=r[2], data=r[3], priority=r[4], attempts=r[6])
+            for r in rows if r[6] <= self.max_attempts
+        )
+
+    # -- leases -----------------------------------------------------------------------------
+
+    def status(self, worker: str) -> FrontierStatus:
+        claimable, elsewhere = self.conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM requests WHERE state = 'pending'),"
+            " EXISTS (SELECT 1 FROM requests WHERE state = 'leased' AND worker != ?)",
+            (worker,),
+        ).fetchone()
+        return FrontierStatus(claimable=bool(claimable), leased_elsewhere=bool(elsewhere))
+
+    def renew_leases(self, worker: str) -> int:
+        with self._write() as cur:
+            cur.execute(
+                "UPDATE requests SET leased_until = ? WHERE state = 'leased' AND worker = ?",
+                (self.clock() + self.lease_seconds, worker),
+            )
+            return cur.rowcount
+
+    def release_leases(self, workers: list[str]) -> int:
+        if not workers:
+            return 0
+        with self._write() as cur:
+            return self._release(cur, workers)
+
+    @staticmethod
+    def _release(cur: sqlite3.Cursor, workers: list[str]) -> int:
+        marks = ", ".join("?" * len(workers))
+        cur.execute(
+            "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL"
+            f" WHERE state = 'leased' AND worker IN ({marks})",
+            workers,
+        )
+        return cur.rowcount
+
+    def reclaim_expired(self) -> int:
+        with self._write() as cur:
+            cur.execute(
+                "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL"
+                " WHERE state = 'leased' AND leased_until < ?",
+                (self.clock(),),
+            )
+            return cur.rowcount
+
+    def lease_holders(self) -> list[LeaseHolder]:
+        rows = self.conn.execute(
+            "SELECT worker, count(*), max(leased_until) FROM requests"
+            " WHERE state = 'leased' GROUP BY worker ORDER BY worker"
+        ).fetchall()
+        return [LeaseHolder(worker=w, leases=n, leased_until=u) for w, n, u in rows]
+
+    def counts(self) -> dict[str, int]:
+        counts = {state.value: 0 for state in RequestState}
+        for state, n in self.conn.execute(
+            "SELECT state, count(*) FROM requests GROUP BY state"
+        ):
+            counts[state] = n
+        counts["records"] = self.conn.execute("SELECT count(*) FROM records").fetchone()[0]
+        return counts
+
+    def query(self, sql: str, params: Any = ()) -> list[tuple[Any, ...]]:
+        """Read-only helper for commands and tests."""
+        return self.conn.execute(sql, params).fetchall()
