@@ -141,6 +141,12 @@ class _ShopServer(ThreadingHTTPServer):
         with self.counts_lock:
             self.counts[path] += 1
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Ignore clients that went away (a killed crawler resets its connections)."""
+        if isinstance(sys.exc_info()[1], ConnectionError) and not self.verbose:
+            return
+        super().handle_error(request, client_address)
+
 
 class _ShopHandler(BaseHTTPRequestHandler):
     """Serves one connection (HTTP/1.1 keep-alive) of the shop."""
@@ -285,12 +291,12 @@ class _ShopHandler(BaseHTTPRequestHandler):
         if length > 0:
             self.rfile.read(length)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
+    def log_message(self, format: str, *args: Any) -> None:
         """Log to stderr only with ``--verbose``; errors are always logged."""
         if self.server.verbose:
             super().log_message(format, *args)
 
-    def log_error(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
+    def log_error(self, format: str, *args: Any) -> None:
         # Timeouts of idle keep-alive connections are routine; report the rest.
         if self.server.verbose or "timed out" not in format % args:
             super().log_message(format, *args)
