@@ -372,8 +372,11 @@ class IdempotentScheduler(BaseScheduler):
                 parent = owner[0]
                 if parent is not None:
                     parent.tracked.pop(id(request), None)
-        if parent is not None and fingerprint == parent.fingerprint:
+        if parent is not None and fingerprint == parent.fingerprint and (
+            continuation is not None or request.dont_filter
+        ):
             # A retry (RetryMiddleware, get_retry_request): the same frontier entry continues.
+            # A plain link of a page to itself is not one: it is a duplicate like any other.
             parent.continuation = (data, request.priority)
             self.stats.inc_value("idempotent/requests/retried")
             return True
@@ -386,6 +389,7 @@ class IdempotentScheduler(BaseScheduler):
             data=data,
             parent_key=parent.key if parent is not None else None,
             is_start=is_start,
+            filter_fingerprint=not request.dont_filter,
         )
         if parent is not None:
             parent.children.append(new)

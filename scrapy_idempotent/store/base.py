@@ -57,7 +57,12 @@ class RequestState(str, enum.Enum):
 
 @dataclass(frozen=True)
 class NewRequest:
-    """A request to add to the frontier. ``data`` is the request as JSON text."""
+    """A request to add to the frontier. ``data`` is the request as JSON text.
+
+    With ``filter_fingerprint`` the request is not added when any entry with the same
+    fingerprint exists, whatever its key (a ``dont_filter`` start request for a URL makes a
+    later ordinary link to that URL a duplicate).
+    """
 
     key: str
     fingerprint: str
@@ -66,6 +71,7 @@ class NewRequest:
     data: str
     parent_key: str | None = None
     is_start: bool = False
+    filter_fingerprint: bool = True
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ _MIGRATIONS: list[list[str]] = [
         """CREATE INDEX requests_leased ON requests (worker, leased_until)
            WHERE state = 'leased'""",
         """CREATE INDEX requests_state ON requests (state)""",
+        """CREATE INDEX requests_fingerprint ON requests (fingerprint)""",
         """CREATE TABLE records (
             record_id TEXT PRIMARY KEY,
             source TEXT NOT NULL,
@@ -271,6 +272,18 @@ class SQLiteStore(FrontierStore):
         now = self.clock()
         with self._write() as cur:
             for req in work.requests:
+                known = None
+                if req.filter_fingerprint:
+                    known = cur.execute(
+                        "SELECT state FROM requests WHERE fingerprint = ? LIMIT 1",
+                        (req.fingerprint,),
+                    ).fetchone()
+                if known is not None:
+                    if known[0] in _TERMINAL:
+                        result.requests_already_done += 1
+                    else:
+                        result.requests_duplicate += 1
+                    continue
                 cur.execute(
                     "INSERT INTO requests (key, fingerprint, url, priority, is_start, state, data,"
                     " parent_key, enqueued_at, run_id) VALUES (?, ?, ?, ?, ?, 'pending', ?, ?, ?, ?)"
