@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import scrapy
-from scrapy.http import Response
+from scrapy.http import Response, TextResponse
 
 from shop.items import ProductItem
 
@@ -32,11 +32,15 @@ class ShopSpider(scrapy.Spider):
 
     def parse(self, response: Response, **kwargs: Any) -> Iterator[scrapy.Request]:
         """A listing page: follow every product and every other listing page."""
+        if not isinstance(response, TextResponse):  # not HTML: nothing to follow
+            return
         yield from response.follow_all(css="a.product", callback=self.parse_product)
         yield from response.follow_all(css="a.listing", callback=self.parse)
 
     def parse_product(self, response: Response) -> Iterator[ProductItem]:
         """A product page: one item."""
+        if not isinstance(response, TextResponse):  # not HTML: no product
+            return
         yield ProductItem(
             sku=response.css("span.sku::text").get(),
             name=response.css("h1.name::text").get(),
