@@ -1,0 +1,51 @@
+"""Helpers for the tests: real crawls in this process and reads of frontier databases."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+
+def crawl_settings(db_path: Path, **extra: Any) -> dict[str, Any]:
+    """Settings of a real crawl with the add-on, quiet and fast."""
+    settings: dict[str, Any] = {
+        "ADDONS": {"scrapy_idempotent.Addon": 0},
+        "IDEMPOTENT_DATABASE": str(db_path),
+        "ROBOTSTXT_OBEY": False,
+        "LOG_LEVEL": "WARNING",
+        "CONCURRENT_REQUESTS": 16,
+        "CONCURRENT_REQUESTS_PER_DOMAIN": 16,
+        "MEMUSAGE_ENABLED": False,
+        "RETRY_ENABLED": False,
+    }
+    settings.update(extra)
+    return settings
+
+
+async def run_crawl(spidercls: type, settings: dict[str, Any], **kwargs: Any) -> Any:
+    """Run one real crawl in this process (Scrapy's engine, downloader, middlewares) and
+    return the crawler, whose ``stats`` hold the result."""
+    from scrapy.utils.test import get_crawler
+
+    crawler = get_crawler(spidercls, settings)
+    await crawler.crawl_async(**kwargs)
+    return crawler
+
+
+def db_rows(db_path: Path, sql: str, params: Any = ()) -> list[tuple[Any, ...]]:
+    conn = sqlite3.connect(db_path)
+    try:
+        return conn.execute(sql, params).fetchall()
+    finally:
+        conn.close()
+
+
+def stored_products(db_path: Path) -> list[dict[str, Any]]:
+    """Every record's data, as dicts."""
+    return [json.loads(data) for (data,) in db_rows(db_path, "SELECT data FROM records")]
+
+
+def frontier_counts(db_path: Path) -> dict[str, int]:
+    return dict(db_rows(db_path, "SELECT state, count(*) FROM requests GROUP BY state"))

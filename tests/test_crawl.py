@@ -1,0 +1,172 @@
+"""Real crawls of the local test shop through Scrapy's engine with the add-on."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import scrapy
+from scrapy.utils.defer import deferred_f_from_coro_f
+from shop.site import ShopSite
+from shop.spiders.shop import ShopSpider
+
+from crawling import crawl_settings, db_rows, frontier_counts, run_crawl, stored_products
+
+NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
+
+
+def assert_catalogue(db_path: Path, site: ShopSite) -> None:
+    expected = site.expected_products()
+    rows = stored_products(db_path)
+    assert len(rows) == len(expected)
+    for row in rows:
+        want = expected[row["sku"]]
+        assert (row["sku"], row["name"], row["price"]) == (want["sku"], want["name"],
+                                                            want["price"])
+
+
+@deferred_f_from_coro_f
+async def test_full_crawl_stores_each_product_once(shop: ShopSite, db_path: Path) -> None:
+    crawler = await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS), url=shop.url)
+    stats = crawler.stats.get_stats()
+    assert stats["finish_reason"] == "finished"
+    assert shop.request_count == 525
+    assert_catalogue(db_path, shop)
+    assert stats["idempotent/records/inserted"] == 500
+    assert stats["idempotent/requests/done"] == 525
+    assert stats["idempotent/requests/leased"] == 525
+    assert frontier_counts(db_path) == {"done": 525}
+    # the record ID is stamped into the item (ProductItem has no record_id field: not stamped)
+    assert stats["item_scraped_count"] == 500
+
+
+@deferred_f_from_coro_f
+async def test_crawl_again_after_finish_is_a_new_run_without_duplicates(
+    shop: ShopSite, db_path: Path
+) -> None:
+    settings = crawl_settings(db_path, **NATURAL_KEYS)
+    await run_crawl(ShopSpider, settings, url=shop.url)
+    first = dict(db_rows(db_path, "SELECT record_id, first_seen FROM records"))
+    shop.reset_counts()
+    crawler = await run_crawl(ShopSpider, settings, url=shop.url)
+    stats = crawler.stats.get_stats()
+    assert stats["idempotent/run_id"] == 2
+    assert shop.request_count == 525  # a new run fetches the listings again
+    assert stats["idempotent/records/unchanged"] == 500
+    assert "idempotent/records/inserted" not in stats
+    assert dict(db_rows(db_path, "SELECT record_id, first_seen FROM records")) == first
+    assert_catalogue(db_path, shop)
+
+
+@deferred_f_from_coro_f
+async def test_changed_price_updates_record_and_keeps_first_seen(
+    shop: ShopSite, db_path: Path
+) -> None:
+    settings = crawl_settings(db_path, **NATURAL_KEYS)
+    await run_crawl(ShopSpider, settings, url=shop.url)
+    before = {r[0]: r[1:] for r in db_rows(
+        db_path, "SELECT record_id, first_seen, last_changed, content_hash FROM records")}
+    with ShopSite(port=0, price_version=1) as repriced:
+        crawler = await run_crawl(ShopSpider, settings, url=repriced.url)
+        assert_catalogue(db_path, repriced)
+    stats = crawler.stats.get_stats()
+    assert stats["idempotent/records/updated"] == 500
+    after = {r[0]: r[1:] for r in db_rows(
+        db_path, "SELECT record_id, first_seen, last_changed, content_hash FROM records")}
+    assert after.keys() == before.keys()
+    for record_id, (first_seen, last_changed, content_hash) in after.items():
+        assert first_seen == before[record_id][0]
+        assert last_changed > before[record_id][1]
+        assert content_hash != before[record_id][2]
+
+
+@dataclasses.dataclass
+class Variant:
+    sku: str
+    colour: str
+
+
+class MixedItemsSpider(scrapy.Spider):
+    """Dict items (room for a record_id field) and dataclass items (no room)."""
+
+    name = "mixed"
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.base_url = url
+
+    async def start(self) -> Any:
+        yield scrapy.Request(f"{self.base_url}/list/1", dont_filter=True)
+
+    def parse(self, response: Any) -> Any:
+        for href in response.css("a.product::attr(href)").getall()[:5]:
+            sku = href.rsplit("/", 1)[1]
+            yield {"sku": sku, "source_page": response.url}
+            yield Variant(sku=sku, colour="red")
+            yield {"sku": " ", "why": "blank key"}
+
+
+@deferred_f_from_coro_f
+async def test_item_types_record_ids_and_rejects(shop: ShopSite, db_path: Path) -> None:
+    settings = crawl_settings(db_path, IDEMPOTENT_NATURAL_KEYS={
+        "dict": "sku", f"{__name__}.Variant": ["sku", "colour"]})
+    scraped: list[Any] = []
+    from scrapy import signals
+    from scrapy.utils.test import get_crawler
+
+    crawler = get_crawler(MixedItemsSpider, settings)
+
+    def on_item(item: Any) -> None:
+        scraped.append(item)
+
+    crawler.signals.connect(on_item, signals.item_scraped)
+    await crawler.crawl_async(url=shop.url)
+    stats = crawler.stats.get_stats()
+    assert stats["idempotent/records/inserted"] == 10
+    assert stats["idempotent/records/rejected"] == 5
+    assert stats["item_dropped_count"] == 5
+    dict_items = [i for i in scraped if isinstance(i, dict)]
+    assert len(dict_items) == 5
+    assert all(len(i["record_id"]) == 32 for i in dict_items)  # stamped where there is room
+    stored_ids = {r[0] for r in db_rows(db_path, "SELECT record_id FROM records")}
+    assert {i["record_id"] for i in dict_items} <= stored_ids
+    rejects = db_rows(db_path, "SELECT item_type, reason, request_key FROM rejects")
+    assert len(rejects) == 5
+    assert all(r[0] == "dict" and "'sku'" in r[1] and r[2] for r in rejects)
+    assert frontier_counts(db_path) == {"done": 1}
+
+
+class UnstorableSpider(scrapy.Spider):
+    name = "unstorable"
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.base_url = url
+
+    async def start(self) -> Any:
+        yield scrapy.Request(f"{self.base_url}/list/1", dont_filter=True)
+
+    def parse(self, response: Any) -> Any:
+        yield response.follow("/list/2", callback=lambda r: None)
+        yield response.follow("/list/3", cb_kwargs={"rows": (x for x in range(3))})
+        yield response.follow("/list/4", callback=self.parse_ok)
+
+    def parse_ok(self, response: Any) -> Any:
+        yield {"url": response.url}
+
+
+@deferred_f_from_coro_f
+async def test_unstorable_requests_are_refused_loudly_and_the_crawl_goes_on(
+    shop: ShopSite, db_path: Path, caplog: Any
+) -> None:
+    crawler = await run_crawl(UnstorableSpider, crawl_settings(db_path), url=shop.url)
+    stats = crawler.stats.get_stats()
+    assert stats["finish_reason"] == "finished"
+    assert stats["idempotent/requests/unstorable"] == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("list/2" in m and "callback" in m and "cb_kwargs" in m for m in errors)
+    assert any("list/3" in m and "cb_kwargs['rows']" in m and "generator" in m for m in errors)
+    assert shop.counts_by_path() == {"/list/1": 1, "/list/4": 1}
+    assert frontier_counts(db_path) == {"done": 2}
+    assert stats["idempotent/records/inserted"] == 1
