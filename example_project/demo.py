@@ -171,9 +171,10 @@ def run_mode(
     ``kill_max`` seconds (drawn from ``rng``) after their first request, then one crawl to
     completion (at most ``timeout`` seconds). Logs and databases go to ``workdir``.
 
-    Returns a JSON-ready dict: ``mode``, ``label``, ``kills`` (real kills), ``runs`` (one dict
-    per crawl), ``completed_during_kills``, ``finish_reason``, ``rows``, ``distinct``,
-    ``correct``, ``products``, ``pages``, ``requests``, ``wall_seconds``, ``workdir``.
+    Returns a JSON-ready dict: ``mode``, ``label``, ``kills`` (SIGKILLs of unfinished crawls),
+    ``runs`` (one dict per crawl), ``completed_during_kills``, ``finish_reason``, ``rows``,
+    ``distinct``, ``correct``, ``products``, ``pages``, ``requests``, ``repeated_paths`` (paths
+    fetched more than once), ``wall_seconds``, ``workdir``.
 
     Raises:
         DemoError: a crawl failed to start, crashed, timed out or left no readable store.
@@ -219,22 +220,24 @@ def run_mode(
             "log": str(log_path),
         }
         if process.returncode == -signal.SIGKILL:
-            real_kills += 1
-            run["outcome"] = "killed"
             runs.append(run)
-            note(
-                f"run {attempt}: killed {kill_after:.2f} s after its first request "
-                f"({run['requests_so_far']} requests so far)"
-            )
-            # Killed while shutting down after the crawl finished: the crawl is complete, and
-            # another `scrapy crawl` would be a new crawl, not a resumption.
+            # Killed while shutting down after the crawl finished: the crawl is complete (not
+            # counted as a kill), and another `scrapy crawl` would be a new crawl, not a
+            # resumption.
             if _log_reason(log_path, _CLOSING_RE) == "finished":
                 run["outcome"] = "killed while closing"
                 completed = True
                 note(
-                    "the crawl had finished before that kill (killed while closing); no more runs"
+                    f"run {attempt}: killed {kill_after:.2f} s after its first request, but "
+                    "only while closing a finished crawl (not counted); no more runs"
                 )
                 break
+            real_kills += 1
+            run["outcome"] = "killed"
+            note(
+                f"run {attempt}: killed {kill_after:.2f} s after its first request "
+                f"({run['requests_so_far']} requests so far)"
+            )
             continue
         run["finish_reason"] = _log_reason(log_path)
         run["outcome"] = "finished" if process.returncode == 0 else "failed"
@@ -510,8 +513,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r in results:
             if r["completed_during_kills"]:
                 print(
-                    f"note: {r['label']} completed its crawl during the kill phase, after "
-                    f"{r['kills']} kills (run {r['runs'][-1]['run']}: {r['runs'][-1]['outcome']})"
+                    f"note: {r['label']} completed its crawl during the kill phase "
+                    f"(kills: {r['kills']}; run {r['runs'][-1]['run']}: "
+                    f"{r['runs'][-1]['outcome']})"
                 )
         if verdict is not None and idempotent is not None:
             if verdict["pass"]:
