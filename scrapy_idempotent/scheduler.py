@@ -358,7 +358,7 @@ class IdempotentScheduler(BaseScheduler):
             data = self.codec.encode(request)
         except UnstorableRequest as exc:
             self.stats.inc_value("idempotent/requests/unstorable")
-            logger.error("scrapy_idempotent: refused %s", exc)
+            logger.error("scrapy_idempotent: request refused, %s", exc)
             self._forget_request(request)
             return False
         fingerprint = self._fingerprinter.fingerprint(request).hex()
@@ -692,7 +692,7 @@ class IdempotentScheduler(BaseScheduler):
         self.stats.set_value("idempotent/error", reason)
         logger.error("scrapy_idempotent: closing the spider: %s", reason)
         engine = self.crawler.engine
-        if engine is not None and self.spider is not None:
+        if engine is not None and engine.spider is not None:
             from scrapy.utils.defer import deferred_from_coro
 
             deferred_from_coro(engine.close_spider_async(reason=STORE_ERROR_REASON))

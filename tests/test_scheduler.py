@@ -1,0 +1,238 @@
+"""The scheduler contract, with the behaviours of Scrapy's own scheduler tests
+(tests/test_scheduler.py upstream) ported to the durable frontier.
+
+The scheduler runs inside a real crawler and engine; only the crawl loop is not started, so
+the tests drive ``enqueue_request``/``next_request`` and the engine's completion hook
+(``_slot.remove_request``) by hand.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import scrapy
+from scrapy.core.engine import _Slot
+from scrapy.utils.reactor import CallLaterOnce
+from scrapy.utils.test import get_crawler
+
+from crawling import db_rows, frontier_counts
+from scrapy_idempotent import IdempotentScheduler
+
+
+class Spider(scrapy.Spider):
+    name = "unit"
+
+    def parse(self, response: Any) -> Any:
+        return None
+
+    def parse_other(self, response: Any) -> Any:
+        return None
+
+
+class Harness:
+    """Opens schedulers on one database file, each in its own crawler and engine."""
+
+    def __init__(self, db_path: Path) -> None:
+        self.db_path = db_path
+        self.open: list[IdempotentScheduler] = []
+
+    def scheduler(self, worker: str | None = None, **settings: Any) -> IdempotentScheduler:
+        crawler = get_crawler(Spider, {"IDEMPOTENT_DATABASE": str(self.db_path), **settings})
+        crawler.spider = crawler._create_spider()
+        crawler.engine = crawler._create_engine()
+        scheduler = IdempotentScheduler.from_crawler(crawler)
+        if worker is not None:
+            scheduler.worker = worker
+        crawler.engine._slot = _Slot(True, CallLaterOnce(lambda: None), scheduler)
+        scheduler.open(crawler.spider)
+        self.open.append(scheduler)
+        return scheduler
+
+    def close(self, scheduler: IdempotentScheduler, reason: str = "shutdown") -> None:
+        scheduler.close(reason)
+        self.open.remove(scheduler)
+
+
+@pytest.fixture
+def harness(db_path: Path) -> Iterator[Harness]:
+    h = Harness(db_path)
+    yield h
+    for scheduler in list(h.open):
+        h.close(scheduler)
+
+
+def finish(scheduler: IdempotentScheduler, request: scrapy.Request) -> None:
+    """What the engine does when it is done with a request."""
+    slot = scheduler.crawler.engine._slot
+    slot.add_request(request)
+    slot.remove_request(request)
+
+
+def drain(scheduler: IdempotentScheduler) -> list[scrapy.Request]:
+    requests = []
+    while (request := scheduler.next_request()) is not None:
+        requests.append(request)
+    return requests
+
+
+URLS = [f"https://example.com/{i}" for i in range(10)]
+
+
+def test_length_and_pending(harness: Harness) -> None:
+    scheduler = harness.scheduler()
+    assert len(scheduler) == 0
+    assert not scheduler.has_pending_requests()
+    for url in URLS:
+        assert scheduler.enqueue_request(scrapy.Request(url))
+    assert scheduler.has_pending_requests()
+    assert len(scheduler) == len(URLS)
+
+
+def test_drain_returns_exactly_what_was_enqueued(harness: Harness) -> None:
+    scheduler = harness.scheduler()
+    for url in URLS + URLS:  # the second time each is a duplicate
+        scheduler.enqueue_request(scrapy.Request(url))
+    drained = drain(scheduler)
+    assert sorted(r.url for r in drained) == sorted(URLS)
+    assert scheduler.next_request() is None
+    assert not scheduler.has_pending_requests()  # all leased by this worker, in its hands
+    for request in drained:
+        finish(scheduler, request)
+    assert frontier_counts(harness.db_path) == {"done": len(URLS)}
+    assert scheduler.stats.get_value("idempotent/requests/duplicate") == len(URLS)
+
+
+def test_priority_highest_first_then_newest(harness: Harness) -> None:
+    scheduler = harness.scheduler()
+    priorities = [0, 3, -1, 3, 1, 0, 2]
+    for i, priority in enumerate(priorities):
+        scheduler.enqueue_request(scrapy.Request(f"https://example.com/{i}", priority=priority))
+    order = [int(r.url.rsplit("/", 1)[1]) for r in drain(scheduler)]
+    assert order == [3, 1, 6, 4, 5, 0, 2]
+
+
+def test_callback_requests_beat_start_requests_at_equal_priority(harness: Harness) -> None:
+    scheduler = harness.scheduler()
+    start = scrapy.Request("https://example.com/start", dont_filter=True)
+    scheduler.mark_start(start)
+    scheduler.enqueue_request(start)
+    scheduler.enqueue_request(scrapy.Request("https://example.com/other"))
+    assert [r.url for r in drain(scheduler)] == [
+        "https://example.com/other", "https://example.com/start"]
+
+
+def test_same_after_close_and_reopen(harness: Harness) -> None:
+    scheduler = harness.scheduler()
+    for i, url in enumerate(URLS):
+        scheduler.enqueue_request(scrapy.Request(url, priority=i % 3, callback=scheduler.spider.parse))
+    harness.close(scheduler)
+    reopened = harness.scheduler()
+    assert len(reopened) == len(URLS)
+    urls = [r.url for r in drain(reopened)]
+    assert sorted(urls) == sorted(URLS)
+    assert [int(u.rsplit("/", 1)[1]) % 3 for u in urls] == sorted(
+        (i % 3 for i in range(10)), reverse=True)
+
+
+def test_dequeued_but_unfinished_is_not_done(harness: Harness) -> None:
+    scheduler = harness.scheduler()
+    for url in URLS:
+        scheduler.enqueue_request(scrapy.Request(url))
+    taken = drain(scheduler)
+    finish(scheduler, taken[0])
+    harness.close(scheduler)  # a graceful stop releases the other leases at once
+    assert frontier_counts(harness.db_path) == {"done": 1, "pending": len(URLS) - 1}
+    reopened = harness.scheduler()
+    assert sorted(r.url for r in drain(reopened)) == sorted(u for u in URLS
+                                                            if u != taken[0].url)
+
+
+def test_start_requests_are_keyed_deterministically_across_restarts(harness: Harness) -> None:
+    for _ in range(2):
+        scheduler = harness.scheduler()
+        for url in URLS[:3]:
+            request = scrapy.Request(url, dont_filter=True)
+            scheduler.mark_start(request)
+            scheduler.enqueue_request(request)
+        scheduler.next_request()  # flushes
+        harness.close(scheduler)
+    assert db_rows(harness.db_path, "SELECT count(*) FROM requests") == [(3,)]
+
+
+def test_finished_request_is_done_and_a_rediscovery_is_not_fetched(harness: Harness) -> None:
+    scheduler = harness.scheduler()
+    scheduler.enqueue_request(scrapy.Request(URLS[0]))
+    finish(scheduler, scheduler.next_request())
+    scheduler.enqueue_request(scrapy.Request(URLS[0]))
+    assert scheduler.next_request() is None
+    assert scheduler.stats.get_value("idempotent/requests/already_done") == 1
+
+
+def test_unstorable_request_is_refused_and_counted(harness: Harness, caplog: Any) -> None:
+    scheduler = harness.scheduler()
+    assert not scheduler.enqueue_request(scrapy.Request(URLS[0], callback=lambda r: None))
+    with open(__file__) as f:
+        assert not scheduler.enqueue_request(scrapy.Request(URLS[1], meta={"f": f}))
+    assert scheduler.stats.get_value("idempotent/requests/unstorable") == 2
+    assert "meta['f']" in caplog.text and "TextIOWrapper" in caplog.text
+    assert scheduler.next_request() is None
+
+
+def test_missing_callback_fails_that_request_and_the_rest_goes_on(harness: Harness) -> None:
+    scheduler = harness.scheduler()
+    scheduler.enqueue_request(scrapy.Request(URLS[0], callback=scheduler.spider.parse_other))
+    scheduler.enqueue_request(scrapy.Request(URLS[1]))
+    harness.close(scheduler)
+    # the code changed between runs: parse_other no longer exists
+    conn = sqlite3.connect(harness.db_path)
+    conn.execute("UPDATE requests SET data = replace(data, 'parse_other', 'gone')")
+    conn.commit()
+    conn.close()
+    reopened = harness.scheduler()
+    assert [r.url for r in drain(reopened)] == [URLS[1]]
+    reopened.close("shutdown")
+    harness.open.remove(reopened)
+    (kind, message), = db_rows(harness.db_path, "SELECT error_kind, error_message FROM requests"
+                               " WHERE state = 'failed'")
+    assert kind == "unloadable" and "'gone'" in message
+
+
+def test_store_failure_never_raises_into_scrapy(harness: Harness) -> None:
+    scheduler = harness.scheduler()
+    scheduler.enqueue_request(scrapy.Request(URLS[0]))
+    scheduler.store.conn.close()  # the database goes away under the scheduler
+    assert scheduler.next_request() is None
+    assert scheduler.enqueue_request(scrapy.Request(URLS[1])) in (True, False)
+    assert scheduler.has_pending_requests() is False
+    assert scheduler.stats.get_value("idempotent/error")
+    scheduler._closing = True
+    harness.open.remove(scheduler)
+
+
+def test_two_workers_never_share_a_lease_and_dead_workers_are_reclaimed(
+    harness: Harness,
+) -> None:
+    first = harness.scheduler(worker="otherhost:1:1")
+    for url in URLS:
+        first.enqueue_request(scrapy.Request(url))
+    held = drain(first)
+    second = harness.scheduler()
+    assert second.next_request() is None  # everything is leased by a live worker elsewhere
+    assert second.has_pending_requests()  # ... so it waits instead of finishing
+    # a process of this host that no longer exists: its leases come back at once
+    conn = sqlite3.connect(harness.db_path)
+    conn.execute("UPDATE requests SET worker = ? WHERE state = 'leased'",
+                 (f"{second.worker.split(':')[0]}:999999:1",))
+    conn.commit()
+    conn.close()
+    second._dead_check_at = 0
+    assert second.has_pending_requests()
+    assert sorted(r.url for r in drain(second)) == sorted(r.url for r in held)
+    assert second.stats.get_value("idempotent/requests/reclaimed") == len(URLS)
+    first._closing = True
+    first.store.close()
+    harness.open.remove(first)
