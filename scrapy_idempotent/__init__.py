@@ -14,6 +14,7 @@ from .exceptions import (  # noqa: E402
     UnstorableRequest,
     UnsupportedScrapy,
 )
+from .journal import ResponseJournalMiddleware  # noqa: E402
 from .middleware import RecordIdMiddleware  # noqa: E402
 from .pipeline import UpsertPipeline  # noqa: E402
 from .scheduler import IdempotentScheduler  # noqa: E402
@@ -26,6 +27,7 @@ __all__ = [
     "IdempotentScheduler",
     "MissingNaturalKey",
     "RecordIdMiddleware",
+    "ResponseJournalMiddleware",
     "SQLiteStore",
     "StoreError",
     "UnstorableRequest",

@@ -53,6 +53,7 @@ class Entry:
     failure: tuple[str, str] | None = None  #: (error kind, message)
     spider_error: tuple[str, str] | None = None
     redirected: bool = False
+    replayed: bool = False  #: answered from the response journal
     continuation: tuple[str, int] | None = None  #: (request data, priority) of a retry
 
     def completion(self) -> Completion:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .journal import ResponseJournalMiddleware
 from .middleware import RecordIdMiddleware
 from .pipeline import UpsertPipeline
 from .scheduler import IdempotentScheduler
@@ -11,10 +12,12 @@ from .scheduler import IdempotentScheduler
 if TYPE_CHECKING:
     from scrapy.settings import BaseSettings
 
-__all__ = ["MIDDLEWARE_PRIORITY", "PIPELINE_PRIORITY", "Addon"]
+__all__ = ["JOURNAL_PRIORITY", "MIDDLEWARE_PRIORITY", "PIPELINE_PRIORITY", "Addon"]
 
 #: Below StartSpiderMiddleware (25): the middleware sees the final output of every callback.
 MIDDLEWARE_PRIORITY = 10
+#: Next to the download handler (HttpCacheMiddleware is 900): journals raw responses.
+JOURNAL_PRIORITY = 950
 #: Above any usual pipeline: the upsert sees what every other pipeline let through.
 PIPELINE_PRIORITY = 1000
 
@@ -24,6 +27,7 @@ class Addon:
 
         SCHEDULER = "scrapy_idempotent.IdempotentScheduler"
         SPIDER_MIDDLEWARES = {"scrapy_idempotent.RecordIdMiddleware": 10}
+        DOWNLOADER_MIDDLEWARES = {"scrapy_idempotent.ResponseJournalMiddleware": 950}
         ITEM_PIPELINES = {"scrapy_idempotent.UpsertPipeline": 1000}
     """
 
@@ -31,5 +35,7 @@ class Addon:
         settings.set("SCHEDULER", IdempotentScheduler, "addon")
         settings.set_in_component_priority_dict(
             "SPIDER_MIDDLEWARES", RecordIdMiddleware, MIDDLEWARE_PRIORITY)
+        settings.set_in_component_priority_dict(
+            "DOWNLOADER_MIDDLEWARES", ResponseJournalMiddleware, JOURNAL_PRIORITY)
         settings.set_in_component_priority_dict(
             "ITEM_PIPELINES", UpsertPipeline, PIPELINE_PRIORITY)

@@ -54,6 +54,8 @@ logger = logging.getLogger(__name__)
 
 #: Attempts at a write transaction before the crawl is closed (database locked or I/O error).
 _COMMIT_ATTEMPTS = 5
+#: The Scrapy minor version whose engine internals the completion hooks are tested against.
+TESTED_SCRAPY = "2.19."
 #: Reason the spider closes with when the store keeps failing.
 STORE_ERROR_REASON = "idempotent_store_error"
 
@@ -250,6 +252,11 @@ class IdempotentScheduler(BaseScheduler):
                 f"lacks ({', '.join(missing)}); supported: Scrapy 2.19"
             )
         assert slot is not None and scraper is not None and engine is not None
+        import scrapy
+
+        if not scrapy.__version__.startswith(TESTED_SCRAPY):
+            logger.warning("scrapy_idempotent %s is tested with Scrapy %s.x, not %s",
+                           __version__, TESTED_SCRAPY, scrapy.__version__)
         remove_request = slot.remove_request
         handle_output = engine._handle_downloader_output
         spider_output = scraper.handle_spider_output_async
@@ -509,6 +516,10 @@ class IdempotentScheduler(BaseScheduler):
         if entry is None:
             entry = self._by_fingerprint.get(self._fingerprinter.fingerprint(request).hex())
         return entry
+
+    def inflight_entry(self, request: Request) -> Entry | None:
+        """The entry of a request this scheduler handed out and the engine still works on."""
+        return self._inflight.get(id(request))
 
     def mark_start(self, request: Request) -> None:
         """Remember that ``request`` came from ``Spider.start()`` (keys ``dont_filter`` start

@@ -10,6 +10,7 @@ Transaction guarantees every implementation gives:
   requests, records, rejects, completions and the lease claim are all durable together, or
   none is. This is how "done is the last write" holds: a completion is never committed before
   the records and child requests its response produced.
+* A completion deletes the response journaled for its request in the same transaction.
 * Enqueue is idempotent by request key: a key already in the frontier is not inserted again,
   whatever its state.
 * A lease is held by one worker; a claim never returns a request leased by another worker
@@ -204,6 +205,15 @@ class FrontierStore(ABC):
     @abstractmethod
     def commit(self, work: UnitOfWork, worker: str) -> CommitResult:
         """Apply ``work`` in one transaction (see the module docstring)."""
+
+    @abstractmethod
+    def journal_response(self, key: str, data: str, body: bytes) -> None:
+        """Keep the response received for leased request ``key`` (its own transaction) until
+        the request's completion deletes it; ``data`` is JSON text, ``body`` raw bytes."""
+
+    @abstractmethod
+    def journaled_response(self, key: str) -> tuple[str, bytes] | None:
+        """The ``(data, body)`` journaled for ``key``, if any."""
 
     @abstractmethod
     def status(self, worker: str) -> FrontierStatus: ...

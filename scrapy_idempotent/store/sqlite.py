@@ -88,6 +88,13 @@ _MIGRATIONS: list[list[str]] = [
             request_key TEXT
         ) WITHOUT ROWID""",
         """CREATE INDEX records_last_changed ON records (last_changed)""",
+        # Responses received for leased requests and not yet completed (the response journal).
+        """CREATE TABLE responses (
+            key TEXT PRIMARY KEY,
+            data TEXT NOT NULL,
+            body BLOB NOT NULL,
+            stored_at REAL NOT NULL
+        )""",
         """CREATE TABLE rejects (
             id INTEGER PRIMARY KEY,
             item_type TEXT NOT NULL,
@@ -229,6 +236,7 @@ class SQLiteStore(FrontierStore):
             )
             if new:
                 cur.execute("DELETE FROM requests")
+                cur.execute("DELETE FROM responses")
                 run_id = cur.execute(
                     "INSERT INTO runs (started_at) VALUES (?)", (now,)).lastrowid
             else:
@@ -351,7 +359,9 @@ class SQLiteStore(FrontierStore):
                         (done.state.value, now, done.error_kind, done.error_message, done.key,
                          worker),
                     )
-                if cur.rowcount:
+                owned = cur.rowcount
+                cur.execute("DELETE FROM responses WHERE key = ?", (done.key,))
+                if owned:
                     result.completed[done.state.value] = (
                         result.completed.get(done.state.value, 0) + 1)
                 else:
@@ -386,6 +396,20 @@ class SQLiteStore(FrontierStore):
             LeasedRequest(key=r[1], fingerprint=r[2], data=r[3], priority=r[4], attempts=r[6])
             for r in rows if r[6] <= self.max_attempts
         )
+
+    # -- the response journal --------------------------------------------------------------
+
+    def journal_response(self, key: str, data: str, body: bytes) -> None:
+        with self._write() as cur:
+            cur.execute(
+                "INSERT OR REPLACE INTO responses (key, data, body, stored_at) VALUES (?, ?, ?, ?)",
+                (key, data, body, self.clock()),
+            )
+
+    def journaled_response(self, key: str) -> tuple[str, bytes] | None:
+        row = self.conn.execute(
+            "SELECT data, body FROM responses WHERE key = ?", (key,)).fetchone()
+        return (row[0], bytes(row[1])) if row is not None else None
 
     # -- leases -----------------------------------------------------------------------------
 

@@ -1,0 +1,114 @@
+"""``ResponseJournalMiddleware``: a response that arrived is not downloaded again after a crash.
+
+Between the moment a response arrives and the moment its request is done (the callback ran,
+its items went through the pipelines, its children reached the scheduler), a kill would make
+the next run fetch the page again. This downloader middleware sits next to the download
+handler (priority 950, after ``HttpCacheMiddleware``'s 900), keeps each raw response of a
+leased request in the store as it arrives, and on a later attempt of the same request serves
+the kept response instead of downloading it. The completion transaction deletes it, so the
+journal only ever holds the responses of unfinished requests. What a kill can repeat is then
+only what was on the wire: at most ``CONCURRENT_REQUESTS`` requests.
+
+The raw response is stored (before every other downloader middleware's ``process_response``),
+so decompression, cookies, redirects and retries run again on the replay just as they did the
+first time. Disable with ``IDEMPOTENT_RESPONSE_JOURNAL = False`` (one write transaction per
+page less; a kill then also repeats the pages being processed).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from scrapy.exceptions import NotConfigured
+from scrapy.utils.response import response_from_dict
+
+from .codec import dumps, loads
+from .middleware import _scheduler_of
+
+if TYPE_CHECKING:
+    from scrapy import Request
+    from scrapy.crawler import Crawler
+    from scrapy.http import Response
+    from typing_extensions import Self
+
+    from .scheduler import IdempotentScheduler
+
+__all__ = ["ResponseJournalMiddleware", "decode_response", "encode_response"]
+
+logger = logging.getLogger(__name__)
+
+_RESPONSE_CLASSES = "scrapy.http.response."
+
+
+def encode_response(response: Response) -> tuple[str, bytes]:
+    """``(JSON text, body)`` of a response (:meth:`scrapy.http.Response.to_dict`); the peer IP
+    address and TLS certificate are not kept."""
+    data = response.to_dict()
+    body = data.pop("body")
+    data.pop("ip_address", None)
+    if not str(data.get("_class", _RESPONSE_CLASSES)).startswith(_RESPONSE_CLASSES):
+        del data["_class"]  # a custom class: let responsetypes pick a built-in one
+    return dumps(data), body
+
+
+def decode_response(data: str, body: bytes) -> Response:
+    """Inverse of :func:`encode_response`; only Scrapy's own response classes are loaded."""
+    d = loads(data)
+    if not str(d.get("_class", _RESPONSE_CLASSES)).startswith(_RESPONSE_CLASSES):
+        raise ValueError(f"stored response class {d['_class']!r} is not allowed")
+    d["body"] = body
+    return response_from_dict(d)
+
+
+class ResponseJournalMiddleware:
+    """Downloader middleware: journal raw responses of leased requests, replay them."""
+
+    def __init__(self, crawler: Crawler) -> None:
+        self.crawler = crawler
+        self._scheduler: IdempotentScheduler | None = None
+
+    @classmethod
+    def from_crawler(cls, crawler: Crawler) -> Self:
+        if not crawler.settings.getbool("IDEMPOTENT_RESPONSE_JOURNAL", True):
+            raise NotConfigured("IDEMPOTENT_RESPONSE_JOURNAL is off")
+        return cls(crawler)
+
+    @property
+    def scheduler(self) -> IdempotentScheduler:
+        if self._scheduler is None:
+            self._scheduler = _scheduler_of(self.crawler, type(self).__name__)
+        return self._scheduler
+
+    def process_request(self, request: Request) -> Response | None:
+        scheduler = self.scheduler
+        entry = scheduler.inflight_entry(request)
+        if entry is None or entry.attempts <= 1:
+            return None  # a first attempt has nothing journaled
+        try:
+            stored = scheduler.store.journaled_response(entry.key)
+            if stored is None:
+                return None
+            response = decode_response(*stored)
+        except Exception as exc:  # the journal is a saving, never a reason to fail
+            logger.warning("scrapy_idempotent: cannot replay the journaled response of %r: %s",
+                           request, exc)
+            return None
+        entry.replayed = True
+        response.flags.append("journal")
+        self.crawler.stats.inc_value("idempotent/responses/replayed")
+        return response
+
+    def process_response(self, request: Request, response: Response) -> Any:
+        scheduler = self.scheduler
+        entry = scheduler.inflight_entry(request)
+        if entry is None or entry.replayed:
+            return response
+        try:
+            scheduler.store.journal_response(entry.key, *encode_response(response))
+        except Exception as exc:
+            logger.warning("scrapy_idempotent: cannot journal the response of %r: %s",
+                           request, exc)
+            return response
+        self.crawler.stats.inc_value("idempotent/responses/journaled")
+        return response
