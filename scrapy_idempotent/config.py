@@ -6,6 +6,7 @@ the setting, the value and what is allowed.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -65,6 +66,7 @@ SETTINGS: dict[str, Any] = {
     "IDEMPOTENT_REQUEST_CLASSES": [],
     "IDEMPOTENT_LOG_INTERVAL_SECONDS": 60.0,
     "IDEMPOTENT_RESPONSE_JOURNAL": True,
+    "IDEMPOTENT_RECRAWL_SECONDS": None,
 }
 
 
@@ -86,6 +88,7 @@ class IdempotentConfig:
     busy_timeout_seconds: float
     request_classes: tuple[str, ...]
     log_interval_seconds: float
+    recrawl_seconds: float | None = None
 
     @classmethod
     def from_settings(cls, settings: BaseSettings, spider: Spider) -> IdempotentConfig:
@@ -139,6 +142,10 @@ class IdempotentConfig:
             request_classes=tuple(_names(settings, "IDEMPOTENT_REQUEST_CLASSES")),
             log_interval_seconds=_number(settings, "IDEMPOTENT_LOG_INTERVAL_SECONDS",
                                          minimum=0.0),
+            recrawl_seconds=(
+                None if settings.get("IDEMPOTENT_RECRAWL_SECONDS") in (None, "")
+                else _number(settings, "IDEMPOTENT_RECRAWL_SECONDS", minimum=1.0)
+            ),
         )
 
 
@@ -165,18 +172,17 @@ def _names(settings: BaseSettings, name: str) -> list[str]:
     return list(raw)
 
 
-def _natural_keys(name: str, raw: Any) -> dict[str, tuple[str, ...]]:
+def _natural_keys(name: str, given: Any) -> dict[str, tuple[str, ...]]:
     allowed = ("a dict mapping an item class ('module.Class', 'Class' or '*') to a field name "
                "or a list of field names")
+    raw = given
     if isinstance(raw, str):  # a JSON string given with -s
-        import json
-
         try:
             raw = json.loads(raw)
         except ValueError:
-            raise ConfigError(name, raw, allowed) from None
+            raise ConfigError(name, given, allowed) from None
     if not isinstance(raw, dict):
-        raise ConfigError(name, raw, allowed)
+        raise ConfigError(name, given, allowed)
     result: dict[str, tuple[str, ...]] = {}
     for item_type, fields in raw.items():
         if isinstance(item_type, type):
@@ -190,7 +196,7 @@ def _natural_keys(name: str, raw: Any) -> dict[str, tuple[str, ...]]:
             or not fields
             or not all(isinstance(f, str) and f for f in fields)
         ):
-            raise ConfigError(name, raw, allowed)
+            raise ConfigError(name, given, allowed)
         result[item_type] = tuple(fields)
     return result
 

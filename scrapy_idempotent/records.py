@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import hashlib
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import unquote_plus, urlsplit
 
 from itemadapter import ItemAdapter
-from w3lib.url import canonicalize_url, url_query_cleaner
+from w3lib.url import canonicalize_url
 
 from .codec import canonical_json, encode_value
 from .exceptions import MissingNaturalKey
@@ -61,10 +61,14 @@ def page_key(url: str, ignore_params: Iterable[str]) -> str:
             return ";".join([head, *kept])
 
         url = parts._replace(path="/".join(clean(s) for s in parts.path.split("/"))).geturl()
-    names = {name for name, _ in parse_qsl(urlsplit(url).query, keep_blank_values=True)}
-    drop = [name for name in names if ignored(name)]
-    if drop:
-        url = url_query_cleaner(url, drop, remove=True, keep_fragments=False)
+    # Filter the canonical query pair by pair (repeated names kept, order kept), matching on
+    # the unquoted name: w3lib's url_query_cleaner would also drop repeated arguments.
+    parts = urlsplit(url)
+    if parts.query:
+        pairs = parts.query.split("&")
+        kept = [p for p in pairs if not ignored(unquote_plus(p.split("=", 1)[0]))]
+        if len(kept) != len(pairs):
+            url = parts._replace(query="&".join(kept)).geturl()
     return url
 
 
@@ -132,7 +136,8 @@ class RecordIdentity:
             value = adapter.get(field)
             if isinstance(value, (str, int, float)) and not isinstance(value, bool):
                 text = str(value).strip()
-            elif value is None:
+            elif value is None or (isinstance(value, (list, tuple, dict, set, frozenset))
+                                   and not value):
                 text = ""
             else:
                 text = canonical_json(encode_value(value, items=True))

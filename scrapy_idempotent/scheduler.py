@@ -128,6 +128,7 @@ class IdempotentScheduler(BaseScheduler):
             max_attempts=config.max_attempts,
             synchronous=config.synchronous,
             busy_timeout_seconds=config.busy_timeout_seconds,
+            recrawl_seconds=config.recrawl_seconds,
         )
         self.identity = RecordIdentity(
             source=config.source,
@@ -194,7 +195,7 @@ class IdempotentScheduler(BaseScheduler):
             counts["done"] + counts["redirected"], counts["failed"], counts["records"],
         )
         self._renewal = task.LoopingCall(self._tick)
-        self._renewal.start(max(1.0, self.config.lease_seconds / 3), now=False)
+        self._renewal.start(self.config.lease_seconds / 3, now=False)
 
     def close(self, reason: str) -> None:
         """Flush what is buffered, release this worker's remaining leases (a graceful stop
@@ -686,6 +687,7 @@ class IdempotentScheduler(BaseScheduler):
             ("requests/added", result.requests_added),
             ("requests/duplicate", result.requests_duplicate),
             ("requests/already_done", result.requests_already_done),
+            ("requests/due_again", result.requests_due_again),
             ("records/inserted", result.records_inserted),
             ("records/updated", result.records_updated),
             ("records/unchanged", result.records_unchanged),

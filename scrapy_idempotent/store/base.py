@@ -146,6 +146,7 @@ class CommitResult:
     requests_added: int = 0
     requests_duplicate: int = 0  #: key already pending or leased
     requests_already_done: int = 0  #: key already in a terminal state
+    requests_due_again: int = 0  #: terminal in an earlier recrawl window: pending again
     records_inserted: int = 0
     records_updated: int = 0
     records_unchanged: int = 0

@@ -34,11 +34,20 @@ SCHEMA_VERSION = 1
 _MIGRATIONS: list[list[str]] = [
     [
         """CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)""",
+        # A run is one pass over the site; its counters are cumulative over every session
+        # (process) that worked on it, updated in the same transactions as the work.
         """CREATE TABLE runs (
             run_id INTEGER PRIMARY KEY,
             started_at REAL NOT NULL,
             finished_at REAL,
-            reason TEXT
+            reason TEXT,
+            leased INTEGER NOT NULL DEFAULT 0,
+            done INTEGER NOT NULL DEFAULT 0,
+            failed INTEGER NOT NULL DEFAULT 0,
+            redirected INTEGER NOT NULL DEFAULT 0,
+            records_inserted INTEGER NOT NULL DEFAULT 0,
+            records_updated INTEGER NOT NULL DEFAULT 0,
+            records_unchanged INTEGER NOT NULL DEFAULT 0
         )""",
         """CREATE TABLE sessions (
             session_id INTEGER PRIMARY KEY,
@@ -122,6 +131,10 @@ class SQLiteStore(FrontierStore):
     :param clock: unix seconds; injected so tests drive lease expiry without sleeping.
     :param synchronous: ``NORMAL`` or ``FULL`` (see the module docstring).
     :param busy_timeout_seconds: how long a statement waits for another process's write lock.
+    :param recrawl_seconds: the recrawl window. None: a new run starts from an empty frontier
+        and a request done in a run is never fetched again in that run. A number W: a new run
+        keeps the frontier, and a request done in an earlier window (``floor(t / W)``, unix
+        seconds) than the current one is due again when it is enqueued again.
     """
 
     def __init__(
@@ -133,8 +146,10 @@ class SQLiteStore(FrontierStore):
         clock: Callable[[], float] = time.time,
         synchronous: str = "NORMAL",
         busy_timeout_seconds: float = 10.0,
+        recrawl_seconds: float | None = None,
     ) -> None:
         self.path = path
+        self.recrawl_seconds = recrawl_seconds
         self.lease_seconds = lease_seconds
         self.max_attempts = max_attempts
         self.clock = clock
@@ -235,7 +250,14 @@ class SQLiteStore(FrontierStore):
                 or (run_mode == "auto" and last[1] is not None)
             )
             if new:
-                cur.execute("DELETE FROM requests")
+                if self.recrawl_seconds is None:
+                    cur.execute("DELETE FROM requests")
+                else:  # keep what was done in the current window
+                    cur.execute(
+                        "DELETE FROM requests WHERE state NOT IN"
+                        " ('done', 'failed', 'redirected') OR finished_at < ?",
+                        (self._window_start(now),),
+                    )
                 cur.execute("DELETE FROM responses")
                 run_id = cur.execute(
                     "INSERT INTO runs (started_at) VALUES (?)", (now,)).lastrowid
@@ -279,35 +301,39 @@ class SQLiteStore(FrontierStore):
         run_id = self.run_id if self.run_id is not None else 0
         now = self.clock()
         with self._write() as cur:
+            window_start = self._window_start(now)
             for req in work.requests:
-                known = None
-                if req.filter_fingerprint:
+                known = cur.execute(
+                    "SELECT id, state, finished_at FROM requests WHERE key = ?", (req.key,)
+                ).fetchone()
+                if known is None and req.filter_fingerprint:
                     known = cur.execute(
-                        "SELECT state FROM requests WHERE fingerprint = ? LIMIT 1",
+                        "SELECT id, state, finished_at FROM requests WHERE fingerprint = ?"
+                        " LIMIT 1",
                         (req.fingerprint,),
                     ).fetchone()
-                if known is not None:
-                    if known[0] in _TERMINAL:
-                        result.requests_already_done += 1
-                    else:
-                        result.requests_duplicate += 1
-                    continue
-                cur.execute(
-                    "INSERT INTO requests (key, fingerprint, url, priority, is_start, state, data,"
-                    " parent_key, enqueued_at, run_id) VALUES (?, ?, ?, ?, ?, 'pending', ?, ?, ?, ?)"
-                    " ON CONFLICT (key) DO NOTHING",
-                    (req.key, req.fingerprint, req.url, req.priority, int(req.is_start),
-                     req.data, req.parent_key, now, run_id),
-                )
-                if cur.rowcount:
+                if known is None:
+                    cur.execute(
+                        "INSERT INTO requests (key, fingerprint, url, priority, is_start, state,"
+                        " data, parent_key, enqueued_at, run_id)"
+                        " VALUES (?, ?, ?, ?, ?, 'pending', ?, ?, ?, ?)",
+                        (req.key, req.fingerprint, req.url, req.priority, int(req.is_start),
+                         req.data, req.parent_key, now, run_id),
+                    )
                     result.requests_added += 1
+                elif known[1] not in _TERMINAL:
+                    result.requests_duplicate += 1
+                elif window_start is not None and known[2] < window_start:
+                    # done in an earlier recrawl window: due again
+                    cur.execute(
+                        "UPDATE requests SET state = 'pending', data = ?, priority = ?,"
+                        " is_start = ?, attempts = 0, finished_at = NULL, error_kind = NULL,"
+                        " error_message = NULL, enqueued_at = ?, run_id = ? WHERE id = ?",
+                        (req.data, req.priority, int(req.is_start), now, run_id, known[0]),
+                    )
+                    result.requests_due_again += 1
                 else:
-                    state = cur.execute(
-                        "SELECT state FROM requests WHERE key = ?", (req.key,)).fetchone()[0]
-                    if state in _TERMINAL:
-                        result.requests_already_done += 1
-                    else:
-                        result.requests_duplicate += 1
+                    result.requests_already_done += 1
             for record, request_key in work.records:
                 row = cur.execute(
                     "SELECT content_hash FROM records WHERE record_id = ?", (record.record_id,)
@@ -368,7 +394,32 @@ class SQLiteStore(FrontierStore):
                     result.leases_lost += 1
             if work.claim:
                 self._claim(cur, worker, work.claim, now, result)
+            self._count(cur, result, run_id)
         return result
+
+    @staticmethod
+    def _count(cur: sqlite3.Cursor, result: CommitResult, run_id: int) -> None:
+        """Add this transaction's work to the run's cumulative counters (same transaction)."""
+        done = result.completed
+        deltas = (
+            len(result.leased), done.get("done", 0),
+            done.get("failed", 0) + result.quarantined, done.get("redirected", 0),
+            result.records_inserted, result.records_updated, result.records_unchanged,
+        )
+        if any(deltas):
+            cur.execute(
+                "UPDATE runs SET leased = leased + ?, done = done + ?, failed = failed + ?,"
+                " redirected = redirected + ?, records_inserted = records_inserted + ?,"
+                " records_updated = records_updated + ?,"
+                " records_unchanged = records_unchanged + ? WHERE run_id = ?",
+                (*deltas, run_id),
+            )
+
+    def _window_start(self, now: float) -> float | None:
+        """Start of the recrawl window ``now`` falls in (unix seconds), or None."""
+        if self.recrawl_seconds is None:
+            return None
+        return (now // self.recrawl_seconds) * self.recrawl_seconds
 
     def _claim(self, cur: sqlite3.Cursor, worker: str, count: int, now: float,
                result: CommitResult) -> None:
