@@ -5,8 +5,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .addon import Addon  # noqa: E402
-from .exceptions import (  # noqa: E402
+from .addon import Addon
+from .exceptions import (
     ConfigError,
     IdempotentError,
     MissingNaturalKey,
@@ -14,11 +14,11 @@ from .exceptions import (  # noqa: E402
     UnstorableRequest,
     UnsupportedScrapy,
 )
-from .journal import ResponseJournalMiddleware  # noqa: E402
-from .middleware import RecordIdMiddleware  # noqa: E402
-from .pipeline import UpsertPipeline  # noqa: E402
-from .scheduler import IdempotentScheduler  # noqa: E402
-from .store import SQLiteStore  # noqa: E402
+from .journal import ResponseJournalMiddleware
+from .middleware import RecordIdMiddleware
+from .pipeline import UpsertPipeline
+from .scheduler import IdempotentScheduler
+from .store import SQLiteStore
 
 __all__ = [
     "Addon",

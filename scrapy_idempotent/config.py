@@ -110,7 +110,8 @@ class IdempotentConfig:
         if source is None:
             source = spider.name
         if not isinstance(source, str) or not source.strip():
-            raise ConfigError("IDEMPOTENT_SOURCE", source, "a non-empty string (default: spider name)")
+            raise ConfigError("IDEMPOTENT_SOURCE", source,
+                              "a non-empty string (default: the spider name)")
         record_id_field = get("IDEMPOTENT_RECORD_ID_FIELD")
         if record_id_field in (None, ""):
             record_id_field = None

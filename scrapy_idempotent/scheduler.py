@@ -15,6 +15,7 @@ hooks exist and refuses to run otherwise (:class:`~.UnsupportedScrapy`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -283,11 +284,12 @@ class IdempotentScheduler(BaseScheduler):
                 result = self._track_output(result, entry, request.url)
             await spider_output(result, request, response)
 
-        slot.remove_request = hooked_remove_request
-        engine._handle_downloader_output = hooked_handle_output
-        scraper.handle_spider_output_async = hooked_spider_output
+        # Instance attributes shadow the methods; close() deletes them again.
+        slot.remove_request = hooked_remove_request  # type: ignore[method-assign]
+        engine._handle_downloader_output = hooked_handle_output  # type: ignore[method-assign]
+        scraper.handle_spider_output_async = hooked_spider_output  # type: ignore[method-assign]
         self._unhook = [
-            lambda: setattr(slot, "remove_request", remove_request),
+            lambda: delattr(slot, "remove_request"),
             lambda: delattr(engine, "_handle_downloader_output"),
             lambda: delattr(scraper, "handle_spider_output_async"),
         ]
@@ -572,10 +574,9 @@ class IdempotentScheduler(BaseScheduler):
             return
         from itemadapter import ItemAdapter
 
-        try:
+        # An item type without such a field keeps its record ID beside it (in the tag).
+        with contextlib.suppress(KeyError, TypeError, AttributeError):
             ItemAdapter(item)[field] = record_id
-        except (KeyError, TypeError, AttributeError):
-            pass  # the item type has no such field: the record ID travels beside it
 
     def _check_page_key(self, entry: Entry, key: str, item: Any) -> None:
         entry.page_keys[key] += 1

@@ -129,7 +129,8 @@ class UnitOfWork:
     """Everything one transaction writes. ``claim`` asks for that many new leases."""
 
     requests: list[NewRequest] = field(default_factory=list)
-    records: list[tuple[Record, str | None]] = field(default_factory=list)  #: (record, request key)
+    #: (record, key of the request that produced it)
+    records: list[tuple[Record, str | None]] = field(default_factory=list)
     rejects: list[Reject] = field(default_factory=list)
     completions: list[Completion] = field(default_factory=list)
     claim: int = 0

@@ -178,7 +178,8 @@ class SQLiteStore(FrontierStore):
         except OSError as exc:
             raise StoreError(f"cannot create the database {self.path}: {exc}") from exc
         try:
-            conn = sqlite3.connect(self.path, isolation_level=None, timeout=self.busy_timeout_seconds)
+            conn = sqlite3.connect(self.path, isolation_level=None,
+                                   timeout=self.busy_timeout_seconds)
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open the database {self.path}: {exc}") from exc
         self._conn = conn
@@ -453,7 +454,8 @@ class SQLiteStore(FrontierStore):
     def journal_response(self, key: str, data: str, body: bytes) -> None:
         with self._write() as cur:
             cur.execute(
-                "INSERT OR REPLACE INTO responses (key, data, body, stored_at) VALUES (?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO responses (key, data, body, stored_at)"
+                " VALUES (?, ?, ?, ?)",
                 (key, data, body, self.clock()),
             )
 
