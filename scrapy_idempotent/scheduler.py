@@ -285,9 +285,9 @@ class IdempotentScheduler(BaseScheduler):
             await spider_output(result, request, response)
 
         # Instance attributes shadow the methods; close() deletes them again.
-        slot.remove_request = hooked_remove_request  # type: ignore[method-assign]
+        slot.remove_request = hooked_remove_request
         engine._handle_downloader_output = hooked_handle_output  # type: ignore[method-assign]
-        scraper.handle_spider_output_async = hooked_spider_output  # type: ignore[method-assign]
+        scraper.handle_spider_output_async = hooked_spider_output
         self._unhook = [
             lambda: delattr(slot, "remove_request"),
             lambda: delattr(engine, "_handle_downloader_output"),
