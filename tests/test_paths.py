@@ -1,0 +1,432 @@
+"""Every way a request can end inside Scrapy (issue 3), each as a real crawl of a local site.
+
+Whatever happens to a request, the frontier must end with it in the right terminal state:
+no lease dangles, no crawl hangs, no request or record is lost silently, and records are
+stored exactly once. Each test runs real crawls in this process against
+:class:`paths_site.PathsSite` and then checks the frontier rows (``url, state, error_kind,
+attempts``), that nothing is left ``leased``, the close reason, the records stored and the
+``idempotent/...`` stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import scrapy
+from scrapy.downloadermiddlewares.retry import get_retry_request
+from scrapy.exceptions import CloseSpider, DropItem
+from scrapy.http import FormRequest, JsonRequest
+from scrapy.utils.defer import deferred_f_from_coro_f
+
+from crawling import crawl_settings, db_rows, run_crawl
+from paths_site import PathsSite, free_port
+
+NATURAL_KEYS = {"dict": "key"}
+
+
+# -- fixtures and helpers ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def site() -> Iterator[PathsSite]:
+    """The paths site on 127.0.0.1, a fresh one (fresh counters) per test."""
+    with PathsSite() as paths_site:
+        yield paths_site
+
+
+def settings(db_path: Path, **extra: Any) -> dict[str, Any]:
+    """A quick crawl with the add-on: dict items keyed by their ``key`` field."""
+    values: dict[str, Any] = {
+        "IDEMPOTENT_NATURAL_KEYS": NATURAL_KEYS,
+        "DOWNLOAD_TIMEOUT": 5,
+        "CONCURRENT_REQUESTS": 4,
+        "CONCURRENT_REQUESTS_PER_DOMAIN": 4,
+        "TELNETCONSOLE_ENABLED": False,
+    }
+    values.update(extra)
+    return crawl_settings(db_path, **values)
+
+
+def rows(db_path: Path, site: PathsSite) -> list[tuple[str, str, str | None, int]]:
+    """The frontier: ``(url relative to the site, state, error_kind, attempts)``, sorted."""
+    return sorted(
+        (url.removeprefix(site.url), state, kind, attempts)
+        for url, state, kind, attempts in db_rows(
+            db_path, "SELECT url, state, error_kind, attempts FROM requests")
+    )
+
+
+def frontier(db_path: Path, site: PathsSite) -> dict[str, tuple[str, str | None, int]]:
+    """The frontier by relative URL, checking that no URL has two rows."""
+    found = rows(db_path, site)
+    by_url = {url: (state, kind, attempts) for url, state, kind, attempts in found}
+    assert len(by_url) == len(found), f"a URL has several frontier rows: {found}"
+    return by_url
+
+
+def assert_nothing_leased(db_path: Path) -> None:
+    leased = db_rows(db_path, "SELECT url, worker FROM requests WHERE state = 'leased'")
+    assert leased == [], f"leases left dangling: {leased}"
+    journal = db_rows(db_path, "SELECT key FROM responses")
+    assert journal == [], "responses of finished requests left in the journal"
+
+
+def records(db_path: Path) -> dict[str, dict[str, Any]]:
+    """Stored records by their ``key`` field (each record ID is one row by construction)."""
+    found = [json.loads(data) for (data,) in db_rows(db_path, "SELECT data FROM records")]
+    by_key = {record["key"]: record for record in found}
+    assert len(by_key) == len(found), f"two records share a key: {found}"
+    return by_key
+
+
+def record_owner(db_path: Path, site: PathsSite) -> dict[str, str | None]:
+    """Record ``key`` -> URL of the frontier entry whose completion stored it."""
+    urls = dict(db_rows(db_path, "SELECT key, url FROM requests"))
+    owners: dict[str, str | None] = {}
+    for data, request_key in db_rows(db_path, "SELECT data, request_key FROM records"):
+        url = urls.get(request_key)
+        owners[json.loads(data)["key"]] = url.removeprefix(site.url) if url else None
+    return owners
+
+
+def istats(crawler: Any) -> dict[str, Any]:
+    """The crawl's ``idempotent/...`` stats, without the prefix."""
+    return {k.removeprefix("idempotent/"): v for k, v in crawler.stats.get_stats().items()
+            if k.startswith("idempotent/")}
+
+
+def finish_reason(crawler: Any) -> str:
+    return str(crawler.stats.get_value("finish_reason"))
+
+
+def path_of(response: Any) -> str:
+    """The path (and query) of a response's URL."""
+    from urllib.parse import urlsplit
+
+    split = urlsplit(response.url)
+    return split.path + (f"?{split.query}" if split.query else "")
+
+
+class PathSpider(scrapy.Spider):
+    """Base of the spiders below: ``url`` is the site's root; ``self.at(path)`` is absolute."""
+
+    name = "paths"
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.base_url = url
+
+    def at(self, path: str) -> str:
+        return path if "://" in path else self.base_url + path
+
+
+# -- success ------------------------------------------------------------------------------------
+
+
+class LinksSpider(PathSpider):
+    """Every page yields one item (unless its path says ``empty``) and follows its links."""
+
+    start_paths: tuple[str, ...] = ("/ok/home?links=/ok/a,/ok/b,/ok/empty",)
+
+    async def start(self) -> Any:
+        for path in self.start_paths:
+            yield scrapy.Request(self.at(path))
+
+    def parse(self, response: Any) -> Any:
+        if not path_of(response).startswith("/ok/empty"):
+            yield {"key": path_of(response)}
+        for href in response.css("a::attr(href)").getall():
+            yield response.follow(href)
+
+
+@deferred_f_from_coro_f
+async def test_success_items_and_requests_and_a_page_without_items(
+    site: PathsSite, db_path: Path
+) -> None:
+    crawler = await run_crawl(LinksSpider, settings(db_path), url=site.url)
+    assert finish_reason(crawler) == "finished"
+    assert frontier(db_path, site) == {
+        "/ok/home?links=/ok/a,/ok/b,/ok/empty": ("done", None, 1),
+        "/ok/a": ("done", None, 1),
+        "/ok/b": ("done", None, 1),
+        "/ok/empty": ("done", None, 1),  # no items: done all the same
+    }
+    assert_nothing_leased(db_path)
+    assert set(records(db_path)) == {"/ok/home?links=/ok/a,/ok/b,/ok/empty", "/ok/a", "/ok/b"}
+    assert record_owner(db_path, site)["/ok/a"] == "/ok/a"
+    stats = istats(crawler)
+    assert stats["requests/done"] == 4
+    assert stats["requests/leased"] == 4
+    assert stats["records/inserted"] == 3
+    assert "requests/failed" not in stats
+    assert site.counts_by_path() == {"/ok/home": 1, "/ok/a": 1, "/ok/b": 1, "/ok/empty": 1}
+
+
+class SlowPipeline:
+    """An ``async def process_item`` before ours: items lag behind the callback."""
+
+    async def process_item(self, item: Any) -> Any:
+        await asyncio.sleep(0.05)
+        return item
+
+
+class InterleavedSpider(PathSpider):
+    """``/ok/many`` yields 12 items and 12 requests interleaved; each child yields 1 item."""
+
+    async def start(self) -> Any:
+        yield scrapy.Request(self.at("/ok/many"), callback=self.parse_many)
+
+    def parse_many(self, response: Any) -> Any:
+        for i in range(12):
+            yield {"key": f"many-{i}"}
+            yield response.follow(f"/ok/child{i}", callback=self.parse_child)
+
+    def parse_child(self, response: Any) -> Any:
+        yield {"key": path_of(response)}
+
+
+@deferred_f_from_coro_f
+async def test_interleaved_items_and_requests_with_a_slow_pipeline(
+    site: PathsSite, db_path: Path
+) -> None:
+    crawler = await run_crawl(InterleavedSpider, settings(
+        db_path, CONCURRENT_ITEMS=2, ITEM_PIPELINES={f"{__name__}.SlowPipeline": 100},
+    ), url=site.url)
+    assert finish_reason(crawler) == "finished"
+    expected_rows = {"/ok/many": ("done", None, 1)}
+    expected_rows.update({f"/ok/child{i}": ("done", None, 1) for i in range(12)})
+    assert frontier(db_path, site) == expected_rows
+    assert_nothing_leased(db_path)
+    owners = record_owner(db_path, site)
+    assert len(owners) == 24
+    for i in range(12):
+        assert owners[f"many-{i}"] == "/ok/many"  # stored with the page that produced it
+        assert owners[f"/ok/child{i}"] == f"/ok/child{i}"
+    stats = istats(crawler)
+    assert stats["records/inserted"] == 24
+    assert stats["requests/done"] == 13
+    assert stats["requests/leased"] == 13
+    assert "requests/repeated" not in stats
+    assert crawler.stats.get_value("item_scraped_count") == 24
+    assert all(n == 1 for n in site.counts_by_path().values())
+    assert site.total() == 13
+
+
+# -- callback errors ------------------------------------------------------------------------
+
+
+class CallbackErrorSpider(PathSpider):
+    async def start(self) -> Any:
+        yield scrapy.Request(self.at("/ok/raise-now"), callback=self.parse_raise_now)
+        yield scrapy.Request(self.at("/ok/raise-first"), callback=self.parse_raise_first)
+        yield scrapy.Request(self.at("/ok/raise-midway"), callback=self.parse_raise_midway)
+
+    def parse_raise_now(self, response: Any) -> Any:
+        raise KeyError("no such thing")  # a plain function: raises when called
+
+    def parse_raise_first(self, response: Any) -> Any:
+        if response.status == 200:
+            raise ValueError("before the first yield")
+        yield {"key": "never"}
+
+    def parse_raise_midway(self, response: Any) -> Any:
+        yield {"key": "midway-1"}
+        yield response.follow("/ok/before-raise", callback=self.parse_child)
+        yield {"key": "midway-2"}
+        raise RuntimeError("midway")
+
+    def parse_child(self, response: Any) -> Any:
+        yield {"key": path_of(response)}
+
+
+@deferred_f_from_coro_f
+async def test_callback_raising_before_its_first_yield_and_midway(
+    site: PathsSite, db_path: Path
+) -> None:
+    crawler = await run_crawl(CallbackErrorSpider, settings(db_path), url=site.url)
+    assert finish_reason(crawler) == "finished"
+    assert frontier(db_path, site) == {
+        "/ok/raise-now": ("failed", "spider_error/KeyError", 1),
+        "/ok/raise-first": ("failed", "spider_error/ValueError", 1),
+        "/ok/raise-midway": ("failed", "spider_error/RuntimeError", 1),
+        "/ok/before-raise": ("done", None, 1),  # yielded before the raise: kept
+    }
+    assert_nothing_leased(db_path)
+    # what was yielded before the raise is stored, with the request that produced it
+    assert record_owner(db_path, site) == {
+        "midway-1": "/ok/raise-midway", "midway-2": "/ok/raise-midway",
+        "/ok/before-raise": "/ok/before-raise",
+    }
+    stats = istats(crawler)
+    assert stats["requests/failed"] == 3
+    assert stats["failed/spider_error/KeyError"] == 1
+    assert stats["failed/spider_error/ValueError"] == 1
+    assert stats["failed/spider_error/RuntimeError"] == 1
+    assert stats["requests/done"] == 1
+    assert stats["records/inserted"] == 3
+    assert all(n == 1 for n in site.counts_by_path().values())
+
+
+# -- download errors --------------------------------------------------------------------------
+
+
+class DownloadErrorSpider(PathSpider):
+    """One request that fails to download (``target``), one that works; an errback that
+    yields a failure item, when ``use_errback``."""
+
+    def __init__(self, url: str, target: str, use_errback: bool, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self.target = target
+        self.use_errback = use_errback
+        self.errback_calls: list[str] = []
+        self.errback_items: list[dict[str, Any]] = []
+
+    async def start(self) -> Any:
+        yield scrapy.Request(self.target, callback=self.parse,
+                             errback=self.on_error if self.use_errback else None)
+        yield scrapy.Request(self.at("/ok/control"))
+
+    def parse(self, response: Any) -> Any:
+        yield {"key": path_of(response)}
+
+    def on_error(self, failure: Any) -> Any:
+        self.errback_calls.append(type(failure.value).__name__)
+        item = {"key": f"failure:{failure.request.url}", "error": type(failure.value).__name__}
+        self.errback_items.append(item)
+        yield item
+
+
+@pytest.mark.parametrize("use_errback", [False, True], ids=["no-errback", "errback"])
+@pytest.mark.parametrize(("kind", "error"), [
+    ("refused", "DownloadConnectionRefusedError"),
+    ("reset", None),
+    ("timeout", "DownloadTimeoutError"),
+])
+@deferred_f_from_coro_f
+async def test_download_error_ends_failed_after_its_retries(
+    site: PathsSite, db_path: Path, kind: str, error: str | None, use_errback: bool
+) -> None:
+    target = {
+        "refused": f"http://127.0.0.1:{free_port()}/ok/nobody-home",
+        "reset": f"{site.url}/reset/x",
+        "timeout": f"{site.url}/slow/1.5/x",
+    }[kind]
+    crawler = await run_crawl(DownloadErrorSpider, settings(
+        db_path, RETRY_ENABLED=True, RETRY_TIMES=1, DOWNLOAD_TIMEOUT=0.5,
+    ), url=site.url, target=target, use_errback=use_errback)
+    spider = crawler.spider
+    assert finish_reason(crawler) == "finished"
+    found = {url if "://" in url else site.url + url: state
+             for url, state in frontier(db_path, site).items()}
+    state, error_kind, attempts = found[target]
+    assert state == "failed"
+    assert error_kind is not None and error_kind.startswith("download_error/")
+    if error is not None:
+        assert error_kind == f"download_error/{error}"
+    assert attempts == 2  # RETRY_TIMES=1: one retry, the same entry continued
+    assert found[f"{site.url}/ok/control"] == ("done", None, 1)
+    assert len(found) == 2
+    assert_nothing_leased(db_path)
+    stats = istats(crawler)
+    assert stats["requests/failed"] == 1
+    assert stats[f"failed/{error_kind}"] == 1
+    assert stats["requests/retried"] == 1
+    assert stats["requests/continued"] == 1
+    assert stats["requests/leased"] == 3
+    assert stats["requests/repeated"] == 1
+    assert crawler.stats.get_value("retry/count") == 1
+    stored = records(db_path)
+    if use_errback:
+        # the errback runs once per final failure; its item bypassed the spider
+        # middlewares, still got a record ID and is stored with the failed request
+        assert len(spider.errback_calls) == 1
+        failure_key = f"failure:{target}"
+        assert set(stored) == {"/ok/control", failure_key}
+        assert stored[failure_key]["error"] == spider.errback_calls[0]
+        assert len(spider.errback_items[0]["record_id"]) == 32
+        owners = record_owner(db_path, site)
+        assert owners[failure_key] in (target, target.removeprefix(site.url))
+        assert stats["records/inserted"] == 2
+    else:
+        assert set(stored) == {"/ok/control"}
+        assert stats["records/inserted"] == 1
+    if kind != "refused":
+        assert site.hits(target.removeprefix(site.url)) == 2
+
+
+# -- HTTP errors ---------------------------------------------------------------------------
+
+
+class HttpErrorSpider(PathSpider):
+    def __init__(self, url: str, path: str, use_errback: bool, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self.path = path
+        self.use_errback = use_errback
+        self.errback_calls: list[int] = []
+
+    async def start(self) -> Any:
+        yield scrapy.Request(self.at(self.path),
+                             errback=self.on_error if self.use_errback else None)
+
+    def parse(self, response: Any) -> Any:
+        yield {"key": f"page:{path_of(response)}", "status": response.status}
+
+    def on_error(self, failure: Any) -> Any:
+        status = failure.value.response.status
+        self.errback_calls.append(status)
+        yield {"key": f"failure:{path_of(failure.value.response)}", "status": status}
+
+
+@pytest.mark.parametrize("use_errback", [False, True], ids=["no-errback", "errback"])
+@pytest.mark.parametrize("code", [404, 500])
+@deferred_f_from_coro_f
+async def test_http_error_ends_failed(
+    site: PathsSite, db_path: Path, code: int, use_errback: bool
+) -> None:
+    path = f"/status/{code}/x"
+    crawler = await run_crawl(HttpErrorSpider, settings(
+        db_path, RETRY_ENABLED=True, RETRY_TIMES=1,
+    ), url=site.url, path=path, use_errback=use_errback)
+    assert finish_reason(crawler) == "finished"
+    attempts = 2 if code == 500 else 1  # 500 is retried once, 404 is not
+    assert frontier(db_path, site) == {path: ("failed", "http_status", attempts)}
+    assert_nothing_leased(db_path)
+    assert site.hits(path) == attempts
+    stats = istats(crawler)
+    assert stats["requests/failed"] == 1
+    assert stats["failed/http_status"] == 1
+    assert "requests/done" not in stats
+    if use_errback:
+        assert crawler.spider.errback_calls == [code]
+        assert set(records(db_path)) == {f"failure:{path}"}
+        assert record_owner(db_path, site) == {f"failure:{path}": path}
+        assert stats["records/inserted"] == 1
+    else:
+        assert records(db_path) == {}
+        assert "records/inserted" not in stats
+
+
+@deferred_f_from_coro_f
+async def test_http_error_allowed_by_httperror_allowed_codes_is_done(
+    site: PathsSite, db_path: Path
+) -> None:
+    path = "/status/404/allowed"
+    crawler = await run_crawl(HttpErrorSpider, settings(
+        db_path, HTTPERROR_ALLOWED_CODES=[404],
+    ), url=site.url, path=path, use_errback=True)
+    assert finish_reason(crawler) == "finished"
+    assert frontier(db_path, site) == {path: ("done", None, 1)}
+    assert_nothing_leased(db_path)
+    assert records(db_path)[f"page:{path}"]["status"] == 404
+    assert crawler.spider.errback_calls == []
+    stats = istats(crawler)
+    assert stats["requests/done"] == 1
+    assert stats["records/inserted"] == 1
+    assert "requests/failed" not in stats
