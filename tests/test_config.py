@@ -1,0 +1,239 @@
+"""``IDEMPOTENT_*`` settings (``scrapy_idempotent.config``): defaults, validation, overrides."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar
+
+import pytest
+import scrapy
+from scrapy.settings import Settings
+from scrapy.utils.misc import build_from_crawler, load_object
+from scrapy.utils.test import get_crawler
+
+from scrapy_idempotent import IdempotentScheduler
+from scrapy_idempotent.config import DEFAULT_URL_IGNORE_PARAMS, IdempotentConfig
+from scrapy_idempotent.exceptions import ConfigError
+
+
+class XSpider(scrapy.Spider):
+    name = "x"
+
+
+class KeyedSpider(scrapy.Spider):
+    name = "keyed"
+    idempotent_natural_keys: ClassVar[dict[str, Any]] = {"Product": ["id"],
+                                                         "Review": "review_id"}
+
+
+@pytest.fixture(autouse=True)
+def _no_project(tmp_path, monkeypatch):
+    """Resolve the default database path outside any Scrapy project, creating nothing here."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SCRAPY_SETTINGS_MODULE", raising=False)
+
+
+def config(values: dict[str, Any] | None = None,
+           spider: scrapy.Spider | None = None) -> IdempotentConfig:
+    return IdempotentConfig.from_settings(Settings(values or {}), spider or XSpider())
+
+
+def test_defaults():
+    cfg = config()
+    assert cfg.database_path.replace(os.sep, "/").endswith("idempotent/x.sqlite3")
+    assert cfg == IdempotentConfig(
+        database_path=cfg.database_path,
+        lease_seconds=60.0,
+        lease_batch=8,
+        run_mode="auto",
+        natural_keys={},
+        source="x",
+        record_id_field="record_id",
+        volatile_fields=frozenset(),
+        url_ignore_params=DEFAULT_URL_IGNORE_PARAMS,
+        max_attempts=10,
+        synchronous="NORMAL",
+        busy_timeout_seconds=10.0,
+        request_classes=(),
+        log_interval_seconds=60.0,
+    )
+
+
+def test_default_database_path_creates_nothing(tmp_path):
+    config()
+    assert os.listdir(tmp_path) == []
+
+
+def test_database_spider_placeholder(tmp_path):
+    cfg = config({"IDEMPOTENT_DATABASE": str(tmp_path / "db" / "{spider}-frontier.sqlite3")})
+    assert cfg.database_path == str(tmp_path / "db" / "x-frontier.sqlite3")
+
+
+def test_database_path_object(tmp_path):
+    assert config({"IDEMPOTENT_DATABASE": tmp_path / "f.db"}).database_path == str(
+        tmp_path / "f.db")
+
+
+def test_values_given_as_strings_on_the_command_line():
+    cfg = config({
+        "IDEMPOTENT_LEASE_SECONDS": "30",
+        "IDEMPOTENT_LEASE_BATCH": "4",
+        "IDEMPOTENT_MAX_ATTEMPTS": "3",
+        "IDEMPOTENT_SYNCHRONOUS": "full",
+        "IDEMPOTENT_RUN_MODE": "fresh",
+        "IDEMPOTENT_VOLATILE_FIELDS": "seen_at, scraped_at",
+        "IDEMPOTENT_URL_IGNORE_PARAMS": "utm_*,sid",
+        "IDEMPOTENT_SOURCE": "shop-eu",
+        "IDEMPOTENT_RECORD_ID_FIELD": "",
+    })
+    assert (cfg.lease_seconds, cfg.lease_batch, cfg.max_attempts) == (30.0, 4, 3)
+    assert cfg.synchronous == "FULL"
+    assert cfg.run_mode == "fresh"
+    assert cfg.volatile_fields == frozenset({"seen_at", "scraped_at"})
+    assert cfg.url_ignore_params == ("utm_*", "sid")
+    assert cfg.source == "shop-eu"
+    assert cfg.record_id_field is None
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("IDEMPOTENT_LEASE_SECONDS", 0),
+        ("IDEMPOTENT_LEASE_SECONDS", -1),
+        ("IDEMPOTENT_LEASE_SECONDS", "abc"),
+        ("IDEMPOTENT_LEASE_SECONDS", True),
+        ("IDEMPOTENT_LEASE_BATCH", 0),
+        ("IDEMPOTENT_LEASE_BATCH", 1.5),
+        ("IDEMPOTENT_RUN_MODE", "bogus"),
+        ("IDEMPOTENT_NATURAL_KEYS", "notjson"),
+        ("IDEMPOTENT_NATURAL_KEYS", {"A": 3}),
+        ("IDEMPOTENT_NATURAL_KEYS", {"A": []}),
+        ("IDEMPOTENT_NATURAL_KEYS", {"A": ["sku", ""]}),
+        ("IDEMPOTENT_SYNCHRONOUS", "OFF"),
+        ("IDEMPOTENT_MAX_ATTEMPTS", 0),
+        ("IDEMPOTENT_MAX_ATTEMPTS", 2.5),
+        ("IDEMPOTENT_VOLATILE_FIELDS", [1]),
+        ("IDEMPOTENT_VOLATILE_FIELDS", [""]),
+        ("IDEMPOTENT_URL_IGNORE_PARAMS", 5),
+        ("IDEMPOTENT_REQUEST_CLASSES", [None]),
+        ("IDEMPOTENT_SOURCE", "  "),
+        ("IDEMPOTENT_RECORD_ID_FIELD", 3),
+        ("IDEMPOTENT_DATABASE", 3),
+        ("IDEMPOTENT_BUSY_TIMEOUT_SECONDS", -1),
+        ("IDEMPOTENT_LOG_INTERVAL_SECONDS", "often"),
+    ],
+)
+def test_bad_value_raises_config_error_naming_setting_and_value(name, value):
+    with pytest.raises(ConfigError) as caught:
+        config({name: value})
+    assert caught.value.setting == name
+    assert caught.value.value == value
+    assert str(caught.value).startswith(f"{name}={value!r} is not valid: ")
+    assert caught.value.allowed in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "allowed"),
+    [
+        ("IDEMPOTENT_LEASE_SECONDS", 0, "a number >= 1"),
+        ("IDEMPOTENT_LEASE_BATCH", 1.5, "an integer >= 1"),
+        ("IDEMPOTENT_MAX_ATTEMPTS", 0, "an integer >= 1"),
+        ("IDEMPOTENT_RUN_MODE", "bogus", "one of auto, resume, fresh"),
+    ],
+)
+def test_config_error_says_what_is_allowed(name, value, allowed):
+    with pytest.raises(ConfigError) as caught:
+        config({name: value})
+    assert str(caught.value) == f"{name}={value!r} is not valid: {allowed}"
+
+
+@pytest.mark.parametrize("text", ['["sku"]', '{"Product": 3}'])
+def test_natural_keys_json_string_of_the_wrong_shape_is_reported_as_given(text):
+    # the value named is the one found in the settings (the string given with -s)
+    with pytest.raises(ConfigError) as caught:
+        config({"IDEMPOTENT_NATURAL_KEYS": text})
+    assert caught.value.value == text
+    assert str(caught.value).startswith(f"IDEMPOTENT_NATURAL_KEYS={text!r} is not valid: ")
+
+
+def test_config_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        config({"IDEMPOTENT_LEASE_BATCH": 0})
+
+
+def test_natural_keys_dict():
+    cfg = config({"IDEMPOTENT_NATURAL_KEYS": {"shop.items.Product": "sku",
+                                              "Review": ["sku", "author"], "*": ("url",)}})
+    assert cfg.natural_keys == {"shop.items.Product": ("sku",), "Review": ("sku", "author"),
+                                "*": ("url",)}
+
+
+def test_natural_keys_json_string():
+    cfg = config({"IDEMPOTENT_NATURAL_KEYS": '{"Product": "sku", "Review": ["sku", "author"]}'})
+    assert cfg.natural_keys == {"Product": ("sku",), "Review": ("sku", "author")}
+
+
+def test_natural_keys_class_as_key():
+    cfg = config({"IDEMPOTENT_NATURAL_KEYS": {XSpider: "sku"}})
+    assert cfg.natural_keys == {f"{__name__}.XSpider": ("sku",)}
+
+
+def test_spider_attribute_overrides_setting_entries():
+    cfg = config(
+        {"IDEMPOTENT_NATURAL_KEYS": {"Product": "sku", "Offer": "offer_id"}},
+        KeyedSpider(),
+    )
+    assert cfg.natural_keys == {"Product": ("id",), "Offer": ("offer_id",),
+                                "Review": ("review_id",)}
+
+
+def test_bad_spider_attribute_names_the_attribute():
+    class BadSpider(scrapy.Spider):
+        name = "bad"
+        idempotent_natural_keys: ClassVar[list[str]] = ["sku"]
+
+    with pytest.raises(ConfigError) as caught:
+        config({}, BadSpider())
+    assert caught.value.setting == "BadSpider.idempotent_natural_keys"
+    assert str(caught.value).startswith("BadSpider.idempotent_natural_keys=['sku'] is not valid")
+
+
+def test_source_defaults_to_the_spider_name():
+    assert config({}, KeyedSpider()).source == "keyed"
+    assert config({"IDEMPOTENT_SOURCE": "shop"}, KeyedSpider()).source == "shop"
+
+
+def test_config_is_frozen():
+    cfg = config()
+    with pytest.raises(AttributeError):
+        cfg.lease_seconds = 5.0  # type: ignore[misc]
+
+
+# -- a bad setting stops the crawl before it starts -----------------------------------------
+
+
+def scheduler_for(settings: dict[str, Any]) -> Any:
+    """Build the scheduler the way a crawl does: the crawler creates the spider, applies
+    the settings (add-ons included), then the engine builds ``SCHEDULER`` from the crawler."""
+    crawler = get_crawler(XSpider, {"ADDONS": {"scrapy_idempotent.Addon": 0}, **settings})
+    crawler.spider = crawler._create_spider()
+    scheduler_cls = load_object(crawler.settings["SCHEDULER"])
+    assert scheduler_cls is IdempotentScheduler
+    return build_from_crawler(scheduler_cls, crawler)
+
+
+def test_good_settings_build_the_scheduler(tmp_path):
+    scheduler = scheduler_for({"IDEMPOTENT_DATABASE": str(tmp_path / "{spider}.sqlite3"),
+                               "IDEMPOTENT_LEASE_SECONDS": 5})
+    assert isinstance(scheduler, IdempotentScheduler)
+    assert scheduler.config.lease_seconds == 5.0
+    assert scheduler.config.database_path == str(tmp_path / "x.sqlite3")
+    assert os.listdir(tmp_path) == []  # nothing opened before the crawl starts
+
+
+def test_bad_setting_stops_the_crawl_before_it_starts(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        scheduler_for({"IDEMPOTENT_DATABASE": str(tmp_path / "{spider}.sqlite3"),
+                       "IDEMPOTENT_LEASE_SECONDS": -1})
+    assert str(caught.value).startswith("IDEMPOTENT_LEASE_SECONDS=-1 is not valid")
+    assert os.listdir(tmp_path) == []

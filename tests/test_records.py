@@ -1,0 +1,435 @@
+"""Record identity (``scrapy_idempotent.records``): page keys, natural keys, record IDs, hashes."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import decimal
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import scrapy
+
+from scrapy_idempotent.codec import loads
+from scrapy_idempotent.config import DEFAULT_URL_IGNORE_PARAMS
+from scrapy_idempotent.exceptions import MissingNaturalKey
+from scrapy_idempotent.records import URL_KEY, RecordIdentity, item_type_name, page_key
+
+try:
+    import attrs
+except ImportError:  # pragma: no cover - attrs comes with Twisted, but is optional here
+    attrs = None
+
+
+class ProductItem(scrapy.Item):
+    sku = scrapy.Field()
+    name = scrapy.Field()
+    price = scrapy.Field()
+    seen_at = scrapy.Field()
+    variant = scrapy.Field()
+    record_id = scrapy.Field()
+
+
+class BookItem(ProductItem):
+    isbn = scrapy.Field()
+
+
+class VariantItem(scrapy.Item):
+    color = scrapy.Field()
+    stock = scrapy.Field()
+
+
+@dataclasses.dataclass
+class ProductData:
+    sku: Any
+    name: str = ""
+
+
+if attrs is not None:
+
+    @attrs.define
+    class ProductAttrs:
+        sku: Any
+        name: str = ""
+
+
+def identity(natural_keys: dict[str, Any] | None = None, **options: Any) -> RecordIdentity:
+    keys = {"*": ("sku",)} if natural_keys is None else natural_keys
+    options.setdefault("source", "shop")
+    options.setdefault("url_ignore_params", DEFAULT_URL_IGNORE_PARAMS)
+    return RecordIdentity(natural_keys=keys, **options)
+
+
+def expected_id(source: str, key_values: list[str]) -> str:
+    """The documented formula: sha256 of the canonical JSON of [source, key values], 32 hex."""
+    text = json.dumps([source, key_values], ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+
+
+def record_id_of(ident: RecordIdentity, item: Any, page_url: str | None = None) -> str:
+    return ident.record_id(ident.natural_key(item, page_url))
+
+
+# -- page_key -------------------------------------------------------------------------------
+
+
+def pk(url: str) -> str:
+    return page_key(url, DEFAULT_URL_IGNORE_PARAMS)
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("https://shop.example/p/1?utm_source=news&utm_medium=mail&utm_campaign=x&id=7",
+         "https://shop.example/p/1?id=7"),
+        ("https://shop.example/p/1?gclid=EAIa&id=7", "https://shop.example/p/1?id=7"),
+        ("https://shop.example/p/1?id=7&fbclid=IwAR", "https://shop.example/p/1?id=7"),
+        ("https://shop.example/p/1;jsessionid=0A1B2C?id=7", "https://shop.example/p/1?id=7"),
+        ("https://shop.example/p/1;JSESSIONID=0A1B2C", "https://shop.example/p/1"),
+        ("https://shop.example/c;jsessionid=9/p/1", "https://shop.example/c/p/1"),
+        ("https://shop.example/p/1?sid=99&id=7", "https://shop.example/p/1?id=7"),
+        ("https://shop.example/p/1?PHPSESSID=abc&id=7", "https://shop.example/p/1?id=7"),
+        ("https://shop.example/p/1?UTM_Source=x&id=7", "https://shop.example/p/1?id=7"),
+        ("https://shop.example/p/1#reviews", "https://shop.example/p/1"),
+        ("https://shop.example/p/1?utm_source=x#reviews", "https://shop.example/p/1"),
+        ("https://shop.example/list?b=2&a=1", "https://shop.example/list?a=1&b=2"),
+        # other parameters are kept: exact names, and prefixes only where the pattern says so
+        ("https://shop.example/list?side=left&utm=1&ref_id=5&page=2&sidebar=0",
+         "https://shop.example/list?page=2&ref_id=5&side=left&sidebar=0&utm=1"),
+        ("https://shop.example/p;v=2", "https://shop.example/p;v=2"),
+    ],
+)
+def test_page_key(url, expected):
+    assert pk(url) == expected
+
+
+def test_page_key_is_query_order_insensitive():
+    assert pk("https://shop.example/list?page=2&sort=price&utm_source=x") == pk(
+        "https://shop.example/list?utm_source=y&sort=price&page=2")
+
+
+def test_page_key_without_ignore_params_only_canonicalizes():
+    assert page_key("https://shop.example/p?utm_source=x&b=1#f", ()) == (
+        "https://shop.example/p?b=1&utm_source=x")
+
+
+def test_page_key_custom_ignore_params():
+    assert page_key("https://shop.example/p?trk=1&trk_id=2&page=3", ["trk"]) == (
+        "https://shop.example/p?page=3&trk_id=2")
+    assert page_key("https://shop.example/p?trk=1&trk_id=2&page=3", ["trk*"]) == (
+        "https://shop.example/p?page=3")
+
+
+def test_page_key_keeps_repeated_parameters_when_a_tracking_parameter_is_removed():
+    # two different pages (a filter on two colours vs one) must not become one key
+    plain = pk("https://shop.example/list?color=red&color=blue")
+    assert plain == "https://shop.example/list?color=blue&color=red"
+    assert pk("https://shop.example/list?color=red&color=blue&utm_source=news") == plain
+    assert pk("https://shop.example/list?color=red&utm_source=news") != plain
+
+
+def test_page_key_removes_tracking_parameters_whose_names_need_quoting():
+    assert pk("https://shop.example/p/1?utm_content[0]=banner&id=7") == (
+        "https://shop.example/p/1?id=7")
+
+
+# -- natural keys and record IDs ------------------------------------------------------------
+
+
+def test_record_id_is_the_documented_hash():
+    ident = identity()
+    assert ident.natural_key({"sku": "A-1"}, None) == ["A-1"]
+    assert ident.record_id(["A-1"]) == expected_id("shop", ["A-1"])
+    assert len(ident.record_id(["A-1"])) == 32
+
+
+def test_record_id_is_deterministic():
+    assert record_id_of(identity(), {"sku": "A-1"}) == record_id_of(identity(), {"sku": "A-1"})
+
+
+def _item_factories() -> list[Any]:
+    factories = [
+        pytest.param(lambda sku: {"sku": sku, "name": "Shoe"}, id="dict"),
+        pytest.param(lambda sku: ProductItem(sku=sku, name="Shoe"), id="scrapy-item"),
+        pytest.param(lambda sku: ProductData(sku=sku, name="Shoe"), id="dataclass"),
+    ]
+    factories.append(pytest.param(
+        (lambda sku: ProductAttrs(sku=sku, name="Shoe")) if attrs is not None else None,
+        id="attrs",
+        marks=pytest.mark.skipif(attrs is None, reason="attrs is not installed"),
+    ))
+    return factories
+
+
+@pytest.mark.parametrize("make_item", _item_factories())
+def test_record_id_is_the_same_for_every_item_kind(make_item):
+    ident = identity()
+    item = make_item("A-1")
+    assert ident.natural_key(item, None) == ["A-1"]
+    assert ident.record_id(ident.natural_key(item, None)) == expected_id("shop", ["A-1"])
+
+
+def test_record_id_is_the_same_in_another_process():
+    code = (
+        "from scrapy_idempotent.records import RecordIdentity\n"
+        "ident = RecordIdentity(source='shop', natural_keys={'*': ('sku', 'region')})\n"
+        "print(ident.record_id(ident.natural_key({'sku': 'A-1', 'region': 'eu'}, None)))\n"
+    )
+    ours = record_id_of(identity({"*": ("sku", "region")}), {"sku": "A-1", "region": "eu"})
+    for seed in ("0", "4242"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=env, check=True, timeout=60)
+        assert out.stdout.strip() == ours
+    assert ours == expected_id("shop", ["A-1", "eu"])
+
+
+@pytest.mark.parametrize("value", [123, "123", " 123 ", "123\n", "\t123"])
+def test_int_and_padded_string_keys_are_equal(value):
+    ident = identity()
+    assert ident.natural_key({"sku": value}, None) == ["123"]
+    assert record_id_of(ident, {"sku": value}) == expected_id("shop", ["123"])
+
+
+def test_different_sources_give_different_ids():
+    item = {"sku": "A-1"}
+    ids = {record_id_of(identity(source=source), item) for source in ("shop", "shop-eu", "")}
+    assert len(ids) == 3
+
+
+def test_different_keys_give_different_ids():
+    ident = identity()
+    assert record_id_of(ident, {"sku": "A-1"}) != record_id_of(ident, {"sku": "A-2"})
+
+
+def test_key_field_order_matters_for_compound_keys():
+    ident = identity({"*": ("sku", "region")})
+    assert ident.natural_key({"region": "eu", "sku": "A-1"}, None) == ["A-1", "eu"]
+
+
+# -- which fields make the key --------------------------------------------------------------
+
+
+def test_key_fields_by_module_and_class_name():
+    ident = identity({f"{__name__}.ProductItem": ("sku",)})
+    assert ident.key_fields(ProductItem(sku="A")) == ("sku",)
+    assert ident.key_fields({"sku": "A"}) is None
+
+
+def test_key_fields_by_class_name():
+    ident = identity({"ProductData": ("sku", "name")})
+    assert ident.key_fields(ProductData(sku="A")) == ("sku", "name")
+    assert ident.key_fields(ProductItem(sku="A")) is None
+
+
+def test_key_fields_by_star_for_any_type():
+    ident = identity({"*": ("sku",), "ProductData": ("name",)})
+    assert ident.key_fields({"sku": "A"}) == ("sku",)
+    assert ident.key_fields(ProductItem(sku="A")) == ("sku",)
+    assert ident.key_fields(ProductData(sku="A")) == ("name",)
+
+
+def test_key_fields_for_dict_items():
+    assert identity({"dict": ("sku",)}).key_fields({"sku": "A"}) == ("sku",)
+
+
+def test_key_fields_via_a_base_class():
+    ident = identity({"ProductItem": ("sku",)})
+    assert ident.key_fields(BookItem(sku="A", isbn="978")) == ("sku",)
+
+
+def test_key_fields_of_the_class_itself_win_over_its_base():
+    ident = identity({"ProductItem": ("sku",), f"{__name__}.BookItem": ("isbn",)})
+    assert ident.key_fields(BookItem(sku="A", isbn="978")) == ("isbn",)
+    assert ident.natural_key(BookItem(sku="A", isbn=" 978 "), None) == ["978"]
+    assert ident.key_fields(ProductItem(sku="A")) == ("sku",)
+
+
+def test_key_fields_of_a_base_class_win_over_star():
+    ident = identity({"*": ("name",), "ProductItem": ("sku",)})
+    assert ident.key_fields(BookItem(sku="A")) == ("sku",)
+
+
+# -- missing keys ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "item",
+    [{"name": "x"}, {"sku": None, "name": "x"}, {"sku": ""}, {"sku": "   "}],
+    ids=["missing", "none", "empty", "blank"],
+)
+def test_missing_key_names_the_item_type_and_the_field(item):
+    with pytest.raises(MissingNaturalKey) as caught:
+        identity().natural_key(item, "https://shop.example/p/1")
+    assert caught.value.item_type == "dict"
+    assert caught.value.field == "sku"
+    assert str(caught.value) == "dict item has no natural key: field 'sku' is missing or empty"
+
+
+def test_missing_key_of_a_scrapy_item():
+    with pytest.raises(MissingNaturalKey) as caught:
+        identity({"ProductItem": ("sku",)}).natural_key(ProductItem(name="x"), None)
+    assert str(caught.value) == (
+        f"{__name__}.ProductItem item has no natural key: field 'sku' is missing or empty")
+
+
+def test_missing_second_key_field_is_named():
+    with pytest.raises(MissingNaturalKey) as caught:
+        identity({"*": ("sku", "region")}).natural_key({"sku": "A", "region": None}, None)
+    assert caught.value.field == "region"
+
+
+@pytest.mark.parametrize("empty", [[], {}, ()], ids=["list", "dict", "tuple"])
+def test_empty_container_key_is_missing(empty):
+    # every item whose key field holds an empty list would otherwise share one record ID
+    with pytest.raises(MissingNaturalKey) as caught:
+        identity().natural_key({"sku": empty}, None)
+    assert caught.value.field == "sku"
+
+
+def test_missing_natural_key_is_a_key_error_with_a_readable_message():
+    error = MissingNaturalKey("dict", "sku")
+    assert isinstance(error, KeyError)
+    assert str(error) == "dict item has no natural key: field 'sku' is missing or empty"
+
+
+# -- the page URL as the key ----------------------------------------------------------------
+
+
+def test_without_configured_key_the_page_url_is_the_key():
+    ident = identity({})
+    key = ident.natural_key({"name": "x"}, "https://shop.example/p/1?utm_source=x&id=7#top")
+    assert key == ["https://shop.example/p/1?id=7"]
+    assert ident.record_id(key) == expected_id("shop", ["https://shop.example/p/1?id=7"])
+
+
+def test_page_url_key_same_for_tracking_variants():
+    ident = identity({})
+    assert record_id_of(ident, {}, "https://shop.example/p?id=1&gclid=z") == record_id_of(
+        ident, {}, "https://shop.example/p?id=1")
+
+
+@pytest.mark.parametrize("url", [None, ""])
+def test_page_url_key_without_url_is_missing(url):
+    with pytest.raises(MissingNaturalKey) as caught:
+        identity({}).natural_key(ProductItem(sku="A"), url)
+    assert caught.value.item_type == f"{__name__}.ProductItem"
+    assert caught.value.field == URL_KEY
+    assert "IDEMPOTENT_NATURAL_KEYS" in str(caught.value)
+
+
+# -- record() -------------------------------------------------------------------------------
+
+
+def product(**fields: Any) -> ProductItem:
+    values = {
+        "record_id": "to-be-removed",
+        "sku": "A1",
+        "name": "Shoe",
+        "price": decimal.Decimal("9.90"),
+        "seen_at": datetime.datetime(2024, 5, 1, 10, 0),
+        "variant": VariantItem(color="red", stock=3),
+    }
+    values.update(fields)
+    return ProductItem(**values)
+
+
+def sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def test_record_fields():
+    ident = identity(volatile_fields=["seen_at"])
+    item = product()
+    key = ident.natural_key(item, None)
+    record = ident.record(item, ident.record_id(key), key)
+    assert record.record_id == expected_id("shop", ["A1"])
+    assert record.source == "shop"
+    assert record.natural_key == '["A1"]'
+    assert record.item_type == f"{__name__}.ProductItem"
+    assert record.data == (
+        '{"name":"Shoe","price":{"$decimal":"9.90"},"seen_at":{"$datetime":"2024-05-01T10:00:00"},'
+        '"sku":"A1","variant":{"color":"red","stock":3}}'
+    )
+    assert record.content_hash == sha256(
+        '{"name":"Shoe","price":{"$decimal":"9.90"},"sku":"A1",'
+        '"variant":{"color":"red","stock":3}}'
+    )
+
+
+def test_record_data_decodes_to_the_item_values():
+    ident = identity()
+    record = ident.record(product(), "id", ["A1"])
+    assert loads(record.data) == {
+        "name": "Shoe",
+        "price": decimal.Decimal("9.90"),
+        "seen_at": datetime.datetime(2024, 5, 1, 10, 0),
+        "sku": "A1",
+        "variant": {"color": "red", "stock": 3},
+    }
+
+
+def test_record_id_field_is_not_in_the_data():
+    ident = identity()
+    with_id = ident.record(product(record_id="abc"), "id", ["A1"])
+    without_id = ident.record({k: v for k, v in dict(product()).items() if k != "record_id"},
+                              "id", ["A1"])
+    assert "record_id" not in loads(with_id.data)
+    assert with_id.data == without_id.data
+    assert with_id.content_hash == without_id.content_hash
+
+
+def test_record_id_field_none_keeps_the_item_unchanged():
+    record = identity(record_id_field=None).record({"sku": "A1", "record_id": "x"}, "id", ["A1"])
+    assert loads(record.data) == {"sku": "A1", "record_id": "x"}
+
+
+def test_volatile_fields_do_not_change_the_hash():
+    ident = identity(volatile_fields=["seen_at"])
+    first = ident.record(product(seen_at=datetime.datetime(2024, 5, 1)), "id", ["A1"])
+    later = ident.record(product(seen_at=datetime.datetime(2024, 6, 1)), "id", ["A1"])
+    assert first.content_hash == later.content_hash
+    assert first.data != later.data
+    assert loads(later.data)["seen_at"] == datetime.datetime(2024, 6, 1)
+
+
+def test_non_volatile_changes_change_the_hash():
+    ident = identity(volatile_fields=["seen_at"])
+    base = ident.record(product(), "id", ["A1"]).content_hash
+    assert ident.record(product(price=decimal.Decimal("9.91")), "id", ["A1"]).content_hash != base
+    assert ident.record(product(price=decimal.Decimal("9.9")), "id", ["A1"]).content_hash != base
+    assert ident.record(product(variant={"color": "blue", "stock": 3}), "id",
+                        ["A1"]).content_hash != base
+
+
+def test_without_volatile_fields_every_field_is_hashed():
+    ident = identity()
+    first = ident.record(product(seen_at=datetime.datetime(2024, 5, 1)), "id", ["A1"])
+    later = ident.record(product(seen_at=datetime.datetime(2024, 6, 1)), "id", ["A1"])
+    assert first.content_hash != later.content_hash
+
+
+def test_hash_ignores_field_order():
+    ident = identity()
+    a = ident.record({"sku": "A1", "name": "Shoe"}, "id", ["A1"])
+    b = ident.record({"name": "Shoe", "sku": "A1"}, "id", ["A1"])
+    assert (a.data, a.content_hash) == (b.data, b.content_hash)
+
+
+def test_nested_items_are_stored_as_dicts():
+    ident = identity()
+    record = ident.record({"sku": "A1", "variants": [VariantItem(color="red"),
+                                                     ProductData(sku="B2")]}, "id", ["A1"])
+    assert loads(record.data) == {"sku": "A1", "variants": [{"color": "red"},
+                                                            {"sku": "B2", "name": ""}]}
+
+
+def test_item_type_name():
+    assert item_type_name({}) == "dict"
+    assert item_type_name(ProductItem()) == f"{__name__}.ProductItem"
+    assert item_type_name(ProductData(sku=1)) == f"{__name__}.ProductData"
