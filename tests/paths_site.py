@@ -15,7 +15,8 @@ Routes (``<name>`` is any word, so each test uses distinct URLs):
 * ``/redirect/<code>/<name>?to=<url>``: ``code`` with ``Location: <url>``.
 * ``/refresh/<name>?to=<url>``: 200 HTML with a ``<meta http-equiv="refresh">`` to ``url``.
 * ``/chain/<n>/<name>``: 302 to ``/chain/<n-1>/<name>``; ``/chain/0/<name>`` is 200.
-* ``/echo/<name>``: 200 JSON of what was received: method, path, query, headers, body, cookies.
+* ``/echo/<name>``: 200 JSON of what was received: method, path, query, headers, body (text and
+  base64), cookies.
 * ``/block/<name>``: waits until :meth:`PathsSite.release` (or ``/__release__``), then 200.
 * ``/__stats__``: JSON ``{"by_path": {...}, "by_full_path": {...}}``; ``/__release__``; neither
   is counted.
@@ -27,6 +28,7 @@ connection by itself and the counters are exact.
 
 from __future__ import annotations
 
+import base64
 import json
 import socket
 import struct
@@ -152,6 +154,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "query": split.query,
                 "headers": {k: v for k, v in self.headers.items()},
                 "body": body.decode("utf-8", "replace"),
+                "body_b64": base64.b64encode(body).decode("ascii"),
                 "cookies": {k: m.value for k, m in cookies.items()},
             }), "application/json")
         elif head == "block":

@@ -25,7 +25,7 @@ from scrapy.exceptions import CloseSpider, DropItem
 from scrapy.http import FormRequest, JsonRequest
 from scrapy.utils.defer import deferred_f_from_coro_f
 
-from crawling import crawl_settings, db_rows, run_crawl
+from crawling import crawl_settings, db_rows
 from paths_site import PathsSite, free_port
 
 NATURAL_KEYS = {"dict": "key"}
@@ -96,6 +96,25 @@ def record_owner(db_path: Path, site: PathsSite) -> dict[str, str | None]:
     return owners
 
 
+async def crawl(spidercls: type, settings_dict: dict[str, Any], **kwargs: Any) -> Any:
+    """Like :func:`crawling.run_crawl`, also noting the URLs of requests Scrapy reports as
+    dropped (``request_dropped``: the scheduler refused them) in ``crawler.dropped_urls``."""
+    from scrapy import signals
+    from scrapy.utils.test import get_crawler
+
+    crawler = get_crawler(spidercls, settings_dict)
+    dropped: list[str] = []
+
+    def on_dropped(request: Any, spider: Any) -> None:
+        dropped.append(request.url)
+
+    crawler.dropped_urls = dropped
+    crawler.on_dropped = on_dropped  # signals hold weak references
+    crawler.signals.connect(on_dropped, signals.request_dropped)
+    await crawler.crawl_async(**kwargs)
+    return crawler
+
+
 def istats(crawler: Any) -> dict[str, Any]:
     """The crawl's ``idempotent/...`` stats, without the prefix."""
     return {k.removeprefix("idempotent/"): v for k, v in crawler.stats.get_stats().items()
@@ -150,7 +169,7 @@ class LinksSpider(PathSpider):
 async def test_success_items_and_requests_and_a_page_without_items(
     site: PathsSite, db_path: Path
 ) -> None:
-    crawler = await run_crawl(LinksSpider, settings(db_path), url=site.url)
+    crawler = await crawl(LinksSpider, settings(db_path), url=site.url)
     assert finish_reason(crawler) == "finished"
     assert frontier(db_path, site) == {
         "/ok/home?links=/ok/a,/ok/b,/ok/empty": ("done", None, 1),
@@ -196,7 +215,7 @@ class InterleavedSpider(PathSpider):
 async def test_interleaved_items_and_requests_with_a_slow_pipeline(
     site: PathsSite, db_path: Path
 ) -> None:
-    crawler = await run_crawl(InterleavedSpider, settings(
+    crawler = await crawl(InterleavedSpider, settings(
         db_path, CONCURRENT_ITEMS=2, ITEM_PIPELINES={f"{__name__}.SlowPipeline": 100},
     ), url=site.url)
     assert finish_reason(crawler) == "finished"
@@ -250,7 +269,7 @@ class CallbackErrorSpider(PathSpider):
 async def test_callback_raising_before_its_first_yield_and_midway(
     site: PathsSite, db_path: Path
 ) -> None:
-    crawler = await run_crawl(CallbackErrorSpider, settings(db_path), url=site.url)
+    crawler = await crawl(CallbackErrorSpider, settings(db_path), url=site.url)
     assert finish_reason(crawler) == "finished"
     assert frontier(db_path, site) == {
         "/ok/raise-now": ("failed", "spider_error/KeyError", 1),
@@ -301,6 +320,7 @@ class DownloadErrorSpider(PathSpider):
         item = {"key": f"failure:{failure.request.url}", "error": type(failure.value).__name__}
         self.errback_items.append(item)
         yield item
+        yield scrapy.Request(self.at("/ok/fallback"))  # errback children reach the frontier
 
 
 @pytest.mark.parametrize("use_errback", [False, True], ids=["no-errback", "errback"])
@@ -318,7 +338,7 @@ async def test_download_error_ends_failed_after_its_retries(
         "reset": f"{site.url}/reset/x",
         "timeout": f"{site.url}/slow/1.5/x",
     }[kind]
-    crawler = await run_crawl(DownloadErrorSpider, settings(
+    crawler = await crawl(DownloadErrorSpider, settings(
         db_path, RETRY_ENABLED=True, RETRY_TIMES=1, DOWNLOAD_TIMEOUT=0.5,
     ), url=site.url, target=target, use_errback=use_errback)
     spider = crawler.spider
@@ -332,14 +352,16 @@ async def test_download_error_ends_failed_after_its_retries(
         assert error_kind == f"download_error/{error}"
     assert attempts == 2  # RETRY_TIMES=1: one retry, the same entry continued
     assert found[f"{site.url}/ok/control"] == ("done", None, 1)
-    assert len(found) == 2
+    if use_errback:
+        assert found[f"{site.url}/ok/fallback"] == ("done", None, 1)
+    assert len(found) == (3 if use_errback else 2)
     assert_nothing_leased(db_path)
     stats = istats(crawler)
     assert stats["requests/failed"] == 1
     assert stats[f"failed/{error_kind}"] == 1
     assert stats["requests/retried"] == 1
     assert stats["requests/continued"] == 1
-    assert stats["requests/leased"] == 3
+    assert stats["requests/leased"] == (4 if use_errback else 3)
     assert stats["requests/repeated"] == 1
     assert crawler.stats.get_value("retry/count") == 1
     stored = records(db_path)
@@ -348,12 +370,12 @@ async def test_download_error_ends_failed_after_its_retries(
         # middlewares, still got a record ID and is stored with the failed request
         assert len(spider.errback_calls) == 1
         failure_key = f"failure:{target}"
-        assert set(stored) == {"/ok/control", failure_key}
+        assert set(stored) == {"/ok/control", "/ok/fallback", failure_key}
         assert stored[failure_key]["error"] == spider.errback_calls[0]
         assert len(spider.errback_items[0]["record_id"]) == 32
         owners = record_owner(db_path, site)
         assert owners[failure_key] in (target, target.removeprefix(site.url))
-        assert stats["records/inserted"] == 2
+        assert stats["records/inserted"] == 3
     else:
         assert set(stored) == {"/ok/control"}
         assert stats["records/inserted"] == 1
@@ -391,7 +413,7 @@ async def test_http_error_ends_failed(
     site: PathsSite, db_path: Path, code: int, use_errback: bool
 ) -> None:
     path = f"/status/{code}/x"
-    crawler = await run_crawl(HttpErrorSpider, settings(
+    crawler = await crawl(HttpErrorSpider, settings(
         db_path, RETRY_ENABLED=True, RETRY_TIMES=1,
     ), url=site.url, path=path, use_errback=use_errback)
     assert finish_reason(crawler) == "finished"
@@ -418,7 +440,7 @@ async def test_http_error_allowed_by_httperror_allowed_codes_is_done(
     site: PathsSite, db_path: Path
 ) -> None:
     path = "/status/404/allowed"
-    crawler = await run_crawl(HttpErrorSpider, settings(
+    crawler = await crawl(HttpErrorSpider, settings(
         db_path, HTTPERROR_ALLOWED_CODES=[404],
     ), url=site.url, path=path, use_errback=True)
     assert finish_reason(crawler) == "finished"
@@ -430,3 +452,223 @@ async def test_http_error_allowed_by_httperror_allowed_codes_is_done(
     assert stats["requests/done"] == 1
     assert stats["records/inserted"] == 1
     assert "requests/failed" not in stats
+
+
+# -- retries --------------------------------------------------------------------------------
+
+
+@deferred_f_from_coro_f
+async def test_retry_middleware_503_then_200_continues_the_same_entry(
+    site: PathsSite, db_path: Path
+) -> None:
+    path = "/flaky/1/x"
+    crawler = await crawl(LinksSpider, settings(db_path, RETRY_ENABLED=True, RETRY_TIMES=2),
+                          url=site.url, start_paths=(path,))
+    assert finish_reason(crawler) == "finished"
+    assert frontier(db_path, site) == {path: ("done", None, 2)}  # one row, attempts 2
+    assert_nothing_leased(db_path)
+    assert set(records(db_path)) == {path}
+    assert site.hits(path) == 2
+    stats = istats(crawler)
+    assert stats["requests/retried"] == 1
+    assert stats["requests/continued"] == 1
+    assert stats["requests/done"] == 1
+    assert stats["requests/leased"] == 2
+    assert stats["requests/repeated"] == 1
+    assert stats["records/inserted"] == 1
+    # never refused as a duplicate of itself
+    assert "requests/duplicate" not in stats
+    assert "requests/already_done" not in stats
+    assert crawler.dropped_urls == []
+    assert crawler.stats.get_value("retry/count") == 1
+
+
+class RetryFromCallbackSpider(PathSpider):
+    """The first response of ``/ok/retry-me`` is judged bad by the callback, which asks for
+    a retry with ``get_retry_request``; the second one yields the item."""
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self.calls = 0
+
+    async def start(self) -> Any:
+        yield scrapy.Request(self.at("/ok/retry-me"))
+
+    def parse(self, response: Any) -> Any:
+        self.calls += 1
+        if self.calls == 1:
+            retry = get_retry_request(response.request, spider=self, reason="empty page")
+            assert retry is not None
+            yield retry
+            return
+        yield {"key": path_of(response), "calls": self.calls}
+
+
+@deferred_f_from_coro_f
+async def test_get_retry_request_from_a_callback_continues_the_same_entry(
+    site: PathsSite, db_path: Path
+) -> None:
+    crawler = await crawl(RetryFromCallbackSpider, settings(db_path, RETRY_TIMES=2),
+                          url=site.url)
+    assert finish_reason(crawler) == "finished"
+    assert frontier(db_path, site) == {"/ok/retry-me": ("done", None, 2)}
+    assert_nothing_leased(db_path)
+    assert records(db_path) == {"/ok/retry-me": {"key": "/ok/retry-me", "calls": 2}}
+    assert site.hits("/ok/retry-me") == 2
+    stats = istats(crawler)
+    assert stats["requests/retried"] == 1
+    assert stats["requests/continued"] == 1
+    assert stats["requests/done"] == 1
+    assert stats["records/inserted"] == 1
+    assert "requests/duplicate" not in stats
+    assert crawler.dropped_urls == []
+
+
+# -- redirects --------------------------------------------------------------------------------
+
+
+class RedirectSpider(PathSpider):
+    """``plan``: ``(path, method, body)`` requests to start with; every page (or echo) yields
+    one item keyed by the URL that answered; the errback yields one keyed by the request."""
+
+    def __init__(self, url: str, plan: list[tuple[str, str, bytes]], **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self.plan = plan
+        self.errback_calls: list[str] = []
+
+    async def start(self) -> Any:
+        for path, method, body in self.plan:
+            yield scrapy.Request(self.at(path), method=method, body=body, errback=self.on_error)
+
+    def parse(self, response: Any) -> Any:
+        item: dict[str, Any] = {"key": path_of(response), "status": response.status}
+        if "/echo/" in response.url:
+            echo = response.json()
+            item.update(method=echo["method"], body=echo["body"])
+        yield item
+
+    def on_error(self, failure: Any) -> Any:
+        self.errback_calls.append(failure.request.url.removeprefix(self.base_url))
+        yield {"key": f"failure:{failure.request.url.removeprefix(self.base_url)}",
+               "error": type(failure.value).__name__}
+
+
+@pytest.mark.parametrize("code", [301, 302, 307])
+@deferred_f_from_coro_f
+async def test_http_redirect_ends_redirected_and_the_target_is_crawled(
+    site: PathsSite, db_path: Path, code: int
+) -> None:
+    method, body = ("POST", b"payload=1") if code == 307 else ("GET", b"")
+    source, target = f"/redirect/{code}/r?to=/echo/t{code}", f"/echo/t{code}"
+    crawler = await crawl(RedirectSpider, settings(db_path), url=site.url,
+                          plan=[(source, method, body)])
+    assert finish_reason(crawler) == "finished"
+    assert frontier(db_path, site) == {
+        source: ("redirected", None, 1),
+        target: ("done", None, 1),
+    }
+    assert_nothing_leased(db_path)
+    # the target's item is attributed to the target
+    assert record_owner(db_path, site) == {target: target}
+    stored = records(db_path)[target]
+    assert (stored["method"], stored["body"]) == (method, body.decode())  # 307 keeps the POST
+    assert site.hits(target, method) == 1
+    assert site.hits(f"/redirect/{code}/r") == 1
+    stats = istats(crawler)
+    assert stats["requests/redirected"] == 1
+    assert stats["requests/done"] == 1
+    assert stats["records/inserted"] == 1
+    assert crawler.dropped_urls == []
+
+
+@deferred_f_from_coro_f
+async def test_meta_refresh_ends_redirected_and_the_target_is_crawled(
+    site: PathsSite, db_path: Path
+) -> None:
+    source = "/refresh/m?to=/ok/meta-target"
+    crawler = await crawl(RedirectSpider, settings(db_path), url=site.url,
+                          plan=[(source, "GET", b"")])
+    assert finish_reason(crawler) == "finished"
+    assert frontier(db_path, site) == {
+        source: ("redirected", None, 1),
+        "/ok/meta-target": ("done", None, 1),
+    }
+    assert_nothing_leased(db_path)
+    assert record_owner(db_path, site) == {"/ok/meta-target": "/ok/meta-target"}
+    assert istats(crawler)["requests/redirected"] == 1
+    assert site.hits("/ok/meta-target") == 1
+
+
+class RedirectToDoneSpider(PathSpider):
+    """``/ok/already`` first (higher priority); its callback then links a redirect to it."""
+
+    async def start(self) -> Any:
+        yield scrapy.Request(self.at("/ok/already"), priority=10)
+
+    def parse(self, response: Any) -> Any:
+        yield {"key": path_of(response)}
+        if path_of(response) == "/ok/already":
+            yield scrapy.Request(self.at("/redirect/302/late?to=/ok/already"))
+
+
+@deferred_f_from_coro_f
+async def test_redirect_to_a_url_already_done_is_not_fetched_again(
+    site: PathsSite, db_path: Path
+) -> None:
+    crawler = await crawl(RedirectToDoneSpider, settings(db_path), url=site.url)
+    assert finish_reason(crawler) == "finished"
+    assert frontier(db_path, site) == {
+        "/ok/already": ("done", None, 1),
+        "/redirect/302/late?to=/ok/already": ("redirected", None, 1),
+    }
+    assert_nothing_leased(db_path)
+    assert site.hits("/ok/already") == 1  # no second fetch of the target
+    assert set(records(db_path)) == {"/ok/already"}
+    stats = istats(crawler)
+    assert stats["requests/redirected"] == 1
+    assert stats["requests/done"] == 1
+    assert stats["requests/already_done"] == 1
+    assert stats["records/inserted"] == 1
+
+
+@deferred_f_from_coro_f
+async def test_chain_of_three_redirects(site: PathsSite, db_path: Path) -> None:
+    crawler = await crawl(RedirectSpider, settings(db_path), url=site.url,
+                          plan=[("/chain/3/c", "GET", b"")])
+    assert finish_reason(crawler) == "finished"
+    assert frontier(db_path, site) == {
+        "/chain/3/c": ("redirected", None, 1),
+        "/chain/2/c": ("redirected", None, 1),
+        "/chain/1/c": ("redirected", None, 1),
+        "/chain/0/c": ("done", None, 1),
+    }
+    assert_nothing_leased(db_path)
+    assert record_owner(db_path, site) == {"/chain/0/c": "/chain/0/c"}
+    assert site.counts_by_path() == {f"/chain/{n}/c": 1 for n in range(4)}
+    stats = istats(crawler)
+    assert stats["requests/redirected"] == 3
+    assert stats["requests/done"] == 1
+    assert stats["records/inserted"] == 1
+
+
+@deferred_f_from_coro_f
+async def test_too_many_redirects_ends_failed_and_calls_the_errback_once(
+    site: PathsSite, db_path: Path
+) -> None:
+    crawler = await crawl(RedirectSpider, settings(db_path, REDIRECT_MAX_TIMES=2),
+                          url=site.url, plan=[("/chain/3/m", "GET", b"")])
+    assert finish_reason(crawler) == "finished"
+    assert frontier(db_path, site) == {
+        "/chain/3/m": ("redirected", None, 1),
+        "/chain/2/m": ("redirected", None, 1),
+        "/chain/1/m": ("failed", "ignored/IgnoreRequest", 1),  # its redirect was discarded
+    }
+    assert_nothing_leased(db_path)
+    assert site.hits("/chain/0/m") == 0
+    assert crawler.spider.errback_calls == ["/chain/1/m"]
+    assert record_owner(db_path, site) == {"failure:/chain/1/m": "/chain/1/m"}
+    stats = istats(crawler)
+    assert stats["requests/redirected"] == 2
+    assert stats["requests/failed"] == 1
+    assert stats["failed/ignored/IgnoreRequest"] == 1
+    assert stats["records/inserted"] == 1
