@@ -49,3 +49,30 @@ def stored_products(db_path: Path) -> list[dict[str, Any]]:
 
 def frontier_counts(db_path: Path) -> dict[str, int]:
     return dict(db_rows(db_path, "SELECT state, count(*) FROM requests GROUP BY state"))
+
+
+EXAMPLE_PROJECT = Path(__file__).resolve().parent.parent / "example_project"
+
+
+def start_shop_crawl(site_url: str, db_path: Path, log_path: Path, *settings: str) -> Any:
+    """``scrapy crawl shop`` of the example project in a subprocess (a real worker process),
+    logging to ``log_path``; ``settings`` are extra ``NAME=value`` strings for ``-s``."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "scrapy", "crawl", "shop", "-a", f"url={site_url}",
+               "-s", f"IDEMPOTENT_DATABASE={db_path}", "-s", f"LOG_FILE={log_path}"]
+    for setting in settings:
+        command += ["-s", setting]
+    return subprocess.Popen(command, cwd=EXAMPLE_PROJECT, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def close_reason(log_path: Path) -> str | None:
+    """The reason of the last ``Spider closed (...)`` line of a crawl log."""
+    import re
+
+    if not log_path.exists():  # killed before it logged anything
+        return None
+    reasons = re.findall(r"Spider closed \(([^)]*)\)", log_path.read_text(errors="replace"))
+    return reasons[-1] if reasons else None

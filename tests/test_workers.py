@@ -1,0 +1,197 @@
+"""Several worker processes on one database, graceful stops and lease renewal, with real
+``scrapy crawl`` processes of the example project."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from shop.site import ShopSite
+
+from crawling import close_reason, db_rows, frontier_counts, start_shop_crawl, stored_products
+
+pytestmark = pytest.mark.slow
+
+ONE_AT_A_TIME = ("CONCURRENT_REQUESTS=1", "CONCURRENT_REQUESTS_PER_DOMAIN=1")
+
+
+def wait_for(condition: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def assert_catalogue(db_path: Path, site: ShopSite) -> None:
+    expected = site.expected_products()
+    rows = stored_products(db_path)
+    assert len(rows) == len(expected)
+    assert {r["sku"]: (r["name"], r["price"]) for r in rows} == {
+        sku: (p["name"], p["price"]) for sku, p in expected.items()}
+
+
+def test_three_workers_with_random_kills_store_each_product_once(tmp_path: Path) -> None:
+    db = tmp_path / "shop.sqlite3"
+    rng = random.Random(4)
+    kills = 6
+    logs: list[Path] = []
+    killed: list[Path] = []
+
+    def start(site: ShopSite) -> subprocess.Popen[bytes]:
+        log = tmp_path / f"worker{len(logs)}.log"
+        logs.append(log)
+        return start_shop_crawl(site.url, db, log, *ONE_AT_A_TIME)
+
+    with ShopSite(port=0, delay=0.01) as site:
+        workers = [start(site) for _ in range(3)]  # all at once on a new database
+        current = list(logs)
+        try:
+            wait_for(lambda: site.request_count > 20, 60, "the first requests")
+            for _ in range(kills):
+                time.sleep(rng.uniform(0.3, 0.8))
+                index = rng.randrange(len(workers))
+                workers[index].kill()
+                assert workers[index].wait() == -signal.SIGKILL
+                killed.append(current[index])
+                workers[index] = start(site)
+                current[index] = logs[-1]
+            for worker in workers:
+                assert worker.wait(timeout=120) == 0
+        finally:
+            for worker in workers:
+                if worker.poll() is None:
+                    worker.kill()
+                    worker.wait()
+        requests = site.request_count
+        assert_catalogue(db, site)
+    assert [close_reason(log) for log in killed] == [None] * kills
+    assert {close_reason(log) for log in current} == {"finished"}
+    assert not any("database is locked" in log.read_text() for log in logs if log.exists())
+    assert requests <= 525 + kills
+    assert frontier_counts(db) == {"done": 525}
+    assert db_rows(db, "SELECT count(*), sum(done) FROM runs") == [(1, 525)]
+
+
+def test_sigterm_releases_leases_and_the_next_crawl_resumes_at_once(tmp_path: Path) -> None:
+    db = tmp_path / "shop.sqlite3"
+    with ShopSite(port=0, delay=0.01) as site:
+        crawl = start_shop_crawl(site.url, db, tmp_path / "first.log",
+                                 "CONCURRENT_REQUESTS=4", "IDEMPOTENT_LEASE_SECONDS=600")
+        try:
+            wait_for(lambda: site.request_count > 100, 60, "100 requests")
+            crawl.send_signal(signal.SIGTERM)  # Ctrl+C, scrapyd's cancel
+            assert crawl.wait(timeout=60) == 0
+        finally:
+            if crawl.poll() is None:
+                crawl.kill()
+        assert close_reason(tmp_path / "first.log") == "shutdown"
+        counts = frontier_counts(db)
+        assert "leased" not in counts
+        assert counts["pending"] > 0
+        began = time.monotonic()
+        second = start_shop_crawl(site.url, db, tmp_path / "second.log", "CONCURRENT_REQUESTS=4")
+        assert second.wait(timeout=120) == 0
+        took = time.monotonic() - began
+        assert_catalogue(db, site)
+        assert site.request_count == 525  # a graceful stop repeats nothing
+    assert close_reason(tmp_path / "second.log") == "finished"
+    assert took < 30  # nothing waited for a 600 s lease to expire
+
+
+SLOW_SPIDER = textwrap.dedent('''
+    import scrapy
+
+    class SlowSpider(scrapy.Spider):
+        name = "slow"
+        custom_settings = {"ADDONS": {"scrapy_idempotent.Addon": 0},
+                           "IDEMPOTENT_NATURAL_KEYS": {"dict": "id"},
+                           "DOWNLOAD_TIMEOUT": 30, "ROBOTSTXT_OBEY": False}
+
+        def __init__(self, url, **kwargs):
+            super().__init__(**kwargs)
+            self.base_url = url
+
+        async def start(self):
+            yield scrapy.Request(self.base_url + "/start", dont_filter=True)
+
+        def parse(self, response):
+            yield response.follow("/slow", callback=self.parse_slow)
+
+        def parse_slow(self, response):
+            yield {"id": "slow", "body": response.text}
+''')
+
+
+class _SlowHandler(BaseHTTPRequestHandler):
+    disable_nagle_algorithm = True
+    counts: dict[str, int] = {}
+
+    def do_GET(self) -> None:
+        self.counts[self.path] = self.counts.get(self.path, 0) + 1
+        if self.path == "/slow":
+            time.sleep(3.5)  # 3.5 times the lease
+            body = b"slow page"
+        else:
+            body = b'<a href="/slow">slow</a>'
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def slow_site() -> Iterator[tuple[str, dict[str, int]]]:
+    counts: dict[str, int] = {}
+    handler = type("Handler", (_SlowHandler,), {"counts": counts})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", counts
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_page_slower_than_the_lease_keeps_its_lease_and_is_fetched_once(
+    tmp_path: Path, slow_site: tuple[str, dict[str, int]]
+) -> None:
+    url, counts = slow_site
+    spider = tmp_path / "slow_spider.py"
+    spider.write_text(SLOW_SPIDER)
+    db = tmp_path / "slow.sqlite3"
+
+    def start(name: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "scrapy", "runspider", str(spider), "-a", f"url={url}",
+             "-s", f"IDEMPOTENT_DATABASE={db}", "-s", "IDEMPOTENT_LEASE_SECONDS=1",
+             "-s", f"LOG_FILE={tmp_path / name}"],
+            cwd=tmp_path, stdin=subprocess.DEVNULL)
+
+    first = start("first.log")
+    try:
+        wait_for(lambda: counts.get("/slow", 0) == 1, 60, "the slow page")
+        second = start("second.log")  # a live worker: it must not take the slow page
+        assert first.wait(timeout=60) == 0
+        assert second.wait(timeout=60) == 0
+    finally:
+        for p in (first, locals().get("second")):
+            if p is not None and p.poll() is None:
+                p.kill()
+    assert counts == {"/start": 1, "/slow": 1}
+    assert [json.loads(d)["id"] for (d,) in db_rows(db, "SELECT data FROM records")] == ["slow"]
+    assert close_reason(tmp_path / "second.log") == "finished"
