@@ -143,7 +143,7 @@ class PathSpider(scrapy.Spider):
         self.base_url = url
 
     def at(self, path: str) -> str:
-        return path if "://" in path else self.base_url + path
+        return path if path.startswith(("http://", "https://")) else self.base_url + path
 
 
 # -- success ------------------------------------------------------------------------------------
@@ -672,3 +672,249 @@ async def test_too_many_redirects_ends_failed_and_calls_the_errback_once(
     assert stats["requests/failed"] == 1
     assert stats["failed/ignored/IgnoreRequest"] == 1
     assert stats["records/inserted"] == 1
+
+
+# -- IgnoreRequest: robots.txt, offsite, depth ---------------------------------------------------
+
+
+@deferred_f_from_coro_f
+async def test_robots_txt_disallowed_request_ends_failed_as_ignored(
+    site: PathsSite, db_path: Path
+) -> None:
+    crawler = await crawl(LinksSpider, settings(db_path, ROBOTSTXT_OBEY=True), url=site.url,
+                          start_paths=("/ok/open?links=/private/p1,/ok/allowed",))
+    assert finish_reason(crawler) == "finished"
+    assert frontier(db_path, site) == {
+        "/ok/open?links=/private/p1,/ok/allowed": ("done", None, 1),
+        "/private/p1": ("failed", "ignored/IgnoreRequest", 1),
+        "/ok/allowed": ("done", None, 1),
+    }  # robots.txt itself is no frontier entry
+    assert_nothing_leased(db_path)
+    assert site.hits("/private/p1") == 0
+    assert site.hits("/robots.txt") == 1
+    assert set(records(db_path)) == {"/ok/open?links=/private/p1,/ok/allowed", "/ok/allowed"}
+    stats = istats(crawler)
+    assert stats["requests/failed"] == 1
+    assert stats["failed/ignored/IgnoreRequest"] == 1
+    assert stats["requests/done"] == 2
+    assert crawler.stats.get_value("robotstxt/forbidden") == 1
+
+
+class OffsiteSpider(LinksSpider):
+    allowed_domains = ["127.0.0.1"]
+
+
+@deferred_f_from_coro_f
+async def test_offsite_request_never_reaches_the_frontier(
+    site: PathsSite, db_path: Path
+) -> None:
+    offsite = f"http://localhost:{site.port}/ok/offsite"  # the same server, another host
+    crawler = await crawl(OffsiteSpider, settings(db_path), url=site.url,
+                          start_paths=(f"/ok/onsite?links={offsite},/ok/inside",))
+    assert finish_reason(crawler) == "finished"
+    assert frontier(db_path, site) == {
+        f"/ok/onsite?links={offsite},/ok/inside": ("done", None, 1),
+        "/ok/inside": ("done", None, 1),
+    }
+    assert_nothing_leased(db_path)
+    assert site.hits("/ok/offsite") == 0
+    assert crawler.stats.get_value("offsite/filtered") == 1
+    stats = istats(crawler)
+    assert stats["requests/done"] == 2
+    assert "requests/failed" not in stats
+
+
+@deferred_f_from_coro_f
+async def test_depth_limit_drops_deeper_requests_before_the_frontier(
+    site: PathsSite, db_path: Path
+) -> None:
+    crawler = await crawl(LinksSpider, settings(db_path, DEPTH_LIMIT=2), url=site.url,
+                          start_paths=("/ok/d0?links=/ok/d1",))
+    # the site links d1 -> nothing: chain the rest through the query of each page
+    assert finish_reason(crawler) == "finished"
+    assert_nothing_leased(db_path)
+    assert frontier(db_path, site) == {
+        "/ok/d0?links=/ok/d1": ("done", None, 1),
+        "/ok/d1": ("done", None, 1),
+    }
+
+
+class DeepSpider(PathSpider):
+    """``/ok/deep0`` -> ``/ok/deep1`` -> ... (each page links the next)."""
+
+    async def start(self) -> Any:
+        yield scrapy.Request(self.at("/ok/deep0"))
+
+    def parse(self, response: Any) -> Any:
+        n = int(path_of(response).removeprefix("/ok/deep"))
+        yield {"key": path_of(response), "depth": response.meta["depth"]}
+        if n < 5:
+            yield response.follow(f"/ok/deep{n + 1}")
+
+
+@deferred_f_from_coro_f
+async def test_depth_limit(site: PathsSite, db_path: Path) -> None:
+    crawler = await crawl(DeepSpider, settings(db_path, DEPTH_LIMIT=2), url=site.url)
+    assert finish_reason(crawler) == "finished"
+    assert frontier(db_path, site) == {f"/ok/deep{n}": ("done", None, 1) for n in range(3)}
+    assert_nothing_leased(db_path)
+    assert {k: v["depth"] for k, v in records(db_path).items()} == {
+        "/ok/deep0": 0, "/ok/deep1": 1, "/ok/deep2": 2}
+    assert site.hits("/ok/deep3") == 0
+    stats = istats(crawler)
+    assert stats["requests/done"] == 3
+    assert stats["requests/added"] == 3
+
+
+# -- pipelines: DropItem and errors before ours -------------------------------------------------
+
+
+class PickyPipeline:
+    """Before ours: drops items marked ``drop``, fails on items marked ``boom``."""
+
+    def process_item(self, item: Any) -> Any:
+        if item.get("drop"):
+            raise DropItem("not wanted")
+        if item.get("boom"):
+            raise ValueError("pipeline bug")
+        return item
+
+
+class PipelineSpider(PathSpider):
+    async def start(self) -> Any:
+        yield scrapy.Request(self.at("/ok/pipes"))
+
+    def parse(self, response: Any) -> Any:
+        yield {"key": "kept"}
+        yield {"key": "dropped", "drop": True}
+        yield {"key": "broken", "boom": True}
+        yield response.follow("/ok/after-pipes", callback=self.parse_after)
+
+    def parse_after(self, response: Any) -> Any:
+        yield {"key": path_of(response)}
+
+
+@deferred_f_from_coro_f
+async def test_drop_item_and_pipeline_error_before_ours(site: PathsSite, db_path: Path) -> None:
+    crawler = await crawl(PipelineSpider, settings(
+        db_path, ITEM_PIPELINES={f"{__name__}.PickyPipeline": 100}), url=site.url)
+    assert finish_reason(crawler) == "finished"
+    assert frontier(db_path, site) == {
+        "/ok/pipes": ("done", None, 1),  # the request still ends done
+        "/ok/after-pipes": ("done", None, 1),
+    }
+    assert_nothing_leased(db_path)
+    assert record_owner(db_path, site) == {"kept": "/ok/pipes",
+                                           "/ok/after-pipes": "/ok/after-pipes"}
+    assert db_rows(db_path, "SELECT count(*) FROM rejects") == [(0,)]
+    stats = istats(crawler)
+    assert stats["records/inserted"] == 2
+    assert stats["requests/done"] == 2
+    assert crawler.stats.get_value("item_dropped_count") == 1
+    assert crawler.stats.get_value("item_scraped_count") == 2
+
+
+# -- closing early and finishing in the next crawl ------------------------------------------------
+
+
+class KeyedSpider(PathSpider):
+    """Case C2: 40 keyed requests (the key in ``cb_kwargs``); ``stop_at`` raises CloseSpider
+    in the callback of that key before it yields its record."""
+
+    def __init__(self, url: str, stop_at: int | None = None, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self.stop_at = stop_at
+        self.seen: list[int] = []
+
+    async def start(self) -> Any:
+        for key in range(40):
+            # priorities: keys in ascending order, so key 4 comes early
+            yield scrapy.Request(self.at(f"/ok/k{key}"), cb_kwargs={"key": key},
+                                 priority=40 - key)
+
+    def parse(self, response: Any, key: int) -> Any:
+        self.seen.append(key)
+        if key == self.stop_at:
+            raise CloseSpider("stop_at_key")
+        yield {"key": f"k{key}", "path": path_of(response)}
+
+
+@deferred_f_from_coro_f
+async def test_close_spider_from_a_callback_then_the_next_crawl_finishes_the_job(
+    site: PathsSite, db_path: Path
+) -> None:
+    first = await crawl(KeyedSpider, settings(db_path, CONCURRENT_REQUESTS=2), url=site.url,
+                        stop_at=4)
+    assert finish_reason(first) == "stop_at_key"
+    assert_nothing_leased(db_path)
+    after_first = frontier(db_path, site)
+    assert len(after_first) == 40
+    done_first = {url for url, (state, _, _) in after_first.items() if state == "done"}
+    pending = {url for url, (state, _, _) in after_first.items() if state == "pending"}
+    assert done_first | pending == set(after_first)  # nothing else: no failed, no leased
+    # the request whose callback raised CloseSpider did not finish: it is not done
+    assert "/ok/k4" in pending
+    assert len(pending) >= 30
+    assert {f"k{k}" for k in first.spider.seen if k != 4} == set(records(db_path))
+
+    second = await crawl(KeyedSpider, settings(db_path, CONCURRENT_REQUESTS=2), url=site.url)
+    assert finish_reason(second) == "finished"
+    assert_nothing_leased(db_path)
+    after_second = frontier(db_path, site)
+    assert set(after_second) == {f"/ok/k{k}" for k in range(40)}
+    assert {state for state, _, _ in after_second.values()} == {"done"}
+    # every key not done in the first crawl ran in the second, with its own key
+    assert sorted(second.spider.seen) == sorted(int(u.removeprefix("/ok/k")) for u in pending)
+    stored = records(db_path)
+    assert set(stored) == {f"k{k}" for k in range(40)}
+    assert all(record["path"] == f"/ok/{key}" for key, record in stored.items())
+    inserted = (istats(first).get("records/inserted", 0)
+                + istats(second).get("records/inserted", 0))
+    assert inserted == 40  # none twice
+    assert "records/updated" not in istats(second)
+    assert "records/unchanged" not in istats(second)
+
+
+class TenPagesSpider(PathSpider):
+    """``/ok/root`` links nine pages; every page yields one item."""
+
+    async def start(self) -> Any:
+        yield scrapy.Request(self.at("/ok/root?links=" + ",".join(
+            f"/ok/p{n}" for n in range(1, 10))))
+
+    def parse(self, response: Any) -> Any:
+        yield {"key": path_of(response).split("?")[0]}
+        for href in response.css("a::attr(href)").getall():
+            yield response.follow(href)
+
+
+@pytest.mark.parametrize(("setting", "reason"), [
+    ("CLOSESPIDER_PAGECOUNT", "closespider_pagecount"),
+    ("CLOSESPIDER_ITEMCOUNT", "closespider_itemcount"),
+])
+@deferred_f_from_coro_f
+async def test_closespider_count_leaves_the_rest_pending_for_the_next_crawl(
+    site: PathsSite, db_path: Path, setting: str, reason: str
+) -> None:
+    one_at_a_time = {"CONCURRENT_REQUESTS": 1, "CONCURRENT_REQUESTS_PER_DOMAIN": 1}
+    first = await crawl(TenPagesSpider, settings(db_path, **{setting: 3}, **one_at_a_time),
+                        url=site.url)
+    assert finish_reason(first) == reason
+    assert_nothing_leased(db_path)
+    states = [state for state, _, _ in frontier(db_path, site).values()]
+    assert set(states) == {"done", "pending"}
+    assert len(states) == 10
+    done_first = states.count("done")
+    assert 3 <= done_first < 10
+    assert len(records(db_path)) == done_first
+    assert istats(first)["requests/released"] >= 0
+
+    second = await crawl(TenPagesSpider, settings(db_path, **one_at_a_time), url=site.url)
+    assert finish_reason(second) == "finished"
+    assert_nothing_leased(db_path)
+    assert {state for state, _, _ in frontier(db_path, site).values()} == {"done"}
+    assert len(records(db_path)) == 10
+    assert (istats(first)["records/inserted"] + istats(second)["records/inserted"]) == 10
+    assert istats(second)["requests/done"] == 10 - done_first
+    assert all(n == 1 for n in site.counts_by_path().values()), site.counts_by_path()
+    assert site.total() == 10
