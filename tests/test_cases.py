@@ -1,0 +1,113 @@
+"""Failure cases from the field (shared/cases.md), each reduced to the local test shop."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+from scrapy.utils.defer import deferred_f_from_coro_f
+from shop.site import ShopSite
+from shop.spiders.shop import ShopSpider
+
+from crawling import (
+    close_reason,
+    crawl_settings,
+    db_rows,
+    frontier_counts,
+    run_crawl,
+    start_shop_crawl,
+    stored_products,
+)
+
+NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
+
+
+def record_count(db: Path) -> int:
+    try:
+        return db_rows(db, "SELECT count(*) FROM records")[0][0]
+    except Exception:  # not created yet
+        return 0
+
+
+@pytest.mark.slow
+def test_c1_forced_stop_repeats_at_most_what_was_in_flight(tmp_path: Path) -> None:
+    """scrapy/scrapy#2399: a forced stop lost the requests in the downloader. A listing of 60
+    product pages that take 1 s each, 8 at a time, killed once about 20 are stored."""
+    db = tmp_path / "c1.sqlite3"
+    with ShopSite(port=0, listing_pages=1, products_per_page=60, delay=1.0) as site:
+        settings = ("CONCURRENT_REQUESTS=8", "CONCURRENT_REQUESTS_PER_DOMAIN=8")
+        first = start_shop_crawl(site.url, db, tmp_path / "first.log", *settings)
+        try:
+            deadline = time.monotonic() + 60
+            while record_count(db) < 20 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            first.kill()
+            first.wait()
+        assert 20 <= record_count(db) < 60
+        second = start_shop_crawl(site.url, db, tmp_path / "second.log", *settings)
+        assert second.wait(timeout=120) == 0
+        repeated = sum(n - 1 for n in site.counts_by_path().values())
+    assert len({r["sku"] for r in stored_products(db)}) == len(stored_products(db)) == 60
+    assert repeated <= 8
+    assert close_reason(tmp_path / "second.log") == "finished"
+
+
+@pytest.mark.slow
+def test_c4_kills_during_heavy_enqueueing_leave_a_consistent_frontier(tmp_path: Path) -> None:
+    """scrapy/scrapy#3333, #3413: after an unclean stop the disk queue was stale or lost.
+    Listing pages each linking 500 new URLs, killed 20 times while their links are stored."""
+    db = tmp_path / "c4.sqlite3"
+    rng = random.Random(20)
+    seen: list[dict[str, int]] = []
+    with ShopSite(port=0, listing_pages=3, products_per_page=500) as site:
+        settings = ("CONCURRENT_REQUESTS=1", "CONCURRENT_REQUESTS_PER_DOMAIN=1")
+        for attempt in range(20):
+            before = site.request_count
+            crawl = start_shop_crawl(site.url, db, tmp_path / f"run{attempt}.log", *settings)
+            deadline = time.monotonic() + 60
+            while site.request_count == before and time.monotonic() < deadline:
+                time.sleep(0.002)
+            time.sleep(rng.uniform(0.0, 0.3))
+            crawl.kill()
+            crawl.wait()
+            # the database opens every time, and what is stored is consistent
+            counts = frontier_counts(db)
+            seen.append(counts)
+            parents = db_rows(db, "SELECT count(*) FROM requests WHERE parent_key IS NOT NULL"
+                                  " AND parent_key NOT IN (SELECT key FROM requests)")
+            assert parents == [(0,)]
+            assert db_rows(db, "PRAGMA integrity_check") == [("ok",)]
+        final = start_shop_crawl(site.url, db, tmp_path / "final.log", *settings)
+        assert final.wait(timeout=300) == 0
+        requests = site.request_count
+    assert close_reason(tmp_path / "final.log") == "finished"
+    assert frontier_counts(db) == {"done": 1503}
+    assert len(stored_products(db)) == 1500
+    assert requests <= 1503 + 20
+    # the frontier never shrank between kills: nothing silently emptied
+    totals = [sum(c.values()) for c in seen]
+    assert totals == sorted(totals)
+
+
+@deferred_f_from_coro_f
+async def test_c21_item_less_pages_are_done_and_listings_are_fetched_again(
+    tmp_path: Path,
+) -> None:
+    """scrapy-deltafetch#17: marking pages done by "it produced items" never records item-less
+    pages, and listings marked done forever never show new products."""
+    db = tmp_path / "c21.sqlite3"
+    # the two shops run on different ports: the url field changes, and is volatile here
+    settings = crawl_settings(db, IDEMPOTENT_VOLATILE_FIELDS=["url"], **NATURAL_KEYS)
+    with ShopSite(port=0, listing_pages=1, products_per_page=10) as site:
+        await run_crawl(ShopSpider, settings, url=site.url)
+    assert frontier_counts(db) == {"done": 11}  # the item-less listing page too
+    with ShopSite(port=0, listing_pages=1, products_per_page=11) as site:  # a new product
+        crawler = await run_crawl(ShopSpider, settings, url=site.url)
+        assert site.counts_by_path()["/list/1"] == 1  # the listing is fetched again
+    stats = crawler.stats.get_stats()
+    assert (stats["idempotent/records/inserted"], stats["idempotent/records/unchanged"]) == (
+        1, 10)
+    assert sorted(r["sku"] for r in stored_products(db)) == [f"SKU-{i:05d}" for i in range(1, 12)]
