@@ -239,3 +239,97 @@ class FrontierStore(ABC):
     @abstractmethod
     def counts(self) -> dict[str, int]:
         """Frontier entries by state value, plus ``records``."""
+
+    # -- operator queries -------------------------------------------------------------------
+    # What the ``scrapy idempotent`` commands (``scrapy_idempotent/commands.py``) read and
+    # change. Plain values in and out: rows are dicts keyed by column name, times are unix
+    # seconds. Failed-request filters: ``kinds`` matches an error kind exactly or as a prefix
+    # ending at a ``/`` (``download_error`` matches ``download_error/TimeoutError``);
+    # ``url_glob`` is a case-sensitive glob on the whole URL (``*``, ``?``, ``[...]``);
+    # ``url_regex`` a regular expression searched in the URL (Python syntax).
+
+    @abstractmethod
+    def open_existing(self, *, readonly: bool = True) -> dict[str, object]:
+        """Open a database that already exists, without creating, migrating or otherwise
+        changing it (not even its journal mode), read-only unless ``readonly`` is False.
+
+        Returns ``schema_version`` (int, as found), ``supported_schema_version`` (int) and
+        ``journal_mode`` (str, lower case). Raises :class:`~.StoreError` when there is no
+        database at the path or it cannot be read."""
+
+    @abstractmethod
+    def meta(self) -> dict[str, str]:
+        """The ``meta`` table: ``fingerprinter``, ``created_at`` (unix seconds as text), ..."""
+
+    @abstractmethod
+    def runs(self) -> list[dict[str, object]]:
+        """Every run, oldest first: ``run_id``, ``started_at``, ``finished_at`` (None while
+        unfinished), ``reason``, the run's counters, cumulative over all its sessions
+        (``leased``, ``done``, ``failed``, ``redirected``, ``records_inserted``,
+        ``records_updated``, ``records_unchanged``), and ``rejects`` (items kept in the
+        rejects table during the run)."""
+
+    @abstractmethod
+    def sessions(self) -> list[dict[str, object]]:
+        """Every session (one per crawl process), oldest first: ``session_id``, ``run_id``,
+        ``worker``, ``started_at``, ``ended_at`` and ``reason`` (both None when the process
+        never closed: it is still running, or it was killed)."""
+
+    @abstractmethod
+    def request_summary(self) -> dict[str, int]:
+        """Over the frontier: ``requests``, ``leases`` (sum of attempts), ``repeated``
+        (entries leased more than once), ``most_attempts``, ``expired_leases`` (leased,
+        lease time over), ``journaled_responses``."""
+
+    @abstractmethod
+    def failure_counts(self) -> dict[str, int]:
+        """Failed entries by error kind, most frequent first."""
+
+    @abstractmethod
+    def repeated_requests(self, limit: int) -> list[dict[str, object]]:
+        """Entries leased more than once, most attempts first: ``key``, ``url``, ``state``,
+        ``attempts``, ``worker``, ``error_kind``."""
+
+    @abstractmethod
+    def failed_requests(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
+                        url_regex: str | None = None,
+                        limit: int | None = None) -> list[dict[str, object]]:
+        """Failed entries matching the filters, latest failure first, at most ``limit``:
+        ``key``, ``url``, ``error_kind``, ``error_message``, ``attempts``, ``finished_at``,
+        ``parent_key``, ``run_id``."""
+
+    @abstractmethod
+    def count_failed(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
+                     url_regex: str | None = None) -> int:
+        """How many failed entries match the filters."""
+
+    @abstractmethod
+    def retry_failed(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
+                     url_regex: str | None = None) -> dict[str, object]:
+        """Put the failed entries matching the filters back to pending, in one transaction:
+        error kind and message, finish time and attempts are reset. When any was put back and
+        the last run is finished, the run is reopened (its ``finished_at`` and ``reason``
+        cleared) so that the next crawl in run mode ``auto`` resumes it instead of starting a
+        new run over an emptied frontier. Returns ``retried`` (int), ``run_id`` (the last
+        run, or None) and ``reopened`` (bool)."""
+
+    @abstractmethod
+    def records_page(self, *, after: str | None = None, limit: int = 1000,
+                     changed_since: float | None = None,
+                     changed_since_run: int | None = None) -> list[dict[str, object]]:
+        """Records in record-ID order, the first ``limit`` after record ID ``after`` (keyset
+        paging: pass the last ``record_id`` of a page to get the next), optionally only those
+        inserted or changed at or after ``changed_since`` or in run ``changed_since_run`` or a
+        later one: ``record_id``, ``source``, ``natural_key``, ``item_type``, ``data`` (JSON
+        text), ``first_seen``, ``last_changed``, ``first_run_id``, ``changed_run_id``."""
+
+    @abstractmethod
+    def integrity_check(self) -> list[str]:
+        """The database engine's own consistency check; ``["ok"]`` when it finds nothing."""
+
+    @abstractmethod
+    def anomalies(self) -> dict[str, int]:
+        """Counts of rows in states the package never writes, by check name (zero included):
+        ``unknown_state``, ``leased_without_owner``, ``owner_without_lease``,
+        ``finished_without_time``, ``unfinished_with_time``, ``failed_without_kind``,
+        ``finished_never_leased``, ``orphan_journal``, ``record_times``."""

@@ -526,3 +526,180 @@ class SQLiteStore(FrontierStore):
     def query(self, sql: str, params: Any = ()) -> list[tuple[Any, ...]]:
         """Read-only helper for commands and tests."""
         return self.conn.execute(sql, params).fetchall()
+
+    # -- operator queries -------------------------------------------------------------------
+    # For the ``scrapy idempotent`` commands; see the section of the same name in base.py.
+    # Everything here only reads, except retry_failed (one write transaction).
+
+    def open_existing(self, *, readonly: bool = True) -> dict[str, object]:
+        from pathlib import Path
+
+        if self._conn is not None:
+            raise StoreError(f"store {self.path} is already open")
+        if not os.path.isfile(self.path):
+            raise StoreError(f"no frontier database at {self.path}")
+        uri = f"{Path(os.path.abspath(self.path)).as_uri()}?mode={'ro' if readonly else 'rw'}"
+        try:
+            conn = sqlite3.connect(uri, uri=True, isolation_level=None,
+                                   timeout=self.busy_timeout_seconds)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open the database {self.path}: {exc}") from exc
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_seconds * 1000)}")
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            journal_mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+        except sqlite3.DatabaseError as exc:
+            conn.close()
+            raise StoreError(f"cannot read the database {self.path}: {exc}") from exc
+        self._conn = conn
+        return {"schema_version": version, "supported_schema_version": SCHEMA_VERSION,
+                "journal_mode": str(journal_mode).lower()}
+
+    def meta(self) -> dict[str, str]:
+        return dict(self.conn.execute("SELECT key, value FROM meta ORDER BY key").fetchall())
+
+    def runs(self) -> list[dict[str, object]]:
+        rejects = dict(self.conn.execute(
+            "SELECT run_id, count(*) FROM rejects GROUP BY run_id").fetchall())
+        runs = self._dicts(
+            "SELECT run_id, started_at, finished_at, reason, leased, done, failed, redirected,"
+            " records_inserted, records_updated, records_unchanged FROM runs ORDER BY run_id")
+        for run in runs:
+            run["rejects"] = rejects.get(run["run_id"], 0)
+        return runs
+
+    def sessions(self) -> list[dict[str, object]]:
+        return self._dicts(
+            "SELECT session_id, run_id, worker, started_at, ended_at, reason FROM sessions"
+            " ORDER BY session_id")
+
+    def request_summary(self) -> dict[str, int]:
+        requests, leases, repeated, most, expired = self.conn.execute(
+            "SELECT count(*), coalesce(sum(attempts), 0), coalesce(sum(attempts > 1), 0),"
+            " coalesce(max(attempts), 0),"
+            " coalesce(sum(state = 'leased' AND leased_until < ?), 0) FROM requests",
+            (self.clock(),),
+        ).fetchone()
+        journaled = self.conn.execute("SELECT count(*) FROM responses").fetchone()[0]
+        return {"requests": requests, "leases": leases, "repeated": repeated,
+                "most_attempts": most, "expired_leases": expired,
+                "journaled_responses": journaled}
+
+    def failure_counts(self) -> dict[str, int]:
+        return dict(self.conn.execute(
+            "SELECT coalesce(error_kind, ''), count(*) FROM requests WHERE state = 'failed'"
+            " GROUP BY 1 ORDER BY 2 DESC, 1").fetchall())
+
+    def repeated_requests(self, limit: int) -> list[dict[str, object]]:
+        return self._dicts(
+            "SELECT key, url, state, attempts, worker, error_kind FROM requests"
+            " WHERE attempts > 1 ORDER BY attempts DESC, id LIMIT ?", (limit,))
+
+    def failed_requests(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
+                        url_regex: str | None = None,
+                        limit: int | None = None) -> list[dict[str, object]]:
+        where, params = self._failed_filter(kinds, url_glob, url_regex)
+        return self._dicts(
+            "SELECT key, url, error_kind, error_message, attempts, finished_at, parent_key,"
+            f" run_id FROM requests WHERE {where} ORDER BY finished_at DESC, id DESC LIMIT ?",
+            (*params, -1 if limit is None else limit),
+        )
+
+    def count_failed(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
+                     url_regex: str | None = None) -> int:
+        where, params = self._failed_filter(kinds, url_glob, url_regex)
+        count: int = self.conn.execute(
+            f"SELECT count(*) FROM requests WHERE {where}", params).fetchone()[0]
+        return count
+
+    def retry_failed(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
+                     url_regex: str | None = None) -> dict[str, object]:
+        where, params = self._failed_filter(kinds, url_glob, url_regex)
+        with self._write() as cur:
+            cur.execute(
+                "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL,"
+                " attempts = 0, finished_at = NULL, error_kind = NULL, error_message = NULL"
+                f" WHERE {where}",
+                params,
+            )
+            retried = cur.rowcount
+            last = cur.execute(
+                "SELECT run_id, finished_at FROM runs ORDER BY run_id DESC LIMIT 1").fetchone()
+            reopened = bool(retried and last is not None and last[1] is not None)
+            if reopened:
+                cur.execute("UPDATE runs SET finished_at = NULL, reason = NULL WHERE run_id = ?",
+                            (last[0],))
+        return {"retried": retried, "run_id": last[0] if last is not None else None,
+                "reopened": reopened}
+
+    def records_page(self, *, after: str | None = None, limit: int = 1000,
+                     changed_since: float | None = None,
+                     changed_since_run: int | None = None) -> list[dict[str, object]]:
+        where: list[str] = ["record_id > ?"]
+        params: list[Any] = [after or ""]
+        if changed_since is not None:
+            where.append("last_changed >= ?")
+            params.append(changed_since)
+        if changed_since_run is not None:
+            where.append("changed_run_id >= ?")
+            params.append(changed_since_run)
+        return self._dicts(
+            "SELECT record_id, source, natural_key, item_type, data, first_seen, last_changed,"
+            " first_run_id, changed_run_id FROM records"
+            f" WHERE {' AND '.join(where)} ORDER BY record_id LIMIT ?",
+            (*params, limit),
+        )
+
+    def integrity_check(self) -> list[str]:
+        return [str(row[0]) for row in self.conn.execute("PRAGMA integrity_check")]
+
+    def anomalies(self) -> dict[str, int]:
+        terminal = ", ".join(f"'{state}'" for state in _TERMINAL)
+        known = ", ".join(f"'{state.value}'" for state in RequestState)
+        checks = {
+            "unknown_state": f"SELECT count(*) FROM requests WHERE state NOT IN ({known})",
+            "leased_without_owner": "SELECT count(*) FROM requests WHERE state = 'leased'"
+                                    " AND (worker IS NULL OR leased_until IS NULL)",
+            "owner_without_lease": "SELECT count(*) FROM requests WHERE state != 'leased'"
+                                   " AND (worker IS NOT NULL OR leased_until IS NOT NULL)",
+            "finished_without_time": "SELECT count(*) FROM requests"
+                                     f" WHERE state IN ({terminal}) AND finished_at IS NULL",
+            "unfinished_with_time": "SELECT count(*) FROM requests WHERE state IN"
+                                    " ('pending', 'leased') AND finished_at IS NOT NULL",
+            "failed_without_kind": "SELECT count(*) FROM requests WHERE state = 'failed'"
+                                   " AND coalesce(error_kind, '') = ''",
+            "finished_never_leased": "SELECT count(*) FROM requests"
+                                     f" WHERE state IN ({terminal}) AND attempts < 1",
+            "orphan_journal": "SELECT count(*) FROM responses WHERE key NOT IN"
+                              " (SELECT key FROM requests WHERE state IN ('pending', 'leased'))",
+            "record_times": "SELECT count(*) FROM records WHERE last_changed < first_seen"
+                            " OR changed_run_id < first_run_id",
+        }
+        return {name: self.conn.execute(sql).fetchone()[0] for name, sql in checks.items()}
+
+    def _dicts(self, sql: str, params: Any = ()) -> list[dict[str, object]]:
+        cur = self.conn.execute(sql, params)
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+    def _failed_filter(self, kinds: list[str] | None, url_glob: str | None,
+                       url_regex: str | None) -> tuple[str, list[Any]]:
+        where, params = ["state = 'failed'"], []
+        if kinds:
+            where.append("(" + " OR ".join(
+                "error_kind = ? OR substr(error_kind, 1, ?) = ?" for _ in kinds) + ")")
+            for kind in kinds:
+                params += [kind, len(kind) + 1, f"{kind}/"]
+        if url_glob is not None:
+            where.append("url GLOB ?")
+            params.append(url_glob)
+        if url_regex is not None:
+            import re
+
+            pattern = re.compile(url_regex)
+            self.conn.create_function(
+                "idempotent_url_matches", 1,
+                lambda url: url is not None and pattern.search(url) is not None,
+                deterministic=True)
+            where.append("idempotent_url_matches(url)")
+        return " AND ".join(where), params
