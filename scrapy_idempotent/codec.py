@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from itemadapter import ItemAdapter
 from scrapy.utils.misc import load_object
 from scrapy.utils.request import request_from_dict
+from scrapy.utils.url import strip_url
 
 from .exceptions import UnstorableRequest
 
@@ -49,6 +50,7 @@ __all__ = [
     "RequestCodec",
     "canonical_json",
     "decode_value",
+    "describe",
     "dumps",
     "encode_value",
     "loads",
@@ -188,24 +190,24 @@ class RequestCodec:
             func = getattr(request, attr)
             if func is not None and not _is_spider_method(self.spider, func):
                 raise UnstorableRequest(
-                    repr(request), attr,
+                    describe(request), attr,
                     f"{func!r} is not a method of the spider; use a spider method and pass "
                     "data through cb_kwargs",
                 )
         try:
             data = request.to_dict(spider=self.spider)
         except ValueError as exc:  # callback not found on the spider
-            raise UnstorableRequest(repr(request), "callback", str(exc)) from None
+            raise UnstorableRequest(describe(request), "callback", str(exc)) from None
         cls_path = data.get("_class")
         if cls_path is not None and cls_path not in self.allowed_classes:
             raise UnstorableRequest(
-                repr(request), "_class",
+                describe(request), "_class",
                 f"request class {cls_path} is not allowed; add it to IDEMPOTENT_REQUEST_CLASSES",
             )
         try:
             return dumps(data)
         except EncodeError as exc:
-            raise UnstorableRequest(repr(request), _pretty_path(exc.path),
+            raise UnstorableRequest(describe(request), _pretty_path(exc.path),
                                     f"{exc.type_name} cannot be stored as data") from None
 
     def decode(self, text: str) -> Request:
@@ -229,6 +231,12 @@ class RequestCodec:
         if cls_path is not None:
             load_object(cls_path)  # only allow-listed paths reach this point
         return request_from_dict(data, spider=self.spider)
+
+
+def describe(request: Request) -> str:
+    """``<METHOD url>`` for messages, without user:password in the URL (logs are often
+    shared; the stored request keeps its credentials, in a file readable by its owner only)."""
+    return f"<{request.method} {strip_url(request.url, strip_credentials=True)}>"
 
 
 def _is_spider_method(spider: Spider, func: Any) -> bool:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from scrapy.exceptions import NotConfigured
 from scrapy.utils.response import response_from_dict
 
-from .codec import dumps, loads
+from .codec import describe, dumps, loads
 from .middleware import _scheduler_of
 
 if TYPE_CHECKING:
@@ -91,8 +91,8 @@ class ResponseJournalMiddleware:
                 return None
             response = decode_response(*stored)
         except Exception as exc:  # the journal is a saving, never a reason to fail
-            logger.warning("scrapy_idempotent: cannot replay the journaled response of %r: %s",
-                           request, exc)
+            logger.warning("scrapy_idempotent: cannot replay the journaled response of %s: %s",
+                           describe(request), exc)
             return None
         entry.replayed = True
         response.flags.append("journal")
@@ -107,8 +107,8 @@ class ResponseJournalMiddleware:
         try:
             scheduler.store.journal_response(entry.key, *encode_response(response))
         except Exception as exc:
-            logger.warning("scrapy_idempotent: cannot journal the response of %r: %s",
-                           request, exc)
+            logger.warning("scrapy_idempotent: cannot journal the response of %s: %s",
+                           describe(request), exc)
             return response
         self.crawler.stats.inc_value("idempotent/responses/journaled")
         return response

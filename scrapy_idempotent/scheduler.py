@@ -35,7 +35,7 @@ from twisted.python.failure import Failure
 
 from . import __version__
 from ._tracking import Entry, ItemTag, Pending
-from .codec import RequestCodec
+from .codec import RequestCodec, describe
 from .config import IdempotentConfig
 from .exceptions import MissingNaturalKey, UnstorableRequest, UnsupportedScrapy
 from .records import URL_KEY, RecordIdentity
@@ -267,7 +267,7 @@ class IdempotentScheduler(BaseScheduler):
             try:
                 self._finish(request)
             except Exception:
-                logger.exception("scrapy_idempotent: error completing %r", request)
+                logger.exception("scrapy_idempotent: error completing %s", describe(request))
             remove_request(request)
 
         def hooked_handle_output(result: Any, request: Request) -> Any:
@@ -332,8 +332,8 @@ class IdempotentScheduler(BaseScheduler):
         try:
             return self._enqueue(request)
         except Exception:
-            logger.exception("scrapy_idempotent: cannot enqueue %r", request)
-            self._fail(f"cannot enqueue {request!r}")
+            logger.exception("scrapy_idempotent: cannot enqueue %s", describe(request))
+            self._fail(f"cannot enqueue {describe(request)}")
             return False
 
     def next_request(self) -> Request | None:

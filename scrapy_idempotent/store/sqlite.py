@@ -386,9 +386,8 @@ class SQLiteStore(FrontierStore):
                         (done.state.value, now, done.error_kind, done.error_message, done.key,
                          worker),
                     )
-                owned = cur.rowcount
-                cur.execute("DELETE FROM responses WHERE key = ?", (done.key,))
-                if owned:
+                if cur.rowcount:  # only the lease holder's completion ends the journal entry
+                    cur.execute("DELETE FROM responses WHERE key = ?", (done.key,))
                     result.completed[done.state.value] = (
                         result.completed.get(done.state.value, 0) + 1)
                 else:
