@@ -1,0 +1,697 @@
+"""``scrapy idempotent <command>``: see where a crawl stands, why requests failed, put them
+back, get the records out and check the database, without opening SQLite by hand.
+
+Registered as a Scrapy command through the ``scrapy.commands`` entry point (``setup.cfg``);
+Scrapy has no sub-commands, so the first argument names one:
+
+* ``status``: runs, frontier by state, leases and their owners, records, failures by kind,
+  repeated requests, totals over all runs;
+* ``failed``: failed requests with URL, error kind, message and attempts;
+* ``retry``: failed requests back to pending (one transaction), so the next crawl fetches them;
+* ``export``: records to JSON Lines, CSV or JSON through Scrapy's item exporters;
+* ``check``: integrity, schema version, WAL mode, leases of dead workers, impossible states;
+  exit code 1 when something is wrong.
+
+The database is the one the scheduler uses for ``SPIDER`` in the current project
+(``IDEMPOTENT_DATABASE``, ``{spider}`` replaced, default ``.scrapy/idempotent/<spider>.sqlite3``
+in the project data dir), or ``--db PATH`` anywhere. Every command but ``retry`` opens it
+read-only; none creates or migrates it. ``--json`` prints one JSON document for scripts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from datetime import datetime, timezone
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+from scrapy.commands import ScrapyCommand
+from scrapy.exceptions import UsageError
+
+from .config import IdempotentConfig
+from .exceptions import IdempotentError, StoreError
+from .scheduler import _worker_is_dead
+from .store.sqlite import SQLiteStore
+
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Iterator, Sequence
+
+    from .store.base import FrontierStore
+
+__all__ = ["SUBCOMMANDS", "Command"]
+
+#: Sub-command -> one-line description.
+SUBCOMMANDS: dict[str, str] = {
+    "status": "where the crawl stands: runs, frontier, leases, records, failures",
+    "failed": "failed requests with URL, error kind, message and attempts",
+    "retry": "put failed requests back to pending; the next crawl fetches them",
+    "export": "records to JSON Lines, CSV or JSON (-o FILE, default stdout)",
+    "check": "integrity, schema, WAL, dead workers' leases, impossible rows; exit 1 if wrong",
+}
+
+#: Options that only some sub-commands take (option dest -> sub-commands).
+_OPTION_SCOPE: dict[str, tuple[str, ...]] = {
+    "kind": ("failed", "retry"),
+    "url": ("failed", "retry"),
+    "limit": ("failed",),
+    "output": ("export",),
+    "format": ("export",),
+    "since": ("export",),
+    "run": ("export",),
+}
+
+#: ``--format`` values -> Scrapy exporter class name; a missing format is taken from the
+#: output file's extension (``.jsonl``, ``.jl``, ``.csv``, ``.json``), else JSON Lines.
+FORMATS: dict[str, str] = {
+    "jsonlines": "JsonLinesItemExporter",
+    "jsonl": "JsonLinesItemExporter",
+    "jl": "JsonLinesItemExporter",
+    "csv": "CsvItemExporter",
+    "json": "JsonItemExporter",
+}
+
+#: Fields the export puts before the item's own.
+EXPORT_FIELDS = ("record_id", "first_seen", "last_changed")
+
+_FAILED_LIMIT = 50
+_PAGE = 1000
+_MESSAGE_WIDTH = 80
+
+
+class Command(ScrapyCommand):
+    """The ``idempotent`` Scrapy command; see the module docstring."""
+
+    requires_project = False
+    requires_crawler_process = False
+
+    def syntax(self) -> str:
+        return f"<{'|'.join(SUBCOMMANDS)}> [SPIDER] [options]"
+
+    def short_desc(self) -> str:
+        return "Inspect and operate a scrapy_idempotent frontier: " + ", ".join(SUBCOMMANDS)
+
+    def long_desc(self) -> str:
+        commands = "; ".join(f"{name}: {desc}" for name, desc in SUBCOMMANDS.items())
+        return (
+            f"Operator tools for a scrapy_idempotent frontier database. {commands}. The "
+            "database is the one of SPIDER in the current project (IDEMPOTENT_DATABASE), or "
+            "--db PATH. Only retry writes to it."
+        )
+
+    def add_options(self, parser: argparse.ArgumentParser) -> None:
+        super().add_options(parser)
+        group = parser.add_argument_group("Database and output")
+        group.add_argument("--db", metavar="PATH",
+                           help="the frontier database (instead of a spider name)")
+        group.add_argument("--json", action="store_true",
+                           help="print one JSON document instead of tables")
+        group = parser.add_argument_group("failed and retry")
+        group.add_argument(
+            "--kind", action="append", metavar="KIND",
+            help="only this error kind, or a kind prefix ending before a '/' "
+                 "(download_error matches download_error/TimeoutError); may be repeated")
+        group.add_argument(
+            "--url", metavar="PATTERN",
+            help="only URLs matching a glob on the whole URL ('*/product/*'), or a regular "
+                 "expression searched in it when prefixed with 're:' ('re:SKU-0000[1-5]$')")
+        group.add_argument("--limit", type=int, metavar="N",
+                           help=f"failed: list at most N (default {_FAILED_LIMIT}; 0: all)")
+        group = parser.add_argument_group("export")
+        group.add_argument("-o", "--output", metavar="FILE",
+                           help="write to FILE (replaced when complete); default stdout")
+        group.add_argument("--format", choices=sorted(FORMATS),
+                           help="default: from the FILE extension, else jsonlines")
+        group.add_argument(
+            "--since", metavar="TIME",
+            help="only records inserted or changed at or after TIME (ISO 8601, e.g. "
+                 "2026-05-04 or 2026-05-04T10:00:00Z; UTC unless an offset is given)")
+        group.add_argument("--run", type=int, metavar="N",
+                           help="only records inserted or changed in run N or later")
+
+    def process_options(self, args: list[str], opts: argparse.Namespace) -> None:
+        super().process_options(args, opts)
+        unknown = [a for a in args if a.startswith("-") and a != "-"]
+        if unknown:
+            raise UsageError(f"unknown option {unknown[0]}")
+        if not args or args[0] not in SUBCOMMANDS:
+            given = f"unknown command {args[0]!r}; " if args else ""
+            raise UsageError(f"{given}choose one of {', '.join(SUBCOMMANDS)}")
+        if len(args) > 2:
+            raise UsageError(f"unexpected argument {args[2]!r}")
+        subcommand = args[0]
+        for dest, scope in _OPTION_SCOPE.items():
+            if getattr(opts, dest) is not None and subcommand not in scope:
+                raise UsageError(f"--{dest} applies to {' and '.join(scope)}, not {subcommand}")
+        if len(args) == 2 and opts.db:
+            raise UsageError("give a spider name or --db PATH, not both")
+        if len(args) == 1 and not opts.db:
+            raise UsageError("give a spider name (inside a project) or --db PATH")
+        if opts.limit is not None and opts.limit < 0:
+            raise UsageError("--limit must be 0 (all) or more")
+        opts.url_glob = opts.url_regex = None
+        if opts.url is not None:
+            if opts.url.startswith("re:"):
+                import re
+
+                try:
+                    re.compile(opts.url[3:])
+                except re.error as exc:
+                    raise UsageError(f"--url {opts.url!r}: bad regular expression: {exc}"
+                                     ) from None
+                opts.url_regex = opts.url[3:]
+            else:
+                opts.url_glob = opts.url
+        opts.since_time = _parse_time(opts.since) if opts.since is not None else None
+
+    def run(self, args: list[str], opts: argparse.Namespace) -> None:
+        subcommand = args[0]
+        try:
+            store, path = self._store(args[1] if len(args) > 1 else None, opts.db)
+            try:
+                info = store.open_existing(readonly=subcommand != "retry")
+                if subcommand != "check" and (
+                    info["schema_version"] != info["supported_schema_version"]
+                ):
+                    raise StoreError(
+                        f"{path} has schema version {info['schema_version']}; this "
+                        f"scrapy_idempotent reads version {info['supported_schema_version']}"
+                        " (a crawl migrates an older database; a newer one needs a newer "
+                        "scrapy_idempotent)")
+                getattr(self, f"_{subcommand}")(store, path, info, opts)
+            finally:
+                store.close()
+        except IdempotentError as exc:
+            print(f"scrapy idempotent {subcommand}: {exc}", file=sys.stderr)
+            self.exitcode = 1
+        except BrokenPipeError:  # the reader went away (| head): not an error of ours
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+    # -- the database -----------------------------------------------------------------------
+
+    def _store(self, spider: str | None, db: str | None) -> tuple[FrontierStore, str]:
+        """The store of ``--db`` or of the spider's settings, as the scheduler resolves it."""
+        assert self.settings is not None
+        settings = self.settings.copy()
+        if db is not None:
+            return SQLiteStore(db, busy_timeout_seconds=settings.getfloat(
+                "IDEMPOTENT_BUSY_TIMEOUT_SECONDS", 10.0)), db
+        assert spider is not None
+        from scrapy.spiderloader import get_spider_loader
+
+        spidercls: Any
+        try:
+            spidercls = get_spider_loader(settings).load(spider)
+        except KeyError:  # not a spider of this project: the name alone decides the path
+            spidercls = SimpleNamespace(name=spider)
+        else:
+            spidercls.update_settings(settings)
+        config = IdempotentConfig.from_settings(settings, spidercls)
+        return SQLiteStore(config.database_path, lease_seconds=config.lease_seconds,
+                           busy_timeout_seconds=config.busy_timeout_seconds), \
+            config.database_path
+
+    def _print(self, opts: argparse.Namespace, report: dict[str, Any], lines: list[str]) -> None:
+        if opts.json:
+            print(json.dumps(report, indent=2, ensure_ascii=False))
+        else:
+            print("\n".join(lines))
+
+    # -- status -----------------------------------------------------------------------------
+
+    def _status(self, store: FrontierStore, path: str, info: dict[str, object],
+                opts: argparse.Namespace) -> None:
+        meta = store.meta()
+        runs = store.runs()
+        sessions = store.sessions()
+        counts = store.counts()
+        summary = store.request_summary()
+        failures = store.failure_counts()
+        repeated = store.repeated_requests(10)
+        holders = store.lease_holders()
+        now = time.time()
+
+        ends: dict[int, list[str]] = {}
+        for session in sessions:
+            ends.setdefault(_int(session["run_id"]), []).append(_session_end(session))
+        records = counts.pop("records")
+        frontier = {**counts, "total": sum(counts.values())}
+        run_rows = [_run_report(run, ends.get(_int(run["run_id"]), [])) for run in runs]
+        current = run_rows[-1] if run_rows else None
+        leases: list[dict[str, Any]] = [
+            {"worker": h.worker, "leases": h.leases, "leased_until": _iso(h.leased_until),
+             "expires_in_seconds": round(h.leased_until - now, 1),
+             "worker_state": _worker_state(h.worker)}
+            for h in holders
+        ]
+        all_ends = [end for run_ends in ends.values() for end in run_ends]
+        counters = ("leased", "done", "failed", "redirected", "records_inserted",
+                    "records_updated", "records_unchanged", "rejects")
+        report: dict[str, Any] = {
+            "database": path,
+            "schema_version": info["schema_version"],
+            "journal_mode": info["journal_mode"],
+            "created_at": _iso(float(meta["created_at"])) if "created_at" in meta else None,
+            "fingerprinter": meta.get("fingerprinter"),
+            "run": current,
+            "runs": run_rows,
+            "frontier": frontier,
+            "leases": leases,
+            "records": {
+                "stored": records,
+                "inserted": current["records_inserted"] if current else 0,
+                "updated": current["records_updated"] if current else 0,
+                "unchanged": current["records_unchanged"] if current else 0,
+                "rejected": current["rejects"] if current else 0,
+            },
+            "failures": failures,
+            "repeated": {
+                "requests": summary["repeated"],
+                "most_attempts": summary["most_attempts"],
+                "leased": current["leased"] if current else 0,
+                "leases_per_record": (round(current["leased"] / records, 3)
+                                      if current and records else None),
+                "top": repeated,
+            },
+            "totals": {
+                "runs": len(runs),
+                "finished_runs": sum(1 for run in runs if run["finished_at"] is not None),
+                "crawls": len(sessions),
+                "crawls_by_end": _tally(all_ends),
+                **{name: sum(int(r[name]) for r in run_rows) for name in counters},
+            },
+        }
+        if opts.json:
+            self._print(opts, report, [])
+            return
+
+        lines = [f"Database  {path}",
+                 f"          schema {info['schema_version']}, journal mode "
+                 f"{info['journal_mode']}, created {report['created_at'] or '-'}"]
+        if current is None:
+            lines.append("No run yet: no crawl has used this database.")
+        else:
+            lines.append(f"Run {current['run_id']}     {_run_sentence(current)}")
+        lines += ["", "Runs"]
+        lines += _table(
+            ["run", "started", "finished", "state", "crawls", "leased", "done", "failed",
+             "redirected", "inserted", "updated", "unchanged", "rejects"],
+            [[r["run_id"], r["started_at"], r["finished_at"] or "-", r["state"],
+              r["crawls"], r["leased"], r["done"], r["failed"], r["redirected"],
+              r["records_inserted"], r["records_updated"], r["records_unchanged"],
+              r["rejects"]] for r in run_rows])
+        lines += ["", "Frontier (requests by state)"]
+        lines += _table(["state", "requests"], [[k, v] for k, v in frontier.items()])
+        lines += ["", "Leases"]
+        if leases:
+            lines += _table(
+                ["worker", "leases", "until", "worker state"],
+                [[lease["worker"], lease["leases"],
+                  f"{lease['leased_until']} ({_expiry(lease['expires_in_seconds'])})",
+                  _WORKER_STATES[lease["worker_state"]]] for lease in leases])
+        else:
+            lines.append("  none")
+        run_label = f"in run {current['run_id']}" if current else "in this run"
+        rec = report["records"]
+        lines += ["", "Records"]
+        lines += _pairs([("stored", rec["stored"]), (f"inserted {run_label}", rec["inserted"]),
+                         (f"updated {run_label}", rec["updated"]),
+                         (f"unchanged {run_label}", rec["unchanged"]),
+                         (f"rejected {run_label}", rec["rejected"])])
+        lines += ["", "Failures by kind"]
+        if failures:
+            lines += _table(["kind", "requests"], [[k or "-", v] for k, v in failures.items()])
+        else:
+            lines.append("  none")
+        rep = report["repeated"]
+        lines += ["", "Repeated requests"]
+        lines += _pairs([
+            ("leased more than once", rep["requests"]),
+            ("most leases of one request", rep["most_attempts"]),
+            (f"leases {run_label}", rep["leased"]),
+            ("leases per stored record",
+             "-" if rep["leases_per_record"] is None else f"{rep['leases_per_record']:.3f}"),
+        ])
+        if repeated:
+            lines += _table(["attempts", "state", "url"],
+                            [[r["attempts"], r["state"], r["url"]] for r in repeated])
+        totals = report["totals"]
+        crawls_by_end = ", ".join(f"{n} {end}" for end, n in totals["crawls_by_end"].items())
+        lines += ["", f"Totals over {totals['runs']} run{'s' * (totals['runs'] != 1)}"]
+        lines += _pairs([
+            ("runs finished", totals["finished_runs"]),
+            ("crawls", totals["crawls"], f"({crawls_by_end})" if crawls_by_end else ""),
+            ("requests leased", totals["leased"]),
+            ("requests done", totals["done"]),
+            ("requests failed", totals["failed"]),
+            ("requests redirected", totals["redirected"]),
+            ("records inserted", totals["records_inserted"]),
+            ("records updated", totals["records_updated"]),
+            ("records unchanged", totals["records_unchanged"]),
+            ("items rejected", totals["rejects"]),
+        ])
+        self._print(opts, report, lines)
+
+    # -- failed and retry -------------------------------------------------------------------
+
+    def _failed(self, store: FrontierStore, path: str, info: dict[str, object],
+                opts: argparse.Namespace) -> None:
+        filters = _filters(opts)
+        limit = _FAILED_LIMIT if opts.limit is None else opts.limit
+        total = store.count_failed(**filters)
+        rows = store.failed_requests(**filters, limit=limit or None)
+        failed = [{**row, "finished_at": _iso(row["finished_at"])} for row in rows]
+        report = {"database": path, "matching": total, "listed": len(failed), "failed": failed}
+        described = _describe_filters(opts)
+        lines = [f"{total} failed request{'s' * (total != 1)}{described}"
+                 + (f", the latest {len(failed)} listed (--limit 0 lists all)"
+                    if len(failed) < total else "")]
+        if failed:
+            lines += _table(
+                ["kind", "attempts", "failed at", "url", "message"],
+                [[r["error_kind"] or "-", r["attempts"], r["finished_at"] or "-", r["url"],
+                  _shorten(str(r["error_message"] or ""))] for r in failed])
+        self._print(opts, report, lines)
+
+    def _retry(self, store: FrontierStore, path: str, info: dict[str, object],
+               opts: argparse.Namespace) -> None:
+        result = store.retry_failed(**_filters(opts))
+        retried = _int(result["retried"])
+        report = {"database": path, **result}
+        described = _describe_filters(opts)
+        if not retried:
+            lines = [f"No failed request{described}: nothing changed."]
+        else:
+            run = result["run_id"]
+            how = (f"run {run} reopened: the next crawl resumes it" if result["reopened"]
+                   else f"run {run} is unfinished: the next crawl resumes it")
+            lines = [f"Put {retried} failed request{'s' * (retried != 1)}{described} back to "
+                     f"pending; {how} and fetches them (unless IDEMPOTENT_RUN_MODE is fresh)."]
+        self._print(opts, report, lines)
+
+    # -- export -----------------------------------------------------------------------------
+
+    def _export(self, store: FrontierStore, path: str, info: dict[str, object],
+                opts: argparse.Namespace) -> None:
+        from scrapy.utils.misc import load_object
+
+        fmt = opts.format or _format_of(opts.output) or "jsonlines"
+        exporter_cls = load_object(f"scrapy.exporters.{FORMATS[fmt]}")
+        to_stdout = opts.output in (None, "-")
+        filters = {"changed_since": opts.since_time, "changed_since_run": opts.run}
+        kwargs: dict[str, Any] = {"encoding": "utf-8"}
+        if fmt == "csv":  # one header for every record: the union of their fields
+            fields: dict[str, None] = {}
+            for record in _records(store, filters):
+                fields.update(dict.fromkeys(json.loads(str(record["data"]))))
+            kwargs["fields_to_export"] = [*EXPORT_FIELDS,
+                                          *sorted(f for f in fields if f not in EXPORT_FIELDS)]
+        elif fmt == "json":
+            kwargs["indent"] = 0  # one record per line
+        partial = f"{opts.output}.partial"
+        stream: Any = sys.stdout.buffer if to_stdout else open(partial, "wb")  # noqa: SIM115
+        count = 0
+        try:
+            exporter = exporter_cls(stream, **kwargs)
+            exporter.start_exporting()
+            for record in _records(store, filters):
+                exporter.export_item(_export_row(record, flat=fmt == "csv"))
+                count += 1
+            exporter.finish_exporting()
+            stream.flush()
+        finally:
+            if not to_stdout:
+                stream.close()
+        if not to_stdout:
+            os.replace(partial, opts.output)
+        report = {"database": path, "exported": count, "format": fmt,
+                  "output": None if to_stdout else opts.output,
+                  "since": _iso(opts.since_time), "run": opts.run}
+        where = "stdout" if to_stdout else opts.output
+        line = f"Exported {count} record{'s' * (count != 1)} to {where} ({fmt})"
+        if to_stdout:  # keep stdout for the data
+            print(json.dumps(report) if opts.json else line, file=sys.stderr)
+        else:
+            self._print(opts, report, [line])
+
+    # -- check ------------------------------------------------------------------------------
+
+    def _check(self, store: FrontierStore, path: str, info: dict[str, object],
+               opts: argparse.Namespace) -> None:
+        checks: list[dict[str, Any]] = []
+
+        def add(name: str, ok: bool, detail: str) -> None:
+            checks.append({"check": name, "ok": ok, "detail": detail})
+
+        integrity = store.integrity_check()
+        add("integrity", integrity == ["ok"],
+            "PRAGMA integrity_check: " + "; ".join(integrity[:10]))
+        version, supported = info["schema_version"], info["supported_schema_version"]
+        add("schema_version", version == supported,
+            f"schema version {version}" + ("" if version == supported else
+                                           f", this scrapy_idempotent reads {supported}"))
+        add("journal_mode", info["journal_mode"] == "wal",
+            f"journal mode {info['journal_mode']}" +
+            ("" if info["journal_mode"] == "wal" else " (expected wal)"))
+        if version == supported:
+            now = time.time()
+            holders = store.lease_holders()
+            if not holders:
+                add("leases", True, "no leases held")
+            for holder in holders:
+                state = _worker_state(holder.worker)
+                plural = "s" * (holder.leases != 1)
+                if state == "dead":
+                    add("leases", False,
+                        f"{holder.leases} lease{plural} held by {holder.worker}, a process of "
+                        "this host that no longer exists (the next crawl on this host takes "
+                        "them back at once)")
+                elif holder.leased_until < now:
+                    add("leases", False,
+                        f"{holder.leases} lease{plural} of {holder.worker} expired "
+                        f"{now - holder.leased_until:.0f} s ago ({_WORKER_STATES[state]}; the "
+                        "next crawl takes them back)")
+                else:
+                    add("leases", True,
+                        f"{holder.leases} lease{plural} held by {holder.worker} "
+                        f"({_WORKER_STATES[state]}) until {_iso(holder.leased_until)}")
+            anomalies = store.anomalies()
+            wrong = {name: n for name, n in anomalies.items() if n}
+            add("rows", not wrong,
+                "; ".join(f"{n} {_ANOMALIES[name]}" for name, n in wrong.items())
+                if wrong else "no rows in impossible states")
+        problems = sum(1 for c in checks if not c["ok"])
+        self.exitcode = 1 if problems else 0
+        report = {"database": path, "ok": not problems, "problems": problems,
+                  "checks": checks}
+        lines = [f"Checking {path}"]
+        lines += _table(["", "check", "detail"],
+                        [["ok" if c["ok"] else "PROBLEM", c["check"], c["detail"]]
+                         for c in checks], header=False)
+        lines.append(f"{problems} problem{'s' * (problems != 1)} found" if problems
+                     else "No problem found")
+        self._print(opts, report, lines)
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+_WORKER_STATES = {
+    "alive": "running on this host",
+    "dead": "dead: process gone",
+    "other host": "on another host",
+    "unknown": "unknown worker id",
+}
+
+_ANOMALIES = {
+    "unknown_state": "requests in an unknown state",
+    "leased_without_owner": "leased requests without a worker or lease time",
+    "owner_without_lease": "requests not leased but with a worker or lease time",
+    "finished_without_time": "finished requests without a finish time",
+    "unfinished_with_time": "pending or leased requests with a finish time",
+    "failed_without_kind": "failed requests without an error kind",
+    "finished_never_leased": "finished requests never leased",
+    "orphan_journal": "journaled responses of requests that are not pending or leased",
+    "record_times": "records changed before they were first seen",
+}
+
+
+def _worker_state(worker: str) -> str:
+    """``alive``/``dead`` for a worker of this host, ``other host``, or ``unknown``."""
+    parts = worker.rsplit(":", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return "unknown"
+    if parts[0] != socket.gethostname():
+        return "other host"
+    return "dead" if _worker_is_dead(worker) else "alive"
+
+
+def _session_end(session: dict[str, object]) -> str:
+    """How a crawl process ended: its close reason, or ``running``/``killed``/``unknown``
+    when it never closed."""
+    if session["ended_at"] is not None:
+        return str(session["reason"] or "closed")
+    state = _worker_state(str(session["worker"]))
+    return {"alive": "running", "dead": "killed"}.get(state, "not closed")
+
+
+def _run_report(run: dict[str, object], ends: list[str]) -> dict[str, Any]:
+    report: dict[str, Any] = {**run, "started_at": _iso(run["started_at"]),
+                              "finished_at": _iso(run["finished_at"]),
+                              "crawls": len(ends), "crawls_by_end": _tally(ends)}
+    if run["finished_at"] is not None:
+        report["state"] = str(run["reason"] or "finished")
+    elif "running" in ends:
+        report["state"] = "running"
+    else:
+        report["state"] = f"open ({ends[-1]})" if ends else "open"
+    return report
+
+
+def _run_sentence(run: dict[str, Any]) -> str:
+    if run["finished_at"] is not None:
+        return (f"finished at {run['finished_at']}: the next crawl starts run "
+                f"{run['run_id'] + 1} (IDEMPOTENT_RUN_MODE auto)")
+    if run["state"] == "running":
+        return "running"
+    last = run["state"][len("open ("):-1] if run["state"].startswith("open (") else "none"
+    return f"unfinished (last crawl: {last}): the next crawl resumes it"
+
+
+def _tally(values: Sequence[str]) -> dict[str, int]:
+    tally: dict[str, int] = {}
+    for value in values:
+        tally[value] = tally.get(value, 0) + 1
+    return tally
+
+
+def _filters(opts: argparse.Namespace) -> dict[str, Any]:
+    return {"kinds": opts.kind, "url_glob": opts.url_glob, "url_regex": opts.url_regex}
+
+
+def _describe_filters(opts: argparse.Namespace) -> str:
+    parts = []
+    if opts.kind:
+        parts.append(f"of kind {' or '.join(opts.kind)}")
+    if opts.url is not None:
+        parts.append(f"with URL matching {opts.url!r}")
+    return (" " + " ".join(parts)) if parts else ""
+
+
+def _records(store: FrontierStore, filters: dict[str, Any]) -> Iterator[dict[str, object]]:
+    """Every matching record, one page at a time (memory does not grow with the table)."""
+    after = None
+    while True:
+        page = store.records_page(after=after, limit=_PAGE, **filters)
+        yield from page
+        if len(page) < _PAGE:
+            return
+        after = str(page[-1]["record_id"])
+
+
+def _export_row(record: dict[str, object], *, flat: bool) -> dict[str, Any]:
+    """The exported form of a record: ``record_id``, ``first_seen``, ``last_changed``, then
+    the item's fields as plain JSON values (tuples and sets as lists, datetimes and dates as
+    ISO 8601 text, Decimals as text, bytes as base64 text). With ``flat`` (CSV), lists and
+    objects become JSON text."""
+    row: dict[str, Any] = {"record_id": record["record_id"],
+                           "first_seen": _iso(record["first_seen"]),
+                           "last_changed": _iso(record["last_changed"])}
+    data = _plain(json.loads(str(record["data"])))
+    for name, value in (data.items() if isinstance(data, dict) else [("data", data)]):
+        if flat and isinstance(value, (list, dict)):
+            value = json.dumps(value, ensure_ascii=False, sort_keys=True)
+        row.setdefault(name, value)
+    return row
+
+
+def _plain(value: Any) -> Any:
+    """Tagged JSON (see :mod:`~.codec`) to plain JSON values."""
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        if len(value) == 1:
+            ((tag, inner),) = value.items()
+            if tag in ("$tuple", "$set", "$frozenset"):
+                return [_plain(v) for v in inner]
+            if tag in ("$bytes", "$datetime", "$date", "$decimal"):
+                return inner
+            if tag == "$dict":
+                return {k if isinstance(k := _plain(key), str)
+                        else json.dumps(k, sort_keys=True): _plain(v) for key, v in inner}
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _format_of(output: str | None) -> str | None:
+    if not output or output == "-":
+        return None
+    extension = os.path.splitext(output)[1].lower().lstrip(".")
+    return extension if extension in FORMATS else None
+
+
+def _parse_time(text: str) -> float:
+    """ISO 8601 date or date and time to unix seconds; UTC unless an offset is given."""
+    value = text.strip()
+    if value[-1:] in ("Z", "z"):
+        value = value[:-1] + "+00:00"
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        raise UsageError(f"--since {text!r}: not an ISO 8601 date or time (2026-05-04, "
+                         "2026-05-04T10:00:00Z, 2026-05-04T12:00:00+02:00)") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.timestamp()
+
+
+def _iso(seconds: object) -> str | None:
+    """Unix seconds as ISO 8601 UTC to the second (``2026-05-04T10:00:00Z``), None as None.
+    Truncated, so ``--since`` with a time shown here includes the record shown with it."""
+    if seconds is None:
+        return None
+    assert isinstance(seconds, (int, float))
+    moment = datetime.fromtimestamp(seconds, timezone.utc)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _int(value: object) -> int:
+    assert isinstance(value, int)
+    return value
+
+
+def _expiry(seconds: float) -> str:
+    return f"in {seconds:.0f} s" if seconds >= 0 else f"expired {-seconds:.0f} s ago"
+
+
+def _shorten(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= _MESSAGE_WIDTH else text[:_MESSAGE_WIDTH - 3] + "..."
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *,
+           header: bool = True) -> list[str]:
+    """Rows as aligned text columns, two spaces apart, numbers right-aligned."""
+    cells = [[("-" if v is None else str(v)) for v in row] for row in rows]
+    shown = [list(headers), *cells] if header else cells
+    widths = [max(len(r[i]) for r in shown) for i in range(len(headers))]
+    numeric = [bool(rows) and all(isinstance(row[i], (int, float))
+                                  and not isinstance(row[i], bool) for row in rows)
+               for i in range(len(headers))]
+    lines = []
+    for row in shown:
+        parts = [cell.rjust(widths[i]) if numeric[i] else cell.ljust(widths[i])
+                 for i, cell in enumerate(row)]
+        lines.append(("  " + "  ".join(parts)).rstrip())
+    return lines
+
+
+def _pairs(pairs: Sequence[tuple[Any, ...]]) -> list[str]:
+    """``(label, value[, note])`` as aligned lines, values right-aligned."""
+    width = max(len(pair[0]) for pair in pairs)
+    value_width = max(len(str(pair[1])) for pair in pairs)
+    return [(f"  {pair[0].ljust(width)}  {str(pair[1]).rjust(value_width)}  "
+             f"{pair[2] if len(pair) > 2 else ''}").rstrip() for pair in pairs]
