@@ -1,0 +1,102 @@
+"""Kill cases of the request paths (issue 3): a real ``CrawlerProcess`` in a subprocess
+(tests/paths_spiders.py), SIGKILLed at a chosen moment, then run again on the same database."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from crawling import db_rows
+from paths_site import PathsSite
+
+pytestmark = pytest.mark.slow
+
+SPIDERS = Path(__file__).resolve().parent / "paths_spiders.py"
+
+
+@pytest.fixture
+def site() -> Iterator[PathsSite]:
+    with PathsSite() as paths_site:
+        yield paths_site
+
+
+def start_crawl(site: PathsSite, tmp_path: Path, run: int, *settings: str) -> subprocess.Popen:
+    args = [sys.executable, str(SPIDERS), "--url", site.url,
+            "--db", str(tmp_path / "frontier.sqlite3"),
+            "--marker", str(tmp_path / f"marker{run}.txt"),
+            "--stats", str(tmp_path / f"stats{run}.json")]
+    for setting in settings:
+        args += ["-s", setting]
+    log = open(tmp_path / f"run{run}.log", "w")  # noqa: SIM115 - closed with the process
+    try:
+        return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    finally:
+        log.close()
+
+
+def wait_for(condition: Any, timeout: float, what: str, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}; log:\n{log.read_text()}")
+        time.sleep(0.02)
+
+
+def marker_lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+@pytest.mark.parametrize("journal", [True, False], ids=["journal", "no-journal"])
+def test_c9_kill_after_items_reached_the_pipeline_before_the_page_finished(
+    site: PathsSite, tmp_path: Path, journal: bool
+) -> None:
+    db = tmp_path / "frontier.sqlite3"
+    setting = f"IDEMPOTENT_RESPONSE_JOURNAL={json.dumps(journal)}"
+    site.block()
+    first = start_crawl(site, tmp_path, 1, setting)
+    try:
+        # the 3 variant items went through the pipelines before ours, and the callback is
+        # now awaiting the blocking request: the page is not finished
+        wait_for(lambda: len(marker_lines(tmp_path / "marker1.txt")) == 3
+                 and site.hits("/block/stock1") == 1, 30, "the 3 items", tmp_path / "run1.log")
+        time.sleep(0.3)  # let them reach UpsertPipeline too
+        assert first.poll() is None, (tmp_path / "run1.log").read_text()
+    finally:
+        first.kill()
+        first.wait(10)
+    assert first.returncode == -9
+    assert not (tmp_path / "stats1.json").exists()
+    rows_after_kill = db_rows(db, "SELECT url, state FROM requests")
+    assert rows_after_kill == [(f"{site.url}/ok/product1", "leased")]  # a dead worker's
+    assert db_rows(db, "SELECT count(*) FROM records") == [(0,)]  # nothing before done
+
+    site.release()
+    second = start_crawl(site, tmp_path, 2, setting)
+    assert second.wait(60) == 0, (tmp_path / "run2.log").read_text()
+    stats = json.loads((tmp_path / "stats2.json").read_text())
+    assert stats["finish_reason"] == "finished"
+    assert db_rows(db, "SELECT url, state, error_kind, attempts FROM requests") == [
+        (f"{site.url}/ok/product1", "done", None, 2)]
+    assert db_rows(db, "SELECT count(*) FROM requests WHERE state = 'leased'") == [(0,)]
+    keys = sorted(json.loads(data)["key"]
+                  for (data,) in db_rows(db, "SELECT data FROM records"))
+    assert keys == ["product1-blue", "product1-green", "product1-red"]  # 3 rows, not 6
+    assert stats["idempotent/records/inserted"] == 3  # inserted once overall
+    assert "idempotent/records/updated" not in stats
+    assert stats["idempotent/requests/reclaimed"] == 1
+    assert stats["idempotent/requests/repeated"] == 1
+    assert db_rows(db, "SELECT count(*) FROM responses") == [(0,)]
+    if journal:
+        # the response that had arrived is replayed, not downloaded again
+        assert stats["idempotent/responses/replayed"] == 1
+        assert site.hits("/ok/product1") == 1
+    else:
+        assert site.hits("/ok/product1") == 2
+    assert site.hits("/block/stock1") == 2
