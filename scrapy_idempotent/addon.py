@@ -29,6 +29,7 @@ class Addon:
         SPIDER_MIDDLEWARES = {"scrapy_idempotent.RecordIdMiddleware": 10}
         DOWNLOADER_MIDDLEWARES = {"scrapy_idempotent.ResponseJournalMiddleware": 950}
         ITEM_PIPELINES = {"scrapy_idempotent.UpsertPipeline": 1000}
+        EXTENSIONS = {"scrapy_idempotent.progress.IdempotentLogStats": 0}
     """
 
     def update_settings(self, settings: BaseSettings) -> None:
@@ -39,3 +40,6 @@ class Addon:
             "DOWNLOADER_MIDDLEWARES", ResponseJournalMiddleware, JOURNAL_PRIORITY)
         settings.set_in_component_priority_dict(
             "ITEM_PIPELINES", UpsertPipeline, PIPELINE_PRIORITY)
+        from .progress import IdempotentLogStats  # the progress line
+
+        settings.set_in_component_priority_dict("EXTENSIONS", IdempotentLogStats, 0)
