@@ -54,6 +54,7 @@ class Entry:
     spider_error: tuple[str, str] | None = None
     redirected: bool = False
     replayed: bool = False  #: answered from the response journal
+    interrupted: bool = False  #: its callback raised CloseSpider
     continuation: tuple[str, int] | None = None  #: (request data, priority) of a retry
 
     def completion(self) -> Completion:
@@ -61,6 +62,9 @@ class Entry:
         if self.continuation is not None:
             data, priority = self.continuation
             return Completion(self.key, RequestState.PENDING, data=data, priority=priority)
+        if self.interrupted:  # released: the next run processes it again
+            return Completion(self.key, RequestState.PENDING, "interrupted",
+                              "the callback raised CloseSpider")
         if self.redirected:
             return Completion(self.key, RequestState.REDIRECTED)
         if self.failure is not None:

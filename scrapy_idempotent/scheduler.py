@@ -26,9 +26,9 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any
 
-from scrapy import Request, signals
+from scrapy import Request
 from scrapy.core.scheduler import BaseScheduler
-from scrapy.exceptions import IgnoreRequest
+from scrapy.exceptions import CloseSpider, IgnoreRequest
 from scrapy.http import Response
 from twisted.internet import task
 from twisted.python.failure import Failure
@@ -244,6 +244,7 @@ class IdempotentScheduler(BaseScheduler):
                 (slot, "remove_request"),
                 (engine, "_handle_downloader_output"),
                 (scraper, "handle_spider_output_async"),
+                (scraper, "handle_spider_error"),
             ) if not callable(getattr(obj, name, None))
         ]
         if missing:
@@ -262,6 +263,7 @@ class IdempotentScheduler(BaseScheduler):
         remove_request = slot.remove_request
         handle_output = engine._handle_downloader_output
         spider_output = scraper.handle_spider_output_async
+        spider_error = scraper.handle_spider_error
 
         def hooked_remove_request(request: Request) -> None:
             try:
@@ -284,18 +286,26 @@ class IdempotentScheduler(BaseScheduler):
                 result = self._track_output(result, entry, request.url)
             await spider_output(result, request, response)
 
+        def hooked_spider_error(failure: Failure, request: Request,
+                                response: Response | Failure) -> None:
+            # Every exception of a callback or errback, CloseSpider included (which sends no
+            # spider_error signal), with the request the engine handed out.
+            entry = self._inflight.get(id(request))
+            if entry is not None:
+                self._observe_error(entry, failure)
+            spider_error(failure, request, response)
+
         # Instance attributes shadow the methods; close() deletes them again.
         slot.remove_request = hooked_remove_request
         engine._handle_downloader_output = hooked_handle_output  # type: ignore[method-assign]
         scraper.handle_spider_output_async = hooked_spider_output
+        scraper.handle_spider_error = hooked_spider_error
         self._unhook = [
             lambda: delattr(slot, "remove_request"),
             lambda: delattr(engine, "_handle_downloader_output"),
             lambda: delattr(scraper, "handle_spider_output_async"),
+            lambda: delattr(scraper, "handle_spider_error"),
         ]
-        self.crawler.signals.connect(self._on_spider_error, signals.spider_error)
-        self._unhook.append(
-            lambda: self.crawler.signals.disconnect(self._on_spider_error, signals.spider_error))
 
     # -- the scheduler contract -------------------------------------------------------------
 
@@ -501,11 +511,13 @@ class IdempotentScheduler(BaseScheduler):
                           settings.getlist("HTTPERROR_ALLOWED_CODES"))
         return response.status in [int(s) for s in allowed]
 
-    def _on_spider_error(self, failure: Failure, response: Any, spider: Spider) -> None:
-        request = getattr(response, "request", None)
-        entry = self._inflight.get(id(request)) if request is not None else None
-        if entry is not None and entry.spider_error is None:
-            exc = failure.value
+    @staticmethod
+    def _observe_error(entry: Entry, failure: Failure) -> None:
+        exc = failure.value
+        if isinstance(exc, CloseSpider):
+            # The callback stopped the crawl: its page is not done; it stays due.
+            entry.interrupted = True
+        elif entry.spider_error is None:
             entry.spider_error = (f"spider_error/{type(exc).__name__}", str(exc)[:1000])
 
     # -- attribution (used by RecordIdMiddleware and the errback hook) ----------------------
