@@ -17,6 +17,7 @@ against a local ``ShopSite`` and an absolute ``IDEMPOTENT_DATABASE``.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import re
@@ -35,9 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from shop.site import ShopSite
-
 from crawling import db_rows, frontier_counts
+from shop.site import ShopSite
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +77,7 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str,
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])
 
 
 # --- the egg -------------------------------------------------------------------------------
@@ -203,15 +203,11 @@ class Scrapyd:
             self.pids.update(job["pid"] for job in running if job.get("pid"))
         for pid in self.pids:
             if _is_job_process(pid):
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         if self.process is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             self.process.wait(timeout=30)
             self.process = None
         if self._output is not None:
@@ -223,7 +219,7 @@ class Scrapyd:
     def _call(self, request: urllib.request.Request) -> dict[str, Any]:
         try:
             with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT) as response:
-                payload = json.load(response)
+                payload: dict[str, Any] = json.load(response)
         except urllib.error.HTTPError as exc:
             body = exc.read().decode(errors="replace")
             exc.close()
@@ -250,16 +246,22 @@ class Scrapyd:
         fields = [("project", PROJECT), ("spider", SPIDER)]
         fields += [("setting", f"{name}={value}") for name, value in settings.items()]
         fields += list(spider_args.items())
-        return self.post("schedule.json", fields)["jobid"]
+        return str(self.post("schedule.json", fields)["jobid"])
 
     def cancel(self, job: str, signal_name: str | None = None) -> str | None:
         fields = [("project", PROJECT), ("job", job)]
         if signal_name is not None:
             fields.append(("signal", signal_name))
-        return self.post("cancel.json", fields)["prevstate"]
+        prevstate: str | None = self.post("cancel.json", fields)["prevstate"]
+        return prevstate
 
     def state(self, job: str) -> str | None:
-        return self.get("status.json", job=job, project=PROJECT)["currstate"]
+        """``pending``, ``running`` or ``finished`` (from ``listjobs.json``); None if unknown."""
+        jobs = self.get("listjobs.json", project=PROJECT)
+        for state in ("finished", "running", "pending"):
+            if any(entry["id"] == job for entry in jobs[state]):
+                return state
+        return None
 
     def running_pid(self, job: str) -> int | None:
         for entry in self.get("listjobs.json", project=PROJECT)["running"]:
@@ -274,10 +276,22 @@ class Scrapyd:
                 pytest.fail(f"job {job} ended before it was seen running:\n{self.log(job)}")
             return self.running_pid(job)
 
-        return wait_until(started, JOB_START_TIMEOUT, f"job {job} to start")
+        return int(wait_until(started, JOB_START_TIMEOUT, f"job {job} to start"))
 
     def wait_finished(self, job: str, timeout: float = JOB_TIMEOUT) -> None:
         wait_until(lambda: self.state(job) == "finished", timeout, f"job {job} to finish")
+
+    def clear_jobs(self) -> None:
+        """Drop pending jobs, SIGKILL running ones, and wait until none runs."""
+        jobs = self.get("listjobs.json", project=PROJECT)
+        for entry in jobs["pending"]:
+            self.cancel(entry["id"])
+        for entry in jobs["running"]:
+            if entry.get("pid") and _is_job_process(entry["pid"]):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(entry["pid"], signal.SIGKILL)
+        wait_until(lambda: not self.get("listjobs.json", project=PROJECT)["running"],
+                   JOB_TIMEOUT, "the jobs of the test to end")
 
     def log(self, job: str) -> str:
         path = self.logs_dir / PROJECT / SPIDER / f"{job}.log"
@@ -296,7 +310,7 @@ def _is_job_process(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def scrapyd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrapyd]:
+def scrapyd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrapyd]:
     """A running scrapyd with ``example_project`` deployed as project ``shop``."""
     root = tmp_path_factory.mktemp("scrapyd")
     egg = build_egg(tmp_path_factory.mktemp("egg"))
@@ -308,6 +322,14 @@ def scrapyd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrapyd]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def scrapyd(scrapyd_server: Scrapyd) -> Iterator[Scrapyd]:
+    """The module's scrapyd, left without jobs after each test (a failed test may leave one
+    running or pending; the next test's jobs would queue behind it)."""
+    yield scrapyd_server
+    scrapyd_server.clear_jobs()
 
 
 # --- reading results -----------------------------------------------------------------------
@@ -401,7 +423,7 @@ def test_sigkilled_job_is_resumed_by_the_next_job(scrapyd: Scrapyd, tmp_path: Pa
         # The kill landed in the middle of the crawl: the dead job still holds leases.
         dead_leases = leases_of(db)
         counts_at_kill = frontier_counts(db)
-        assert [worker.split(":")[1] for worker, _ in dead_leases] == [str(pid)], dead_leases
+        assert [worker.rsplit(":", 2)[1] for worker, _ in dead_leases] == [str(pid)], dead_leases
         assert counts_at_kill.get("pending", 0) > 0, counts_at_kill
         assert at_kill < pages
 
