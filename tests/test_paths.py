@@ -14,6 +14,7 @@ import asyncio
 import functools
 import json
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -189,10 +190,14 @@ async def test_success_items_and_requests_and_a_page_without_items(
 
 
 class SlowPipeline:
-    """An ``async def process_item`` before ours: items lag behind the callback."""
+    """An ``async def process_item`` before ours: items lag behind the callback. (In Scrapy
+    2.19 with the asyncio reactor, ``await asyncio.sleep`` works here.)"""
+
+    finished: dict[str, float] = {}
 
     async def process_item(self, item: Any) -> Any:
         await asyncio.sleep(0.05)
+        SlowPipeline.finished[item["key"]] = time.monotonic()
         return item
 
 
@@ -206,6 +211,7 @@ class InterleavedSpider(PathSpider):
         for i in range(12):
             yield {"key": f"many-{i}"}
             yield response.follow(f"/ok/child{i}", callback=self.parse_child)
+        self.many_ended = time.monotonic()  # the callback's output is exhausted
 
     def parse_child(self, response: Any) -> Any:
         yield {"key": path_of(response)}
@@ -215,10 +221,13 @@ class InterleavedSpider(PathSpider):
 async def test_interleaved_items_and_requests_with_a_slow_pipeline(
     site: PathsSite, db_path: Path
 ) -> None:
+    SlowPipeline.finished.clear()
     crawler = await crawl(InterleavedSpider, settings(
         db_path, CONCURRENT_ITEMS=2, ITEM_PIPELINES={f"{__name__}.SlowPipeline": 100},
     ), url=site.url)
     assert finish_reason(crawler) == "finished"
+    # the items of /ok/many really lagged behind its callback
+    assert SlowPipeline.finished["many-11"] > crawler.spider.many_ended
     expected_rows = {"/ok/many": ("done", None, 1)}
     expected_rows.update({f"/ok/child{i}": ("done", None, 1) for i in range(12)})
     assert frontier(db_path, site) == expected_rows
@@ -246,6 +255,7 @@ class CallbackErrorSpider(PathSpider):
         yield scrapy.Request(self.at("/ok/raise-now"), callback=self.parse_raise_now)
         yield scrapy.Request(self.at("/ok/raise-first"), callback=self.parse_raise_first)
         yield scrapy.Request(self.at("/ok/raise-midway"), callback=self.parse_raise_midway)
+        yield scrapy.Request(self.at("/ok/raise-async"), callback=self.parse_async_midway)
 
     def parse_raise_now(self, response: Any) -> Any:
         raise KeyError("no such thing")  # a plain function: raises when called
@@ -261,6 +271,11 @@ class CallbackErrorSpider(PathSpider):
         yield {"key": "midway-2"}
         raise RuntimeError("midway")
 
+    async def parse_async_midway(self, response: Any) -> Any:
+        yield {"key": "async-midway-1"}
+        await asyncio.sleep(0.01)
+        raise LookupError("async midway")
+
     def parse_child(self, response: Any) -> Any:
         yield {"key": path_of(response)}
 
@@ -275,21 +290,23 @@ async def test_callback_raising_before_its_first_yield_and_midway(
         "/ok/raise-now": ("failed", "spider_error/KeyError", 1),
         "/ok/raise-first": ("failed", "spider_error/ValueError", 1),
         "/ok/raise-midway": ("failed", "spider_error/RuntimeError", 1),
+        "/ok/raise-async": ("failed", "spider_error/LookupError", 1),
         "/ok/before-raise": ("done", None, 1),  # yielded before the raise: kept
     }
     assert_nothing_leased(db_path)
     # what was yielded before the raise is stored, with the request that produced it
     assert record_owner(db_path, site) == {
         "midway-1": "/ok/raise-midway", "midway-2": "/ok/raise-midway",
-        "/ok/before-raise": "/ok/before-raise",
+        "async-midway-1": "/ok/raise-async", "/ok/before-raise": "/ok/before-raise",
     }
     stats = istats(crawler)
-    assert stats["requests/failed"] == 3
+    assert stats["requests/failed"] == 4
     assert stats["failed/spider_error/KeyError"] == 1
     assert stats["failed/spider_error/ValueError"] == 1
     assert stats["failed/spider_error/RuntimeError"] == 1
+    assert stats["failed/spider_error/LookupError"] == 1
     assert stats["requests/done"] == 1
-    assert stats["records/inserted"] == 3
+    assert stats["records/inserted"] == 4
     assert all(n == 1 for n in site.counts_by_path().values())
 
 
