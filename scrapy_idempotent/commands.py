@@ -400,6 +400,7 @@ class Command(ScrapyCommand):
         from scrapy.utils.misc import load_object
 
         fmt = opts.format or _format_of(opts.output) or "jsonlines"
+        fmt = {"jsonl": "jsonlines", "jl": "jsonlines"}.get(fmt, fmt)
         exporter_cls = load_object(f"scrapy.exporters.{FORMATS[fmt]}")
         to_stdout = opts.output in (None, "-")
         filters = {"changed_since": opts.since_time, "changed_since_run": opts.run}
