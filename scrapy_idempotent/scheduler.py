@@ -174,7 +174,6 @@ class IdempotentScheduler(BaseScheduler):
         :class:`~.UnsupportedScrapy` before anything is fetched."""
         self.spider = spider
         self.codec = RequestCodec(spider, self.config.request_classes)
-        self._install_hooks()
         fingerprinter = type(self._fingerprinter)
         changed = self.store.open(
             fingerprinter=f"{fingerprinter.__module__}.{fingerprinter.__qualname__}")
@@ -195,6 +194,7 @@ class IdempotentScheduler(BaseScheduler):
             self.config.database_path, counts["pending"], counts["leased"], reclaimed,
             counts["done"] + counts["redirected"], counts["failed"], counts["records"],
         )
+        self._install_hooks()
         self._renewal = task.LoopingCall(self._tick)
         self._renewal.start(self.config.lease_seconds / 3, now=False)
 
