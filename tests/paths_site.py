@@ -15,6 +15,7 @@ Routes (``<name>`` is any word, so each test uses distinct URLs):
 * ``/redirect/<code>/<name>?to=<url>``: ``code`` with ``Location: <url>``.
 * ``/refresh/<name>?to=<url>``: 200 HTML with a ``<meta http-equiv="refresh">`` to ``url``.
 * ``/chain/<n>/<name>``: 302 to ``/chain/<n-1>/<name>``; ``/chain/0/<name>`` is 200.
+* ``/loop/<name>/<n>``: 302 to ``/loop/<name>/<1 - n>`` (a redirect loop).
 * ``/echo/<name>``: 200 JSON of what was received: method, path, query, headers, body (text and
   base64), cookies.
 * ``/block/<name>``: waits until :meth:`PathsSite.release` (or ``/__release__``), then 200.
@@ -146,6 +147,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(302, "moved", headers={"Location": target})
             else:
                 self._html(path, links)
+        elif head == "loop" and len(parts) >= 3:
+            target = f"/loop/{parts[1]}/{(int(parts[2]) + 1) % 2}"
+            self._send(302, "moved", headers={"Location": target})
         elif head == "echo":
             cookies = SimpleCookie(self.headers.get("Cookie") or "")
             self._send(200, json.dumps({

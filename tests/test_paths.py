@@ -11,6 +11,7 @@ attempts``), that nothing is left ``leased``, the close reason, the records stor
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -400,18 +401,62 @@ async def test_download_error_ends_failed_after_its_retries(
         assert site.hits(target.removeprefix(site.url)) == 2
 
 
+class ErrbackRetrySpider(PathSpider):
+    """The errback retries the failed request itself (``get_retry_request``, at most 2
+    times) and yields a failure item when it gives up."""
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self.errback_calls = 0
+
+    async def start(self) -> Any:
+        yield scrapy.Request(self.at("/reset/eb"), errback=self.on_error)
+
+    def on_error(self, failure: Any) -> Any:
+        self.errback_calls += 1
+        retry = get_retry_request(failure.request, spider=self, reason="errback",
+                                  max_retry_times=2)
+        if retry is not None:
+            yield retry
+        else:
+            yield {"key": "gave-up", "calls": self.errback_calls}
+
+
+@deferred_f_from_coro_f
+async def test_errback_retrying_its_request_continues_the_same_entry(
+    site: PathsSite, db_path: Path
+) -> None:
+    crawler = await crawl(ErrbackRetrySpider, settings(db_path), url=site.url)
+    assert finish_reason(crawler) == "finished"
+    [(state, error_kind, attempts)] = frontier(db_path, site).values()
+    assert (state, attempts) == ("failed", 3)
+    assert error_kind is not None and error_kind.startswith("download_error/")
+    assert_nothing_leased(db_path)
+    assert crawler.spider.errback_calls == 3
+    assert site.hits("/reset/eb") == 3
+    assert record_owner(db_path, site) == {"gave-up": "/reset/eb"}
+    stats = istats(crawler)
+    assert stats["requests/retried"] == 2
+    assert stats["requests/continued"] == 2
+    assert stats["requests/failed"] == 1
+    assert stats["records/inserted"] == 1
+    assert crawler.dropped_urls == []
+
+
 # -- HTTP errors ---------------------------------------------------------------------------
 
 
 class HttpErrorSpider(PathSpider):
-    def __init__(self, url: str, path: str, use_errback: bool, **kwargs: Any) -> None:
+    def __init__(self, url: str, path: str, use_errback: bool,
+                 meta: dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(url, **kwargs)
         self.path = path
         self.use_errback = use_errback
+        self.meta = meta or {}
         self.errback_calls: list[int] = []
 
     async def start(self) -> Any:
-        yield scrapy.Request(self.at(self.path),
+        yield scrapy.Request(self.at(self.path), meta=self.meta,
                              errback=self.on_error if self.use_errback else None)
 
     def parse(self, response: Any) -> Any:
@@ -452,14 +497,22 @@ async def test_http_error_ends_failed(
         assert "records/inserted" not in stats
 
 
+class HandleStatusSpider(HttpErrorSpider):
+    handle_httpstatus_list = (404,)
+
+
+@pytest.mark.parametrize("how", ["setting", "spider", "meta-list", "meta-all"])
 @deferred_f_from_coro_f
 async def test_http_error_allowed_by_httperror_allowed_codes_is_done(
-    site: PathsSite, db_path: Path
+    site: PathsSite, db_path: Path, how: str
 ) -> None:
     path = "/status/404/allowed"
-    crawler = await crawl(HttpErrorSpider, settings(
-        db_path, HTTPERROR_ALLOWED_CODES=[404],
-    ), url=site.url, path=path, use_errback=True)
+    extra: dict[str, Any] = {"HTTPERROR_ALLOWED_CODES": [404]} if how == "setting" else {}
+    meta = {"meta-list": {"handle_httpstatus_list": [404]},
+            "meta-all": {"handle_httpstatus_all": True}}.get(how)
+    spidercls = HandleStatusSpider if how == "spider" else HttpErrorSpider
+    crawler = await crawl(spidercls, settings(db_path, **extra), url=site.url, path=path,
+                          use_errback=True, meta=meta)
     assert finish_reason(crawler) == "finished"
     assert frontier(db_path, site) == {path: ("done", None, 1)}
     assert_nothing_leased(db_path)
@@ -691,6 +744,48 @@ async def test_too_many_redirects_ends_failed_and_calls_the_errback_once(
     assert stats["records/inserted"] == 1
 
 
+class LoopSpider(PathSpider):
+    def __init__(self, url: str, dont_filter: bool, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self.dont_filter = dont_filter
+
+    async def start(self) -> Any:
+        yield scrapy.Request(self.at("/loop/l/0"), dont_filter=self.dont_filter)
+
+
+@deferred_f_from_coro_f
+async def test_redirect_loop_ends(site: PathsSite, db_path: Path) -> None:
+    crawler = await crawl(LoopSpider, settings(db_path), url=site.url, dont_filter=False)
+    assert finish_reason(crawler) == "finished"
+    # 0 -> 1 -> 0: the way back is to an entry already answered
+    assert frontier(db_path, site) == {
+        "/loop/l/0": ("redirected", None, 1),
+        "/loop/l/1": ("redirected", None, 1),
+    }
+    assert_nothing_leased(db_path)
+    assert site.counts_by_path() == {"/loop/l/0": 1, "/loop/l/1": 1}
+    assert istats(crawler)["requests/already_done"] == 1
+
+
+@deferred_f_from_coro_f
+async def test_redirect_loop_of_a_dont_filter_request_ends_at_redirect_max_times(
+    site: PathsSite, db_path: Path
+) -> None:
+    # dont_filter (start_urls) is inherited by redirects: each hop is a new entry, as with
+    # Scrapy's own scheduler, until REDIRECT_MAX_TIMES
+    crawler = await crawl(LoopSpider, settings(db_path, REDIRECT_MAX_TIMES=3), url=site.url,
+                          dont_filter=True)
+    assert finish_reason(crawler) == "finished"
+    assert rows(db_path, site) == [
+        ("/loop/l/0", "redirected", None, 1),
+        ("/loop/l/0", "redirected", None, 1),
+        ("/loop/l/1", "failed", "ignored/IgnoreRequest", 1),
+        ("/loop/l/1", "redirected", None, 1),
+    ]
+    assert_nothing_leased(db_path)
+    assert site.total() == 4
+
+
 # -- IgnoreRequest: robots.txt, offsite, depth ---------------------------------------------------
 
 
@@ -829,6 +924,111 @@ async def test_drop_item_and_pipeline_error_before_ours(site: PathsSite, db_path
     assert stats["requests/done"] == 2
     assert crawler.stats.get_value("item_dropped_count") == 1
     assert crawler.stats.get_value("item_scraped_count") == 2
+
+
+class CopyingPipeline:
+    """Before ours: returns a new item object (a common habit), not the one it got."""
+
+    def process_item(self, item: Any) -> Any:
+        return {**item, "copied": True}
+
+
+@deferred_f_from_coro_f
+async def test_pipeline_returning_a_new_item_object(site: PathsSite, db_path: Path) -> None:
+    crawler = await crawl(PipelineSpider, settings(
+        db_path, ITEM_PIPELINES={f"{__name__}.CopyingPipeline": 100}), url=site.url)
+    assert finish_reason(crawler) == "finished"
+    assert frontier(db_path, site) == {
+        "/ok/pipes": ("done", None, 1),
+        "/ok/after-pipes": ("done", None, 1),
+    }
+    assert_nothing_leased(db_path)
+    stored = records(db_path)
+    assert set(stored) == {"kept", "dropped", "broken", "/ok/after-pipes"}
+    assert all(record["copied"] for record in stored.values())
+    # still stored with the request that produced it
+    assert record_owner(db_path, site) == {
+        "kept": "/ok/pipes", "dropped": "/ok/pipes", "broken": "/ok/pipes",
+        "/ok/after-pipes": "/ok/after-pipes"}
+    assert istats(crawler)["records/inserted"] == 4
+
+
+@dataclasses.dataclass
+class Page:
+    """An item type without a configured natural key (the page URL is its key) and without
+    room for a record ID field."""
+
+    title: str
+    price: int
+
+
+class RepricingPipeline:
+    """Before ours: returns a changed copy of a dataclass item (``dataclasses.replace``)."""
+
+    def process_item(self, item: Any) -> Any:
+        if isinstance(item, Page):
+            return dataclasses.replace(item, price=item.price * 2)
+        return item
+
+
+class PageItemSpider(PathSpider):
+    async def start(self) -> Any:
+        for name in ("pa", "pb"):
+            yield scrapy.Request(self.at(f"/ok/{name}"))
+
+    def parse(self, response: Any) -> Any:
+        yield Page(title=path_of(response), price=10)
+
+
+@deferred_f_from_coro_f
+async def test_pipeline_returning_a_new_url_keyed_item_is_stored_under_its_page(
+    site: PathsSite, db_path: Path
+) -> None:
+    crawler = await crawl(PageItemSpider, settings(
+        db_path, ITEM_PIPELINES={f"{__name__}.RepricingPipeline": 100}), url=site.url)
+    assert finish_reason(crawler) == "finished"
+    assert frontier(db_path, site) == {"/ok/pa": ("done", None, 1),
+                                       "/ok/pb": ("done", None, 1)}
+    assert_nothing_leased(db_path)
+    stored = sorted(json.loads(data)["title"] for (data,) in db_rows(
+        db_path, "SELECT data FROM records WHERE data LIKE '%\"price\": 20%'"))
+    assert stored == ["/ok/pa", "/ok/pb"], db_rows(db_path, "SELECT reason FROM rejects")
+    stats = istats(crawler)
+    assert stats["records/inserted"] == 2
+    assert "records/rejected" not in stats
+
+
+class StashMiddleware:
+    """A downloader middleware that keeps a live object in ``request.meta`` (as
+    scrapy-playwright's ``playwright_page`` or a session object would): a retry or redirect
+    copies it, so the copy cannot be stored."""
+
+    def process_request(self, request: Any) -> None:
+        if "stash" in request.url:
+            request.meta["session"] = object()
+
+
+@pytest.mark.parametrize("path", ["/flaky/1/stash", "/reset/stash",
+                                  "/redirect/302/stash?to=/ok/stash-target"])
+@deferred_f_from_coro_f
+async def test_retry_or_redirect_that_cannot_be_stored_does_not_end_done(
+    site: PathsSite, db_path: Path, path: str
+) -> None:
+    crawler = await crawl(LinksSpider, settings(
+        db_path, RETRY_ENABLED=True, RETRY_TIMES=2,
+        DOWNLOADER_MIDDLEWARES={f"{__name__}.StashMiddleware": 560},
+    ), url=site.url, start_paths=(path,))
+    assert finish_reason(crawler) == "finished"
+    assert istats(crawler)["requests/unstorable"] == 1  # the retry, refused loudly
+    assert site.hits(path) == 1
+    assert records(db_path) == {}
+    assert_nothing_leased(db_path)
+    # its download failed (or redirected) and the retry (or redirect) was refused: it
+    # never got its page, and nothing else in the frontier will, so it is neither done nor
+    # redirected; it must stay visible as failed (for the retry command)
+    [(state, error_kind, attempts)] = frontier(db_path, site).values()
+    assert state == "failed", (state, error_kind, attempts)
+    assert site.hits("/ok/stash-target") == 0
 
 
 # -- closing early and finishing in the next crawl ------------------------------------------------
