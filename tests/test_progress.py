@@ -1,0 +1,55 @@
+"""The progress line: ``IdempotentLogStats``, enabled by the add-on."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import pytest
+from crawling import crawl_settings, run_crawl
+from scrapy.exceptions import NotConfigured
+from scrapy.utils.defer import deferred_f_from_coro_f
+from scrapy.utils.test import get_crawler
+from shop.site import ShopSite
+from shop.spiders.shop import ShopSpider
+
+from scrapy_idempotent import ConfigError
+from scrapy_idempotent.progress import IdempotentLogStats
+
+LINE = re.compile(
+    r"Frontier: (\d+) pending, (\d+) leased, (\d+) done, (\d+) failed; records this crawl: "
+    r"(\d+) inserted, 0 updated, 0 unchanged \((\d+) stored\); (\d+) pages/min, "
+    r"(\d+) records/min"
+)
+
+
+@deferred_f_from_coro_f
+async def test_the_progress_line_is_logged_every_interval(
+    caplog: pytest.LogCaptureFixture, db_path: Path
+) -> None:
+    caplog.set_level(logging.INFO, logger="scrapy_idempotent.progress")
+    settings = crawl_settings(
+        db_path, IDEMPOTENT_NATURAL_KEYS={"shop.items.ProductItem": "sku"},
+        IDEMPOTENT_LOG_INTERVAL_SECONDS=0.05, CONCURRENT_REQUESTS=2,
+        CONCURRENT_REQUESTS_PER_DOMAIN=2)
+    with ShopSite(port=0, listing_pages=4, products_per_page=5, delay=0.02) as site:
+        await run_crawl(ShopSpider, settings, url=site.url)
+    lines = [r.getMessage() for r in caplog.records if r.name == "scrapy_idempotent.progress"]
+    matches = [LINE.fullmatch(line) for line in lines]
+    assert len(matches) >= 2 and all(matches), lines
+    done = [int(m[3]) for m in matches if m]
+    assert done == sorted(done) and done[-1] > 0
+    for m in matches:
+        assert m is not None and int(m[1]) + int(m[2]) + int(m[3]) <= 24
+        assert int(m[5]) == int(m[6]) <= 20  # one crawl from an empty database
+    assert any(m is not None and int(m[7]) > 0 and int(m[8]) > 0 for m in matches)
+
+
+def test_interval_zero_disables_it_and_a_bad_interval_is_refused() -> None:
+    crawler = get_crawler(ShopSpider, {"IDEMPOTENT_LOG_INTERVAL_SECONDS": 0})
+    with pytest.raises(NotConfigured):
+        IdempotentLogStats.from_crawler(crawler)
+    crawler = get_crawler(ShopSpider, {"IDEMPOTENT_LOG_INTERVAL_SECONDS": "soon"})
+    with pytest.raises(ConfigError, match="IDEMPOTENT_LOG_INTERVAL_SECONDS='soon'"):
+        IdempotentLogStats.from_crawler(crawler)
