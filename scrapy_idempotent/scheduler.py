@@ -157,6 +157,7 @@ class IdempotentScheduler(BaseScheduler):
         self._failed = False
         self._warned_page_key = False
         self._unhook: list[Any] = []
+        self._session = False  # a session was begun in the store (open() got that far)
         self._renewal: task.LoopingCall | None = None
 
     @classmethod
@@ -184,6 +185,7 @@ class IdempotentScheduler(BaseScheduler):
                 self.config.database_path, changed,
             )
         run = self.store.begin_session(self.worker, self.config.run_mode)
+        self._session = True
         reclaimed = self._reclaim_dead_workers()
         counts = self.store.counts()
         self.stats.set_value("idempotent/run_id", run.run_id)
@@ -208,6 +210,9 @@ class IdempotentScheduler(BaseScheduler):
         for undo in reversed(self._unhook):
             undo()
         self._unhook.clear()
+        if not self._session:  # open() failed before the store was usable: nothing to close
+            self.store.close()
+            return
         try:
             if not self._failed:
                 self._commit(UnitOfWork())
