@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from scrapy.utils.defer import deferred_f_from_coro_f
@@ -111,3 +112,108 @@ async def test_c21_item_less_pages_are_done_and_listings_are_fetched_again(
     assert (stats["idempotent/records/inserted"], stats["idempotent/records/unchanged"]) == (
         1, 10)
     assert sorted(r["sku"] for r in stored_products(db)) == [f"SKU-{i:05d}" for i in range(1, 12)]
+
+
+SITEMAP_SPIDER = '''
+import scrapy
+from scrapy.spiders import SitemapSpider
+
+
+class ProductsSpider(SitemapSpider):
+    name = "products"
+    custom_settings = {"ADDONS": {"scrapy_idempotent.Addon": 0},
+                       "IDEMPOTENT_NATURAL_KEYS": {"dict": "sku"},
+                       "CONCURRENT_REQUESTS": 2, "ROBOTSTXT_OBEY": False}
+
+    def __init__(self, url, **kwargs):
+        self.sitemap_urls = [url + "/robots.txt"]
+        super().__init__(**kwargs)
+
+    def parse(self, response):
+        yield {"sku": response.url.rsplit("/", 1)[1]}
+'''
+
+
+def _sitemap_site(delay: float) -> tuple[Any, dict[str, int]]:
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    counts: dict[str, int] = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        disable_nagle_algorithm = True
+
+        def do_GET(self) -> None:
+            counts[self.path] = counts.get(self.path, 0) + 1
+            base = f"http://127.0.0.1:{self.server.server_address[1]}"
+            kind = "text/xml"
+            if self.path == "/robots.txt":
+                body, kind = f"User-agent: *\nSitemap: {base}/sitemap_index.xml\n", "text/plain"
+            elif self.path == "/sitemap_index.xml":
+                body = ('<?xml version="1.0"?><sitemapindex xmlns='
+                        '"http://www.sitemaps.org/schemas/sitemap/0.9">'
+                        + "".join(f"<sitemap><loc>{base}/sitemap{i}.xml</loc></sitemap>"
+                                  for i in (1, 2)) + "</sitemapindex>")
+            elif self.path in ("/sitemap1.xml", "/sitemap2.xml"):
+                first = 1 if self.path == "/sitemap1.xml" else 11
+                body = ('<?xml version="1.0"?><urlset xmlns='
+                        '"http://www.sitemaps.org/schemas/sitemap/0.9">'
+                        + "".join(f"<url><loc>{base}/product/{i}</loc></url>"
+                                  for i in range(first, first + 10)) + "</urlset>")
+            else:
+                time.sleep(delay)
+                body, kind = "<html><body>product</body></html>", "text/html"
+            data = body.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, counts
+
+
+@pytest.mark.slow
+def test_c20_sitemap_spider_resumes_its_products(tmp_path: Path) -> None:
+    """scrapy/scrapy#4479, #4509: a resumed SitemapSpider finished at once because its
+    discovery requests were filtered; plain start URLs were re-crawled on every resume.
+    robots.txt -> sitemap index -> 2 sitemaps -> 20 products, killed after 5 products."""
+    import subprocess
+    import sys
+
+    spider = tmp_path / "products.py"
+    spider.write_text(SITEMAP_SPIDER)
+    db = tmp_path / "c20.sqlite3"
+    server, counts = _sitemap_site(delay=0.3)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+
+    def run(log: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "scrapy", "runspider", str(spider), "-a", f"url={url}",
+             "-s", f"IDEMPOTENT_DATABASE={db}", "-s", f"LOG_FILE={tmp_path / log}"],
+            cwd=tmp_path, stdin=subprocess.DEVNULL)
+
+    try:
+        first = run("first.log")
+        deadline = time.monotonic() + 60
+        while record_count(db) < 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        first.kill()
+        first.wait()
+        assert 5 <= record_count(db) < 20
+        second = run("second.log")
+        assert second.wait(timeout=60) == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert close_reason(tmp_path / "second.log") == "finished"
+    assert sorted(int(r["sku"]) for r in stored_products(db)) == list(range(1, 21))
+    # discovery pages were fetched once: done before the kill, not crawled again on resume
+    assert [counts[p] for p in ("/robots.txt", "/sitemap_index.xml", "/sitemap1.xml",
+                                "/sitemap2.xml")] == [1, 1, 1, 1]
+    assert sum(n - 1 for p, n in counts.items() if p.startswith("/product/")) <= 2
