@@ -14,6 +14,8 @@ Modes:
 
 * ``naive``: Scrapy's default in-memory scheduler and :class:`shop.pipelines.NaiveInsertPipeline`
   (one INSERT per item), i.e. the project without the ``scrapy_idempotent`` add-on.
+* ``jobdir``: Scrapy's own persistence (``JOBDIR``: disk queues and a seen-set) and
+  :class:`shop.pipelines.UpsertBySkuPipeline` (one row per SKU), the usual hand-made fix.
 * ``idempotent``: the project's own settings (the ``scrapy_idempotent`` add-on) with its database
   in the temporary directory.
 
@@ -59,8 +61,12 @@ if str(EXAMPLE_DIR) not in sys.path:
 
 from shop.site import ShopSite  # noqa: E402 (needs EXAMPLE_DIR on sys.path)
 
-MODES = ("naive", "idempotent")
-MODE_LABELS = {"naive": "naive (default scheduler)", "idempotent": "scrapy_idempotent"}
+MODES = ("naive", "jobdir", "idempotent")
+MODE_LABELS = {
+    "naive": "naive (default scheduler)",
+    "jobdir": "JOBDIR + upsert by SKU",
+    "idempotent": "scrapy_idempotent",
+}
 CORRECT_DEFINITION = (
     "correct = SKUs with a stored row whose sku, name and price equal the shop's, each SKU "
     "counted once (duplicate rows beyond the first are not correct rows)"
@@ -99,6 +105,18 @@ def crawl_command(mode: str, site_url: str, workdir: Path, concurrency: int = 1)
             'ITEM_PIPELINES={"shop.pipelines.NaiveInsertPipeline": 300}',
             "-s",
             f"NAIVE_DATABASE={workdir / 'naive.sqlite3'}",
+        ]
+    if mode == "jobdir":
+        return [
+            *command,
+            "-s",
+            "ADDONS={}",
+            "-s",
+            'ITEM_PIPELINES={"shop.pipelines.UpsertBySkuPipeline": 300}',
+            "-s",
+            f"NAIVE_DATABASE={workdir / 'jobdir.sqlite3'}",
+            "-s",
+            f"JOBDIR={workdir / 'job'}",
         ]
     raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
 
@@ -324,10 +342,11 @@ def _top_repeats(counts: Mapping[str, int], limit: int = 10) -> dict[str, int]:
 def read_rows(mode: str, workdir: Path) -> list[tuple[Any, Any, Any]]:
     """Every stored row of ``mode`` as ``(sku, name, price)``.
 
-    naive: the ``products`` table of ``naive.sqlite3``; idempotent: the JSON ``data`` column of
+    naive and jobdir: the ``products`` table of ``<mode>.sqlite3``; idempotent: the JSON
+    ``data`` column of
     the ``records`` table of ``idempotent.sqlite3``.
     """
-    database = workdir / ("naive.sqlite3" if mode == "naive" else "idempotent.sqlite3")
+    database = workdir / f"{mode}.sqlite3"
     if not database.is_file():
         raise DemoError(f"the crawl left no database at {database}")
     try:
@@ -335,7 +354,7 @@ def read_rows(mode: str, workdir: Path) -> list[tuple[Any, Any, Any]]:
     except sqlite3.Error as exc:
         raise DemoError(f"cannot open {database}: {exc}") from exc
     try:
-        if mode == "naive":
+        if mode in ("naive", "jobdir"):
             return connection.execute("SELECT sku, name, price FROM products").fetchall()
         rows = []
         for (data,) in connection.execute("SELECT data FROM records"):
@@ -415,8 +434,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, help="seed of the kill moments (default: random)")
     parser.add_argument(
         "--modes",
-        default="naive,idempotent",
-        help="comma-separated modes to run, from: naive, idempotent (both)",
+        default="naive,jobdir,idempotent",
+        help="comma-separated modes to run, from: naive, jobdir, idempotent (all)",
     )
     parser.add_argument(
         "--kill-min", type=float, default=0.2, help="earliest kill, s after first request (0.2)"

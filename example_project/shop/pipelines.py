@@ -79,3 +79,33 @@ class NaiveInsertPipeline:
         )
         self.connection.commit()
         return item
+
+
+class UpsertBySkuPipeline(NaiveInsertPipeline):
+    """Like :class:`NaiveInsertPipeline`, but one row per SKU (``INSERT ... ON CONFLICT``): the
+    usual fix for duplicates, paired in the demo with Scrapy's ``JOBDIR`` to resume."""
+
+    def open_spider(self) -> None:
+        super().open_spider()
+        assert self.connection is not None
+        self.connection.execute(
+            "CREATE UNIQUE INDEX IF NOT EXISTS products_sku ON products (sku)")
+        self.connection.commit()
+
+    def process_item(self, item: Any) -> Any:
+        assert self.connection is not None, "open_spider() was not called"
+        adapter = ItemAdapter(item)
+        self.connection.execute(
+            "INSERT INTO products (sku, name, price, url, scraped_at) VALUES (?, ?, ?, ?, ?)"
+            " ON CONFLICT (sku) DO UPDATE SET name = excluded.name, price = excluded.price,"
+            " url = excluded.url, scraped_at = excluded.scraped_at",
+            (
+                adapter.get("sku"),
+                adapter.get("name"),
+                adapter.get("price"),
+                adapter.get("url"),
+                datetime.now(timezone.utc).isoformat(),
+            ),
+        )
+        self.connection.commit()
+        return item
