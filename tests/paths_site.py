@@ -36,6 +36,7 @@ import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from http.cookies import SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
@@ -95,7 +96,7 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             pass  # the client gave up
 
-    def _html(self, title: str, links: list[str] = (), status: int = 200,
+    def _html(self, title: str, links: Sequence[str] = (), status: int = 200,
               extra_head: str = "") -> None:
         anchors = "".join(f'<a href="{link}">{link}</a>\n' for link in links)
         self._send(status, f"<html><head><title>{title}</title>{extra_head}</head><body>"

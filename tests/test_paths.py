@@ -18,17 +18,17 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import scrapy
+from paths_site import PathsSite, free_port
 from scrapy.downloadermiddlewares.retry import get_retry_request
 from scrapy.exceptions import CloseSpider, DropItem
 from scrapy.http import FormRequest, JsonRequest
 from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import crawl_settings, db_rows
-from paths_site import PathsSite, free_port
 
 NATURAL_KEYS = {"dict": "key"}
 
@@ -110,8 +110,8 @@ async def crawl(spidercls: type, settings_dict: dict[str, Any], **kwargs: Any) -
     def on_dropped(request: Any, spider: Any) -> None:
         dropped.append(request.url)
 
-    crawler.dropped_urls = dropped
-    crawler.on_dropped = on_dropped  # signals hold weak references
+    crawler.dropped_urls = dropped  # type: ignore[attr-defined]
+    crawler.on_dropped = on_dropped  # type: ignore[attr-defined]  # signals hold weak refs
     crawler.signals.connect(on_dropped, signals.request_dropped)
     await crawler.crawl_async(**kwargs)
     return crawler
@@ -131,7 +131,7 @@ def path_of(response: Any) -> str:
     """The path (and query) of a response's URL."""
     from urllib.parse import urlsplit
 
-    split = urlsplit(response.url)
+    split = urlsplit(str(response.url))
     return split.path + (f"?{split.query}" if split.query else "")
 
 
@@ -194,7 +194,7 @@ class SlowPipeline:
     """An ``async def process_item`` before ours: items lag behind the callback. (In Scrapy
     2.19 with the asyncio reactor, ``await asyncio.sleep`` works here.)"""
 
-    finished: dict[str, float] = {}
+    finished: ClassVar[dict[str, float]] = {}
 
     async def process_item(self, item: Any) -> Any:
         await asyncio.sleep(0.05)
@@ -813,7 +813,7 @@ async def test_robots_txt_disallowed_request_ends_failed_as_ignored(
 
 
 class OffsiteSpider(LinksSpider):
-    allowed_domains = ["127.0.0.1"]
+    allowed_domains: ClassVar[list[str]] = ["127.0.0.1"]
 
 
 @deferred_f_from_coro_f
@@ -1193,8 +1193,6 @@ class DontFilterSpider(PathSpider):
     URL twice) and a plain one; on its first attempt it also asks for a retry, so the same
     children are yielded again by the replayed parent."""
 
-    start_urls = ()
-
     def __init__(self, url: str, **kwargs: Any) -> None:
         super().__init__(url, **kwargs)
         self.parent_calls = 0
@@ -1388,7 +1386,7 @@ class UnstorableSpider(PathSpider):
             yield {"key": path_of(response)}
             return
         self.handle = open(self.file_path)  # noqa: SIM115 - closed in closed()
-        yield scrapy.Request(self.at("/ok/u-lambda"), callback=lambda r: None)
+        yield scrapy.Request(self.at("/ok/u-lambda"), callback=lambda r: None)  # type: ignore[misc]
         yield scrapy.Request(self.at("/ok/u-partial"),
                              callback=functools.partial(self.parse_extra, extra=1))
         yield scrapy.Request(self.at("/ok/u-generator"),
@@ -1424,7 +1422,7 @@ async def test_unstorable_requests_are_refused_loudly_at_enqueue(
     assert sorted(u.removeprefix(site.url) for u in crawler.dropped_urls) == [
         "/ok/u-file", "/ok/u-generator", "/ok/u-lambda", "/ok/u-partial"]
     assert set(site.counts_by_path()) == {"/ok/store-test", "/ok/u-good"}
-    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    errors: list[str] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
     def error_for(name: str) -> str:
         found = [m for m in errors if f"/ok/{name}" in m]
@@ -1438,7 +1436,7 @@ async def test_unstorable_requests_are_refused_loudly_at_enqueue(
     assert "cb_kwargs['fh']" in error_for("u-file")
 
 
-# -- case C19: pagination driven by a counter on the spider ----------------------------------------
+# -- case C19: pagination driven by a counter on the spider ---------------------------------------
 
 
 class CounterPaginationSpider(PathSpider):

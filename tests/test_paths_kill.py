@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from paths_site import PathsSite
 
 from crawling import db_rows
-from paths_site import PathsSite
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,9 @@ def site() -> Iterator[PathsSite]:
         yield paths_site
 
 
-def start_crawl(site: PathsSite, tmp_path: Path, run: int, *settings: str) -> subprocess.Popen:
+def start_crawl(
+    site: PathsSite, tmp_path: Path, run: int, *settings: str
+) -> subprocess.Popen[bytes]:
     args = [sys.executable, str(SPIDERS), "--url", site.url,
             "--db", str(tmp_path / "frontier.sqlite3"),
             "--marker", str(tmp_path / f"marker{run}.txt"),
