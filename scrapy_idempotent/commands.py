@@ -423,6 +423,8 @@ class Command(ScrapyCommand):
                 exporter.export_item(_export_row(record, flat=fmt == "csv"))
                 count += 1
             exporter.finish_exporting()
+            if fmt == "json":
+                stream.write(b"\n")
             stream.flush()
         finally:
             if not to_stdout:

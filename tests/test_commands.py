@@ -18,8 +18,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from crawling import EXAMPLE_PROJECT, crawl_settings, run_crawl, start_shop_crawl
 from scrapy.utils.defer import deferred_f_from_coro_f
+
+from crawling import EXAMPLE_PROJECT, crawl_settings, run_crawl, start_shop_crawl
 from shop.site import ShopSite, product_sku
 from shop.spiders.shop import ShopSpider
 

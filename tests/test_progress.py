@@ -7,15 +7,15 @@ import re
 from pathlib import Path
 
 import pytest
-from crawling import crawl_settings, run_crawl
 from scrapy.exceptions import NotConfigured
 from scrapy.utils.defer import deferred_f_from_coro_f
 from scrapy.utils.test import get_crawler
-from shop.site import ShopSite
-from shop.spiders.shop import ShopSpider
 
+from crawling import crawl_settings, run_crawl
 from scrapy_idempotent import ConfigError
 from scrapy_idempotent.progress import IdempotentLogStats
+from shop.site import ShopSite
+from shop.spiders.shop import ShopSpider
 
 LINE = re.compile(
     r"Frontier: (\d+) pending, (\d+) leased, (\d+) done, (\d+) failed; records this crawl: "
