@@ -15,6 +15,8 @@ Routes (``<name>`` is any word, so each test uses distinct URLs):
 * ``/redirect/<code>/<name>?to=<url>``: ``code`` with ``Location: <url>``.
 * ``/refresh/<name>?to=<url>``: 200 HTML with a ``<meta http-equiv="refresh">`` to ``url``.
 * ``/chain/<n>/<name>``: 302 to ``/chain/<n-1>/<name>``; ``/chain/0/<name>`` is 200.
+* ``/self/<n>/<name>``: 302 to itself (setting a cookie) for the first ``n`` requests, then
+  200 (a cookie check).
 * ``/loop/<name>/<n>``: 302 to ``/loop/<name>/<1 - n>`` (a redirect loop).
 * ``/echo/<name>``: 200 JSON of what was received: method, path, query, headers, body (text and
   base64), cookies.
@@ -146,6 +148,12 @@ class _Handler(BaseHTTPRequestHandler):
             if left > 0:
                 target = "/chain/" + "/".join([str(left - 1), *parts[2:]])
                 self._send(302, "moved", headers={"Location": target})
+            else:
+                self._html(path, links)
+        elif head == "self" and len(parts) >= 3:
+            if hits <= int(parts[1]):
+                self._send(302, "again", headers={
+                    "Location": path, "Set-Cookie": f"visited={hits}; Path=/"})
             else:
                 self._html(path, links)
         elif head == "loop" and len(parts) >= 3:

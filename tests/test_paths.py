@@ -1492,3 +1492,37 @@ async def test_c19_counter_pagination_resume_runs_the_pending_page_and_reports_d
                if r.name.startswith("scrapy_idempotent") and "closing" in r.getMessage()]
     assert len(closing) == 1, closing
     assert "2 requests not fetched because already done" in closing[0]
+
+
+@deferred_f_from_coro_f
+async def test_retries_up_to_retry_times_are_not_cut_short_by_the_attempt_limit(
+    site: PathsSite, db_path: Path
+) -> None:
+    # RETRY_TIMES=10: Scrapy makes up to 11 attempts; each retry completes its lease (it is a
+    # continuation, not a crash), so IDEMPOTENT_MAX_ATTEMPTS (10) must not quarantine it
+    path = "/flaky/10/patient"
+    crawler = await crawl(LinksSpider, settings(db_path, RETRY_ENABLED=True, RETRY_TIMES=10),
+                          url=site.url, start_paths=(path,))
+    assert finish_reason(crawler) == "finished"
+    assert site.hits(path) == 11
+    assert frontier(db_path, site) == {path: ("done", None, 11)}
+    assert_nothing_leased(db_path)
+    assert set(records(db_path)) == {path}
+    stats = istats(crawler)
+    assert stats["requests/retried"] == 10
+    assert "requests/quarantined" not in stats
+
+
+@deferred_f_from_coro_f
+async def test_redirect_to_itself_continues_the_same_entry(
+    site: PathsSite, db_path: Path
+) -> None:
+    # a cookie check: the page redirects to itself once; the same request again
+    path = "/self/1/cookie-check"
+    crawler = await crawl(LinksSpider, settings(db_path), url=site.url, start_paths=(path,))
+    assert finish_reason(crawler) == "finished"
+    assert site.hits(path) == 2
+    assert frontier(db_path, site) == {path: ("done", None, 2)}
+    assert_nothing_leased(db_path)
+    assert set(records(db_path)) == {path}
+    assert crawler.dropped_urls == []
