@@ -836,21 +836,6 @@ async def test_offsite_request_never_reaches_the_frontier(
     assert "requests/failed" not in stats
 
 
-@deferred_f_from_coro_f
-async def test_depth_limit_drops_deeper_requests_before_the_frontier(
-    site: PathsSite, db_path: Path
-) -> None:
-    crawler = await crawl(LinksSpider, settings(db_path, DEPTH_LIMIT=2), url=site.url,
-                          start_paths=("/ok/d0?links=/ok/d1",))
-    # the site links d1 -> nothing: chain the rest through the query of each page
-    assert finish_reason(crawler) == "finished"
-    assert_nothing_leased(db_path)
-    assert frontier(db_path, site) == {
-        "/ok/d0?links=/ok/d1": ("done", None, 1),
-        "/ok/d1": ("done", None, 1),
-    }
-
-
 class DeepSpider(PathSpider):
     """``/ok/deep0`` -> ``/ok/deep1`` -> ... (each page links the next)."""
 
@@ -865,7 +850,9 @@ class DeepSpider(PathSpider):
 
 
 @deferred_f_from_coro_f
-async def test_depth_limit(site: PathsSite, db_path: Path) -> None:
+async def test_depth_limit_drops_deeper_requests_before_the_frontier(
+    site: PathsSite, db_path: Path
+) -> None:
     crawler = await crawl(DeepSpider, settings(db_path, DEPTH_LIMIT=2), url=site.url)
     assert finish_reason(crawler) == "finished"
     assert frontier(db_path, site) == {f"/ok/deep{n}": ("done", None, 1) for n in range(3)}
@@ -1090,6 +1077,52 @@ async def test_close_spider_from_a_callback_then_the_next_crawl_finishes_the_job
     assert inserted == 40  # none twice
     assert "records/updated" not in istats(second)
     assert "records/unchanged" not in istats(second)
+
+
+class StopMidwaySpider(PathSpider):
+    """``/ok/stopper`` yields an item and a child, then raises CloseSpider (first crawl)."""
+
+    def __init__(self, url: str, stop: bool = False, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self.stop = stop
+
+    async def start(self) -> Any:
+        yield scrapy.Request(self.at("/ok/stopper"), callback=self.parse_stopper)
+
+    def parse_stopper(self, response: Any) -> Any:
+        yield {"key": "stopper", "n": 1}
+        yield response.follow("/ok/after-stop")
+        if self.stop:
+            raise CloseSpider("stopped_midway")
+        yield {"key": "stopper-tail"}
+
+    def parse(self, response: Any) -> Any:
+        yield {"key": path_of(response)}
+
+
+@deferred_f_from_coro_f
+async def test_close_spider_midway_keeps_what_was_yielded_and_the_page_stays_due(
+    site: PathsSite, db_path: Path
+) -> None:
+    first = await crawl(StopMidwaySpider, settings(db_path), url=site.url, stop=True)
+    assert finish_reason(first) == "stopped_midway"
+    assert_nothing_leased(db_path)
+    after_first = frontier(db_path, site)
+    assert after_first["/ok/stopper"][0] == "pending"  # its callback did not finish
+    assert after_first["/ok/after-stop"][0] in ("pending", "done")
+    assert "stopper" in records(db_path)
+
+    second = await crawl(StopMidwaySpider, settings(db_path), url=site.url)
+    assert finish_reason(second) == "finished"
+    assert_nothing_leased(db_path)
+    assert {url: state for url, (state, _, _) in frontier(db_path, site).items()} == {
+        "/ok/stopper": "done", "/ok/after-stop": "done"}
+    assert set(records(db_path)) == {"stopper", "stopper-tail", "/ok/after-stop"}
+    assert site.hits("/ok/after-stop") == 1
+    inserted = (istats(first).get("records/inserted", 0)
+                + istats(second).get("records/inserted", 0))
+    assert inserted == 3  # none twice; the replayed page's first item is unchanged
+    assert istats(second)["records/unchanged"] == 1
 
 
 class TenPagesSpider(PathSpider):
