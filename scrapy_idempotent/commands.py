@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -156,8 +157,6 @@ class Command(ScrapyCommand):
         opts.url_glob = opts.url_regex = None
         if opts.url is not None:
             if opts.url.startswith("re:"):
-                import re
-
                 try:
                     re.compile(opts.url[3:])
                 except re.error as exc:
