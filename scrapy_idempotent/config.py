@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from scrapy.exceptions import NotConfigured
 from scrapy.utils.project import data_path
 
 from .exceptions import ConfigError
@@ -204,7 +205,17 @@ def _natural_keys(name: str, given: Any) -> dict[str, tuple[str, ...]]:
 
 def _database_path(raw: Any, spider_name: str) -> str:
     if raw is None or raw == "":
-        return data_path(os.path.join("idempotent", f"{spider_name}.sqlite3"))
+        try:
+            return data_path(os.path.join("idempotent", f"{spider_name}.sqlite3"))
+        except NotConfigured:
+            # Scrapy knows a project (SCRAPY_SETTINGS_MODULE) but finds no scrapy.cfg to put
+            # its .scrapy data dir next to: the usual case of a job run by scrapyd.
+            raise ConfigError(
+                "IDEMPOTENT_DATABASE", raw,
+                "an absolute file path; the default (.scrapy/idempotent/<spider>.sqlite3 in "
+                "the project) needs a scrapy.cfg, and none was found (as when scrapyd runs a "
+                "deployed egg)",
+            ) from None
     if not isinstance(raw, (str, os.PathLike)):
         raise ConfigError("IDEMPOTENT_DATABASE", raw, "a file path (may contain {spider})")
     path = os.fspath(raw)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from scrapy import Request, signals
 
+from .config import IdempotentConfig
 from .exceptions import IdempotentError
 
 if TYPE_CHECKING:
@@ -53,6 +54,11 @@ class RecordIdMiddleware:
 
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> Self:
+        # Spider middlewares are built with the engine, before the spider opens: checking the
+        # settings here stops a misconfigured crawl before anything starts (the scheduler
+        # reads them again when it is built, at spider open).
+        if crawler.spider is not None:
+            IdempotentConfig.from_settings(crawler.settings, crawler.spider)
         return cls(crawler)
 
     def _spider_opened(self) -> None:
