@@ -35,7 +35,7 @@ from scrapy.exceptions import UsageError
 
 from .config import IdempotentConfig
 from .exceptions import IdempotentError, StoreError
-from .scheduler import _worker_is_dead
+from .scheduler import worker_is_dead
 from .store.sqlite import SQLiteStore
 
 if TYPE_CHECKING:
@@ -528,7 +528,7 @@ def _worker_state(worker: str) -> str:
         return "unknown"
     if parts[0] != socket.gethostname():
         return "other host"
-    return "dead" if _worker_is_dead(worker) else "alive"
+    return "dead" if worker_is_dead(worker) else "alive"
 
 
 def _session_end(session: dict[str, object]) -> str:

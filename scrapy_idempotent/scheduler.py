@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
     from .store.base import CommitResult
 
-__all__ = ["IdempotentScheduler", "worker_id"]
+__all__ = ["IdempotentScheduler", "worker_id", "worker_is_dead"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{pid}:{_process_start_ticks(pid) or int(time.time())}"
 
 
-def _worker_is_dead(worker: str) -> bool:
+def worker_is_dead(worker: str) -> bool:
     """True only when ``worker`` ran on this host and that process is gone. Workers of other
     hosts are never declared dead here: their leases end by expiry."""
     try:
@@ -746,7 +746,7 @@ class IdempotentScheduler(BaseScheduler):
 
     def _reclaim_dead_workers(self) -> int:
         dead = [h.worker for h in self.store.lease_holders()
-                if h.worker != self.worker and _worker_is_dead(h.worker)]
+                if h.worker != self.worker and worker_is_dead(h.worker)]
         reclaimed = self.store.release_leases(dead) if dead else 0
         if reclaimed:
             self.stats.inc_value("idempotent/requests/reclaimed", reclaimed)

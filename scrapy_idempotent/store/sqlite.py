@@ -251,6 +251,12 @@ class SQLiteStore(FrontierStore):
                 or (run_mode == "auto" and last[1] is not None)
             )
             if new:
+                # an earlier run left unfinished (IDEMPOTENT_RUN_MODE = fresh) ends here
+                cur.execute(
+                    "UPDATE runs SET finished_at = ?, reason = 'superseded'"
+                    " WHERE finished_at IS NULL",
+                    (now,),
+                )
                 if self.recrawl_seconds is None:
                     cur.execute("DELETE FROM requests")
                 else:  # keep what was done in the current window
