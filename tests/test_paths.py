@@ -41,6 +41,7 @@ def site() -> Iterator[PathsSite]:
     """The paths site on 127.0.0.1, a fresh one (fresh counters) per test."""
     with PathsSite() as paths_site:
         yield paths_site
+    assert paths_site.errors == []
 
 
 def settings(db_path: Path, **extra: Any) -> dict[str, Any]:
