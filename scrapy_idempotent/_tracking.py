@@ -30,6 +30,7 @@ class ItemTag:
     record_id: str | None
     key_values: list[str] | None
     error: Exception | None = None
+    page_url: str | None = None
 
 
 @dataclass
@@ -65,10 +66,10 @@ class Entry:
         if self.interrupted:  # released: the next run processes it again
             return Completion(self.key, RequestState.PENDING, "interrupted",
                               "the callback raised CloseSpider")
-        if self.redirected:
-            return Completion(self.key, RequestState.REDIRECTED)
         if self.failure is not None:
             return Completion(self.key, RequestState.FAILED, *self.failure)
+        if self.redirected:
+            return Completion(self.key, RequestState.REDIRECTED)
         if self.http_error:
             return Completion(self.key, RequestState.FAILED, "http_status",
                               f"HTTP {self.status} not handled by the spider")

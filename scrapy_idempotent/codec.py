@@ -30,11 +30,13 @@ from __future__ import annotations
 import base64
 import datetime
 import decimal
+import inspect
 import json
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from itemadapter import ItemAdapter
+from scrapy import Spider
 from scrapy.utils.misc import load_object
 from scrapy.utils.request import request_from_dict
 from scrapy.utils.url import strip_url
@@ -42,7 +44,7 @@ from scrapy.utils.url import strip_url
 from .exceptions import UnstorableRequest
 
 if TYPE_CHECKING:
-    from scrapy import Request, Spider
+    from scrapy import Request
 
 __all__ = [
     "BUILTIN_REQUEST_CLASSES",
@@ -55,6 +57,11 @@ __all__ = [
     "encode_value",
     "loads",
 ]
+
+#: Names of scrapy.Spider's own methods and attributes: never callbacks, whatever a stored
+#: request says (``parse`` and its dispatcher ``_parse`` are allowed).
+_FRAMEWORK_NAMES: frozenset[str] = frozenset(
+    name for klass in Spider.__mro__ for name in vars(klass)) - {"parse", "_parse"}
 
 #: Request classes that may be stored without configuration (``_class`` of ``to_dict``).
 BUILTIN_REQUEST_CLASSES: frozenset[str] = frozenset(
@@ -148,10 +155,20 @@ def decode_value(value: Any) -> Any:
     return value
 
 
+def _text(encoded: Any, *, sort_keys: bool) -> str:
+    text = json.dumps(encoded, sort_keys=sort_keys, ensure_ascii=False, separators=(",", ":"))
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (say, from a JSON API): escape, keep it
+        text = json.dumps(encoded, sort_keys=sort_keys, ensure_ascii=True,
+                          separators=(",", ":"))
+    return text
+
+
 def dumps(value: Any, *, items: bool = False) -> str:
-    """Tagged JSON text of ``value``. Raises :class:`EncodeError`."""
-    return json.dumps(encode_value(value, items=items), ensure_ascii=False,
-                      separators=(",", ":"), allow_nan=True)
+    """Tagged JSON text of ``value``, always valid UTF-8 (a lone surrogate is kept as a JSON
+    escape). Raises :class:`EncodeError`."""
+    return _text(encode_value(value, items=items), sort_keys=False)
 
 
 def loads(text: str) -> Any:
@@ -160,8 +177,9 @@ def loads(text: str) -> Any:
 
 
 def canonical_json(encoded: Any) -> str:
-    """Deterministic text of an already encoded value (sorted keys): input of content hashes."""
-    return json.dumps(encoded, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    """Deterministic text of an already encoded value (sorted keys): input of content hashes.
+    Always valid UTF-8, like :func:`dumps`."""
+    return _text(encoded, sort_keys=True)
 
 
 class RequestCodec:
@@ -223,7 +241,10 @@ class RequestCodec:
                 continue
             if not isinstance(name, str) or not name.isidentifier() or name.startswith("__"):
                 raise ValueError(f"stored {attr} {name!r} is not a spider method name")
-            if not callable(getattr(self.spider, name, None)):
+            if name in _FRAMEWORK_NAMES:
+                raise ValueError(f"stored {attr} {name!r} is a method of scrapy.Spider itself, "
+                                 "not a callback")
+            if not inspect.ismethod(getattr(self.spider, name, None)):
                 raise ValueError(
                     f"stored {attr} {name!r} is not a method of spider {self.spider.name!r} "
                     "(was it renamed or removed?)"
@@ -245,6 +266,7 @@ def _is_spider_method(spider: Spider, func: Any) -> bool:
         getattr(func, "__self__", None) is spider
         and isinstance(name, str)
         and not name.startswith("__")
+        and name not in _FRAMEWORK_NAMES
         and getattr(type(spider), name, None) is getattr(func, "__func__", None)
     )
 

@@ -523,8 +523,8 @@ _ANOMALIES = {
 
 def _worker_state(worker: str) -> str:
     """``alive``/``dead`` for a worker of this host, ``other host``, or ``unknown``."""
-    parts = worker.rsplit(":", 2)
-    if len(parts) != 3 or not parts[1].isdigit():
+    parts = worker.split(":")  # host:pid:start[:nonce]
+    if len(parts) < 3 or not parts[1].isdigit():
         return "unknown"
     if parts[0] != socket.gethostname():
         return "other host"

@@ -16,7 +16,7 @@ from urllib.parse import unquote_plus, urlsplit
 from itemadapter import ItemAdapter
 from w3lib.url import canonicalize_url
 
-from .codec import canonical_json, encode_value
+from .codec import EncodeError, canonical_json, encode_value
 from .exceptions import MissingNaturalKey
 from .store.base import Record
 
@@ -140,7 +140,11 @@ class RecordIdentity:
                                    and not value):
                 text = ""
             else:
-                text = canonical_json(encode_value(value, items=True))
+                try:
+                    text = canonical_json(encode_value(value, items=True))
+                except EncodeError as exc:
+                    raise MissingNaturalKey(item_type_name(item), field,
+                                            f"{exc.type_name} has no data form") from None
             if not text:
                 raise MissingNaturalKey(item_type_name(item), field)
             values.append(text)

@@ -19,12 +19,14 @@ import contextlib
 import hashlib
 import logging
 import os
+import secrets
 import socket
 import sqlite3
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from scrapy import Request
 from scrapy.core.scheduler import BaseScheduler
@@ -37,7 +39,7 @@ from . import __version__
 from ._tracking import Entry, ItemTag, Pending
 from .codec import RequestCodec, describe
 from .config import IdempotentConfig
-from .exceptions import MissingNaturalKey, UnstorableRequest, UnsupportedScrapy
+from .exceptions import MissingNaturalKey, StoreError, UnstorableRequest, UnsupportedScrapy
 from .records import URL_KEY, RecordIdentity
 from .store.base import Completion, FrontierStore, NewRequest, RequestState, UnitOfWork
 from .store.sqlite import SQLiteStore
@@ -52,6 +54,12 @@ if TYPE_CHECKING:
 __all__ = ["IdempotentScheduler", "worker_id", "worker_is_dead"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+#: The tag of the item the item pipelines are processing (set around the pipeline chain, so
+#: our pipeline finds the producing request even when an earlier pipeline replaced the item).
+_ITEM_IN_PIPELINES: ContextVar[ItemTag | None] = ContextVar("_ITEM_IN_PIPELINES", default=None)
 
 #: Attempts at a write transaction before the crawl is closed (database locked or I/O error).
 _COMMIT_ATTEMPTS = 5
@@ -72,26 +80,37 @@ def _process_start_ticks(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
+#: Worker ids of the schedulers open in this process.
+_LIVE_WORKERS: set[str] = set()
+
+
 def worker_id() -> str:
-    """``host:pid:start`` of this process: unique on a host, and never equal to the id of a
-    dead process that had the same pid (the process start time is part of it)."""
+    """``host:pid:start:nonce``: unique on a host, never equal to the id of a dead process
+    that had the same pid (the process start time is part of it), and one per scheduler, so
+    a second crawl in the same process tells its predecessor's leases from its own."""
     pid = os.getpid()
-    return f"{socket.gethostname()}:{pid}:{_process_start_ticks(pid) or int(time.time())}"
+    start = _process_start_ticks(pid) or int(time.time())
+    return f"{socket.gethostname()}:{pid}:{start}:{secrets.token_hex(4)}"
 
 
 def worker_is_dead(worker: str) -> bool:
-    """True only when ``worker`` ran on this host and that process is gone. Workers of other
-    hosts are never declared dead here: their leases end by expiry."""
+    """True only when ``worker`` ran on this host and is gone: its process no longer exists,
+    or it is this process and no scheduler of that id is open. Workers of other hosts are
+    never declared dead here: their leases end by expiry."""
+    parts = worker.split(":")
     try:
-        host, pid_text, start = worker.rsplit(":", 2)
-        pid = int(pid_text)
-    except ValueError:
+        host, pid, start = parts[0], int(parts[1]), parts[2]
+    except (IndexError, ValueError):
         return False
     if host != socket.gethostname():
         return False
     current = _process_start_ticks(pid)
+    if current is not None and current != start:
+        return True  # the pid now belongs to another process
+    if pid == os.getpid():
+        return worker not in _LIVE_WORKERS
     if current is not None:
-        return current != start
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -176,16 +195,24 @@ class IdempotentScheduler(BaseScheduler):
         self.spider = spider
         self.codec = RequestCodec(spider, self.config.request_classes)
         fingerprinter = type(self._fingerprinter)
-        changed = self.store.open(
-            fingerprinter=f"{fingerprinter.__module__}.{fingerprinter.__qualname__}")
+        name = f"{fingerprinter.__module__}.{fingerprinter.__qualname__}"
+        try:
+            changed = self._retry("opening", lambda: self.store.open(fingerprinter=name))
+            run = self._retry("starting", lambda: self.store.begin_session(
+                self.worker, self.config.run_mode))
+        except sqlite3.OperationalError as exc:
+            raise StoreError(
+                f"cannot open the database {self.config.database_path}: {exc}; another "
+                "process holds it longer than IDEMPOTENT_BUSY_TIMEOUT_SECONDS allows"
+            ) from exc
+        _LIVE_WORKERS.add(self.worker)
+        self._session = True
         if changed is not None:
             logger.warning(
                 "The frontier in %s was built with request fingerprinter %s; this crawl uses "
                 "another one, so known requests may be fetched again.",
                 self.config.database_path, changed,
             )
-        run = self.store.begin_session(self.worker, self.config.run_mode)
-        self._session = True
         reclaimed = self._reclaim_dead_workers()
         counts = self.store.counts()
         self.stats.set_value("idempotent/run_id", run.run_id)
@@ -216,7 +243,9 @@ class IdempotentScheduler(BaseScheduler):
         try:
             if not self._failed:
                 self._commit(UnitOfWork())
-            released = self.store.end_session(self.worker, reason)
+            unstarted = [leased.key for leased in self._local]
+            released = self._retry("closing", lambda: self.store.end_session(
+                self.worker, reason, unstarted))
             if released:
                 self.stats.inc_value("idempotent/requests/released", released)
             self._local.clear()
@@ -238,6 +267,7 @@ class IdempotentScheduler(BaseScheduler):
         except Exception:
             logger.exception("scrapy_idempotent: error while closing the frontier")
         finally:
+            _LIVE_WORKERS.discard(self.worker)
             self.store.close()
 
     def _install_hooks(self) -> None:
@@ -250,6 +280,7 @@ class IdempotentScheduler(BaseScheduler):
                 (engine, "_handle_downloader_output"),
                 (scraper, "handle_spider_output_async"),
                 (scraper, "handle_spider_error"),
+                (scraper, "start_itemproc_async"),
             ) if not callable(getattr(obj, name, None))
         ]
         if missing:
@@ -269,6 +300,7 @@ class IdempotentScheduler(BaseScheduler):
         handle_output = engine._handle_downloader_output
         spider_output = scraper.handle_spider_output_async
         spider_error = scraper.handle_spider_error
+        itemproc = scraper.start_itemproc_async
 
         def hooked_remove_request(request: Request) -> None:
             try:
@@ -300,16 +332,25 @@ class IdempotentScheduler(BaseScheduler):
                 self._observe_error(entry, failure)
             spider_error(failure, request, response)
 
+        async def hooked_itemproc(item: Any, *, response: Response | Failure | None) -> None:
+            token = _ITEM_IN_PIPELINES.set(self._items.get(id(item)))
+            try:
+                await itemproc(item, response=response)
+            finally:
+                _ITEM_IN_PIPELINES.reset(token)
+
         # Instance attributes shadow the methods; close() deletes them again.
         slot.remove_request = hooked_remove_request
         engine._handle_downloader_output = hooked_handle_output  # type: ignore[method-assign]
         scraper.handle_spider_output_async = hooked_spider_output
         scraper.handle_spider_error = hooked_spider_error
+        scraper.start_itemproc_async = hooked_itemproc
         self._unhook = [
             lambda: delattr(slot, "remove_request"),
             lambda: delattr(engine, "_handle_downloader_output"),
             lambda: delattr(scraper, "handle_spider_output_async"),
             lambda: delattr(scraper, "handle_spider_error"),
+            lambda: delattr(scraper, "start_itemproc_async"),
         ]
 
     # -- the scheduler contract -------------------------------------------------------------
@@ -379,14 +420,8 @@ class IdempotentScheduler(BaseScheduler):
     def _enqueue(self, request: Request) -> bool:
         assert self.codec is not None
         self.stats.inc_value("idempotent/requests/enqueued")
-        try:
-            data = self.codec.encode(request)
-        except UnstorableRequest as exc:
-            self.stats.inc_value("idempotent/requests/unstorable")
-            logger.error("scrapy_idempotent: request refused, %s", exc)
-            self._forget_request(request)
-            return False
         fingerprint = self._fingerprinter.fingerprint(request).hex()
+        is_start = self._start_requests.pop(id(request), None) is not None
         parent: Entry | None = None
         continuation = self._continuations.pop(id(request), None)
         if continuation is not None:
@@ -397,15 +432,25 @@ class IdempotentScheduler(BaseScheduler):
                 parent = owner[0]
                 if parent is not None:
                     parent.tracked.pop(id(request), None)
-        if parent is not None and fingerprint == parent.fingerprint and (
-            continuation is not None or request.dont_filter
-        ):
-            # A retry (RetryMiddleware, get_retry_request): the same frontier entry continues.
-            # A plain link of a page to itself is not one: it is a duplicate like any other.
-            parent.continuation = (data, request.priority)
+        # A retry (RetryMiddleware, get_retry_request) continues the same frontier entry. A
+        # plain link of a page to itself is not one: it is a duplicate like any other.
+        retry_of = parent if parent is not None and fingerprint == parent.fingerprint and (
+            continuation is not None or request.dont_filter) else None
+        try:
+            data = self.codec.encode(request)
+        except UnstorableRequest as exc:
+            self.stats.inc_value("idempotent/requests/unstorable")
+            logger.error("scrapy_idempotent: request refused, %s", exc)
+            origin = continuation[0] if continuation is not None else retry_of
+            if origin is not None:
+                # its retry or redirect cannot be stored: it did not get its page
+                origin.failure = ("unstorable", str(exc)[:1000])
+                origin.continuation = None
+            return False
+        if retry_of is not None:
+            retry_of.continuation = (data, request.priority)
             self.stats.inc_value("idempotent/requests/retried")
             return True
-        is_start = self._start_requests.pop(id(request), None) is not None
         new = NewRequest(
             key=self._key(request, fingerprint, parent, is_start),
             fingerprint=fingerprint,
@@ -435,13 +480,6 @@ class IdempotentScheduler(BaseScheduler):
             rank = self._root_counts[f"{scope}|{fingerprint}"] = (
                 self._root_counts.get(f"{scope}|{fingerprint}", 0) + 1)
         return hashlib.sha1(f"{scope}|{fingerprint}|{rank}".encode()).hexdigest()
-
-    def _forget_request(self, request: Request) -> None:
-        owner = self._tracked.pop(id(request), None)
-        if owner is not None and owner[0] is not None:
-            owner[0].tracked.pop(id(request), None)
-        self._start_requests.pop(id(request), None)
-        self._continuations.pop(id(request), None)
 
     # -- lease ------------------------------------------------------------------------------
 
@@ -557,7 +595,8 @@ class IdempotentScheduler(BaseScheduler):
             return
         if output is None:
             return
-        tag = ItemTag(item=output, entry=entry, record_id=None, key_values=None)
+        tag = ItemTag(item=output, entry=entry, record_id=None, key_values=None,
+                      page_url=page_url)
         try:
             tag.key_values = self.identity.natural_key(output, page_url)
             tag.record_id = self.identity.record_id(tag.key_values)
@@ -615,10 +654,18 @@ class IdempotentScheduler(BaseScheduler):
             if tag.entry is not None:
                 tag.entry.tracked.pop(id(item), None)
             return tag
-        tag = ItemTag(item=item, entry=None, record_id=None, key_values=None)
+        # An earlier pipeline returned another object: the item the pipelines started with
+        # tells which request (and page) it belongs to.
+        origin = _ITEM_IN_PIPELINES.get()
+        entry = origin.entry if origin is not None else None
+        page_url = origin.page_url if origin is not None else None
+        if entry is not None and id(entry.request) not in self._inflight:
+            entry = None
+        tag = ItemTag(item=item, entry=entry, record_id=None, key_values=None,
+                      page_url=page_url)
         field = self.config.record_id_field
         try:
-            tag.key_values = self.identity.natural_key(item, None)
+            tag.key_values = self.identity.natural_key(item, page_url)
             tag.record_id = self.identity.record_id(tag.key_values)
         except MissingNaturalKey as exc:
             stamped = _stamped_id(item, field)
@@ -674,29 +721,36 @@ class IdempotentScheduler(BaseScheduler):
             work.claim = self._claim_size()
         if not work:
             return None
-        delay = 0.05
-        for attempt in range(1, _COMMIT_ATTEMPTS + 1):
-            try:
-                result = self.store.commit(work, self.worker)
-                break
-            except sqlite3.OperationalError as exc:
-                if attempt == _COMMIT_ATTEMPTS:
-                    logger.error("scrapy_idempotent: giving up on the frontier database "
-                                 "after %d attempts: %s", attempt, exc)
-                    self._pending.restore_from(work)
-                    self._fail(f"frontier database error: {exc}")
-                    return None
-                logger.warning("scrapy_idempotent: database busy or failing (%s), retrying",
-                               exc)
-                time.sleep(delay)
-                delay *= 2
-            except Exception as exc:
-                logger.exception("scrapy_idempotent: cannot write to the frontier database")
-                self._fail(f"frontier database error: {exc}")
-                return None
+        try:
+            result = self._retry("committing", lambda: self.store.commit(work, self.worker))
+        except Exception as exc:
+            logger.error("scrapy_idempotent: cannot write to the frontier database",
+                         exc_info=not isinstance(exc, sqlite3.OperationalError))
+            self._pending.restore_from(work)
+            self._fail(
+                f"frontier database error: {exc}; nothing committed is lost: fix the cause "
+                "(disk space, another process holding the database longer than "
+                "IDEMPOTENT_BUSY_TIMEOUT_SECONDS) and run the same crawl again to resume"
+            )
+            return None
         self._record_stats(result)
         self._local.extend(result.leased)
         return result
+
+    def _retry(self, what: str, action: Callable[[], _T]) -> _T:
+        """``action()``, tried again with back-off while the database is locked or failing
+        (``sqlite3.OperationalError``), at most ``_COMMIT_ATTEMPTS`` times. Blocking: each
+        attempt waits up to IDEMPOTENT_BUSY_TIMEOUT_SECONDS for the lock."""
+        delay = 0.05
+        for attempt in range(1, _COMMIT_ATTEMPTS):
+            try:
+                return action()
+            except sqlite3.OperationalError as exc:
+                logger.warning("scrapy_idempotent: database busy or failing while %s (%s), "
+                               "retrying (%d/%d)", what, exc, attempt, _COMMIT_ATTEMPTS)
+                time.sleep(delay)
+                delay *= 2
+        return action()
 
     def _record_stats(self, result: CommitResult) -> None:
         inc = self.stats.inc_value

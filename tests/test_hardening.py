@@ -831,7 +831,7 @@ async def test_stored_request_naming_a_spider_framework_method_is_unloadable(
     assert outcome["good"][0] == "done"
     spider_errors = [m for m in all_messages(caplog, logging.ERROR) if "Spider error" in m]
     wrong = {name: outcome[name] for name in STORED_FRAMEWORK_METHODS
-             if outcome[name][:2] != ("failed", "unloadable")}
+             if tuple(outcome[name][:2]) != ("failed", "unloadable")}
     assert wrong == {}, (wrong, spider_errors)
     assert [path for path in site.counts if path.startswith("/stored/")] == []
 

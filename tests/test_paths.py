@@ -979,7 +979,7 @@ async def test_pipeline_returning_a_new_url_keyed_item_is_stored_under_its_page(
                                        "/ok/pb": ("done", None, 1)}
     assert_nothing_leased(db_path)
     stored = sorted(json.loads(data)["title"] for (data,) in db_rows(
-        db_path, "SELECT data FROM records WHERE data LIKE '%\"price\": 20%'"))
+        db_path, "SELECT data FROM records WHERE data LIKE '%\"price\":20%'"))
     assert stored == ["/ok/pa", "/ok/pb"], db_rows(db_path, "SELECT reason FROM rejects")
     stats = istats(crawler)
     assert stats["records/inserted"] == 2

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -200,8 +201,9 @@ class FrontierStore(ABC):
         :class:`~.config.RunMode`). A new run clears the frontier and keeps the records."""
 
     @abstractmethod
-    def end_session(self, worker: str, reason: str) -> int:
-        """Release the worker's leases; mark the run finished when ``reason`` is
+    def end_session(self, worker: str, reason: str, unstarted: Sequence[str] = ()) -> int:
+        """Release the worker's leases (those in ``unstarted``, claimed but never handed out,
+        without counting the lease as an attempt); mark the run finished when ``reason`` is
         ``finished`` and nothing is pending or leased. Returns the leases released."""
 
     @abstractmethod

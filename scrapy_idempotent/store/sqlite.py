@@ -11,7 +11,7 @@ import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..exceptions import StoreError
@@ -70,6 +70,7 @@ _MIGRATIONS: list[list[str]] = [
             worker TEXT,
             leased_until REAL,
             attempts INTEGER NOT NULL DEFAULT 0,
+            unfinished INTEGER NOT NULL DEFAULT 0,
             enqueued_at REAL NOT NULL,
             finished_at REAL,
             error_kind TEXT,
@@ -126,8 +127,10 @@ class SQLiteStore(FrontierStore):
     :param path: database file; its directory is created if missing; a new file is created
         readable and writable by its owner only (0600).
     :param lease_seconds: how long a claim lasts unless renewed.
-    :param max_attempts: a request leased more often than this is failed as ``quarantined``
-        instead of being handed out again (a page that kills the worker every time).
+    :param max_attempts: a request whose leases ended this many times in a row without a
+        completion (the worker died, or the lease expired) is failed as ``quarantined`` instead
+        of being handed out again: a page that kills the worker every time. Retries complete
+        their lease and do not count.
     :param clock: unix seconds; injected so tests drive lease expiry without sleeping.
     :param synchronous: ``NORMAL`` or ``FULL`` (see the module docstring).
     :param busy_timeout_seconds: how long a statement waits for another process's write lock.
@@ -168,20 +171,25 @@ class SQLiteStore(FrontierStore):
         return self._conn
 
     def open(self, *, fingerprinter: str = "") -> str | None:
+        fix = "; set IDEMPOTENT_DATABASE to a writable file path"
+        if os.path.isdir(self.path):
+            raise StoreError(f"{self.path} is a directory, not a database file{fix}")
         directory = os.path.dirname(os.path.abspath(self.path))
         try:
             os.makedirs(directory, exist_ok=True)
-            if not os.path.exists(self.path):
-                os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600))
-        except FileExistsError:
-            pass
         except OSError as exc:
-            raise StoreError(f"cannot create the database {self.path}: {exc}") from exc
+            raise StoreError(f"cannot create the directory of {self.path}: {exc}{fix}") from exc
+        try:
+            os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600))
+        except FileExistsError:
+            pass  # an existing database
+        except OSError as exc:
+            raise StoreError(f"cannot create the database {self.path}: {exc}{fix}") from exc
         try:
             conn = sqlite3.connect(self.path, isolation_level=None,
                                    timeout=self.busy_timeout_seconds)
         except sqlite3.Error as exc:
-            raise StoreError(f"cannot open the database {self.path}: {exc}") from exc
+            raise StoreError(f"cannot open the database {self.path}: {exc}{fix}") from exc
         self._conn = conn
         try:
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_seconds * 1000)}")
@@ -213,8 +221,17 @@ class SQLiteStore(FrontierStore):
         except StoreError:
             self.close()
             raise
+        except sqlite3.OperationalError:
+            self.close()
+            raise  # locked or busy: the caller may retry
         except sqlite3.DatabaseError as exc:
             self.close()
+            if "not a database" in str(exc):
+                raise StoreError(
+                    f"{self.path} is not a scrapy_idempotent database, or is damaged ({exc}); "
+                    "it was left untouched: restore it from a backup, or set "
+                    "IDEMPOTENT_DATABASE to another path"
+                ) from exc
             raise StoreError(f"cannot use the database {self.path}: {exc}") from exc
         return stored if stored != fingerprinter else None
 
@@ -227,14 +244,19 @@ class SQLiteStore(FrontierStore):
     def _write(self) -> Iterator[sqlite3.Cursor]:
         """The one write-transaction primitive: ``BEGIN IMMEDIATE`` ... ``COMMIT``, rolled
         back on any exception, so a transaction is all or nothing."""
-        cur = self.conn.cursor()
+        conn = self.conn
+        cur = conn.cursor()
         cur.execute("BEGIN IMMEDIATE")
         try:
             yield cur
+            cur.execute("COMMIT")
         except BaseException:
-            cur.execute("ROLLBACK")
+            # SQLite may have rolled back already (SQLITE_FULL, an I/O error): only roll back
+            # what is still open, so the original error is the one that surfaces.
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
             raise
-        cur.execute("COMMIT")
         self.transactions += 1
 
     # -- runs and sessions ------------------------------------------------------------------
@@ -278,9 +300,15 @@ class SQLiteStore(FrontierStore):
         self.run_id = run_id
         return RunInfo(run_id=run_id, new=new, counts=self.counts())
 
-    def end_session(self, worker: str, reason: str) -> int:
+    def end_session(self, worker: str, reason: str, unstarted: Sequence[str] = ()) -> int:
         now = self.clock()
         with self._write() as cur:
+            # claimed but never handed out: as if they had not been leased
+            cur.executemany(
+                "UPDATE requests SET attempts = attempts - 1, unfinished = unfinished - 1"
+                " WHERE key = ? AND state = 'leased' AND worker = ?",
+                [(key, worker) for key in unstarted],
+            )
             released = self._release(cur, [worker])
             cur.execute(
                 "UPDATE sessions SET ended_at = ?, reason = ? "
@@ -378,7 +406,7 @@ class SQLiteStore(FrontierStore):
                 if done.state is RequestState.PENDING:
                     cur.execute(
                         "UPDATE requests SET state = 'pending', worker = NULL,"
-                        " leased_until = NULL, data = COALESCE(?, data),"
+                        " leased_until = NULL, unfinished = 0, data = COALESCE(?, data),"
                         " priority = COALESCE(?, priority), error_kind = ?, error_message = ?"
                         " WHERE key = ? AND state = 'leased' AND worker = ?",
                         (done.data, done.priority, done.error_kind, done.error_message,
@@ -387,7 +415,7 @@ class SQLiteStore(FrontierStore):
                 else:
                     cur.execute(
                         "UPDATE requests SET state = ?, worker = NULL, leased_until = NULL,"
-                        " finished_at = ?, error_kind = ?, error_message = ?"
+                        " unfinished = 0, finished_at = ?, error_kind = ?, error_message = ?"
                         " WHERE key = ? AND state = 'leased' AND worker = ?",
                         (done.state.value, now, done.error_kind, done.error_message, done.key,
                          worker),
@@ -431,15 +459,15 @@ class SQLiteStore(FrontierStore):
                result: CommitResult) -> None:
         rows = cur.execute(
             "UPDATE requests SET state = 'leased', worker = ?, leased_until = ?,"
-            " attempts = attempts + 1"
+            " attempts = attempts + 1, unfinished = unfinished + 1"
             " WHERE id IN (SELECT id FROM requests WHERE state = 'pending'"
             "  ORDER BY priority DESC, is_start, id DESC LIMIT ?)"
-            " RETURNING id, key, fingerprint, data, priority, is_start, attempts",
+            " RETURNING id, key, fingerprint, data, priority, is_start, attempts, unfinished",
             (worker, now + self.lease_seconds, count),
         ).fetchall()
         # RETURNING gives no order: restore the claim order.
         rows.sort(key=lambda r: (-r[4], r[5], -r[0]))
-        over = [r[1] for r in rows if r[6] > self.max_attempts]
+        over = [r[1] for r in rows if r[7] > self.max_attempts]
         if over:
             cur.executemany(
                 "UPDATE requests SET state = 'failed', worker = NULL, leased_until = NULL,"
@@ -451,7 +479,7 @@ class SQLiteStore(FrontierStore):
             result.quarantined += len(over)
         result.leased.extend(
             LeasedRequest(key=r[1], fingerprint=r[2], data=r[3], priority=r[4], attempts=r[6])
-            for r in rows if r[6] <= self.max_attempts
+            for r in rows if r[7] <= self.max_attempts
         )
 
     # -- the response journal --------------------------------------------------------------
