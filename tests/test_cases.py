@@ -9,8 +9,6 @@ from typing import Any
 
 import pytest
 from scrapy.utils.defer import deferred_f_from_coro_f
-from shop.site import ShopSite
-from shop.spiders.shop import ShopSpider
 
 from crawling import (
     close_reason,
@@ -21,6 +19,8 @@ from crawling import (
     start_shop_crawl,
     stored_products,
 )
+from shop.site import ShopSite
+from shop.spiders.shop import ShopSpider
 
 NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
 

@@ -8,10 +8,10 @@ from typing import Any
 
 import scrapy
 from scrapy.utils.defer import deferred_f_from_coro_f
-from shop.site import ShopSite
-from shop.spiders.shop import ShopSpider
 
 from crawling import crawl_settings, db_rows, frontier_counts, run_crawl, stored_products
+from shop.site import ShopSite
+from shop.spiders.shop import ShopSpider
 
 NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
 

@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from shop.site import ShopSite
 
 from crawling import db_rows, frontier_counts
+from shop.site import ShopSite
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "example_project"))
-import demo  # noqa: E402
+import demo
 
 pytestmark = pytest.mark.slow
 

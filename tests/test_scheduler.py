@@ -128,7 +128,8 @@ def test_callback_requests_beat_start_requests_at_equal_priority(harness: Harnes
 def test_same_after_close_and_reopen(harness: Harness) -> None:
     scheduler = harness.scheduler()
     for i, url in enumerate(URLS):
-        scheduler.enqueue_request(scrapy.Request(url, priority=i % 3, callback=scheduler.spider.parse))
+        scheduler.enqueue_request(
+            scrapy.Request(url, priority=i % 3, callback=scheduler.spider.parse))
     harness.close(scheduler)
     reopened = harness.scheduler()
     assert len(reopened) == len(URLS)

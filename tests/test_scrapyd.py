@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from crawling import db_rows, frontier_counts
 from shop.site import ShopSite
 

@@ -14,12 +14,12 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
-from shop.site import ShopSite
 
 from crawling import close_reason, db_rows, frontier_counts, start_shop_crawl, stored_products
+from shop.site import ShopSite
 
 pytestmark = pytest.mark.slow
 
@@ -136,7 +136,7 @@ SLOW_SPIDER = textwrap.dedent('''
 
 class _SlowHandler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True
-    counts: dict[str, int] = {}
+    counts: ClassVar[dict[str, int]] = {}
 
     def do_GET(self) -> None:
         self.counts[self.path] = self.counts.get(self.path, 0) + 1
