@@ -338,14 +338,20 @@ class SQLiteStore(FrontierStore):
         with self._write() as cur:
             window_start = self._window_start(now)
             for req in work.requests:
-                known = cur.execute(
-                    "SELECT id, state, finished_at FROM requests WHERE key = ?", (req.key,)
-                ).fetchone()
-                if known is None and req.filter_fingerprint:
+                if req.filter_fingerprint:  # any entry of this fingerprint, its key included
                     known = cur.execute(
                         "SELECT id, state, finished_at FROM requests WHERE fingerprint = ?"
                         " LIMIT 1",
                         (req.fingerprint,),
+                    ).fetchone()
+                    if known is None and req.key != req.fingerprint:
+                        known = cur.execute(
+                            "SELECT id, state, finished_at FROM requests WHERE key = ?",
+                            (req.key,),
+                        ).fetchone()
+                else:
+                    known = cur.execute(
+                        "SELECT id, state, finished_at FROM requests WHERE key = ?", (req.key,)
                     ).fetchone()
                 if known is None:
                     cur.execute(
