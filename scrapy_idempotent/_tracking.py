@@ -42,6 +42,7 @@ class Entry:
     priority: int
     attempts: int
     request: Request
+    suspect: bool = False  #: in flight when a worker died before
     children: list[NewRequest] = field(default_factory=list)
     records: list[tuple[Record, str | None]] = field(default_factory=list)
     rejects: list[Reject] = field(default_factory=list)

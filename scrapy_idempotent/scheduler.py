@@ -32,6 +32,7 @@ from scrapy import Request
 from scrapy.core.scheduler import BaseScheduler
 from scrapy.exceptions import CloseSpider, IgnoreRequest
 from scrapy.http import Response
+from scrapy.utils.url import strip_url
 from twisted.internet import task
 from twisted.python.failure import Failure
 
@@ -169,6 +170,9 @@ class IdempotentScheduler(BaseScheduler):
         self._start_requests: dict[int, Request] = {}
         self._root_counts: dict[str, int] = {}
         self._pending = Pending()
+        self._started: list[str] = []  # keys handed out since the last transaction
+        self._suspects_inflight = 0
+        self._started_flush: Any = None
         self._maybe_claimable = True
         self._recheck_at = 0.0
         self._dead_check_at = 0.0
@@ -243,9 +247,9 @@ class IdempotentScheduler(BaseScheduler):
         try:
             if not self._failed:
                 self._commit(UnitOfWork())
-            unstarted = [leased.key for leased in self._local]
+            inflight = [entry.key for entry in self._inflight.values()]
             released = self._retry("closing", lambda: self.store.end_session(
-                self.worker, reason, unstarted))
+                self.worker, reason, inflight))
             if released:
                 self.stats.inc_value("idempotent/requests/released", released)
             self._local.clear()
@@ -399,7 +403,14 @@ class IdempotentScheduler(BaseScheduler):
             return None
         try:
             while True:
+                if self._suspects_inflight:
+                    return None  # a suspect runs alone (see below)
                 if not self._local and not self._refill():
+                    return None
+                if self._local[0].suspect and self._inflight:
+                    # A request that was in flight when a worker died is a suspect: it runs
+                    # with nothing else in flight, so that if it kills the crawl again, it
+                    # alone is blamed (IDEMPOTENT_MAX_ATTEMPTS), not its neighbours.
                     return None
                 leased = self._local.popleft()
                 request = self._load(leased)
@@ -515,9 +526,19 @@ class IdempotentScheduler(BaseScheduler):
                 Completion(leased.key, RequestState.FAILED, "unloadable", str(exc)))
             return None
         entry = Entry(key=leased.key, fingerprint=leased.fingerprint, priority=leased.priority,
-                      attempts=leased.attempts, request=request)
+                      attempts=leased.attempts, request=request, suspect=leased.suspect)
+        if leased.suspect:
+            self._suspects_inflight += 1
         self._inflight[id(request)] = entry
         self._by_fingerprint[leased.fingerprint] = entry
+        # The attempt counts once the request is handed out; written in the next transaction,
+        # at the latest at the next turn of the reactor (before its download can finish).
+        self._started.append(leased.key)
+        if self._started_flush is None or not self._started_flush.active():
+            from twisted.internet import reactor as installed  # the one Scrapy installed
+
+            clock: Any = installed
+            self._started_flush = clock.callLater(0, self._flush_started)
         self.stats.inc_value("idempotent/requests/leased")
         if leased.attempts > 1:
             self.stats.inc_value("idempotent/requests/repeated")
@@ -693,6 +714,8 @@ class IdempotentScheduler(BaseScheduler):
         entry = self._inflight.pop(id(request), None)
         if entry is None:
             return  # not handed out by us (robots.txt, media downloads)
+        if entry.suspect:
+            self._suspects_inflight -= 1
         if self._by_fingerprint.get(entry.fingerprint) is entry:
             del self._by_fingerprint[entry.fingerprint]
         for oid in entry.tracked:
@@ -717,6 +740,8 @@ class IdempotentScheduler(BaseScheduler):
         if self._failed:
             return None
         self._pending.drain_into(work)
+        work.started[:0] = self._started
+        self._started = []
         if not work.claim:
             work.claim = self._claim_size()
         if not work:
@@ -727,6 +752,7 @@ class IdempotentScheduler(BaseScheduler):
             logger.error("scrapy_idempotent: cannot write to the frontier database",
                          exc_info=not isinstance(exc, sqlite3.OperationalError))
             self._pending.restore_from(work)
+            self._started[:0] = work.started
             self._fail(
                 f"frontier database error: {exc}; nothing committed is lost: fix the cause "
                 "(disk space, another process holding the database longer than "
@@ -753,6 +779,12 @@ class IdempotentScheduler(BaseScheduler):
         return action()
 
     def _record_stats(self, result: CommitResult) -> None:
+        for url in result.quarantined:
+            logger.warning(
+                "scrapy_idempotent: %s quarantined (failed): it was started %d times without "
+                "finishing, as if it killed the crawl each time; `scrapy idempotent retry "
+                "--kind quarantined` puts it back", strip_url(url, strip_credentials=True),
+                self.config.max_attempts)
         inc = self.stats.inc_value
         inc("idempotent/transactions")
         for name, value in (
@@ -765,7 +797,7 @@ class IdempotentScheduler(BaseScheduler):
             ("records/unchanged", result.records_unchanged),
             ("records/rejected", result.rejects),
             ("requests/leases_lost", result.leases_lost),
-            ("requests/quarantined", result.quarantined),
+            ("requests/quarantined", len(result.quarantined)),
         ):
             if value:
                 inc(f"idempotent/{name}", value)
@@ -781,6 +813,10 @@ class IdempotentScheduler(BaseScheduler):
             from scrapy.utils.defer import deferred_from_coro
 
             deferred_from_coro(engine.close_spider_async(reason=STORE_ERROR_REASON))
+
+    def _flush_started(self) -> None:
+        if self._started and not self._failed and not self._closing:
+            self._commit(UnitOfWork())
 
     # -- periodic work ----------------------------------------------------------------------
 

@@ -217,3 +217,68 @@ def test_c20_sitemap_spider_resumes_its_products(tmp_path: Path) -> None:
     assert [counts[p] for p in ("/robots.txt", "/sitemap_index.xml", "/sitemap1.xml",
                                 "/sitemap2.xml")] == [1, 1, 1, 1]
     assert sum(n - 1 for p, n in counts.items() if p.startswith("/product/")) <= 2
+
+
+POISON_SPIDER = '''
+import os
+import signal
+
+import scrapy
+
+
+class PoisonSpider(scrapy.Spider):
+    name = "poison"
+    custom_settings = {"ADDONS": {"scrapy_idempotent.Addon": 0},
+                       "IDEMPOTENT_NATURAL_KEYS": {"dict": "sku"}, "ROBOTSTXT_OBEY": False,
+                       "CONCURRENT_REQUESTS": 1, "DOWNLOAD_DELAY": 0.05,
+                       "IDEMPOTENT_MAX_ATTEMPTS": 3}
+
+    def __init__(self, url, **kwargs):
+        super().__init__(**kwargs)
+        self.base_url = url
+
+    async def start(self):
+        yield scrapy.Request(self.base_url + "/list/1", dont_filter=True)
+
+    def parse(self, response):
+        yield from response.follow_all(css="a.product", callback=self.parse_product)
+
+    def parse_product(self, response):
+        sku = response.css("span.sku::text").get()
+        if sku == "SKU-00013":  # this page kills the process, every time (OOM, segfault)
+            os.kill(os.getpid(), signal.SIGKILL)
+        yield {"sku": sku}
+'''
+
+
+@pytest.mark.slow
+def test_a_page_that_kills_every_crawl_is_quarantined_and_nothing_else(tmp_path: Path) -> None:
+    """A page that kills the worker on every attempt must stop doing so after
+    IDEMPOTENT_MAX_ATTEMPTS starts, and requests that were merely claimed beside it (never
+    started) must not be blamed for it."""
+    import subprocess
+    import sys
+
+    spider = tmp_path / "poison.py"
+    spider.write_text(POISON_SPIDER)
+    db = tmp_path / "poison.sqlite3"
+    codes = []
+    with ShopSite(port=0, listing_pages=1, products_per_page=20) as site:
+        for run in range(8):
+            crawl = subprocess.run(
+                [sys.executable, "-m", "scrapy", "runspider", str(spider), "-a",
+                 f"url={site.url}", "-s", f"IDEMPOTENT_DATABASE={db}",
+                 "-s", f"LOG_FILE={tmp_path / f'run{run}.log'}"],
+                cwd=tmp_path, stdin=subprocess.DEVNULL, timeout=120, check=False)
+            codes.append(crawl.returncode)
+            if crawl.returncode == 0:
+                break
+        repeated = {p: n for p, n in site.counts_by_path().items() if n > 1}
+    assert codes == [-9, -9, -9, 0]
+    assert db_rows(db, "SELECT url, error_kind FROM requests WHERE state != 'done'") == [
+        (f"{site.url}/product/SKU-00013", "quarantined")]
+    assert len(stored_products(db)) == 19
+    # the poison page's response was journaled before its callback killed the crawl: the
+    # next attempts replayed it, nothing was downloaded twice
+    assert repeated == {}
+    assert "quarantined" in (tmp_path / "run3.log").read_text()

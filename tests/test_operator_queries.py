@@ -47,6 +47,7 @@ def crawled(path: Path, clock: Clock) -> SQLiteStore:
                                                  data="{}") for u in urls]), WORKER)
     leased = store.commit(UnitOfWork(claim=len(urls)), WORKER).leased
     assert len(leased) == len(urls)
+    store.commit(UnitOfWork(started=[r.key for r in leased]), WORKER)  # handed out
     clock.now += 1
     store.commit(UnitOfWork(completions=[
         Completion(u, RequestState.FAILED, kind, f"{kind} at {u}")

@@ -52,6 +52,7 @@ def crawl(store: SQLiteStore, worker: str, n: int) -> None:
     """Enqueue, lease and complete request n."""
     store.commit(UnitOfWork(requests=[request(n)]), worker)
     for leased in store.commit(UnitOfWork(claim=10), worker).leased:
+        store.commit(UnitOfWork(started=[leased.key]), worker)
         store.commit(UnitOfWork(completions=[Completion(leased.key, RequestState.DONE)]),
                      worker)
 

@@ -142,7 +142,12 @@ def enqueue(store: Any, *requests: NewRequest, worker: str = "w1") -> CommitResu
 
 
 def claim(store: Any, count: int, worker: str = "w1") -> list[LeasedRequest]:
-    return store.commit(UnitOfWork(claim=count), worker).leased
+    """Claim, then start what was claimed, as the scheduler does when it hands requests out
+    (a start counts an attempt)."""
+    leased = store.commit(UnitOfWork(claim=count), worker).leased
+    if leased:
+        store.commit(UnitOfWork(started=[r.key for r in leased]), worker)
+    return leased
 
 
 def claim_keys(store: Any, count: int, worker: str = "w1") -> list[str]:
@@ -639,16 +644,16 @@ def test_pending_completion_without_data_keeps_the_stored_request(store):
 # -- attempts and quarantine ----------------------------------------------------------------
 
 
-def test_request_leased_more_than_max_attempts_is_quarantined(make_store):
+def test_request_started_max_attempts_times_without_finishing_is_quarantined(make_store):
     store, _ = open_store(make_store, "w1", max_attempts=2)
     enqueue(store, req("poison"))
     for attempt in (1, 2):
         assert [(r.key, r.attempts) for r in claim(store, 1)] == [("poison", attempt)]
-        assert store.release_leases(["w1"]) == 1
+        assert store.release_leases(["w1"]) == 1  # the worker died with it
     result = store.commit(UnitOfWork(claim=1), "w1")
-    assert result == CommitResult(quarantined=1)
+    assert result == CommitResult(quarantined=["https://shop.example/poison"])
     assert store.query("SELECT state, worker, attempts, error_kind FROM requests") == [
-        ("failed", None, 3, "quarantined")]
+        ("failed", None, 2, "quarantined")]
     assert store.counts() == counts(failed=1)
     assert enqueue(store, req("poison")) == CommitResult(requests_already_done=1)
 
@@ -659,8 +664,34 @@ def test_quarantine_leaves_other_requests_claimable(make_store):
     assert claim_keys(store, 1) == ["poison"]
     store.release_leases(["w1"])
     result = store.commit(UnitOfWork(claim=2), "w1")
-    assert result.quarantined == 1
+    assert len(result.quarantined) == 1
     assert [(r.key, r.attempts) for r in result.leased] == [("fine", 1)]
+
+
+def test_claimed_but_never_started_leases_do_not_count_towards_quarantine(make_store):
+    """A worker that dies with a batch of claimed requests it had not started yet: only what
+    it started is a suspect."""
+    store, _ = open_store(make_store, "w1", max_attempts=2)
+    enqueue(store, req("bystander"), req("poison", priority=9))
+    for _ in range(2):
+        leased = store.commit(UnitOfWork(claim=2), "w1").leased
+        assert [r.key for r in leased] == ["poison", "bystander"]
+        store.commit(UnitOfWork(started=["poison"]), "w1")  # started poison, then died
+        store.release_leases(["w1"])
+    result = store.commit(UnitOfWork(claim=2), "w1")
+    assert [(r.key, r.attempts) for r in result.leased] == [("bystander", 1)]
+    assert store.query("SELECT key, state, attempts, unfinished FROM requests ORDER BY key") == [
+        ("bystander", "leased", 0, 0), ("poison", "failed", 2, 0)]
+
+
+def test_a_completed_attempt_resets_the_unfinished_count(make_store):
+    store, _ = open_store(make_store, "w1", max_attempts=2)
+    enqueue(store, req("flaky"))
+    for _ in range(5):  # retried again and again, each attempt completes its lease
+        assert len(claim(store, 1)) == 1
+        store.commit(UnitOfWork(completions=[Completion("flaky", RequestState.PENDING)]), "w1")
+    assert store.query("SELECT state, attempts, unfinished FROM requests") == [
+        ("pending", 5, 0)]
 
 
 # -- runs and sessions ----------------------------------------------------------------------

@@ -78,13 +78,16 @@ class NewRequest:
 
 @dataclass(frozen=True)
 class LeasedRequest:
-    """A request claimed by a worker. ``attempts`` counts leases, this one included."""
+    """A request claimed by a worker. ``attempts`` counts the times it was started, this
+    lease included (1 for a first attempt)."""
 
     key: str
     fingerprint: str
     data: str
     priority: int
     attempts: int
+    #: it was in flight when a worker died (started, never finished): a possible cause
+    suspect: bool = False
 
 
 @dataclass(frozen=True)
@@ -127,18 +130,21 @@ class Reject:
 
 @dataclass
 class UnitOfWork:
-    """Everything one transaction writes. ``claim`` asks for that many new leases."""
+    """Everything one transaction writes. ``claim`` asks for that many new leases;
+    ``started`` lists leased requests the worker has handed to the engine since the last
+    transaction (each counts one attempt, and one unfinished lease until it completes)."""
 
     requests: list[NewRequest] = field(default_factory=list)
     #: (record, key of the request that produced it)
     records: list[tuple[Record, str | None]] = field(default_factory=list)
     rejects: list[Reject] = field(default_factory=list)
     completions: list[Completion] = field(default_factory=list)
+    started: list[str] = field(default_factory=list)
     claim: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.requests or self.records or self.rejects or self.completions
-                    or self.claim)
+                    or self.started or self.claim)
 
 
 @dataclass
@@ -156,7 +162,7 @@ class CommitResult:
     completed: dict[str, int] = field(default_factory=dict)  #: state value -> count
     leases_lost: int = 0  #: completions whose lease another worker had taken over
     leased: list[LeasedRequest] = field(default_factory=list)
-    quarantined: int = 0  #: claimed entries failed for exceeding the attempt limit
+    quarantined: list[str] = field(default_factory=list)  #: URLs failed as quarantined
 
 
 @dataclass(frozen=True)
@@ -201,10 +207,11 @@ class FrontierStore(ABC):
         :class:`~.config.RunMode`). A new run clears the frontier and keeps the records."""
 
     @abstractmethod
-    def end_session(self, worker: str, reason: str, unstarted: Sequence[str] = ()) -> int:
-        """Release the worker's leases (those in ``unstarted``, claimed but never handed out,
-        without counting the lease as an attempt); mark the run finished when ``reason`` is
-        ``finished`` and nothing is pending or leased. Returns the leases released."""
+    def end_session(self, worker: str, reason: str, inflight: Sequence[str] = ()) -> int:
+        """Release the worker's leases; mark the run finished when ``reason`` is
+        ``finished`` and nothing is pending or leased. ``inflight``: keys the worker started
+        and gives back unfinished at a clean stop; they did not kill it, so they are not
+        suspects (their unfinished count is taken back). Returns the leases released."""
 
     @abstractmethod
     def commit(self, work: UnitOfWork, worker: str) -> CommitResult:

@@ -127,10 +127,11 @@ class SQLiteStore(FrontierStore):
     :param path: database file; its directory is created if missing; a new file is created
         readable and writable by its owner only (0600).
     :param lease_seconds: how long a claim lasts unless renewed.
-    :param max_attempts: a request whose leases ended this many times in a row without a
-        completion (the worker died, or the lease expired) is failed as ``quarantined`` instead
-        of being handed out again: a page that kills the worker every time. Retries complete
-        their lease and do not count.
+    :param max_attempts: a request that was started (handed to the engine) this many times
+        in a row without completing (its worker died, or its lease expired) is failed as
+        ``quarantined`` instead of being handed out again: a page that kills the worker every
+        time. Retries complete their lease and do not count; nor do leases of requests that
+        were claimed but never started.
     :param clock: unix seconds; injected so tests drive lease expiry without sleeping.
     :param synchronous: ``NORMAL`` or ``FULL`` (see the module docstring).
     :param busy_timeout_seconds: how long a statement waits for another process's write lock.
@@ -300,14 +301,13 @@ class SQLiteStore(FrontierStore):
         self.run_id = run_id
         return RunInfo(run_id=run_id, new=new, counts=self.counts())
 
-    def end_session(self, worker: str, reason: str, unstarted: Sequence[str] = ()) -> int:
+    def end_session(self, worker: str, reason: str, inflight: Sequence[str] = ()) -> int:
         now = self.clock()
         with self._write() as cur:
-            # claimed but never handed out: as if they had not been leased
             cur.executemany(
-                "UPDATE requests SET attempts = attempts - 1, unfinished = unfinished - 1"
-                " WHERE key = ? AND state = 'leased' AND worker = ?",
-                [(key, worker) for key in unstarted],
+                "UPDATE requests SET unfinished = unfinished - 1"
+                " WHERE key = ? AND state = 'leased' AND worker = ? AND unfinished > 0",
+                [(key, worker) for key in inflight],
             )
             released = self._release(cur, [worker])
             cur.execute(
@@ -408,6 +408,12 @@ class SQLiteStore(FrontierStore):
                      run_id),
                 )
                 result.rejects += 1
+            if work.started:
+                cur.executemany(
+                    "UPDATE requests SET attempts = attempts + 1, unfinished = unfinished + 1"
+                    " WHERE key = ? AND state = 'leased' AND worker = ?",
+                    [(key, worker) for key in work.started],
+                )
             for done in work.completions:
                 if done.state is RequestState.PENDING:
                     cur.execute(
@@ -434,16 +440,16 @@ class SQLiteStore(FrontierStore):
                     result.leases_lost += 1
             if work.claim:
                 self._claim(cur, worker, work.claim, now, result)
-            self._count(cur, result, run_id)
+            self._count(cur, result, run_id, len(work.started))
         return result
 
     @staticmethod
-    def _count(cur: sqlite3.Cursor, result: CommitResult, run_id: int) -> None:
+    def _count(cur: sqlite3.Cursor, result: CommitResult, run_id: int, started: int) -> None:
         """Add this transaction's work to the run's cumulative counters (same transaction)."""
         done = result.completed
         deltas = (
-            len(result.leased), done.get("done", 0),
-            done.get("failed", 0) + result.quarantined, done.get("redirected", 0),
+            started, done.get("done", 0),
+            done.get("failed", 0) + len(result.quarantined), done.get("redirected", 0),
             result.records_inserted, result.records_updated, result.records_unchanged,
         )
         if any(deltas):
@@ -464,28 +470,29 @@ class SQLiteStore(FrontierStore):
     def _claim(self, cur: sqlite3.Cursor, worker: str, count: int, now: float,
                result: CommitResult) -> None:
         rows = cur.execute(
-            "UPDATE requests SET state = 'leased', worker = ?, leased_until = ?,"
-            " attempts = attempts + 1, unfinished = unfinished + 1"
+            "UPDATE requests SET state = 'leased', worker = ?, leased_until = ?"
             " WHERE id IN (SELECT id FROM requests WHERE state = 'pending'"
             "  ORDER BY priority DESC, is_start, id DESC LIMIT ?)"
-            " RETURNING id, key, fingerprint, data, priority, is_start, attempts, unfinished",
+            " RETURNING id, key, fingerprint, data, priority, is_start, attempts, unfinished,"
+            " url",
             (worker, now + self.lease_seconds, count),
         ).fetchall()
         # RETURNING gives no order: restore the claim order.
         rows.sort(key=lambda r: (-r[4], r[5], -r[0]))
-        over = [r[1] for r in rows if r[7] > self.max_attempts]
+        over = [r for r in rows if r[7] >= self.max_attempts]
         if over:
             cur.executemany(
                 "UPDATE requests SET state = 'failed', worker = NULL, leased_until = NULL,"
-                " finished_at = ?, error_kind = 'quarantined', error_message = ?"
-                " WHERE key = ?",
-                [(now, f"leased {self.max_attempts} times without finishing "
-                       "(IDEMPOTENT_MAX_ATTEMPTS)", key) for key in over],
+                " unfinished = 0, finished_at = ?, error_kind = 'quarantined',"
+                " error_message = ? WHERE key = ?",
+                [(now, f"started {r[7]} times without finishing; it may kill the crawl "
+                       "(IDEMPOTENT_MAX_ATTEMPTS)", r[1]) for r in over],
             )
-            result.quarantined += len(over)
+            result.quarantined.extend(r[8] for r in over)
         result.leased.extend(
-            LeasedRequest(key=r[1], fingerprint=r[2], data=r[3], priority=r[4], attempts=r[6])
-            for r in rows if r[7] <= self.max_attempts
+            LeasedRequest(key=r[1], fingerprint=r[2], data=r[3], priority=r[4],
+                          attempts=r[6] + 1, suspect=r[7] > 0)
+            for r in rows if r[7] < self.max_attempts
         )
 
     # -- the response journal --------------------------------------------------------------
