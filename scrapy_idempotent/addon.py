@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .journal import ResponseJournalMiddleware
@@ -12,7 +15,16 @@ from .scheduler import IdempotentScheduler
 if TYPE_CHECKING:
     from scrapy.settings import BaseSettings
 
-__all__ = ["JOURNAL_PRIORITY", "MIDDLEWARE_PRIORITY", "PIPELINE_PRIORITY", "Addon"]
+__all__ = [
+    "DEVELOPMENT_COMMANDS",
+    "JOURNAL_PRIORITY",
+    "MIDDLEWARE_PRIORITY",
+    "PIPELINE_PRIORITY",
+    "Addon",
+    "development_command",
+]
+
+logger = logging.getLogger(__name__)
 
 #: Below StartSpiderMiddleware (25): the middleware sees the final output of every callback.
 MIDDLEWARE_PRIORITY = 10
@@ -20,6 +32,44 @@ MIDDLEWARE_PRIORITY = 10
 JOURNAL_PRIORITY = 950
 #: Above any usual pipeline: the upsert sees what every other pipeline let through.
 PIPELINE_PRIORITY = 1000
+
+
+#: Scrapy commands that fetch pages for a developer to look at. With the frontier wired in,
+#: they would store their one-off requests (with callbacks of the command, not the spider),
+#: and resume or finish the spider's real run.
+DEVELOPMENT_COMMANDS = frozenset({"shell", "fetch", "view", "parse", "check", "bench"})
+
+
+def development_command(argv: list[str] | None = None) -> str | None:
+    """The Scrapy command being run if it is one of :data:`DEVELOPMENT_COMMANDS`, read from
+    the command line of the ``scrapy`` tool (``scrapy shell ...``, ``python -m scrapy ...``);
+    None for crawls and for scripts that run crawlers themselves. Scrapy removes the command
+    name from ``sys.argv``, so the process's original command line is read where the system
+    keeps it (``/proc/self/cmdline``)."""
+    if argv is None:
+        argv = _process_argv()
+    if not argv:
+        return None
+    program = Path(argv[0])
+    if program.name != "scrapy" and program.parent.name != "scrapy":
+        return None
+    command = next((arg for arg in argv[1:] if not arg.startswith("-")), None)
+    return command if command in DEVELOPMENT_COMMANDS else None
+
+
+def _process_argv() -> list[str]:
+    try:
+        with open("/proc/self/cmdline", "rb") as f:
+            args = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return list(sys.argv)
+    # python -m scrapy ...: drop the interpreter and its options up to the module name
+    if len(args) > 2 and "-m" in args[:-1]:
+        index = args.index("-m")
+        args = [args[index + 1], *args[index + 2:]]
+    elif args and Path(args[0]).name.startswith("python") and len(args) > 1:
+        args = args[1:]
+    return args
 
 
 class Addon:
@@ -33,6 +83,11 @@ class Addon:
     """
 
     def update_settings(self, settings: BaseSettings) -> None:
+        command = development_command()
+        if command is not None:
+            logger.info("scrapy_idempotent is off for `scrapy %s`: a development command "
+                        "neither resumes nor writes the crawl's database", command)
+            return
         settings.set("SCHEDULER", IdempotentScheduler, "addon")
         settings.set_in_component_priority_dict(
             "SPIDER_MIDDLEWARES", RecordIdMiddleware, MIDDLEWARE_PRIORITY)

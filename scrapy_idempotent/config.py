@@ -103,6 +103,7 @@ class IdempotentConfig:
             return settings.get(name, SETTINGS[name])
 
         natural_keys = _natural_keys("IDEMPOTENT_NATURAL_KEYS", get("IDEMPOTENT_NATURAL_KEYS"))
+        _check_declared_fields("IDEMPOTENT_NATURAL_KEYS", natural_keys)
         override = getattr(spider, "idempotent_natural_keys", None)
         if override is not None:
             natural_keys.update(_natural_keys(f"{type(spider).__name__}.idempotent_natural_keys",
@@ -165,7 +166,12 @@ def _number(settings: BaseSettings, name: str, *, minimum: float, integer: bool 
 
 def _names(settings: BaseSettings, name: str) -> list[str]:
     raw = settings.get(name, SETTINGS[name])
-    if isinstance(raw, str):
+    if isinstance(raw, str) and raw.lstrip().startswith("["):  # a JSON list given with -s
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            raise ConfigError(name, raw, "a list of non-empty strings") from None
+    elif isinstance(raw, str):
         raw = [part.strip() for part in raw.split(",") if part.strip()]
     if not isinstance(raw, (list, tuple, set, frozenset)) or not all(
         isinstance(v, str) and v for v in raw
@@ -201,6 +207,32 @@ def _natural_keys(name: str, given: Any) -> dict[str, tuple[str, ...]]:
             raise ConfigError(name, given, allowed)
         result[item_type] = tuple(fields)
     return result
+
+
+def _check_declared_fields(name: str, natural_keys: dict[str, tuple[str, ...]]) -> None:
+    """A ``module.Class`` entry must import, and a key field must be declared by a class that
+    declares its fields (``scrapy.Item``, dataclass, attrs, pydantic): a typo would otherwise
+    drop every item, or key them all by page URL, in silence."""
+    from itemadapter import ItemAdapter
+    from scrapy.utils.misc import load_object
+
+    for path, fields in natural_keys.items():
+        if "." not in path:
+            continue  # a bare class name or '*': checked when items arrive
+        try:
+            cls = load_object(path)
+        except (ImportError, AttributeError, NameError, ValueError) as exc:
+            raise ConfigError(name, {path: list(fields)},
+                              f"an importable item class; {path!r}: {exc}") from None
+        try:
+            declared = ItemAdapter.get_field_names_from_class(cls)
+        except TypeError:  # not an item class itself: its instances may still be items
+            declared = None
+        missing = [f for f in fields if declared is not None and f not in declared]
+        if missing:
+            raise ConfigError(name, {path: list(fields)},
+                              f"fields that {path} declares ({', '.join(sorted(declared or []))}"
+                              f"); not {', '.join(missing)}")
 
 
 def _database_path(raw: Any, spider_name: str) -> str:

@@ -14,12 +14,13 @@ attributes it through the same code.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from scrapy import Request, signals
+from scrapy.utils.misc import load_object
 
 from .config import IdempotentConfig
-from .exceptions import IdempotentError
+from .exceptions import ConfigError, IdempotentError
 
 if TYPE_CHECKING:
     from scrapy.crawler import Crawler
@@ -32,16 +33,16 @@ __all__ = ["RecordIdMiddleware"]
 
 
 def _scheduler_of(crawler: Crawler, component: str) -> IdempotentScheduler:
-    from .scheduler import IdempotentScheduler
+    from .scheduler import is_idempotent_scheduler
 
     scheduler = crawler.engine.scheduler if crawler.engine is not None else None
-    if not isinstance(scheduler, IdempotentScheduler):
+    if not is_idempotent_scheduler(scheduler):
         raise IdempotentError(
             f"{component} needs SCHEDULER = 'scrapy_idempotent.IdempotentScheduler' (found "
             f"{type(scheduler).__module__}.{type(scheduler).__qualname__}); add "
             "ADDONS = {'scrapy_idempotent.Addon': 0} to the settings"
         )
-    return scheduler
+    return cast("IdempotentScheduler", scheduler)
 
 
 class RecordIdMiddleware:
@@ -59,6 +60,16 @@ class RecordIdMiddleware:
         # reads them again when it is built, at spider open).
         if crawler.spider is not None:
             IdempotentConfig.from_settings(crawler.settings, crawler.spider)
+        from .scheduler import is_idempotent_scheduler
+
+        scheduler = crawler.settings["SCHEDULER"]
+        scheduler_cls = load_object(scheduler) if isinstance(scheduler, str) else scheduler
+        if not (isinstance(scheduler_cls, type) and is_idempotent_scheduler(scheduler_cls)):
+            raise ConfigError(
+                "SCHEDULER", scheduler,
+                "scrapy_idempotent.IdempotentScheduler (or a subclass): the RecordIdMiddleware "
+                "works with it; a project or command-line SCHEDULER overrides the add-on's",
+            )
         return cls(crawler)
 
     def _spider_opened(self) -> None:

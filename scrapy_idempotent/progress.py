@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from scrapy import signals
 from scrapy.exceptions import NotConfigured
@@ -69,14 +69,14 @@ class IdempotentLogStats:
         return extension
 
     def spider_opened(self, spider: Spider) -> None:
-        from .scheduler import IdempotentScheduler
+        from .scheduler import is_idempotent_scheduler
 
         engine = self.crawler.engine
         scheduler = engine.scheduler if engine is not None else None
-        if not isinstance(scheduler, IdempotentScheduler):
+        if not is_idempotent_scheduler(scheduler):
             logger.debug("scrapy_idempotent: no progress line, the scheduler is %r", scheduler)
             return
-        self.scheduler = scheduler
+        self.scheduler = cast("IdempotentScheduler", scheduler)
         self._previous = (time.monotonic(), *self._totals())
         self.task = task.LoopingCall(self.log)
         self.task.start(self.interval_seconds, now=False)

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
     from .store.base import CommitResult
 
-__all__ = ["IdempotentScheduler", "worker_id", "worker_is_dead"]
+__all__ = ["IdempotentScheduler", "is_idempotent_scheduler", "worker_id", "worker_is_dead"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,16 @@ def worker_is_dead(worker: str) -> bool:
     except OSError:
         return False
     return False
+
+
+def is_idempotent_scheduler(obj: object) -> bool:
+    """Whether ``obj`` (a scheduler or a scheduler class) is an :class:`IdempotentScheduler`.
+
+    ``isinstance``/``issubclass`` cannot tell: Scrapy's ``BaseScheduler`` metaclass answers
+    True for any class with the scheduler methods (scrapy/core/scheduler.py).
+    """
+    cls = obj if isinstance(obj, type) else type(obj)
+    return IdempotentScheduler in cls.__mro__
 
 
 class IdempotentScheduler(BaseScheduler):
@@ -457,6 +467,9 @@ class IdempotentScheduler(BaseScheduler):
                 # its retry or redirect cannot be stored: it did not get its page
                 origin.failure = ("unstorable", str(exc)[:1000])
                 origin.continuation = None
+            elif parent is not None and parent.failure is None:
+                # the page's work is incomplete: keep it visible (failed, retryable)
+                parent.failure = ("unstorable_child", str(exc)[:1000])
             return False
         if retry_of is not None:
             retry_of.continuation = (data, request.priority)
@@ -657,12 +670,16 @@ class IdempotentScheduler(BaseScheduler):
 
     def _check_page_key(self, entry: Entry, key: str, item: Any) -> None:
         entry.page_keys[key] += 1
-        if entry.page_keys[key] == 2 and not self._warned_page_key:
+        if entry.page_keys[key] < 2:
+            return
+        self.stats.inc_value("idempotent/items/page_key_collisions")
+        if not self._warned_page_key:
             self._warned_page_key = True
             logger.warning(
                 "scrapy_idempotent: %s yielded several %s items and no natural key is "
                 "configured for that type, so they share the page URL as key and overwrite "
-                "each other; set IDEMPOTENT_NATURAL_KEYS = {%r: '<field>'}",
+                "each other; set IDEMPOTENT_NATURAL_KEYS = {%r: '<field>'} (further cases "
+                "are counted in the stat idempotent/items/page_key_collisions)",
                 key, type(item).__name__, type(item).__name__,
             )
 

@@ -162,10 +162,21 @@ def test_config_error_is_a_value_error():
 
 
 def test_natural_keys_dict():
-    cfg = config({"IDEMPOTENT_NATURAL_KEYS": {"shop.items.Product": "sku",
+    cfg = config({"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku",
                                               "Review": ["sku", "author"], "*": ("url",)}})
-    assert cfg.natural_keys == {"shop.items.Product": ("sku",), "Review": ("sku", "author"),
-                                "*": ("url",)}
+    assert cfg.natural_keys == {"shop.items.ProductItem": ("sku",),
+                                "Review": ("sku", "author"), "*": ("url",)}
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"shop.items.Product": "sku"}, "doesn't define any object named 'Product'"),
+    ({"shop.items.ProductItem": "SKU"}, "declares (name, price, sku, url); not SKU"),
+])
+def test_natural_keys_typos_are_caught_at_start(entry, message):
+    with pytest.raises(ConfigError) as caught:
+        config({"IDEMPOTENT_NATURAL_KEYS": entry})
+    assert caught.value.setting == "IDEMPOTENT_NATURAL_KEYS"
+    assert message in str(caught.value)
 
 
 def test_natural_keys_json_string():

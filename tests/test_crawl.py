@@ -168,5 +168,8 @@ async def test_unstorable_requests_are_refused_loudly_and_the_crawl_goes_on(
     assert any("list/2" in m and "callback" in m and "cb_kwargs" in m for m in errors)
     assert any("list/3" in m and "cb_kwargs['rows']" in m and "generator" in m for m in errors)
     assert shop.counts_by_path() == {"/list/1": 1, "/list/4": 1}
-    assert frontier_counts(db_path) == {"done": 2}
+    # the page that yielded them is failed (retryable, visible in `scrapy idempotent failed`)
+    assert frontier_counts(db_path) == {"done": 1, "failed": 1}
+    assert db_rows(db_path, "SELECT url, error_kind FROM requests WHERE state = 'failed'") == [
+        (f"{shop.url}/list/1", "unstorable_child")]
     assert stats["idempotent/records/inserted"] == 1

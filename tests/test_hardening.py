@@ -949,15 +949,17 @@ async def test_no_credentials_in_the_package_logs(
     stats = crawler.stats.get_stats()
     assert stats["finish_reason"] == "finished"
     assert stats["idempotent/requests/unstorable"] == 1
-    assert stats["idempotent/requests/failed"] == 1  # the download through the proxy failed
+    # the download through the proxy failed; the page whose child was refused is failed too
+    assert stats["idempotent/requests/failed"] == 2
     logged = package_messages(caplog, tracebacks=True)
     assert any("/refused" in m and "meta['handle']" in m for m in logged), logged
     leaks = [m for m in logged if "secret" in m or "alice:" in m or "bob:" in m
              or any(secret in m for secret in secrets)]
     assert leaks == []
     # the stored frontier keeps what the request needs (a 0600 file), the failure says why
-    (kind,), = db_rows(db_path, "SELECT error_kind FROM requests WHERE state = 'failed'")
-    assert kind.startswith("download_error/")
+    kinds = sorted(k for (k,) in db_rows(
+        db_path, "SELECT error_kind FROM requests WHERE state = 'failed'"))
+    assert kinds[0].startswith("download_error/") and kinds[1] == "unstorable_child"
 
 
 # == property: record IDs are stable across processes and item types ==========================

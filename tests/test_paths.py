@@ -1446,7 +1446,8 @@ async def test_unstorable_requests_are_refused_loudly_at_enqueue(
                           file_path=str(data_file))
     assert finish_reason(crawler) == "finished"
     assert frontier(db_path, site) == {
-        "/ok/store-test": ("done", None, 1),
+        # the page lost part of its output: failed, visible, retryable
+        "/ok/store-test": ("failed", "unstorable_child", 1),
         "/ok/u-good": ("done", None, 1),  # the crawl goes on
     }
     assert_nothing_leased(db_path)
