@@ -553,9 +553,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r in results:
             if r["completed_during_kills"]:
                 print(
-                    f"note: {r['label']} completed its crawl during the kill phase "
-                    f"(kills: {r['kills']}; run {r['runs'][-1]['run']}: "
-                    f"{r['runs'][-1]['outcome']})"
+                    f"note: {r['label']}: run {r['runs'][-1]['run']} ended on its own "
+                    f"({r['runs'][-1].get('finish_reason') or r['runs'][-1]['outcome']}) after "
+                    f"{r['kills']} kill(s), with {r['correct']} of {r['products']} products "
+                    "stored; no further run was started"
                 )
         if verdict is not None and idempotent is not None:
             if verdict["pass"]:
