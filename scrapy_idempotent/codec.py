@@ -85,14 +85,37 @@ class EncodeError(ValueError):
 
 def _json_items(value: dict[Any, Any], path: str, items: bool) -> Any:
     if all(isinstance(k, str) and not k.startswith("$") for k in value):
-        return {k: encode_value(v, f"{path}[{k!r}]", items=items) for k, v in value.items()}
+        return {k: _encode(v, f"{path}[{k!r}]", items) for k, v in value.items()}
     return {
         "$dict": [
-            [encode_value(k, f"{path}<key>", items=items),
-             encode_value(v, f"{path}[{k!r}]", items=items)]
+            [_encode(k, f"{path}<key>", items), _encode(v, f"{path}[{k!r}]", items)]
             for k, v in value.items()
         ]
     }
+
+
+class _NeedsSlowPath(Exception):
+    """The fast encoder met a value it does not handle itself."""
+
+
+def _encode_fast(value: Any) -> Any:
+    # The common shapes of request and item data, exact built-in types only, without the
+    # path strings that only an error message needs (the hot path: every enqueue, every item).
+    cls = type(value)
+    if value is None or cls is str or cls is int or cls is bool or cls is float:
+        return value
+    if cls is dict:
+        for key in value:
+            if type(key) is not str or key[:1] == "$":
+                return {"$dict": [[_encode_fast(k), _encode_fast(v)] for k, v in value.items()]}
+        return {k: _encode_fast(v) for k, v in value.items()}
+    if cls is list:
+        return [_encode_fast(v) for v in value]
+    if cls is bytes:
+        return {"$bytes": base64.b64encode(value).decode("ascii")}
+    if cls is tuple:
+        return {"$tuple": [_encode_fast(v) for v in value]}
+    raise _NeedsSlowPath
 
 
 def encode_value(value: Any, path: str = "", *, items: bool = False) -> Any:
@@ -101,6 +124,13 @@ def encode_value(value: Any, path: str = "", *, items: bool = False) -> Any:
     With ``items=True`` nested items of any type :mod:`itemadapter` supports are stored as
     dicts of their fields. Raises :class:`EncodeError` naming the first value that has no form.
     """
+    try:
+        return _encode_fast(value)
+    except _NeedsSlowPath:
+        return _encode(value, path, items)
+
+
+def _encode(value: Any, path: str, items: bool) -> Any:
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -108,15 +138,14 @@ def encode_value(value: Any, path: str = "", *, items: bool = False) -> Any:
     if isinstance(value, dict):
         return _json_items(value, path, items)
     if isinstance(value, list):
-        return [encode_value(v, f"{path}[{i}]", items=items) for i, v in enumerate(value)]
+        return [_encode(v, f"{path}[{i}]", items) for i, v in enumerate(value)]
     if isinstance(value, tuple):
-        return {"$tuple": [encode_value(v, f"{path}[{i}]", items=items)
-                           for i, v in enumerate(value)]}
+        return {"$tuple": [_encode(v, f"{path}[{i}]", items) for i, v in enumerate(value)]}
     if isinstance(value, (bytes, bytearray)):
         return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
     if isinstance(value, (set, frozenset)):
         tag = "$set" if isinstance(value, set) else "$frozenset"
-        members = [encode_value(v, f"{path}<member>", items=items) for v in value]
+        members = [_encode(v, f"{path}<member>", items) for v in value]
         return {tag: sorted(members, key=canonical_json)}
     if isinstance(value, datetime.datetime):
         return {"$datetime": value.isoformat()}

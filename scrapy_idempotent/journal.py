@@ -105,7 +105,7 @@ class ResponseJournalMiddleware:
         if entry is None or entry.replayed:
             return response
         try:
-            scheduler.store.journal_response(entry.key, *encode_response(response))
+            scheduler.journal_response(entry, *encode_response(response))
         except Exception as exc:
             logger.warning("scrapy_idempotent: cannot journal the response of %s: %s",
                            describe(request), exc)

@@ -181,8 +181,9 @@ class IdempotentScheduler(BaseScheduler):
         self._root_counts: dict[str, int] = {}
         self._pending = Pending()
         self._started: list[str] = []  # keys handed out since the last transaction
+        self._journal: list[tuple[Entry, str, bytes]] = []  # responses to journal
         self._suspects_inflight = 0
-        self._started_flush: Any = None
+        self._flush_call: Any = None
         self._maybe_claimable = True
         self._recheck_at = 0.0
         self._dead_check_at = 0.0
@@ -453,6 +454,13 @@ class IdempotentScheduler(BaseScheduler):
                 parent = owner[0]
                 if parent is not None:
                     parent.tracked.pop(id(request), None)
+        if not request.dont_filter and continuation is None:
+            # Most enqueued requests are rediscovered links: known ones are counted and
+            # dropped without being encoded or written (the commit would drop them too).
+            known = self.store.known_request(fingerprint)
+            if known is not None:
+                self.stats.inc_value(f"idempotent/requests/{known}")
+                return True
         # A retry (RetryMiddleware, get_retry_request) continues the same frontier entry. A
         # plain link of a page to itself is not one: it is a duplicate like any other.
         retry_of = parent if parent is not None and fingerprint == parent.fingerprint and (
@@ -547,11 +555,7 @@ class IdempotentScheduler(BaseScheduler):
         # The attempt counts once the request is handed out; written in the next transaction,
         # at the latest at the next turn of the reactor (before its download can finish).
         self._started.append(leased.key)
-        if self._started_flush is None or not self._started_flush.active():
-            from twisted.internet import reactor as installed  # the one Scrapy installed
-
-            clock: Any = installed
-            self._started_flush = clock.callLater(0, self._flush_started)
+        self._flush_soon()
         self.stats.inc_value("idempotent/requests/leased")
         if leased.attempts > 1:
             self.stats.inc_value("idempotent/requests/repeated")
@@ -759,6 +763,12 @@ class IdempotentScheduler(BaseScheduler):
         self._pending.drain_into(work)
         work.started[:0] = self._started
         self._started = []
+        if self._journal:
+            # only requests still in flight: a completed one needs no journal entry
+            inflight = self._inflight
+            work.responses = [(e.key, data, body) for e, data, body in self._journal
+                              if inflight.get(id(e.request)) is e]
+            self._journal = []
         if not work.claim:
             work.claim = self._claim_size()
         if not work:
@@ -831,8 +841,21 @@ class IdempotentScheduler(BaseScheduler):
 
             deferred_from_coro(engine.close_spider_async(reason=STORE_ERROR_REASON))
 
-    def _flush_started(self) -> None:
-        if self._started and not self._failed and not self._closing:
+    def journal_response(self, entry: Entry, data: str, body: bytes) -> None:
+        """Keep the raw response of an in-flight request (see :mod:`.journal`): written at
+        the next turn of the reactor, with the other writes of that moment."""
+        self._journal.append((entry, data, body))
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        if self._flush_call is None or not self._flush_call.active():
+            from twisted.internet import reactor as installed  # the one Scrapy installed
+
+            clock: Any = installed
+            self._flush_call = clock.callLater(0, self._flush)
+
+    def _flush(self) -> None:
+        if (self._started or self._journal) and not self._failed and not self._closing:
             self._commit(UnitOfWork())
 
     # -- periodic work ----------------------------------------------------------------------

@@ -140,11 +140,13 @@ class UnitOfWork:
     rejects: list[Reject] = field(default_factory=list)
     completions: list[Completion] = field(default_factory=list)
     started: list[str] = field(default_factory=list)
+    #: (key, data, body) of raw responses to journal (requests still being processed)
+    responses: list[tuple[str, str, bytes]] = field(default_factory=list)
     claim: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.requests or self.records or self.rejects or self.completions
-                    or self.started or self.claim)
+                    or self.started or self.responses or self.claim)
 
 
 @dataclass
@@ -225,6 +227,13 @@ class FrontierStore(ABC):
     @abstractmethod
     def journaled_response(self, key: str) -> tuple[str, bytes] | None:
         """The ``(data, body)`` journaled for ``key``, if any."""
+
+    @abstractmethod
+    def known_request(self, fingerprint: str) -> str | None:
+        """How a commit would count an ordinary request (``filter_fingerprint``) of this
+        fingerprint if it were committed now: ``"duplicate"`` (pending or leased),
+        ``"already_done"``, or None when it would be added, or be due again. A read outside
+        any transaction, to skip encoding rediscovered links; the commit decides again."""
 
     @abstractmethod
     def status(self, worker: str) -> FrontierStatus: ...

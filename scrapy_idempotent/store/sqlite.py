@@ -82,7 +82,6 @@ _MIGRATIONS: list[list[str]] = [
            WHERE state = 'pending'""",
         """CREATE INDEX requests_leased ON requests (worker, leased_until)
            WHERE state = 'leased'""",
-        """CREATE INDEX requests_state ON requests (state)""",
         """CREATE INDEX requests_fingerprint ON requests (fingerprint)""",
         """CREATE TABLE records (
             record_id TEXT PRIMARY KEY,
@@ -204,6 +203,7 @@ class SQLiteStore(FrontierStore):
             if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
                 conn.execute("PRAGMA journal_mode = WAL")
             conn.execute(f"PRAGMA synchronous = {self.synchronous}")
+            conn.execute("PRAGMA cache_size = -32768")  # KiB: 32 MiB of page cache, not 2
             for step in range(version, SCHEMA_VERSION):
                 with self._write() as cur:
                     current = cur.execute("PRAGMA user_version").fetchone()[0]
@@ -408,6 +408,12 @@ class SQLiteStore(FrontierStore):
                      run_id),
                 )
                 result.rejects += 1
+            if work.responses:
+                cur.executemany(
+                    "INSERT OR REPLACE INTO responses (key, data, body, stored_at)"
+                    " VALUES (?, ?, ?, ?)",
+                    [(key, data, body, now) for key, data, body in work.responses],
+                )
             if work.started:
                 cur.executemany(
                     "UPDATE requests SET attempts = attempts + 1, unfinished = unfinished + 1"
@@ -471,7 +477,8 @@ class SQLiteStore(FrontierStore):
                result: CommitResult) -> None:
         rows = cur.execute(
             "UPDATE requests SET state = 'leased', worker = ?, leased_until = ?"
-            " WHERE id IN (SELECT id FROM requests WHERE state = 'pending'"
+            " WHERE id IN (SELECT id FROM requests INDEXED BY requests_pending"
+            "  WHERE state = 'pending'"
             "  ORDER BY priority DESC, is_start, id DESC LIMIT ?)"
             " RETURNING id, key, fingerprint, data, priority, is_start, attempts, unfinished,"
             " url",
@@ -509,6 +516,20 @@ class SQLiteStore(FrontierStore):
         row = self.conn.execute(
             "SELECT data, body FROM responses WHERE key = ?", (key,)).fetchone()
         return (row[0], bytes(row[1])) if row is not None else None
+
+    def known_request(self, fingerprint: str) -> str | None:
+        row = self.conn.execute(
+            "SELECT state, finished_at FROM requests WHERE fingerprint = ? LIMIT 1",
+            (fingerprint,),
+        ).fetchone()
+        if row is None:
+            return None
+        if row[0] not in _TERMINAL:
+            return "duplicate"
+        window_start = self._window_start(self.clock())
+        if window_start is not None and row[1] < window_start:
+            return None  # due again: the commit does it
+        return "already_done"
 
     # -- leases -----------------------------------------------------------------------------
 
