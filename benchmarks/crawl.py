@@ -451,8 +451,9 @@ def package_version() -> str:
         return "scrapy_idempotent not installed"
     package = Path(spec.origin).parent
     try:
-        commit = subprocess.run(["git", "-C", str(package), "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True, check=True).stdout.strip()
+        commit = subprocess.run(  # the last commit that changed the package
+            ["git", "-C", str(package), "log", "-1", "--format=%h", "--", "."],
+            capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(package), "status", "--porcelain", "."],
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
