@@ -64,11 +64,14 @@ class NaiveInsertPipeline:
             self.connection.close()
             self.connection = None
 
+    #: The statement each item runs (subclasses change it, not the rest).
+    INSERT = "INSERT INTO products (sku, name, price, url, scraped_at) VALUES (?, ?, ?, ?, ?)"
+
     def process_item(self, item: Any) -> Any:
         assert self.connection is not None, "open_spider() was not called"
         adapter = ItemAdapter(item)
         self.connection.execute(
-            "INSERT INTO products (sku, name, price, url, scraped_at) VALUES (?, ?, ?, ?, ?)",
+            self.INSERT,
             (
                 adapter.get("sku"),
                 adapter.get("name"),
@@ -92,20 +95,8 @@ class UpsertBySkuPipeline(NaiveInsertPipeline):
             "CREATE UNIQUE INDEX IF NOT EXISTS products_sku ON products (sku)")
         self.connection.commit()
 
-    def process_item(self, item: Any) -> Any:
-        assert self.connection is not None, "open_spider() was not called"
-        adapter = ItemAdapter(item)
-        self.connection.execute(
-            "INSERT INTO products (sku, name, price, url, scraped_at) VALUES (?, ?, ?, ?, ?)"
-            " ON CONFLICT (sku) DO UPDATE SET name = excluded.name, price = excluded.price,"
-            " url = excluded.url, scraped_at = excluded.scraped_at",
-            (
-                adapter.get("sku"),
-                adapter.get("name"),
-                adapter.get("price"),
-                adapter.get("url"),
-                datetime.now(timezone.utc).isoformat(),
-            ),
-        )
-        self.connection.commit()
-        return item
+    INSERT = (
+        NaiveInsertPipeline.INSERT
+        + " ON CONFLICT (sku) DO UPDATE SET name = excluded.name, price = excluded.price,"
+        " url = excluded.url, scraped_at = excluded.scraped_at"
+    )

@@ -12,7 +12,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 from ..exceptions import StoreError
 from .base import (
@@ -82,7 +82,10 @@ _MIGRATIONS: list[list[str]] = [
            WHERE state = 'pending'""",
         """CREATE INDEX requests_leased ON requests (worker, leased_until)
            WHERE state = 'leased'""",
-        """CREATE INDEX requests_fingerprint ON requests (fingerprint)""",
+        # An ordinary request's key is its fingerprint (the unique key index finds it); only
+        # the others (dont_filter requests) need a fingerprint index.
+        """CREATE INDEX requests_fingerprint ON requests (fingerprint)
+           WHERE key != fingerprint""",
         """CREATE TABLE records (
             record_id TEXT PRIMARY KEY,
             source TEXT NOT NULL,
@@ -118,6 +121,9 @@ _MIGRATIONS: list[list[str]] = [
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
 _TERMINAL = tuple(s.value for s in RequestState if s.terminal)
+_BY_KEY = "SELECT id, state, finished_at FROM requests WHERE key = ?"
+_BY_OTHER_KEY = ("SELECT id, state, finished_at FROM requests"
+                 " WHERE fingerprint = ? AND key != fingerprint LIMIT 1")
 
 
 class SQLiteStore(FrontierStore):
@@ -338,21 +344,7 @@ class SQLiteStore(FrontierStore):
         with self._write() as cur:
             window_start = self._window_start(now)
             for req in work.requests:
-                if req.filter_fingerprint:  # any entry of this fingerprint, its key included
-                    known = cur.execute(
-                        "SELECT id, state, finished_at FROM requests WHERE fingerprint = ?"
-                        " LIMIT 1",
-                        (req.fingerprint,),
-                    ).fetchone()
-                    if known is None and req.key != req.fingerprint:
-                        known = cur.execute(
-                            "SELECT id, state, finished_at FROM requests WHERE key = ?",
-                            (req.key,),
-                        ).fetchone()
-                else:
-                    known = cur.execute(
-                        "SELECT id, state, finished_at FROM requests WHERE key = ?", (req.key,)
-                    ).fetchone()
+                known = self._find(cur, req.key, req.fingerprint, req.filter_fingerprint)
                 if known is None:
                     cur.execute(
                         "INSERT INTO requests (key, fingerprint, url, priority, is_start, state,"
@@ -517,17 +509,28 @@ class SQLiteStore(FrontierStore):
             "SELECT data, body FROM responses WHERE key = ?", (key,)).fetchone()
         return (row[0], bytes(row[1])) if row is not None else None
 
+    @staticmethod
+    def _find(cur: sqlite3.Cursor | sqlite3.Connection, key: str, fingerprint: str,
+              by_fingerprint: bool) -> tuple[Any, ...] | None:
+        """``(id, state, finished_at)`` of the entry with ``key``, or with ``by_fingerprint``
+        of any entry with that fingerprint (by key when its key is its fingerprint, else by
+        the partial fingerprint index)."""
+        row = cur.execute(_BY_KEY, (key,)).fetchone()
+        if row is None and by_fingerprint:
+            if key != fingerprint:
+                row = cur.execute(_BY_KEY, (fingerprint,)).fetchone()
+            if row is None:
+                row = cur.execute(_BY_OTHER_KEY, (fingerprint,)).fetchone()
+        return cast("tuple[Any, ...] | None", row)
+
     def known_request(self, fingerprint: str) -> str | None:
-        row = self.conn.execute(
-            "SELECT state, finished_at FROM requests WHERE fingerprint = ? LIMIT 1",
-            (fingerprint,),
-        ).fetchone()
+        row = self._find(self.conn, fingerprint, fingerprint, True)
         if row is None:
             return None
-        if row[0] not in _TERMINAL:
+        if row[1] not in _TERMINAL:
             return "duplicate"
         window_start = self._window_start(self.clock())
-        if window_start is not None and row[1] < window_start:
+        if window_start is not None and row[2] < window_start:
             return None  # due again: the commit does it
         return "already_done"
 
