@@ -192,6 +192,9 @@ class IdempotentScheduler(BaseScheduler):
         self._warned_page_key = False
         self._unhook: list[Any] = []
         self._session = False  # a session was begun in the store (open() got that far)
+        settings = crawler.settings
+        self._httperror_allow_all = settings.getbool("HTTPERROR_ALLOW_ALL")
+        self._httperror_allowed = [int(s) for s in settings.getlist("HTTPERROR_ALLOWED_CODES")]
         self._renewal: task.LoopingCall | None = None
 
     @classmethod
@@ -585,12 +588,10 @@ class IdempotentScheduler(BaseScheduler):
             return True
         if "handle_httpstatus_list" in meta:
             return response.status in meta["handle_httpstatus_list"]
-        settings = self.crawler.settings
-        if settings.getbool("HTTPERROR_ALLOW_ALL"):
+        if self._httperror_allow_all:
             return True
-        allowed = getattr(self.spider, "handle_httpstatus_list",
-                          settings.getlist("HTTPERROR_ALLOWED_CODES"))
-        return response.status in [int(s) for s in allowed]
+        allowed = getattr(self.spider, "handle_httpstatus_list", self._httperror_allowed)
+        return response.status in allowed
 
     @staticmethod
     def _observe_error(entry: Entry, failure: Failure) -> None:
