@@ -232,7 +232,11 @@ class IdempotentScheduler(BaseScheduler):
                 self.config.database_path, changed,
             )
         reclaimed = self._reclaim_dead_workers()
-        counts = self.store.counts()
+        # begin_session counted the frontier already (a full scan on a big one): derive the
+        # figures after the reclaim instead of counting again
+        counts = dict(run.counts)
+        counts["pending"] += reclaimed
+        counts["leased"] -= reclaimed
         self.stats.set_value("idempotent/run_id", run.run_id)
         logger.info(
             "scrapy_idempotent %s: %s run %d in %s: %d pending, %d leased (%d reclaimed from "
