@@ -183,6 +183,7 @@ class IdempotentScheduler(BaseScheduler):
         self._started: list[str] = []  # keys handed out since the last transaction
         self._journal: list[tuple[Entry, str, bytes]] = []  # responses to journal
         self._suspects_inflight = 0
+        self._renewed_until = 0.0  #: leases held at the last renewal last until then
         self._flush_call: Any = None
         self._maybe_claimable = True
         self._recheck_at = 0.0
@@ -430,6 +431,11 @@ class IdempotentScheduler(BaseScheduler):
                     # with nothing else in flight, so that if it kills the crawl again, it
                     # alone is blamed (IDEMPOTENT_MAX_ATTEMPTS), not its neighbours.
                     return None
+                if max(self._local[0].leased_until, self._renewed_until) <= time.time():
+                    # The batch claimed ahead sat here past its lease (the process was
+                    # stopped, or the reactor blocked): another worker may have it now.
+                    self._renew()
+                    continue
                 leased = self._local.popleft()
                 request = self._load(leased)
                 if request is not None:
@@ -748,11 +754,6 @@ class IdempotentScheduler(BaseScheduler):
             self._tracked.pop(oid, None)
             self._items.pop(oid, None)
         completion = entry.completion()
-        self.stats.inc_value(f"idempotent/requests/{completion.state.value}"
-                             if completion.state is not RequestState.PENDING
-                             else "idempotent/requests/continued")
-        if completion.error_kind:
-            self.stats.inc_value(f"idempotent/failed/{completion.error_kind}")
         work = UnitOfWork(requests=entry.children, records=entry.records,
                           rejects=entry.rejects, completions=[completion])
         if entry.children or completion.state is RequestState.PENDING:
@@ -791,7 +792,7 @@ class IdempotentScheduler(BaseScheduler):
                 "IDEMPOTENT_BUSY_TIMEOUT_SECONDS) and run the same crawl again to resume"
             )
             return None
-        self._record_stats(result)
+        self._record_stats(result, work)
         self._local.extend(result.leased)
         return result
 
@@ -810,7 +811,8 @@ class IdempotentScheduler(BaseScheduler):
                 delay *= 2
         return action()
 
-    def _record_stats(self, result: CommitResult) -> None:
+    def _record_stats(self, result: CommitResult, work: UnitOfWork) -> None:
+        self._count_completions(result, work)
         for url in result.quarantined:
             logger.warning(
                 "scrapy_idempotent: %s quarantined (failed): it was started %d times without "
@@ -833,6 +835,24 @@ class IdempotentScheduler(BaseScheduler):
         ):
             if value:
                 inc(f"idempotent/{name}", value)
+
+    def _count_completions(self, result: CommitResult, work: UnitOfWork) -> None:
+        """Stats of the completions written (a lost lease's completion counts nothing)."""
+        lost = set(result.lost)
+        for completion in work.completions:
+            if completion.key in lost:
+                continue  # nothing of it was written: it does not count
+            self.stats.inc_value(f"idempotent/requests/{completion.state.value}"
+                                 if completion.state is not RequestState.PENDING
+                                 else "idempotent/requests/continued")
+            if completion.error_kind:
+                self.stats.inc_value(f"idempotent/failed/{completion.error_kind}")
+        if lost:
+            logger.warning(
+                "scrapy_idempotent: %d completed request(s) were not this worker's any more "
+                "(their lease expired, e.g. the process was stopped, and another worker took "
+                "them): nothing of their work was written (idempotent/requests/leases_lost)",
+                len(lost))
 
     def _fail(self, reason: str) -> None:
         if self._failed:
@@ -871,13 +891,34 @@ class IdempotentScheduler(BaseScheduler):
         if self._failed or self._closing:
             return
         try:
-            renewed = self.store.renew_leases(self.worker)
-            if renewed:
-                self.stats.inc_value("idempotent/leases/renewals")
+            self._renew()
             if self._pending:
                 self._commit(UnitOfWork())
         except Exception:
             logger.exception("scrapy_idempotent: cannot renew leases")
+
+    def _renew(self) -> None:
+        """Renew this worker's live leases (one statement) and forget those that expired:
+        the requests claimed ahead are dropped (never handed out), and a request in flight
+        whose lease expired is finished without writing anything (the store fences it)."""
+        began = time.time()
+        held = set(self.store.renew_leases(self.worker))
+        self._renewed_until = began + self.config.lease_seconds
+        if held:
+            self.stats.inc_value("idempotent/leases/renewals")
+        stale = [leased for leased in self._local if leased.key not in held]
+        if stale:
+            self._local = deque(leased for leased in self._local if leased.key in held)
+            self._maybe_claimable = True
+        expired = sum(1 for entry in self._inflight.values() if entry.key not in held)
+        if stale or expired:
+            self.stats.inc_value("idempotent/leases/expired", len(stale) + expired)
+            logger.warning(
+                "scrapy_idempotent: %d leases of this worker expired before they were "
+                "renewed (the process was stopped or too busy for IDEMPOTENT_LEASE_SECONDS); "
+                "%d claimed requests are given up without being fetched, and the work of %d "
+                "in flight is not written unless the lease is still this worker's",
+                len(stale) + expired, len(stale), expired)
 
     def _reclaim_dead_workers(self) -> int:
         dead = [h.worker for h in self.store.lease_holders()

@@ -356,8 +356,8 @@ def test_renew_leases_pushes_expiry(store, clock):
     enqueue(store, req("a"), req("b"))
     claim(store, 2, worker="w1")
     clock.advance(50)
-    assert store.renew_leases("w1") == 2
-    assert store.renew_leases("w2") == 0
+    assert sorted(store.renew_leases("w1")) == ["a", "b"]
+    assert store.renew_leases("w2") == []
     assert store.lease_holders() == [
         LeaseHolder(worker="w1", leases=2, leased_until=T0 + 50 + LEASE_SECONDS)]
     clock.advance(20)  # past the first expiry, before the renewed one
@@ -609,16 +609,51 @@ def test_completion_of_a_done_request_is_a_lost_lease(store):
     assert row(store, "a") == ("done", None, 1)
 
 
-def test_lost_lease_does_not_undo_the_rest_of_the_unit(store):
-    enqueue(store, req("a"))
-    claim(store, 1, worker="w1")
+def test_lost_lease_writes_nothing_of_its_unit_of_work(store, clock):
+    """The lease fences the whole unit of work: a completion that is not the worker's any
+    more writes neither its records, nor its rejects, nor its child requests, nor a journal
+    row, and counts nothing in the run's counters; the rest of the transaction (an orphan
+    request, another page's completion) is written."""
+    enqueue(store, req("a"), req("b"))
+    claim(store, 2, worker="w1")
+    clock.advance(LEASE_SECONDS + 1)
+    store.reclaim_expired()
+    assert claim_keys(store, 1, worker="w2") == ["b"]
+    assert store.commit(UnitOfWork(records=[(rec("r1", "new"), "b")],
+                                   completions=[Completion("b", RequestState.DONE)]),
+                        "w2").records_inserted == 1
+    runs_before = store.runs()
     result = store.commit(
-        UnitOfWork(requests=[req("child")], records=[(rec("r1", "h1"), "a")],
-                   completions=[Completion("a", RequestState.DONE)]),
-        "w2",
+        UnitOfWork(requests=[req("orphan"), req("child", parent_key="b")],
+                   records=[(rec("r1", "old"), "b"), (rec("r2", "x"), "b")],
+                   rejects=[Reject("T", "no key", "{}", "b")],
+                   responses=[("b", "{}", b"late")],
+                   started=["b"],
+                   completions=[Completion("b", RequestState.DONE)]),
+        "w1",
     )
-    assert result == CommitResult(requests_added=1, records_inserted=1, leases_lost=1)
-    assert store.counts() == counts(pending=1, leased=1, records=1)
+    assert result == CommitResult(requests_added=1, leases_lost=1)
+    assert result.lost == ["b"]
+    assert store.query("SELECT record_id, content_hash FROM records") == [("r1", "new")]
+    assert store.query("SELECT count(*) FROM rejects") == [(0,)]
+    assert store.query("SELECT count(*) FROM responses") == [(0,)]
+    assert store.query("SELECT key FROM requests WHERE key IN ('orphan', 'child')") == [
+        ("orphan",)]
+    assert store.query("SELECT attempts FROM requests WHERE key = 'b'") == [(2,)]
+    runs_after = store.runs()
+    assert [r["done"] for r in runs_after] == [r["done"] for r in runs_before]
+    assert [r["leased"] for r in runs_after] == [r["leased"] for r in runs_before]
+
+
+def test_renewal_does_not_revive_an_expired_lease(store, clock):
+    enqueue(store, req("a"), req("b"))
+    claim(store, 1, worker="w1")
+    clock.advance(LEASE_SECONDS / 2)
+    claim(store, 1, worker="w1")
+    clock.advance(LEASE_SECONDS / 2 + 1)  # b (claimed first: newest) expired, a live
+    assert store.renew_leases("w1") == ["a"]
+    assert store.reclaim_expired() == 1
+    assert row(store, "b") == ("pending", None, 1)
 
 
 def test_pending_completion_is_a_continuation(store):
@@ -908,6 +943,16 @@ def test_status_claimable_and_leased_elsewhere(store):
     complete(store, "a", worker="w2")
     complete(store, "b", worker="w2")
     assert store.status("w1") == FrontierStatus(claimable=False, leased_elsewhere=False)
+
+
+def test_status_counts_the_workers_own_expired_leases_as_reclaimable(store, clock):
+    """A worker whose leases expired (it was stopped) must reclaim them itself: nobody else
+    may be running, and it would otherwise finish with requests left leased."""
+    enqueue(store, req("a"))
+    claim(store, 1, worker="w1")
+    assert store.status("w1") == FrontierStatus(claimable=False, leased_elsewhere=False)
+    clock.advance(LEASE_SECONDS + 1)
+    assert store.status("w1") == FrontierStatus(claimable=False, leased_elsewhere=True)
 
 
 # -- the SQLite file ------------------------------------------------------------------------

@@ -131,6 +131,7 @@ class _ShopServer(ThreadingHTTPServer):
         self.verbose = verbose
         self.counts_lock = threading.Lock()
         self.counts: Counter[str] = Counter()
+        self.in_flight = 0  #: counted requests received and not yet answered
         super().__init__(address, _ShopHandler)
 
     @property
@@ -190,6 +191,15 @@ class _ShopHandler(BaseHTTPRequestHandler):
             self._reset(send_body=send_body)
             return
         self.server.count(path)
+        with self.server.counts_lock:
+            self.server.in_flight += 1
+        try:
+            self._answer(path, send_body)
+        finally:
+            with self.server.counts_lock:
+                self.server.in_flight -= 1
+
+    def _answer(self, path: str, send_body: bool) -> None:
         if self.server.delay > 0:
             time.sleep(self.server.delay)
         if path == "/":
@@ -428,6 +438,20 @@ class ShopSite:
         server = self._require_server()
         with server.counts_lock:
             return dict(server.counts)
+
+    @property
+    def in_flight(self) -> int:
+        """Counted requests received and not yet answered."""
+        server = self._require_server()
+        with server.counts_lock:
+            return server.in_flight
+
+    def set_price_version(self, price_version: int) -> None:
+        """Change every price from now on (the site changes while it is being crawled)."""
+        if price_version < 0:
+            raise ValueError(f"price_version must be >= 0, got {price_version}")
+        self.price_version = price_version
+        self._require_server().price_version = price_version
 
     def reset_counts(self) -> None:
         """Zero the request counters."""

@@ -88,6 +88,8 @@ class LeasedRequest:
     attempts: int
     #: it was in flight when a worker died (started, never finished): a possible cause
     suspect: bool = False
+    #: when the lease ends unless renewed (unix seconds, the store's clock)
+    leased_until: float = field(default=0.0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -162,14 +164,17 @@ class CommitResult:
     records_unchanged: int = 0
     rejects: int = 0
     completed: dict[str, int] = field(default_factory=dict)  #: state value -> count
-    leases_lost: int = 0  #: completions whose lease another worker had taken over
+    leases_lost: int = 0  #: completions whose lease was not this worker's: nothing written
+    #: keys of those completions (their records, rejects, children were not written either)
+    lost: list[str] = field(default_factory=list, compare=False)
     leased: list[LeasedRequest] = field(default_factory=list)
     quarantined: list[str] = field(default_factory=list)  #: URLs failed as quarantined
 
 
 @dataclass(frozen=True)
 class FrontierStatus:
-    """``claimable``: pending entries exist; ``leased_elsewhere``: other workers hold leases."""
+    """``claimable``: pending entries exist; ``leased_elsewhere``: other workers hold leases,
+    or leases (this worker's included) have expired and can be reclaimed."""
 
     claimable: bool
     leased_elsewhere: bool
@@ -239,8 +244,10 @@ class FrontierStore(ABC):
     def status(self, worker: str) -> FrontierStatus: ...
 
     @abstractmethod
-    def renew_leases(self, worker: str) -> int:
-        """Extend every lease of ``worker`` by the lease time. Returns how many."""
+    def renew_leases(self, worker: str) -> list[str]:
+        """Extend every unexpired lease of ``worker`` to the lease time from now. Returns the
+        keys renewed: a lease of the worker's that is not among them expired (another worker
+        may take it, or already did) and must not be handed out or worked on further."""
 
     @abstractmethod
     def release_leases(self, workers: list[str]) -> int:

@@ -17,10 +17,13 @@ from typing import Any, cast
 from ..exceptions import StoreError
 from .base import (
     CommitResult,
+    Completion,
     FrontierStatus,
     FrontierStore,
     LeasedRequest,
     LeaseHolder,
+    NewRequest,
+    Record,
     RequestState,
     RunInfo,
     UnitOfWork,
@@ -342,57 +345,15 @@ class SQLiteStore(FrontierStore):
         run_id = self.run_id if self.run_id is not None else 0
         now = self.clock()
         with self._write() as cur:
-            window_start = self._window_start(now)
-            for req in work.requests:
-                known = self._find(cur, req.key, req.fingerprint, req.filter_fingerprint)
-                if known is None:
-                    cur.execute(
-                        "INSERT INTO requests (key, fingerprint, url, priority, is_start, state,"
-                        " data, parent_key, enqueued_at, run_id)"
-                        " VALUES (?, ?, ?, ?, ?, 'pending', ?, ?, ?, ?)",
-                        (req.key, req.fingerprint, req.url, req.priority, int(req.is_start),
-                         req.data, req.parent_key, now, run_id),
-                    )
-                    result.requests_added += 1
-                elif known[1] not in _TERMINAL:
-                    result.requests_duplicate += 1
-                elif window_start is not None and known[2] < window_start:
-                    # done in an earlier recrawl window: due again
-                    cur.execute(
-                        "UPDATE requests SET state = 'pending', data = ?, priority = ?,"
-                        " is_start = ?, attempts = 0, finished_at = NULL, error_kind = NULL,"
-                        " error_message = NULL, enqueued_at = ?, run_id = ? WHERE id = ?",
-                        (req.data, req.priority, int(req.is_start), now, run_id, known[0]),
-                    )
-                    result.requests_due_again += 1
-                else:
-                    result.requests_already_done += 1
-            for record, request_key in work.records:
-                row = cur.execute(
-                    "SELECT content_hash FROM records WHERE record_id = ?", (record.record_id,)
-                ).fetchone()
-                if row is None:
-                    cur.execute(
-                        "INSERT INTO records (record_id, source, natural_key, item_type, data,"
-                        " content_hash, first_seen, last_changed, first_run_id, changed_run_id,"
-                        " request_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        (record.record_id, record.source, record.natural_key, record.item_type,
-                         record.data, record.content_hash, now, now, run_id, run_id,
-                         request_key),
-                    )
-                    result.records_inserted += 1
-                elif row[0] != record.content_hash:
-                    cur.execute(
-                        "UPDATE records SET data = ?, content_hash = ?, item_type = ?,"
-                        " last_changed = ?, changed_run_id = ?, request_key = ?"
-                        " WHERE record_id = ?",
-                        (record.data, record.content_hash, record.item_type, now, run_id,
-                         request_key, record.record_id),
-                    )
-                    result.records_updated += 1
-                else:
-                    result.records_unchanged += 1
+            lost = self._fence(cur, work, worker)
+            requests = [r for r in work.requests if r.parent_key not in lost] if lost \
+                else work.requests
+            self._insert_requests(cur, requests, now, run_id, result)
+            records = [r for r in work.records if r[1] not in lost] if lost else work.records
+            self._upsert_records(cur, records, now, run_id, result)
             for reject in work.rejects:
+                if reject.request_key in lost:
+                    continue
                 cur.execute(
                     "INSERT INTO rejects (item_type, reason, data, request_key, created_at,"
                     " run_id) VALUES (?, ?, ?, ?, ?, ?)",
@@ -400,46 +361,136 @@ class SQLiteStore(FrontierStore):
                      run_id),
                 )
                 result.rejects += 1
-            if work.responses:
+            responses = [r for r in work.responses if r[0] not in lost]
+            if responses:
                 cur.executemany(
                     "INSERT OR REPLACE INTO responses (key, data, body, stored_at)"
                     " VALUES (?, ?, ?, ?)",
-                    [(key, data, body, now) for key, data, body in work.responses],
+                    [(key, data, body, now) for key, data, body in responses],
                 )
-            if work.started:
+            started = [key for key in work.started if key not in lost]
+            if started:
                 cur.executemany(
                     "UPDATE requests SET attempts = attempts + 1, unfinished = unfinished + 1"
                     " WHERE key = ? AND state = 'leased' AND worker = ?",
-                    [(key, worker) for key in work.started],
+                    [(key, worker) for key in started],
                 )
-            for done in work.completions:
-                if done.state is RequestState.PENDING:
-                    cur.execute(
-                        "UPDATE requests SET state = 'pending', worker = NULL,"
-                        " leased_until = NULL, unfinished = 0, data = COALESCE(?, data),"
-                        " priority = COALESCE(?, priority), error_kind = ?, error_message = ?"
-                        " WHERE key = ? AND state = 'leased' AND worker = ?",
-                        (done.data, done.priority, done.error_kind, done.error_message,
-                         done.key, worker),
-                    )
-                else:
-                    cur.execute(
-                        "UPDATE requests SET state = ?, worker = NULL, leased_until = NULL,"
-                        " unfinished = 0, finished_at = ?, error_kind = ?, error_message = ?"
-                        " WHERE key = ? AND state = 'leased' AND worker = ?",
-                        (done.state.value, now, done.error_kind, done.error_message, done.key,
-                         worker),
-                    )
-                if cur.rowcount:  # only the lease holder's completion ends the journal entry
-                    cur.execute("DELETE FROM responses WHERE key = ?", (done.key,))
-                    result.completed[done.state.value] = (
-                        result.completed.get(done.state.value, 0) + 1)
-                else:
-                    result.leases_lost += 1
+            self._complete(cur, work.completions, lost, worker, now, result)
             if work.claim:
                 self._claim(cur, worker, work.claim, now, result)
-            self._count(cur, result, run_id, len(work.started))
+            self._count(cur, result, run_id, len(started))
         return result
+
+    def _fence(self, cur: sqlite3.Cursor, work: UnitOfWork, worker: str) -> set[str]:
+        """The keys of ``work`` (completions, journaled responses, starts) whose request is
+        not leased by ``worker`` any more: another worker took it after the lease expired,
+        or it was finished or released meanwhile. Nothing of their unit of work is written:
+        not the completion, nor the records, rejects and child requests it produced, nor a
+        journaled response (the lease is the fence of the whole unit of work)."""
+        keys = {c.key for c in work.completions}
+        keys.update(key for key, _, _ in work.responses)
+        keys.update(work.started)
+        if not keys:
+            return set()
+        held: set[str] = set()
+        ordered = sorted(keys)
+        for i in range(0, len(ordered), 500):
+            chunk = ordered[i:i + 500]
+            marks = ", ".join("?" * len(chunk))
+            held.update(key for (key,) in cur.execute(
+                f"SELECT key FROM requests WHERE key IN ({marks})"
+                " AND state = 'leased' AND worker = ?", (*chunk, worker)))
+        return keys - held
+
+    def _insert_requests(self, cur: sqlite3.Cursor, requests: list[NewRequest], now: float,
+                         run_id: int, result: CommitResult) -> None:
+        window_start = self._window_start(now)
+        for req in requests:
+            known = self._find(cur, req.key, req.fingerprint, req.filter_fingerprint)
+            if known is None:
+                cur.execute(
+                    "INSERT INTO requests (key, fingerprint, url, priority, is_start, state,"
+                    " data, parent_key, enqueued_at, run_id)"
+                    " VALUES (?, ?, ?, ?, ?, 'pending', ?, ?, ?, ?)",
+                    (req.key, req.fingerprint, req.url, req.priority, int(req.is_start),
+                     req.data, req.parent_key, now, run_id),
+                )
+                result.requests_added += 1
+            elif known[1] not in _TERMINAL:
+                result.requests_duplicate += 1
+            elif window_start is not None and known[2] < window_start:
+                # done in an earlier recrawl window: due again
+                cur.execute(
+                    "UPDATE requests SET state = 'pending', data = ?, priority = ?,"
+                    " is_start = ?, attempts = 0, finished_at = NULL, error_kind = NULL,"
+                    " error_message = NULL, enqueued_at = ?, run_id = ? WHERE id = ?",
+                    (req.data, req.priority, int(req.is_start), now, run_id, known[0]),
+                )
+                result.requests_due_again += 1
+            else:
+                result.requests_already_done += 1
+
+    @staticmethod
+    def _upsert_records(cur: sqlite3.Cursor, records: list[tuple[Record, str | None]],
+                        now: float, run_id: int, result: CommitResult) -> None:
+        for record, request_key in records:
+            row = cur.execute(
+                "SELECT content_hash FROM records WHERE record_id = ?", (record.record_id,)
+            ).fetchone()
+            if row is None:
+                cur.execute(
+                    "INSERT INTO records (record_id, source, natural_key, item_type, data,"
+                    " content_hash, first_seen, last_changed, first_run_id, changed_run_id,"
+                    " request_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (record.record_id, record.source, record.natural_key, record.item_type,
+                     record.data, record.content_hash, now, now, run_id, run_id,
+                     request_key),
+                )
+                result.records_inserted += 1
+            elif row[0] != record.content_hash:
+                cur.execute(
+                    "UPDATE records SET data = ?, content_hash = ?, item_type = ?,"
+                    " last_changed = ?, changed_run_id = ?, request_key = ?"
+                    " WHERE record_id = ?",
+                    (record.data, record.content_hash, record.item_type, now, run_id,
+                     request_key, record.record_id),
+                )
+                result.records_updated += 1
+            else:
+                result.records_unchanged += 1
+
+    @staticmethod
+    def _complete(cur: sqlite3.Cursor, completions: list[Completion], lost: set[str],
+                  worker: str, now: float, result: CommitResult) -> None:
+        for done in completions:
+            if done.key in lost:
+                result.leases_lost += 1
+                result.lost.append(done.key)
+                continue
+            if done.state is RequestState.PENDING:
+                cur.execute(
+                    "UPDATE requests SET state = 'pending', worker = NULL,"
+                    " leased_until = NULL, unfinished = 0, data = COALESCE(?, data),"
+                    " priority = COALESCE(?, priority), error_kind = ?, error_message = ?"
+                    " WHERE key = ? AND state = 'leased' AND worker = ?",
+                    (done.data, done.priority, done.error_kind, done.error_message,
+                     done.key, worker),
+                )
+            else:
+                cur.execute(
+                    "UPDATE requests SET state = ?, worker = NULL, leased_until = NULL,"
+                    " unfinished = 0, finished_at = ?, error_kind = ?, error_message = ?"
+                    " WHERE key = ? AND state = 'leased' AND worker = ?",
+                    (done.state.value, now, done.error_kind, done.error_message, done.key,
+                     worker),
+                )
+            if cur.rowcount:  # only the lease holder's completion ends the journal entry
+                cur.execute("DELETE FROM responses WHERE key = ?", (done.key,))
+                result.completed[done.state.value] = (
+                    result.completed.get(done.state.value, 0) + 1)
+            else:  # the same key completed twice in one unit
+                result.leases_lost += 1
+                result.lost.append(done.key)
 
     @staticmethod
     def _count(cur: sqlite3.Cursor, result: CommitResult, run_id: int, started: int) -> None:
@@ -490,7 +541,8 @@ class SQLiteStore(FrontierStore):
             result.quarantined.extend(r[8] for r in over)
         result.leased.extend(
             LeasedRequest(key=r[1], fingerprint=r[2], data=r[3], priority=r[4],
-                          attempts=r[6] + 1, suspect=r[7] > 0)
+                          attempts=r[6] + 1, suspect=r[7] > 0,
+                          leased_until=now + self.lease_seconds)
             for r in rows if r[7] < self.max_attempts
         )
 
@@ -539,18 +591,23 @@ class SQLiteStore(FrontierStore):
     def status(self, worker: str) -> FrontierStatus:
         claimable, elsewhere = self.conn.execute(
             "SELECT EXISTS (SELECT 1 FROM requests WHERE state = 'pending'),"
-            " EXISTS (SELECT 1 FROM requests WHERE state = 'leased' AND worker != ?)",
-            (worker,),
+            " EXISTS (SELECT 1 FROM requests WHERE state = 'leased'"
+            "  AND (worker != ? OR leased_until < ?))",
+            (worker, self.clock()),
         ).fetchone()
         return FrontierStatus(claimable=bool(claimable), leased_elsewhere=bool(elsewhere))
 
-    def renew_leases(self, worker: str) -> int:
+    def renew_leases(self, worker: str) -> list[str]:
+        now = self.clock()
         with self._write() as cur:
-            cur.execute(
-                "UPDATE requests SET leased_until = ? WHERE state = 'leased' AND worker = ?",
-                (self.clock() + self.lease_seconds, worker),
-            )
-            return cur.rowcount
+            # An expired lease is not renewed: from its expiry on, any worker may take it,
+            # so its holder treats it as lost (it stops handing it out) instead of reviving it.
+            rows = cur.execute(
+                "UPDATE requests SET leased_until = ? WHERE state = 'leased' AND worker = ?"
+                " AND leased_until >= ? RETURNING key",
+                (now + self.lease_seconds, worker, now),
+            ).fetchall()
+        return [key for (key,) in rows]
 
     def release_leases(self, workers: list[str]) -> int:
         if not workers:
