@@ -14,6 +14,7 @@ from .exceptions import (
     UnstorableRequest,
     UnsupportedScrapy,
 )
+from .feeds import IdempotentFeedExporter
 from .journal import ResponseJournalMiddleware
 from .middleware import RecordIdMiddleware
 from .pipeline import UpsertPipeline
@@ -24,6 +25,7 @@ __all__ = [
     "Addon",
     "ConfigError",
     "IdempotentError",
+    "IdempotentFeedExporter",
     "IdempotentScheduler",
     "MissingNaturalKey",
     "RecordIdMiddleware",

@@ -43,6 +43,7 @@ class Entry:
     attempts: int
     request: Request
     suspect: bool = False  #: in flight when a worker died before
+    downloads: int = 0  #: times it was sent to the network before this lease
     children: list[NewRequest] = field(default_factory=list)
     records: list[tuple[Record, str | None]] = field(default_factory=list)
     rejects: list[Reject] = field(default_factory=list)

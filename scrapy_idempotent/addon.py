@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .journal import ResponseJournalMiddleware
 from .middleware import RecordIdMiddleware
@@ -79,7 +79,9 @@ class Addon:
         SPIDER_MIDDLEWARES = {"scrapy_idempotent.RecordIdMiddleware": 10}
         DOWNLOADER_MIDDLEWARES = {"scrapy_idempotent.ResponseJournalMiddleware": 950}
         ITEM_PIPELINES = {"scrapy_idempotent.UpsertPipeline": 1000}
-        EXTENSIONS = {"scrapy_idempotent.progress.IdempotentLogStats": 0}
+        EXTENSIONS = {"scrapy_idempotent.progress.IdempotentLogStats": 0,
+                      "scrapy.extensions.feedexport.FeedExporter": None,
+                      "scrapy_idempotent.IdempotentFeedExporter": 0}
     """
 
     def update_settings(self, settings: BaseSettings) -> None:
@@ -98,3 +100,26 @@ class Addon:
         from .progress import IdempotentLogStats  # the progress line
 
         settings.set_in_component_priority_dict("EXTENSIONS", IdempotentLogStats, 0)
+        _replace_feed_exporter(settings)
+
+
+def _replace_feed_exporter(settings: BaseSettings) -> None:
+    """Scrapy's ``FeedExporter`` off, :class:`~.IdempotentFeedExporter` in its place (at
+    the priority it had), unless the project turned feed exports off."""
+    from scrapy.extensions.feedexport import FeedExporter
+    from scrapy.utils.misc import load_object
+
+    from .feeds import IdempotentFeedExporter
+
+    priority: Any = 0
+    for name, value in settings.get_component_priority_dict_with_base("EXTENSIONS").items():
+        try:
+            cls = load_object(name) if isinstance(name, str) else name
+        except (ImportError, NameError, ValueError, AttributeError):
+            continue
+        if cls is FeedExporter:
+            if value is None:
+                return  # feed exports turned off by the project
+            priority = value
+    settings.set_in_component_priority_dict("EXTENSIONS", FeedExporter, None)
+    settings.set_in_component_priority_dict("EXTENSIONS", IdempotentFeedExporter, priority)

@@ -95,6 +95,7 @@ class ResponseJournalMiddleware:
                            describe(request), exc)
             return None
         entry.replayed = True
+        scheduler.mark_replayed(entry)
         response.flags.append("journal")
         self.crawler.stats.inc_value("idempotent/responses/replayed")
         return response

@@ -72,5 +72,6 @@ class UpsertPipeline:
         scheduler.add_reject(tag, Reject(
             item_type=item_type_name(item), reason=reason, data=data,
             request_key=tag.entry.key if tag.entry is not None else None,
+            page_url=tag.page_url,
         ))
         raise DropItem(f"scrapy_idempotent: {reason}; kept in the rejects table")

@@ -48,6 +48,7 @@ from .store.sqlite import SQLiteStore
 if TYPE_CHECKING:
     from scrapy import Spider
     from scrapy.crawler import Crawler
+    from twisted.internet.defer import Deferred
     from typing_extensions import Self
 
     from .store.base import CommitResult
@@ -181,6 +182,7 @@ class IdempotentScheduler(BaseScheduler):
         self._root_counts: dict[str, int] = {}
         self._pending = Pending()
         self._started: list[str] = []  # keys handed out since the last transaction
+        self._replayed: list[str] = []  # keys answered from the journal since then
         self._journal: list[tuple[Entry, str, bytes]] = []  # responses to journal
         self._suspects_inflight = 0
         self._renewed_until = 0.0  #: leases held at the last renewal last until then
@@ -197,6 +199,8 @@ class IdempotentScheduler(BaseScheduler):
         self._httperror_allow_all = settings.getbool("HTTPERROR_ALLOW_ALL")
         self._httperror_allowed = [int(s) for s in settings.getlist("HTTPERROR_ALLOWED_CODES")]
         self._renewal: task.LoopingCall | None = None
+        self._before_end: list[Callable[[FrontierStore, int, bool], Any]] = []
+        self.run_id: int | None = None
 
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> Self:
@@ -238,6 +242,7 @@ class IdempotentScheduler(BaseScheduler):
         counts = dict(run.counts)
         counts["pending"] += reclaimed
         counts["leased"] -= reclaimed
+        self.run_id = run.run_id
         self.stats.set_value("idempotent/run_id", run.run_id)
         logger.info(
             "scrapy_idempotent %s: %s run %d in %s: %d pending, %d leased (%d reclaimed from "
@@ -250,10 +255,17 @@ class IdempotentScheduler(BaseScheduler):
         self._renewal = task.LoopingCall(self._tick)
         self._renewal.start(self.config.lease_seconds / 3, now=False)
 
-    def close(self, reason: str) -> None:
-        """Flush what is buffered, release this worker's remaining leases (a graceful stop
-        frees them at once), and record the end of this session; on ``finished`` with an
-        empty frontier the run is marked finished."""
+    def before_session_end(self, hook: Callable[[FrontierStore, int, bool], Any]) -> None:
+        """Call ``hook(store, run_id, finishing)`` (a coroutine function) at close, once every
+        write of this crawl is committed and before the run can be marked finished; a kill
+        during the hook leaves the run unfinished, so the next crawl calls it again.
+        ``finishing``: this close ends the run. The feed exporter writes the feeds here."""
+        self._before_end.append(hook)
+
+    def close(self, reason: str) -> Deferred[None] | None:
+        """Flush what is buffered, run the :meth:`before_session_end` hooks, release this
+        worker's remaining leases (a graceful stop frees them at once), and record the end of
+        this session; on ``finished`` with an empty frontier the run is marked finished."""
         self._closing = True
         if self._renewal is not None and self._renewal.running:
             self._renewal.stop()
@@ -262,7 +274,31 @@ class IdempotentScheduler(BaseScheduler):
         self._unhook.clear()
         if not self._session:  # open() failed before the store was usable: nothing to close
             self.store.close()
-            return
+            return None
+        if self._before_end and not self._failed:
+            from scrapy.utils.defer import deferred_from_coro
+
+            return deferred_from_coro(self._close_after_hooks(reason))
+        self._end_session(reason)
+        return None
+
+    async def _close_after_hooks(self, reason: str) -> None:
+        try:
+            self._commit(UnitOfWork())
+            finishing = False
+            if reason == "finished" and not self._failed and self.run_id is not None:
+                counts = self.store.counts()
+                finishing = not counts["pending"] and not counts["leased"]
+            if not self._failed and self.run_id is not None:
+                for hook in self._before_end:
+                    try:
+                        await hook(self.store, self.run_id, finishing)
+                    except Exception:
+                        logger.exception("scrapy_idempotent: error in %r at close", hook)
+        finally:
+            self._end_session(reason)
+
+    def _end_session(self, reason: str) -> None:
         try:
             if not self._failed:
                 self._commit(UnitOfWork())
@@ -335,6 +371,7 @@ class IdempotentScheduler(BaseScheduler):
         def hooked_handle_output(result: Any, request: Request) -> Any:
             entry = self._inflight.get(id(request))
             if entry is not None:
+                self._count_download(entry)
                 self._observe(entry, result)
             return handle_output(result, request)
 
@@ -560,7 +597,8 @@ class IdempotentScheduler(BaseScheduler):
                 Completion(leased.key, RequestState.FAILED, "unloadable", str(exc)))
             return None
         entry = Entry(key=leased.key, fingerprint=leased.fingerprint, priority=leased.priority,
-                      attempts=leased.attempts, request=request, suspect=leased.suspect)
+                      attempts=leased.attempts, request=request, suspect=leased.suspect,
+                      downloads=leased.downloads)
         if leased.suspect:
             self._suspects_inflight += 1
         self._inflight[id(request)] = entry
@@ -575,6 +613,14 @@ class IdempotentScheduler(BaseScheduler):
         return request
 
     # -- observing the engine ---------------------------------------------------------------
+
+    def _count_download(self, entry: Entry) -> None:
+        """The downloader answered ``entry``: a download, unless the journal answered."""
+        if entry.replayed:
+            return
+        self.stats.inc_value("idempotent/requests/downloaded")
+        if entry.downloads:
+            self.stats.inc_value("idempotent/requests/downloaded_again")
 
     def _observe(self, entry: Entry, result: Any) -> None:
         if isinstance(result, Request):  # a redirect or retry from a downloader middleware
@@ -769,6 +815,8 @@ class IdempotentScheduler(BaseScheduler):
         self._pending.drain_into(work)
         work.started[:0] = self._started
         self._started = []
+        work.replayed[:0] = self._replayed
+        self._replayed = []
         if self._journal:
             # only requests still in flight: a completed one needs no journal entry
             inflight = self._inflight
@@ -786,6 +834,7 @@ class IdempotentScheduler(BaseScheduler):
                          exc_info=not isinstance(exc, sqlite3.OperationalError))
             self._pending.restore_from(work)
             self._started[:0] = work.started
+            self._replayed[:0] = work.replayed
             self._fail(
                 f"frontier database error: {exc}; nothing committed is lost: fix the cause "
                 "(disk space, another process holding the database longer than "
@@ -879,8 +928,15 @@ class IdempotentScheduler(BaseScheduler):
             clock: Any = installed
             self._flush_call = clock.callLater(0, self._flush)
 
+    def mark_replayed(self, entry: Entry) -> None:
+        """``entry``'s response came from the response journal: this attempt is not a
+        download (written at the next turn of the reactor, with the other writes)."""
+        self._replayed.append(entry.key)
+        self._flush_soon()
+
     def _flush(self) -> None:
-        if (self._started or self._journal) and not self._failed and not self._closing:
+        if ((self._started or self._journal or self._replayed)
+                and not self._failed and not self._closing):
             self._commit(UnitOfWork())
 
     # -- periodic work ----------------------------------------------------------------------

@@ -21,6 +21,7 @@ from typing import Any
 from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import EXAMPLE_PROJECT, crawl_settings, run_crawl, start_shop_crawl
+from scrapy_idempotent.store.sqlite import SCHEMA_VERSION
 from shop.site import ShopSite, product_sku
 from shop.spiders.shop import ShopSpider
 
@@ -235,10 +236,10 @@ async def test_check_reports_impossible_rows_and_other_commands_refuse_foreign_s
     conn.close()
     assert idempotent_json("check", "--db", db)["checks"][1] == {
         "check": "schema_version", "ok": False,
-        "detail": "schema version 99, this scrapy_idempotent reads 1"}
+        "detail": f"schema version 99, this scrapy_idempotent reads {SCHEMA_VERSION}"}
     code, out, err = idempotent("status", "--db", db)
     assert (code, out) == (1, "")
-    assert "has schema version 99; this scrapy_idempotent reads version 1" in err
+    assert f"has schema version 99; this scrapy_idempotent reads version {SCHEMA_VERSION}" in err
 
 
 def test_usage_errors_and_a_missing_database(tmp_path: Path) -> None:

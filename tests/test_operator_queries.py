@@ -17,6 +17,7 @@ from scrapy_idempotent.store import (
     SQLiteStore,
     UnitOfWork,
 )
+from scrapy_idempotent.store.sqlite import SCHEMA_VERSION
 
 T0 = 1_700_000_000.0
 WORKER = "host:1:1"
@@ -115,7 +116,8 @@ def test_open_existing_neither_creates_nor_writes(tmp_path: Path) -> None:
     path = tmp_path / "db.sqlite3"
     crawled(path, Clock()).close()
     store = SQLiteStore(str(path))
-    assert store.open_existing() == {"schema_version": 1, "supported_schema_version": 1,
+    assert store.open_existing() == {"schema_version": SCHEMA_VERSION,
+                                     "supported_schema_version": SCHEMA_VERSION,
                                      "journal_mode": "wal"}
     assert store.meta()["fingerprinter"] == ""
     with pytest.raises(sqlite3.OperationalError, match="readonly"):

@@ -664,7 +664,7 @@ def test_pending_completion_is_a_continuation(store):
     assert row(store, "a") == ("pending", None, 1)
     assert claim(store, 1, worker="w2") == [
         LeasedRequest(key="a", fingerprint="fp-a", data='{"url":"retry"}', priority=-3,
-                      attempts=2)]
+                      attempts=2, downloads=1)]
 
 
 def test_pending_completion_without_data_keeps_the_stored_request(store):
@@ -673,7 +673,8 @@ def test_pending_completion_without_data_keeps_the_stored_request(store):
     claim(store, 1)
     complete(store, "a", RequestState.PENDING)
     assert claim(store, 1) == [
-        LeasedRequest(key="a", fingerprint="fp-a", data=new.data, priority=2, attempts=2)]
+        LeasedRequest(key="a", fingerprint="fp-a", data=new.data, priority=2, attempts=2,
+                      downloads=1)]
 
 
 # -- attempts and quarantine ----------------------------------------------------------------
@@ -1055,3 +1056,31 @@ def test_sqlite_use_before_open_is_a_store_error(tmp_path):
     store = SQLiteStore(str(tmp_path / "f.sqlite3"))
     with pytest.raises(StoreError, match="is not open"):
         store.counts()
+
+
+def test_a_version_1_database_is_migrated_and_keeps_what_its_runs_saw(tmp_path):
+    import sqlite3
+
+    from scrapy_idempotent.store.sqlite import _MIGRATIONS, SCHEMA_VERSION
+
+    path = tmp_path / "v1.sqlite3"
+    conn = sqlite3.connect(path)
+    for statement in _MIGRATIONS[0]:
+        conn.execute(statement)
+    conn.execute("INSERT INTO runs (run_id, started_at) VALUES (1, 1.0), (2, 2.0)")
+    conn.execute(
+        "INSERT INTO records (record_id, source, natural_key, item_type, data, content_hash,"
+        " first_seen, last_changed, first_run_id, changed_run_id) VALUES"
+        " ('r1', 's', '[]', 'dict', '{}', 'h', 1.0, 2.5, 1, 2)")
+    conn.execute("PRAGMA user_version = 1")
+    conn.commit()
+    conn.close()
+    store = SQLiteStore(str(path))
+    store.open()
+    try:
+        assert store.query("PRAGMA user_version") == [(SCHEMA_VERSION,)]
+        assert [row["record_id"] for row in store.run_records(2)] == ["r1"]
+        assert list(store.run_records(1)) == []
+        assert store.request_summary()["downloads"] == 0
+    finally:
+        store.close()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -90,6 +90,9 @@ class LeasedRequest:
     suspect: bool = False
     #: when the lease ends unless renewed (unix seconds, the store's clock)
     leased_until: float = field(default=0.0, compare=False)
+    #: times it was sent to the network before this lease (attempts not answered from the
+    #: response journal)
+    downloads: int = 0
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,7 @@ class Reject:
     reason: str
     data: str
     request_key: str | None
+    page_url: str | None = None  #: URL of the page that produced the item, if known
 
 
 @dataclass
@@ -144,11 +148,14 @@ class UnitOfWork:
     started: list[str] = field(default_factory=list)
     #: (key, data, body) of raw responses to journal (requests still being processed)
     responses: list[tuple[str, str, bytes]] = field(default_factory=list)
+    #: leased requests answered from the response journal since the last transaction (each
+    #: attempt of theirs was not a download)
+    replayed: list[str] = field(default_factory=list)
     claim: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.requests or self.records or self.rejects or self.completions
-                    or self.started or self.responses or self.claim)
+                    or self.started or self.responses or self.replayed or self.claim)
 
 
 @dataclass
@@ -304,7 +311,9 @@ class FrontierStore(ABC):
     def request_summary(self) -> dict[str, int]:
         """Over the frontier: ``requests``, ``leases`` (sum of attempts), ``repeated``
         (entries leased more than once), ``most_attempts``, ``expired_leases`` (leased,
-        lease time over), ``journaled_responses``."""
+        lease time over), ``journaled_responses``, ``replays`` (attempts answered from the
+        response journal), ``downloads`` (attempts sent to the network: leases minus
+        replays), ``downloaded_again`` (entries sent to the network more than once)."""
 
     @abstractmethod
     def failure_counts(self) -> dict[str, int]:
@@ -347,6 +356,41 @@ class FrontierStore(ABC):
         inserted or changed at or after ``changed_since`` or in run ``changed_since_run`` or a
         later one: ``record_id``, ``source``, ``natural_key``, ``item_type``, ``data`` (JSON
         text), ``first_seen``, ``last_changed``, ``first_run_id``, ``changed_run_id``."""
+
+    @abstractmethod
+    def run_records(self, run_id: int) -> Iterator[dict[str, object]]:
+        """Every record inserted, updated or seen unchanged in run ``run_id`` (what the run's
+        feeds hold), in the order the run first stored or saw them (ties by record ID):
+        ``record_id``, ``item_type``, ``data`` (JSON text), ``first_seen``, ``last_changed``.
+        One read, streamed: memory does not grow with the table."""
+
+    @abstractmethod
+    def feed_base(self, run_id: int, uri: str, size: int) -> int:
+        """The size in bytes an appended feed ``uri`` had before run ``run_id`` first wrote
+        to it: ``size`` is recorded (one transaction) the first time it is asked for that run
+        and feed, and the recorded size is returned then and later."""
+
+    @abstractmethod
+    def rejects(self, *, run_id: int | None = None, pending_only: bool = False,
+                limit: int | None = None) -> list[dict[str, object]]:
+        """Rejected items, latest first (of run ``run_id``; with ``pending_only`` those not
+        put back yet), at most ``limit``: ``id``, ``item_type``, ``reason``, ``data``,
+        ``request_key``, ``page_url``, ``created_at``, ``run_id``, ``retried_at``,
+        ``page_state`` (state of the page's frontier entry, None when it is not in the
+        frontier)."""
+
+    @abstractmethod
+    def count_rejects(self, *, run_id: int | None = None, pending_only: bool = False) -> int:
+        """How many rejected items match, as :meth:`rejects` filters them."""
+
+    @abstractmethod
+    def retry_rejects(self) -> dict[str, object]:
+        """Put the pages of the last run's rejected items that were not put back yet back to
+        pending (their attempts, finish time and error reset), mark those rejects as put
+        back, and reopen the run if it had finished (as :meth:`retry_failed`), in one
+        transaction. Returns ``pages`` (entries put back), ``rejects`` (rejects marked),
+        ``without_page`` (rejects whose page is not in the frontier, or unknown),
+        ``run_id`` and ``reopened``."""
 
     @abstractmethod
     def integrity_check(self) -> list[str]:

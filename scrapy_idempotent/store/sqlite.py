@@ -31,7 +31,7 @@ from .base import (
 
 __all__ = ["SCHEMA_VERSION", "SQLiteStore"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 #: Schema migrations: ``_MIGRATIONS[n]`` brings version n to n + 1, one transaction each.
 _MIGRATIONS: list[list[str]] = [
@@ -118,6 +118,25 @@ _MIGRATIONS: list[list[str]] = [
             request_key TEXT,
             created_at REAL NOT NULL,
             run_id INTEGER NOT NULL
+        )""",
+    ],
+    [
+        # The run that last stored or saw a record, and when it first did in that run: a
+        # run's feeds hold the records of that run. Set in the page transaction; an unchanged
+        # record costs one write the first time a run sees it, none after.
+        """ALTER TABLE records ADD COLUMN seen_run_id INTEGER NOT NULL DEFAULT 0""",
+        """ALTER TABLE records ADD COLUMN seen_at REAL""",
+        """UPDATE records SET seen_run_id = changed_run_id, seen_at = last_changed""",
+        # Attempts answered from the response journal (not downloads).
+        """ALTER TABLE requests ADD COLUMN replays INTEGER NOT NULL DEFAULT 0""",
+        """ALTER TABLE rejects ADD COLUMN page_url TEXT""",
+        """ALTER TABLE rejects ADD COLUMN retried_at REAL""",
+        # Size an appended feed had before a run first wrote to it.
+        """CREATE TABLE feeds (
+            run_id INTEGER NOT NULL,
+            uri TEXT NOT NULL,
+            base_size INTEGER NOT NULL,
+            PRIMARY KEY (run_id, uri)
         )""",
     ],
 ]
@@ -355,10 +374,10 @@ class SQLiteStore(FrontierStore):
                 if reject.request_key in lost:
                     continue
                 cur.execute(
-                    "INSERT INTO rejects (item_type, reason, data, request_key, created_at,"
-                    " run_id) VALUES (?, ?, ?, ?, ?, ?)",
-                    (reject.item_type, reject.reason, reject.data, reject.request_key, now,
-                     run_id),
+                    "INSERT INTO rejects (item_type, reason, data, request_key, page_url,"
+                    " created_at, run_id) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (reject.item_type, reject.reason, reject.data, reject.request_key,
+                     reject.page_url, now, run_id),
                 )
                 result.rejects += 1
             responses = [r for r in work.responses if r[0] not in lost]
@@ -374,6 +393,13 @@ class SQLiteStore(FrontierStore):
                     "UPDATE requests SET attempts = attempts + 1, unfinished = unfinished + 1"
                     " WHERE key = ? AND state = 'leased' AND worker = ?",
                     [(key, worker) for key in started],
+                )
+            replayed = [key for key in work.replayed if key not in lost]
+            if replayed:
+                cur.executemany(
+                    "UPDATE requests SET replays = replays + 1"
+                    " WHERE key = ? AND state = 'leased' AND worker = ?",
+                    [(key, worker) for key in replayed],
                 )
             self._complete(cur, work.completions, lost, worker, now, result)
             if work.claim:
@@ -430,34 +456,10 @@ class SQLiteStore(FrontierStore):
             else:
                 result.requests_already_done += 1
 
-    @staticmethod
-    def _upsert_records(cur: sqlite3.Cursor, records: list[tuple[Record, str | None]],
+    def _upsert_records(self, cur: sqlite3.Cursor, records: list[tuple[Record, str | None]],
                         now: float, run_id: int, result: CommitResult) -> None:
         for record, request_key in records:
-            row = cur.execute(
-                "SELECT content_hash FROM records WHERE record_id = ?", (record.record_id,)
-            ).fetchone()
-            if row is None:
-                cur.execute(
-                    "INSERT INTO records (record_id, source, natural_key, item_type, data,"
-                    " content_hash, first_seen, last_changed, first_run_id, changed_run_id,"
-                    " request_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (record.record_id, record.source, record.natural_key, record.item_type,
-                     record.data, record.content_hash, now, now, run_id, run_id,
-                     request_key),
-                )
-                result.records_inserted += 1
-            elif row[0] != record.content_hash:
-                cur.execute(
-                    "UPDATE records SET data = ?, content_hash = ?, item_type = ?,"
-                    " last_changed = ?, changed_run_id = ?, request_key = ?"
-                    " WHERE record_id = ?",
-                    (record.data, record.content_hash, record.item_type, now, run_id,
-                     request_key, record.record_id),
-                )
-                result.records_updated += 1
-            else:
-                result.records_unchanged += 1
+            self._upsert_record(cur, record, request_key, run_id, now, result)
 
     @staticmethod
     def _complete(cur: sqlite3.Cursor, completions: list[Completion], lost: set[str],
@@ -493,6 +495,44 @@ class SQLiteStore(FrontierStore):
                 result.lost.append(done.key)
 
     @staticmethod
+    def _upsert_record(cur: sqlite3.Cursor, record: Record, request_key: str | None,
+                       run_id: int, now: float, result: CommitResult) -> None:
+        """Insert, update (content changed) or leave the record alone (same content), and
+        mark it seen in ``run_id``: an unchanged record is written only the first time a run
+        sees it."""
+        row = cur.execute(
+            "SELECT content_hash, seen_run_id FROM records WHERE record_id = ?",
+            (record.record_id,),
+        ).fetchone()
+        if row is None:
+            cur.execute(
+                "INSERT INTO records (record_id, source, natural_key, item_type, data,"
+                " content_hash, first_seen, last_changed, first_run_id, changed_run_id,"
+                " request_key, seen_run_id, seen_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (record.record_id, record.source, record.natural_key, record.item_type,
+                 record.data, record.content_hash, now, now, run_id, run_id,
+                 request_key, run_id, now),
+            )
+            result.records_inserted += 1
+        elif row[0] != record.content_hash:
+            cur.execute(
+                "UPDATE records SET data = ?, content_hash = ?, item_type = ?,"
+                " last_changed = ?, changed_run_id = ?, request_key = ?,"
+                " seen_at = CASE WHEN seen_run_id = ? THEN seen_at ELSE ? END,"
+                " seen_run_id = ? WHERE record_id = ?",
+                (record.data, record.content_hash, record.item_type, now, run_id,
+                 request_key, run_id, now, run_id, record.record_id),
+            )
+            result.records_updated += 1
+        else:
+            if row[1] != run_id:
+                cur.execute(
+                    "UPDATE records SET seen_run_id = ?, seen_at = ? WHERE record_id = ?",
+                    (run_id, now, record.record_id))
+            result.records_unchanged += 1
+
+    @staticmethod
     def _count(cur: sqlite3.Cursor, result: CommitResult, run_id: int, started: int) -> None:
         """Add this transaction's work to the run's cumulative counters (same transaction)."""
         done = result.completed
@@ -524,7 +564,7 @@ class SQLiteStore(FrontierStore):
             "  WHERE state = 'pending'"
             "  ORDER BY priority DESC, is_start, id DESC LIMIT ?)"
             " RETURNING id, key, fingerprint, data, priority, is_start, attempts, unfinished,"
-            " url",
+            " url, replays",
             (worker, now + self.lease_seconds, count),
         ).fetchall()
         # RETURNING gives no order: restore the claim order.
@@ -541,7 +581,7 @@ class SQLiteStore(FrontierStore):
             result.quarantined.extend(r[8] for r in over)
         result.leased.extend(
             LeasedRequest(key=r[1], fingerprint=r[2], data=r[3], priority=r[4],
-                          attempts=r[6] + 1, suspect=r[7] > 0,
+                          attempts=r[6] + 1, suspect=r[7] > 0, downloads=r[6] - r[9],
                           leased_until=now + self.lease_seconds)
             for r in rows if r[7] < self.max_attempts
         )
@@ -701,16 +741,19 @@ class SQLiteStore(FrontierStore):
             " ORDER BY session_id")
 
     def request_summary(self) -> dict[str, int]:
-        requests, leases, repeated, most, expired = self.conn.execute(
+        requests, leases, repeated, most, expired, replays, again = self.conn.execute(
             "SELECT count(*), coalesce(sum(attempts), 0), coalesce(sum(attempts > 1), 0),"
             " coalesce(max(attempts), 0),"
-            " coalesce(sum(state = 'leased' AND leased_until < ?), 0) FROM requests",
+            " coalesce(sum(state = 'leased' AND leased_until < ?), 0),"
+            " coalesce(sum(replays), 0), coalesce(sum(attempts - replays > 1), 0)"
+            " FROM requests",
             (self.clock(),),
         ).fetchone()
         journaled = self.conn.execute("SELECT count(*) FROM responses").fetchone()[0]
         return {"requests": requests, "leases": leases, "repeated": repeated,
                 "most_attempts": most, "expired_leases": expired,
-                "journaled_responses": journaled}
+                "journaled_responses": journaled, "replays": replays,
+                "downloads": leases - replays, "downloaded_again": again}
 
     def failure_counts(self) -> dict[str, int]:
         return dict(self.conn.execute(
@@ -776,6 +819,87 @@ class SQLiteStore(FrontierStore):
             f" WHERE {' AND '.join(where)} ORDER BY record_id LIMIT ?",
             (*params, limit),
         )
+
+    def run_records(self, run_id: int) -> Iterator[dict[str, object]]:
+        cur = self.conn.execute(
+            "SELECT record_id, item_type, data, first_seen, last_changed FROM records"
+            " WHERE seen_run_id = ? ORDER BY seen_at, record_id", (run_id,))
+        names = [d[0] for d in cur.description]
+        try:
+            while rows := cur.fetchmany(500):
+                for row in rows:
+                    yield dict(zip(names, row, strict=True))
+        finally:
+            cur.close()
+
+    def feed_base(self, run_id: int, uri: str, size: int) -> int:
+        with self._write() as cur:
+            cur.execute("INSERT OR IGNORE INTO feeds (run_id, uri, base_size) VALUES (?, ?, ?)",
+                        (run_id, uri, size))
+            base: int = cur.execute("SELECT base_size FROM feeds WHERE run_id = ? AND uri = ?",
+                                    (run_id, uri)).fetchone()[0]
+        return base
+
+    @staticmethod
+    def _rejects_filter(run_id: int | None, pending_only: bool) -> tuple[str, list[Any]]:
+        where, params = ["1"], []
+        if run_id is not None:
+            where.append("j.run_id = ?")
+            params.append(run_id)
+        if pending_only:
+            where.append("j.retried_at IS NULL")
+        return " AND ".join(where), params
+
+    def rejects(self, *, run_id: int | None = None, pending_only: bool = False,
+                limit: int | None = None) -> list[dict[str, object]]:
+        where, params = self._rejects_filter(run_id, pending_only)
+        return self._dicts(
+            "SELECT j.id, j.item_type, j.reason, j.data, j.request_key,"
+            " coalesce(j.page_url, r.url) AS page_url, j.created_at, j.run_id, j.retried_at,"
+            " r.state AS page_state FROM rejects j LEFT JOIN requests r ON r.key = j.request_key"
+            f" WHERE {where} ORDER BY j.created_at DESC, j.id DESC LIMIT ?",
+            (*params, -1 if limit is None else limit),
+        )
+
+    def count_rejects(self, *, run_id: int | None = None, pending_only: bool = False) -> int:
+        where, params = self._rejects_filter(run_id, pending_only)
+        count: int = self.conn.execute(
+            f"SELECT count(*) FROM rejects j WHERE {where}", params).fetchone()[0]
+        return count
+
+    def retry_rejects(self) -> dict[str, object]:
+        now = self.clock()
+        with self._write() as cur:
+            last = cur.execute(
+                "SELECT run_id, finished_at FROM runs ORDER BY run_id DESC LIMIT 1").fetchone()
+            if last is None:
+                return {"pages": 0, "rejects": 0, "without_page": 0, "run_id": None,
+                        "reopened": False}
+            keys = {key for (key,) in cur.execute(
+                "SELECT DISTINCT request_key FROM rejects WHERE run_id = ?"
+                " AND retried_at IS NULL AND request_key IN"
+                " (SELECT key FROM requests WHERE state IN ('done', 'failed', 'redirected'))",
+                (last[0],))}
+            cur.executemany(
+                "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL,"
+                " attempts = 0, replays = 0, unfinished = 0, finished_at = NULL,"
+                " error_kind = NULL, error_message = NULL WHERE key = ?",
+                [(key,) for key in keys])
+            pages = len(keys)
+            cur.execute("UPDATE rejects SET retried_at = ? WHERE run_id = ?"
+                        " AND retried_at IS NULL AND request_key IN"
+                        " (SELECT key FROM requests WHERE state IN ('pending', 'leased'))",
+                        (now, last[0]))
+            marked = cur.rowcount
+            without = cur.execute(
+                "SELECT count(*) FROM rejects WHERE run_id = ? AND retried_at IS NULL",
+                (last[0],)).fetchone()[0]
+            reopened = bool(pages and last[1] is not None)
+            if reopened:
+                cur.execute("UPDATE runs SET finished_at = NULL, reason = NULL WHERE run_id = ?",
+                            (last[0],))
+        return {"pages": pages, "rejects": marked, "without_page": without,
+                "run_id": last[0], "reopened": reopened}
 
     def integrity_check(self) -> list[str]:
         return [str(row[0]) for row in self.conn.execute("PRAGMA integrity_check")]

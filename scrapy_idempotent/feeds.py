@@ -1,0 +1,303 @@
+"""``IdempotentFeedExporter``: feeds (``FEEDS``, ``-o``, ``-O``) that survive kills.
+
+Scrapy's ``FeedExporter`` writes each item as it is scraped, from a process that can be
+killed: after a SIGKILL and a resume a feed holds some items twice, lacks others (the killed
+process's buffer), or is not valid JSON at all. With the add-on, a feed is a view of the run:
+
+* nothing is written while the crawl runs;
+* when a crawl process closes (the run finished, or a graceful stop: Ctrl+C, SIGTERM,
+  ``CLOSESPIDER_*``), every feed is written from the database: one entry per record the run
+  inserted, updated or saw unchanged, in the order the run first stored them, through Scrapy's
+  own feed storages, exporters, filters and batches (every ``FEEDS`` option applies);
+* this happens after the crawl's last records are committed and before the run is marked
+  finished, so a kill while the feeds are being written leaves the run unfinished, and the next
+  ``scrapy crawl`` (which has nothing left to fetch) writes them again;
+* a local file is written to a temporary file next to it and renamed over it once complete,
+  so a kill never leaves a half-written file in its place.
+
+``overwrite`` keeps Scrapy's meaning, applied per run: ``-O`` (overwrite) replaces the file
+with the run's records; ``-o`` (append) leaves what the file held before the run started and
+appends the run's records once, however many processes the run took (the size the file had
+before the run first wrote to it is kept in the database). A remote feed that can only be
+appended to (FTP with ``overwrite: False``) is written once, when the run finishes.
+
+``%(time)s`` in a feed URI is the run's start time (every process of a run writes the same
+file), ``%(batch_time)s`` that time plus ``batch_id - 1`` microseconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import sys
+import tempfile
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from itemadapter import ItemAdapter
+from scrapy import signals
+from scrapy.extensions.feedexport import FeedExporter, FeedSlot, FileFeedStorage
+from scrapy.utils.defer import ensure_awaitable
+from scrapy.utils.misc import load_object
+
+from .codec import loads
+
+if TYPE_CHECKING:
+    from scrapy import Spider
+    from scrapy.crawler import Crawler
+    from typing_extensions import Self
+
+    from .store.base import FrontierStore
+
+__all__ = ["IdempotentFeedExporter"]
+
+logger = logging.getLogger(__name__)
+
+
+class IdempotentFeedExporter(FeedExporter):
+    """Scrapy's ``FeedExporter``, writing each feed from the run's records when a crawl
+    process closes instead of item by item (see the module docstring).
+
+    Without :class:`~.IdempotentScheduler` (no run to read) it behaves exactly as Scrapy's.
+    """
+
+    @classmethod
+    def from_crawler(cls, crawler: Crawler) -> Self:
+        exporter = cls(crawler)  # NotConfigured without FEEDS
+        crawler.signals.connect(exporter.open_spider, signals.spider_opened)
+        crawler.signals.connect(exporter.close_spider, signals.spider_closed)
+        return exporter
+
+    def __init__(self, crawler: Crawler) -> None:
+        super().__init__(crawler)
+        self._spider: Spider | None = None
+        self._record_id_field: str | None = None
+        self._from_run = False  # the scheduler calls export_run before the run is closed
+
+    def open_spider(self, spider: Spider) -> None:
+        from .scheduler import is_idempotent_scheduler
+
+        self._spider = spider
+        engine = self.crawler.engine
+        scheduler = engine.scheduler if engine is not None else None
+        if scheduler is None or not is_idempotent_scheduler(scheduler):
+            # No run to read the records from: Scrapy's own behaviour, item by item.
+            self.crawler.signals.connect(self.item_scraped, signals.item_scraped)
+            super().open_spider(spider)
+            return
+        self._from_run = True
+        self._record_id_field = scheduler.config.record_id_field  # type: ignore[attr-defined]
+        scheduler.before_session_end(self.export_run)  # type: ignore[attr-defined]
+
+    async def close_spider(self, spider: Spider) -> None:
+        if not self._from_run:
+            await super().close_spider(spider)
+            return
+        await self.crawler.signals.send_catch_log_async(signals.feed_exporter_closed)
+
+    # -- writing the run's feeds -------------------------------------------------------------
+
+    async def export_run(self, store: FrontierStore, run_id: int, finishing: bool) -> None:
+        """Write every feed from the records of run ``run_id`` (see the module docstring).
+        ``finishing``: this process ends the run (a feed that can only be appended to is
+        written only then)."""
+        spider = self._spider
+        assert spider is not None
+        started = next((float(run["started_at"]) for run in store.runs()  # type: ignore[arg-type]
+                        if run["run_id"] == run_id), None)
+        run_start = (datetime.fromtimestamp(started, timezone.utc) if started is not None
+                     else datetime.now(timezone.utc))
+        slots: list[_RunSlot] = []
+        for uri_template, options in self.feeds.items():
+            slot = self._run_slot(store, run_id, run_start, uri_template, options, 1)
+            if slot.slot is None:
+                continue
+            if slot.append_only_remote and not finishing:
+                logger.info("Feed %s is appended to remotely: it is written when the run "
+                            "finishes, not at this stop", slot.slot.uri)
+                continue
+            slots.append(slot)
+        if not slots:
+            return
+        for row in store.run_records(run_id):
+            item = self._item(row)
+            for index, slot in enumerate(slots):
+                feed = slot.slot
+                assert feed is not None
+                if not feed.filter.accepts(item):
+                    continue
+                feed.start_exporting()
+                assert feed.exporter is not None
+                feed.exporter.export_item(item)
+                feed.itemcount += 1
+                limit = self.feeds[feed.uri_template]["batch_item_count"]
+                if limit and feed.itemcount >= limit:
+                    await self._store_slot(slot)
+                    slots[index] = self._run_slot(store, run_id, run_start, feed.uri_template,
+                                                  self.feeds[feed.uri_template],
+                                                  feed.batch_id + 1)
+        for slot in slots:
+            await self._store_slot(slot)
+
+    def _run_slot(self, store: FrontierStore, run_id: int, run_start: datetime,
+                  uri_template: str, options: dict[str, Any], batch_id: int) -> _RunSlot:
+        spider = self._spider
+        assert spider is not None
+        from scrapy.extensions.feedexport import apply_uri_params
+
+        uri = apply_uri_params(uri_template, self._run_uri_params(
+            spider, options["uri_params"], run_start, batch_id))
+        storage = self._get_storage(uri, options)
+        run_slot = _RunSlot()
+        run_slot.append_only_remote = (not isinstance(storage, FileFeedStorage)
+                                       and getattr(storage, "overwrite", True) is False)
+        if isinstance(storage, FileFeedStorage):
+            target = Path(storage.path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            for stale in target.parent.glob(f".{glob.escape(target.name)}.*.partial"):
+                with contextlib.suppress(OSError):  # left by a process killed while writing
+                    stale.unlink()
+            fd, partial = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial",
+                                           dir=target.parent)
+            os.close(fd)
+            run_slot.target, run_slot.partial = target, Path(partial)
+            if storage.write_mode == "ab" and target.exists():  # -o: keep what was before
+                size = target.stat().st_size
+                base = store.feed_base(run_id, uri, size)
+                with target.open("rb") as source, open(partial, "wb") as copy:
+                    _copy_bytes(source, copy, min(base, size))
+            _copy_mode(target, run_slot.partial)
+            storage = self._get_storage(str(partial), options)
+        run_slot.slot = FeedSlot(
+            storage=storage, uri=uri, format=options["format"],
+            store_empty=options["store_empty"], batch_id=batch_id, uri_template=uri_template,
+            filter=self.filters[uri_template], feed_options=options, spider=spider,
+            exporters=self.exporters, settings=self.settings, crawler=self.crawler,
+        )
+        return run_slot
+
+    def _run_uri_params(self, spider: Spider, function: Any, run_start: datetime,
+                        batch_id: int) -> dict[str, Any]:
+        params = {name: getattr(spider, name) for name in dir(spider)}
+        params["time"] = run_start.replace(microsecond=0).isoformat().replace(":", "-")
+        batch_time = run_start + timedelta(microseconds=batch_id - 1)
+        params["batch_time"] = batch_time.isoformat().replace(":", "-")
+        params["batch_id"] = batch_id
+        if function:
+            changed = load_object(function)(params, spider)
+            if changed is not None:
+                params = changed
+        return params
+
+    async def _store_slot(self, run_slot: _RunSlot) -> None:
+        slot = run_slot.slot
+        assert slot is not None
+        spider = self._spider
+        if slot.itemcount:
+            slot.finish_exporting()
+        elif slot.store_empty and slot.batch_id == 1:
+            slot.start_exporting()
+            slot.finish_exporting()
+        else:
+            run_slot.discard()
+            return
+        what = f"{slot.format} feed ({slot.itemcount} items) in: {slot.uri}"
+        storage_name = type(slot.storage).__name__
+        try:
+            await ensure_awaitable(slot.storage.store(self._get_file(slot)))
+            run_slot.commit()
+        except Exception:
+            run_slot.discard()
+            logger.error("Error storing %s", what, exc_info=True, extra={"spider": spider})
+            self.crawler.stats.inc_value(f"feedexport/failed_count/{storage_name}")
+        else:
+            logger.info("Stored %s", what, extra={"spider": spider})
+            self.crawler.stats.inc_value(f"feedexport/success_count/{storage_name}")
+        await self.crawler.signals.send_catch_log_async(signals.feed_slot_closed, slot=slot)
+
+    def _item(self, row: dict[str, object]) -> Any:
+        """The item a record was stored from, as far as it can be rebuilt: an instance of its
+        class when that class is loaded in this process and accepts the fields, else a dict;
+        the record ID stamped into ``IDEMPOTENT_RECORD_ID_FIELD`` as the crawl stamps it."""
+        data = loads(str(row["data"]))
+        item: Any = data
+        cls = _loaded_class(str(row["item_type"]))
+        if isinstance(data, dict) and cls is not None and cls is not dict:
+            with contextlib.suppress(Exception):
+                declared = ItemAdapter.get_field_names_from_class(cls)
+                if declared:
+                    data = {**{k: data[k] for k in declared if k in data}, **data}
+                from scrapy import Item
+
+                item = cls(data) if issubclass(cls, Item) else cls(**data)
+        if self._record_id_field is not None:
+            with contextlib.suppress(KeyError, TypeError, AttributeError):
+                ItemAdapter(item)[self._record_id_field] = row["record_id"]
+        return item
+
+
+class _RunSlot:
+    """A feed slot and, for a local file, the temporary file it is written to."""
+
+    def __init__(self) -> None:
+        self.slot: FeedSlot | None = None
+        self.append_only_remote = False
+        self.target: Path | None = None
+        self.partial: Path | None = None
+
+    def commit(self) -> None:
+        if self.partial is not None and self.target is not None:
+            os.replace(self.partial, self.target)
+            self.partial = None
+
+    def discard(self) -> None:
+        if self.slot is not None and self.slot.file is not None:
+            with contextlib.suppress(Exception):
+                self.slot.file.close()
+        if self.partial is not None:
+            with contextlib.suppress(OSError):
+                self.partial.unlink()
+            self.partial = None
+
+
+def _loaded_class(path: str) -> type | None:
+    """The class named ``module.QualName`` if its module is already imported: the database
+    never makes this process import a module."""
+    module_name, _, name = path.rpartition(".")
+    if path == "dict":
+        return dict
+    module = sys.modules.get(module_name)
+    if module is None:
+        return None
+    obj: Any = module
+    for part in name.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj if isinstance(obj, type) and ItemAdapter.is_item_class(obj) else None
+
+
+def _copy_bytes(source: Any, target: Any, count: int) -> None:
+    while count > 0:
+        chunk = source.read(min(count, 1 << 20))
+        if not chunk:
+            return
+        target.write(chunk)
+        count -= len(chunk)
+
+
+def _copy_mode(target: Path, partial: Path) -> None:
+    """The file keeps its permissions; a new one gets the usual ones (0666 minus umask),
+    not the 0600 of a temporary file."""
+    try:
+        mode = target.stat().st_mode & 0o777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    with contextlib.suppress(OSError):
+        os.chmod(partial, mode)
+

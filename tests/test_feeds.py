@@ -1,0 +1,258 @@
+"""Feeds (``FEEDS``, ``-o``, ``-O``) with the add-on: a view of the run's records, written from
+the database when a crawl closes, whatever was killed on the way."""
+
+from __future__ import annotations
+
+import csv
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from scrapy.utils.defer import deferred_f_from_coro_f
+
+from crawling import EXAMPLE_PROJECT, crawl_settings, db_rows, run_crawl
+from shop.site import ShopSite
+from shop.spiders.shop import ShopSpider
+
+NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
+FIELDS = ("sku", "name", "price", "url")
+
+
+def product_rows(items: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    return sorted(tuple(str(item[f]) for f in FIELDS) for item in items)
+
+
+def stored_rows(db_path: Path) -> list[tuple[str, ...]]:
+    return product_rows([json.loads(d) for (d,) in db_rows(db_path, "SELECT data FROM records")])
+
+
+def read_jsonlines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def read_csv(path: Path) -> list[dict[str, Any]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@deferred_f_from_coro_f
+async def test_feeds_are_written_from_the_run_through_scrapys_exporters(
+    shop: ShopSite, tmp_path: Path
+) -> None:
+    db = tmp_path / "db.sqlite3"
+    feeds = {
+        str(tmp_path / "all.jsonl"): {"format": "jsonlines"},
+        str(tmp_path / "all.json"): {"format": "json", "indent": 2, "overwrite": True},
+        str(tmp_path / "part-%(batch_id)d.csv"): {"format": "csv", "batch_item_count": 200,
+                                                  "fields": ["sku", "price"]},
+        str(tmp_path / "products-%(name)s.jsonl"): {
+            "format": "jsonlines", "item_classes": ["shop.items.ProductItem"]},
+        str(tmp_path / "none.jsonl"): {"format": "jsonlines", "item_classes": ["builtins.dict"]},
+    }
+    crawler = await run_crawl(ShopSpider, crawl_settings(db, FEEDS=feeds, **NATURAL_KEYS),
+                              url=shop.url)
+    stats = crawler.stats.get_stats()
+    assert stats["finish_reason"] == "finished"
+    expected = stored_rows(db)
+    assert len(expected) == 500
+    lines = read_jsonlines(tmp_path / "all.jsonl")
+    assert product_rows(lines) == expected
+    assert list(lines[0]) == list(FIELDS)  # the item class's field order
+    assert product_rows(json.loads((tmp_path / "all.json").read_text())) == expected
+    assert (tmp_path / "all.json").read_text().startswith("[\n{\n  \"sku\"")  # indent 2
+    batches = [read_csv(tmp_path / f"part-{n}.csv") for n in (1, 2, 3)]
+    assert [len(b) for b in batches] == [200, 200, 100]
+    assert not (tmp_path / "part-4.csv").exists()
+    assert all(list(row) == ["sku", "price"] for batch in batches for row in batch)
+    assert sorted((r["sku"], r["price"]) for b in batches for r in b) == sorted(
+        (row[0], row[2]) for row in expected)
+    assert product_rows(read_jsonlines(tmp_path / "products-shop.jsonl")) == expected
+    assert (tmp_path / "none.jsonl").read_text() == ""  # store_empty: an empty feed
+    assert stats["feedexport/success_count/FileFeedStorage"] == 7
+    assert not list(tmp_path.glob(".*partial"))
+
+
+@deferred_f_from_coro_f
+async def test_a_graceful_stop_leaves_a_snapshot_and_append_adds_the_run_once(
+    shop: ShopSite, tmp_path: Path
+) -> None:
+    db = tmp_path / "db.sqlite3"
+    appended, replaced = tmp_path / "appended.jsonl", tmp_path / "replaced.json"
+    appended.write_text('{"before": "the run"}\n')
+    feeds = {str(appended): {"format": "jsonlines"},
+             str(replaced): {"format": "json", "overwrite": True}}
+    settings = crawl_settings(db, FEEDS=feeds, CLOSESPIDER_ITEMCOUNT=50, **NATURAL_KEYS)
+    crawler = await run_crawl(ShopSpider, settings, url=shop.url)
+    assert crawler.stats.get_value("finish_reason") == "closespider_itemcount"
+    snapshot = stored_rows(db)
+    assert 50 <= len(snapshot) < 500
+    assert product_rows(json.loads(replaced.read_text())) == snapshot
+    lines = read_jsonlines(appended)
+    assert lines[0] == {"before": "the run"}
+    assert product_rows(lines[1:]) == snapshot
+
+    del settings["CLOSESPIDER_ITEMCOUNT"]
+    crawler = await run_crawl(ShopSpider, settings, url=shop.url)  # resumes the run
+    assert crawler.stats.get_value("finish_reason") == "finished"
+    assert crawler.stats.get_value("idempotent/run_id") == 1
+    everything = stored_rows(db)
+    assert len(everything) == 500
+    assert product_rows(json.loads(replaced.read_text())) == everything
+    lines = read_jsonlines(appended)
+    assert lines[0] == {"before": "the run"}
+    assert product_rows(lines[1:]) == everything  # the snapshot was replaced, not repeated
+
+    crawler = await run_crawl(ShopSpider, settings, url=shop.url)  # run 2: all unchanged
+    assert crawler.stats.get_value("idempotent/run_id") == 2
+    assert crawler.stats.get_value("idempotent/records/unchanged") == 500
+    assert product_rows(json.loads(replaced.read_text())) == everything
+    lines = read_jsonlines(appended)
+    assert len(lines) == 1 + 500 + 500  # run 2 appended once after run 1
+    assert product_rows(lines[501:]) == everything
+
+
+@deferred_f_from_coro_f
+async def test_a_new_run_that_sees_fewer_records_has_a_feed_of_its_own_records(
+    shop: ShopSite, tmp_path: Path
+) -> None:
+    db = tmp_path / "db.sqlite3"
+    feed = tmp_path / "run.jsonl"
+    settings = crawl_settings(db, FEEDS={str(feed): {"format": "jsonlines", "overwrite": True}},
+                              **NATURAL_KEYS)
+    await run_crawl(ShopSpider, settings, url=shop.url)
+    assert len(read_jsonlines(feed)) == 500
+    settings["CLOSESPIDER_ITEMCOUNT"] = 30
+    settings["IDEMPOTENT_RUN_MODE"] = "fresh"
+    await run_crawl(ShopSpider, settings, url=shop.url)
+    seen = db_rows(db, "SELECT count(*) FROM records WHERE seen_run_id = 2")[0][0]
+    assert 30 <= seen < 500
+    assert len(read_jsonlines(feed)) == seen  # run 2's records only, not the 500 stored
+
+
+def _feed_command(site_url: str, db: Path, log: Path, feed_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "scrapy", "crawl", "shop", "-a", f"url={site_url}",
+            "-s", f"IDEMPOTENT_DATABASE={db}", "-s", f"LOG_FILE={log}",
+            "-s", "CONCURRENT_REQUESTS=4", "-s", "CONCURRENT_REQUESTS_PER_DOMAIN=4",
+            *feed_args]
+
+
+def _records(db: Path) -> int:
+    if not db.exists():
+        return 0
+    try:
+        return int(db_rows(db, "SELECT count(*) FROM records")[0][0])
+    except Exception:  # not created yet, or being migrated
+        return 0
+
+
+def _export(db: Path, tmp_path: Path) -> list[tuple[str, ...]]:
+    out = tmp_path / "export.jsonl"
+    subprocess.run([sys.executable, "-m", "scrapy", "idempotent", "export", "--db", str(db),
+                    "-o", str(out)], cwd=EXAMPLE_PROJECT, check=True,
+                   stdout=subprocess.DEVNULL)
+    return product_rows(read_jsonlines(out))
+
+
+FEED_KINDS = {
+    "jsonlines -o": (["-o", "{dir}/feed.jsonl"], "feed.jsonl", read_jsonlines),
+    "json -O": (["-O", "{dir}/feed.json"], "feed.json", lambda p: json.loads(p.read_text())),
+    "csv FEEDS": (["-s", 'FEEDS={{"{dir}/feed.csv": {{"format": "csv"}}}}'], "feed.csv",
+                  read_csv),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(FEED_KINDS))
+def test_feeds_after_five_sigkills_hold_exactly_the_records_of_the_run(
+    tmp_path: Path, kind: str
+) -> None:
+    args, name, read = FEED_KINDS[kind]
+    feed_args = [a.format(dir=tmp_path) for a in args]
+    feed = tmp_path / name
+    db = tmp_path / "db.sqlite3"
+    with ShopSite(port=0, delay=0.01) as site:
+        for kill, records_before_kill in enumerate((15, 90, 170, 250, 330), 1):
+            log = tmp_path / f"kill{kill}.log"
+            process = subprocess.Popen(_feed_command(site.url, db, log, feed_args),
+                                       cwd=EXAMPLE_PROJECT, stdin=subprocess.DEVNULL,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            try:
+                deadline = time.monotonic() + 120
+                while _records(db) < records_before_kill and process.poll() is None:
+                    assert time.monotonic() < deadline, f"crawl {kill} stored too little"
+                    time.sleep(0.02)
+                assert process.poll() is None, f"crawl {kill} ended before its kill"
+                process.send_signal(signal.SIGKILL)
+            finally:
+                process.kill()
+                process.wait()
+            # what a kill leaves is never a half-written feed: nothing, or the file as it was
+            assert not feed.exists()
+        log = tmp_path / "final.log"
+        final = subprocess.run(_feed_command(site.url, db, log, feed_args),
+                               cwd=EXAMPLE_PROJECT, stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                               timeout=300)
+        assert final.returncode == 0, log.read_text()
+        expected = site.expected_products()
+    items = read(feed)
+    rows = product_rows(items)
+    assert len(rows) == len(set(rows)) == 500
+    assert rows == _export(db, tmp_path)
+    assert {row[0] for row in rows} == set(expected)
+    assert not list(tmp_path.glob(".*partial"))
+
+
+KILLING_EXPORTER = '''
+import os
+import signal
+
+from scrapy.exporters import JsonItemExporter
+
+
+class KillingExporter(JsonItemExporter):
+    """Kills its process with SIGKILL at the 100th item it exports."""
+
+    count = 0
+
+    def export_item(self, item):
+        KillingExporter.count += 1
+        if KillingExporter.count == 100 and os.environ.get("KILL_IN_EXPORT"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().export_item(item)
+'''
+
+
+@pytest.mark.slow
+def test_a_kill_while_the_feed_is_written_leaves_the_old_file_and_the_next_crawl_writes_it(
+    shop: ShopSite, tmp_path: Path
+) -> None:
+    (tmp_path / "killing_exporter.py").write_text(KILLING_EXPORTER)
+    db, feed = tmp_path / "db.sqlite3", tmp_path / "feed.json"
+    feed.write_text('["from an earlier crawl"]')
+    args = ["-s", 'FEED_EXPORTERS={"killjson": "killing_exporter.KillingExporter"}',
+            "-s", f'FEEDS={{"{feed}": {{"format": "killjson", "overwrite": true}}}}']
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path), "KILL_IN_EXPORT": "1"}
+    killed = subprocess.run(_feed_command(shop.url, db, tmp_path / "1.log", args),
+                            cwd=EXAMPLE_PROJECT, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=300)
+    assert killed.returncode == -signal.SIGKILL
+    assert _records(db) == 500  # the crawl was complete: killed while writing its feed
+    assert json.loads(feed.read_text()) == ["from an earlier crawl"]
+    assert db_rows(db, "SELECT finished_at FROM runs") == [(None,)]  # not finished yet
+
+    del env["KILL_IN_EXPORT"]
+    shop.reset_counts()
+    again = subprocess.run(_feed_command(shop.url, db, tmp_path / "2.log", args),
+                           cwd=EXAMPLE_PROJECT, env=env, stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=300)
+    assert again.returncode == 0
+    assert shop.request_count <= 1  # nothing left to fetch (the start page at most)
+    assert product_rows(json.loads(feed.read_text())) == stored_rows(db)
+    assert db_rows(db, "SELECT reason FROM runs") == [("finished",)]
+    assert not list(tmp_path.glob(".*partial"))
