@@ -114,7 +114,11 @@ class IdempotentConfig:
         if not isinstance(source, str) or not source.strip():
             raise ConfigError("IDEMPOTENT_SOURCE", source,
                               "a non-empty string (default: the spider name)")
-        record_id_field = get("IDEMPOTENT_RECORD_ID_FIELD")
+        # settings.get() answers the default for a None value: read the raw value, so an
+        # explicit None turns stamping off as "" does
+        record_id_field = (settings["IDEMPOTENT_RECORD_ID_FIELD"]
+                           if "IDEMPOTENT_RECORD_ID_FIELD" in settings
+                           else SETTINGS["IDEMPOTENT_RECORD_ID_FIELD"])
         if record_id_field in (None, ""):
             record_id_field = None
         elif not isinstance(record_id_field, str):
