@@ -7,13 +7,16 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import engine_hooks
 from .journal import ResponseJournalMiddleware
 from .middleware import RecordIdMiddleware
 from .pipeline import UpsertPipeline
 from .scheduler import IdempotentScheduler
 
 if TYPE_CHECKING:
+    from scrapy.crawler import Crawler
     from scrapy.settings import BaseSettings
+    from typing_extensions import Self
 
 __all__ = [
     "DEVELOPMENT_COMMANDS",
@@ -84,12 +87,27 @@ class Addon:
                       "scrapy_idempotent.IdempotentFeedExporter": 0}
     """
 
+    def __init__(self, crawler: Crawler | None = None) -> None:
+        self.crawler = crawler
+
+    @classmethod
+    def from_crawler(cls, crawler: Crawler) -> Self:
+        return cls(crawler)
+
     def update_settings(self, settings: BaseSettings) -> None:
+        """Wire the components into ``settings``. Raises :class:`~.UnsupportedScrapy` on a
+        Scrapy release without what the package is built on (``scrapy crawl`` then stops
+        before anything is fetched, and exits non-zero)."""
         command = development_command()
         if command is not None:
             logger.info("scrapy_idempotent is off for `scrapy %s`: a development command "
                         "neither resumes nor writes the crawl's database", command)
             return
+        if self.crawler is not None:
+            with engine_hooks.start_failure_exits_nonzero(self.crawler):
+                engine_hooks.check_scrapy()
+        else:
+            engine_hooks.check_scrapy()
         settings.set("SCHEDULER", IdempotentScheduler, "addon")
         settings.set_in_component_priority_dict(
             "SPIDER_MIDDLEWARES", RecordIdMiddleware, MIDDLEWARE_PRIORITY)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from scrapy.commands import ScrapyCommand
 from scrapy.exceptions import UsageError
 
+from . import engine_hooks
 from .config import IdempotentConfig
 from .exceptions import IdempotentError, StoreError
 from .scheduler import worker_is_dead
@@ -200,11 +201,9 @@ class Command(ScrapyCommand):
             return SQLiteStore(db, busy_timeout_seconds=settings.getfloat(
                 "IDEMPOTENT_BUSY_TIMEOUT_SECONDS", 10.0)), db
         assert spider is not None
-        from scrapy.spiderloader import get_spider_loader
-
         spidercls: Any
         try:
-            spidercls = get_spider_loader(settings).load(spider)
+            spidercls = engine_hooks.spider_loader(settings).load(spider)
         except KeyError:  # not a spider of this project: the name alone decides the path
             spidercls = SimpleNamespace(name=spider)
         else:

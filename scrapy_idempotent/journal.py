@@ -21,13 +21,13 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from scrapy.exceptions import NotConfigured
-from scrapy.utils.response import response_from_dict
 
 from .codec import describe, dumps, loads
+from .engine_hooks import response_from_dict, response_to_dict
 from .middleware import _scheduler_of
 
 if TYPE_CHECKING:
-    from scrapy import Request
+    from scrapy import Request, Spider
     from scrapy.crawler import Crawler
     from scrapy.http import Response
     from typing_extensions import Self
@@ -44,7 +44,7 @@ _RESPONSE_CLASSES = "scrapy.http.response."
 def encode_response(response: Response) -> tuple[str, bytes]:
     """``(JSON text, body)`` of a response (:meth:`scrapy.http.Response.to_dict`); the peer IP
     address and TLS certificate are not kept."""
-    data = response.to_dict()
+    data = response_to_dict(response)
     body = data.pop("body")
     data.pop("ip_address", None)
     if not str(data.get("_class", _RESPONSE_CLASSES)).startswith(_RESPONSE_CLASSES):
@@ -80,7 +80,8 @@ class ResponseJournalMiddleware:
             self._scheduler = _scheduler_of(self.crawler, type(self).__name__)
         return self._scheduler
 
-    def process_request(self, request: Request) -> Response | None:
+    # ``spider``: Scrapy 2.13 passes it; later releases do not (see :mod:`.engine_hooks`).
+    def process_request(self, request: Request, spider: Spider | None = None) -> Response | None:
         scheduler = self.scheduler
         entry = scheduler.inflight_entry(request)
         if entry is None or entry.attempts <= 1:
@@ -100,7 +101,8 @@ class ResponseJournalMiddleware:
         self.crawler.stats.inc_value("idempotent/responses/replayed")
         return response
 
-    def process_response(self, request: Request, response: Response) -> Any:
+    def process_response(self, request: Request, response: Response,
+                         spider: Spider | None = None) -> Any:
         scheduler = self.scheduler
         entry = scheduler.inflight_entry(request)
         if entry is None or entry.replayed:

@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Any, cast
 from scrapy import Request, signals
 from scrapy.utils.misc import load_object
 
+from . import engine_hooks
 from .config import IdempotentConfig
 from .exceptions import ConfigError, IdempotentError
 
 if TYPE_CHECKING:
+    from scrapy import Spider
     from scrapy.crawler import Crawler
     from scrapy.http import Response
     from typing_extensions import Self
@@ -35,7 +37,7 @@ __all__ = ["RecordIdMiddleware"]
 def _scheduler_of(crawler: Crawler, component: str) -> IdempotentScheduler:
     from .scheduler import is_idempotent_scheduler
 
-    scheduler = crawler.engine.scheduler if crawler.engine is not None else None
+    scheduler = engine_hooks.engine_scheduler(crawler)
     if not is_idempotent_scheduler(scheduler):
         raise IdempotentError(
             f"{component} needs SCHEDULER = 'scrapy_idempotent.IdempotentScheduler' (found "
@@ -58,18 +60,20 @@ class RecordIdMiddleware:
         # Spider middlewares are built with the engine, before the spider opens: checking the
         # settings here stops a misconfigured crawl before anything starts (the scheduler
         # reads them again when it is built, at spider open).
-        if crawler.spider is not None:
-            IdempotentConfig.from_settings(crawler.settings, crawler.spider)
-        from .scheduler import is_idempotent_scheduler
+        with engine_hooks.start_failure_exits_nonzero(crawler):
+            if crawler.spider is not None:
+                IdempotentConfig.from_settings(crawler.settings, crawler.spider)
+            from .scheduler import is_idempotent_scheduler
 
-        scheduler = crawler.settings["SCHEDULER"]
-        scheduler_cls = load_object(scheduler) if isinstance(scheduler, str) else scheduler
-        if not (isinstance(scheduler_cls, type) and is_idempotent_scheduler(scheduler_cls)):
-            raise ConfigError(
-                "SCHEDULER", scheduler,
-                "scrapy_idempotent.IdempotentScheduler (or a subclass): the RecordIdMiddleware "
-                "works with it; a project or command-line SCHEDULER overrides the add-on's",
-            )
+            scheduler = crawler.settings["SCHEDULER"]
+            scheduler_cls = load_object(scheduler) if isinstance(scheduler, str) else scheduler
+            if not (isinstance(scheduler_cls, type) and is_idempotent_scheduler(scheduler_cls)):
+                raise ConfigError(
+                    "SCHEDULER", scheduler,
+                    "scrapy_idempotent.IdempotentScheduler (or a subclass): the "
+                    "RecordIdMiddleware works with it; a project or command-line SCHEDULER "
+                    "overrides the add-on's",
+                )
         return cls(crawler)
 
     def _spider_opened(self) -> None:
@@ -91,8 +95,9 @@ class RecordIdMiddleware:
                 self.scheduler.track(output, None, None)
             yield output
 
+    # ``spider``: Scrapy 2.13 passes it; later releases do not (see :mod:`.engine_hooks`).
     async def process_spider_output(
-        self, response: Response, result: AsyncIterator[Any]
+        self, response: Response, result: AsyncIterator[Any], spider: Spider | None = None
     ) -> AsyncIterator[Any]:
         scheduler = self.scheduler
         entry = scheduler.entry_for(response)

@@ -14,12 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 from scrapy.exceptions import DropItem
 
+from . import engine_hooks
 from .codec import EncodeError, dumps
 from .middleware import _scheduler_of
 from .records import item_type_name
 from .store.base import Reject
 
 if TYPE_CHECKING:
+    from scrapy import Spider
     from scrapy.crawler import Crawler
     from typing_extensions import Self
 
@@ -46,10 +48,12 @@ class UpsertPipeline:
     def from_crawler(cls, crawler: Crawler) -> Self:
         return cls(crawler)
 
-    def open_spider(self) -> None:
-        self.scheduler = _scheduler_of(self.crawler, type(self).__name__)
+    # ``spider``: Scrapy 2.13 passes it; later releases do not (see :mod:`.engine_hooks`).
+    def open_spider(self, spider: Spider | None = None) -> None:
+        with engine_hooks.start_failure_exits_nonzero(self.crawler):
+            self.scheduler = _scheduler_of(self.crawler, type(self).__name__)
 
-    def process_item(self, item: Any) -> Any:
+    def process_item(self, item: Any, spider: Spider | None = None) -> Any:
         scheduler = self.scheduler
         assert scheduler is not None
         tag = scheduler.take_item(item)

@@ -23,6 +23,7 @@ from scrapy import signals
 from scrapy.exceptions import NotConfigured
 from twisted.internet import task
 
+from . import engine_hooks
 from .config import _number
 
 if TYPE_CHECKING:
@@ -60,7 +61,9 @@ class IdempotentLogStats:
     def from_crawler(cls, crawler: Crawler) -> Self:
         """Raises :class:`~scrapy.exceptions.NotConfigured` when the interval is 0, and
         :class:`~.ConfigError` when it is not a number >= 0."""
-        interval = _number(crawler.settings, "IDEMPOTENT_LOG_INTERVAL_SECONDS", minimum=0.0)
+        with engine_hooks.start_failure_exits_nonzero(crawler):
+            interval = _number(crawler.settings, "IDEMPOTENT_LOG_INTERVAL_SECONDS",
+                               minimum=0.0)
         if not interval:
             raise NotConfigured("IDEMPOTENT_LOG_INTERVAL_SECONDS is 0")
         extension = cls(crawler, interval)
@@ -71,8 +74,7 @@ class IdempotentLogStats:
     def spider_opened(self, spider: Spider) -> None:
         from .scheduler import is_idempotent_scheduler
 
-        engine = self.crawler.engine
-        scheduler = engine.scheduler if engine is not None else None
+        scheduler = engine_hooks.engine_scheduler(self.crawler)
         if not is_idempotent_scheduler(scheduler):
             logger.debug("scrapy_idempotent: no progress line, the scheduler is %r", scheduler)
             return

@@ -36,11 +36,11 @@ from scrapy.utils.url import strip_url
 from twisted.internet import task
 from twisted.python.failure import Failure
 
-from . import __version__
+from . import __version__, engine_hooks
 from ._tracking import Entry, ItemTag, Pending
 from .codec import RequestCodec, describe
 from .config import IdempotentConfig
-from .exceptions import MissingNaturalKey, StoreError, UnstorableRequest, UnsupportedScrapy
+from .exceptions import MissingNaturalKey, StoreError, UnstorableRequest
 from .records import URL_KEY, RecordIdentity
 from .store.base import Completion, FrontierStore, NewRequest, RequestState, UnitOfWork
 from .store.sqlite import SQLiteStore
@@ -65,8 +65,6 @@ _ITEM_IN_PIPELINES: ContextVar[ItemTag | None] = ContextVar("_ITEM_IN_PIPELINES"
 
 #: Attempts at a write transaction before the crawl is closed (database locked or I/O error).
 _COMMIT_ATTEMPTS = 5
-#: The Scrapy minor version whose engine internals the completion hooks are tested against.
-TESTED_SCRAPY = "2.19."
 #: Reason the spider closes with when the store keeps failing.
 STORE_ERROR_REASON = "idempotent_store_error"
 
@@ -207,14 +205,20 @@ class IdempotentScheduler(BaseScheduler):
         """Read and validate the ``IDEMPOTENT_*`` settings (a bad one raises
         :class:`~.ConfigError` here, before the first request)."""
         assert crawler.spider is not None
-        return cls(crawler, IdempotentConfig.from_settings(crawler.settings, crawler.spider))
+        with engine_hooks.start_failure_exits_nonzero(crawler):
+            return cls(crawler, IdempotentConfig.from_settings(crawler.settings, crawler.spider))
 
     # -- lifecycle --------------------------------------------------------------------------
 
     def open(self, spider: Spider) -> None:
         """Open the store, join or start a run, reclaim the leases of this host's dead
         workers, and hook into the engine. Raises :class:`~.StoreError` or
-        :class:`~.UnsupportedScrapy` before anything is fetched."""
+        :class:`~.UnsupportedScrapy` before anything is fetched (and ``scrapy crawl`` then
+        exits non-zero)."""
+        with engine_hooks.start_failure_exits_nonzero(self.crawler):
+            self._open(spider)
+
+    def _open(self, spider: Spider) -> None:
         self.spider = spider
         self.codec = RequestCodec(spider, self.config.request_classes)
         fingerprinter = type(self._fingerprinter)
@@ -331,35 +335,15 @@ class IdempotentScheduler(BaseScheduler):
 
     def _install_hooks(self) -> None:
         engine = self.crawler.engine
-        slot = getattr(engine, "_slot", None)
-        scraper = getattr(engine, "scraper", None)
-        missing = [
-            name for obj, name in (
-                (slot, "remove_request"),
-                (engine, "_handle_downloader_output"),
-                (scraper, "handle_spider_output_async"),
-                (scraper, "handle_spider_error"),
-                (scraper, "start_itemproc_async"),
-            ) if not callable(getattr(obj, name, None))
-        ]
-        if missing:
-            import scrapy
-
-            raise UnsupportedScrapy(
-                f"scrapy_idempotent needs Scrapy internals that Scrapy {scrapy.__version__} "
-                f"lacks ({', '.join(missing)}); supported: Scrapy 2.19"
-            )
-        assert slot is not None and scraper is not None and engine is not None
-        import scrapy
-
-        if not scrapy.__version__.startswith(TESTED_SCRAPY):
-            logger.warning("scrapy_idempotent %s is tested with Scrapy %s.x, not %s",
-                           __version__, TESTED_SCRAPY, scrapy.__version__)
+        engine_hooks.check_engine(engine)
+        assert engine is not None
+        slot: Any = engine._slot
+        scraper: Any = engine.scraper
         remove_request = slot.remove_request
         handle_output = engine._handle_downloader_output
         spider_output = scraper.handle_spider_output_async
         spider_error = scraper.handle_spider_error
-        itemproc = scraper.start_itemproc_async
+        itemproc = engine_hooks.itemproc(scraper)
 
         def hooked_remove_request(request: Request) -> None:
             try:
@@ -404,13 +388,13 @@ class IdempotentScheduler(BaseScheduler):
         engine._handle_downloader_output = hooked_handle_output  # type: ignore[method-assign]
         scraper.handle_spider_output_async = hooked_spider_output
         scraper.handle_spider_error = hooked_spider_error
-        scraper.start_itemproc_async = hooked_itemproc
+        unhook_itemproc = engine_hooks.hook_itemproc(scraper, hooked_itemproc)
         self._unhook = [
             lambda: delattr(slot, "remove_request"),
             lambda: delattr(engine, "_handle_downloader_output"),
             lambda: delattr(scraper, "handle_spider_output_async"),
             lambda: delattr(scraper, "handle_spider_error"),
-            lambda: delattr(scraper, "start_itemproc_async"),
+            unhook_itemproc,
         ]
 
     # -- the scheduler contract -------------------------------------------------------------
@@ -633,7 +617,7 @@ class IdempotentScheduler(BaseScheduler):
         elif isinstance(result, Failure):
             exc = result.value
             kind = "ignored" if isinstance(exc, IgnoreRequest) else "download_error"
-            entry.failure = (f"{kind}/{type(exc).__name__}", str(exc)[:1000])
+            entry.failure = (f"{kind}/{engine_hooks.failure_name(exc)}", str(exc)[:1000])
 
     def _status_handled(self, response: Response) -> bool:
         """Whether the callback sees this response (HttpErrorMiddleware's rule)."""
@@ -909,11 +893,7 @@ class IdempotentScheduler(BaseScheduler):
         self._failed = True
         self.stats.set_value("idempotent/error", reason)
         logger.error("scrapy_idempotent: closing the spider: %s", reason)
-        engine = self.crawler.engine
-        if engine is not None and engine.spider is not None:
-            from scrapy.utils.defer import deferred_from_coro
-
-            deferred_from_coro(engine.close_spider_async(reason=STORE_ERROR_REASON))
+        engine_hooks.close_spider(self.crawler, STORE_ERROR_REASON)
 
     def journal_response(self, entry: Entry, data: str, body: bytes) -> None:
         """Keep the raw response of an in-flight request (see :mod:`.journal`): written at
