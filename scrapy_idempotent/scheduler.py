@@ -37,6 +37,7 @@ from twisted.internet import task
 from twisted.python.failure import Failure
 
 from . import __version__, engine_hooks
+from ._order import QueueOrder
 from ._tracking import Entry, ItemTag, Pending
 from .codec import RequestCodec, describe
 from .config import IdempotentConfig
@@ -196,6 +197,7 @@ class IdempotentScheduler(BaseScheduler):
         settings = crawler.settings
         self._httperror_allow_all = settings.getbool("HTTPERROR_ALLOW_ALL")
         self._httperror_allowed = [int(s) for s in settings.getlist("HTTPERROR_ALLOWED_CODES")]
+        self._order = QueueOrder.from_settings(settings)
         self._renewal: task.LoopingCall | None = None
         self._before_end: list[Callable[[FrontierStore, int, bool], Any]] = []
         self.run_id: int | None = None
@@ -517,6 +519,7 @@ class IdempotentScheduler(BaseScheduler):
             retry_of.continuation = (data, request.priority)
             self.stats.inc_value("idempotent/requests/retried")
             return True
+        start_queue, fifo = self._order.place(request)
         new = NewRequest(
             key=self._key(request, fingerprint, parent, is_start),
             fingerprint=fingerprint,
@@ -524,7 +527,8 @@ class IdempotentScheduler(BaseScheduler):
             priority=request.priority,
             data=data,
             parent_key=parent.key if parent is not None else None,
-            is_start=is_start,
+            is_start=start_queue,
+            fifo=fifo,
             filter_fingerprint=not request.dont_filter,
         )
         if parent is not None:
@@ -809,6 +813,12 @@ class IdempotentScheduler(BaseScheduler):
             self._journal = []
         if not work.claim:
             work.claim = self._claim_size()
+        if work.requests and self._local and not self._closing:
+            # New requests may come before the ones claimed ahead (Scrapy's order: a child
+            # is taken before older requests of its priority): give those back and claim
+            # again in the same transaction.
+            work.give_back = [leased.key for leased in self._local]
+            work.claim = max(work.claim, self.config.lease_batch)
         if not work:
             return None
         try:
@@ -826,6 +836,8 @@ class IdempotentScheduler(BaseScheduler):
             )
             return None
         self._record_stats(result, work)
+        if work.give_back:
+            self._local.clear()
         self._local.extend(result.leased)
         return result
 

@@ -117,12 +117,29 @@ def test_priority_highest_first_then_newest(harness: Harness) -> None:
 
 def test_callback_requests_beat_start_requests_at_equal_priority(harness: Harness) -> None:
     scheduler = harness.scheduler()
-    start = scrapy.Request("https://example.com/start", dont_filter=True)
-    scheduler.mark_start(start)
-    scheduler.enqueue_request(start)
-    scheduler.enqueue_request(scrapy.Request("https://example.com/other"))
-    assert [r.url for r in drain(scheduler)] == [
-        "https://example.com/other", "https://example.com/start"]
+    for name in ("start1", "start2"):
+        # as StartSpiderMiddleware marks them
+        start = scrapy.Request(f"https://example.com/{name}", dont_filter=True,
+                               meta={"is_start_request": True})
+        scheduler.mark_start(start)
+        scheduler.enqueue_request(start)
+    for name in ("other1", "other2"):
+        scheduler.enqueue_request(scrapy.Request(f"https://example.com/{name}"))
+    # start requests first-in-first-out, the others last-in-first-out, and first
+    assert [r.url.rsplit("/", 1)[1] for r in drain(scheduler)] == [
+        "other2", "other1", "start1", "start2"]
+
+
+def test_new_requests_come_before_requests_claimed_ahead(harness: Harness) -> None:
+    scheduler = harness.scheduler()
+    for i in range(3):
+        scheduler.enqueue_request(scrapy.Request(f"https://example.com/{i}"))
+    first = scheduler.next_request()  # claims the others ahead
+    assert first is not None and first.url.endswith("/2")
+    scheduler.enqueue_request(scrapy.Request("https://example.com/child"))
+    finish(scheduler, first)  # commits the child; it is taken first (LIFO), as in Scrapy
+    assert [r.url.rsplit("/", 1)[1] for r in drain(scheduler)] == ["child", "1", "0"]
+    assert frontier_counts(harness.db_path) == {"done": 1, "leased": 3}
 
 
 def test_same_after_close_and_reopen(harness: Harness) -> None:

@@ -74,6 +74,9 @@ class NewRequest:
     parent_key: str | None = None
     is_start: bool = False
     filter_fingerprint: bool = True
+    #: taken first-in-first-out within its priority and queue (start requests, or other
+    #: requests, have their own queue); else last-in-first-out
+    fifo: bool = False
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,9 @@ class UnitOfWork:
     #: attempt of theirs was not a download)
     replayed: list[str] = field(default_factory=list)
     claim: int = 0
+    #: requests the worker claimed ahead and never started, put back to pending before the
+    #: claim, so that the claim takes the first requests in queue order, new ones included
+    give_back: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.requests or self.records or self.rejects or self.completions

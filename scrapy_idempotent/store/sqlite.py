@@ -31,7 +31,7 @@ from .base import (
 
 __all__ = ["SCHEMA_VERSION", "SQLiteStore"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 #: Schema migrations: ``_MIGRATIONS[n]`` brings version n to n + 1, one transaction each.
 _MIGRATIONS: list[list[str]] = [
@@ -139,8 +139,24 @@ _MIGRATIONS: list[list[str]] = [
             PRIMARY KEY (run_id, uri)
         )""",
     ],
+    [
+        # Scrapy's queue order: a request is taken first-in-first-out (start requests by
+        # default) or last-in-first-out (other requests by default) within its priority and
+        # queue; the pending index follows that order (_QUEUE_ORDER).
+        """ALTER TABLE requests ADD COLUMN fifo INTEGER NOT NULL DEFAULT 0""",
+        """DROP INDEX requests_pending""",
+        """CREATE INDEX requests_pending ON requests
+           (priority DESC, is_start, (CASE WHEN fifo THEN id ELSE -id END))
+           WHERE state = 'pending'""",
+    ],
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION
+
+#: The claim order, as in Scrapy's default scheduler (scrapy/pqueues.py,
+#: ScrapyPriorityQueue.pop): highest priority first; at equal priority other requests
+#: before start requests; within a queue by insertion, first-in-first-out for ``fifo``
+#: rows, else last-in-first-out. Written exactly as in the ``requests_pending`` index.
+_QUEUE_ORDER = "priority DESC, is_start, (CASE WHEN fifo THEN id ELSE -id END)"
 
 _TERMINAL = tuple(s.value for s in RequestState if s.terminal)
 _BY_KEY = "SELECT id, state, finished_at FROM requests WHERE key = ?"
@@ -402,6 +418,12 @@ class SQLiteStore(FrontierStore):
                     [(key, worker) for key in replayed],
                 )
             self._complete(cur, work.completions, lost, worker, now, result)
+            if work.give_back:
+                cur.executemany(
+                    "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL"
+                    " WHERE key = ? AND state = 'leased' AND worker = ?",
+                    [(key, worker) for key in work.give_back],
+                )
             if work.claim:
                 self._claim(cur, worker, work.claim, now, result)
             self._count(cur, result, run_id, len(started))
@@ -435,11 +457,11 @@ class SQLiteStore(FrontierStore):
             known = self._find(cur, req.key, req.fingerprint, req.filter_fingerprint)
             if known is None:
                 cur.execute(
-                    "INSERT INTO requests (key, fingerprint, url, priority, is_start, state,"
-                    " data, parent_key, enqueued_at, run_id)"
-                    " VALUES (?, ?, ?, ?, ?, 'pending', ?, ?, ?, ?)",
+                    "INSERT INTO requests (key, fingerprint, url, priority, is_start, fifo,"
+                    " state, data, parent_key, enqueued_at, run_id)"
+                    " VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?, ?)",
                     (req.key, req.fingerprint, req.url, req.priority, int(req.is_start),
-                     req.data, req.parent_key, now, run_id),
+                     int(req.fifo), req.data, req.parent_key, now, run_id),
                 )
                 result.requests_added += 1
             elif known[1] not in _TERMINAL:
@@ -448,9 +470,11 @@ class SQLiteStore(FrontierStore):
                 # done in an earlier recrawl window: due again
                 cur.execute(
                     "UPDATE requests SET state = 'pending', data = ?, priority = ?,"
-                    " is_start = ?, attempts = 0, finished_at = NULL, error_kind = NULL,"
-                    " error_message = NULL, enqueued_at = ?, run_id = ? WHERE id = ?",
-                    (req.data, req.priority, int(req.is_start), now, run_id, known[0]),
+                    " is_start = ?, fifo = ?, attempts = 0, finished_at = NULL,"
+                    " error_kind = NULL, error_message = NULL, enqueued_at = ?, run_id = ?"
+                    " WHERE id = ?",
+                    (req.data, req.priority, int(req.is_start), int(req.fifo), now, run_id,
+                     known[0]),
                 )
                 result.requests_due_again += 1
             else:
@@ -562,13 +586,13 @@ class SQLiteStore(FrontierStore):
             "UPDATE requests SET state = 'leased', worker = ?, leased_until = ?"
             " WHERE id IN (SELECT id FROM requests INDEXED BY requests_pending"
             "  WHERE state = 'pending'"
-            "  ORDER BY priority DESC, is_start, id DESC LIMIT ?)"
+            f"  ORDER BY {_QUEUE_ORDER} LIMIT ?)"
             " RETURNING id, key, fingerprint, data, priority, is_start, attempts, unfinished,"
-            " url, replays",
+            " url, replays, fifo",
             (worker, now + self.lease_seconds, count),
         ).fetchall()
-        # RETURNING gives no order: restore the claim order.
-        rows.sort(key=lambda r: (-r[4], r[5], -r[0]))
+        # RETURNING gives no order: restore the claim order (_QUEUE_ORDER).
+        rows.sort(key=lambda r: (-r[4], r[5], r[0] if r[10] else -r[0]))
         over = [r for r in rows if r[7] >= self.max_attempts]
         if over:
             cur.executemany(
