@@ -119,6 +119,13 @@ class Addon:
 
         settings.set_in_component_priority_dict("EXTENSIONS", IdempotentLogStats, 0)
         _replace_feed_exporter(settings)
+        if self.crawler is not None and self.crawler.spider is not None:
+            # check every IDEMPOTENT_* setting before anything is built (a bad one is one
+            # CRITICAL line and exit code 1)
+            from .config import config_for
+
+            with engine_hooks.start_failure_exits_nonzero(self.crawler):
+                config_for(self.crawler)
 
 
 def _replace_feed_exporter(settings: BaseSettings) -> None:

@@ -6,21 +6,36 @@ the setting, the value and what is allowed.
 
 from __future__ import annotations
 
+import asyncio
+import difflib
 import json
+import logging
 import os
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from scrapy.exceptions import NotConfigured
+from scrapy.utils.conf import closest_scrapy_cfg
 from scrapy.utils.project import data_path
 
 from .exceptions import ConfigError
 
 if TYPE_CHECKING:
     from scrapy import Spider
+    from scrapy.crawler import Crawler
     from scrapy.settings import BaseSettings
 
-__all__ = ["DEFAULT_URL_IGNORE_PARAMS", "SETTINGS", "IdempotentConfig", "RunMode"]
+__all__ = [
+    "DEFAULT_URL_IGNORE_PARAMS",
+    "SETTINGS",
+    "IdempotentConfig",
+    "RunMode",
+    "config_for",
+    "unknown_settings",
+]
+
+logger = logging.getLogger(__name__)
 
 #: Query parameters ignored when a page URL serves as a natural key: analytics and session ids
 #: (scrapy/scrapy#1560, #1113). Matching is by exact name, or by prefix for names ending in ``*``.
@@ -90,6 +105,7 @@ class IdempotentConfig:
     request_classes: tuple[str, ...]
     log_interval_seconds: float
     recrawl_seconds: float | None = None
+    response_journal: bool = True
 
     @classmethod
     def from_settings(cls, settings: BaseSettings, spider: Spider) -> IdempotentConfig:
@@ -153,7 +169,79 @@ class IdempotentConfig:
                 None if settings.get("IDEMPOTENT_RECRAWL_SECONDS") in (None, "")
                 else _number(settings, "IDEMPOTENT_RECRAWL_SECONDS", minimum=1.0)
             ),
+            response_journal=_boolean(settings, "IDEMPOTENT_RESPONSE_JOURNAL"),
         )
+
+
+#: Crawlers whose setting names were checked and whose bad setting was reported.
+_REPORTED: weakref.WeakKeyDictionary[Crawler, set[str]] = weakref.WeakKeyDictionary()
+
+
+def config_for(crawler: Crawler) -> IdempotentConfig:
+    """The validated config of ``crawler``'s spider (every component reads it through here).
+
+    The first call per crawler warns about unknown ``IDEMPOTENT_*`` names (with the nearest
+    known one). A bad value is logged once as one CRITICAL line naming the setting, the value
+    and what is allowed, and the :class:`~.ConfigError` is raised: the crawl does not start
+    and ``scrapy crawl`` exits with code 1. The error is marked as handled for asyncio, so no
+    "Task exception was never retrieved" traceback follows the line.
+    """
+    reported = _REPORTED.setdefault(crawler, set())
+    if "names" not in reported:
+        reported.add("names")
+        for name, nearest in unknown_settings(crawler.settings).items():
+            logger.warning("Unknown setting %s ignored%s", name,
+                           f": did you mean {nearest}?" if nearest else "")
+    spider: Any = crawler.spider if crawler.spider is not None else crawler.spidercls
+    try:
+        return IdempotentConfig.from_settings(crawler.settings, spider)
+    except ConfigError as exc:
+        if "error" not in reported:
+            reported.add("error")
+            logger.critical("scrapy_idempotent: %s; the crawl was not started", exc)
+            _quiet_task_exception()
+        raise
+
+
+def _quiet_task_exception() -> None:
+    """Mark the exception the current asyncio task is about to end with as retrieved: it was
+    reported (one CRITICAL line) and Scrapy sets the exit code from it."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no running event loop
+        return
+    if task is not None:
+        task.add_done_callback(lambda t: None if t.cancelled() else t.exception())
+
+
+def unknown_settings(settings: BaseSettings) -> dict[str, str | None]:
+    """Setting names that look like this package's but are not (``IDEMPOTENT_NATURAL_KEY``,
+    ``IDEMPOTNET_LEASE_SECONDS``), each with the nearest known name (None if none is near)."""
+    unknown: dict[str, str | None] = {}
+    for name in settings:
+        if not isinstance(name, str) or name in SETTINGS:
+            continue
+        prefix = name.split("_", 1)[0]
+        if not (name.startswith("IDEMPOTENT_")
+                or difflib.SequenceMatcher(None, prefix, "IDEMPOTENT").ratio() >= 0.8):
+            continue
+        nearest = difflib.get_close_matches(name, SETTINGS, n=1, cutoff=0.6)
+        unknown[name] = nearest[0] if nearest else None
+    return unknown
+
+
+_TRUE = ("1", "true", "True")
+_FALSE = ("0", "false", "False")
+
+
+def _boolean(settings: BaseSettings, name: str) -> bool:
+    """What Scrapy's ``getbool`` accepts, with an error naming the setting otherwise."""
+    raw = settings.get(name, SETTINGS[name])
+    if isinstance(raw, bool):
+        return raw
+    if raw in (0, 1) or raw in _TRUE or raw in _FALSE:
+        return raw in (1, *_TRUE)
+    raise ConfigError(name, raw, "a boolean: True or False (1 or 0, 'true' or 'false')")
 
 
 def _number(settings: BaseSettings, name: str, *, minimum: float, integer: bool = False) -> float:
@@ -254,7 +342,13 @@ def _database_path(raw: Any, spider_name: str) -> str:
             ) from None
     if not isinstance(raw, (str, os.PathLike)):
         raise ConfigError("IDEMPOTENT_DATABASE", raw, "a file path (may contain {spider})")
-    path = os.fspath(raw)
+    path = os.path.expanduser(os.fspath(raw))
     if "{spider}" in path:
         path = path.replace("{spider}", spider_name)
-    return path
+    if not os.path.isabs(path):
+        # like Scrapy's .scrapy paths: relative to the project (where scrapy.cfg is), so a
+        # crawl started from a subdirectory finds the same frontier; else the current one
+        config_file = closest_scrapy_cfg()
+        path = os.path.join(os.path.dirname(config_file) if config_file else os.getcwd(),
+                            path)
+    return os.path.normpath(path)

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 from scrapy.exceptions import NotConfigured
 
 from .codec import describe, dumps, loads
-from .engine_hooks import response_from_dict, response_to_dict
+from .config import config_for
+from .engine_hooks import response_from_dict, response_to_dict, start_failure_exits_nonzero
 from .middleware import _scheduler_of
 
 if TYPE_CHECKING:
@@ -70,7 +71,9 @@ class ResponseJournalMiddleware:
 
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> Self:
-        if not crawler.settings.getbool("IDEMPOTENT_RESPONSE_JOURNAL", True):
+        with start_failure_exits_nonzero(crawler):
+            journal = config_for(crawler).response_journal
+        if not journal:
             raise NotConfigured("IDEMPOTENT_RESPONSE_JOURNAL is off")
         return cls(crawler)
 

@@ -20,7 +20,7 @@ from scrapy import Request, signals
 from scrapy.utils.misc import load_object
 
 from . import engine_hooks
-from .config import IdempotentConfig
+from .config import config_for
 from .exceptions import ConfigError, IdempotentError
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class RecordIdMiddleware:
         # reads them again when it is built, at spider open).
         with engine_hooks.start_failure_exits_nonzero(crawler):
             if crawler.spider is not None:
-                IdempotentConfig.from_settings(crawler.settings, crawler.spider)
+                config_for(crawler)
             from .scheduler import is_idempotent_scheduler
 
             scheduler = crawler.settings["SCHEDULER"]

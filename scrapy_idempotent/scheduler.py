@@ -40,7 +40,7 @@ from . import __version__, engine_hooks
 from ._order import QueueOrder
 from ._tracking import Entry, ItemTag, Pending
 from .codec import RequestCodec, describe
-from .config import IdempotentConfig
+from .config import IdempotentConfig, config_for
 from .exceptions import MissingNaturalKey, StoreError, UnstorableRequest
 from .records import URL_KEY, RecordIdentity
 from .store.base import Completion, FrontierStore, NewRequest, RequestState, UnitOfWork
@@ -208,7 +208,7 @@ class IdempotentScheduler(BaseScheduler):
         :class:`~.ConfigError` here, before the first request)."""
         assert crawler.spider is not None
         with engine_hooks.start_failure_exits_nonzero(crawler):
-            return cls(crawler, IdempotentConfig.from_settings(crawler.settings, crawler.spider))
+            return cls(crawler, config_for(crawler))
 
     # -- lifecycle --------------------------------------------------------------------------
 

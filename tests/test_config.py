@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -11,6 +15,7 @@ from scrapy.settings import Settings
 from scrapy.utils.misc import build_from_crawler, load_object
 from scrapy.utils.test import get_crawler
 
+from crawling import EXAMPLE_PROJECT
 from scrapy_idempotent import IdempotentScheduler
 from scrapy_idempotent.config import DEFAULT_URL_IGNORE_PARAMS, IdempotentConfig
 from scrapy_idempotent.exceptions import ConfigError
@@ -248,3 +253,70 @@ def test_bad_setting_stops_the_crawl_before_it_starts(tmp_path):
                        "IDEMPOTENT_LEASE_SECONDS": -1})
     assert str(caught.value).startswith("IDEMPOTENT_LEASE_SECONDS=-1 is not valid")
     assert os.listdir(tmp_path) == []
+
+
+# -- what an operator sees: `scrapy crawl` of the example project -------------------------
+
+
+def _crawl(*settings: str, cwd: Path = EXAMPLE_PROJECT, url: str = "http://127.0.0.1:9"
+           ) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "scrapy", "crawl", "shop", "-a", f"url={url}",
+               "-s", "CLOSESPIDER_PAGECOUNT=1", "-s", "LOG_LEVEL=INFO"]
+    for setting in settings:
+        command += ["-s", setting]
+    return subprocess.run(command, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("setting", "value", "allowed"), [
+    ("IDEMPOTENT_RESPONSE_JOURNAL", "yes", "a boolean: True or False"),
+    ("IDEMPOTENT_LEASE_SECONDS", "0", "a number >= 1"),
+    ("IDEMPOTENT_RUN_MODE", "again", "one of auto, resume, fresh"),
+    ("IDEMPOTENT_NATURAL_KEYS", '{"shop.items.ProductItem": "skuu"}', "fields that"),
+])
+def test_a_bad_setting_stops_the_crawl_with_one_critical_line_and_exit_code_1(
+    tmp_path: Path, setting: str, value: str, allowed: str
+) -> None:
+    result = _crawl(f"{setting}={value}", f"IDEMPOTENT_DATABASE={tmp_path / 'db.sqlite3'}")
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    critical = [line for line in output.splitlines() if "CRITICAL" in line]
+    assert len(critical) == 1, output
+    assert f"{setting}=" in critical[0] and allowed in critical[0]
+    assert (value if '"' not in value else "skuu") in critical[0]
+    assert "Traceback" not in output and "never retrieved" not in output, output
+    assert not (tmp_path / "db.sqlite3").exists()  # nothing was started
+
+
+@pytest.mark.slow
+def test_misspelt_setting_names_are_warned_about_with_the_nearest_known_name(
+    tmp_path: Path
+) -> None:
+    result = _crawl("IDEMPOTNET_LEASE_SECONDS=5", "IDEMPOTENT_NATURAL_KEY=sku",
+                    f"IDEMPOTENT_DATABASE={tmp_path / 'db.sqlite3'}")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert ("Unknown setting IDEMPOTNET_LEASE_SECONDS ignored: did you mean "
+            "IDEMPOTENT_LEASE_SECONDS?") in output
+    assert ("Unknown setting IDEMPOTENT_NATURAL_KEY ignored: did you mean "
+            "IDEMPOTENT_NATURAL_KEYS?") in output
+    assert output.count("Unknown setting") == 2  # once each
+
+
+@pytest.mark.slow
+def test_a_relative_database_path_is_resolved_against_the_project_directory(
+    tmp_path: Path
+) -> None:
+    project = tmp_path / "project"
+    shutil.copytree(EXAMPLE_PROJECT, project,
+                    ignore=shutil.ignore_patterns(".scrapy", "__pycache__"))
+    expected = project / "data" / "shop.sqlite3"
+    (project / "logs").mkdir()
+    for cwd in (project, project / "logs"):  # from the project and from a subfolder
+        result = _crawl("IDEMPOTENT_DATABASE=data/{spider}.sqlite3", cwd=cwd)
+        output = result.stdout + result.stderr
+        assert result.returncode == 0, output
+        assert f"run {1 if cwd == project else 2} in {expected}:" in output, output
+    assert expected.exists()
+    assert not (project / "logs" / "data").exists()
