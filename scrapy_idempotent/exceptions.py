@@ -11,6 +11,7 @@ __all__ = [
     "ConfigError",
     "IdempotentError",
     "MissingNaturalKey",
+    "StoreBusy",
     "StoreError",
     "UnstorableRequest",
     "UnsupportedScrapy",
@@ -72,3 +73,8 @@ class MissingNaturalKey(IdempotentError, KeyError):
 
 class StoreError(IdempotentError, RuntimeError):
     """The frontier database failed in a way retrying did not cure."""
+
+
+class StoreBusy(StoreError):
+    """Another process held the database's lock longer than the busy timeout allows: the one
+    store error worth retrying."""

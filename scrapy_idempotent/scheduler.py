@@ -21,7 +21,6 @@ import logging
 import os
 import secrets
 import socket
-import sqlite3
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -41,9 +40,16 @@ from ._order import QueueOrder
 from ._tracking import Entry, ItemTag, Pending
 from .codec import RequestCodec, describe
 from .config import IdempotentConfig, config_for
-from .exceptions import MissingNaturalKey, StoreError, UnstorableRequest
+from .exceptions import MissingNaturalKey, StoreBusy, StoreError, UnstorableRequest
 from .records import URL_KEY, RecordIdentity
-from .store.base import Completion, FrontierStore, NewRequest, RequestState, UnitOfWork
+from .store.base import (
+    Completion,
+    CrawlIdentity,
+    FrontierStore,
+    NewRequest,
+    RequestState,
+    UnitOfWork,
+)
 from .store.sqlite import SQLiteStore
 
 if TYPE_CHECKING:
@@ -225,15 +231,12 @@ class IdempotentScheduler(BaseScheduler):
         self.codec = RequestCodec(spider, self.config.request_classes)
         fingerprinter = type(self._fingerprinter)
         name = f"{fingerprinter.__module__}.{fingerprinter.__qualname__}"
-        try:
-            changed = self._retry("opening", lambda: self.store.open(fingerprinter=name))
-            run = self._retry("starting", lambda: self.store.begin_session(
-                self.worker, self.config.run_mode))
-        except sqlite3.OperationalError as exc:
-            raise StoreError(
-                f"cannot open the database {self.config.database_path}: {exc}; another "
-                "process holds it longer than IDEMPOTENT_BUSY_TIMEOUT_SECONDS allows"
-            ) from exc
+        identity = CrawlIdentity(project=str(self.crawler.settings.get("BOT_NAME") or ""),
+                                 spider=spider.name, source=self.config.source)
+        changed = self._retry("opening", lambda: self.store.open(fingerprinter=name,
+                                                                  identity=identity))
+        run = self._retry("starting", lambda: self.store.begin_session(
+            self.worker, self.config.run_mode))
         _LIVE_WORKERS.add(self.worker)
         self._session = True
         if changed is not None:
@@ -258,6 +261,9 @@ class IdempotentScheduler(BaseScheduler):
             counts["done"] + counts["redirected"], counts["failed"], counts["records"],
         )
         self._install_hooks()
+        from scrapy import signals
+
+        self.crawler.signals.connect(self._engine_stopped, signal=signals.engine_stopped)
         self._renewal = task.LoopingCall(self._tick)
         self._renewal.start(self.config.lease_seconds / 3, now=False)
 
@@ -334,6 +340,15 @@ class IdempotentScheduler(BaseScheduler):
         finally:
             _LIVE_WORKERS.discard(self.worker)
             self.store.close()
+
+    def _engine_stopped(self) -> None:
+        """A crawl closed by a store error must not look successful: ``scrapy crawl`` (and
+        ``runspider``) exit with 1 only when the crawl failed to start, which Scrapy 2.19
+        tells by the crawler having no spider once the crawl is over
+        (``CrawlerProcess._crawl``: ``bootstrap_failed |= not crawler.spider``). Engine
+        stopped is the last signal of a crawl, after every extension's close work."""
+        if self._failed:
+            self.crawler.spider = None
 
     def _install_hooks(self) -> None:
         engine = self.crawler.engine
@@ -825,14 +840,13 @@ class IdempotentScheduler(BaseScheduler):
             result = self._retry("committing", lambda: self.store.commit(work, self.worker))
         except Exception as exc:
             logger.error("scrapy_idempotent: cannot write to the frontier database",
-                         exc_info=not isinstance(exc, sqlite3.OperationalError))
+                         exc_info=not isinstance(exc, StoreError))
             self._pending.restore_from(work)
             self._started[:0] = work.started
             self._replayed[:0] = work.replayed
             self._fail(
-                f"frontier database error: {exc}; nothing committed is lost: fix the cause "
-                "(disk space, another process holding the database longer than "
-                "IDEMPOTENT_BUSY_TIMEOUT_SECONDS) and run the same crawl again to resume"
+                f"frontier database error: {exc}; what was committed before is kept: fix "
+                "the cause and run the same crawl again to resume"
             )
             return None
         self._record_stats(result, work)
@@ -842,15 +856,17 @@ class IdempotentScheduler(BaseScheduler):
         return result
 
     def _retry(self, what: str, action: Callable[[], _T]) -> _T:
-        """``action()``, tried again with back-off while the database is locked or failing
-        (``sqlite3.OperationalError``), at most ``_COMMIT_ATTEMPTS`` times. Blocking: each
-        attempt waits up to IDEMPOTENT_BUSY_TIMEOUT_SECONDS for the lock."""
+        """``action()``, tried again with back-off while another process holds the database
+        locked (:class:`~.StoreBusy`), at most ``_COMMIT_ATTEMPTS`` times; any other store
+        error (disk full, read-only, not our schema, an I/O error) is raised at once, as
+        retrying cannot cure it. Blocking: each attempt waits up to
+        IDEMPOTENT_BUSY_TIMEOUT_SECONDS for the lock."""
         delay = 0.05
         for attempt in range(1, _COMMIT_ATTEMPTS):
             try:
                 return action()
-            except sqlite3.OperationalError as exc:
-                logger.warning("scrapy_idempotent: database busy or failing while %s (%s), "
+            except StoreBusy as exc:
+                logger.warning("scrapy_idempotent: database busy while %s (%s), "
                                "retrying (%d/%d)", what, exc, attempt, _COMMIT_ATTEMPTS)
                 time.sleep(delay)
                 delay *= 2

@@ -426,16 +426,44 @@ def _corrupt(path: Path) -> None:
 
 
 def _newer(path: Path) -> None:
+    """A database of a later scrapy_idempotent (its application id, a later schema)."""
+    from scrapy_idempotent.store.sqlite import APPLICATION_ID
+
     conn = sqlite3.connect(path)
     conn.execute("CREATE TABLE future (x)")
     conn.execute("PRAGMA user_version = 99")
+    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
     conn.commit()
     conn.close()
+
+
+def _sqlite_file(*statements: str) -> Callable[[Path], None]:
+    def make(path: Path) -> None:
+        conn = sqlite3.connect(path)
+        for statement in statements:
+            conn.execute(statement)
+        conn.commit()
+        conn.close()
+    return make
+
+
+#: Databases of other applications: refused before anything in them changes (no WAL switch,
+#: no table, no user_version), with a message that says so and names the setting.
+_FOREIGN = "not a scrapy_idempotent database"
 
 
 @pytest.mark.parametrize(("make", "hint"), [
     pytest.param(_corrupt, "IDEMPOTENT_DATABASE", id="random-bytes"),
     pytest.param(_newer, "upgrade", id="schema-99"),
+    pytest.param(_sqlite_file("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)",
+                              "INSERT INTO users VALUES (1, 'ann')"), _FOREIGN,
+                 id="users-table-version-0"),
+    pytest.param(_sqlite_file("CREATE TABLE records (x)"), _FOREIGN, id="records-table"),
+    pytest.param(_sqlite_file("PRAGMA user_version = 7"), _FOREIGN, id="empty-version-7"),
+    pytest.param(_sqlite_file(
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+        "CREATE TABLE users (id INTEGER)", "PRAGMA user_version = 1"), _FOREIGN,
+        id="version-1-with-a-foreign-table"),
 ])
 @deferred_f_from_coro_f
 async def test_corrupt_or_newer_database_stops_the_crawl_and_is_left_untouched(
@@ -449,7 +477,7 @@ async def test_corrupt_or_newer_database_stops_the_crawl_and_is_left_untouched(
     with pytest.raises(StoreError) as caught:
         await run_crawl(PagesSpider, crawl_settings(db_path, **KEYS), url=site.url,
                         paths=pages(site, 2), make_output=lambda r: [{"sku": r.url}])
-    assert file_digest(db_path) == before
+    assert file_digest(db_path) == before  # no WAL switch, no table, no user_version
     assert sorted(os.listdir(db_path.parent)) == names  # no -wal/-shm/-journal either
     assert site.request_count == 0
     message = str(caught.value)

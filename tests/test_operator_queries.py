@@ -3,7 +3,6 @@ without Scrapy: filters, the retry transaction, read-only opening, record paging
 
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 
 import pytest
@@ -120,7 +119,7 @@ def test_open_existing_neither_creates_nor_writes(tmp_path: Path) -> None:
                                      "supported_schema_version": SCHEMA_VERSION,
                                      "journal_mode": "wal"}
     assert store.meta()["fingerprinter"] == ""
-    with pytest.raises(sqlite3.OperationalError, match="readonly"):
+    with pytest.raises(StoreError, match="read-only"):
         store.retry_failed()
     store.close()
 

@@ -977,9 +977,12 @@ def test_sqlite_reopening_an_existing_file(tmp_path, clock):
 
 
 def test_sqlite_newer_schema_is_refused_and_the_file_left_untouched(tmp_path):
+    from scrapy_idempotent.store.sqlite import APPLICATION_ID
+
     path = tmp_path / "f.sqlite3"
     conn = sqlite3.connect(path)
     conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
     conn.commit()
     conn.close()
     before = path.read_bytes()

@@ -3,6 +3,7 @@
 from .base import (
     CommitResult,
     Completion,
+    CrawlIdentity,
     FrontierStatus,
     FrontierStore,
     LeasedRequest,
@@ -20,6 +21,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "CommitResult",
     "Completion",
+    "CrawlIdentity",
     "FrontierStatus",
     "FrontierStore",
     "LeaseHolder",

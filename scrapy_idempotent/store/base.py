@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 __all__ = [
     "CommitResult",
     "Completion",
+    "CrawlIdentity",
     "FrontierStatus",
     "FrontierStore",
     "LeaseHolder",
@@ -55,6 +56,16 @@ class RequestState(str, enum.Enum):
     @property
     def terminal(self) -> bool:
         return self in (RequestState.DONE, RequestState.FAILED, RequestState.REDIRECTED)
+
+
+@dataclass(frozen=True)
+class CrawlIdentity:
+    """Whose database it is: the project (Scrapy's ``BOT_NAME``), the spider name and the
+    record source (``IDEMPOTENT_SOURCE``). Recorded at creation; another crawl is refused."""
+
+    project: str
+    spider: str
+    source: str
 
 
 @dataclass(frozen=True)
@@ -213,10 +224,15 @@ class FrontierStore(ABC):
     """A durable frontier with leases, plus the records table. See the module docstring."""
 
     @abstractmethod
-    def open(self, *, fingerprinter: str) -> str | None:
+    def open(self, *, fingerprinter: str, identity: CrawlIdentity | None = None) -> str | None:
         """Create or migrate the schema. Returns the fingerprinter recorded at creation when
         it differs from ``fingerprinter`` (request keys may not match), else None.
-        Raises :class:`~.StoreError` for a corrupt, unreadable or newer-schema database."""
+
+        ``identity`` is recorded at creation (or at the first open of a database made before
+        identities existed); a database of another identity is refused. Raises
+        :class:`~.StoreError` for a corrupt, unreadable, newer-schema or foreign database,
+        or another crawl's, before anything in it is changed; :class:`~.StoreBusy` when
+        another process holds it locked too long (worth retrying)."""
 
     @abstractmethod
     def close(self) -> None: ...

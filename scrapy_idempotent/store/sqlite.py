@@ -14,10 +14,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
-from ..exceptions import StoreError
+from ..exceptions import StoreBusy, StoreError
 from .base import (
     CommitResult,
     Completion,
+    CrawlIdentity,
     FrontierStatus,
     FrontierStore,
     LeasedRequest,
@@ -29,7 +30,7 @@ from .base import (
     UnitOfWork,
 )
 
-__all__ = ["SCHEMA_VERSION", "SQLiteStore"]
+__all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
 
 SCHEMA_VERSION = 3
 
@@ -157,11 +158,36 @@ assert len(_MIGRATIONS) == SCHEMA_VERSION
 #: before start requests; within a queue by insertion, first-in-first-out for ``fifo``
 #: rows, else last-in-first-out. Written exactly as in the ``requests_pending`` index.
 _QUEUE_ORDER = "priority DESC, is_start, (CASE WHEN fifo THEN id ELSE -id END)"
+#: ``PRAGMA application_id`` of the package's databases ("SIDP"): a file with another one is
+#: not ours, whatever its tables.
+APPLICATION_ID = 0x53494450
+#: The tables of each schema version: a file with any other table is not ours.
+_TABLES_1 = frozenset({"meta", "runs", "sessions", "requests", "records", "responses",
+                       "rejects"})
+_TABLES: dict[int, frozenset[str]] = {1: _TABLES_1, 2: _TABLES_1 | {"feeds"},
+                                      3: _TABLES_1 | {"feeds"}}
+assert set(_TABLES) == set(range(1, SCHEMA_VERSION + 1))
+#: Schema versions written before the application id was (files of those have none).
+_BEFORE_APPLICATION_ID = frozenset({1, 2, 3})
+#: The -wal file is truncated back to this size after a checkpoint (it grows with the largest
+#: transactions, such as journaled responses of big pages, and would otherwise keep its peak).
+WAL_SIZE_LIMIT_BYTES = 16 * 1024 * 1024
 
 _TERMINAL = tuple(s.value for s in RequestState if s.terminal)
 _BY_KEY = "SELECT id, state, finished_at FROM requests WHERE key = ?"
 _BY_OTHER_KEY = ("SELECT id, state, finished_at FROM requests"
                  " WHERE fingerprint = ? AND key != fingerprint LIMIT 1")
+
+
+def _os_cause(exc: OSError) -> str:
+    """An operating system error in words a user acts on."""
+    import errno
+
+    if exc.errno == errno.ENOSPC:
+        return f"the disk is full ({exc})"
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"the file system or directory is read-only or not writable by this user ({exc})"
+    return str(exc)
 
 
 class SQLiteStore(FrontierStore):
@@ -205,6 +231,7 @@ class SQLiteStore(FrontierStore):
         self.run_id: int | None = None
         self.transactions = 0  #: write transactions committed by this object
         self._conn: sqlite3.Connection | None = None
+        self._wal: int | None = None  #: inode of the -wal file this connection writes
 
     # -- connection and schema --------------------------------------------------------------
 
@@ -214,7 +241,8 @@ class SQLiteStore(FrontierStore):
             raise StoreError(f"store {self.path} is not open")
         return self._conn
 
-    def open(self, *, fingerprinter: str = "") -> str | None:
+    def open(self, *, fingerprinter: str = "",
+             identity: CrawlIdentity | None = None) -> str | None:
         fix = "; set IDEMPOTENT_DATABASE to a writable file path"
         if os.path.isdir(self.path):
             raise StoreError(f"{self.path} is a directory, not a database file{fix}")
@@ -222,32 +250,34 @@ class SQLiteStore(FrontierStore):
         try:
             os.makedirs(directory, exist_ok=True)
         except OSError as exc:
-            raise StoreError(f"cannot create the directory of {self.path}: {exc}{fix}") from exc
+            raise StoreError(f"cannot create the directory of {self.path}: "
+                             f"{_os_cause(exc)}{fix}") from exc
         try:
             os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600))
         except FileExistsError:
             pass  # an existing database
         except OSError as exc:
-            raise StoreError(f"cannot create the database {self.path}: {exc}{fix}") from exc
+            raise StoreError(f"cannot create the database {self.path}: "
+                             f"{_os_cause(exc)}{fix}") from exc
         try:
             conn = sqlite3.connect(self.path, isolation_level=None,
                                    timeout=self.busy_timeout_seconds)
         except sqlite3.Error as exc:
-            raise StoreError(f"cannot open the database {self.path}: {exc}{fix}") from exc
+            raise self._error(exc, "opening") from exc
         self._conn = conn
         try:
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_seconds * 1000)}")
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise StoreError(
-                    f"{self.path} has schema version {version}, newer than this "
-                    f"scrapy_idempotent supports ({SCHEMA_VERSION}); upgrade the package"
-                )
+            version, new = self._check_ownership(conn)
+            if new:
+                # Freed pages (journaled responses are deleted as their requests complete)
+                # go back to the file system: set before the first table exists.
+                conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
             # WAL is switched on outside any transaction, and only when it is not on already.
             if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
                 conn.execute("PRAGMA journal_mode = WAL")
             conn.execute(f"PRAGMA synchronous = {self.synchronous}")
             conn.execute("PRAGMA cache_size = -32768")  # KiB: 32 MiB of page cache, not 2
+            conn.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT_BYTES}")
             for step in range(version, SCHEMA_VERSION):
                 with self._write() as cur:
                     current = cur.execute("PRAGMA user_version").fetchone()[0]
@@ -256,53 +286,168 @@ class SQLiteStore(FrontierStore):
                     for statement in _MIGRATIONS[step]:
                         cur.execute(statement)
                     cur.execute(f"PRAGMA user_version = {step + 1}")
+                    cur.execute(f"PRAGMA application_id = {APPLICATION_ID}")
             with self._write() as cur:
+                if cur.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
+                    cur.execute(f"PRAGMA application_id = {APPLICATION_ID}")
                 cur.execute("INSERT OR IGNORE INTO meta VALUES ('fingerprinter', ?)",
                             (fingerprinter,))
                 cur.execute("INSERT OR IGNORE INTO meta VALUES ('created_at', ?)",
                             (repr(self.clock()),))
                 stored = cur.execute(
                     "SELECT value FROM meta WHERE key = 'fingerprinter'").fetchone()[0]
+                if identity is not None:
+                    self._claim_identity(cur, identity)
         except StoreError:
             self.close()
             raise
-        except sqlite3.OperationalError:
+        except sqlite3.Error as exc:
             self.close()
-            raise  # locked or busy: the caller may retry
-        except sqlite3.DatabaseError as exc:
-            self.close()
-            if "not a database" in str(exc):
-                raise StoreError(
-                    f"{self.path} is not a scrapy_idempotent database, or is damaged ({exc}); "
-                    "it was left untouched: restore it from a backup, or set "
-                    "IDEMPOTENT_DATABASE to another path"
-                ) from exc
-            raise StoreError(f"cannot use the database {self.path}: {exc}") from exc
+            raise self._error(exc, "opening") from exc
         return stored if stored != fingerprinter else None
+
+    def _check_ownership(self, conn: sqlite3.Connection) -> tuple[int, bool]:
+        """Refuse, before anything in the file changes, a database that is not this
+        package's: any table it does not create, an application id or a ``user_version`` it
+        did not write. Returns the schema version found and whether the file is new (empty).
+        """
+        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        tables = {name for (name,) in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table'"
+            " AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\'")}
+        if not tables and version == 0 and app_id in (0, APPLICATION_ID):
+            return 0, True
+        ours = app_id == APPLICATION_ID or (
+            # written before the application id existed: exactly the tables of its version
+            app_id == 0 and version in _BEFORE_APPLICATION_ID and tables == _TABLES[version])
+        if ours and version > SCHEMA_VERSION:
+            raise StoreError(
+                f"{self.path} has schema version {version}, newer than this "
+                f"scrapy_idempotent supports ({SCHEMA_VERSION}); upgrade the package"
+            )
+        if ours and version >= 1 and tables <= _TABLES[version]:
+            return version, False
+        shown = ", ".join(sorted(tables)[:8]) or "none"
+        raise StoreError(
+            f"{self.path} is not a scrapy_idempotent database (tables: {shown}; "
+            f"user_version {version}, application_id {app_id}); it was left untouched: "
+            "set IDEMPOTENT_DATABASE to another file"
+        )
+
+    def _claim_identity(self, cur: sqlite3.Cursor, identity: CrawlIdentity) -> None:
+        """Record whose database this is at its first open (a database of an earlier
+        version gets it now); refuse another crawl's."""
+        stored = dict(cur.execute(
+            "SELECT key, value FROM meta WHERE key IN ('project', 'spider', 'source')"))
+        if not stored:
+            cur.executemany("INSERT INTO meta VALUES (?, ?)", [
+                ("project", identity.project), ("spider", identity.spider),
+                ("source", identity.source)])
+            return
+        owner = CrawlIdentity(project=stored.get("project", ""),
+                              spider=stored.get("spider", ""), source=stored.get("source", ""))
+        if owner == identity:
+            return
+        whose = (f"{self.path} belongs to spider {owner.spider!r} of project "
+                 f"{owner.project!r} (record source {owner.source!r})")
+        this = (f"this crawl is spider {identity.spider!r} of project {identity.project!r} "
+                f"(record source {identity.source!r})")
+        if (owner.project, owner.spider) == (identity.project, identity.spider):
+            hint = (f"its records were stored under source {owner.source!r}: set "
+                    f"IDEMPOTENT_SOURCE = {owner.source!r} to continue them, or "
+                    "IDEMPOTENT_DATABASE to another file for the new source")
+        else:
+            hint = ("each crawl needs its own database: set IDEMPOTENT_DATABASE to another "
+                    "file (a path containing {spider} gives each spider its own; the default "
+                    "is one file per spider in each project's .scrapy directory)")
+        raise StoreError(f"{whose}; {this}: {hint}")
+
+    def _error(self, exc: sqlite3.Error, doing: str) -> StoreError:
+        """The :class:`~.StoreError` that names the real cause of a SQLite error; only a
+        busy or locked database is a :class:`~.StoreBusy` (worth retrying)."""
+        name = str(getattr(exc, "sqlite_errorname", "") or "")
+        where = f"the database {self.path}"
+        if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
+            return StoreBusy(
+                f"{where} is locked by another process longer than "
+                f"IDEMPOTENT_BUSY_TIMEOUT_SECONDS ({self.busy_timeout_seconds:g} s) allows "
+                f"while {doing} ({exc})")
+        if name == "SQLITE_FULL":
+            return StoreError(f"the disk holding {where} is full while {doing} ({exc}): "
+                              "free some space")
+        if name == "SQLITE_READONLY_DBMOVED":
+            return StoreError(f"{where} was moved or deleted while in use ({exc})")
+        if name.startswith("SQLITE_READONLY") or name == "SQLITE_CANTOPEN":
+            return StoreError(
+                f"{where} is read-only ({exc}): the file, or its directory (SQLite writes "
+                "-wal and -shm files beside it), cannot be written by this process; make it "
+                "writable, or set IDEMPOTENT_DATABASE to a writable path")
+        if name.startswith("SQLITE_IOERR"):
+            return StoreError(
+                f"I/O error on {where} while {doing} ({exc}, {name}): the disk failed, or "
+                "a file of the database (-wal, -shm) was deleted or truncated while in use")
+        if name in ("SQLITE_NOTADB", "SQLITE_CORRUPT") or "not a database" in str(exc):
+            return StoreError(
+                f"{self.path} is not a scrapy_idempotent database, or is damaged ({exc}); "
+                "it was left untouched: restore it from a backup, or set "
+                "IDEMPOTENT_DATABASE to another path")
+        if "no such table" in str(exc) or "no such column" in str(exc):
+            return StoreError(
+                f"{where} does not have the schema this scrapy_idempotent expects ({exc}); "
+                "was it changed by hand or by another program?")
+        return StoreError(f"cannot use {where} while {doing}: {exc} ({name or 'error'})")
 
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+            self._wal = None
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite3.Cursor]:
         """The one write-transaction primitive: ``BEGIN IMMEDIATE`` ... ``COMMIT``, rolled
         back on any exception, so a transaction is all or nothing."""
         conn = self.conn
+        self._check_wal()
         cur = conn.cursor()
-        cur.execute("BEGIN IMMEDIATE")
+        try:
+            cur.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise self._error(exc, "starting a write") from exc
         try:
             yield cur
             cur.execute("COMMIT")
-        except BaseException:
+        except BaseException as exc:
             # SQLite may have rolled back already (SQLITE_FULL, an I/O error): only roll back
             # what is still open, so the original error is the one that surfaces.
             if conn.in_transaction:
                 with contextlib.suppress(sqlite3.Error):
                     conn.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.Error):
+                raise self._error(exc, "writing") from exc
             raise
         self.transactions += 1
+        if self._wal is None:
+            with contextlib.suppress(OSError):
+                self._wal = os.stat(f"{self.path}-wal").st_ino
+
+    def _check_wal(self) -> None:
+        """A -wal file deleted (or replaced) under an open connection swallows every commit
+        that follows, silently: they vanish when the process ends. Refuse to write then."""
+        if self._wal is None:
+            return
+        try:
+            inode = os.stat(f"{self.path}-wal").st_ino
+        except OSError:
+            inode = None
+        if inode != self._wal:
+            raise StoreError(
+                f"the write-ahead log {self.path}-wal was deleted or replaced while the "
+                "database was open: what was committed since its last checkpoint is lost, "
+                "and later commits would be too; nothing more is written. Never delete "
+                "-wal or -shm files of a database in use; run the crawl again to resume "
+                "from what the database holds")
 
     # -- runs and sessions ------------------------------------------------------------------
 
