@@ -20,6 +20,7 @@ from scrapy import Request, signals
 from scrapy.utils.misc import load_object
 
 from . import engine_hooks
+from ._dupes import DuplicateFilter
 from .config import config_for
 from .exceptions import ConfigError, IdempotentError
 
@@ -63,6 +64,7 @@ class RecordIdMiddleware:
         with engine_hooks.start_failure_exits_nonzero(crawler):
             if crawler.spider is not None:
                 config_for(crawler)
+            DuplicateFilter.check(crawler.settings)  # DUPEFILTER_CLASS
             from .scheduler import is_idempotent_scheduler
 
             scheduler = crawler.settings["SCHEDULER"]

@@ -22,7 +22,7 @@ import os
 import secrets
 import socket
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -36,6 +36,7 @@ from twisted.internet import task
 from twisted.python.failure import Failure
 
 from . import __version__, engine_hooks
+from ._dupes import DuplicateFilter
 from ._order import QueueOrder
 from ._tracking import Entry, ItemTag, Pending
 from .codec import RequestCodec, describe
@@ -204,6 +205,10 @@ class IdempotentScheduler(BaseScheduler):
         self._httperror_allow_all = settings.getbool("HTTPERROR_ALLOW_ALL")
         self._httperror_allowed = [int(s) for s in settings.getlist("HTTPERROR_ALLOWED_CODES")]
         self._order = QueueOrder.from_settings(settings)
+        self._dupes = DuplicateFilter.from_settings(settings, crawler.stats)
+        #: fingerprints of filtered requests buffered for a transaction (duplicates of these
+        #: are refused before they reach the database)
+        self._buffered: Counter[str] = Counter()
         self._renewal: task.LoopingCall | None = None
         self._before_end: list[Callable[[FrontierStore, int, bool], Any]] = []
         self.run_id: int | None = None
@@ -505,17 +510,26 @@ class IdempotentScheduler(BaseScheduler):
                 parent = owner[0]
                 if parent is not None:
                     parent.tracked.pop(id(request), None)
-        if not request.dont_filter and continuation is None:
-            # Most enqueued requests are rediscovered links: known ones are counted and
-            # dropped without being encoded or written (the commit would drop them too).
-            known = self.store.known_request(fingerprint)
+        filtered = self._dupes.enabled and not request.dont_filter
+        # A retry continues the same frontier entry: from the downloader (RetryMiddleware, a
+        # redirect to the same request) or get_retry_request() yielded by the callback (one
+        # more retry_times than its request). Other requests, even dont_filter ones to the
+        # page's own URL, are new entries.
+        retry_of = parent if parent is not None and fingerprint == parent.fingerprint and (
+            continuation is not None or (
+                request.dont_filter and parent.continuation is None
+                and _retry_times(request) == _retry_times(parent.request) + 1)
+        ) else None
+        if filtered and retry_of is None:
+            # Most enqueued requests are rediscovered links: known ones (in the frontier, or
+            # buffered for the next transaction) are refused like Scrapy's dupefilter does,
+            # without being encoded or written.
+            known = "duplicate" if self._buffered[fingerprint] else \
+                self.store.known_request(fingerprint)
             if known is not None:
                 self.stats.inc_value(f"idempotent/requests/{known}")
-                return True
-        # A retry (RetryMiddleware, get_retry_request) continues the same frontier entry. A
-        # plain link of a page to itself is not one: it is a duplicate like any other.
-        retry_of = parent if parent is not None and fingerprint == parent.fingerprint and (
-            continuation is not None or request.dont_filter) else None
+                self._dupes.filtered(request)
+                return False
         try:
             data = self.codec.encode(request)
         except UnstorableRequest as exc:
@@ -536,7 +550,7 @@ class IdempotentScheduler(BaseScheduler):
             return True
         start_queue, fifo = self._order.place(request)
         new = NewRequest(
-            key=self._key(request, fingerprint, parent, is_start),
+            key=self._key(filtered, fingerprint, parent, is_start),
             fingerprint=fingerprint,
             url=request.url,
             priority=request.priority,
@@ -544,17 +558,19 @@ class IdempotentScheduler(BaseScheduler):
             parent_key=parent.key if parent is not None else None,
             is_start=start_queue,
             fifo=fifo,
-            filter_fingerprint=not request.dont_filter,
+            filter_fingerprint=filtered,
         )
+        if filtered:
+            self._buffered[fingerprint] += 1
         if parent is not None:
             parent.children.append(new)
         else:
             self._pending.requests.append(new)
         return True
 
-    def _key(self, request: Request, fingerprint: str, parent: Entry | None,
+    def _key(self, filtered: bool, fingerprint: str, parent: Entry | None,
              is_start: bool) -> str:
-        if not request.dont_filter:
+        if filtered:
             return fingerprint
         if parent is not None:
             scope = parent.key
@@ -850,6 +866,12 @@ class IdempotentScheduler(BaseScheduler):
             )
             return None
         self._record_stats(result, work)
+        buffered = self._buffered
+        for written in work.requests:  # (or dropped by the store: no longer buffered)
+            if written.filter_fingerprint:
+                buffered[written.fingerprint] -= 1
+                if buffered[written.fingerprint] <= 0:
+                    del buffered[written.fingerprint]
         if work.give_back:
             self._local.clear()
         self._local.extend(result.leased)
@@ -994,6 +1016,12 @@ class IdempotentScheduler(BaseScheduler):
             logger.info("scrapy_idempotent: reclaimed %d leases of dead workers %s",
                         reclaimed, ", ".join(dead))
         return reclaimed
+
+
+def _retry_times(request: Request) -> int:
+    """How many times ``request`` is a retry (RetryMiddleware's ``retry_times`` meta key)."""
+    value = request.meta.get("retry_times", 0)
+    return value if isinstance(value, int) else 0
 
 
 def _stamped_id(item: Any, field: str | None) -> str | None:

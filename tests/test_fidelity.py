@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import scrapy
@@ -222,3 +222,140 @@ async def test_crawl_order_matches_scrapy_one_request_at_a_time(
         db_path, **ONE_AT_A_TIME, **queue_settings), url=site.url)
     assert observed.reason == "finished"
     assert [path_of(u) for u in observed.sent] == [path_of(u) for u in plain.sent]
+
+
+# -- duplicates (DUPEFILTER_CLASS, DUPEFILTER_DEBUG, request_dropped) ---------------------------
+
+
+class DuplicateLinksSpider(SiteSpider):
+    """``/ok/a`` links ``b`` twice and ``c``; ``b`` links ``a`` (already done) and ``c``;
+    ``c`` links nothing."""
+
+    links: ClassVar[dict[str, tuple[str, ...]]] = {"a": ("b", "b", "c"), "b": ("a", "c"),
+                                                   "c": ()}
+
+    async def start(self) -> Any:
+        yield scrapy.Request(self.at("/ok/a"))
+
+    def parse(self, response: Any) -> Any:
+        name = path_of(response.url).rsplit("/", 1)[1]
+        yield {"key": name}
+        for link in self.links[name]:
+            yield scrapy.Request(self.at(f"/ok/{link}"))
+
+
+@deferred_f_from_coro_f
+async def test_duplicates_are_dropped_and_counted_as_by_scrapys_dupefilter(
+    site: PathsSite, db_path: Path, caplog: Any
+) -> None:
+    plain = await crawl(DuplicateLinksSpider, {"TELNETCONSOLE_ENABLED": False}, url=site.url)
+    site.reset_counts()
+    caplog.set_level("DEBUG")
+    observed = await crawl(DuplicateLinksSpider, settings(db_path), url=site.url)
+    assert observed.reason == "finished"
+    assert site.counts_by_path() == {"/ok/a": 1, "/ok/b": 1, "/ok/c": 1}
+    # the second b (buffered with the first, not yet written), a (done) and c (pending or
+    # buffered): refused, as Scrapy refuses them
+    assert sorted(map(path_of, observed.dropped)) == sorted(map(path_of, plain.dropped)) == [
+        "/ok/a", "/ok/b", "/ok/c"]
+    assert observed.stats["dupefilter/filtered"] == plain.stats["dupefilter/filtered"] == 3
+    lines = [r.getMessage() for r in caplog.records if "Filtered duplicate" in r.getMessage()]
+    assert len(lines) == 1
+    assert lines[0].endswith("- no more duplicates will be shown (see DUPEFILTER_DEBUG to "
+                             "show all duplicates)")
+
+
+@deferred_f_from_coro_f
+async def test_dupefilter_debug_logs_every_duplicate_with_its_referer(
+    site: PathsSite, db_path: Path, caplog: Any
+) -> None:
+    caplog.set_level("DEBUG")
+    observed = await crawl(DuplicateLinksSpider, settings(db_path, DUPEFILTER_DEBUG=True),
+                           url=site.url)
+    lines = [r.getMessage() for r in caplog.records if "Filtered duplicate" in r.getMessage()]
+    assert len(lines) == observed.stats["dupefilter/filtered"] == 3
+    assert all(f"(referer: {site.url}/ok/" in line for line in lines), lines
+
+
+@deferred_f_from_coro_f
+async def test_base_dupefilter_filters_nothing_as_in_scrapy(
+    site: PathsSite, db_path: Path
+) -> None:
+    class ShortSpider(DuplicateLinksSpider):
+        links: ClassVar[dict[str, tuple[str, ...]]] = {"a": ("b", "b", "c"), "b": (), "c": ()}
+
+    no_filter = {"DUPEFILTER_CLASS": "scrapy.dupefilters.BaseDupeFilter"}
+    plain = await crawl(ShortSpider, {"TELNETCONSOLE_ENABLED": False, **no_filter},
+                        url=site.url)
+    expected = site.counts_by_path()
+    assert expected == {"/ok/a": 1, "/ok/b": 2, "/ok/c": 1}
+    site.reset_counts()
+    observed = await crawl(ShortSpider, settings(db_path, **no_filter), url=site.url)
+    assert observed.reason == "finished"
+    assert site.counts_by_path() == expected
+    assert observed.dropped == plain.dropped == []
+    assert "dupefilter/filtered" not in observed.stats
+    # each request is its own entry, keyed by its parent and rank: the finished run
+    # resumed adds nothing
+    assert db_rows(db_path, "SELECT count(*) FROM requests") == [(4,)]
+    site.reset_counts()
+    again = await crawl(ShortSpider, settings(db_path, IDEMPOTENT_RUN_MODE="resume",
+                                              **no_filter), url=site.url)
+    assert again.reason == "finished"
+    assert site.counts_by_path() == {}
+    assert db_rows(db_path, "SELECT count(*) FROM requests") == [(4,)]
+
+
+@deferred_f_from_coro_f
+async def test_another_dupefilter_class_is_refused_at_start(
+    site: PathsSite, db_path: Path
+) -> None:
+    from scrapy_idempotent.exceptions import ConfigError
+
+    crawler = get_crawler(DuplicateLinksSpider, settings(
+        db_path, DUPEFILTER_CLASS="test_fidelity.CustomDupeFilter"))
+    with pytest.raises(ConfigError) as raised:
+        await crawler.crawl_async(url=site.url)
+    assert raised.value.setting == "DUPEFILTER_CLASS"
+    assert "REQUEST_FINGERPRINTER_CLASS" in str(raised.value)
+    assert site.total() == 0
+
+
+class CustomDupeFilter:
+    """A project's own duplicate filter (never consulted with the add-on)."""
+
+
+# -- several dont_filter requests to one URL -----------------------------------------------------
+
+
+class PollingSpider(SiteSpider):
+    """``/ok/poll`` asks for itself three more times (``dont_filter``, told apart by meta),
+    as a spider polling a page or paginating by POST does."""
+
+    async def start(self) -> Any:
+        yield scrapy.Request(self.at("/ok/poll"))
+
+    def parse(self, response: Any) -> Any:
+        for n in (1, 2, 3):
+            yield scrapy.Request(response.url, dont_filter=True, meta={"n": n},
+                                 callback=self.parse_poll)
+
+    def parse_poll(self, response: Any) -> Any:
+        yield {"key": f"poll-{response.meta['n']}"}
+
+
+@deferred_f_from_coro_f
+async def test_dont_filter_requests_to_the_pages_own_url_are_each_fetched(
+    site: PathsSite, db_path: Path
+) -> None:
+    plain = await crawl(PollingSpider, {"TELNETCONSOLE_ENABLED": False}, url=site.url)
+    assert sorted(i["key"] for i in plain.scraped) == ["poll-1", "poll-2", "poll-3"]
+    site.reset_counts()
+    observed = await crawl(PollingSpider, settings(db_path), url=site.url)
+    assert observed.reason == "finished"
+    assert site.hits("/ok/poll") == 4
+    assert sorted(i["key"] for i in observed.scraped) == ["poll-1", "poll-2", "poll-3"]
+    assert sorted(r["key"] for r in records(db_path)) == ["poll-1", "poll-2", "poll-3"]
+    assert db_rows(db_path, "SELECT state, count(*) FROM requests GROUP BY state") == [
+        ("done", 4)]
+    assert "idempotent/requests/retried" not in observed.stats

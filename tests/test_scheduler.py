@@ -260,3 +260,24 @@ def test_two_workers_never_share_a_lease_and_dead_workers_are_reclaimed(
     first._closing = True
     first.store.close()
     harness.open.remove(first)
+
+
+def test_duplicate_of_a_buffered_child_is_refused_at_once(harness: Harness) -> None:
+    scheduler = harness.scheduler()
+    for url in URLS[:2]:
+        scheduler.enqueue_request(scrapy.Request(url))
+    first, second = drain(scheduler)
+    # two pages in flight yield the same link; neither page is finished, so the first child
+    # is only buffered (for its page's transaction) when the second arrives
+    children = [scrapy.Request("https://example.com/child") for _ in range(2)]
+    for page, child in zip((first, second), children, strict=True):
+        scheduler.track(child, scheduler.inflight_entry(page), page.url)
+    assert scheduler.enqueue_request(children[0]) is True
+    assert scheduler.enqueue_request(children[1]) is False
+    assert scheduler.stats.get_value("dupefilter/filtered") == 1
+    finish(scheduler, second)
+    finish(scheduler, first)
+    # the child was written once, by the page that yielded it first
+    rows = dict(db_rows(harness.db_path, "SELECT url, key FROM requests"))
+    assert db_rows(harness.db_path, "SELECT parent_key FROM requests WHERE url = ?",
+                   ("https://example.com/child",)) == [(rows[first.url],)]
