@@ -8,6 +8,8 @@ Scrapy has no sub-commands, so the first argument names one:
   repeated requests, totals over all runs;
 * ``failed``: failed requests with URL, error kind, message and attempts;
 * ``retry``: failed requests back to pending (one transaction), so the next crawl fetches them;
+  with ``--rejects`` the pages of the last run's rejected items;
+* ``rejects``: items that could not become records (type, reason, page, time);
 * ``export``: records to JSON Lines, CSV or JSON through Scrapy's item exporters;
 * ``check``: integrity, schema version, WAL mode, leases of dead workers, impossible states;
   exit code 1 when something is wrong.
@@ -51,7 +53,9 @@ __all__ = ["SUBCOMMANDS", "Command"]
 SUBCOMMANDS: dict[str, str] = {
     "status": "where the crawl stands: runs, frontier, leases, records, failures",
     "failed": "failed requests with URL, error kind, message and attempts",
-    "retry": "put failed requests back to pending; the next crawl fetches them",
+    "retry": "put failed requests (or with --rejects the pages of rejected items) back to "
+             "pending; the next crawl fetches them",
+    "rejects": "items that could not become records, with type, reason, page and time",
     "export": "records to JSON Lines, CSV or JSON (-o FILE, default stdout)",
     "check": "integrity, schema, WAL, dead workers' leases, impossible rows; exit 1 if wrong",
 }
@@ -60,7 +64,8 @@ SUBCOMMANDS: dict[str, str] = {
 _OPTION_SCOPE: dict[str, tuple[str, ...]] = {
     "kind": ("failed", "retry"),
     "url": ("failed", "retry"),
-    "limit": ("failed",),
+    "limit": ("failed", "rejects"),
+    "rejects": ("retry",),
     "output": ("export",),
     "format": ("export",),
     "since": ("export",),
@@ -122,7 +127,12 @@ class Command(ScrapyCommand):
             help="only URLs matching a glob on the whole URL ('*/product/*'), or a regular "
                  "expression searched in it when prefixed with 're:' ('re:SKU-0000[1-5]$')")
         group.add_argument("--limit", type=int, metavar="N",
-                           help=f"failed: list at most N (default {_FAILED_LIMIT}; 0: all)")
+                           help=f"failed, rejects: list at most N (default {_FAILED_LIMIT}; "
+                                "0: all)")
+        group.add_argument(
+            "--rejects", action="store_true", default=None,
+            help="retry: put back the pages of the last run's rejected items (fix the spider "
+                 "or IDEMPOTENT_NATURAL_KEYS first)")
         group = parser.add_argument_group("export")
         group.add_argument("-o", "--output", metavar="FILE",
                            help="write to FILE (replaced when complete); default stdout")
@@ -151,8 +161,9 @@ class Command(ScrapyCommand):
                 raise UsageError(f"--{dest} applies to {' and '.join(scope)}, not {subcommand}")
         if len(args) == 2 and opts.db:
             raise UsageError("give a spider name or --db PATH, not both")
-        if len(args) == 1 and not opts.db:
-            raise UsageError("give a spider name (inside a project) or --db PATH")
+        if opts.rejects and (opts.kind or opts.url is not None):
+            raise UsageError("--rejects puts back pages of rejected items; --kind and --url "
+                             "select failed requests: use one or the other")
         if opts.limit is not None and opts.limit < 0:
             raise UsageError("--limit must be 0 (all) or more")
         opts.url_glob = opts.url_regex = None
@@ -185,6 +196,9 @@ class Command(ScrapyCommand):
                 getattr(self, f"_{subcommand}")(store, path, info, opts)
             finally:
                 store.close()
+        except _UnknownSpider as exc:
+            print(f"scrapy idempotent {subcommand}: {exc}", file=sys.stderr)
+            self.exitcode = 2
         except IdempotentError as exc:
             print(f"scrapy idempotent {subcommand}: {exc}", file=sys.stderr)
             self.exitcode = 1
@@ -194,21 +208,48 @@ class Command(ScrapyCommand):
     # -- the database -----------------------------------------------------------------------
 
     def _store(self, spider: str | None, db: str | None) -> tuple[FrontierStore, str]:
-        """The store of ``--db`` or of the spider's settings, as the scheduler resolves it."""
+        """The store of ``--db`` or of the spider's settings, as the scheduler resolves it.
+        Without a spider name, the only spider of the project."""
         assert self.settings is not None
         settings = self.settings.copy()
         if db is not None:
             return SQLiteStore(db, busy_timeout_seconds=settings.getfloat(
                 "IDEMPOTENT_BUSY_TIMEOUT_SECONDS", 10.0)), db
-        assert spider is not None
+        from scrapy.utils.project import inside_project
+
+        if not inside_project():
+            if spider is None or settings.get("IDEMPOTENT_DATABASE") in (None, ""):
+                raise _UnknownSpider(
+                    f"not inside a Scrapy project (no scrapy.cfg in {os.getcwd()} or above): "
+                    "run it in the project's directory, or give the database with --db PATH")
+            named: Any = SimpleNamespace(name=spider)
+            config = IdempotentConfig.from_settings(settings, named)
+            return SQLiteStore(config.database_path, lease_seconds=config.lease_seconds,
+                               busy_timeout_seconds=config.busy_timeout_seconds), \
+                config.database_path
+        loader = engine_hooks.spider_loader(settings)
+        known = sorted(loader.list())
         spidercls: Any
+        if spider is None:
+            if len(known) != 1:
+                raise _UnknownSpider(
+                    "give a spider name: this project has "
+                    + (f"{len(known)} spiders ({', '.join(known)})" if known else "no spider"))
+            spider = known[0]
         try:
-            spidercls = engine_hooks.spider_loader(settings).load(spider)
-        except KeyError:  # not a spider of this project: the name alone decides the path
+            spidercls = loader.load(spider)
+        except KeyError:
+            # not a spider of this project (any more): its database may still be there
             spidercls = SimpleNamespace(name=spider)
+            config = IdempotentConfig.from_settings(settings, spidercls)
+            if not os.path.exists(config.database_path):
+                raise _UnknownSpider(
+                    f"unknown spider {spider!r}; the spiders of this project: "
+                    f"{', '.join(known) or 'none'} (no database at {config.database_path} "
+                    "either)") from None
         else:
             spidercls.update_settings(settings)
-        config = IdempotentConfig.from_settings(settings, spidercls)
+            config = IdempotentConfig.from_settings(settings, spidercls)
         return SQLiteStore(config.database_path, lease_seconds=config.lease_seconds,
                            busy_timeout_seconds=config.busy_timeout_seconds), \
             config.database_path
@@ -269,6 +310,9 @@ class Command(ScrapyCommand):
             "failures": failures,
             "repeated": {
                 "requests": summary["repeated"],
+                "downloaded_again": summary["downloaded_again"],
+                "downloads": summary["downloads"],
+                "replays": summary["replays"],
                 "most_attempts": summary["most_attempts"],
                 "leased": current["leased"] if current else 0,
                 "leases_per_record": (round(current["leased"] / records, 3)
@@ -328,8 +372,13 @@ class Command(ScrapyCommand):
         rep = report["repeated"]
         lines += ["", "Repeated requests"]
         lines += _pairs([
-            ("leased more than once", rep["requests"]),
+            ("downloaded more than once", rep["downloaded_again"],
+             "(retries, and requests on the wire when a crawl was killed)"),
+            ("leased more than once", rep["requests"],
+             f"(includes {rep['replays']} answered from the response journal: not downloads)"
+             if rep["replays"] else ""),
             ("most leases of one request", rep["most_attempts"]),
+            ("downloads", rep["downloads"]),
             (f"leases {run_label}", rep["leased"]),
             ("leases per stored record",
              "-" if rep["leases_per_record"] is None else f"{rep['leases_per_record']:.3f}"),
@@ -377,6 +426,9 @@ class Command(ScrapyCommand):
 
     def _retry(self, store: FrontierStore, path: str, info: dict[str, object],
                opts: argparse.Namespace) -> None:
+        if opts.rejects:
+            self._retry_rejects(store, path, opts)
+            return
         result = store.retry_failed(**_filters(opts))
         retried = _int(result["retried"])
         report = {"database": path, **result}
@@ -389,6 +441,49 @@ class Command(ScrapyCommand):
                    else f"run {run} is unfinished: the next crawl resumes it")
             lines = [f"Put {retried} failed request{'s' * (retried != 1)}{described} back to "
                      f"pending; {how} and fetches them (unless IDEMPOTENT_RUN_MODE is fresh)."]
+        self._print(opts, report, lines)
+
+    def _retry_rejects(self, store: FrontierStore, path: str, opts: argparse.Namespace) -> None:
+        result = store.retry_rejects()
+        pages, without = _int(result["pages"]), _int(result["without_page"])
+        report = {"database": path, **result}
+        run = result["run_id"]
+        if not pages:
+            lines = [f"No page of a rejected item of run {run} to put back: nothing changed."
+                     if run is not None else "No run yet: nothing changed."]
+        else:
+            how = (f"run {run} reopened: the next crawl resumes it" if result["reopened"]
+                   else f"run {run} is unfinished: the next crawl resumes it")
+            lines = [f"Put {pages} page{'s' * (pages != 1)} of {result['rejects']} rejected "
+                     f"item{'s' * (result['rejects'] != 1)} back to pending; {how} and fetches "
+                     "them again (unless IDEMPOTENT_RUN_MODE is fresh)."]
+        if without:
+            lines.append(f"{without} rejected item{'s' * (without != 1)} of run {run} "
+                         f"{'have' if without != 1 else 'has'} no page in the frontier (from "
+                         "start(), or the page is still pending): nothing to put back.")
+        self._print(opts, report, lines)
+
+    # -- rejects ----------------------------------------------------------------------------
+
+    def _rejects(self, store: FrontierStore, path: str, info: dict[str, object],
+                 opts: argparse.Namespace) -> None:
+        limit = _FAILED_LIMIT if opts.limit is None else opts.limit
+        total = store.count_rejects()
+        rows = store.rejects(limit=limit or None)
+        rejects = [{**row, "created_at": _iso(row["created_at"]),
+                    "retried_at": _iso(row["retried_at"])} for row in rows]
+        report = {"database": path, "total": total, "listed": len(rejects),
+                  "rejects": rejects}
+        lines = [f"{total} rejected item{'s' * (total != 1)}"
+                 + (f", the latest {len(rejects)} listed (--limit 0 lists all)"
+                    if len(rejects) < total else "")]
+        if rejects:
+            lines += _table(
+                ["run", "rejected at", "type", "page", "reason", "put back"],
+                [[r["run_id"], r["created_at"], r["item_type"], r["page_url"] or "-",
+                  _shorten(str(r["reason"])), r["retried_at"] or "-"] for r in rejects])
+            lines.append("Fix the spider or IDEMPOTENT_NATURAL_KEYS, then `scrapy idempotent "
+                         "retry --rejects` puts their pages back for the next crawl.")
         self._print(opts, report, lines)
 
     # -- export -----------------------------------------------------------------------------
@@ -499,6 +594,11 @@ class Command(ScrapyCommand):
 
 
 # -- helpers ------------------------------------------------------------------------------
+
+
+class _UnknownSpider(IdempotentError):
+    """No spider given in a project of several, an unknown spider, or no project at all."""
+
 
 _WORKER_STATES = {
     "alive": "running on this host",

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -248,11 +249,13 @@ def test_usage_errors_and_a_missing_database(tmp_path: Path) -> None:
     assert (code, err) == (1, f"scrapy idempotent status: no frontier database at {missing}\n")
     assert not os.path.exists(missing)  # not created
     for args, message in [
-        ((), "choose one of status, failed, retry, export, check"),
+        ((), "choose one of status, failed, retry, rejects, export, check"),
         (("stats", "--db", missing), "unknown command 'stats'"),
-        (("status",), "give a spider name (inside a project) or --db PATH"),
+        (("status",), "not inside a Scrapy project (no scrapy.cfg in"),
         (("status", "shop", "--db", missing), "give a spider name or --db PATH, not both"),
         (("status", "--db", missing, "--kind", "x"), "--kind applies to failed and retry"),
+        (("status", "--db", missing, "--rejects"), "--rejects applies to retry"),
+        (("retry", "--db", missing, "--rejects", "--kind", "x"), "use one or the other"),
         (("failed", "--db", missing, "--url", "re:("), "bad regular expression"),
         (("export", "--db", missing, "--since", "yesterday"), "not an ISO 8601 date"),
         (("check", "--db", missing, "--bogus"), "unknown option --bogus"),
@@ -284,3 +287,80 @@ async def test_a_spider_name_resolves_the_database_like_the_scheduler(tmp_path: 
     status = idempotent_json("status", "shop", "-s", f"IDEMPOTENT_DATABASE={template}")
     assert status["database"] == str(tmp_path / "dbs" / "shop.sqlite3")
     assert status["frontier"]["done"] == 3
+
+
+class PartlyBrokenSpider(ShopSpider):
+    """The shop spider with a bug: products whose SKU ends in 0 lose their SKU."""
+
+    broken = True
+
+    def parse_product(self, response: Any) -> Any:
+        for item in super().parse_product(response):
+            if type(self).broken and item["sku"].endswith("0"):
+                item["sku"] = " "
+            yield item
+
+
+@deferred_f_from_coro_f
+async def test_rejects_are_listed_and_their_pages_fetched_again_once_the_spider_is_fixed(
+    db_path: Path
+) -> None:
+    db = str(db_path)
+    settings = crawl_settings(db_path, **NATURAL_KEYS)
+    with ShopSite(port=0) as site:
+        PartlyBrokenSpider.broken = True
+        crawler = await run_crawl(PartlyBrokenSpider, settings, url=site.url)
+        assert crawler.stats.get_value("idempotent/records/rejected") == 50
+        code, out, _ = idempotent("rejects", "--db", db, "--limit", "0")
+        assert code == 0
+        assert out.startswith("50 rejected items\n")
+        assert re.search(r"run\s+rejected at\s+type\s+page\s+reason\s+put back", out)
+        assert re.search(
+            rf"1\s+\S+Z\s+shop\.items\.ProductItem\s+{re.escape(site.url)}/product/SKU-00010\s+"
+            r"shop\.items\.ProductItem item has no natural key: field 'sku'", out)
+        report = idempotent_json("rejects", "--db", db, "--limit", "3")
+        assert (report["total"], report["listed"]) == (50, 3)
+        assert report["rejects"][0]["page_state"] == "done"
+
+        code, out, _ = idempotent("retry", "--db", db, "--rejects")
+        assert code == 0
+        assert out.startswith("Put 50 pages of 50 rejected items back to pending; run 1 "
+                              "reopened")
+        assert idempotent_json("retry", "--db", db, "--rejects")["pages"] == 0  # done once
+        assert all(r["retried_at"] for r in idempotent_json("rejects", "--db", db)["rejects"])
+
+        PartlyBrokenSpider.broken = False  # the spider is fixed
+        site.reset_counts()
+        crawler = await run_crawl(PartlyBrokenSpider, settings, url=site.url)
+        assert crawler.stats.get_value("idempotent/run_id") == 1  # the run was resumed
+        assert crawler.stats.get_value("idempotent/records/inserted") == 50
+        assert set(site.counts_by_path()) == {
+            f"/product/{product_sku(n)}" for n in range(10, 501, 10)}
+    assert idempotent_json("status", "--db", db)["records"]["stored"] == 500
+
+
+def test_commands_default_to_the_only_spider_and_name_the_known_ones(tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    shutil.copytree(EXAMPLE_PROJECT, project,
+                    ignore=shutil.ignore_patterns(".scrapy", "__pycache__"))
+    result = scrapy_subprocess("idempotent", "status", cwd=project)
+    assert result.returncode == 1
+    assert result.stderr == ("scrapy idempotent status: no frontier database at "
+                             f"{project / '.scrapy' / 'idempotent' / 'shop.sqlite3'}\n")
+    result = scrapy_subprocess("idempotent", "failed", "shp", cwd=project)
+    assert result.returncode == 2
+    assert result.stderr.startswith("scrapy idempotent failed: unknown spider 'shp'; the "
+                                     "spiders of this project: shop (no database at ")
+    (project / "shop" / "spiders" / "other.py").write_text(
+        "import scrapy\n\n\nclass OtherSpider(scrapy.Spider):\n    name = 'other'\n")
+    result = scrapy_subprocess("idempotent", "rejects", cwd=project)
+    assert result.returncode == 2
+    assert result.stderr == ("scrapy idempotent rejects: give a spider name: this project has "
+                             "2 spiders (other, shop)\n")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    result = scrapy_subprocess("idempotent", "status", cwd=outside)
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"scrapy idempotent status: not inside a Scrapy project (no scrapy.cfg in {outside} "
+        "or above): run it in the project's directory, or give the database with --db PATH\n")

@@ -95,10 +95,19 @@ def test_c9_kill_after_items_reached_the_pipeline_before_the_page_finished(
     assert stats["idempotent/requests/reclaimed"] == 1
     assert stats["idempotent/requests/repeated"] == 1
     assert db_rows(db, "SELECT count(*) FROM responses") == [(0,)]
+    status = json.loads(subprocess.run(
+        [sys.executable, "-m", "scrapy", "idempotent", "status", "--db", str(db), "--json"],
+        capture_output=True, text=True, check=True, cwd=tmp_path).stdout)["repeated"]
+    assert status["requests"] == 1  # leased twice either way
     if journal:
         # the response that had arrived is replayed, not downloaded again
         assert stats["idempotent/responses/replayed"] == 1
         assert site.hits("/ok/product1") == 1
+        assert "idempotent/requests/downloaded" not in stats
+        assert (status["downloaded_again"], status["downloads"], status["replays"]) == (0, 1, 1)
     else:
         assert site.hits("/ok/product1") == 2
+        assert stats["idempotent/requests/downloaded"] == 1
+        assert stats["idempotent/requests/downloaded_again"] == 1
+        assert (status["downloaded_again"], status["downloads"], status["replays"]) == (1, 2, 0)
     assert site.hits("/block/stock1") == 2

@@ -137,11 +137,12 @@ SLOW_SPIDER = textwrap.dedent('''
 class _SlowHandler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True
     counts: ClassVar[dict[str, int]] = {}
+    release: ClassVar[threading.Event] = threading.Event()
 
     def do_GET(self) -> None:
         self.counts[self.path] = self.counts.get(self.path, 0) + 1
         if self.path == "/slow":
-            time.sleep(3.5)  # 3.5 times the lease
+            self.release.wait(120)  # answered when the test says so (longer than the lease)
             body = b"slow page"
         else:
             body = b'<a href="/slow">slow</a>'
@@ -156,40 +157,60 @@ class _SlowHandler(BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def slow_site() -> Iterator[tuple[str, dict[str, int]]]:
+def slow_site() -> Iterator[tuple[str, dict[str, int], threading.Event]]:
     counts: dict[str, int] = {}
-    handler = type("Handler", (_SlowHandler,), {"counts": counts})
+    release = threading.Event()
+    handler = type("Handler", (_SlowHandler,), {"counts": counts, "release": release})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", counts
+    yield f"http://127.0.0.1:{server.server_address[1]}", counts, release
+    release.set()
     server.shutdown()
     server.server_close()
 
 
 def test_a_page_slower_than_the_lease_keeps_its_lease_and_is_fetched_once(
-    tmp_path: Path, slow_site: tuple[str, dict[str, int]]
+    tmp_path: Path, slow_site: tuple[str, dict[str, int], threading.Event]
 ) -> None:
-    url, counts = slow_site
+    url, counts, release = slow_site
     spider = tmp_path / "slow_spider.py"
     spider.write_text(SLOW_SPIDER)
     db = tmp_path / "slow.sqlite3"
+    lease = 2.0
 
     def start(name: str) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
             [sys.executable, "-m", "scrapy", "runspider", str(spider), "-a", f"url={url}",
-             "-s", f"IDEMPOTENT_DATABASE={db}", "-s", "IDEMPOTENT_LEASE_SECONDS=1",
+             "-s", f"IDEMPOTENT_DATABASE={db}", "-s", f"IDEMPOTENT_LEASE_SECONDS={lease:g}",
              "-s", f"LOG_FILE={tmp_path / name}"],
             cwd=tmp_path, stdin=subprocess.DEVNULL)
 
+    def slow_lease_until() -> float:
+        rows = db_rows(db, "SELECT leased_until FROM requests WHERE url LIKE '%/slow'"
+                           " AND state = 'leased'")
+        assert rows, "the slow page lost its lease"
+        return float(rows[0][0])
+
     first = start("first.log")
+    second = None
     try:
-        wait_for(lambda: counts.get("/slow", 0) == 1, 60, "the slow page")
+        wait_for(lambda: counts.get("/slow", 0) == 1, 120, "the slow page")
         second = start("second.log")  # a live worker: it must not take the slow page
-        assert first.wait(timeout=60) == 0
-        assert second.wait(timeout=60) == 0
+        # The page is answered only once the second worker has joined the run and the first
+        # has renewed its lease for more than a lease time since: waiting on state, not on
+        # time, so a loaded machine cannot make the second worker arrive after the end.
+        wait_for(lambda: len(db_rows(db, "SELECT 1 FROM sessions")) == 2, 120,
+                 "the second worker")
+        joined = slow_lease_until()
+        wait_for(lambda: slow_lease_until() > joined + lease, 120, "renewals of the lease")
+        assert second.poll() is None, (tmp_path / "second.log").read_text()
+        release.set()
+        assert first.wait(timeout=120) == 0
+        assert second.wait(timeout=120) == 0
     finally:
-        for p in (first, locals().get("second")):
+        release.set()
+        for p in (first, second):
             if p is not None and p.poll() is None:
                 p.kill()
     assert counts == {"/start": 1, "/slow": 1}
