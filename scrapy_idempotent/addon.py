@@ -45,7 +45,8 @@ DEVELOPMENT_COMMANDS = frozenset({"shell", "fetch", "view", "parse", "check", "b
 
 def development_command(argv: list[str] | None = None) -> str | None:
     """The Scrapy command being run if it is one of :data:`DEVELOPMENT_COMMANDS`, read from
-    the command line of the ``scrapy`` tool (``scrapy shell ...``, ``python -m scrapy ...``);
+    the command line of the ``scrapy`` tool (``scrapy shell ...``, ``python -m scrapy ...``,
+    ``python -m scrapy.cmdline ...``);
     None for crawls and for scripts that run crawlers themselves. Scrapy removes the command
     name from ``sys.argv``, so the process's original command line is read where the system
     keeps it (``/proc/self/cmdline``)."""
@@ -54,7 +55,7 @@ def development_command(argv: list[str] | None = None) -> str | None:
     if not argv:
         return None
     program = Path(argv[0])
-    if program.name != "scrapy" and program.parent.name != "scrapy":
+    if program.name not in {"scrapy", "scrapy.cmdline"} and program.parent.name != "scrapy":
         return None
     command = next((arg for arg in argv[1:] if not arg.startswith("-")), None)
     return command if command in DEVELOPMENT_COMMANDS else None

@@ -1,0 +1,27 @@
+"""Scrapy's development commands (``scrapy fetch``, ``shell``, ...) run without the add-on,
+however the ``scrapy`` tool is started: the console script, ``python -m scrapy`` or
+``python -m scrapy.cmdline`` (how Scrapy's own tests run it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import EXAMPLE_PROJECT
+
+from shop.site import ShopSite
+
+
+@pytest.mark.parametrize("module", ["scrapy", "scrapy.cmdline"])
+def test_fetch_runs_without_the_addon(module: str, shop: ShopSite, tmp_path: Path) -> None:
+    db_path = tmp_path / "frontier.sqlite3"
+    done = subprocess.run(
+        [sys.executable, "-m", module, "fetch",
+         "-s", "LOG_LEVEL=INFO", "-s", f"IDEMPOTENT_DATABASE={db_path}", shop.url + "/"],
+        cwd=EXAMPLE_PROJECT, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "scrapy_idempotent is off for `scrapy fetch`" in done.stderr
+    assert "<html" in done.stdout.lower()  # the page was fetched and printed
+    assert not db_path.exists()  # the crawl's database was neither created nor written
