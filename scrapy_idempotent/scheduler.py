@@ -470,9 +470,11 @@ class IdempotentScheduler(BaseScheduler):
                 if not self._local and not self._refill():
                     return None
                 if self._local[0].suspect and self._inflight:
-                    # A request that was in flight when a worker died is a suspect: it runs
-                    # with nothing else in flight, so that if it kills the crawl again, it
-                    # alone is blamed (IDEMPOTENT_MAX_ATTEMPTS), not its neighbours.
+                    # A request that was in flight at two deaths of a worker is a suspect:
+                    # it runs with nothing else in flight, so that if it kills the crawl
+                    # again, it alone is blamed (IDEMPOTENT_MAX_ATTEMPTS), not its
+                    # neighbours. Requests in flight at one death are replayed at full
+                    # concurrency: a resume after a kill is not serialised.
                     return None
                 if max(self._local[0].leased_until, self._renewed_until) <= time.time():
                     # The batch claimed ahead sat here past its lease (the process was
@@ -530,6 +532,17 @@ class IdempotentScheduler(BaseScheduler):
                 self.stats.inc_value(f"idempotent/requests/{known}")
                 self._dupes.filtered(request)
                 return False
+        key = None
+        if parent is None and continuation is None and not filtered:
+            # A start request replayed by a restarted start() (Scrapy runs it from the top
+            # on every crawl): when its key is known, one read decides, without encoding it
+            # or writing a transaction for it (a resume over a long start list that is
+            # mostly done starts downloading at once). The commit would count it the same.
+            key = self._key(filtered, fingerprint, None, is_start)
+            known = self.store.known_request(fingerprint, key=key)
+            if known is not None:
+                self.stats.inc_value(f"idempotent/requests/{known}")
+                return True
         try:
             data = self.codec.encode(request)
         except UnstorableRequest as exc:
@@ -550,7 +563,7 @@ class IdempotentScheduler(BaseScheduler):
             return True
         start_queue, fifo = self._order.place(request)
         new = NewRequest(
-            key=self._key(filtered, fingerprint, parent, is_start),
+            key=key if key is not None else self._key(filtered, fingerprint, parent, is_start),
             fingerprint=fingerprint,
             url=request.url,
             priority=request.priority,

@@ -694,6 +694,21 @@ def test_request_started_max_attempts_times_without_finishing_is_quarantined(mak
     assert enqueue(store, req("poison")) == CommitResult(requests_already_done=1)
 
 
+@pytest.mark.parametrize(("max_attempts", "alone_from"), [(10, 2), (3, 2), (2, 1)])
+def test_a_request_runs_alone_once_it_was_in_flight_at_two_deaths(make_store, max_attempts,
+                                                                  alone_from):
+    """In flight at one death: replayed with the rest (a resume runs at full concurrency).
+    At two deaths (at one, when the limit is 2): a suspect, to run alone."""
+    store, _ = open_store(make_store, "w1", max_attempts=max_attempts)
+    enqueue(store, req("page"))
+    suspects = []
+    for _ in range(max_attempts):
+        (leased,) = claim(store, 1)
+        suspects.append(leased.suspect)
+        store.release_leases(["w1"])  # the worker died with it in flight
+    assert suspects == [deaths >= alone_from for deaths in range(max_attempts)]
+
+
 def test_quarantine_leaves_other_requests_claimable(make_store):
     store, _ = open_store(make_store, "w1", max_attempts=1)
     enqueue(store, req("poison", priority=9), req("fine"))

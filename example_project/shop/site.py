@@ -132,6 +132,8 @@ class _ShopServer(ThreadingHTTPServer):
         self.counts_lock = threading.Lock()
         self.counts: Counter[str] = Counter()
         self.in_flight = 0  #: counted requests received and not yet answered
+        #: (path, other requests in flight when it arrived), in arrival order
+        self.arrivals: list[tuple[str, int]] = []
         super().__init__(address, _ShopHandler)
 
     @property
@@ -192,6 +194,7 @@ class _ShopHandler(BaseHTTPRequestHandler):
             return
         self.server.count(path)
         with self.server.counts_lock:
+            self.server.arrivals.append((path, self.server.in_flight))
             self.server.in_flight += 1
         try:
             self._answer(path, send_body)
@@ -446,6 +449,13 @@ class ShopSite:
         with server.counts_lock:
             return server.in_flight
 
+    def arrivals(self) -> list[tuple[str, int]]:
+        """``(path, other requests in flight when it arrived)`` of every counted request, in
+        arrival order (since the last reset)."""
+        server = self._require_server()
+        with server.counts_lock:
+            return list(server.arrivals)
+
     def set_price_version(self, price_version: int) -> None:
         """Change every price from now on (the site changes while it is being crawled)."""
         if price_version < 0:
@@ -458,6 +468,7 @@ class ShopSite:
         server = self._require_server()
         with server.counts_lock:
             server.counts.clear()
+            server.arrivals.clear()
 
     def expected_products(self) -> dict[str, dict[str, str]]:
         """What a correct crawl stores: ``{sku: {"sku": ..., "name": ..., "price": ...}}``.

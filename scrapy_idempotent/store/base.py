@@ -100,7 +100,12 @@ class LeasedRequest:
     data: str
     priority: int
     attempts: int
-    #: it was in flight when a worker died (started, never finished): a possible cause
+    #: it was in flight when a worker died, at two deaths or more (started, never
+    #: finished): a likely cause, to be run alone. A request in flight at one death only is
+    #: replayed at full concurrency with the rest (most kills are not its fault: a redeploy,
+    #: the OOM killer); if it was the cause, the next death makes it a suspect, and then
+    #: only it is in flight at the deaths that follow, until IDEMPOTENT_MAX_ATTEMPTS
+    #: quarantines it.
     suspect: bool = False
     #: when the lease ends unless renewed (unix seconds, the store's clock)
     leased_until: float = field(default=0.0, compare=False)
@@ -263,11 +268,13 @@ class FrontierStore(ABC):
         """The ``(data, body)`` journaled for ``key``, if any."""
 
     @abstractmethod
-    def known_request(self, fingerprint: str) -> str | None:
+    def known_request(self, fingerprint: str, *, key: str | None = None) -> str | None:
         """How a commit would count an ordinary request (``filter_fingerprint``) of this
         fingerprint if it were committed now: ``"duplicate"`` (pending or leased),
         ``"already_done"``, or None when it would be added, or be due again. A read outside
-        any transaction, to skip encoding rediscovered links; the commit decides again."""
+        any transaction, to skip encoding rediscovered links; the commit decides again.
+        With ``key``, the entry of exactly that key (a ``dont_filter`` request, which the
+        fingerprint does not filter)."""
 
     @abstractmethod
     def status(self, worker: str) -> FrontierStatus: ...

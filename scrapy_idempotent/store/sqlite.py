@@ -225,6 +225,10 @@ class SQLiteStore(FrontierStore):
         self.recrawl_seconds = recrawl_seconds
         self.lease_seconds = lease_seconds
         self.max_attempts = max_attempts
+        #: A request in flight at this many deaths runs alone (see :class:`LeasedRequest`):
+        #: two, so that the first replay after a kill runs at full concurrency, and one less
+        #: than ``max_attempts`` so that its neighbours are cleared before it is quarantined.
+        self.isolate_after = max(1, min(2, max_attempts - 1))
         self.clock = clock
         self.synchronous = synchronous
         self.busy_timeout_seconds = busy_timeout_seconds
@@ -750,8 +754,8 @@ class SQLiteStore(FrontierStore):
             result.quarantined.extend(r[8] for r in over)
         result.leased.extend(
             LeasedRequest(key=r[1], fingerprint=r[2], data=r[3], priority=r[4],
-                          attempts=r[6] + 1, suspect=r[7] > 0, downloads=r[6] - r[9],
-                          leased_until=now + self.lease_seconds)
+                          attempts=r[6] + 1, suspect=r[7] >= self.isolate_after,
+                          downloads=r[6] - r[9], leased_until=now + self.lease_seconds)
             for r in rows if r[7] < self.max_attempts
         )
 
@@ -784,8 +788,11 @@ class SQLiteStore(FrontierStore):
                 row = cur.execute(_BY_OTHER_KEY, (fingerprint,)).fetchone()
         return cast("tuple[Any, ...] | None", row)
 
-    def known_request(self, fingerprint: str) -> str | None:
-        row = self._find(self.conn, fingerprint, fingerprint, True)
+    def known_request(self, fingerprint: str, *, key: str | None = None) -> str | None:
+        if key is not None:
+            row = self._find(self.conn, key, fingerprint, False)
+        else:
+            row = self._find(self.conn, fingerprint, fingerprint, True)
         if row is None:
             return None
         if row[1] not in _TERMINAL:

@@ -1,0 +1,193 @@
+"""Resume at full speed, with real processes: the requests in flight at a SIGKILL are replayed
+at normal concurrency, a page that kills the worker every time is still quarantined within
+IDEMPOTENT_MAX_ATTEMPTS deaths (and nothing else is), and a restarted ``start()`` over a
+start list that is mostly done costs a read per start request, not a transaction."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from crawling import close_reason, db_rows, start_shop_crawl, stored_products
+from shop.site import ShopSite
+
+pytestmark = pytest.mark.slow
+
+
+def wait_for(condition: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def done_requests(db: Path) -> int:
+    try:
+        return int(db_rows(db, "SELECT count(*) FROM requests WHERE state = 'done'")[0][0])
+    except Exception:  # not created yet
+        return 0
+
+
+def test_requests_in_flight_at_a_kill_are_replayed_at_full_concurrency(tmp_path: Path) -> None:
+    """Killed with about 24 product pages on the wire, the next crawl replays them among the
+    other requests: when a replayed page reaches the site, other requests are in flight
+    (before, each ran alone, with nothing else in flight, one after the other)."""
+    db = tmp_path / "shop.sqlite3"
+    settings = ("CONCURRENT_REQUESTS=24", "CONCURRENT_REQUESTS_PER_DOMAIN=24")
+    with ShopSite(port=0, delay=0.2) as site:
+        first = start_shop_crawl(site.url, db, tmp_path / "first.log", *settings)
+        try:
+            wait_for(lambda: done_requests(db) >= 30 and site.in_flight >= 16, 120,
+                     "a crawl with many requests on the wire")
+            first.kill()
+            first.wait()
+        finally:
+            if first.poll() is None:
+                first.kill()
+                first.wait()
+        suspects = {url.split("://", 1)[1].split("/", 1)[1] for (url,) in db_rows(
+            db, "SELECT url FROM requests WHERE state = 'leased' AND unfinished > 0")}
+        assert len(suspects) >= 8
+        wait_for(lambda: site.in_flight == 0, 60, "the killed crawl's requests to end")
+        site.reset_counts()
+        second = start_shop_crawl(site.url, db, tmp_path / "second.log", *settings)
+        assert second.wait(timeout=300) == 0
+        replayed = [(path, others) for path, others in site.arrivals()
+                    if path.lstrip("/") in suspects]
+    assert close_reason(tmp_path / "second.log") == "finished"
+    assert len(stored_products(db)) == 500
+    # the replayed pages that were downloaded again ran beside other requests
+    assert replayed, "no replayed page was downloaded again"
+    beside_others = [path for path, others in replayed if others > 0]
+    assert len(beside_others) * 2 >= len(replayed), replayed
+
+
+POISON_SPIDER = '''
+import os
+import signal
+
+import scrapy
+
+
+class PoisonSpider(scrapy.Spider):
+    name = "poison"
+    custom_settings = {"ADDONS": {"scrapy_idempotent.Addon": 0},
+                       "IDEMPOTENT_NATURAL_KEYS": {"dict": "sku"}, "ROBOTSTXT_OBEY": False,
+                       "CONCURRENT_REQUESTS": 16, "CONCURRENT_REQUESTS_PER_DOMAIN": 16,
+                       "IDEMPOTENT_MAX_ATTEMPTS": 4}
+
+    def __init__(self, url, **kwargs):
+        super().__init__(**kwargs)
+        self.base_url = url
+
+    async def start(self):
+        yield scrapy.Request(self.base_url + "/list/1", dont_filter=True)
+
+    def parse(self, response):
+        yield from response.follow_all(css="a.product", callback=self.parse_product)
+        yield from response.follow_all(css="a.next", callback=self.parse)
+
+    def parse_product(self, response):
+        sku = response.css("span.sku::text").get()
+        if sku == "SKU-00013":  # this page kills the process, every time (OOM, segfault)
+            os.kill(os.getpid(), signal.SIGKILL)
+        yield {"sku": sku}
+'''
+
+
+def test_a_page_that_kills_every_crawl_at_full_concurrency_is_quarantined_alone(
+    tmp_path: Path,
+) -> None:
+    """Sixteen requests in flight when the poison page kills the worker: the first replay
+    runs at full concurrency; what was in flight at two deaths runs alone; the poison page is
+    quarantined after IDEMPOTENT_MAX_ATTEMPTS (4) deaths, and no other page is."""
+    spider = tmp_path / "poison.py"
+    spider.write_text(POISON_SPIDER)
+    db = tmp_path / "poison.sqlite3"
+    codes = []
+    with ShopSite(port=0, listing_pages=3, products_per_page=20, delay=0.05) as site:
+        for run in range(8):
+            crawl = subprocess.run(
+                [sys.executable, "-m", "scrapy", "runspider", str(spider), "-a",
+                 f"url={site.url}", "-s", f"IDEMPOTENT_DATABASE={db}",
+                 "-s", f"LOG_FILE={tmp_path / f'run{run}.log'}"],
+                cwd=tmp_path, stdin=subprocess.DEVNULL, timeout=120, check=False)
+            codes.append(crawl.returncode)
+            if crawl.returncode == 0:
+                break
+    assert codes == [-signal.SIGKILL] * 4 + [0]
+    assert db_rows(db, "SELECT url, error_kind FROM requests WHERE state != 'done'") == [
+        (f"{site.url}/product/SKU-00013", "quarantined")]
+    assert len(stored_products(db)) == 59
+
+
+START_LIST_CRAWL = """
+import json, sys
+
+import scrapy
+from scrapy.crawler import CrawlerProcess
+
+
+class ManyStarts(scrapy.Spider):
+    name = "starts"
+
+    def __init__(self, url, count, **kwargs):
+        super().__init__(**kwargs)
+        self.urls = [f"{url}/product/SKU-{i:05d}" for i in range(1, count + 1)]
+
+    async def start(self):
+        for url in self.urls:
+            yield scrapy.Request(url, dont_filter=True)
+
+    def parse(self, response):
+        yield {"sku": response.css("span.sku::text").get()}
+
+
+url, db, pages, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+process = CrawlerProcess({
+    "ADDONS": {"scrapy_idempotent.Addon": 0}, "IDEMPOTENT_DATABASE": db,
+    "IDEMPOTENT_NATURAL_KEYS": {"dict": "sku"}, "ROBOTSTXT_OBEY": False,
+    "LOG_LEVEL": "WARNING", "CONCURRENT_REQUESTS": 16, "CONCURRENT_REQUESTS_PER_DOMAIN": 16,
+    "CLOSESPIDER_PAGECOUNT": pages})
+crawler = process.create_crawler(ManyStarts)
+process.crawl(crawler, url=url, count=1000)
+process.start()
+with open(out, "w") as f:
+    f.write(json.dumps(crawler.stats.get_stats(), default=str))
+"""
+
+
+def test_a_resume_over_a_mostly_done_start_list_writes_no_transaction_per_start_request(
+    tmp_path: Path,
+) -> None:
+    """1,000 start requests, 900 done when the first crawl stopped (CLOSESPIDER_PAGECOUNT
+    leaves the run open). The next crawl's start() yields the 1,000 again: the 990 known ones
+    cost a read each, not a write transaction each; the 10 others are fetched."""
+    import json
+
+    script = tmp_path / "crawl.py"
+    script.write_text(START_LIST_CRAWL)
+    db = tmp_path / "starts.sqlite3"
+    with ShopSite(port=0, listing_pages=50, products_per_page=20) as site:
+        stats = []
+        for run, pages in enumerate((990, 0)):
+            out = tmp_path / f"stats{run}.json"
+            subprocess.run([sys.executable, str(script), site.url, str(db), str(pages),
+                            str(out)], cwd=tmp_path, check=True, timeout=600)
+            stats.append(json.loads(out.read_text()))
+    first, second = stats
+    assert first["finish_reason"] == "closespider_pagecount"
+    done_before = first["idempotent/requests/done"]
+    assert second["finish_reason"] == "finished"
+    assert db_rows(db, "SELECT state, count(*) FROM requests GROUP BY state") == [
+        ("done", 1000)]
+    assert second["idempotent/requests/already_done"] >= done_before
+    # a transaction per page fetched (and a few more), none per known start request
+    assert second["idempotent/transactions"] < (1000 - done_before) + 50, second
