@@ -78,7 +78,7 @@ class ResponseJournalMiddleware:
         return cls(crawler)
 
     @property
-    def scheduler(self) -> IdempotentScheduler:
+    def scheduler(self) -> IdempotentScheduler | None:
         if self._scheduler is None:
             self._scheduler = _scheduler_of(self.crawler, type(self).__name__)
         return self._scheduler
@@ -86,8 +86,8 @@ class ResponseJournalMiddleware:
     # ``spider``: Scrapy 2.13 passes it; later releases do not (see :mod:`.engine_hooks`).
     def process_request(self, request: Request, spider: Spider | None = None) -> Response | None:
         scheduler = self.scheduler
-        entry = scheduler.inflight_entry(request)
-        if entry is None or entry.attempts <= 1:
+        entry = scheduler.inflight_entry(request) if scheduler is not None else None
+        if scheduler is None or entry is None or entry.attempts <= 1:
             return None  # a first attempt has nothing journaled
         try:
             stored = scheduler.store.journaled_response(entry.key)
@@ -107,8 +107,8 @@ class ResponseJournalMiddleware:
     def process_response(self, request: Request, response: Response,
                          spider: Spider | None = None) -> Any:
         scheduler = self.scheduler
-        entry = scheduler.inflight_entry(request)
-        if entry is None or entry.replayed:
+        entry = scheduler.inflight_entry(request) if scheduler is not None else None
+        if scheduler is None or entry is None or entry.replayed:
             return response
         try:
             scheduler.journal_response(entry, *encode_response(response))

@@ -35,10 +35,20 @@ if TYPE_CHECKING:
 __all__ = ["RecordIdMiddleware"]
 
 
-def _scheduler_of(crawler: Crawler, component: str) -> IdempotentScheduler:
+def _scheduler_of(crawler: Crawler, component: str) -> IdempotentScheduler | None:
+    """The crawl's :class:`~.IdempotentScheduler`, or None when the crawler has no engine:
+    the component is used outside a crawl (Scrapy's own tests drive middleware managers on a
+    bare crawler), where there is nothing to attribute or store and output passes unchanged.
+    Raises :class:`~.IdempotentError` when the engine's scheduler is another one (the
+    component was wired by hand without it)."""
     from .scheduler import is_idempotent_scheduler
 
-    scheduler = engine_hooks.engine_scheduler(crawler)
+    try:
+        scheduler = engine_hooks.engine_scheduler(crawler)
+    except RuntimeError:  # Scrapy 2.19's Crawler.engine before the crawl built it
+        return None
+    if scheduler is None:
+        return None
     if not is_idempotent_scheduler(scheduler):
         raise IdempotentError(
             f"{component} needs SCHEDULER = 'scrapy_idempotent.IdempotentScheduler' (found "
@@ -82,7 +92,8 @@ class RecordIdMiddleware:
         self.scheduler  # noqa: B018 - fail at start when wired without the scheduler
 
     @property
-    def scheduler(self) -> IdempotentScheduler:
+    def scheduler(self) -> IdempotentScheduler | None:
+        """None outside a crawl (see :func:`_scheduler_of`)."""
         if self._scheduler is None:
             self._scheduler = _scheduler_of(self.crawler, type(self).__name__)
         return self._scheduler
@@ -91,10 +102,12 @@ class RecordIdMiddleware:
         """Start requests are marked so ``dont_filter`` ones get stable keys; start items
         get their record IDs."""
         async for output in start:
-            if isinstance(output, Request):
-                self.scheduler.mark_start(output)
-            else:
-                self.scheduler.track(output, None, None)
+            scheduler = self.scheduler
+            if scheduler is not None:
+                if isinstance(output, Request):
+                    scheduler.mark_start(output)
+                else:
+                    scheduler.track(output, None, None)
             yield output
 
     # ``spider``: Scrapy 2.13 passes it; later releases do not (see :mod:`.engine_hooks`).
@@ -102,6 +115,10 @@ class RecordIdMiddleware:
         self, response: Response, result: AsyncIterator[Any], spider: Spider | None = None
     ) -> AsyncIterator[Any]:
         scheduler = self.scheduler
+        if scheduler is None:
+            async for output in result:
+                yield output
+            return
         entry = scheduler.entry_for(response)
         async for output in result:
             scheduler.track(output, entry, response.url)

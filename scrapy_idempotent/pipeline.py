@@ -55,7 +55,8 @@ class UpsertPipeline:
 
     def process_item(self, item: Any, spider: Spider | None = None) -> Any:
         scheduler = self.scheduler
-        assert scheduler is not None
+        if scheduler is None:  # outside a crawl (see middleware._scheduler_of)
+            return item
         tag = scheduler.take_item(item)
         reason: str | None = None
         if tag.error is not None:

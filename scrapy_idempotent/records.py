@@ -23,10 +23,12 @@ from .store.base import Record
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-__all__ = ["URL_KEY", "Record", "RecordIdentity", "item_type_name", "page_key"]
+__all__ = ["CONTENT_KEY", "URL_KEY", "Record", "RecordIdentity", "item_type_name", "page_key"]
 
 #: Pseudo field name reported when the page URL is the natural key.
 URL_KEY = "<page url>"
+#: Pseudo field name reported when the item's content is the natural key (no page, no key).
+CONTENT_KEY = "<content>"
 
 
 def item_type_name(item: Any) -> str:
@@ -119,16 +121,18 @@ class RecordIdentity:
         """The normalised natural key values of ``item``: each value as a string with
         surrounding whitespace removed (so ``123`` and ``" 123 "`` are one key).
 
+        Without a configured key: the page URL (see :func:`page_key`), or for an item that
+        came from no page (from ``Spider.start()``) its content: ``content:sha256:<hex>`` of
+        its type and data without the record ID field and the volatile fields, so the same
+        item yielded again is the same record.
+
         Raises :class:`~.MissingNaturalKey` naming the item type and the field when a key
-        field is missing, None or empty, or when the page URL is the key and is unknown.
+        field is missing, None or empty, or has no data form.
         """
         fields = self.key_fields(item)
         if fields is None:
             if not page_url:
-                raise MissingNaturalKey(
-                    item_type_name(item), URL_KEY,
-                    "no page URL is known for it; set IDEMPOTENT_NATURAL_KEYS for this type",
-                )
+                return [self._content_key(item)]
             return [page_key(page_url, self.url_ignore_params)]
         adapter = ItemAdapter(item)
         values = []
@@ -150,14 +154,18 @@ class RecordIdentity:
             values.append(text)
         return values
 
-    def record_id(self, key_values: list[str]) -> str:
-        """128-bit hex record ID of a natural key within this source."""
-        digest = hashlib.sha256(canonical_json([self.source, key_values]).encode("utf-8"))
-        return digest.hexdigest()[:32]
+    def _content_key(self, item: Any) -> str:
+        try:
+            _, hashed = self._encode(item)
+        except EncodeError as exc:
+            raise MissingNaturalKey(item_type_name(item), CONTENT_KEY,
+                                    f"{exc.type_name} has no data form") from None
+        text = canonical_json([item_type_name(item), hashed])
+        return f"content:sha256:{hashlib.sha256(text.encode('utf-8')).hexdigest()}"
 
-    def record(self, item: Any, record_id: str, key_values: list[str]) -> Record:
-        """The stored form of ``item``. Raises :class:`~.codec.EncodeError` for a field
-        value that has no tagged-JSON form."""
+    def _encode(self, item: Any) -> tuple[Any, Any]:
+        """The item's data as tagged JSON values (record ID field removed), and the part of
+        it that is hashed (volatile fields removed). Raises :class:`~.codec.EncodeError`."""
         data = ItemAdapter(item).asdict()
         if self.record_id_field is not None:
             data.pop(self.record_id_field, None)
@@ -167,6 +175,17 @@ class RecordIdentity:
             if self.volatile_fields and isinstance(encoded, dict)
             else encoded
         )
+        return encoded, hashed
+
+    def record_id(self, key_values: list[str]) -> str:
+        """128-bit hex record ID of a natural key within this source."""
+        digest = hashlib.sha256(canonical_json([self.source, key_values]).encode("utf-8"))
+        return digest.hexdigest()[:32]
+
+    def record(self, item: Any, record_id: str, key_values: list[str]) -> Record:
+        """The stored form of ``item``. Raises :class:`~.codec.EncodeError` for a field
+        value that has no tagged-JSON form."""
+        encoded, hashed = self._encode(item)
         return Record(
             record_id=record_id,
             source=self.source,

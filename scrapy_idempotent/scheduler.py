@@ -42,7 +42,7 @@ from ._tracking import Entry, ItemTag, Pending
 from .codec import RequestCodec, describe
 from .config import IdempotentConfig, config_for
 from .exceptions import MissingNaturalKey, StoreBusy, StoreError, UnstorableRequest
-from .records import URL_KEY, RecordIdentity
+from .records import RecordIdentity
 from .store.base import (
     Completion,
     CrawlIdentity,
@@ -383,10 +383,13 @@ class IdempotentScheduler(BaseScheduler):
 
         async def hooked_spider_output(result: Any, request: Request,
                                        response: Response | Failure) -> None:
-            # Errback output bypasses every spider middleware: attribute it here.
+            # The final output of a callback or errback, with the request the engine handed
+            # out: what RecordIdMiddleware did not see (errback output bypasses every spider
+            # middleware; a project's middleware nearer the engine adds output) is
+            # attributed here.
             entry = self._inflight.get(id(request))
-            if isinstance(response, Failure) and entry is not None:
-                result = self._track_output(result, entry, request.url)
+            page_url = response.url if isinstance(response, Response) else request.url
+            result = self._track_output(result, entry, page_url)
             await spider_output(result, request, response)
 
         def hooked_spider_error(failure: Failure, request: Request,
@@ -399,6 +402,13 @@ class IdempotentScheduler(BaseScheduler):
             spider_error(failure, request, response)
 
         async def hooked_itemproc(item: Any, *, response: Response | Failure | None) -> None:
+            if id(item) not in self._items:
+                # not seen on its way (an item of start() added by a project's middleware
+                # nearer the engine): the response names the request it belongs to
+                if isinstance(response, Response):
+                    self.track(item, self.entry_for(response), response.url)
+                else:
+                    self.track(item, None, None)
             token = _ITEM_IN_PIPELINES.set(self._items.get(id(item)))
             try:
                 await itemproc(item, response=response)
@@ -737,17 +747,23 @@ class IdempotentScheduler(BaseScheduler):
         if entry is not None:
             entry.tracked[id(output)] = output
 
-    def _track_output(self, result: Any, entry: Entry, page_url: str) -> Any:
+    def _track_output(self, result: Any, entry: Entry | None, page_url: str) -> Any:
+        """``result`` with each output not tracked yet attributed to ``entry``."""
+        def untracked(output: Any) -> bool:
+            return id(output) not in self._items and id(output) not in self._tracked
+
         if hasattr(result, "__aiter__"):
             async def tracked_async(it: AsyncIterator[Any]) -> AsyncIterator[Any]:
                 async for output in it:
-                    self.track(output, entry, page_url)
+                    if untracked(output):
+                        self.track(output, entry, page_url)
                     yield output
             return tracked_async(result)
 
         def tracked_sync(it: Iterable[Any]) -> Iterable[Any]:
             for output in it:
-                self.track(output, entry, page_url)
+                if untracked(output):
+                    self.track(output, entry, page_url)
                 yield output
         return tracked_sync(result)
 
@@ -794,16 +810,21 @@ class IdempotentScheduler(BaseScheduler):
             entry = None
         tag = ItemTag(item=item, entry=entry, record_id=None, key_values=None,
                       page_url=page_url)
-        field = self.config.record_id_field
+        if not page_url and self.identity.key_fields(item) is None:
+            # keyed by content (it came from no page): the item the pipelines started with
+            # names the record, not the content an earlier pipeline changed
+            if origin is not None and origin.record_id is not None:
+                tag.record_id, tag.key_values = origin.record_id, origin.key_values
+                return tag
+            stamped = _stamped_id(item, self.config.record_id_field)
+            if stamped is not None:
+                tag.record_id, tag.key_values = stamped, []
+                return tag
         try:
             tag.key_values = self.identity.natural_key(item, page_url)
             tag.record_id = self.identity.record_id(tag.key_values)
         except MissingNaturalKey as exc:
-            stamped = _stamped_id(item, field)
-            if stamped is not None and exc.field == URL_KEY:
-                tag.record_id, tag.key_values = stamped, []
-            else:
-                tag.error = exc
+            tag.error = exc
         return tag
 
     def add_record(self, tag: ItemTag, record: Any) -> None:

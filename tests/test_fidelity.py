@@ -7,6 +7,7 @@ Scrapy's own stats and log lines) besides what the frontier stored.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -359,3 +360,108 @@ async def test_dont_filter_requests_to_the_pages_own_url_are_each_fetched(
     assert db_rows(db_path, "SELECT state, count(*) FROM requests GROUP BY state") == [
         ("done", 4)]
     assert "idempotent/requests/retried" not in observed.stats
+
+
+# -- items from start() and from spider middlewares nearer the engine -----------------------------
+
+
+@dataclasses.dataclass
+class Note:
+    title: str
+
+
+def as_json(item: Any) -> str:
+    from itemadapter import ItemAdapter
+
+    return json.dumps(ItemAdapter(item).asdict(), sort_keys=True)
+
+
+class StartItemsSpider(SiteSpider):
+    """``start()`` yields items (one with its natural key, one of a type without a configured
+    key) besides a request; the callback raises on ``/ok/boom``."""
+
+    async def start(self) -> Any:
+        yield {"key": "from-start"}
+        yield Note(title="no key configured for this type")
+        yield scrapy.Request(self.at("/ok/page"))
+        yield scrapy.Request(self.at("/ok/boom"))
+
+    def parse(self, response: Any) -> Any:
+        if response.url.endswith("/boom"):
+            raise ValueError("boom")
+        yield {"key": "from-page"}
+
+
+class AddingMiddleware:
+    """A project's spider middleware nearer the engine than RecordIdMiddleware (priority 5):
+    it adds an item to every page's output, one to start(), and recovers from a callback's
+    exception with an item (as upstream's test_recovery does)."""
+
+    async def process_start(self, start: Any) -> Any:
+        async for output in start:
+            yield output
+        yield {"key": "added-to-start"}
+
+    async def process_spider_output(self, response: Any, result: Any) -> Any:
+        async for output in result:
+            yield output
+        yield {"key": f"added-to-{path_of(response.url)}"}
+
+    def process_spider_exception(self, response: Any, exception: Exception) -> Any:
+        return [{"key": f"recovered-{path_of(response.url)}"}]
+
+
+@deferred_f_from_coro_f
+async def test_items_from_start_and_from_middlewares_are_stored_and_scraped(
+    site: PathsSite, db_path: Path
+) -> None:
+    middlewares = {"SPIDER_MIDDLEWARES": {f"{__name__}.AddingMiddleware": 5}}
+    plain = await crawl(StartItemsSpider, {"TELNETCONSOLE_ENABLED": False, **middlewares},
+                        url=site.url)
+    expected = sorted(map(as_json, plain.scraped))
+    assert len(expected) == 7
+    observed = await crawl(StartItemsSpider, settings(
+        db_path, IDEMPOTENT_RECORD_ID_FIELD=None, **middlewares), url=site.url)
+    assert observed.reason == "finished"
+    assert sorted(map(as_json, observed.scraped)) == expected
+    assert sorted(json.dumps(r, sort_keys=True) for r in records(db_path)) == expected
+    assert "idempotent/records/rejected" not in observed.stats
+    # items of a page commit with it; items of start() with no page
+    owners = dict(db_rows(db_path, "SELECT r.natural_key, q.url FROM records r"
+                                   " LEFT JOIN requests q ON q.key = r.request_key"))
+    assert owners['["added-to-/ok/page"]'] == owners['["from-page"]'] == site.url + "/ok/page"
+    assert owners['["recovered-/ok/boom"]'] == site.url + "/ok/boom"
+    assert owners['["from-start"]'] is None and owners['["added-to-start"]'] is None
+
+    # start() runs again on resume: its items are the same records (the keyless one is keyed
+    # by its content), nothing is inserted twice
+    again = await crawl(StartItemsSpider, settings(
+        db_path, IDEMPOTENT_RECORD_ID_FIELD=None, IDEMPOTENT_RUN_MODE="resume", **middlewares),
+        url=site.url)
+    assert again.reason == "finished"
+    assert len(records(db_path)) == 7
+    assert again.stats["idempotent/records/unchanged"] == 3
+    assert "idempotent/records/inserted" not in again.stats
+
+
+@deferred_f_from_coro_f
+async def test_middleware_outside_a_crawl_passes_output_through(db_path: Path) -> None:
+    # as Scrapy's own middleware tests drive the spider middlewares: a crawler that never
+    # crawls, so it has no engine and no scheduler
+    from scrapy.core.spidermw import SpiderMiddlewareManager
+    from scrapy.http import HtmlResponse
+
+    crawler = get_crawler(OneItemSpider, settings(db_path))
+    crawler.spider = crawler._create_spider(url="http://example.com")
+    manager = SpiderMiddlewareManager.from_crawler(crawler)
+    request = scrapy.Request("http://example.com/ok/one")
+    response = HtmlResponse(request.url, body=b"<html></html>", request=request)
+
+    async def callback(response: Any, request: Any) -> Any:  # Scraper.call_spider_async
+        return [{"key": "one"}, scrapy.Request("http://example.com/next")]
+
+    output = await manager.scrape_response_async(callback, response, request)
+    results = [o async for o in output]
+    assert results[0] == {"key": "one"}  # not stamped
+    assert isinstance(results[1], scrapy.Request)
+    assert not db_path.exists()

@@ -18,7 +18,12 @@ import scrapy
 from scrapy_idempotent.codec import loads
 from scrapy_idempotent.config import DEFAULT_URL_IGNORE_PARAMS
 from scrapy_idempotent.exceptions import MissingNaturalKey
-from scrapy_idempotent.records import URL_KEY, RecordIdentity, item_type_name, page_key
+from scrapy_idempotent.records import (
+    CONTENT_KEY,
+    RecordIdentity,
+    item_type_name,
+    page_key,
+)
 
 try:
     import attrs
@@ -315,12 +320,21 @@ def test_page_url_key_same_for_tracking_variants():
 
 
 @pytest.mark.parametrize("url", [None, ""])
-def test_page_url_key_without_url_is_missing(url):
+def test_item_from_no_page_without_a_configured_key_is_keyed_by_its_content(url):
+    ident = identity({}, volatile_fields=["seen_at"])
+    key = ident.natural_key({"name": "x", "record_id": "stamped", "seen_at": 1}, url)
+    assert len(key) == 1 and key[0].startswith("content:sha256:")
+    # the record ID field and volatile fields are not content; the type is
+    assert ident.natural_key({"name": "x", "seen_at": 2}, url) == key
+    assert ident.natural_key({"name": "y"}, url) != key
+    assert ident.natural_key(ProductItem(name="x"), url) != key
+
+
+def test_item_from_no_page_with_unencodable_content_is_missing_its_key():
     with pytest.raises(MissingNaturalKey) as caught:
-        identity({}).natural_key(ProductItem(sku="A"), url)
-    assert caught.value.item_type == f"{__name__}.ProductItem"
-    assert caught.value.field == URL_KEY
-    assert "IDEMPOTENT_NATURAL_KEYS" in str(caught.value)
+        identity({}).natural_key({"name": object()}, None)
+    assert caught.value.field == CONTENT_KEY
+    assert "no data form" in str(caught.value)
 
 
 # -- record() -------------------------------------------------------------------------------
