@@ -209,6 +209,7 @@ class IdempotentScheduler(BaseScheduler):
         #: fingerprints of filtered requests buffered for a transaction (duplicates of these
         #: are refused before they reach the database)
         self._buffered: Counter[str] = Counter()
+        self._fingerprint_errors: set[str] = set()  # exception types logged
         self._renewal: task.LoopingCall | None = None
         self._before_end: list[Callable[[FrontierStore, int, bool], Any]] = []
         self.run_id: int | None = None
@@ -510,7 +511,6 @@ class IdempotentScheduler(BaseScheduler):
     def _enqueue(self, request: Request) -> bool:
         assert self.codec is not None
         self.stats.inc_value("idempotent/requests/enqueued")
-        fingerprint = self._fingerprinter.fingerprint(request).hex()
         is_start = self._start_requests.pop(id(request), None) is not None
         parent: Entry | None = None
         continuation = self._continuations.pop(id(request), None)
@@ -522,6 +522,10 @@ class IdempotentScheduler(BaseScheduler):
                 parent = owner[0]
                 if parent is not None:
                     parent.tracked.pop(id(request), None)
+        fingerprint = self._fingerprint(request)
+        if fingerprint is None:
+            self._refuse_unidentified(request, parent, continuation is not None)
+            return False
         filtered = self._dupes.enabled and not request.dont_filter
         # A retry continues the same frontier entry: from the downloader (RetryMiddleware, a
         # redirect to the same request) or get_retry_request() yielded by the callback (one
@@ -590,6 +594,37 @@ class IdempotentScheduler(BaseScheduler):
         else:
             self._pending.requests.append(new)
         return True
+
+    def _fingerprint(self, request: Request) -> str | None:
+        """The request's fingerprint (hex), or None when the request fingerprinter raises
+        (logged once per exception type, with its traceback)."""
+        try:
+            return self._fingerprinter.fingerprint(request).hex()
+        except Exception as exc:
+            cause = type(exc).__name__
+            if cause not in self._fingerprint_errors:
+                self._fingerprint_errors.add(cause)
+                fingerprinter = type(self._fingerprinter)
+                logger.error(
+                    "scrapy_idempotent: the request fingerprinter %s.%s raised %s for %s: "
+                    "such a request has no identity in the frontier and is not fetched "
+                    "(further %s errors are counted in idempotent/requests/unidentified)",
+                    fingerprinter.__module__, fingerprinter.__qualname__, cause,
+                    describe(request), cause, exc_info=True)
+            return None
+
+    def _refuse_unidentified(self, request: Request, parent: Entry | None,
+                             continuation: bool) -> None:
+        """A request whose fingerprint cannot be computed is refused (``request_dropped``);
+        the request it came from ends failed, so the loss stays visible and retryable."""
+        self.stats.inc_value("idempotent/requests/unidentified")
+        message = f"the request fingerprinter failed for {describe(request)}"
+        if parent is not None and continuation:
+            # its retry or redirect has no identity: it did not get its page
+            parent.failure = ("fingerprint_error", message)
+            parent.continuation = None
+        elif parent is not None and parent.failure is None:
+            parent.failure = ("fingerprint_error_child", message)
 
     def _key(self, filtered: bool, fingerprint: str, parent: Entry | None,
              is_start: bool) -> str:
@@ -667,7 +702,7 @@ class IdempotentScheduler(BaseScheduler):
     def _observe(self, entry: Entry, result: Any) -> None:
         if isinstance(result, Request):  # a redirect or retry from a downloader middleware
             self._continuations[id(result)] = (entry, result)
-            if self._fingerprinter.fingerprint(result).hex() != entry.fingerprint:
+            if self._fingerprint(result) != entry.fingerprint:
                 entry.redirected = True
         elif isinstance(result, Response):
             entry.status = result.status
@@ -709,7 +744,8 @@ class IdempotentScheduler(BaseScheduler):
             return None
         entry = self._inflight.get(id(request))
         if entry is None:
-            entry = self._by_fingerprint.get(self._fingerprinter.fingerprint(request).hex())
+            fingerprint = self._fingerprint(request)
+            entry = self._by_fingerprint.get(fingerprint) if fingerprint is not None else None
         return entry
 
     def inflight_entry(self, request: Request) -> Entry | None:

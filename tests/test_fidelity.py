@@ -465,3 +465,59 @@ async def test_middleware_outside_a_crawl_passes_output_through(db_path: Path) -
     assert results[0] == {"key": "one"}  # not stamped
     assert isinstance(results[1], scrapy.Request)
     assert not db_path.exists()
+
+
+# -- errors name their cause ---------------------------------------------------------------------
+
+
+class PickyFingerprinter:
+    """Scrapy's fingerprinter, except that it raises for URLs containing ``bad``."""
+
+    def __init__(self, crawler: Any = None) -> None:
+        from scrapy.utils.request import RequestFingerprinter
+
+        self.default = RequestFingerprinter(crawler)
+
+    @classmethod
+    def from_crawler(cls, crawler: Any) -> PickyFingerprinter:
+        return cls(crawler)
+
+    def fingerprint(self, request: Any) -> bytes:
+        if "bad" in request.url:
+            raise ValueError(f"cannot fingerprint {request.url}")
+        fingerprint: bytes = self.default.fingerprint(request)
+        return fingerprint
+
+
+class LinkingSpider(SiteSpider):
+    async def start(self) -> Any:
+        yield scrapy.Request(self.at("/ok/home"))
+        yield scrapy.Request(self.at("/ok/bad-start"))
+
+    def parse(self, response: Any) -> Any:
+        yield {"key": path_of(response.url)}
+        if response.url.endswith("/home"):
+            yield scrapy.Request(self.at("/ok/good"))
+            yield scrapy.Request(self.at("/ok/bad-child"))
+
+
+@deferred_f_from_coro_f
+async def test_a_fingerprinter_error_refuses_the_request_and_names_the_fingerprinter(
+    site: PathsSite, db_path: Path, caplog: Any
+) -> None:
+    observed = await crawl(LinkingSpider, settings(
+        db_path, REQUEST_FINGERPRINTER_CLASS=f"{__name__}.PickyFingerprinter"), url=site.url)
+    # not a store error: the crawl goes on and finishes
+    assert observed.reason == "finished"
+    assert "idempotent/error" not in observed.stats
+    assert sorted(map(path_of, observed.dropped)) == ["/ok/bad-child", "/ok/bad-start"]
+    assert observed.stats["idempotent/requests/unidentified"] == 2
+    assert site.counts_by_path() == {"/ok/home": 1, "/ok/good": 1}
+    # the page whose child could not be identified stays visible (failed, retryable)
+    states = {path_of(url): (state, kind) for url, state, kind in db_rows(
+        db_path, "SELECT url, state, error_kind FROM requests")}
+    assert states == {"/ok/home": ("failed", "fingerprint_error_child"),
+                      "/ok/good": ("done", None)}
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1, errors  # once per cause
+    assert f"{__name__}.PickyFingerprinter raised ValueError" in errors[0]
