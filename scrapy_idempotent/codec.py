@@ -56,6 +56,7 @@ __all__ = [
     "dumps",
     "encode_value",
     "loads",
+    "ordered_json",
 ]
 
 #: Names of scrapy.Spider's own methods and attributes: never callbacks, whatever a stored
@@ -203,6 +204,12 @@ def dumps(value: Any, *, items: bool = False) -> str:
 def loads(text: str) -> Any:
     """Inverse of :func:`dumps`."""
     return decode_value(json.loads(text))
+
+
+def ordered_json(encoded: Any) -> str:
+    """Text of an already encoded value with its keys in their order (an item's fields as
+    the item has them). Always valid UTF-8, like :func:`dumps`."""
+    return _text(encoded, sort_keys=False)
 
 
 def canonical_json(encoded: Any) -> str:

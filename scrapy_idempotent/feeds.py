@@ -29,21 +29,31 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import inspect
 import logging
 import os
+import secrets
 import sys
-import tempfile
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from itemadapter import ItemAdapter
 from scrapy import signals
-from scrapy.extensions.feedexport import FeedExporter, FeedSlot, FileFeedStorage
-from scrapy.utils.defer import ensure_awaitable
+from scrapy.extensions import feedexport
+from scrapy.extensions.feedexport import (
+    BlockingFeedStorage,
+    FeedExporter,
+    FeedSlot,
+    FileFeedStorage,
+)
+from scrapy.extensions.postprocessing import PostProcessingManager
+from scrapy.utils.defer import maybe_deferred_to_future
 from scrapy.utils.misc import load_object
+from twisted.internet.defer import Deferred
 
 from .codec import loads
+from .engine_hooks import engine_scheduler
 
 if TYPE_CHECKING:
     from scrapy import Spider
@@ -81,22 +91,21 @@ class IdempotentFeedExporter(FeedExporter):
         from .scheduler import is_idempotent_scheduler
 
         self._spider = spider
-        engine = self.crawler.engine
-        scheduler = engine.scheduler if engine is not None else None
+        scheduler = engine_scheduler(self.crawler)
         if scheduler is None or not is_idempotent_scheduler(scheduler):
             # No run to read the records from: Scrapy's own behaviour, item by item.
             self.crawler.signals.connect(self.item_scraped, signals.item_scraped)
             super().open_spider(spider)
             return
         self._from_run = True
-        self._record_id_field = scheduler.config.record_id_field  # type: ignore[attr-defined]
-        scheduler.before_session_end(self.export_run)  # type: ignore[attr-defined]
+        self._record_id_field = scheduler.config.record_id_field
+        scheduler.before_session_end(self.export_run)
 
     async def close_spider(self, spider: Spider) -> None:
         if not self._from_run:
             await super().close_spider(spider)
             return
-        await self.crawler.signals.send_catch_log_async(signals.feed_exporter_closed)
+        await _send_signal(self.crawler, signals.feed_exporter_closed)
 
     # -- writing the run's feeds -------------------------------------------------------------
 
@@ -112,9 +121,7 @@ class IdempotentFeedExporter(FeedExporter):
                      else datetime.now(timezone.utc))
         slots: list[_RunSlot] = []
         for uri_template, options in self.feeds.items():
-            slot = self._run_slot(store, run_id, run_start, uri_template, options, 1)
-            if slot.slot is None:
-                continue
+            slot = self._run_slot(run_start, uri_template, options, 1)
             if slot.append_only_remote and not finishing:
                 logger.info("Feed %s is appended to remotely: it is written when the run "
                             "finishes, not at this stop", slot.slot.uri)
@@ -122,61 +129,62 @@ class IdempotentFeedExporter(FeedExporter):
             slots.append(slot)
         if not slots:
             return
-        for row in store.run_records(run_id):
-            item = self._item(row)
-            for index, slot in enumerate(slots):
-                feed = slot.slot
-                assert feed is not None
-                if not feed.filter.accepts(item):
-                    continue
-                feed.start_exporting()
-                assert feed.exporter is not None
-                feed.exporter.export_item(item)
-                feed.itemcount += 1
-                limit = self.feeds[feed.uri_template]["batch_item_count"]
-                if limit and feed.itemcount >= limit:
-                    await self._store_slot(slot)
-                    slots[index] = self._run_slot(store, run_id, run_start, feed.uri_template,
-                                                  self.feeds[feed.uri_template],
-                                                  feed.batch_id + 1)
-        for slot in slots:
-            await self._store_slot(slot)
+        try:
+            for row in store.run_records(run_id):
+                item = self._item(row)
+                for index, slot in enumerate(slots):
+                    feed = slot.slot
+                    if not feed.filter.accepts(item):
+                        continue
+                    slot.prepare(store, run_id)
+                    feed.start_exporting()
+                    assert feed.exporter is not None
+                    try:
+                        feed.exporter.export_item(item)
+                    except Exception:  # as Scrapy: logged, and the feed goes on
+                        logger.error("Error exporting an item to %s", feed.uri, exc_info=True,
+                                     extra={"spider": spider})
+                        continue
+                    feed.itemcount += 1
+                    limit = self.feeds[feed.uri_template]["batch_item_count"]
+                    if limit and feed.itemcount >= limit:
+                        await self._store_slot(slot, store, run_id)
+                        slots[index] = self._run_slot(run_start, feed.uri_template,
+                                                      self.feeds[feed.uri_template],
+                                                      feed.batch_id + 1)
+            for slot in slots:
+                await self._store_slot(slot, store, run_id)
+        finally:
+            for slot in slots:  # after an error: no file left open, no temporary file left
+                slot.discard()
 
-    def _run_slot(self, store: FrontierStore, run_id: int, run_start: datetime,
-                  uri_template: str, options: dict[str, Any], batch_id: int) -> _RunSlot:
+    def _run_slot(self, run_start: datetime, uri_template: str, options: dict[str, Any],
+                  batch_id: int) -> _RunSlot:
+        """A slot of Scrapy's (its storage, exporter, filter); a local file's storage writes
+        to a temporary file next to it, created when the slot is first written to."""
         spider = self._spider
         assert spider is not None
-        from scrapy.extensions.feedexport import apply_uri_params
-
-        uri = apply_uri_params(uri_template, self._run_uri_params(
-            spider, options["uri_params"], run_start, batch_id))
+        params = self._run_uri_params(spider, options["uri_params"], run_start, batch_id)
+        apply_uri_params = getattr(feedexport, "apply_uri_params", None)  # Scrapy 2.19
+        uri = (apply_uri_params(uri_template, params) if apply_uri_params is not None
+               else uri_template % params)
         storage = self._get_storage(uri, options)
-        run_slot = _RunSlot()
-        run_slot.append_only_remote = (not isinstance(storage, FileFeedStorage)
-                                       and getattr(storage, "overwrite", True) is False)
+        target = partial = None
+        append = False
         if isinstance(storage, FileFeedStorage):
             target = Path(storage.path)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            for stale in target.parent.glob(f".{glob.escape(target.name)}.*.partial"):
-                with contextlib.suppress(OSError):  # left by a process killed while writing
-                    stale.unlink()
-            fd, partial = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial",
-                                           dir=target.parent)
-            os.close(fd)
-            run_slot.target, run_slot.partial = target, Path(partial)
-            if storage.write_mode == "ab" and target.exists():  # -o: keep what was before
-                size = target.stat().st_size
-                base = store.feed_base(run_id, uri, size)
-                with target.open("rb") as source, open(partial, "wb") as copy:
-                    _copy_bytes(source, copy, min(base, size))
-            _copy_mode(target, run_slot.partial)
+            partial = target.with_name(f".{target.name}.{secrets.token_hex(4)}.partial")
+            append = storage.write_mode == "ab"
             storage = self._get_storage(str(partial), options)
-        run_slot.slot = FeedSlot(
+        slot = feedexport.FeedSlot(
             storage=storage, uri=uri, format=options["format"],
             store_empty=options["store_empty"], batch_id=batch_id, uri_template=uri_template,
             filter=self.filters[uri_template], feed_options=options, spider=spider,
             exporters=self.exporters, settings=self.settings, crawler=self.crawler,
         )
+        run_slot = _RunSlot(slot, target, partial, append)
+        run_slot.append_only_remote = (target is None
+                                       and getattr(storage, "overwrite", True) is False)
         return run_slot
 
     def _run_uri_params(self, spider: Spider, function: Any, run_start: datetime,
@@ -192,22 +200,24 @@ class IdempotentFeedExporter(FeedExporter):
                 params = changed
         return params
 
-    async def _store_slot(self, run_slot: _RunSlot) -> None:
+    async def _store_slot(self, run_slot: _RunSlot, store: FrontierStore, run_id: int) -> None:
+        """Finish the slot's file and store it (Scrapy's log line, stats and signal); a local
+        file is renamed over its target once stored."""
         slot = run_slot.slot
-        assert slot is not None
         spider = self._spider
-        if slot.itemcount:
-            slot.finish_exporting()
-        elif slot.store_empty and slot.batch_id == 1:
-            slot.start_exporting()
-            slot.finish_exporting()
-        else:
-            run_slot.discard()
-            return
         what = f"{slot.format} feed ({slot.itemcount} items) in: {slot.uri}"
         storage_name = type(slot.storage).__name__
         try:
-            await ensure_awaitable(slot.storage.store(self._get_file(slot)))
+            if slot.itemcount:
+                slot.finish_exporting()
+            elif slot.store_empty and slot.batch_id == 1:
+                run_slot.prepare(store, run_id)
+                slot.start_exporting()
+                slot.finish_exporting()
+            else:
+                run_slot.discard()
+                return
+            await _wait(slot.storage.store(_file_of(slot)))
             run_slot.commit()
         except Exception:
             run_slot.discard()
@@ -216,7 +226,7 @@ class IdempotentFeedExporter(FeedExporter):
         else:
             logger.info("Stored %s", what, extra={"spider": spider})
             self.crawler.stats.inc_value(f"feedexport/success_count/{storage_name}")
-        await self.crawler.signals.send_catch_log_async(signals.feed_slot_closed, slot=slot)
+        await _send_signal(self.crawler, signals.feed_slot_closed, slot=slot)
 
     def _item(self, row: dict[str, object]) -> Any:
         """The item a record was stored from, as far as it can be rebuilt: an instance of its
@@ -227,9 +237,6 @@ class IdempotentFeedExporter(FeedExporter):
         cls = _loaded_class(str(row["item_type"]))
         if isinstance(data, dict) and cls is not None and cls is not dict:
             with contextlib.suppress(Exception):
-                declared = ItemAdapter.get_field_names_from_class(cls)
-                if declared:
-                    data = {**{k: data[k] for k in declared if k in data}, **data}
                 from scrapy import Item
 
                 item = cls(data) if issubclass(cls, Item) else cls(**data)
@@ -242,25 +249,79 @@ class IdempotentFeedExporter(FeedExporter):
 class _RunSlot:
     """A feed slot and, for a local file, the temporary file it is written to."""
 
-    def __init__(self) -> None:
-        self.slot: FeedSlot | None = None
+    def __init__(self, slot: FeedSlot, target: Path | None, partial: Path | None,
+                 append: bool) -> None:
+        self.slot = slot
+        self.target = target
+        self.partial = partial
+        self.append = append
         self.append_only_remote = False
-        self.target: Path | None = None
-        self.partial: Path | None = None
+        self._prepared = False
+        self._done = False
+
+    def prepare(self, store: FrontierStore, run_id: int) -> None:
+        """Before the first write: the directory, and for an appended file (``-o``) the part
+        of it that was there before the run (its size then is kept in the database)."""
+        if self._prepared or self.target is None or self.partial is None:
+            return
+        self._prepared = True
+        target = self.target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        for stale in target.parent.glob(f".{glob.escape(target.name)}.*.partial"):
+            with contextlib.suppress(OSError):  # left by a process killed while writing
+                stale.unlink()
+        if self.append:
+            size = target.stat().st_size if target.exists() else 0
+            base = min(store.feed_base(run_id, self.slot.uri, size), size)
+            with open(self.partial, "wb") as copy:
+                if base:
+                    with target.open("rb") as source:
+                        _copy_bytes(source, copy, base)
 
     def commit(self) -> None:
-        if self.partial is not None and self.target is not None:
+        self._done = True
+        if self.partial is not None and self.target is not None and self.partial.exists():
+            _copy_mode(self.target, self.partial)
             os.replace(self.partial, self.target)
-            self.partial = None
+        self.partial = None
 
     def discard(self) -> None:
-        if self.slot is not None and self.slot.file is not None:
+        """After an error or with nothing to store: close the file the slot opened (never a
+        stream it was given, such as stdout) and remove the temporary file."""
+        file = self.slot.file
+        ours = self.target is not None or isinstance(self.slot.storage, BlockingFeedStorage)
+        if not self._done and ours and file is not None and not file.closed:
             with contextlib.suppress(Exception):
-                self.slot.file.close()
+                file.close()
+        self._done = True
         if self.partial is not None:
             with contextlib.suppress(OSError):
                 self.partial.unlink()
             self.partial = None
+
+
+def _file_of(slot: FeedSlot) -> Any:
+    """The file to hand to the storage (a post-processing wrapper is closed first)."""
+    if isinstance(slot.file, PostProcessingManager):
+        slot.file.close()
+        return slot.file.file
+    return slot.file
+
+
+async def _wait(result: Any) -> None:
+    """Wait for what a storage's ``store`` returned: None, a Deferred or an awaitable."""
+    if isinstance(result, Deferred):
+        await maybe_deferred_to_future(result)
+    elif inspect.isawaitable(result):
+        await result
+
+
+async def _send_signal(crawler: Crawler, signal: Any, **kwargs: Any) -> None:
+    send = getattr(crawler.signals, "send_catch_log_async", None)  # Scrapy 2.14
+    if send is not None:
+        await send(signal, **kwargs)
+    else:
+        await maybe_deferred_to_future(crawler.signals.send_catch_log_deferred(signal, **kwargs))
 
 
 def _loaded_class(path: str) -> type | None:

@@ -16,7 +16,7 @@ from urllib.parse import unquote_plus, urlsplit
 from itemadapter import ItemAdapter
 from w3lib.url import canonicalize_url
 
-from .codec import EncodeError, canonical_json, encode_value
+from .codec import EncodeError, canonical_json, encode_value, ordered_json
 from .exceptions import MissingNaturalKey
 from .store.base import Record
 
@@ -191,7 +191,7 @@ class RecordIdentity:
             source=self.source,
             natural_key=canonical_json(key_values),
             item_type=item_type_name(item),
-            data=canonical_json(encoded),
+            data=ordered_json(encoded),  # the item's field order; the hash is canonical
             content_hash=hashlib.sha256(canonical_json(hashed).encode("utf-8")).hexdigest(),
         )
 

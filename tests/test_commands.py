@@ -144,8 +144,8 @@ async def test_export_formats_and_changed_since_filters(tmp_path: Path, db_path:
     lines = export("--format", "jsonl").read_text().splitlines()
     assert len(lines) == 15
     first = json.loads(lines[0])
-    assert list(first) == ["record_id", "first_seen", "last_changed", "name", "price", "sku",
-                           "url"]
+    assert list(first) == ["record_id", "first_seen", "last_changed", "sku", "name", "price",
+                           "url"]  # the item's own field order
     assert ISO_SECONDS.match(first["first_seen"]) and ISO_SECONDS.match(first["last_changed"])
     assert len(first["record_id"]) == 32
 

@@ -256,3 +256,47 @@ def test_a_kill_while_the_feed_is_written_leaves_the_old_file_and_the_next_crawl
     assert product_rows(json.loads(feed.read_text())) == stored_rows(db)
     assert db_rows(db, "SELECT reason FROM runs") == [("finished",)]
     assert not list(tmp_path.glob(".*partial"))
+
+
+class VariantSpider(ShopSpider):
+    """Three variants of each product, yielded in one callback, fields not in name order."""
+
+    name = "variants"
+
+    def parse_product(self, response: Any) -> Any:
+        for item in super().parse_product(response):
+            for colour in ("red", "green", "blue"):
+                yield {"variant": f"{item['sku']}-{colour}", "sku": item["sku"],
+                       "colour": colour}
+
+
+@deferred_f_from_coro_f
+async def test_a_feed_keeps_the_order_of_the_items_and_of_their_fields(
+    tmp_path: Path
+) -> None:
+    db, feed = tmp_path / "db.sqlite3", tmp_path / "variants.jsonl"
+    settings = crawl_settings(db, FEEDS={str(feed): {"format": "jsonlines"}},
+                              IDEMPOTENT_NATURAL_KEYS={"dict": "variant"},
+                              IDEMPOTENT_RECORD_ID_FIELD=None)
+    with ShopSite(port=0, listing_pages=2, products_per_page=5) as site:
+        await run_crawl(VariantSpider, settings, url=site.url)
+    lines = read_jsonlines(feed)
+    assert len(lines) == 30
+    assert all(list(line) == ["variant", "sku", "colour"] for line in lines)
+    for start in range(0, 30, 3):  # the items of one page in the order they were yielded
+        assert [line["colour"] for line in lines[start:start + 3]] == ["red", "green", "blue"]
+        assert len({line["sku"] for line in lines[start:start + 3]}) == 1
+
+
+@deferred_f_from_coro_f
+async def test_an_appended_feed_new_with_the_run_gets_the_run_once_after_a_stop(
+    shop: ShopSite, tmp_path: Path
+) -> None:
+    db, feed = tmp_path / "db.sqlite3", tmp_path / "new.jsonl"
+    settings = crawl_settings(db, FEEDS={str(feed): {"format": "jsonlines"}},
+                              CLOSESPIDER_ITEMCOUNT=40, **NATURAL_KEYS)
+    await run_crawl(ShopSpider, settings, url=shop.url)
+    assert 40 <= len(read_jsonlines(feed)) < 500
+    del settings["CLOSESPIDER_ITEMCOUNT"]
+    await run_crawl(ShopSpider, settings, url=shop.url)
+    assert product_rows(read_jsonlines(feed)) == stored_rows(db)  # 500, the stop's not kept

@@ -138,7 +138,7 @@ class Record:
     source: str
     natural_key: str  #: JSON list of the natural key values
     item_type: str
-    data: str  #: JSON object of the item's fields (record ID field removed)
+    data: str  #: JSON object of the item's fields in its order (record ID field removed)
     content_hash: str  #: sha256 hex of the data without volatile fields
 
 

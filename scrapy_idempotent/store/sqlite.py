@@ -32,7 +32,7 @@ from .base import (
 
 __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 #: Schema migrations: ``_MIGRATIONS[n]`` brings version n to n + 1, one transaction each.
 _MIGRATIONS: list[list[str]] = [
@@ -150,6 +150,12 @@ _MIGRATIONS: list[list[str]] = [
            (priority DESC, is_start, (CASE WHEN fifo THEN id ELSE -id END))
            WHERE state = 'pending'""",
     ],
+    [
+        # The order in which a run first stored or saw its records (its feeds' order): a
+        # counter per run, taken in the page transaction.
+        """ALTER TABLE records ADD COLUMN seen_seq INTEGER NOT NULL DEFAULT 0""",
+        """ALTER TABLE runs ADD COLUMN seen_seq INTEGER NOT NULL DEFAULT 0""",
+    ],
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -165,7 +171,7 @@ APPLICATION_ID = 0x53494450
 _TABLES_1 = frozenset({"meta", "runs", "sessions", "requests", "records", "responses",
                        "rejects"})
 _TABLES: dict[int, frozenset[str]] = {1: _TABLES_1, 2: _TABLES_1 | {"feeds"},
-                                      3: _TABLES_1 | {"feeds"}}
+                                      3: _TABLES_1 | {"feeds"}, 4: _TABLES_1 | {"feeds"}}
 assert set(_TABLES) == set(range(1, SCHEMA_VERSION + 1))
 #: Schema versions written before the application id was (files of those have none).
 _BEFORE_APPLICATION_ID = frozenset({1, 2, 3})
@@ -631,8 +637,15 @@ class SQLiteStore(FrontierStore):
 
     def _upsert_records(self, cur: sqlite3.Cursor, records: list[tuple[Record, str | None]],
                         now: float, run_id: int, result: CommitResult) -> None:
+        if not records:
+            return
+        row = cur.execute("SELECT seen_seq FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        first = seq = row[0] if row is not None else 0
         for record, request_key in records:
-            self._upsert_record(cur, record, request_key, run_id, now, result)
+            if self._upsert_record(cur, record, request_key, run_id, now, seq + 1, result):
+                seq += 1
+        if seq != first:
+            cur.execute("UPDATE runs SET seen_seq = ? WHERE run_id = ?", (seq, run_id))
 
     @staticmethod
     def _complete(cur: sqlite3.Cursor, completions: list[Completion], lost: set[str],
@@ -669,10 +682,10 @@ class SQLiteStore(FrontierStore):
 
     @staticmethod
     def _upsert_record(cur: sqlite3.Cursor, record: Record, request_key: str | None,
-                       run_id: int, now: float, result: CommitResult) -> None:
+                       run_id: int, now: float, seq: int, result: CommitResult) -> bool:
         """Insert, update (content changed) or leave the record alone (same content), and
-        mark it seen in ``run_id``: an unchanged record is written only the first time a run
-        sees it."""
+        mark it seen in ``run_id`` as the run's ``seq``-th record: an unchanged record is
+        written only the first time a run sees it. Returns whether ``seq`` was taken."""
         row = cur.execute(
             "SELECT content_hash, seen_run_id FROM records WHERE record_id = ?",
             (record.record_id,),
@@ -681,29 +694,33 @@ class SQLiteStore(FrontierStore):
             cur.execute(
                 "INSERT INTO records (record_id, source, natural_key, item_type, data,"
                 " content_hash, first_seen, last_changed, first_run_id, changed_run_id,"
-                " request_key, seen_run_id, seen_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " request_key, seen_run_id, seen_at, seen_seq)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (record.record_id, record.source, record.natural_key, record.item_type,
                  record.data, record.content_hash, now, now, run_id, run_id,
-                 request_key, run_id, now),
+                 request_key, run_id, now, seq),
             )
             result.records_inserted += 1
-        elif row[0] != record.content_hash:
+            return True
+        first_sight = bool(row[1] != run_id)
+        if row[0] != record.content_hash:
             cur.execute(
                 "UPDATE records SET data = ?, content_hash = ?, item_type = ?,"
                 " last_changed = ?, changed_run_id = ?, request_key = ?,"
                 " seen_at = CASE WHEN seen_run_id = ? THEN seen_at ELSE ? END,"
+                " seen_seq = CASE WHEN seen_run_id = ? THEN seen_seq ELSE ? END,"
                 " seen_run_id = ? WHERE record_id = ?",
                 (record.data, record.content_hash, record.item_type, now, run_id,
-                 request_key, run_id, now, run_id, record.record_id),
+                 request_key, run_id, now, run_id, seq, run_id, record.record_id),
             )
             result.records_updated += 1
         else:
-            if row[1] != run_id:
+            if first_sight:
                 cur.execute(
-                    "UPDATE records SET seen_run_id = ?, seen_at = ? WHERE record_id = ?",
-                    (run_id, now, record.record_id))
+                    "UPDATE records SET seen_run_id = ?, seen_at = ?, seen_seq = ?"
+                    " WHERE record_id = ?", (run_id, now, seq, record.record_id))
             result.records_unchanged += 1
+        return first_sight
 
     @staticmethod
     def _count(cur: sqlite3.Cursor, result: CommitResult, run_id: int, started: int) -> None:
@@ -999,7 +1016,7 @@ class SQLiteStore(FrontierStore):
     def run_records(self, run_id: int) -> Iterator[dict[str, object]]:
         cur = self.conn.execute(
             "SELECT record_id, item_type, data, first_seen, last_changed FROM records"
-            " WHERE seen_run_id = ? ORDER BY seen_at, record_id", (run_id,))
+            " WHERE seen_run_id = ? ORDER BY seen_seq, seen_at, record_id", (run_id,))
         names = [d[0] for d in cur.description]
         try:
             while rows := cur.fetchmany(500):
