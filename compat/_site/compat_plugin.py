@@ -113,7 +113,10 @@ class CompatReport:
         write = terminalreporter.write_line
         events = self.events()
         kinds = Counter(e["event"] for e in events)
-        opened = [e for e in events if e["event"] == "opened"]
+        development = [e for e in events if e["event"] == "opened"
+                       and e.get("development_command")]
+        opened = [e for e in events if e["event"] == "opened"
+                  and not e.get("development_command")]
         other = sorted({(e["test"], e["scheduler"]) for e in opened
                         if e["scheduler"] != IDEMPOTENT_SCHEDULER})
         by_idempotent = sum(1 for e in opened if e["scheduler"] == IDEMPOTENT_SCHEDULER)
@@ -135,7 +138,8 @@ class CompatReport:
               f"{tests_with_crawler} tests and {processes} processes; spiders opened "
               f"{len(opened)}: with IdempotentScheduler {by_idempotent}, with another "
               f"scheduler {by_other}; IdempotentScheduler.open calls "
-              f"{kinds['idempotent_open']}")
+              f"{kinds['idempotent_open']}; spiders opened by development commands "
+              f"(scrapy fetch, shell...: add-on off by design) {len(development)}")
         for nodeid in self.failed:
             write(f"FAILED (not allow-listed) {nodeid}")
         for nodeid in self.allowlisted_passed:

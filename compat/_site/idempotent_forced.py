@@ -13,7 +13,8 @@ still counts them. Every process appends one JSON line per event to
 ``<events dir>/events-<pid>.jsonl``:
 
 * ``crawler``: a ``Crawler`` was built (``forced``: whether the add-on was added);
-* ``opened``: a spider was opened (``scheduler``: the class of the engine's scheduler);
+* ``opened``: a spider was opened (``scheduler``: the class of the engine's scheduler;
+  ``development_command``: ``fetch``, ``shell``... when the add-on is off by design);
 * ``idempotent_open``: ``IdempotentScheduler.open`` ran.
 
 Each event names the test that was running (``PYTEST_CURRENT_TEST``, which processes started
@@ -74,6 +75,16 @@ def _scheduler_of(crawler: Any) -> object:
     return scheduler
 
 
+def _development_command() -> str | None:
+    """The Scrapy development command this process runs (``fetch``, ``shell``...), for which
+    the add-on turns itself off by design; None for crawls."""
+    try:
+        from scrapy_idempotent.addon import development_command
+    except ImportError:
+        return None
+    return development_command()
+
+
 def _patch_crawler(module: ModuleType) -> None:
     from scrapy import signals
 
@@ -97,7 +108,8 @@ def _patch_crawler(module: ModuleType) -> None:
         record("crawler", forced=force, spider=_class_name(spider) if spider else None)
 
         def on_opened(spider: Any) -> None:
-            record("opened", scheduler=_class_name(_scheduler_of(self)))
+            record("opened", scheduler=_class_name(_scheduler_of(self)),
+                   development_command=_development_command())
 
         # kept alive by the crawler: the dispatcher holds receivers weakly
         self._compat_on_opened = on_opened
