@@ -138,7 +138,7 @@ def _replace_feed_exporter(settings: BaseSettings) -> None:
     from .feeds import IdempotentFeedExporter
 
     priority: Any = 0
-    for name, value in settings.get_component_priority_dict_with_base("EXTENSIONS").items():
+    for name, value in engine_hooks.component_priorities(settings, "EXTENSIONS").items():
         try:
             cls = load_object(name) if isinstance(name, str) else name
         except (ImportError, NameError, ValueError, AttributeError):
@@ -147,5 +147,5 @@ def _replace_feed_exporter(settings: BaseSettings) -> None:
             if value is None:
                 return  # feed exports turned off by the project
             priority = value
-    settings.set_in_component_priority_dict("EXTENSIONS", FeedExporter, None)
+    engine_hooks.disable_component(settings, "EXTENSIONS", FeedExporter)
     settings.set_in_component_priority_dict("EXTENSIONS", IdempotentFeedExporter, priority)

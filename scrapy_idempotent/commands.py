@@ -95,6 +95,7 @@ class Command(ScrapyCommand):
 
     requires_project = False
     requires_crawler_process = False
+    default_settings = engine_hooks.COMMAND_SETTINGS
 
     def syntax(self) -> str:
         return f"<{'|'.join(SUBCOMMANDS)}> [SPIDER] [options]"

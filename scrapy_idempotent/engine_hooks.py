@@ -37,18 +37,23 @@ if TYPE_CHECKING:
     from twisted.internet.defer import Deferred
 
 __all__ = [
+    "COMMAND_SETTINGS",
     "NEWEST_TESTED",
     "OLDEST_SUPPORTED",
     "check_engine",
     "check_scrapy",
     "close_spider",
+    "component_priorities",
+    "disable_component",
     "engine_scheduler",
     "failure_name",
+    "feed_uri",
     "hook_itemproc",
     "itemproc",
     "response_from_dict",
     "response_to_dict",
     "scrapy_version",
+    "send_signal",
     "spider_loader",
     "start_failure_exits_nonzero",
     "supported_range",
@@ -219,6 +224,36 @@ def spider_loader(settings: BaseSettings) -> Any:
     return load_object(settings["SPIDER_LOADER_CLASS"]).from_settings(settings.frozencopy())
 
 
+#: Settings of a command that reads the database only: ``requires_crawler_process = False``
+#: (Scrapy 2.14) spares it the crawler process; Scrapy 2.13 builds one for every command,
+#: which configures logging and logs Scrapy's start and versions at INFO on stderr.
+COMMAND_SETTINGS: dict[str, Any] = {"LOG_LEVEL": "WARNING"}
+
+
+def component_priorities(settings: BaseSettings, name: str) -> Any:
+    """A component priority dict setting merged with its ``_BASE`` (``{component: priority}``,
+    ``None`` for a component turned off): ``get_component_priority_dict_with_base`` (Scrapy
+    2.15, which also unifies keys given as classes and as import paths), before that
+    ``getwithbase``."""
+    merged = getattr(settings, "get_component_priority_dict_with_base", None)
+    if merged is not None:
+        return merged(name)
+    return settings.getwithbase(name)
+
+
+def disable_component(settings: BaseSettings, name: str, cls: type) -> None:
+    """Turn ``cls`` off in the component priority dict setting ``name`` (``EXTENSIONS``,
+    ...), including where it is enabled by the ``_BASE`` setting. Scrapy 2.15 unifies keys
+    given as classes and as import paths; before that a class key leaves the import path of
+    ``<name>_BASE`` enabled, so the import path is turned off instead."""
+    if callable(getattr(settings, "get_component_priority_dict_with_base", None)):
+        settings.set_in_component_priority_dict(name, cls, None)
+        return
+    components = settings.getdict(name)
+    components[f"{cls.__module__}.{cls.__qualname__}"] = None
+    settings.set(name, components, settings.getpriority(name) or 0)
+
+
 def response_to_dict(response: Response) -> dict[str, Any]:
     """The data of ``response`` as ``Response.to_dict()`` (Scrapy 2.19) returns it: every
     attribute in ``Response.attributes`` except ``request`` and ``certificate``, headers as a
@@ -322,3 +357,32 @@ def _forget_spider_after_close(crawler: Crawler) -> None:
         forget_spider()
     else:
         crawler.signals.connect(forget_spider, signals.spider_closed, weak=False)
+
+
+# -- feeds and signals ----------------------------------------------------------------------
+
+
+async def send_signal(crawler: Crawler, signal: object, **kwargs: Any) -> None:
+    """Send ``signal`` and wait for its asynchronous handlers:
+    ``SignalManager.send_catch_log_async`` (Scrapy 2.14), before that the Deferred of
+    ``send_catch_log_deferred``."""
+    manager = crawler.signals
+    if callable(getattr(manager, "send_catch_log_async", None)):
+        await manager.send_catch_log_async(signal, **kwargs)
+        return
+    from scrapy.utils.defer import maybe_deferred_to_future
+
+    await maybe_deferred_to_future(manager.send_catch_log_deferred(signal, **kwargs))
+
+
+def feed_uri(uri_template: str, params: dict[str, Any]) -> str:
+    """A feed URI from its template: ``apply_uri_params`` (Scrapy 2.18, which leaves percent
+    signs outside ``%(name)s`` placeholders alone), before that ``uri_template % params``
+    as Scrapy itself did."""
+    from scrapy.extensions import feedexport
+
+    apply = getattr(feedexport, "apply_uri_params", None)
+    if apply is not None:
+        uri: str = apply(uri_template, params)
+        return uri
+    return uri_template % params

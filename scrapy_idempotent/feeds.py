@@ -52,8 +52,8 @@ from scrapy.utils.defer import maybe_deferred_to_future
 from scrapy.utils.misc import load_object
 from twisted.internet.defer import Deferred
 
+from . import engine_hooks
 from .codec import loads
-from .engine_hooks import engine_scheduler
 
 if TYPE_CHECKING:
     from scrapy import Spider
@@ -91,7 +91,7 @@ class IdempotentFeedExporter(FeedExporter):
         from .scheduler import is_idempotent_scheduler
 
         self._spider = spider
-        scheduler = engine_scheduler(self.crawler)
+        scheduler = engine_hooks.engine_scheduler(self.crawler)
         if scheduler is None or not is_idempotent_scheduler(scheduler):
             # No run to read the records from: Scrapy's own behaviour, item by item.
             self.crawler.signals.connect(self.item_scraped, signals.item_scraped)
@@ -105,7 +105,7 @@ class IdempotentFeedExporter(FeedExporter):
         if not self._from_run:
             await super().close_spider(spider)
             return
-        await _send_signal(self.crawler, signals.feed_exporter_closed)
+        await engine_hooks.send_signal(self.crawler, signals.feed_exporter_closed)
 
     # -- writing the run's feeds -------------------------------------------------------------
 
@@ -165,9 +165,7 @@ class IdempotentFeedExporter(FeedExporter):
         spider = self._spider
         assert spider is not None
         params = self._run_uri_params(spider, options["uri_params"], run_start, batch_id)
-        apply_uri_params = getattr(feedexport, "apply_uri_params", None)  # Scrapy 2.19
-        uri = (apply_uri_params(uri_template, params) if apply_uri_params is not None
-               else uri_template % params)
+        uri = engine_hooks.feed_uri(uri_template, params)
         storage = self._get_storage(uri, options)
         target = partial = None
         append = False
@@ -226,7 +224,7 @@ class IdempotentFeedExporter(FeedExporter):
         else:
             logger.info("Stored %s", what, extra={"spider": spider})
             self.crawler.stats.inc_value(f"feedexport/success_count/{storage_name}")
-        await _send_signal(self.crawler, signals.feed_slot_closed, slot=slot)
+        await engine_hooks.send_signal(self.crawler, signals.feed_slot_closed, slot=slot)
 
     def _item(self, row: dict[str, object]) -> Any:
         """The item a record was stored from, as far as it can be rebuilt: an instance of its
@@ -314,14 +312,6 @@ async def _wait(result: Any) -> None:
         await maybe_deferred_to_future(result)
     elif inspect.isawaitable(result):
         await result
-
-
-async def _send_signal(crawler: Crawler, signal: Any, **kwargs: Any) -> None:
-    send = getattr(crawler.signals, "send_catch_log_async", None)  # Scrapy 2.14
-    if send is not None:
-        await send(signal, **kwargs)
-    else:
-        await maybe_deferred_to_future(crawler.signals.send_catch_log_deferred(signal, **kwargs))
 
 
 def _loaded_class(path: str) -> type | None:

@@ -19,6 +19,7 @@ def crawl_settings(db_path: Path, **extra: Any) -> dict[str, Any]:
         "CONCURRENT_REQUESTS_PER_DOMAIN": 16,
         "MEMUSAGE_ENABLED": False,
         "RETRY_ENABLED": False,
+        "TELNETCONSOLE_ENABLED": False,  # no fixed port range shared with other processes
     }
     settings.update(extra)
     return settings
@@ -30,8 +31,20 @@ async def run_crawl(spidercls: type, settings: dict[str, Any], **kwargs: Any) ->
     from scrapy.utils.test import get_crawler
 
     crawler = get_crawler(spidercls, settings)
-    await crawler.crawl_async(**kwargs)
+    await crawl_to_end(crawler, **kwargs)
     return crawler
+
+
+async def crawl_to_end(crawler: Any, **kwargs: Any) -> None:
+    """``await crawler.crawl_async(**kwargs)``: ``Crawler.crawl_async`` is new in Scrapy 2.14;
+    on 2.13 the Deferred of ``Crawler.crawl`` is awaited instead."""
+    crawl_async = getattr(crawler, "crawl_async", None)
+    if crawl_async is not None:
+        await crawl_async(**kwargs)
+        return
+    from scrapy.utils.defer import maybe_deferred_to_future
+
+    await maybe_deferred_to_future(crawler.crawl(**kwargs))
 
 
 def db_rows(db_path: Path, sql: str, params: Any = ()) -> list[tuple[Any, ...]]:

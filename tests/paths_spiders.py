@@ -29,7 +29,7 @@ class MarkerPipeline:
     def from_crawler(cls, crawler: Any) -> MarkerPipeline:
         return cls(crawler.settings.get("PATHS_MARKER"))
 
-    def process_item(self, item: Any) -> Any:
+    def process_item(self, item: Any, spider: Any = None) -> Any:  # Scrapy 2.13 passes it
         with open(self.path, "a") as f:
             f.write(f"{item['key']}\n")
             f.flush()
@@ -54,7 +54,13 @@ class VariantsSpider(scrapy.Spider):
         for colour in ("red", "green", "blue"):
             yield {"key": f"product1-{colour}", "colour": colour, "url": response.url}
         stock = scrapy.Request(f"{self.base_url}/block/stock1")
-        answer = await self.crawler.engine.download_async(stock)
+        engine = self.crawler.engine
+        if hasattr(engine, "download_async"):
+            answer = await engine.download_async(stock)
+        else:  # Scrapy 2.13: ExecutionEngine.download() returns a Deferred
+            from scrapy.utils.defer import maybe_deferred_to_future
+
+            answer = await maybe_deferred_to_future(engine.download(stock))
         self.logger.info("stock answered %s", answer.status)
 
 

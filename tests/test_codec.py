@@ -14,7 +14,8 @@ import pytest
 import scrapy
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scrapy.http import FormRequest, JsonRequest
+from scrapy.http import JsonRequest
+from scrapy.http.request.form import FormRequest  # not scrapy.http: deprecated there in 2.16
 
 from scrapy_idempotent.codec import EncodeError, RequestCodec, dumps, loads
 from scrapy_idempotent.exceptions import UnstorableRequest

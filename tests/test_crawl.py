@@ -9,7 +9,14 @@ from typing import Any
 import scrapy
 from scrapy.utils.defer import deferred_f_from_coro_f
 
-from crawling import crawl_settings, db_rows, frontier_counts, run_crawl, stored_products
+from crawling import (
+    crawl_settings,
+    crawl_to_end,
+    db_rows,
+    frontier_counts,
+    run_crawl,
+    stored_products,
+)
 from shop.site import ShopSite
 from shop.spiders.shop import ShopSpider
 
@@ -121,7 +128,7 @@ async def test_item_types_record_ids_and_rejects(shop: ShopSite, db_path: Path) 
         scraped.append(item)
 
     crawler.signals.connect(on_item, signals.item_scraped)
-    await crawler.crawl_async(url=shop.url)
+    await crawl_to_end(crawler, url=shop.url)
     stats = crawler.stats.get_stats()
     assert stats["idempotent/records/inserted"] == 10
     assert stats["idempotent/records/rejected"] == 5

@@ -54,12 +54,13 @@ class NaiveInsertPipeline:
             )
         return cls(str(database))
 
-    def open_spider(self) -> None:
+    # ``spider``: Scrapy 2.13 passes it to pipeline methods, later releases do not.
+    def open_spider(self, spider: Any = None) -> None:
         self.connection = sqlite3.connect(self.database)
         self.connection.execute(SCHEMA)
         self.connection.commit()
 
-    def close_spider(self) -> None:
+    def close_spider(self, spider: Any = None) -> None:
         if self.connection is not None:
             self.connection.close()
             self.connection = None
@@ -67,7 +68,7 @@ class NaiveInsertPipeline:
     #: The statement each item runs (subclasses change it, not the rest).
     INSERT = "INSERT INTO products (sku, name, price, url, scraped_at) VALUES (?, ?, ?, ?, ?)"
 
-    def process_item(self, item: Any) -> Any:
+    def process_item(self, item: Any, spider: Any = None) -> Any:
         assert self.connection is not None, "open_spider() was not called"
         adapter = ItemAdapter(item)
         self.connection.execute(
@@ -88,7 +89,7 @@ class UpsertBySkuPipeline(NaiveInsertPipeline):
     """Like :class:`NaiveInsertPipeline`, but one row per SKU (``INSERT ... ON CONFLICT``): the
     usual fix for duplicates, paired in the demo with Scrapy's ``JOBDIR`` to resume."""
 
-    def open_spider(self) -> None:
+    def open_spider(self, spider: Any = None) -> None:
         super().open_spider()
         assert self.connection is not None
         self.connection.execute(
