@@ -28,7 +28,7 @@ class ItemTag:
     item: Any
     entry: Entry | None
     record_id: str | None
-    key_values: list[str] | None
+    key_values: list[Any] | None
     error: Exception | None = None
     page_url: str | None = None
 

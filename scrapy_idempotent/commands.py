@@ -23,6 +23,7 @@ read-only; none creates or migrates it. ``--json`` prints one JSON document for 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -502,7 +503,7 @@ class Command(ScrapyCommand):
         if fmt == "csv":  # one header for every record: the union of their fields
             fields: dict[str, None] = {}
             for record in _records(store, filters):
-                fields.update(dict.fromkeys(json.loads(str(record["data"]))))
+                fields.update(dict.fromkeys(_export_row(record, flat=True)))
             kwargs["fields_to_export"] = [*EXPORT_FIELDS,
                                           *sorted(f for f in fields if f not in EXPORT_FIELDS)]
         elif fmt == "json":
@@ -711,7 +712,14 @@ def _export_row(record: dict[str, object], *, flat: bool) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> Any:
-    """Tagged JSON (see :mod:`~.codec`) to plain JSON values."""
+    """Tagged JSON (see :mod:`~.codec`) to plain JSON values that every export format can
+    write: text with a lone surrogate (not valid Unicode; the codec stores it as it came) has
+    each lone surrogate replaced by U+FFFD, and a NaN or infinite number becomes None (null
+    in JSON, an empty cell in CSV), as JavaScript's ``JSON.stringify`` does."""
+    if isinstance(value, str):
+        return _text(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
     if isinstance(value, list):
         return [_plain(v) for v in value]
     if isinstance(value, dict):
@@ -720,12 +728,21 @@ def _plain(value: Any) -> Any:
             if tag in ("$tuple", "$set", "$frozenset"):
                 return [_plain(v) for v in inner]
             if tag in ("$bytes", "$datetime", "$date", "$decimal"):
-                return inner
+                return _plain(inner)
             if tag == "$dict":
                 return {k if isinstance(k := _plain(key), str)
                         else json.dumps(k, sort_keys=True): _plain(v) for key, v in inner}
-        return {k: _plain(v) for k, v in value.items()}
+        return {_text(k): _plain(v) for k, v in value.items()}
     return value
+
+
+def _text(text: str) -> str:
+    """``text`` with every lone surrogate replaced by U+FFFD (valid UTF-8 in any format)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)
+    return text
 
 
 def _format_of(output: str | None) -> str | None:

@@ -117,9 +117,13 @@ class RecordIdentity:
         self._fields_by_type[cls] = fields
         return fields
 
-    def natural_key(self, item: Any, page_url: str | None) -> list[str]:
-        """The normalised natural key values of ``item``: each value as a string with
-        surrounding whitespace removed (so ``123`` and ``" 123 "`` are one key).
+    def natural_key(self, item: Any, page_url: str | None) -> list[Any]:
+        """The normalised natural key values of ``item``: a text or number as a string with
+        surrounding whitespace removed (so ``123``, ``"123"`` and ``" 123 "`` are one key);
+        any other value (a boolean, a list, a dict, bytes, a date) as its tagged JSON value,
+        not as text, so it never equals a string: ``True`` and ``"true"``, ``[1]`` and
+        ``"[1]"`` are different keys. (Record IDs of text and number keys are what they
+        always were; those of other keys changed once, when this rule came.)
 
         Without a configured key: the page URL (see :func:`page_key`), or for an item that
         came from no page (from ``Spider.start()``) its content: ``content:sha256:<hex>`` of
@@ -140,18 +144,18 @@ class RecordIdentity:
             value = adapter.get(field)
             if isinstance(value, (str, int, float)) and not isinstance(value, bool):
                 text = str(value).strip()
-            elif value is None or (isinstance(value, (list, tuple, dict, set, frozenset))
-                                   and not value):
-                text = ""
-            else:
-                try:
-                    text = canonical_json(encode_value(value, items=True))
-                except EncodeError as exc:
-                    raise MissingNaturalKey(item_type_name(item), field,
-                                            f"{exc.type_name} has no data form") from None
-            if not text:
+                if not text:
+                    raise MissingNaturalKey(item_type_name(item), field)
+                values.append(text)
+                continue
+            if value is None or (isinstance(value, (list, tuple, dict, set, frozenset))
+                                 and not value):
                 raise MissingNaturalKey(item_type_name(item), field)
-            values.append(text)
+            try:
+                values.append(encode_value(value, items=True))
+            except EncodeError as exc:
+                raise MissingNaturalKey(item_type_name(item), field,
+                                        f"{exc.type_name} has no data form") from None
         return values
 
     def _content_key(self, item: Any) -> str:
@@ -177,12 +181,12 @@ class RecordIdentity:
         )
         return encoded, hashed
 
-    def record_id(self, key_values: list[str]) -> str:
+    def record_id(self, key_values: list[Any]) -> str:
         """128-bit hex record ID of a natural key within this source."""
         digest = hashlib.sha256(canonical_json([self.source, key_values]).encode("utf-8"))
         return digest.hexdigest()[:32]
 
-    def record(self, item: Any, record_id: str, key_values: list[str]) -> Record:
+    def record(self, item: Any, record_id: str, key_values: list[Any]) -> Record:
         """The stored form of ``item``. Raises :class:`~.codec.EncodeError` for a field
         value that has no tagged-JSON form."""
         encoded, hashed = self._encode(item)

@@ -325,6 +325,7 @@ class IdempotentScheduler(BaseScheduler):
                 self.worker, reason, inflight))
             if released:
                 self.stats.inc_value("idempotent/requests/released", released)
+            self._reclaim_space(everything=True)
             self._local.clear()
             counts = self.store.counts()
             records = counts["records"]
@@ -1052,6 +1053,21 @@ class IdempotentScheduler(BaseScheduler):
                 self._commit(UnitOfWork())
         except Exception:
             logger.exception("scrapy_idempotent: cannot renew leases")
+            return
+        self._reclaim_space(everything=False)
+
+    def _reclaim_space(self, *, everything: bool) -> None:
+        """Give the space of deleted journal rows back to the file system (every tick when
+        there is enough of it, everything at close), so big pages do not leave the file at
+        its peak size. A failure here is logged and otherwise ignored: the space stays
+        free inside the file and is reused."""
+        try:
+            freed = self.store.reclaim_space(everything=everything)
+        except Exception as exc:
+            logger.warning("scrapy_idempotent: could not give free space back: %s", exc)
+            return
+        if freed:
+            self.stats.inc_value("idempotent/bytes_reclaimed", freed)
 
     def _renew(self) -> None:
         """Renew this worker's live leases (one statement) and forget those that expired:

@@ -448,3 +448,22 @@ def test_item_type_name():
     assert item_type_name({}) == "dict"
     assert item_type_name(ProductItem()) == f"{__name__}.ProductItem"
     assert item_type_name(ProductData(sku=1)) == f"{__name__}.ProductData"
+
+
+def test_a_boolean_or_list_key_is_not_the_string_that_looks_like_it() -> None:
+    """``True`` and ``"true"`` are two keys (and ``[1, "a"]`` and its JSON text), while
+    text and number keys keep the record IDs they always had (hex values computed before the
+    rule came: the IDs of stored records do not change)."""
+    identity = RecordIdentity(source="shop", natural_keys={"dict": ("k",)})
+
+    def rid(value: object) -> str:
+        return identity.record_id(identity.natural_key({"k": value}, None))
+
+    assert rid("SKU-1") == "06db24a3491cee56834262f691f4077e"
+    assert rid(123) == rid("123") == rid(" 123 ") == "bc91d762b4a829824c0520f87f5d72de"
+    assert rid(1.5) == "0c1aa54d35401f8c5953412cbe54afbe"
+    assert rid("true") == "49be34291773df3766b2afcc58bc3c76"
+    assert rid(True) != rid("true")
+    assert rid(False) != rid("false")
+    assert rid([1, "a"]) != rid('[1,"a"]')
+    assert rid({"a": 1}) != rid('{"a":1}')

@@ -506,6 +506,24 @@ def test_record_upsert_insert_unchanged_updated(store, clock):
     assert store.counts() == counts(records=1)
 
 
+def test_record_times_never_go_backwards_across_a_backward_clock_step(store, clock):
+    """The wall clock steps back an hour between two changes: first_seen <= last_changed
+    still holds, and `--since` with the newest time the data showed finds the later change
+    (and the record first seen after the step)."""
+    commit_record(store, rec("r1", "h1", '{"price":1}'))
+    clock.advance(100)
+    commit_record(store, rec("r2", "h1", '{"price":1}'))
+    shown = max(r["last_changed"] for r in store.records_page())  # what an export showed
+    clock.advance(-3600)  # NTP steps the clock back
+    commit_record(store, rec("r1", "h2", '{"price":2}'))
+    commit_record(store, rec("r3", "h1", '{"price":3}'))
+    times = {r["record_id"]: (r["first_seen"], r["last_changed"])
+             for r in store.records_page()}
+    assert all(first <= last for first, last in times.values()), times
+    assert {r["record_id"] for r in store.records_page(changed_since=shown)} >= {"r1", "r3"}
+    assert store.anomalies()["record_times"] == 0
+
+
 def test_record_with_same_hash_is_unchanged_whatever_its_data(store, clock):
     # volatile fields are in the data but not in the hash: such a change is no change
     commit_record(store, rec("r1", "h1", '{"seen":1}'))

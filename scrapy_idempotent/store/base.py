@@ -295,6 +295,13 @@ class FrontierStore(ABC):
         """Put leases whose time is up back to pending. Returns how many."""
 
     @abstractmethod
+    def reclaim_space(self, *, everything: bool = False) -> int:
+        """Give the space of deleted rows (journaled responses of completed requests, an
+        emptied frontier) back to the file system, when there is enough of it to matter or
+        with ``everything``; with ``everything`` also empty the write-ahead log. Returns the
+        bytes given back (0 when there was nothing to do)."""
+
+    @abstractmethod
     def lease_holders(self) -> list[LeaseHolder]: ...
 
     @abstractmethod

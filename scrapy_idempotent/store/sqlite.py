@@ -8,6 +8,7 @@ of the process (SIGKILL, OOM) but the last transactions may be lost on power fai
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sqlite3
 import time
@@ -31,6 +32,8 @@ from .base import (
 )
 
 __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
+
+logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 4
 
@@ -175,6 +178,8 @@ _TABLES: dict[int, frozenset[str]] = {1: _TABLES_1, 2: _TABLES_1 | {"feeds"},
 assert set(_TABLES) == set(range(1, SCHEMA_VERSION + 1))
 #: Schema versions written before the application id was (files of those have none).
 _BEFORE_APPLICATION_ID = frozenset({1, 2, 3})
+#: Free pages (4 KiB each) left in the file before a periodic reclaim gives them back: 16 MiB.
+RECLAIM_MIN_PAGES = 4096
 #: The -wal file is truncated back to this size after a checkpoint (it grows with the largest
 #: transactions, such as journaled responses of big pages, and would otherwise keep its peak).
 WAL_SIZE_LIMIT_BYTES = 16 * 1024 * 1024
@@ -297,6 +302,8 @@ class SQLiteStore(FrontierStore):
                         cur.execute(statement)
                     cur.execute(f"PRAGMA user_version = {step + 1}")
                     cur.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+            if not new and conn.execute("PRAGMA auto_vacuum").fetchone()[0] == 0:
+                self._convert_to_incremental_vacuum(conn)
             with self._write() as cur:
                 if cur.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
                     cur.execute(f"PRAGMA application_id = {APPLICATION_ID}")
@@ -315,6 +322,44 @@ class SQLiteStore(FrontierStore):
             self.close()
             raise self._error(exc, "opening") from exc
         return stored if stored != fingerprinter else None
+
+    def _convert_to_incremental_vacuum(self, conn: sqlite3.Connection) -> None:
+        """A database made by an earlier version never gave freed pages back to the file
+        system: switch it to incremental auto-vacuum, which takes one VACUUM (a rewrite of
+        the file, holding the write lock meanwhile; it needs free disk space the size of the
+        file). Skipped, with a warning, when it cannot be done now."""
+        began = time.monotonic()
+        try:
+            conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
+            conn.execute("VACUUM")
+        except sqlite3.Error as exc:
+            logger.warning("scrapy_idempotent: %s keeps the space of deleted rows: the "
+                           "one-time VACUUM that would give it back failed (%s)", self.path,
+                           exc)
+            return
+        logger.info("scrapy_idempotent: %s switched to incremental auto-vacuum (one-time "
+                    "VACUUM, %.1f s)", self.path, time.monotonic() - began)
+
+    def reclaim_space(self, *, everything: bool = False) -> int:
+        conn = self.conn
+        free = conn.execute("PRAGMA freelist_count").fetchone()[0]
+        if not free or (not everything and free < RECLAIM_MIN_PAGES):
+            return 0
+        if conn.execute("PRAGMA auto_vacuum").fetchone()[0] != 2:  # not INCREMENTAL
+            return 0
+        page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+        self._check_wal()
+        try:
+            # each step of the pragma frees one page, and execute() steps a statement that
+            # returns no row once: executescript() steps it to the end
+            conn.executescript("PRAGMA incremental_vacuum;")
+            if everything:  # copy the WAL into the file and cut it to nothing
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            left = conn.execute("PRAGMA freelist_count").fetchone()[0]
+        except sqlite3.Error as exc:
+            raise self._error(exc, "giving free space back") from exc
+        self.transactions += 1
+        return int((free - left) * page_size)
 
     def _check_ownership(self, conn: sqlite3.Connection) -> tuple[int, bool]:
         """Refuse, before anything in the file changes, a database that is not this
@@ -639,6 +684,14 @@ class SQLiteStore(FrontierStore):
                         now: float, run_id: int, result: CommitResult) -> None:
         if not records:
             return
+        # The times users read never go backwards, whatever the wall clock does (a
+        # backward step, a worker whose clock lags): a record written now gets a time no
+        # earlier than any record's last change (one read at the end of the index), so
+        # first_seen <= last_changed always, and `export --since` with a time the data
+        # showed finds every change made after it.
+        newest = cur.execute("SELECT max(last_changed) FROM records").fetchone()[0]
+        if newest is not None and newest > now:
+            now = newest
         row = cur.execute("SELECT seen_seq FROM runs WHERE run_id = ?", (run_id,)).fetchone()
         first = seq = row[0] if row is not None else 0
         for record, request_key in records:
