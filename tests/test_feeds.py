@@ -304,3 +304,66 @@ async def test_an_appended_feed_new_with_the_run_gets_the_run_once_after_a_stop(
     del settings["CLOSESPIDER_ITEMCOUNT"]
     await run_crawl(ShopSpider, settings, url=shop.url)
     assert product_rows(read_jsonlines(feed)) == stored_rows(db)  # 500, the stop's not kept
+
+
+@pytest.fixture
+def ftp_root(tmp_path: Path) -> Any:
+    """A real FTP server (pyftpdlib) on 127.0.0.1, serving ``tmp_path / "ftp"``."""
+    import threading
+
+    from pyftpdlib.authorizers import DummyAuthorizer
+    from pyftpdlib.handlers import FTPHandler
+    from pyftpdlib.servers import FTPServer
+
+    root = tmp_path / "ftp"
+    root.mkdir()
+    authorizer = DummyAuthorizer()
+    authorizer.add_user("user", "secret", str(root), perm="elradfmwMT")
+    handler = type("Handler", (FTPHandler,), {"authorizer": authorizer})
+    server = FTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"timeout": 0.05},
+                              daemon=True)
+    thread.start()
+    yield root, f"ftp://user:secret@127.0.0.1:{server.address[1]}"
+    server.close_all()
+    thread.join(10)
+
+
+# pyftpdlib (the test's FTP server, not the package) imports asyncore and asynchat
+@pytest.mark.filterwarnings("ignore:The asyn(core|chat) module is deprecated:DeprecationWarning")
+@deferred_f_from_coro_f
+async def test_ftp_feeds_overwritten_at_each_stop_and_appended_once_when_the_run_ends(
+    shop: ShopSite, tmp_path: Path, ftp_root: Any
+) -> None:
+    root, base = ftp_root
+    (root / "appended.jsonl").write_text('{"before": "the run"}\n')
+    feeds = {f"{base}/replaced.json": {"format": "json", "overwrite": True},
+             f"{base}/appended.jsonl": {"format": "jsonlines", "overwrite": False}}
+    db = tmp_path / "db.sqlite3"
+    settings = crawl_settings(db, FEEDS=feeds, CLOSESPIDER_ITEMCOUNT=40, **NATURAL_KEYS)
+    crawler = await run_crawl(ShopSpider, settings, url=shop.url)
+    assert crawler.stats.get_value("feedexport/success_count/FTPFeedStorage") == 1
+    assert product_rows(json.loads((root / "replaced.json").read_text())) == stored_rows(db)
+    # an FTP file is appended to remotely: written once, when the run ends, not at a stop
+    assert read_jsonlines(root / "appended.jsonl") == [{"before": "the run"}]
+    del settings["CLOSESPIDER_ITEMCOUNT"]
+    crawler = await run_crawl(ShopSpider, settings, url=shop.url)
+    assert crawler.stats.get_value("feedexport/success_count/FTPFeedStorage") == 2
+    everything = stored_rows(db)
+    assert len(everything) == 500
+    assert product_rows(json.loads((root / "replaced.json").read_text())) == everything
+    lines = read_jsonlines(root / "appended.jsonl")
+    assert lines[0] == {"before": "the run"}
+    assert product_rows(lines[1:]) == everything
+
+
+@pytest.mark.slow
+def test_a_stdout_feed_gets_the_run_when_the_crawl_closes(shop: ShopSite, tmp_path: Path
+                                                          ) -> None:
+    result = subprocess.run(
+        _feed_command(shop.url, tmp_path / "db.sqlite3", tmp_path / "log", ["-o", "-:jsonlines"]),
+        cwd=EXAMPLE_PROJECT, stdin=subprocess.DEVNULL, capture_output=True, timeout=300)
+    assert result.returncode == 0
+    rows = product_rows([json.loads(line) for line in result.stdout.decode().splitlines()])
+    assert rows == stored_rows(tmp_path / "db.sqlite3")
+    assert len(rows) == 500
