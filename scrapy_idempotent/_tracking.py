@@ -59,6 +59,18 @@ class Entry:
     replayed: bool = False  #: answered from the response journal
     interrupted: bool = False  #: its callback raised CloseSpider
     continuation: tuple[str, int] | None = None  #: (request data, priority) of a retry
+    # requests that cannot be stored, fetched from memory under the lease of a stored entry
+    #: this is such a request (its key is derived, never written)
+    memory: bool = False
+    #: for a memory request: the leased entry whose lease it lives under (None for one of
+    #: start() or of no request: start() yields it again on every crawl)
+    owner: Entry | None = None
+    #: for a memory request: it is a retry or redirect of its owner (its outcome is the
+    #: owner's own)
+    continues_owner: bool = False
+    #: memory requests under this entry's lease not finished yet: it is done after them
+    waiting: int = 0
+    own_finished: bool = False  #: Scrapy has finished with this entry's own request
 
     def completion(self) -> Completion:
         """The frontier state this entry ends in, from what was observed."""

@@ -16,7 +16,9 @@ hooks exist and refuses to run otherwise (:class:`~.UnsupportedScrapy`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
+import heapq
 import logging
 import os
 import secrets
@@ -145,13 +147,13 @@ class IdempotentScheduler(BaseScheduler):
     request with ``dont_filter=True`` a key derived from its parent's key (``start`` for
     start requests), its fingerprint and its rank among the parent's ``dont_filter`` children
     with that fingerprint, so a replayed parent or a restarted ``start()`` maps to the same
-    keys. Leasing order: priority (highest first), then non-start before start requests, then
-    newest first (Scrapy's default LIFO queues).
+    keys. Leasing order: Scrapy's default scheduler's (see :mod:`._order`).
 
     Never raises into Scrapy from :meth:`enqueue_request` or :meth:`next_request`: a raise
-    there loses requests or hangs the crawl. A request that cannot be stored is refused (False)
-    with an error naming it and the offending value; a store that keeps failing closes the
-    spider with reason ``idempotent_store_error``.
+    there loses requests or hangs the crawl. A duplicate is refused (False) as Scrapy's
+    dupefilter refuses it (see :mod:`._dupes`). A request that cannot be stored is fetched
+    from memory under the lease of the request it came from (:meth:`_hold_in_memory`); a
+    store that keeps failing closes the spider with reason ``idempotent_store_error``.
     """
 
     def __init__(self, crawler: Crawler, config: IdempotentConfig,
@@ -210,6 +212,14 @@ class IdempotentScheduler(BaseScheduler):
         #: are refused before they reach the database)
         self._buffered: Counter[str] = Counter()
         self._fingerprint_errors: set[str] = set()  # exception types logged
+        #: requests that cannot be stored, to fetch from memory: heap of (-priority, queue,
+        #: order, sequence, entry), in Scrapy's order; see _hold_in_memory
+        self._memory: list[tuple[int, int, int, int, Entry]] = []
+        self._memory_seq = 0
+        self._memory_seen: set[str] = set()  # fingerprints of filtered memory requests
+        self._unstorable_causes: set[str] = set()  # logged
+        #: id(entry) -> entry whose own request is finished, waiting for its memory requests
+        self._waiting: dict[int, Entry] = {}
         self._renewal: task.LoopingCall | None = None
         self._before_end: list[Callable[[FrontierStore, int, bool], Any]] = []
         self.run_id: int | None = None
@@ -320,7 +330,7 @@ class IdempotentScheduler(BaseScheduler):
         try:
             if not self._failed:
                 self._commit(UnitOfWork())
-            inflight = [entry.key for entry in self._inflight.values()]
+            inflight = [entry.key for entry in self._leased_entries()]
             released = self._retry("closing", lambda: self.store.end_session(
                 self.worker, reason, inflight))
             if released:
@@ -439,7 +449,7 @@ class IdempotentScheduler(BaseScheduler):
         raises; on a store error it answers True and lets the close take its course."""
         if self._failed:
             return False
-        if self._local or self._pending.requests:
+        if self._local or self._pending.requests or self._memory:
             return True
         try:
             status = self.store.status(self.worker)
@@ -461,8 +471,8 @@ class IdempotentScheduler(BaseScheduler):
 
     def enqueue_request(self, request: Request) -> bool:
         """Add ``request`` to the frontier (buffered until the transaction that completes the
-        request it came from). Returns False, and logs an error naming the request and the
-        offending value, when it cannot be stored. Never raises."""
+        request it came from), or keep it in memory when it cannot be stored. Returns False
+        for a duplicate and for a request the fingerprinter fails on. Never raises."""
         try:
             return self._enqueue(request)
         except Exception:
@@ -476,6 +486,10 @@ class IdempotentScheduler(BaseScheduler):
         if self._failed or self._closing:
             return None
         try:
+            if self._memory:
+                # first, as Scrapy's scheduler takes its memory queue before its disk queue:
+                # each holds its owner's lease (a suspect's too: it runs inside the suspect)
+                return self._hand_out_memory()
             while True:
                 if self._suspects_inflight:
                     return None  # a suspect runs alone (see below)
@@ -505,7 +519,8 @@ class IdempotentScheduler(BaseScheduler):
     def __len__(self) -> int:
         """Pending and leased entries in the frontier (all workers), plus buffered ones."""
         counts = self.store.counts()
-        return counts["pending"] + counts["leased"] + len(self._pending.requests)
+        return (counts["pending"] + counts["leased"] + len(self._pending.requests)
+                + len(self._memory))
 
     # -- enqueue ----------------------------------------------------------------------------
 
@@ -541,8 +556,8 @@ class IdempotentScheduler(BaseScheduler):
             # Most enqueued requests are rediscovered links: known ones (in the frontier, or
             # buffered for the next transaction) are refused like Scrapy's dupefilter does,
             # without being encoded or written.
-            known = "duplicate" if self._buffered[fingerprint] else \
-                self.store.known_request(fingerprint)
+            known = "duplicate" if self._buffered[fingerprint] or \
+                fingerprint in self._memory_seen else self.store.known_request(fingerprint)
             if known is not None:
                 self.stats.inc_value(f"idempotent/requests/{known}")
                 self._dupes.filtered(request)
@@ -559,19 +574,16 @@ class IdempotentScheduler(BaseScheduler):
                 self.stats.inc_value(f"idempotent/requests/{known}")
                 return True
         try:
+            if retry_of is not None and retry_of.memory:
+                raise UnstorableRequest(describe(request), "request",
+                                        "a retry of a request fetched from memory")
             data = self.codec.encode(request)
         except UnstorableRequest as exc:
-            self.stats.inc_value("idempotent/requests/unstorable")
-            logger.error("scrapy_idempotent: request refused, %s", exc)
-            origin = continuation[0] if continuation is not None else retry_of
-            if origin is not None:
-                # its retry or redirect cannot be stored: it did not get its page
-                origin.failure = ("unstorable", str(exc)[:1000])
-                origin.continuation = None
-            elif parent is not None and parent.failure is None:
-                # the page's work is incomplete: keep it visible (failed, retryable)
-                parent.failure = ("unstorable_child", str(exc)[:1000])
-            return False
+            self._hold_in_memory(request, exc, fingerprint, parent, is_start,
+                                 continues=continuation is not None or retry_of is not None)
+            if filtered:
+                self._memory_seen.add(fingerprint)
+            return True
         if retry_of is not None:
             retry_of.continuation = (data, request.priority)
             self.stats.inc_value("idempotent/requests/retried")
@@ -595,6 +607,78 @@ class IdempotentScheduler(BaseScheduler):
         else:
             self._pending.requests.append(new)
         return True
+
+    def _hold_in_memory(self, request: Request, exc: UnstorableRequest, fingerprint: str,
+                        parent: Entry | None, is_start: bool, continues: bool) -> None:
+        """Keep a request that cannot be stored in memory, to be fetched under the lease of
+        the stored entry it came from (its owner): the owner is done only when its memory
+        requests are, so a kill before that fetches the owner again, which yields the request
+        again. Nothing is kept only in memory past its owner's lease. A memory request of
+        ``start()`` (or of no request) has no owner: ``start()`` yields it again on every
+        crawl. Counted, and logged once per cause."""
+        self.stats.inc_value("idempotent/requests/unstorable")
+        cause = exc.path if exc.path in ("callback", "errback", "_class", "request") \
+            else f"{exc.path}: {exc.reason}"
+        if cause not in self._unstorable_causes:
+            self._unstorable_causes.add(cause)
+            logger.warning(
+                "scrapy_idempotent: %s; it is fetched from memory, under the lease of the "
+                "request that yielded it: if the crawl stops first, that request is fetched "
+                "again and yields it again (further requests with this cause are counted in "
+                "idempotent/requests/unstorable)", exc)
+        owner = parent.owner if parent is not None and parent.memory else parent
+        entry = Entry(key=self._key(False, fingerprint, parent, is_start),
+                      fingerprint=fingerprint, priority=request.priority, attempts=1,
+                      request=request, memory=True, owner=owner,
+                      continues_owner=continues and parent is not None and (
+                          parent is owner or parent.continues_owner))
+        if continues and parent is not None:
+            # the retry or redirect supersedes what its request's attempt observed
+            parent.failure = parent.spider_error = None
+            parent.http_error = False
+        if owner is not None:
+            owner.waiting += 1
+        start_queue, fifo = self._order.place(request)
+        self._memory_seq += 1
+        order = self._memory_seq if fifo else -self._memory_seq
+        heapq.heappush(self._memory, (-request.priority, int(start_queue), order,
+                                      self._memory_seq, entry))
+
+    def _hand_out_memory(self) -> Request:
+        *_, entry = heapq.heappop(self._memory)
+        self._inflight[id(entry.request)] = entry
+        self.stats.inc_value("idempotent/requests/from_memory")
+        return entry.request
+
+    def _finish_memory(self, entry: Entry) -> None:
+        """A memory request is finished: what it produced goes to its owner's transaction
+        (or, without an owner, is written now); its failure fails its owner."""
+        owner = entry.owner
+        key = owner.key if owner is not None else None
+        children = [dataclasses.replace(c, parent_key=key) for c in entry.children]
+        records = [(record, key) for record, _ in entry.records]
+        rejects = [dataclasses.replace(r, request_key=key) for r in entry.rejects]
+        completion = entry.completion()
+        if owner is None:
+            if children:
+                self._maybe_claimable = True
+            self._commit(UnitOfWork(requests=children, records=records, rejects=rejects))
+            return
+        owner.children.extend(children)
+        owner.records.extend(records)
+        owner.rejects.extend(rejects)
+        if entry.interrupted:
+            owner.interrupted = True
+        elif completion.state is RequestState.FAILED and owner.failure is None:
+            kind = completion.error_kind or "failed"
+            owner.failure = (
+                kind if entry.continues_owner else f"unstorable_child/{kind}",
+                f"{describe(entry.request)} (fetched from memory: it cannot be stored): "
+                f"{completion.error_message or kind}"[:1000])
+        owner.waiting -= 1
+        if owner.waiting == 0 and owner.own_finished:
+            del self._waiting[id(owner)]
+            self._complete(owner)
 
     def _fingerprint(self, request: Request) -> str | None:
         """The request's fingerprint (hex), or None when the request fingerprinter raises
@@ -889,6 +973,16 @@ class IdempotentScheduler(BaseScheduler):
         for oid in entry.tracked:
             self._tracked.pop(oid, None)
             self._items.pop(oid, None)
+        if entry.memory:
+            self._finish_memory(entry)
+        elif entry.waiting:  # done only when its memory requests are
+            entry.own_finished = True
+            self._waiting[id(entry)] = entry
+        else:
+            self._complete(entry)
+
+    def _complete(self, entry: Entry) -> None:
+        """Write everything ``entry`` produced with its completion, in one transaction."""
         completion = entry.completion()
         work = UnitOfWork(requests=entry.children, records=entry.records,
                           rejects=entry.rejects, completions=[completion])
@@ -1018,7 +1112,10 @@ class IdempotentScheduler(BaseScheduler):
 
     def journal_response(self, entry: Entry, data: str, body: bytes) -> None:
         """Keep the raw response of an in-flight request (see :mod:`.journal`): written at
-        the next turn of the reactor, with the other writes of that moment."""
+        the next turn of the reactor, with the other writes of that moment. Not for memory
+        requests (nothing of theirs is stored)."""
+        if entry.memory:
+            return
         self._journal.append((entry, data, body))
         self._flush_soon()
 
@@ -1082,7 +1179,7 @@ class IdempotentScheduler(BaseScheduler):
         if stale:
             self._local = deque(leased for leased in self._local if leased.key in held)
             self._maybe_claimable = True
-        expired = sum(1 for entry in self._inflight.values() if entry.key not in held)
+        expired = sum(1 for entry in self._leased_entries() if entry.key not in held)
         if stale or expired:
             self.stats.inc_value("idempotent/leases/expired", len(stale) + expired)
             logger.warning(
@@ -1091,6 +1188,13 @@ class IdempotentScheduler(BaseScheduler):
                 "%d claimed requests are given up without being fetched, and the work of %d "
                 "in flight is not written unless the lease is still this worker's",
                 len(stale) + expired, len(stale), expired)
+
+    def _leased_entries(self) -> list[Entry]:
+        """Entries this worker started and has not completed: in flight, or waiting for
+        their memory requests (not the memory requests: they have no lease)."""
+        entries = [entry for entry in self._inflight.values() if not entry.memory]
+        entries.extend(self._waiting.values())
+        return entries
 
     def _reclaim_dead_workers(self) -> int:
         dead = [h.worker for h in self.store.lease_holders()

@@ -2,10 +2,10 @@
 
     python tests/paths_spiders.py --url URL --db DB --marker FILE --stats FILE [-s NAME=VALUE]
 
-runs :class:`VariantsSpider` with the add-on in a ``CrawlerProcess``. The marker file gets one
-line per item that reached the item pipelines (:class:`MarkerPipeline`, priority 900, before
-``UpsertPipeline``); the stats file receives the crawl's stats as JSON when the crawl ends
-(not when the process is killed).
+runs :class:`VariantsSpider` (or the spider named by ``--spider``) with the add-on in a
+``CrawlerProcess``. The marker file gets one line per item that reached the item pipelines
+(:class:`MarkerPipeline`, priority 900, before ``UpsertPipeline``); the stats file receives
+the crawl's stats as JSON when the crawl ends (not when the process is killed).
 """
 
 from __future__ import annotations
@@ -64,6 +64,32 @@ class VariantsSpider(scrapy.Spider):
         self.logger.info("stock answered %s", answer.status)
 
 
+class MemoryChildSpider(scrapy.Spider):
+    """A page yields an item and a request that cannot be stored (a live object in its
+    meta), to a URL that blocks until the test releases it: the page is not done before
+    that request is."""
+
+    name = "memory_child"
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.base_url = url
+
+    async def start(self) -> Any:
+        yield scrapy.Request(f"{self.base_url}/ok/page1", callback=self.parse_page)
+
+    def parse_page(self, response: Any) -> Any:
+        yield {"key": "page1"}
+        yield scrapy.Request(f"{self.base_url}/block/memory-child", callback=self.parse_child,
+                             meta={"session": object()})
+
+    def parse_child(self, response: Any) -> Any:
+        yield {"key": "memory-child"}
+
+
+SPIDERS = {"variants": VariantsSpider, "memory_child": MemoryChildSpider}
+
+
 def main(argv: list[str] | None = None) -> None:
     from scrapy.crawler import CrawlerProcess
 
@@ -73,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--marker", required=True)
     parser.add_argument("--stats", required=True)
     parser.add_argument("-s", dest="settings", action="append", default=[])
+    parser.add_argument("--spider", default="variants", choices=sorted(SPIDERS))
     args = parser.parse_args(argv)
     settings: dict[str, Any] = {
         "ADDONS": {"scrapy_idempotent.Addon": 0},
@@ -90,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         name, _, value = pair.partition("=")
         settings[name] = json.loads(value)
     process = CrawlerProcess(settings)
-    crawler = process.create_crawler(VariantsSpider)
+    crawler = process.create_crawler(SPIDERS[args.spider])
     process.crawl(crawler, url=args.url)
     process.start()
     with open(args.stats, "w") as f:

@@ -150,33 +150,45 @@ class UnstorableSpider(scrapy.Spider):
     def __init__(self, url: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.base_url = url
+        self.lambda_calls = 0
 
     async def start(self) -> Any:
         yield scrapy.Request(f"{self.base_url}/list/1", dont_filter=True)
 
     def parse(self, response: Any) -> Any:
-        yield response.follow("/list/2", callback=lambda r: None)
-        yield response.follow("/list/3", cb_kwargs={"rows": (x for x in range(3))})
+        yield response.follow("/list/2", callback=lambda r: self.called())
+        yield response.follow("/list/3", callback=self.parse_rows,
+                              cb_kwargs={"rows": (x for x in range(3))})
         yield response.follow("/list/4", callback=self.parse_ok)
+
+    def called(self) -> None:
+        self.lambda_calls += 1
+
+    def parse_rows(self, response: Any, rows: Any) -> Any:
+        yield {"url": response.url, "rows": list(rows)}
 
     def parse_ok(self, response: Any) -> Any:
         yield {"url": response.url}
 
 
 @deferred_f_from_coro_f
-async def test_unstorable_requests_are_refused_loudly_and_the_crawl_goes_on(
+async def test_unstorable_requests_are_fetched_from_memory_and_the_crawl_goes_on(
     shop: ShopSite, db_path: Path, caplog: Any
 ) -> None:
     crawler = await run_crawl(UnstorableSpider, crawl_settings(db_path), url=shop.url)
     stats = crawler.stats.get_stats()
     assert stats["finish_reason"] == "finished"
     assert stats["idempotent/requests/unstorable"] == 2
-    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert any("list/2" in m and "callback" in m and "cb_kwargs" in m for m in errors)
-    assert any("list/3" in m and "cb_kwargs['rows']" in m and "generator" in m for m in errors)
-    assert shop.counts_by_path() == {"/list/1": 1, "/list/4": 1}
-    # the page that yielded them is failed (retryable, visible in `scrapy idempotent failed`)
-    assert frontier_counts(db_path) == {"done": 1, "failed": 1}
-    assert db_rows(db_path, "SELECT url, error_kind FROM requests WHERE state = 'failed'") == [
-        (f"{shop.url}/list/1", "unstorable_child")]
-    assert stats["idempotent/records/inserted"] == 1
+    assert stats["idempotent/requests/from_memory"] == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("list/2" in m and "callback" in m and "cb_kwargs" in m for m in warnings)
+    assert any("list/3" in m and "cb_kwargs['rows']" in m and "generator" in m
+               for m in warnings)
+    # fetched as Scrapy fetches them, each once, with their callbacks
+    assert shop.counts_by_path() == {"/list/1": 1, "/list/2": 1, "/list/3": 1, "/list/4": 1}
+    assert crawler.spider.lambda_calls == 1
+    # nothing of them is in the frontier; the page that yielded them is done after them
+    assert frontier_counts(db_path) == {"done": 2}
+    assert sorted(r["url"].removeprefix(shop.url) for r in stored_products(db_path)) == [
+        "/list/3", "/list/4"]
+    assert stats["idempotent/records/inserted"] == 2

@@ -528,3 +528,44 @@ async def test_a_fingerprinter_error_refuses_the_request_and_names_the_fingerpri
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1, errors  # once per cause
     assert f"{__name__}.PickyFingerprinter raised ValueError" in errors[0]
+
+
+# -- requests that cannot be stored ------------------------------------------------------------
+
+
+class ChainSpider(SiteSpider):
+    """Each request carries the next one in its meta (as upstream's test_referer_header
+    spider does): none can be stored as data."""
+
+    async def start(self) -> Any:
+        third = scrapy.Request(self.at("/ok/chain3"))
+        second = scrapy.Request(self.at("/ok/chain2"), meta={"next": third})
+        yield scrapy.Request(self.at("/ok/chain1"), meta={"next": second})
+        yield scrapy.Request(self.at("/ok/plain"))
+
+    def parse(self, response: Any) -> Any:
+        yield {"key": path_of(response.url)}
+        if "next" in response.meta:
+            yield response.meta["next"]
+
+
+@deferred_f_from_coro_f
+async def test_unstorable_start_requests_and_their_children_are_fetched_as_in_scrapy(
+    site: PathsSite, db_path: Path
+) -> None:
+    plain = await crawl(ChainSpider, {"TELNETCONSOLE_ENABLED": False}, url=site.url)
+    expected = sorted(map(path_of, plain.sent))
+    assert expected == ["/ok/chain1", "/ok/chain2", "/ok/chain3", "/ok/plain"]
+    site.reset_counts()
+    observed = await crawl(ChainSpider, settings(db_path), url=site.url)
+    assert observed.reason == "finished"
+    assert sorted(map(path_of, observed.sent)) == expected
+    assert observed.dropped == []
+    assert sorted(i["key"] for i in observed.scraped) == expected
+    # their items are stored; the storable requests are in the frontier (chain3, yielded by
+    # a memory request of start(), is written when that request is finished)
+    assert sorted(r["key"] for r in records(db_path)) == expected
+    assert sorted(db_rows(db_path, "SELECT url, state FROM requests")) == [
+        (site.url + "/ok/chain3", "done"), (site.url + "/ok/plain", "done")]
+    assert observed.stats["idempotent/requests/unstorable"] == 2
+    assert observed.stats["idempotent/requests/from_memory"] == 2

@@ -948,9 +948,9 @@ async def test_sql_injection_in_urls_meta_items_and_source_is_stored_as_data(
 async def test_no_credentials_in_the_package_logs(
     site: LocalSite, db_path: Path, tmp_path: Path, caplog: Any
 ) -> None:
-    """Credentials in a URL, an Authorization header and a proxy URL, on a request that is
-    refused (something else in it cannot be stored) and on one whose download fails: the
-    package's own log lines never show them."""
+    """Credentials in a URL, an Authorization header and a proxy URL, on a request that
+    cannot be stored (something else in it; fetched from memory) and on one whose download
+    fails: the package's own log lines never show them."""
     caplog.set_level(logging.DEBUG, logger="scrapy_idempotent")
     host = site.url.split("://", 1)[1]
     handle = (tmp_path / "f.txt").open("w")
@@ -977,7 +977,8 @@ async def test_no_credentials_in_the_package_logs(
     stats = crawler.stats.get_stats()
     assert stats["finish_reason"] == "finished"
     assert stats["idempotent/requests/unstorable"] == 1
-    # the download through the proxy failed; the page whose child was refused is failed too
+    # the download through the proxy failed; the page whose unstorable child (fetched from
+    # memory through the same proxy) failed is failed too
     assert stats["idempotent/requests/failed"] == 2
     logged = package_messages(caplog, tracebacks=True)
     assert any("/refused" in m and "meta['handle']" in m for m in logged), logged
@@ -987,7 +988,8 @@ async def test_no_credentials_in_the_package_logs(
     # the stored frontier keeps what the request needs (a 0600 file), the failure says why
     kinds = sorted(k for (k,) in db_rows(
         db_path, "SELECT error_kind FROM requests WHERE state = 'failed'"))
-    assert kinds[0].startswith("download_error/") and kinds[1] == "unstorable_child"
+    assert kinds[0].startswith("download_error/")
+    assert kinds[1].startswith("unstorable_child/download_error/")
 
 
 # == property: record IDs are stable across processes and item types ==========================

@@ -1006,27 +1006,34 @@ class StashMiddleware:
             request.meta["session"] = object()
 
 
-@pytest.mark.parametrize("path", ["/flaky/1/stash", "/reset/stash",
-                                  "/redirect/302/stash?to=/ok/stash-target"])
+@pytest.mark.parametrize(("path", "hits", "unstorable", "end", "stored"), [
+    ("/flaky/1/stash", 2, 1, ("done", None), {"/flaky/1/stash"}),
+    ("/reset/stash", 3, 2, ("failed", "download_error/"), set()),
+    ("/redirect/302/stash?to=/ok/stash-target", 1, 1, ("redirected", None),
+     {"/ok/stash-target"}),
+], ids=["retry", "retries-fail", "redirect"])
 @deferred_f_from_coro_f
-async def test_retry_or_redirect_that_cannot_be_stored_does_not_end_done(
-    site: PathsSite, db_path: Path, path: str
+async def test_retry_or_redirect_that_cannot_be_stored_is_fetched_under_its_requests_lease(
+    site: PathsSite, db_path: Path, path: str, hits: int, unstorable: int,
+    end: tuple[str, str | None], stored: set[str],
 ) -> None:
     crawler = await crawl(LinksSpider, settings(
         db_path, RETRY_ENABLED=True, RETRY_TIMES=2,
         DOWNLOADER_MIDDLEWARES={f"{__name__}.StashMiddleware": 560},
     ), url=site.url, start_paths=(path,))
     assert finish_reason(crawler) == "finished"
-    assert istats(crawler)["requests/unstorable"] == 1  # the retry, refused loudly
-    assert site.hits(path) == 1
-    assert records(db_path) == {}
+    # the retries (or the redirect) copy the live object: fetched from memory, as Scrapy
+    # does, and the stored request ends with their outcome
+    assert istats(crawler)["requests/unstorable"] == unstorable
+    assert site.hits(path) == hits
+    assert set(records(db_path)) == stored
     assert_nothing_leased(db_path)
-    # its download failed (or redirected) and the retry (or redirect) was refused: it
-    # never got its page, and nothing else in the frontier will, so it is neither done nor
-    # redirected; it must stay visible as failed (for the retry command)
     [(state, error_kind, attempts)] = frontier(db_path, site).values()
-    assert state == "failed", (state, error_kind, attempts)
-    assert site.hits("/ok/stash-target") == 0
+    assert (state, (error_kind or "")[:len(end[1] or "")] or None) == end, error_kind
+    assert attempts == 1
+    if end[0] == "redirected":
+        assert site.hits("/ok/stash-target") == 1
+    assert crawler.dropped_urls == []
 
 
 # -- closing early and finishing in the next crawl ------------------------------------------------
@@ -1488,7 +1495,7 @@ class UnstorableSpider(PathSpider):
 
 
 @deferred_f_from_coro_f
-async def test_unstorable_requests_are_refused_loudly_at_enqueue(
+async def test_unstorable_requests_are_fetched_from_memory_and_logged_once_per_cause(
     site: PathsSite, db_path: Path, tmp_path: Path, caplog: Any
 ) -> None:
     data_file = tmp_path / "data.txt"
@@ -1496,29 +1503,37 @@ async def test_unstorable_requests_are_refused_loudly_at_enqueue(
     crawler = await crawl(UnstorableSpider, settings(db_path), url=site.url,
                           file_path=str(data_file))
     assert finish_reason(crawler) == "finished"
+    # only storable requests are in the frontier; the page that yielded the others was done
+    # after them (its items: from /ok/u-partial and /ok/u-file, whose callbacks yield some)
     assert frontier(db_path, site) == {
-        # the page lost part of its output: failed, visible, retryable
-        "/ok/store-test": ("failed", "unstorable_child", 1),
-        "/ok/u-good": ("done", None, 1),  # the crawl goes on
+        "/ok/store-test": ("done", None, 1),
+        "/ok/u-good": ("done", None, 1),
     }
     assert_nothing_leased(db_path)
     stats = istats(crawler)
     assert stats["requests/unstorable"] == 4
-    assert sorted(u.removeprefix(site.url) for u in crawler.dropped_urls) == [
-        "/ok/u-file", "/ok/u-generator", "/ok/u-lambda", "/ok/u-partial"]
-    assert set(site.counts_by_path()) == {"/ok/store-test", "/ok/u-good"}
-    errors: list[str] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert stats["requests/from_memory"] == 4
+    assert crawler.dropped_urls == []
+    assert site.counts_by_path() == {path: 1 for path in (
+        "/ok/store-test", "/ok/u-lambda", "/ok/u-partial", "/ok/u-generator", "/ok/u-file",
+        "/ok/u-good")}
+    assert set(records(db_path)) == {"/ok/u-partial", "/ok/u-generator", "/ok/u-file",
+                                     "/ok/u-good"}
+    assert record_owner(db_path, site)["/ok/u-file"] == "/ok/store-test"
+    warnings: list[str] = [r.getMessage() for r in caplog.records
+                           if r.levelno == logging.WARNING and "from memory" in r.getMessage()]
 
-    def error_for(name: str) -> str:
-        found = [m for m in errors if f"/ok/{name}" in m]
-        assert len(found) == 1, (name, errors)
+    def warning_for(name: str) -> str:
+        found = [m for m in warnings if f"/ok/{name}" in m]
+        assert len(found) == 1, (name, warnings)
         return found[0]
 
-    assert "callback" in error_for("u-lambda")
-    assert "callback" in error_for("u-partial")
-    assert "meta['rows']" in error_for("u-generator")
-    assert "generator" in error_for("u-generator")
-    assert "cb_kwargs['fh']" in error_for("u-file")
+    # once per cause: the lambda and the partial are both a callback that is no spider method
+    assert "callback" in warning_for("u-lambda")
+    assert not [m for m in warnings if "/ok/u-partial" in m]
+    assert "meta['rows']" in warning_for("u-generator")
+    assert "generator" in warning_for("u-generator")
+    assert "cb_kwargs['fh']" in warning_for("u-file")
 
 
 # -- case C19: pagination driven by a counter on the spider ---------------------------------------

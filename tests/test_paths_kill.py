@@ -28,9 +28,9 @@ def site() -> Iterator[PathsSite]:
 
 
 def start_crawl(
-    site: PathsSite, tmp_path: Path, run: int, *settings: str
+    site: PathsSite, tmp_path: Path, run: int, *settings: str, spider: str = "variants"
 ) -> subprocess.Popen[bytes]:
-    args = [sys.executable, str(SPIDERS), "--url", site.url,
+    args = [sys.executable, str(SPIDERS), "--url", site.url, "--spider", spider,
             "--db", str(tmp_path / "frontier.sqlite3"),
             "--marker", str(tmp_path / f"marker{run}.txt"),
             "--stats", str(tmp_path / f"stats{run}.json")]
@@ -111,3 +111,35 @@ def test_c9_kill_after_items_reached_the_pipeline_before_the_page_finished(
         assert stats["idempotent/requests/downloaded_again"] == 1
         assert (status["downloaded_again"], status["downloads"], status["replays"]) == (1, 2, 0)
     assert site.hits("/block/stock1") == 2
+
+
+def test_kill_while_a_memory_request_is_in_flight_replays_its_page(
+    site: PathsSite, tmp_path: Path
+) -> None:
+    # a request that cannot be stored lives under its page's lease: killed before it is
+    # done, the page is not done either; the next crawl fetches the page again, whose
+    # callback yields the request again
+    db = tmp_path / "frontier.sqlite3"
+    site.block()
+    first = start_crawl(site, tmp_path, 1, spider="memory_child")
+    try:
+        wait_for(lambda: site.hits("/block/memory-child") == 1, 30, "the memory request",
+                 tmp_path / "run1.log")
+        assert first.poll() is None, (tmp_path / "run1.log").read_text()
+    finally:
+        first.kill()
+        first.wait(10)
+    assert db_rows(db, "SELECT url, state FROM requests") == [
+        (f"{site.url}/ok/page1", "leased")]
+    assert db_rows(db, "SELECT count(*) FROM records") == [(0,)]
+
+    site.release()
+    second = start_crawl(site, tmp_path, 2, spider="memory_child")
+    assert second.wait(60) == 0, (tmp_path / "run2.log").read_text()
+    stats = json.loads((tmp_path / "stats2.json").read_text())
+    assert stats["finish_reason"] == "finished"
+    assert site.hits("/block/memory-child") == 2
+    assert db_rows(db, "SELECT url, state FROM requests") == [(f"{site.url}/ok/page1", "done")]
+    keys = sorted(json.loads(data)["key"] for (data,) in db_rows(db, "SELECT data FROM records"))
+    assert keys == ["memory-child", "page1"]
+    assert stats["idempotent/requests/from_memory"] == 1

@@ -190,14 +190,23 @@ def test_finished_request_is_done_and_a_rediscovery_is_not_fetched(harness: Harn
     assert scheduler.stats.get_value("idempotent/requests/already_done") == 1
 
 
-def test_unstorable_request_is_refused_and_counted(harness: Harness, caplog: Any) -> None:
+def test_unstorable_request_is_handed_out_from_memory_and_counted(
+    harness: Harness, caplog: Any
+) -> None:
     scheduler = harness.scheduler()
-    assert not scheduler.enqueue_request(scrapy.Request(URLS[0], callback=lambda r: None))
     with open(__file__) as f:
-        assert not scheduler.enqueue_request(scrapy.Request(URLS[1], meta={"f": f}))
-    assert scheduler.stats.get_value("idempotent/requests/unstorable") == 2
-    assert "meta['f']" in caplog.text and "TextIOWrapper" in caplog.text
-    assert scheduler.next_request() is None
+        unstorable = [scrapy.Request(URLS[0], callback=lambda r: None),
+                      scrapy.Request(URLS[1], meta={"f": f})]
+        assert all(scheduler.enqueue_request(r) for r in unstorable)
+        assert scheduler.stats.get_value("idempotent/requests/unstorable") == 2
+        assert "meta['f']" in caplog.text and "TextIOWrapper" in caplog.text
+        assert scheduler.has_pending_requests()
+        assert len(scheduler) == 2
+        assert drain(scheduler) == unstorable[::-1]  # Scrapy's order: LIFO
+        for request in unstorable:
+            finish(scheduler, request)
+    assert frontier_counts(harness.db_path) == {}
+    assert not scheduler.has_pending_requests()
 
 
 def test_missing_callback_fails_that_request_and_the_rest_goes_on(harness: Harness) -> None:
