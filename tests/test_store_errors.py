@@ -181,3 +181,33 @@ def test_a_database_of_an_earlier_version_gets_its_identity_at_the_first_open(
     conn.close()
     with pytest.raises(StoreError, match="belongs to spider 'shop'"):
         SQLiteStore(str(path)).open(fingerprinter="x", identity=CrawlIdentity("p", "s", "s"))
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real file system of 256 KiB (tmpfs), filled up."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_at_open_is_named(full_disk: Path) -> None:
+    with pytest.raises(StoreError) as caught:
+        SQLiteStore(str(full_disk / "db.sqlite3")).open(fingerprinter="x", identity=SHOP)
+    assert not isinstance(caught.value, StoreBusy)
+    assert "full" in str(caught.value), caught.value
+    assert "locked" not in str(caught.value)
