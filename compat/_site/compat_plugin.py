@@ -140,6 +140,9 @@ class CompatReport:
               f"scheduler {by_other}; IdempotentScheduler.open calls "
               f"{kinds['idempotent_open']}; spiders opened by development commands "
               f"(scrapy fetch, shell...: add-on off by design) {len(development)}")
+        for nodeid in self.allowlisted_failed:
+            entry = allowlisted(nodeid, self.allowlist)
+            write(f"allow-listed {nodeid}: {self.allowlist[entry] if entry else ''}")
         for nodeid in self.failed:
             write(f"FAILED (not allow-listed) {nodeid}")
         for nodeid in self.allowlisted_passed:
