@@ -123,7 +123,7 @@ class Command(ScrapyCommand):
         group.add_argument(
             "--kind", action="append", metavar="KIND",
             help="only this error kind, or a kind prefix ending before a '/' "
-                 "(download_error matches download_error/TimeoutError); may be repeated")
+                 "(download_error matches download_error/DownloadTimeoutError); may be repeated")
         group.add_argument(
             "--url", metavar="PATTERN",
             help="only URLs matching a glob on the whole URL ('*/product/*'), or a regular "

@@ -83,12 +83,16 @@ def supported_range() -> str:
 
 
 def _refuse(lacks: str) -> UnsupportedScrapy:
-    return UnsupportedScrapy(
+    """The error refusing this Scrapy, logged first as one CRITICAL line (as a bad setting
+    is), so the reason is the first thing ``scrapy crawl`` says."""
+    error = UnsupportedScrapy(
         f"scrapy_idempotent {__version__} supports Scrapy {supported_range()}; the installed "
         f"Scrapy {scrapy.__version__} lacks {lacks}. Install a supported release "
         f"(pip install 'scrapy>={OLDEST_SUPPORTED[0]}.{OLDEST_SUPPORTED[1]}') or remove "
-        "scrapy_idempotent from the settings."
+        "scrapy_idempotent from the settings"
     )
+    logger.critical("%s; the crawl was not started", error)
+    return error
 
 
 def check_scrapy() -> None:
@@ -105,7 +109,7 @@ def check_scrapy() -> None:
     if not callable(getattr(Spider, "start", None)):  # Scrapy 2.13: async Spider.start()
         missing.append("the asynchronous Spider.start() (Scrapy 2.13)")
     if not callable(getattr(BaseSettings, "set_in_component_priority_dict", None)):
-        missing.append("BaseSettings.set_in_component_priority_dict() (Scrapy 2.10)")
+        missing.append("BaseSettings.set_in_component_priority_dict() (Scrapy 2.13)")
     if missing:
         raise _refuse(" and ".join(missing))
     _warn_if_untested()
@@ -263,7 +267,12 @@ def response_to_dict(response: Response) -> dict[str, Any]:
     if to_dict is not None:
         data: dict[str, Any] = to_dict()
         return data
-    data = {"headers": dict(response.headers)}  # Scrapy < 2.19
+    return _response_to_dict(response)
+
+
+def _response_to_dict(response: Response) -> dict[str, Any]:
+    # Scrapy < 2.19 (tested against 2.19's own method on every release)
+    data: dict[str, Any] = {"headers": dict(response.headers)}
     for name in response.attributes:
         if name not in ("request", "certificate"):
             data.setdefault(name, getattr(response, name))
@@ -282,7 +291,12 @@ def response_from_dict(data: dict[str, Any]) -> Response:
     if from_dict is not None:
         response: Response = from_dict(data)
         return response
-    from scrapy.http import Headers  # Scrapy < 2.19
+    return _response_from_dict(data)
+
+
+def _response_from_dict(data: dict[str, Any]) -> Response:
+    # Scrapy < 2.19
+    from scrapy.http import Headers
     from scrapy.responsetypes import responsetypes
 
     kwargs = {key: value for key, value in data.items() if key != "_class"}
