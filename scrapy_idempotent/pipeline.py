@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from itemadapter import is_item
 from scrapy.exceptions import DropItem
 
 from . import engine_hooks
@@ -43,6 +44,7 @@ class UpsertPipeline:
     def __init__(self, crawler: Crawler) -> None:
         self.crawler = crawler
         self.scheduler: IdempotentScheduler | None = None
+        self._not_items: set[str] = set()  # types warned about
 
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> Self:
@@ -56,6 +58,15 @@ class UpsertPipeline:
     def process_item(self, item: Any, spider: Spider | None = None) -> Any:
         scheduler = self.scheduler
         if scheduler is None:  # outside a crawl (see middleware._scheduler_of)
+            return item
+        if not is_item(item):
+            # Scrapy passes any object yielded as an item to the pipelines; one that no
+            # itemadapter adapter knows has no fields to key or store
+            name = item_type_name(item)
+            if name not in self._not_items:
+                self._not_items.add(name)
+                logger.warning("scrapy_idempotent: %s objects are not items (no itemadapter "
+                               "adapter knows them): passed on, not stored", name)
             return item
         tag = scheduler.take_item(item)
         reason: str | None = None

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from itemadapter import is_item
 from scrapy import Request
 from scrapy.core.scheduler import BaseScheduler
 from scrapy.exceptions import CloseSpider, IgnoreRequest
@@ -851,8 +852,8 @@ class IdempotentScheduler(BaseScheduler):
                 self._tracked[id(output)] = (entry, output)
                 entry.tracked[id(output)] = output
             return
-        if output is None:
-            return
+        if output is None or not is_item(output):
+            return  # not an item (Scrapy passes such output on as it is): nothing to key
         tag = ItemTag(item=output, entry=entry, record_id=None, key_values=None,
                       page_url=page_url)
         try:
@@ -862,7 +863,10 @@ class IdempotentScheduler(BaseScheduler):
             tag.error = exc
         else:
             if entry is not None and self.identity.key_fields(output) is None:
-                self._check_page_key(entry, tag.key_values[0], output)
+                rank = self._page_key_rank(entry, tag.key_values[0], output)
+                if rank > 1:
+                    tag.key_values = [*tag.key_values, f"#{rank}"]
+                    tag.record_id = self.identity.record_id(tag.key_values)
             self._stamp(output, tag.record_id)
         self._items[id(output)] = tag
         if entry is not None:
@@ -898,20 +902,27 @@ class IdempotentScheduler(BaseScheduler):
         with contextlib.suppress(KeyError, TypeError, AttributeError):
             ItemAdapter(item)[field] = record_id
 
-    def _check_page_key(self, entry: Entry, key: str, item: Any) -> None:
+    def _page_key_rank(self, entry: Entry, key: str, item: Any) -> int:
+        """The rank of ``item`` among the items of ``entry``'s page keyed by the page URL
+        (1 for the first). The second and later ones are told apart by it, so several items
+        of a page without a configured key are several records (stable while the page
+        yields them in the same order), never one that overwrites the others."""
         entry.page_keys[key] += 1
-        if entry.page_keys[key] < 2:
-            return
+        rank = entry.page_keys[key]
+        if rank < 2:
+            return rank
         self.stats.inc_value("idempotent/items/page_key_collisions")
         if not self._warned_page_key:
             self._warned_page_key = True
             logger.warning(
                 "scrapy_idempotent: %s yielded several %s items and no natural key is "
-                "configured for that type, so they share the page URL as key and overwrite "
-                "each other; set IDEMPOTENT_NATURAL_KEYS = {%r: '<field>'} (further cases "
-                "are counted in the stat idempotent/items/page_key_collisions)",
+                "configured for that type, so they are told apart by their order on the "
+                "page (a reordered page reorders their records); set "
+                "IDEMPOTENT_NATURAL_KEYS = {%r: '<field>'} (further cases are counted in the "
+                "stat idempotent/items/page_key_collisions)",
                 key, type(item).__name__, type(item).__name__,
             )
+        return rank
 
     def take_item(self, item: Any) -> ItemTag:
         """What :meth:`track` learnt about ``item`` (the pipeline's side), or a fresh tag for
@@ -931,12 +942,13 @@ class IdempotentScheduler(BaseScheduler):
             entry = None
         tag = ItemTag(item=item, entry=entry, record_id=None, key_values=None,
                       page_url=page_url)
+        if self.identity.key_fields(item) is None and origin is not None \
+                and origin.record_id is not None:
+            # keyed by its page (and rank) or its content: the item the pipelines started
+            # with names the record, not the content an earlier pipeline changed
+            tag.record_id, tag.key_values = origin.record_id, origin.key_values
+            return tag
         if not page_url and self.identity.key_fields(item) is None:
-            # keyed by content (it came from no page): the item the pipelines started with
-            # names the record, not the content an earlier pipeline changed
-            if origin is not None and origin.record_id is not None:
-                tag.record_id, tag.key_values = origin.record_id, origin.key_values
-                return tag
             stamped = _stamped_id(item, self.config.record_id_field)
             if stamped is not None:
                 tag.record_id, tag.key_values = stamped, []

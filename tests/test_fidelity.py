@@ -569,3 +569,34 @@ async def test_unstorable_start_requests_and_their_children_are_fetched_as_in_sc
         (site.url + "/ok/chain3", "done"), (site.url + "/ok/plain", "done")]
     assert observed.stats["idempotent/requests/unstorable"] == 2
     assert observed.stats["idempotent/requests/from_memory"] == 2
+
+
+class NotesSpider(SiteSpider):
+    """A page yields three items of a type without a configured natural key; ``start()``
+    also yields objects that are not items (Scrapy passes them on as they are)."""
+
+    async def start(self) -> Any:
+        yield scrapy.Request(self.at("/ok/notes"))
+        yield "not an item"
+
+    def parse(self, response: Any) -> Any:
+        for title in ("first", "second", "third"):
+            yield Note(title=title)
+
+
+@deferred_f_from_coro_f
+async def test_several_items_of_a_page_without_a_key_are_several_records(
+    site: PathsSite, db_path: Path, caplog: Any
+) -> None:
+    plain = await crawl(NotesSpider, {"TELNETCONSOLE_ENABLED": False}, url=site.url)
+    observed = await crawl(NotesSpider, settings(db_path), url=site.url)
+    assert observed.reason == "finished"
+    assert len(observed.scraped) == len(plain.scraped) == 4
+    assert "not an item" in observed.scraped
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert sorted(r["title"] for r in records(db_path)) == ["first", "second", "third"]
+    assert observed.stats["idempotent/items/page_key_collisions"] == 2
+    # told apart by their order on the page: the same records in the next run
+    again = await crawl(NotesSpider, settings(db_path), url=site.url)
+    assert again.stats["idempotent/records/unchanged"] == 3
+    assert len(records(db_path)) == 3
