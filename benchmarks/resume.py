@@ -9,13 +9,13 @@ against the example shop (``example_project/shop/site.py``) on
 * ``inflight``: ``CONCURRENT_REQUESTS`` = ``CONCURRENT_REQUESTS_PER_DOMAIN`` = 300 against
   a shop of 15,000 products answering after ``--delay`` seconds (default 1), crawled by a
   spider whose start requests are the 300 listing pages, so that about 300 requests are on
-  the wire. Once the crawl has run at full concurrency for
-  ``--warmup`` seconds, it is SIGKILLed; the download rate of the 5 seconds before the kill
-  (requests reaching the site per second, over three windows of twice the delay: requests
-  leave in waves) is the reference. The crawl is started again: reported are the seconds
-  from the new process's start until a window of twice the delay first reaches 80% of the
-  reference rate, and until every request that was in flight at the
-  kill has reached the site again (capped by ``--cap``).
+  the wire. Once product pages flow (1,000 records stored, 200 requests on the wire), the
+  download rate over ``--warmup`` seconds (default 12; requests reaching the site per
+  second) is the reference, and the crawl is SIGKILLed. The crawl is started again:
+  reported are the seconds from the new process's start until a window of twice the delay
+  (requests leave in waves) first reaches 80% of the reference rate, and until every
+  request that was on the wire at the kill (in flight, not journaled) has reached the site
+  again (capped by ``--cap``).
 * ``starts``: a spider whose ``start()`` yields N start requests (default 150,000). A first
   crawl enqueues them all and is SIGKILLed; the database is then changed so that all but the
   last 1,000 are done and those 1,000 are unknown (as if the first crawl had done them before
@@ -115,6 +115,17 @@ def rate(samples: list[tuple[float, int]], start: float, end: float) -> float:
     return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
 
 
+def records(db: Path) -> int:
+    try:
+        conn = sqlite3.connect(db, timeout=30)
+        try:
+            return int(conn.execute("SELECT count(*) FROM records").fetchone()[0])
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return 0
+
+
 def inflight(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     db = work / "inflight.sqlite3"
     settings = ("CONCURRENT_REQUESTS=300", "CONCURRENT_REQUESTS_PER_DOMAIN=300",
@@ -122,12 +133,13 @@ def inflight(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     with ShopSite(port=0, listing_pages=300, products_per_page=50, delay=args.delay) as site:
         first = shop_crawl(site, db, work / "first.log", args.package, *settings)
         try:
-            while site.in_flight < 250:
+            # steady state: product pages flowing (the listing pages are processed)
+            while site.in_flight < 200 or records(db) < 1000:
                 if first.poll() is not None:
                     raise SystemExit("the first crawl ended early; see first.log")
-                time.sleep(0.05)
+                time.sleep(0.2)
             before = sample(site, args.warmup)
-            peak_in_flight = site.in_flight
+            peak_in_flight = max(site.in_flight, 0)
             first.kill()
             first.wait()
             killed_at = time.monotonic()
@@ -135,7 +147,7 @@ def inflight(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             if first.poll() is None:
                 first.kill()
                 first.wait()
-        reference = rate(before, killed_at - 3 * max(2.0, 2 * args.delay), killed_at)
+        reference = rate(before, killed_at - args.warmup, killed_at)
         while site.in_flight:
             time.sleep(0.05)
         conn = sqlite3.connect(db)
@@ -274,7 +286,7 @@ def main() -> None:
     parser.add_argument("--package", type=Path, help="package root to put first on PYTHONPATH")
     parser.add_argument("--only", choices=("inflight", "starts"))
     parser.add_argument("--delay", type=float, default=1.0)
-    parser.add_argument("--warmup", type=float, default=10.0)
+    parser.add_argument("--warmup", type=float, default=12.0)
     parser.add_argument("--cap", type=float, default=60.0)
     parser.add_argument("--starts", type=int, default=150_000)
     args = parser.parse_args()

@@ -1183,7 +1183,8 @@ class IdempotentScheduler(BaseScheduler):
         the requests claimed ahead are dropped (never handed out), and a request in flight
         whose lease expired is finished without writing anything (the store fences it)."""
         began = time.time()
-        held = set(self.store.renew_leases(self.worker))
+        held = set(self._retry("renewing leases",
+                               lambda: self.store.renew_leases(self.worker)))
         self._renewed_until = began + self.config.lease_seconds
         if held:
             self.stats.inc_value("idempotent/leases/renewals")
