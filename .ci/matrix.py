@@ -285,8 +285,8 @@ def table(cells: list[Cell], pythons: list[str], minors: list[str]) -> str:
             parts = []
             for name, step in cell.steps.items():
                 mark = "pass" if step.ok else "FAIL" if step.ok is False else "-"
-                counts = re.search(r"\d+ passed(, \d+ failed)?", step.summary)
-                detail = counts[0] if counts and name != "demo" else ""
+                detail = ", ".join(re.findall(r"\d+ (?:passed|failed|errors?|xfailed)",
+                                              step.summary)) if name != "demo" else ""
                 if name == "demo":
                     m = re.search(r"(\d+)/(\d+) correct.*?(\d+) requests \(allowed (\d+)\)",
                                   step.summary)

@@ -96,7 +96,6 @@ class Command(ScrapyCommand):
 
     requires_project = False
     requires_crawler_process = False
-    default_settings = engine_hooks.COMMAND_SETTINGS
 
     def syntax(self) -> str:
         return f"<{'|'.join(SUBCOMMANDS)}> [SPIDER] [options]"
@@ -149,6 +148,8 @@ class Command(ScrapyCommand):
 
     def process_options(self, args: list[str], opts: argparse.Namespace) -> None:
         super().process_options(args, opts)
+        assert self.settings is not None
+        engine_hooks.quiet_command(self.settings)
         unknown = [a for a in args if a.startswith("-") and a != "-"]
         if unknown:
             raise UsageError(f"unknown option {unknown[0]}")

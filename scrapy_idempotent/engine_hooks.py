@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from twisted.internet.defer import Deferred
 
 __all__ = [
-    "COMMAND_SETTINGS",
     "NEWEST_TESTED",
     "OLDEST_SUPPORTED",
     "check_engine",
@@ -50,6 +49,7 @@ __all__ = [
     "feed_uri",
     "hook_itemproc",
     "itemproc",
+    "quiet_command",
     "response_from_dict",
     "response_to_dict",
     "scrapy_version",
@@ -228,10 +228,18 @@ def spider_loader(settings: BaseSettings) -> Any:
     return load_object(settings["SPIDER_LOADER_CLASS"]).from_settings(settings.frozencopy())
 
 
-#: Settings of a command that reads the database only: ``requires_crawler_process = False``
-#: (Scrapy 2.14) spares it the crawler process; Scrapy 2.13 builds one for every command,
-#: which configures logging and logs Scrapy's start and versions at INFO on stderr.
-COMMAND_SETTINGS: dict[str, Any] = {"LOG_LEVEL": "WARNING"}
+def quiet_command(settings: BaseSettings) -> None:
+    """For a command that only reads the database (from its ``process_options``):
+    ``requires_crawler_process = False`` (Scrapy 2.14) spares it Scrapy's crawler process;
+    Scrapy 2.13 builds one for every command, which logs Scrapy's start and versions at INFO
+    on stderr, so there the log level is WARNING unless the command line sets one."""
+    from scrapy.commands import ScrapyCommand
+    from scrapy.settings import SETTINGS_PRIORITIES
+
+    if "requires_crawler_process" in vars(ScrapyCommand):
+        return
+    if (settings.getpriority("LOG_LEVEL") or 0) < SETTINGS_PRIORITIES["cmdline"]:
+        settings.set("LOG_LEVEL", "WARNING", priority="cmdline")
 
 
 def component_priorities(settings: BaseSettings, name: str) -> Any:
