@@ -132,31 +132,35 @@ class IdempotentFeedExporter(FeedExporter):
         try:
             for row in store.run_records(run_id):
                 item = self._item(row)
-                for index, slot in enumerate(slots):
-                    feed = slot.slot
-                    if not feed.filter.accepts(item):
-                        continue
-                    slot.prepare(store, run_id)
-                    feed.start_exporting()
-                    assert feed.exporter is not None
-                    try:
-                        feed.exporter.export_item(item)
-                    except Exception:  # as Scrapy: logged, and the feed goes on
-                        logger.error("Error exporting an item to %s", feed.uri, exc_info=True,
-                                     extra={"spider": spider})
-                        continue
-                    feed.itemcount += 1
-                    limit = self.feeds[feed.uri_template]["batch_item_count"]
-                    if limit and feed.itemcount >= limit:
-                        await self._store_slot(slot, store, run_id)
-                        slots[index] = self._run_slot(run_start, feed.uri_template,
-                                                      self.feeds[feed.uri_template],
-                                                      feed.batch_id + 1)
+                try:
+                    await self._export_item(item, slots, store, run_id, run_start)
+                except Exception:  # as Scrapy: logged, the item skips the remaining feeds
+                    logger.error("Error exporting record %s to the feeds", row["record_id"],
+                                 exc_info=True, extra={"spider": spider})
             for slot in slots:
                 await self._store_slot(slot, store, run_id)
         finally:
             for slot in slots:  # after an error: no file left open, no temporary file left
                 slot.discard()
+
+    async def _export_item(self, item: Any, slots: list[_RunSlot], store: FrontierStore,
+                           run_id: int, run_start: datetime) -> None:
+        """One item into every feed that accepts it (what Scrapy's ``item_scraped`` does),
+        a batch stored and the next one started when it is full."""
+        for index, slot in enumerate(slots):
+            feed = slot.slot
+            if not feed.filter.accepts(item):
+                continue
+            slot.prepare(store, run_id)
+            feed.start_exporting()
+            assert feed.exporter is not None
+            feed.exporter.export_item(item)
+            feed.itemcount += 1
+            options = self.feeds[feed.uri_template]
+            if options["batch_item_count"] and feed.itemcount >= options["batch_item_count"]:
+                await self._store_slot(slot, store, run_id)
+                slots[index] = self._run_slot(run_start, feed.uri_template, options,
+                                              feed.batch_id + 1)
 
     def _run_slot(self, run_start: datetime, uri_template: str, options: dict[str, Any],
                   batch_id: int) -> _RunSlot:
