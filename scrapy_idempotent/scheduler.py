@@ -361,8 +361,8 @@ class IdempotentScheduler(BaseScheduler):
 
     def _engine_stopped(self) -> None:
         """A crawl closed by a store error must not look successful: ``scrapy crawl`` (and
-        ``runspider``) exit with 1 only when the crawl failed to start, which Scrapy 2.19
-        tells by the crawler having no spider once the crawl is over
+        ``runspider``) exit with 1 only when the crawl failed to start, which Scrapy (2.12
+        to 2.19) tells by the crawler having no spider once the crawl is over
         (``CrawlerProcess._crawl``: ``bootstrap_failed |= not crawler.spider``). Engine
         stopped is the last signal of a crawl, after every extension's close work."""
         if self._failed:
