@@ -45,7 +45,7 @@ from ._tracking import Entry, ItemTag, Pending
 from .codec import RequestCodec, describe
 from .config import IdempotentConfig, config_for
 from .exceptions import MissingNaturalKey, StoreBusy, StoreError, UnstorableRequest
-from .records import RecordIdentity
+from .records import RecordIdentity, item_type_name
 from .store.base import (
     Completion,
     CrawlIdentity,
@@ -863,9 +863,9 @@ class IdempotentScheduler(BaseScheduler):
             tag.error = exc
         else:
             if entry is not None and self.identity.key_fields(output) is None:
-                rank = self._page_key_rank(entry, tag.key_values[0], output)
-                if rank > 1:
-                    tag.key_values = [*tag.key_values, f"#{rank}"]
+                position = self._page_position(entry, tag.key_values[0], output)
+                if position is not None:
+                    tag.key_values = [*tag.key_values, *position]
                     tag.record_id = self.identity.record_id(tag.key_values)
             self._stamp(output, tag.record_id)
         self._items[id(output)] = tag
@@ -902,27 +902,30 @@ class IdempotentScheduler(BaseScheduler):
         with contextlib.suppress(KeyError, TypeError, AttributeError):
             ItemAdapter(item)[field] = record_id
 
-    def _page_key_rank(self, entry: Entry, key: str, item: Any) -> int:
-        """The rank of ``item`` among the items of ``entry``'s page keyed by the page URL
-        (1 for the first). The second and later ones are told apart by it, so several items
-        of a page without a configured key are several records (stable while the page
-        yields them in the same order), never one that overwrites the others."""
-        entry.page_keys[key] += 1
-        rank = entry.page_keys[key]
-        if rank < 2:
-            return rank
-        self.stats.inc_value("idempotent/items/page_key_collisions")
+    def _page_position(self, entry: Entry, key: str, item: Any) -> list[str] | None:
+        """What tells ``item`` apart from the other items of ``entry``'s page keyed by the
+        page URL: None for the page's first such item (its key is the page URL alone), else
+        its type and its rank among such items of its type on the page (``#1`` for the
+        first). Several items of a page without a configured key are then several records,
+        never one that overwrites the others; their identity is their position, stable while
+        the page yields them in the same order."""
+        type_name = item_type_name(item)
+        first = not entry.page_keys
+        entry.page_keys[f"{key}|{type_name}"] += 1
+        if first:
+            return None
+        self.stats.inc_value("idempotent/items/keyed_by_rank")
         if not self._warned_page_key:
             self._warned_page_key = True
             logger.warning(
-                "scrapy_idempotent: %s yielded several %s items and no natural key is "
-                "configured for that type, so they are told apart by their order on the "
-                "page (a reordered page reorders their records); set "
-                "IDEMPOTENT_NATURAL_KEYS = {%r: '<field>'} (further cases are counted in the "
-                "stat idempotent/items/page_key_collisions)",
+                "scrapy_idempotent: %s yielded several items without a configured natural "
+                "key (%s among them), so each is identified by its position on the page: "
+                "if the page reorders them, their records are updated with each other's "
+                "data; set IDEMPOTENT_NATURAL_KEYS = {%r: '<field>'} (further cases are "
+                "counted in the stat idempotent/items/keyed_by_rank)",
                 key, type(item).__name__, type(item).__name__,
             )
-        return rank
+        return [type_name, f"#{entry.page_keys[f'{key}|{type_name}']}"]
 
     def take_item(self, item: Any) -> ItemTag:
         """What :meth:`track` learnt about ``item`` (the pipeline's side), or a fresh tag for

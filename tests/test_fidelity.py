@@ -608,7 +608,10 @@ async def test_several_items_of_a_page_without_a_key_are_several_records(
     assert "not an item" in observed.scraped
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
     assert sorted(r["title"] for r in records(db_path)) == ["first", "second", "third"]
-    assert observed.stats["idempotent/items/page_key_collisions"] == 2
+    assert observed.stats["idempotent/items/keyed_by_rank"] == 2
+    keys = sorted(json.loads(k) for (k,) in db_rows(db_path, "SELECT natural_key FROM records"))
+    page = site.url + "/ok/notes"
+    assert keys == [[page], [page, "test_fidelity.Note", "#2"], [page, "test_fidelity.Note", "#3"]]
     # told apart by their order on the page: the same records in the next run
     again = await crawl(NotesSpider, settings(db_path), url=site.url)
     assert again.stats["idempotent/records/unchanged"] == 3
