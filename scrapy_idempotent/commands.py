@@ -376,7 +376,7 @@ class Command(ScrapyCommand):
         lines += ["", "Repeated requests"]
         lines += _pairs([
             ("downloaded more than once", rep["downloaded_again"],
-             "(retries, and requests on the wire when a crawl was killed)"),
+             "(retries, and requests in flight when a crawl was killed)"),
             ("leased more than once", rep["requests"],
              f"(includes {rep['replays']} answered from the response journal: not downloads)"
              if rep["replays"] else ""),
