@@ -22,7 +22,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Callable, Coroutine, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import scrapy
 from scrapy.utils.misc import load_object
@@ -31,14 +31,20 @@ from . import __version__
 from .exceptions import UnsupportedScrapy
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from scrapy import Request
     from scrapy.crawler import Crawler
     from scrapy.http import Response
     from scrapy.settings import BaseSettings
     from twisted.internet.defer import Deferred
+    from twisted.python.failure import Failure
 
 __all__ = [
     "NEWEST_TESTED",
     "OLDEST_SUPPORTED",
+    "EngineHooks",
+    "EngineObserver",
     "check_engine",
     "check_scrapy",
     "close_spider",
@@ -47,8 +53,6 @@ __all__ = [
     "engine_scheduler",
     "failure_name",
     "feed_uri",
-    "hook_itemproc",
-    "itemproc",
     "quiet_command",
     "response_from_dict",
     "response_to_dict",
@@ -128,6 +132,37 @@ def _warn_if_untested() -> None:
     )
 
 
+# -- the completion hooks -------------------------------------------------------------------
+
+
+class EngineObserver(Protocol):
+    """What :class:`EngineHooks` reports to (the scheduler). Each method is called from
+    inside the engine, before (or around) the engine's own step, with the request the engine
+    handed out; none may raise into the engine."""
+
+    def request_finished(self, request: Request) -> None:
+        """``_Slot.remove_request(request)``: Scrapy is done with ``request`` (its items went
+        through the pipelines, its children were enqueued), whatever the outcome."""
+
+    def downloader_output(self, result: Request | Response | Failure,
+                          request: Request) -> None:
+        """What the downloader (its middlewares) answered for ``request``: a response, a
+        failure, or a new request (a redirect or retry)."""
+
+    def spider_output(self, result: Any, request: Request,
+                      response: Response | Failure) -> Any:
+        """The final output of a callback or errback (an iterable or async iterable), before
+        the scraper processes it; returns the iterable to process instead."""
+
+    def spider_error(self, failure: Failure, request: Request,
+                     response: Response | Failure) -> None:
+        """An exception of a callback or errback (``CloseSpider`` included)."""
+
+    def item_in_pipelines(self, item: Any,
+                          response: Response | Failure | None) -> AbstractContextManager[Any]:
+        """Entered while ``item`` goes through the item pipelines."""
+
+
 def _itemproc_name(scraper: Any) -> str:
     # Scrapy 2.14 added Scraper.start_itemproc_async; 2.13 has the Deferred-returning
     # start_itemproc only (and calls it from both the scraper and the engine).
@@ -136,14 +171,109 @@ def _itemproc_name(scraper: Any) -> str:
     return "start_itemproc"
 
 
-ItemprocHook = Callable[..., Coroutine[Any, Any, None]]
+def _hooked_methods(engine: Any) -> list[tuple[Any, str, str]]:
+    """(object, its label, method name) of every private method the hooks wrap."""
+    slot = getattr(engine, "_slot", None)
+    scraper = getattr(engine, "scraper", None)
+    return [
+        (slot, "ExecutionEngine._slot", "remove_request"),
+        (engine, "ExecutionEngine", "_handle_downloader_output"),
+        (scraper, "Scraper", "handle_spider_output_async"),  # Scrapy 2.13
+        (scraper, "Scraper", "handle_spider_error"),
+        (scraper, "Scraper", _itemproc_name(scraper)),
+    ]
 
 
-def itemproc(scraper: Any) -> ItemprocHook:
+def check_engine(engine: Any) -> None:
+    """Raise :class:`~.UnsupportedScrapy` unless ``engine`` (an open ``ExecutionEngine``)
+    has every private method the completion hooks wrap (present from Scrapy 2.13 on); warn
+    once about a release outside the tested range."""
+    missing = [f"{label}.{name}()" for obj, label, name in _hooked_methods(engine)
+               if not callable(getattr(obj, name, None))]
+    if missing:
+        raise _refuse(f"the engine internals that exact completion hooks ({', '.join(missing)})")
+    _warn_if_untested()
+
+
+class EngineHooks:
+    """The engine's private methods, wrapped so that ``observer`` learns when a handed-out
+    request is completely processed (see :class:`EngineObserver`).
+
+    :meth:`install` checks that every method exists (:func:`check_engine`) and shadows each
+    with an instance attribute that reports to the observer and then calls the engine's own
+    method; :meth:`remove` deletes those attributes again. One instance per open spider.
+    """
+
+    def __init__(self, engine: Any, observer: EngineObserver) -> None:
+        self.engine = engine
+        self.observer = observer
+        self._undo: list[Callable[[], None]] = []
+
+    def install(self) -> None:
+        """Raises :class:`~.UnsupportedScrapy` (nothing installed) on a Scrapy without the
+        hooks."""
+        engine = self.engine
+        check_engine(engine)
+        observer = self.observer
+        slot = engine._slot
+        scraper = engine.scraper
+        remove_request = slot.remove_request
+        handle_output = engine._handle_downloader_output
+        spider_output = scraper.handle_spider_output_async
+        spider_error = scraper.handle_spider_error
+        itemproc = _async_itemproc(scraper)
+
+        def hooked_remove_request(request: Request) -> None:
+            observer.request_finished(request)
+            remove_request(request)
+
+        def hooked_handle_output(result: Any, request: Request) -> Any:
+            observer.downloader_output(result, request)
+            return handle_output(result, request)
+
+        async def hooked_spider_output(result: Any, request: Request,
+                                       response: Response | Failure) -> None:
+            await spider_output(observer.spider_output(result, request, response), request,
+                                response)
+
+        def hooked_spider_error(failure: Failure, request: Request,
+                                response: Response | Failure) -> None:
+            observer.spider_error(failure, request, response)
+            spider_error(failure, request, response)
+
+        async def hooked_itemproc(item: Any, *, response: Response | Failure | None) -> None:
+            with observer.item_in_pipelines(item, response):
+                await itemproc(item, response=response)
+
+        self._shadow(slot, "remove_request", hooked_remove_request)
+        self._shadow(engine, "_handle_downloader_output", hooked_handle_output)
+        self._shadow(scraper, "handle_spider_output_async", hooked_spider_output)
+        self._shadow(scraper, "handle_spider_error", hooked_spider_error)
+        if _itemproc_name(scraper) == "start_itemproc_async":
+            self._shadow(scraper, "start_itemproc_async", hooked_itemproc)
+        else:  # Scrapy 2.13: its callers expect a Deferred
+            from scrapy.utils.defer import deferred_from_coro
+
+            def start_itemproc(item: Any, *, response: Response | Failure | None) -> Any:
+                return deferred_from_coro(hooked_itemproc(item, response=response))
+            self._shadow(scraper, "start_itemproc", start_itemproc)
+
+    def _shadow(self, obj: Any, name: str, hook: Callable[..., Any]) -> None:
+        setattr(obj, name, hook)  # an instance attribute shadows the method
+        self._undo.append(lambda: delattr(obj, name))
+
+    def remove(self) -> None:
+        """Give the engine its own methods back (idempotent)."""
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+
+def _async_itemproc(scraper: Any) -> Callable[..., Coroutine[Any, Any, None]]:
     """The scraper's "send one item through the item pipelines" as a coroutine function
-    ``(item, *, response) -> None``, on every release."""
+    ``(item, *, response) -> None`` on every release."""
     if _itemproc_name(scraper) == "start_itemproc_async":
-        method: ItemprocHook = scraper.start_itemproc_async
+        method: Callable[..., Coroutine[Any, Any, None]] = scraper.start_itemproc_async
         return method
     from scrapy.utils.defer import maybe_deferred_to_future
 
@@ -152,40 +282,6 @@ def itemproc(scraper: Any) -> ItemprocHook:
     async def start_itemproc_async(item: Any, *, response: Any) -> None:
         await maybe_deferred_to_future(start_itemproc(item, response=response))
     return start_itemproc_async
-
-
-def hook_itemproc(scraper: Any, hook: ItemprocHook) -> Callable[[], None]:
-    """Make the scraper send items to the pipelines through ``hook`` (a coroutine function
-    like :func:`itemproc`'s result, which it is expected to call); returns the undo."""
-    name = _itemproc_name(scraper)
-    if name == "start_itemproc_async":
-        scraper.start_itemproc_async = hook
-    else:  # Scrapy 2.13: its callers expect a Deferred
-        from scrapy.utils.defer import deferred_from_coro
-
-        def start_itemproc(item: Any, *, response: Any) -> Any:
-            return deferred_from_coro(hook(item, response=response))
-        scraper.start_itemproc = start_itemproc
-    return lambda: delattr(scraper, name)
-
-
-def check_engine(engine: Any) -> None:
-    """Raise :class:`~.UnsupportedScrapy` unless ``engine`` (an open ``ExecutionEngine``)
-    has every private method the completion hooks wrap (present from Scrapy 2.13 on)."""
-    slot = getattr(engine, "_slot", None)
-    scraper = getattr(engine, "scraper", None)
-    missing = [
-        f"{label}.{name}()" for obj, label, name in (
-            (slot, "ExecutionEngine._slot", "remove_request"),
-            (engine, "ExecutionEngine", "_handle_downloader_output"),
-            (scraper, "Scraper", "handle_spider_output_async"),
-            (scraper, "Scraper", "handle_spider_error"),
-            (scraper, "Scraper", _itemproc_name(scraper)),
-        ) if not callable(getattr(obj, name, None))
-    ]
-    if missing:
-        raise _refuse(f"the engine internals that exact completion hooks ({', '.join(missing)})")
-    _warn_if_untested()
 
 
 def engine_scheduler(crawler: Crawler) -> Any:

@@ -8,9 +8,12 @@ and child requests its response produced ("done is the last write").
 When is a request finished? Not when a spider middleware's output iterator ends: items are
 processed concurrently and child requests reach the scheduler later. The exact moment is the
 engine's ``_slot.remove_request(request)``, which fires once per handed-out request after its
-items went through the pipelines and its children were enqueued, whatever the outcome
-(notes/scrapy-internals.md). It is private API, so :meth:`IdempotentScheduler.open` checks the
-hooks exist and refuses to run otherwise (:class:`~.UnsupportedScrapy`).
+items went through the pipelines and its children were enqueued, whatever the outcome. It is
+private API: :class:`~.engine_hooks.EngineHooks` wraps it (and the engine's other steps the
+scheduler observes), checks at open that every hook exists on the running Scrapy, refusing
+to run otherwise (:class:`~.UnsupportedScrapy`), and reports to the scheduler's
+``request_finished``, ``downloader_output``, ``spider_output``, ``spider_error`` and
+``item_in_pipelines``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import secrets
 import socket
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -202,7 +205,7 @@ class IdempotentScheduler(BaseScheduler):
         self._closing = False
         self._failed = False
         self._warned_page_key = False
-        self._unhook: list[Any] = []
+        self._hooks: engine_hooks.EngineHooks | None = None
         self._session = False  # a session was begun in the store (open() got that far)
         settings = crawler.settings
         self._httperror_allow_all = settings.getbool("HTTPERROR_ALLOW_ALL")
@@ -277,7 +280,8 @@ class IdempotentScheduler(BaseScheduler):
             self.config.database_path, counts["pending"], counts["leased"], reclaimed,
             counts["done"] + counts["redirected"], counts["failed"], counts["records"],
         )
-        self._install_hooks()
+        self._hooks = engine_hooks.EngineHooks(self.crawler.engine, self)
+        self._hooks.install()
         from scrapy import signals
 
         self.crawler.signals.connect(self._engine_stopped, signal=signals.engine_stopped)
@@ -298,9 +302,8 @@ class IdempotentScheduler(BaseScheduler):
         self._closing = True
         if self._renewal is not None and self._renewal.running:
             self._renewal.stop()
-        for undo in reversed(self._unhook):
-            undo()
-        self._unhook.clear()
+        if self._hooks is not None:
+            self._hooks.remove()
         if not self._session:  # open() failed before the store was usable: nothing to close
             self.store.close()
             return None
@@ -368,79 +371,55 @@ class IdempotentScheduler(BaseScheduler):
         if self._failed:
             self.crawler.spider = None
 
-    def _install_hooks(self) -> None:
-        engine = self.crawler.engine
-        engine_hooks.check_engine(engine)
-        assert engine is not None
-        slot: Any = engine._slot
-        scraper: Any = engine.scraper
-        remove_request = slot.remove_request
-        handle_output = engine._handle_downloader_output
-        spider_output = scraper.handle_spider_output_async
-        spider_error = scraper.handle_spider_error
-        itemproc = engine_hooks.itemproc(scraper)
+    # -- what the engine hooks report (engine_hooks.EngineObserver) -------------------------
 
-        def hooked_remove_request(request: Request) -> None:
-            try:
-                self._finish(request)
-            except Exception:
-                logger.exception("scrapy_idempotent: error completing %s", describe(request))
-            remove_request(request)
+    def request_finished(self, request: Request) -> None:
+        """The engine is done with ``request``: complete its entry (if it is ours)."""
+        try:
+            self._finish(request)
+        except Exception:
+            logger.exception("scrapy_idempotent: error completing %s", describe(request))
 
-        def hooked_handle_output(result: Any, request: Request) -> Any:
-            entry = self._inflight.get(id(request))
-            if entry is not None:
-                self._count_download(entry)
-                self._observe(entry, result)
-            return handle_output(result, request)
+    def downloader_output(self, result: Request | Response | Failure,
+                          request: Request) -> None:
+        entry = self._inflight.get(id(request))
+        if entry is not None:
+            self._count_download(entry)
+            self._observe(entry, result)
 
-        async def hooked_spider_output(result: Any, request: Request,
-                                       response: Response | Failure) -> None:
-            # The final output of a callback or errback, with the request the engine handed
-            # out: what RecordIdMiddleware did not see (errback output bypasses every spider
-            # middleware; a project's middleware nearer the engine adds output) is
-            # attributed here.
-            entry = self._inflight.get(id(request))
-            page_url = response.url if isinstance(response, Response) else request.url
-            result = self._track_output(result, entry, page_url)
-            await spider_output(result, request, response)
+    def spider_output(self, result: Any, request: Request,
+                      response: Response | Failure) -> Any:
+        # The final output of a callback or errback, with the request the engine handed
+        # out: what RecordIdMiddleware did not see (errback output bypasses every spider
+        # middleware; a project's middleware nearer the engine adds output) is
+        # attributed here.
+        entry = self._inflight.get(id(request))
+        page_url = response.url if isinstance(response, Response) else request.url
+        return self._track_output(result, entry, page_url)
 
-        def hooked_spider_error(failure: Failure, request: Request,
-                                response: Response | Failure) -> None:
-            # Every exception of a callback or errback, CloseSpider included (which sends no
-            # spider_error signal), with the request the engine handed out.
-            entry = self._inflight.get(id(request))
-            if entry is not None:
-                self._observe_error(entry, failure)
-            spider_error(failure, request, response)
+    def spider_error(self, failure: Failure, request: Request,
+                     response: Response | Failure) -> None:
+        # Every exception of a callback or errback, CloseSpider included (which sends no
+        # spider_error signal), with the request the engine handed out.
+        entry = self._inflight.get(id(request))
+        if entry is not None:
+            self._observe_error(entry, failure)
 
-        async def hooked_itemproc(item: Any, *, response: Response | Failure | None) -> None:
-            if id(item) not in self._items:
-                # not seen on its way (an item of start() added by a project's middleware
-                # nearer the engine): the response names the request it belongs to
-                if isinstance(response, Response):
-                    self.track(item, self.entry_for(response), response.url)
-                else:
-                    self.track(item, None, None)
-            token = _ITEM_IN_PIPELINES.set(self._items.get(id(item)))
-            try:
-                await itemproc(item, response=response)
-            finally:
-                _ITEM_IN_PIPELINES.reset(token)
-
-        # Instance attributes shadow the methods; close() deletes them again.
-        slot.remove_request = hooked_remove_request
-        engine._handle_downloader_output = hooked_handle_output  # type: ignore[method-assign]
-        scraper.handle_spider_output_async = hooked_spider_output
-        scraper.handle_spider_error = hooked_spider_error
-        unhook_itemproc = engine_hooks.hook_itemproc(scraper, hooked_itemproc)
-        self._unhook = [
-            lambda: delattr(slot, "remove_request"),
-            lambda: delattr(engine, "_handle_downloader_output"),
-            lambda: delattr(scraper, "handle_spider_output_async"),
-            lambda: delattr(scraper, "handle_spider_error"),
-            unhook_itemproc,
-        ]
+    @contextlib.contextmanager
+    def item_in_pipelines(self, item: Any,
+                          response: Response | Failure | None) -> Iterator[None]:
+        if id(item) not in self._items:
+            # not seen on its way (an item of start() added by a project's middleware
+            # nearer the engine): the response names the request it belongs to
+            if isinstance(response, Response):
+                self.track(item, self.entry_for(response), response.url)
+            else:
+                self.track(item, None, None)
+        token = _ITEM_IN_PIPELINES.set(self._items.get(id(item)))
+        try:
+            yield
+        finally:
+            _ITEM_IN_PIPELINES.reset(token)
 
     # -- the scheduler contract -------------------------------------------------------------
 

@@ -164,3 +164,39 @@ def test_the_response_backport_is_scrapys_to_dict(response: Response) -> None:
     without_class = {k: v for k, v in data.items() if k != "_class"}
     guessed = engine_hooks._response_from_dict(without_class)  # as responsetypes guesses
     assert guessed.url == response.url and guessed.body == response.body
+
+
+@deferred_f_from_coro_f
+async def test_the_hooks_shadow_the_engine_while_the_spider_runs_and_are_removed_at_close(
+    small_shop: ShopSite, db_path: Path
+) -> None:
+    from scrapy import signals
+    from scrapy.utils.test import get_crawler
+
+    from crawling import crawl_to_end
+
+    hooked = ("remove_request", "_handle_downloader_output", "handle_spider_output_async",
+              "handle_spider_error", "start_itemproc_async", "start_itemproc")
+    seen: dict[str, set[str]] = {}
+
+    def shadowed(engine: object) -> set[str]:
+        objects = (engine, engine._slot, engine.scraper)  # type: ignore[attr-defined]
+        return {name for obj in objects for name in hooked if name in vars(obj)}
+
+    crawler = get_crawler(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS))
+
+    def opened() -> None:
+        seen["open"] = shadowed(crawler.engine)
+
+    def closed() -> None:
+        seen["closed"] = shadowed(crawler.engine)  # the scheduler closed before this signal
+
+    crawler.signals.connect(opened, signals.spider_opened)
+    crawler.signals.connect(closed, signals.spider_closed)
+    await crawl_to_end(crawler, url=small_shop.url)
+    assert crawler.stats.get_value("finish_reason") == "finished"
+    itemproc = "start_itemproc_async" if hasattr(crawler.engine.scraper,
+                                                  "start_itemproc_async") else "start_itemproc"
+    assert seen["open"] == {"remove_request", "_handle_downloader_output",
+                            "handle_spider_output_async", "handle_spider_error", itemproc}
+    assert seen["closed"] == set()
