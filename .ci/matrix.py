@@ -167,7 +167,8 @@ class Matrix:
         pip = [str(env_dir / "bin" / "python"), "-m", "pip", "install", "--quiet"]
         with _INSTALL_LOCK:
             code, _ = run([*pip, "--upgrade", "pip"], log, 600)
-            code, _ = run([*pip, "-e", ".[test]", f"scrapy=={scrapy}"], log, 1200)
+            extras = ".[test,compat]" if self.args.compat else ".[test]"
+            code, _ = run([*pip, "-e", extras, f"scrapy=={scrapy}"], log, 1200)
         return env_dir if code == 0 else None
 
     def installed(self, env_dir: Path) -> str:

@@ -68,11 +68,9 @@ def _class_name(obj: object) -> str:
 
 
 def _scheduler_of(crawler: Any) -> object:
-    engine = getattr(crawler, "engine", None)
-    scheduler = getattr(engine, "scheduler", None)  # public since Scrapy 2.19
-    if scheduler is None:
-        scheduler = getattr(getattr(engine, "slot", None), "scheduler", None)
-    return scheduler
+    from scrapy_idempotent.engine_hooks import engine_scheduler  # every supported release
+
+    return engine_scheduler(crawler)
 
 
 def _development_command() -> str | None:
