@@ -113,14 +113,17 @@ def newest_patches(versions: list[str]) -> dict[str, str]:
 
 
 def find_python(version: str) -> str | None:
-    """An interpreter of ``version`` ("3.12"): on PATH, else the newest under pyenv."""
-    found = shutil.which(f"python{version}")
-    if found:
-        return found
+    """An interpreter of ``version`` ("3.12") that runs: on PATH, else the newest under
+    pyenv (a pyenv shim on PATH fails for a version that is not selected)."""
     root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
-    candidates = sorted(root.glob(f"{version}.*/bin/python{version}"),
-                        key=lambda p: _key(p.parts[-3]))
-    return str(candidates[-1]) if candidates else None
+    candidates = [shutil.which(f"python{version}")] + [
+        str(p) for p in sorted(root.glob(f"{version}.*/bin/python{version}"),
+                               key=lambda p: _key(p.parts[-3]), reverse=True)]
+    for found in candidates:
+        if found and subprocess.run([found, "-c", "pass"], capture_output=True,
+                                    check=False).returncode == 0:
+            return found
+    return None
 
 
 def run(command: list[str], log: Path, timeout: float, cwd: Path = ROOT,

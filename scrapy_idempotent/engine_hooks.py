@@ -14,6 +14,22 @@ one warning.
 
 Scrapy's issue scrapy/scrapy#7978 ("Support crash-tolerant crawls") proposes a public
 ``Scheduler.finish_request``; until something like it exists the hooks stay private.
+
+The differences, by the release that changed them:
+
+* 2.13: ``Spider.start()``, ``Scraper.handle_spider_output_async`` (the oldest release);
+  components are passed ``spider`` (they accept it as an optional argument); every command
+  builds a crawler process (:func:`quiet_command`).
+* 2.14: ``Scraper.start_itemproc_async`` (:class:`EngineHooks`),
+  ``ExecutionEngine.close_spider_async`` (:func:`close_spider`), ``get_spider_loader``
+  (:func:`spider_loader`), ``SignalManager.send_catch_log_async`` (:func:`send_signal`).
+* 2.15: download errors wrapped in Scrapy's own (:func:`failure_name`); a failed start exits
+  non-zero (:func:`start_failure_exits_nonzero`); component dicts unified with their base
+  (:func:`component_priorities`, :func:`disable_component`).
+* 2.18: ``apply_uri_params`` (:func:`feed_uri`); callbacks run without the 0.1 s delay (a
+  behaviour, nothing to adapt: ``CloseSpider`` takes effect sooner).
+* 2.19: ``ExecutionEngine.scheduler`` (:func:`engine_scheduler`), ``Response.to_dict`` and
+  ``response_from_dict`` (:func:`response_to_dict`, :func:`response_from_dict`).
 """
 
 from __future__ import annotations
