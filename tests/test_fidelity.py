@@ -274,6 +274,68 @@ async def test_duplicates_are_dropped_and_counted_as_by_scrapys_dupefilter(
                              "show all duplicates)")
 
 
+class HoldingPipeline:
+    """Holds the item of ``/ok/p1`` (so that page is not finished) until the spider says
+    ``/block/p2`` was parsed; releases ``/block/p2`` when it gets that item."""
+
+    async def process_item(self, item: Any) -> Any:
+        from scrapy.utils.defer import maybe_deferred_to_future
+
+        spider = self.crawler.spider  # type: ignore[attr-defined]
+        if item["key"] == "p1":
+            spider.release_p2()
+            await maybe_deferred_to_future(spider.p2_parsed)
+        return item
+
+    @classmethod
+    def from_crawler(cls, crawler: Any) -> HoldingPipeline:
+        pipeline = cls()
+        pipeline.crawler = crawler  # type: ignore[attr-defined]
+        return pipeline
+
+
+class TwoPagesOneLinkSpider(SiteSpider):
+    """Two pages in flight at once link the same URL: the second link arrives while the
+    first is only buffered (its page is not finished)."""
+
+    def __init__(self, url: str, release_p2: Any, **kwargs: Any) -> None:
+        from twisted.internet.defer import Deferred
+
+        super().__init__(url, **kwargs)
+        self.release_p2 = release_p2
+        self.p2_parsed: Deferred[None] = Deferred()
+
+    async def start(self) -> Any:
+        yield scrapy.Request(self.at("/ok/p1"))
+        yield scrapy.Request(self.at("/block/p2"))
+
+    def parse(self, response: Any) -> Any:
+        name = path_of(response.url).rsplit("/", 1)[1]
+        if name in ("p1", "p2"):
+            yield scrapy.Request(self.at("/ok/shared"))
+        yield {"key": name}
+        if name == "p2":
+            self.p2_parsed.callback(None)
+
+
+@deferred_f_from_coro_f
+async def test_a_link_buffered_by_a_page_in_flight_is_a_duplicate_for_another_page(
+    site: PathsSite, db_path: Path
+) -> None:
+    site.block()
+    observed = await crawl(TwoPagesOneLinkSpider, settings(
+        db_path, ITEM_PIPELINES={f"{__name__}.HoldingPipeline": 500}),
+        url=site.url, release_p2=site.release)
+    assert observed.reason == "finished"
+    assert list(map(path_of, observed.dropped)) == ["/ok/shared"]
+    assert observed.stats["dupefilter/filtered"] == 1
+    assert site.hits("/ok/shared") == 1
+    owner = dict(db_rows(db_path, "SELECT key, url FROM requests"))
+    [(parent_key,)] = db_rows(db_path, "SELECT parent_key FROM requests WHERE url = ?",
+                              (site.url + "/ok/shared",))
+    assert owner[parent_key] == site.url + "/ok/p1"  # written by the page that yielded it first
+
+
 @deferred_f_from_coro_f
 async def test_dupefilter_debug_logs_every_duplicate_with_its_referer(
     site: PathsSite, db_path: Path, caplog: Any
