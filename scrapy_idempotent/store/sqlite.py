@@ -283,6 +283,10 @@ class SQLiteStore(FrontierStore):
         try:
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_seconds * 1000)}")
             version, new = self._check_ownership(conn)
+            if identity is not None and not new:
+                # another crawl's database is refused here, read-only: before any pragma
+                # write, migration or vacuum changes a byte of it
+                self._check_identity(self._stored_identity(conn), identity)
             if new:
                 # Freed pages (journaled responses are deleted as their requests complete)
                 # go back to the file system: set before the first table exists.
@@ -390,15 +394,31 @@ class SQLiteStore(FrontierStore):
             "set IDEMPOTENT_DATABASE to another file"
         )
 
+    @staticmethod
+    def _stored_identity(conn: sqlite3.Connection | sqlite3.Cursor) -> dict[str, str]:
+        """The crawl identity recorded in the file (empty if none yet); only reads."""
+        if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
+                        ).fetchone() is None:
+            return {}
+        return dict(conn.execute(
+            "SELECT key, value FROM meta WHERE key IN ('project', 'spider', 'source')"))
+
     def _claim_identity(self, cur: sqlite3.Cursor, identity: CrawlIdentity) -> None:
         """Record whose database this is at its first open (a database of an earlier
-        version gets it now); refuse another crawl's."""
-        stored = dict(cur.execute(
-            "SELECT key, value FROM meta WHERE key IN ('project', 'spider', 'source')"))
+        version gets it now); refuse another crawl's (checked again here, in the write
+        transaction, for a crawl that claimed the file since the read-only check)."""
+        stored = self._stored_identity(cur)
         if not stored:
             cur.executemany("INSERT INTO meta VALUES (?, ?)", [
                 ("project", identity.project), ("spider", identity.spider),
                 ("source", identity.source)])
+            return
+        self._check_identity(stored, identity)
+
+    def _check_identity(self, stored: dict[str, str], identity: CrawlIdentity) -> None:
+        """Refuse the database whose recorded identity ``stored`` is another crawl's (an
+        empty one is nobody's yet: the first open records it)."""
+        if not stored:
             return
         owner = CrawlIdentity(project=stored.get("project", ""),
                               spider=stored.get("spider", ""), source=stored.get("source", ""))
@@ -416,7 +436,7 @@ class SQLiteStore(FrontierStore):
             hint = ("each crawl needs its own database: set IDEMPOTENT_DATABASE to another "
                     "file (a path containing {spider} gives each spider its own; the default "
                     "is one file per spider in each project's .scrapy directory)")
-        raise StoreError(f"{whose}; {this}: {hint}")
+        raise StoreError(f"{whose}; {this}; it was left untouched: {hint}")
 
     def _error(self, exc: sqlite3.Error, doing: str) -> StoreError:
         """The :class:`~.StoreError` that names the real cause of a SQLite error; only a
