@@ -40,6 +40,7 @@ from . import engine_hooks
 from .config import IdempotentConfig
 from .exceptions import IdempotentError, StoreError
 from .scheduler import worker_is_dead
+from .store import CrawlIdentity
 from .store.sqlite import SQLiteStore
 
 if TYPE_CHECKING:
@@ -185,9 +186,12 @@ class Command(ScrapyCommand):
     def run(self, args: list[str], opts: argparse.Namespace) -> None:
         subcommand = args[0]
         try:
-            store, path = self._store(args[1] if len(args) > 1 else None, opts.db)
+            store, path, identity = self._store(args[1] if len(args) > 1 else None,
+                                                opts.db)
             try:
-                info = store.open_existing(readonly=subcommand != "retry")
+                # only retry writes: it refuses, untouched, a file that is not ours or another
+                # crawl's (known from the spider's settings; with --db, only the former)
+                info = store.open_existing(readonly=subcommand != "retry", identity=identity)
                 if subcommand != "check" and (
                     info["schema_version"] != info["supported_schema_version"]
                 ):
@@ -210,14 +214,16 @@ class Command(ScrapyCommand):
 
     # -- the database -----------------------------------------------------------------------
 
-    def _store(self, spider: str | None, db: str | None) -> tuple[FrontierStore, str]:
-        """The store of ``--db`` or of the spider's settings, as the scheduler resolves it.
-        Without a spider name, the only spider of the project."""
+    def _store(self, spider: str | None,
+               db: str | None) -> tuple[FrontierStore, str, CrawlIdentity | None]:
+        """The store of ``--db`` or of the spider's settings, as the scheduler resolves it,
+        and the identity of that spider's crawl (None with ``--db``). Without a spider name,
+        the only spider of the project."""
         assert self.settings is not None
         settings = self.settings.copy()
         if db is not None:
             return SQLiteStore(db, busy_timeout_seconds=settings.getfloat(
-                "IDEMPOTENT_BUSY_TIMEOUT_SECONDS", 10.0)), db
+                "IDEMPOTENT_BUSY_TIMEOUT_SECONDS", 10.0)), db, None
         from scrapy.utils.project import inside_project
 
         if not inside_project():
@@ -229,7 +235,7 @@ class Command(ScrapyCommand):
             config = IdempotentConfig.from_settings(settings, named)
             return SQLiteStore(config.database_path, lease_seconds=config.lease_seconds,
                                busy_timeout_seconds=config.busy_timeout_seconds), \
-                config.database_path
+                config.database_path, _identity(settings, spider, config)
         loader = engine_hooks.spider_loader(settings)
         known = sorted(loader.list())
         spidercls: Any
@@ -255,7 +261,7 @@ class Command(ScrapyCommand):
             config = IdempotentConfig.from_settings(settings, spidercls)
         return SQLiteStore(config.database_path, lease_seconds=config.lease_seconds,
                            busy_timeout_seconds=config.busy_timeout_seconds), \
-            config.database_path
+            config.database_path, _identity(settings, spider, config)
 
     def _print(self, opts: argparse.Namespace, report: dict[str, Any], lines: list[str]) -> None:
         if opts.json:
@@ -597,6 +603,13 @@ class Command(ScrapyCommand):
 
 
 # -- helpers ------------------------------------------------------------------------------
+
+
+def _identity(settings: Any, spider: str, config: IdempotentConfig) -> CrawlIdentity:
+    """The identity a crawl of ``spider`` with these settings gives its database (as the
+    scheduler builds it)."""
+    return CrawlIdentity(project=str(settings.get("BOT_NAME") or ""), spider=spider,
+                         source=config.source)
 
 
 class _UnknownSpider(IdempotentError):

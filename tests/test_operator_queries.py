@@ -147,7 +147,7 @@ def test_open_existing_neither_creates_nor_writes(
     store.close()
 
     path.write_bytes(b"not a database" * 100)
-    with pytest.raises(StoreError, match="cannot read the database"):
+    with pytest.raises(StoreError, match="is not a scrapy_idempotent database, or is damaged"):
         SQLiteStore(str(path)).open_existing()
 
 

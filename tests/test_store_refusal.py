@@ -4,10 +4,13 @@ changes: real SQLite files, compared byte for byte (and no -wal or -shm left bes
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from crawling import EXAMPLE_PROJECT
 from scrapy_idempotent.exceptions import StoreError
 from scrapy_idempotent.store import CrawlIdentity, NewRequest, SQLiteStore, UnitOfWork
 
@@ -81,3 +84,79 @@ def test_a_file_that_is_not_ours_is_refused_with_not_a_byte_changed(tmp_path: Pa
     with pytest.raises(StoreError, match="not a scrapy_idempotent database"):
         SQLiteStore(str(path)).open(fingerprinter="x", identity=SPIDER_B)
     assert files(path) == before
+
+
+# -- scrapy idempotent retry: the one command that writes ------------------------------------
+
+
+def with_failed_requests(path: Path, identity: CrawlIdentity) -> None:
+    make_database(path, identity)
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute("UPDATE requests SET state = 'failed', error_kind = 'http_status',"
+                     " finished_at = 1 WHERE id <= 5")
+    conn.close()
+
+
+def retry(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "scrapy", "idempotent", "retry", *args],
+                          cwd=EXAMPLE_PROJECT, capture_output=True, text=True, timeout=120,
+                          check=False)
+
+
+def test_retry_refuses_another_crawls_database_and_a_file_not_ours_untouched(
+    tmp_path: Path,
+) -> None:
+    others = tmp_path / "a.sqlite3"
+    with_failed_requests(others, SPIDER_A)
+    before = files(others)
+    result = retry("shop", "-s", f"IDEMPOTENT_DATABASE={others}")
+    assert result.returncode == 1, result.stderr
+    assert "belongs to spider 'a' of project 'shop'" in result.stderr, result.stderr
+    assert "this crawl is spider 'shop'" in result.stderr
+    assert files(others) == before
+
+    not_ours = tmp_path / "not-ours.sqlite3"
+    with_failed_requests(not_ours, SPIDER_A)
+    conn = sqlite3.connect(not_ours)
+    conn.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY)")  # another program's table
+    conn.close()
+    before = files(not_ours)
+    result = retry("--db", str(not_ours))
+    assert result.returncode == 1, result.stderr
+    assert "is not a scrapy_idempotent database (tables: " in result.stderr, result.stderr
+    assert "orders" in result.stderr
+    assert "left untouched" in result.stderr
+    assert files(not_ours) == before
+
+    # the spider's own database: its failed requests are put back
+    own = tmp_path / "shop.sqlite3"
+    with_failed_requests(own, CrawlIdentity(project="shop", spider="shop", source="shop"))
+    result = retry("shop", "-s", f"IDEMPOTENT_DATABASE={own}")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Put 5 failed requests back to pending"), result.stdout
+    result = retry("--db", str(others))  # --db names no crawl: only "is it ours" is checked
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Put 5 failed requests back to pending"), result.stdout
+
+
+def test_retry_names_the_cause_of_store_errors(tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage.sqlite3"
+    garbage.write_bytes(b"not a database" * 400)
+    result = retry("--db", str(garbage))
+    assert result.returncode == 1
+    assert "is not a scrapy_idempotent database, or is damaged" in result.stderr, result.stderr
+    assert garbage.read_bytes() == b"not a database" * 400
+
+    busy = tmp_path / "busy.sqlite3"
+    with_failed_requests(busy, SPIDER_A)
+    locker = sqlite3.connect(busy, isolation_level=None)
+    locker.execute("BEGIN IMMEDIATE")
+    try:
+        result = retry("--db", str(busy), "-s", "IDEMPOTENT_BUSY_TIMEOUT_SECONDS=0.1")
+    finally:
+        locker.execute("ROLLBACK")
+        locker.close()
+    assert result.returncode == 1
+    assert "locked by another process longer than IDEMPOTENT_BUSY_TIMEOUT_SECONDS" \
+        in result.stderr, result.stderr

@@ -317,9 +317,12 @@ class FrontierStore(ABC):
     # ``url_regex`` a regular expression searched in the URL (Python syntax).
 
     @abstractmethod
-    def open_existing(self, *, readonly: bool = True) -> dict[str, object]:
+    def open_existing(self, *, readonly: bool = True,
+                      identity: CrawlIdentity | None = None) -> dict[str, object]:
         """Open a database that already exists, without creating, migrating or otherwise
         changing it (not even its journal mode), read-only unless ``readonly`` is False.
+        Before opening it for writing, refuse (untouched) a database that is not this
+        package's or, with ``identity``, that belongs to another crawl, as :meth:`open` does.
 
         Returns ``schema_version`` (int, as found), ``supported_schema_version`` (int) and
         ``journal_mode`` (str, lower case). Raises :class:`~.StoreError` when there is no

@@ -964,29 +964,47 @@ class SQLiteStore(FrontierStore):
     # For the ``scrapy idempotent`` commands; see the section of the same name in base.py.
     # Everything here only reads, except retry_failed (one write transaction).
 
-    def open_existing(self, *, readonly: bool = True) -> dict[str, object]:
+    def open_existing(self, *, readonly: bool = True,
+                      identity: CrawlIdentity | None = None) -> dict[str, object]:
         from pathlib import Path
 
         if self._conn is not None:
             raise StoreError(f"store {self.path} is already open")
         if not os.path.isfile(self.path):
             raise StoreError(f"no frontier database at {self.path}")
-        uri = f"{Path(os.path.abspath(self.path)).as_uri()}?mode={'ro' if readonly else 'rw'}"
+        uri = Path(os.path.abspath(self.path)).as_uri()
+        conn = self._connect_existing(f"{uri}?mode={'ro' if readonly else 'rw'}")
+        try:
+            if not readonly:
+                # before any write, and only reading (as a crawl's open does): a file that is
+                # not ours, or another crawl's, is refused untouched
+                self._check_ownership(conn)
+                if identity is not None:
+                    self._check_identity(self._stored_identity(conn), identity)
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            journal_mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+        except StoreError:
+            conn.close()
+            raise
+        except sqlite3.Error as exc:
+            conn.close()
+            raise self._error(exc, "reading") from exc
+        self._conn = conn
+        return {"schema_version": version, "supported_schema_version": SCHEMA_VERSION,
+                "journal_mode": str(journal_mode).lower()}
+
+    def _connect_existing(self, uri: str) -> sqlite3.Connection:
         try:
             conn = sqlite3.connect(uri, uri=True, isolation_level=None,
                                    timeout=self.busy_timeout_seconds)
         except sqlite3.Error as exc:
-            raise StoreError(f"cannot open the database {self.path}: {exc}") from exc
+            raise self._error(exc, "opening") from exc
         try:
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_seconds * 1000)}")
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            journal_mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
-        except sqlite3.DatabaseError as exc:
+        except sqlite3.Error as exc:
             conn.close()
-            raise StoreError(f"cannot read the database {self.path}: {exc}") from exc
-        self._conn = conn
-        return {"schema_version": version, "supported_schema_version": SCHEMA_VERSION,
-                "journal_mode": str(journal_mode).lower()}
+            raise self._error(exc, "opening") from exc
+        return conn
 
     def meta(self) -> dict[str, str]:
         return dict(self.conn.execute("SELECT key, value FROM meta ORDER BY key").fetchall())
