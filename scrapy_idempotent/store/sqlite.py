@@ -441,7 +441,7 @@ class SQLiteStore(FrontierStore):
     def _error(self, exc: sqlite3.Error, doing: str) -> StoreError:
         """The :class:`~.StoreError` that names the real cause of a SQLite error; only a
         busy or locked database is a :class:`~.StoreBusy` (worth retrying)."""
-        name = str(getattr(exc, "sqlite_errorname", "") or "")
+        name = _error_name(exc)
         where = f"the database {self.path}"
         if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
             return StoreBusy(
@@ -1238,3 +1238,28 @@ class SQLiteStore(FrontierStore):
                 deterministic=True)
             where.append("idempotent_url_matches(url)")
         return " AND ".join(where), params
+
+
+#: SQLite's message for each primary result code (sqlite3.c, ``sqlite3ErrStr``), to name an
+#: error where Python does not: ``sqlite3.Error.sqlite_errorname`` is new in Python 3.11.
+_MESSAGE_NAMES = (
+    ("database is locked", "SQLITE_BUSY"),
+    ("database table is locked", "SQLITE_LOCKED"),
+    ("attempt to write a readonly database", "SQLITE_READONLY"),
+    ("database or disk is full", "SQLITE_FULL"),
+    ("unable to open database file", "SQLITE_CANTOPEN"),
+    ("disk I/O error", "SQLITE_IOERR"),
+    ("file is not a database", "SQLITE_NOTADB"),
+    ("database disk image is malformed", "SQLITE_CORRUPT"),
+)
+
+
+def _error_name(exc: sqlite3.Error) -> str:
+    """``SQLITE_BUSY``, ``SQLITE_READONLY_DBMOVED``...: the result code name of a SQLite
+    error (Python 3.11+), or on Python 3.10 the primary code its message stands for ("" when
+    unknown)."""
+    name = getattr(exc, "sqlite_errorname", None)
+    if name:
+        return str(name)
+    message = str(exc)
+    return next((code for text, code in _MESSAGE_NAMES if message.startswith(text)), "")
