@@ -298,8 +298,9 @@ class FrontierStore(ABC):
     def reclaim_space(self, *, everything: bool = False) -> int:
         """Give the space of deleted rows (journaled responses of completed requests, an
         emptied frontier) back to the file system, when there is enough of it to matter or
-        with ``everything``; with ``everything`` also empty the write-ahead log. Returns the
-        bytes given back (0 when there was nothing to do)."""
+        with ``everything``; with ``everything`` also empty the write-ahead log. In bounded
+        steps, so that the write lock is never held long. Returns the bytes given back (0 when
+        there was nothing to do)."""
 
     @abstractmethod
     def lease_holders(self) -> list[LeaseHolder]: ...

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import sqlite3
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -30,6 +31,7 @@ from .base import (
     RunInfo,
     UnitOfWork,
 )
+from .workers import worker_is_dead
 
 __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
 
@@ -180,6 +182,15 @@ assert set(_TABLES) == set(range(1, SCHEMA_VERSION + 1))
 _BEFORE_APPLICATION_ID = frozenset({1, 2, 3})
 #: Free pages (4 KiB each) left in the file before a periodic reclaim gives them back: 16 MiB.
 RECLAIM_MIN_PAGES = 4096
+#: Most free pages one step of a reclaim gives back (one write transaction each: 4 MiB).
+RECLAIM_STEP_PAGES = 1024
+#: A reclaim stops stepping after this share of the busy timeout (the rest of the free
+#: space stays in the file, reused, and is given back by a later reclaim), so that other
+#: workers waiting for the write lock never wait near their busy timeout.
+RECLAIM_BUSY_SHARE = 0.25
+#: Databases whose one-time conversion to incremental auto-vacuum waits for other crawls to
+#: end (warned once per process).
+_CONVERSION_DEFERRED: set[str] = set()
 #: The -wal file is truncated back to this size after a checkpoint (it grows with the largest
 #: transactions, such as journaled responses of big pages, and would otherwise keep its peak).
 WAL_SIZE_LIMIT_BYTES = 16 * 1024 * 1024
@@ -307,7 +318,16 @@ class SQLiteStore(FrontierStore):
                     cur.execute(f"PRAGMA user_version = {step + 1}")
                     cur.execute(f"PRAGMA application_id = {APPLICATION_ID}")
             if not new and conn.execute("PRAGMA auto_vacuum").fetchone()[0] == 0:
-                self._convert_to_incremental_vacuum(conn)
+                others = self._live_sessions(conn)
+                if not others:
+                    self._convert_to_incremental_vacuum(conn)
+                elif self.path not in _CONVERSION_DEFERRED:
+                    _CONVERSION_DEFERRED.add(self.path)
+                    logger.warning(
+                        "scrapy_idempotent: %s keeps the space of deleted rows: the one-time "
+                        "VACUUM that gives it back waits until no other crawl uses the "
+                        "database (%d running: %s)", self.path, len(others),
+                        ", ".join(others[:3]))
             with self._write() as cur:
                 if cur.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
                     cur.execute(f"PRAGMA application_id = {APPLICATION_ID}")
@@ -327,11 +347,31 @@ class SQLiteStore(FrontierStore):
             raise self._error(exc, "opening") from exc
         return stored if stored != fingerprinter else None
 
+    def _live_sessions(self, conn: sqlite3.Connection) -> list[str]:
+        """The workers of the sessions of other crawls that still run: not ended, and not
+        of a process known to be gone (on this host); a worker of another host counts while
+        it holds an unexpired lease."""
+        host = socket.gethostname()
+        leasing = {worker for (worker,) in conn.execute(
+            "SELECT DISTINCT worker FROM requests WHERE state = 'leased' AND leased_until >= ?",
+            (self.clock(),))}
+        live = []
+        for (worker,) in conn.execute(
+                "SELECT DISTINCT worker FROM sessions WHERE ended_at IS NULL ORDER BY worker"):
+            if worker_is_dead(worker):
+                continue
+            if worker.split(":", 1)[0] == host or worker in leasing:
+                live.append(worker)
+        return live
+
     def _convert_to_incremental_vacuum(self, conn: sqlite3.Connection) -> None:
         """A database made by an earlier version never gave freed pages back to the file
         system: switch it to incremental auto-vacuum, which takes one VACUUM (a rewrite of
         the file, holding the write lock meanwhile; it needs free disk space the size of the
-        file). Skipped, with a warning, when it cannot be done now."""
+        file). Only called when no other crawl of the database runs (it would wait for the
+        lock longer than their busy timeout). Skipped, with a warning, when it cannot be done
+        now."""
+        _CONVERSION_DEFERRED.discard(self.path)
         began = time.monotonic()
         try:
             conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
@@ -352,17 +392,25 @@ class SQLiteStore(FrontierStore):
         if conn.execute("PRAGMA auto_vacuum").fetchone()[0] != 2:  # not INCREMENTAL
             return 0
         page_size = conn.execute("PRAGMA page_size").fetchone()[0]
-        self._check_wal()
+        began = time.monotonic()
+        left = free
         try:
-            # each step of the pragma frees one page, and execute() steps a statement that
-            # returns no row once: executescript() steps it to the end
-            conn.executescript("PRAGMA incremental_vacuum;")
+            # bounded steps, one write transaction each, so the write lock is never held for
+            # long, and no more steps once a share of the busy timeout has gone by
+            while left:
+                self._check_wal()
+                # each step of the pragma frees one page, and execute() steps a statement
+                # that returns no row once: executescript() steps it to the end
+                conn.executescript(f"PRAGMA incremental_vacuum({RECLAIM_STEP_PAGES});")
+                self.transactions += 1
+                before, left = left, conn.execute("PRAGMA freelist_count").fetchone()[0]
+                if left >= before or (time.monotonic() - began
+                                      > self.busy_timeout_seconds * RECLAIM_BUSY_SHARE):
+                    break
             if everything:  # copy the WAL into the file and cut it to nothing
                 conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-            left = conn.execute("PRAGMA freelist_count").fetchone()[0]
         except sqlite3.Error as exc:
             raise self._error(exc, "giving free space back") from exc
-        self.transactions += 1
         return int((free - left) * page_size)
 
     def _check_ownership(self, conn: sqlite3.Connection) -> tuple[int, bool]:
