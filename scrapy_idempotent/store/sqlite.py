@@ -184,9 +184,10 @@ _BEFORE_APPLICATION_ID = frozenset({1, 2, 3})
 RECLAIM_MIN_PAGES = 4096
 #: Most free pages one step of a reclaim gives back (one write transaction each: 4 MiB).
 RECLAIM_STEP_PAGES = 1024
-#: A reclaim stops stepping after this share of the busy timeout (the rest of the free
-#: space stays in the file, reused, and is given back by a later reclaim), so that other
-#: workers waiting for the write lock never wait near their busy timeout.
+#: While a crawl of the database runs, a reclaim stops stepping after this share of the busy
+#: timeout (the rest of the free space stays in the file, reused, and is given back by a
+#: later reclaim), so that workers waiting for the write lock never wait near their busy
+#: timeout.
 RECLAIM_BUSY_SHARE = 0.25
 #: Databases whose one-time conversion to incremental auto-vacuum waits for other crawls to
 #: end (warned once per process).
@@ -396,7 +397,10 @@ class SQLiteStore(FrontierStore):
         left = free
         try:
             # bounded steps, one write transaction each, so the write lock is never held for
-            # long, and no more steps once a share of the busy timeout has gone by
+            # long; while any crawl of the database runs (this one too, until its session
+            # ends), no more steps once a share of the busy timeout has gone by
+            budget = (self.busy_timeout_seconds * RECLAIM_BUSY_SHARE
+                      if self._live_sessions(conn) else None)
             while left:
                 self._check_wal()
                 # each step of the pragma frees one page, and execute() steps a statement
@@ -404,8 +408,8 @@ class SQLiteStore(FrontierStore):
                 conn.executescript(f"PRAGMA incremental_vacuum({RECLAIM_STEP_PAGES});")
                 self.transactions += 1
                 before, left = left, conn.execute("PRAGMA freelist_count").fetchone()[0]
-                if left >= before or (time.monotonic() - began
-                                      > self.busy_timeout_seconds * RECLAIM_BUSY_SHARE):
+                if left >= before or (budget is not None
+                                      and time.monotonic() - began > budget):
                     break
             if everything:  # copy the WAL into the file and cut it to nothing
                 conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
