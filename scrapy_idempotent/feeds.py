@@ -12,8 +12,13 @@ process's buffer), or is not valid JSON at all. With the add-on, a feed is a vie
 * this happens after the crawl's last records are committed and before the run is marked
   finished, so a kill while the feeds are being written leaves the run unfinished, and the next
   ``scrapy crawl`` (which has nothing left to fetch) writes them again;
-* a local file is written to a temporary file next to it and renamed over it once complete,
-  so a kill never leaves a half-written file in its place.
+* a local file is written to a temporary file next to it, named after the worker writing it
+  (``.NAME.<worker>.<token>.partial``), and renamed over it once complete, so a kill never
+  leaves a half-written file in its place; a temporary file is removed only once the worker
+  that wrote it is gone, so workers closing at the same time never remove each other's;
+* a feed that cannot be stored (a storage, exporter or rename error) is logged at ERROR and
+  leaves the run unfinished: the next ``scrapy crawl`` (which has nothing left to fetch) writes
+  the feeds again, as after a kill while writing them.
 
 ``overwrite`` keeps Scrapy's meaning, applied per run: ``-O`` (overwrite) replaces the file
 with the run's records; ``-o`` (append) leaves what the file held before the run started and
@@ -54,6 +59,7 @@ from twisted.internet.defer import Deferred
 
 from . import engine_hooks
 from .codec import loads
+from .store.workers import worker_is_dead
 
 if TYPE_CHECKING:
     from scrapy import Spider
@@ -86,6 +92,8 @@ class IdempotentFeedExporter(FeedExporter):
         self._spider: Spider | None = None
         self._record_id_field: str | None = None
         self._from_run = False  # the scheduler calls export_run before the run is closed
+        self._worker = ""  # the scheduler's worker id: the owner of our temporary files
+        self._failed: list[str] = []  # the feeds of this close that could not be stored
 
     def open_spider(self, spider: Spider) -> None:
         from .scheduler import is_idempotent_scheduler
@@ -99,6 +107,7 @@ class IdempotentFeedExporter(FeedExporter):
             return
         self._from_run = True
         self._record_id_field = scheduler.config.record_id_field
+        self._worker = scheduler.worker
         scheduler.before_session_end(self.export_run)
 
     async def close_spider(self, spider: Spider) -> None:
@@ -129,7 +138,10 @@ class IdempotentFeedExporter(FeedExporter):
             slots.append(slot)
         if not slots:
             return
+        self._failed = []
         try:
+            # run_records holds no read transaction between its pages: the base of an
+            # appended feed (a write) never meets a stale snapshot.
             for row in store.run_records(run_id):
                 item = self._item(row)
                 try:
@@ -142,6 +154,8 @@ class IdempotentFeedExporter(FeedExporter):
         finally:
             for slot in slots:  # after an error: no file left open, no temporary file left
                 slot.discard()
+        if self._failed:
+            raise FeedNotStored(self._failed)
 
     async def _export_item(self, item: Any, slots: list[_RunSlot], store: FrontierStore,
                            run_id: int, run_start: datetime) -> None:
@@ -149,9 +163,10 @@ class IdempotentFeedExporter(FeedExporter):
         a batch stored and the next one started when it is full."""
         for index, slot in enumerate(slots):
             feed = slot.slot
-            if not feed.filter.accepts(item):
+            if slot.error is not None or not feed.filter.accepts(item):
                 continue
-            slot.prepare(store, run_id)
+            if not slot.prepare(store, run_id):
+                continue
             feed.start_exporting()
             assert feed.exporter is not None
             feed.exporter.export_item(item)
@@ -175,7 +190,9 @@ class IdempotentFeedExporter(FeedExporter):
         append = False
         if isinstance(storage, FileFeedStorage):
             target = Path(storage.path)
-            partial = target.with_name(f".{target.name}.{secrets.token_hex(4)}.partial")
+            owner = self._worker.replace(":", _COLON)
+            partial = target.with_name(
+                f".{target.name}.{owner}.{secrets.token_hex(4)}{_PARTIAL}")
             append = storage.write_mode == "ab"
             storage = self._get_storage(str(partial), options)
         slot = feedexport.FeedSlot(
@@ -210,10 +227,14 @@ class IdempotentFeedExporter(FeedExporter):
         what = f"{slot.format} feed ({slot.itemcount} items) in: {slot.uri}"
         storage_name = type(slot.storage).__name__
         try:
+            if run_slot.error is not None:
+                raise run_slot.error
             if slot.itemcount:
                 slot.finish_exporting()
             elif slot.store_empty and slot.batch_id == 1:
-                run_slot.prepare(store, run_id)
+                if not run_slot.prepare(store, run_id):
+                    assert run_slot.error is not None
+                    raise run_slot.error
                 slot.start_exporting()
                 slot.finish_exporting()
             else:
@@ -221,10 +242,11 @@ class IdempotentFeedExporter(FeedExporter):
                 return
             await _wait(slot.storage.store(_file_of(slot)))
             run_slot.commit()
-        except Exception:
+        except Exception as exc:
             run_slot.discard()
             logger.error("Error storing %s", what, exc_info=True, extra={"spider": spider})
             self.crawler.stats.inc_value(f"feedexport/failed_count/{storage_name}")
+            self._failed.append(f"{slot.uri} ({type(exc).__name__}: {exc})")
         else:
             logger.info("Stored %s", what, extra={"spider": spider})
             self.crawler.stats.inc_value(f"feedexport/success_count/{storage_name}")
@@ -248,6 +270,23 @@ class IdempotentFeedExporter(FeedExporter):
         return item
 
 
+class FeedNotStored(Exception):
+    """Feeds of the run could not be stored: the run is left unfinished, so the next crawl
+    writes them again."""
+
+    def __init__(self, failed: list[str]) -> None:
+        super().__init__(
+            f"{len(failed)} feed(s) not stored: {'; '.join(failed)}; the run is left "
+            "unfinished, and the next `scrapy crawl` (nothing left to fetch) writes the feeds "
+            "again")
+        self.failed = failed
+
+
+#: Temporary files of a feed: ``.NAME.<worker id, ':' as '+'>.<token>.partial``.
+_PARTIAL = ".partial"
+_COLON = "+"
+
+
 class _RunSlot:
     """A feed slot and, for a local file, the temporary file it is written to."""
 
@@ -260,32 +299,56 @@ class _RunSlot:
         self.append_only_remote = False
         self._prepared = False
         self._done = False
+        #: Why the slot cannot be stored (its preparation failed): nothing more is written
+        #: to it, and storing it reports this error.
+        self.error: Exception | None = None
 
-    def prepare(self, store: FrontierStore, run_id: int) -> None:
+    def prepare(self, store: FrontierStore, run_id: int) -> bool:
         """Before the first write: the directory, and for an appended file (``-o``) the part
-        of it that was there before the run (its size then is kept in the database)."""
-        if self._prepared or self.target is None or self.partial is None:
-            return
+        of it that was there before the run (its size then is kept in the database). False
+        when that failed: the slot is discarded (its temporary file removed) and ``error``
+        set, so no later item goes into a file missing what the target held."""
+        if self._prepared or self.error is not None:
+            return self.error is None
+        if self.target is None or self.partial is None:
+            self._prepared = True
+            return True
+        try:
+            self._prepare_file(self.target, self.partial, store, run_id)
+        except Exception as exc:
+            logger.error("Error preparing the feed %s: it is not written by this process",
+                         self.slot.uri, exc_info=True)
+            self.error = exc
+            self.discard()
+            return False
         self._prepared = True
-        target = self.target
+        return True
+
+    def _prepare_file(self, target: Path, partial: Path, store: FrontierStore,
+                      run_id: int) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
-        for stale in target.parent.glob(f".{glob.escape(target.name)}.*.partial"):
-            with contextlib.suppress(OSError):  # left by a process killed while writing
-                stale.unlink()
+        _remove_orphans(target)
         if self.append:
             size = target.stat().st_size if target.exists() else 0
             base = min(store.feed_base(run_id, self.slot.uri, size), size)
-            with open(self.partial, "wb") as copy:
+            with open(partial, "wb") as copy:
                 if base:
                     with target.open("rb") as source:
                         _copy_bytes(source, copy, base)
 
     def commit(self) -> None:
+        """Rename the complete temporary file over the target; an error when it is gone
+        (the feed was not written, whatever the storage said)."""
         self._done = True
-        if self.partial is not None and self.target is not None and self.partial.exists():
-            _copy_mode(self.target, self.partial)
-            os.replace(self.partial, self.target)
-        self.partial = None
+        partial, self.partial = self.partial, None
+        if partial is None or self.target is None:
+            return
+        if not partial.exists():
+            raise FileNotFoundError(
+                f"the temporary file {partial} of the feed {self.target} is gone before its "
+                "rename: removed by another process?")
+        _copy_mode(self.target, partial)
+        os.replace(partial, self.target)
 
     def discard(self) -> None:
         """After an error or with nothing to store: close the file the slot opened (never a
@@ -300,6 +363,19 @@ class _RunSlot:
             with contextlib.suppress(OSError):
                 self.partial.unlink()
             self.partial = None
+
+
+def _remove_orphans(target: Path) -> None:
+    """Remove the temporary files of ``target`` left by workers killed while writing it:
+    only those whose worker is gone, never one a live worker (of this host or another) is
+    still writing."""
+    prefix = f".{target.name}."
+    for stale in target.parent.glob(f"{glob.escape(prefix)}*{_PARTIAL}"):
+        middle = stale.name[len(prefix):-len(_PARTIAL)]
+        owner = middle.rpartition(".")[0].replace(_COLON, ":")
+        if owner and worker_is_dead(owner):
+            with contextlib.suppress(OSError):
+                stale.unlink()
 
 
 def _file_of(slot: FeedSlot) -> Any:

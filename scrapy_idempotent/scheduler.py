@@ -83,6 +83,13 @@ STORE_ERROR_REASON = "idempotent_store_error"
 
 
 
+def _is_feed_not_stored(exc: BaseException) -> bool:
+    """Feeds not stored: each cause was logged with its traceback already."""
+    from .feeds import FeedNotStored
+
+    return isinstance(exc, FeedNotStored)
+
+
 def is_idempotent_scheduler(obj: object) -> bool:
     """Whether ``obj`` (a scheduler or a scheduler class) is an :class:`IdempotentScheduler`.
 
@@ -240,8 +247,9 @@ class IdempotentScheduler(BaseScheduler):
     def before_session_end(self, hook: Callable[[FrontierStore, int, bool], Any]) -> None:
         """Call ``hook(store, run_id, finishing)`` (a coroutine function) at close, once every
         write of this crawl is committed and before the run can be marked finished; a kill
-        during the hook leaves the run unfinished, so the next crawl calls it again.
-        ``finishing``: this close ends the run. The feed exporter writes the feeds here."""
+        during the hook, or an exception it raises, leaves the run unfinished, so the next
+        crawl calls it again. ``finishing``: this close ends the run. The feed exporter writes
+        the feeds here."""
         self._before_end.append(hook)
 
     def close(self, reason: str) -> Deferred[None] | None:
@@ -264,6 +272,7 @@ class IdempotentScheduler(BaseScheduler):
         return None
 
     async def _close_after_hooks(self, reason: str) -> None:
+        hook_failed = False
         try:
             self._commit(UnitOfWork())
             finishing = False
@@ -274,18 +283,20 @@ class IdempotentScheduler(BaseScheduler):
                 for hook in self._before_end:
                     try:
                         await hook(self.store, self.run_id, finishing)
-                    except Exception:
-                        logger.exception("scrapy_idempotent: error in %r at close", hook)
+                    except Exception as exc:
+                        hook_failed = True
+                        logger.error("scrapy_idempotent: %s", exc,
+                                     exc_info=not _is_feed_not_stored(exc))
         finally:
-            self._end_session(reason)
+            self._end_session(reason, finish_run=not hook_failed)
 
-    def _end_session(self, reason: str) -> None:
+    def _end_session(self, reason: str, finish_run: bool = True) -> None:
         try:
             if not self._failed:
                 self._commit(UnitOfWork())
             inflight = [entry.key for entry in self._leased_entries()]
             released = self._retry("closing", lambda: self.store.end_session(
-                self.worker, reason, inflight))
+                self.worker, reason, inflight, finish_run=finish_run))
             if released:
                 self.stats.inc_value("idempotent/requests/released", released)
             self._reclaim_space(everything=True)

@@ -363,3 +363,177 @@ def test_a_stdout_feed_gets_the_run_when_the_crawl_closes(shop: ShopSite, tmp_pa
     rows = product_rows([json.loads(line) for line in result.stdout.decode().splitlines()])
     assert rows == stored_rows(tmp_path / "db.sqlite3")
     assert len(rows) == 500
+
+
+# -- workers closing at the same time, append under concurrent commits, failed feeds ----------
+
+FEED_HELPERS = '''
+import glob
+import sqlite3
+
+from scrapy.exporters import JsonLinesItemExporter
+
+DATABASE = {}
+
+
+class PartialThief(JsonLinesItemExporter):
+    """Removes every temporary file of its feed when it finishes (what another worker's
+    clean-up did to a file still being written)."""
+
+    def finish_exporting(self):
+        super().finish_exporting()
+        self.file.flush()
+        for path in glob.glob(DATABASE["thief_glob"]):
+            import os
+            os.unlink(path)
+
+
+class CommitsMeanwhile:
+    """An item filter that, at the first item it sees, commits a write from another
+    connection: another worker committing while the feeds are being written."""
+
+    def __init__(self, feed_options):
+        self.done = False
+
+    def accepts(self, item):
+        if not self.done:
+            self.done = True
+            conn = sqlite3.connect(DATABASE["path"], isolation_level=None)
+            conn.execute("INSERT INTO feeds (run_id, uri, base_size) VALUES (999, 'x', 0)")
+            conn.close()
+        return True
+'''
+
+
+@pytest.fixture
+def helpers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    package = tmp_path / "helpers_pkg"
+    package.mkdir()
+    (package / "feed_helpers.py").write_text(FEED_HELPERS)
+    monkeypatch.syspath_prepend(str(package))
+    import importlib
+
+    import feed_helpers  # type: ignore[import-not-found]
+
+    importlib.reload(feed_helpers)
+    yield feed_helpers
+    sys.modules.pop("feed_helpers", None)
+
+
+def _live_and_dead_workers() -> tuple[subprocess.Popen[bytes], str, str]:
+    """The worker id of a process still running, and of one that has exited."""
+    import socket
+
+    from scrapy_idempotent.store.workers import process_start_ticks
+
+    live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    live_id = f"{host}:{live.pid}:{process_start_ticks(live.pid) or 1}:0a0b0c0d"
+    dead_id = f"{host}:{dead.pid}:{process_start_ticks(live.pid) or 1}:0a0b0c0d"
+    return live, live_id, dead_id
+
+
+@deferred_f_from_coro_f
+async def test_a_temporary_feed_file_of_a_live_worker_is_kept_one_of_a_dead_worker_removed(
+    tmp_path: Path
+) -> None:
+    db, feed = tmp_path / "db.sqlite3", tmp_path / "feed.jsonl"
+    live, live_id, dead_id = _live_and_dead_workers()
+    try:
+        # written by a worker still writing the same feed, and by one killed while writing
+        of_live = tmp_path / f".feed.jsonl.{live_id.replace(':', '+')}.1234abcd.partial"
+        of_dead = tmp_path / f".feed.jsonl.{dead_id.replace(':', '+')}.1234abcd.partial"
+        of_live.write_text("being written\n")
+        of_dead.write_text("left by a kill\n")
+        settings = crawl_settings(db, FEEDS={str(feed): {"format": "jsonlines"}})
+        with ShopSite(port=0, listing_pages=2, products_per_page=5) as site:
+            crawler = await run_crawl(ShopSpider, settings, url=site.url)
+        assert crawler.stats.get_value("feedexport/success_count/FileFeedStorage") == 1
+        assert len(read_jsonlines(feed)) == 10
+        assert of_live.read_text() == "being written\n"
+        assert not of_dead.exists()
+        assert sorted(p.name for p in tmp_path.glob(".*partial")) == [of_live.name]
+    finally:
+        live.stdin.close()  # type: ignore[union-attr]
+        live.wait()
+
+
+@deferred_f_from_coro_f
+async def test_a_feed_whose_temporary_file_vanished_is_not_stored_and_the_run_stays_open(
+    tmp_path: Path, helpers: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    db, feed = tmp_path / "db.sqlite3", tmp_path / "feed.jsonl"
+    helpers.DATABASE["thief_glob"] = str(tmp_path / ".feed.jsonl.*.partial")
+    feed.write_text("before\n")
+    settings = crawl_settings(db, FEEDS={str(feed): {"format": "thief", "overwrite": True}},
+                              FEED_EXPORTERS={"thief": "feed_helpers.PartialThief"})
+    with ShopSite(port=0, listing_pages=2, products_per_page=5) as site:
+        crawler = await run_crawl(ShopSpider, settings, url=site.url)
+        stats = crawler.stats.get_stats()
+        assert "feedexport/success_count/FileFeedStorage" not in stats
+        assert stats["feedexport/failed_count/FileFeedStorage"] == 1
+        assert feed.read_text() == "before\n"
+        assert db_rows(db, "SELECT finished_at FROM runs") == [(None,)]
+        assert not [r for r in caplog.records if r.getMessage().startswith("Stored ")]
+
+        settings["FEED_EXPORTERS"] = {}
+        settings["FEEDS"] = {str(feed): {"format": "jsonlines", "overwrite": True}}
+        site.reset_counts()
+        crawler = await run_crawl(ShopSpider, settings, url=site.url)
+        assert crawler.stats.get_value("idempotent/run_id") == 1  # the same run, resumed
+        assert site.request_count <= 1  # nothing left to fetch
+    assert len(read_jsonlines(feed)) == 10
+    assert db_rows(db, "SELECT reason FROM runs") == [("finished",)]
+
+
+@deferred_f_from_coro_f
+async def test_append_keeps_the_file_when_another_worker_commits_while_feeds_are_written(
+    tmp_path: Path, helpers: Any
+) -> None:
+    db = tmp_path / "db.sqlite3"
+    first, appended = tmp_path / "first.jsonl", tmp_path / "appended.jsonl"
+    helpers.DATABASE["path"] = str(db)
+    appended.write_text('{"before": "the run"}\n')
+    feeds = {str(first): {"format": "jsonlines", "overwrite": True,
+                          "item_filter": "feed_helpers.CommitsMeanwhile"},
+             str(appended): {"format": "jsonlines"}}
+    # more records than one page of reads (500): the read is still going when the append
+    # feed's base is recorded
+    with ShopSite(port=0, listing_pages=26, products_per_page=20) as site:
+        crawler = await run_crawl(ShopSpider, crawl_settings(db, FEEDS=feeds), url=site.url)
+    assert crawler.stats.get_value("feedexport/success_count/FileFeedStorage") == 2
+    assert db_rows(db, "SELECT count(*) FROM feeds WHERE run_id = 999") == [(1,)]
+    lines = read_jsonlines(appended)
+    assert lines[0] == {"before": "the run"}
+    assert len(lines) == 1 + 520
+    assert len(read_jsonlines(first)) == 520
+
+
+@deferred_f_from_coro_f
+async def test_a_feed_that_cannot_be_stored_leaves_the_run_unfinished_and_is_written_next_time(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    db = tmp_path / "db.sqlite3"
+    blocker = tmp_path / "out"
+    blocker.write_text("a file where the feed's directory should be")
+    feed = blocker / "feed.json"
+    settings = crawl_settings(db, FEEDS={str(feed): {"format": "json"}})
+    with ShopSite(port=0, listing_pages=2, products_per_page=5) as site:
+        crawler = await run_crawl(ShopSpider, settings, url=site.url)
+        assert crawler.stats.get_value("feedexport/failed_count/FileFeedStorage") == 1
+        assert db_rows(db, "SELECT finished_at FROM runs") == [(None,)]
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert any(str(feed) in m and "unfinished" in m and "FileExistsError" in m
+                   for m in errors), errors
+
+        blocker.unlink()
+        site.reset_counts()
+        crawler = await run_crawl(ShopSpider, settings, url=site.url)
+        assert crawler.stats.get_value("idempotent/run_id") == 1
+        assert crawler.stats.get_value("feedexport/success_count/FileFeedStorage") == 1
+        assert site.request_count <= 1
+    assert len(json.loads(feed.read_text())) == 10
+    assert db_rows(db, "SELECT reason FROM runs") == [("finished",)]

@@ -248,11 +248,14 @@ class FrontierStore(ABC):
         :class:`~.config.RunMode`). A new run clears the frontier and keeps the records."""
 
     @abstractmethod
-    def end_session(self, worker: str, reason: str, inflight: Sequence[str] = ()) -> int:
+    def end_session(self, worker: str, reason: str, inflight: Sequence[str] = (), *,
+                    finish_run: bool = True) -> int:
         """Release the worker's leases; mark the run finished when ``reason`` is
-        ``finished`` and nothing is pending or leased. ``inflight``: keys the worker started
-        and gives back unfinished at a clean stop; they did not kill it, so they are not
-        suspects (their unfinished count is taken back). Returns the leases released."""
+        ``finished``, ``finish_run`` is true (false: work of the close, such as the feeds,
+        failed and must be done again) and nothing is pending or leased. ``inflight``: keys
+        the worker started and gives back unfinished at a clean stop; they did not kill it,
+        so they are not suspects (their unfinished count is taken back). Returns the leases
+        released."""
 
     @abstractmethod
     def commit(self, work: UnitOfWork, worker: str) -> CommitResult:
@@ -402,7 +405,9 @@ class FrontierStore(ABC):
         """Every record inserted, updated or seen unchanged in run ``run_id`` (what the run's
         feeds hold), in the order the run first stored or saw them (ties by record ID):
         ``record_id``, ``item_type``, ``data`` (JSON text), ``first_seen``, ``last_changed``.
-        One read, streamed: memory does not grow with the table."""
+        Streamed by pages, with no read transaction held between them (the caller may write
+        to the store while it iterates): memory does not grow with the table; a record the
+        run stores meanwhile comes after those already read."""
 
     @abstractmethod
     def feed_base(self, run_id: int, uri: str, size: int) -> int:

@@ -37,7 +37,7 @@ __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 #: Schema migrations: ``_MIGRATIONS[n]`` brings version n to n + 1, one transaction each.
 _MIGRATIONS: list[list[str]] = [
@@ -161,6 +161,11 @@ _MIGRATIONS: list[list[str]] = [
         """ALTER TABLE records ADD COLUMN seen_seq INTEGER NOT NULL DEFAULT 0""",
         """ALTER TABLE runs ADD COLUMN seen_seq INTEGER NOT NULL DEFAULT 0""",
     ],
+    [
+        # A run's records in its feeds' order, read page by page (no read transaction held
+        # while the feed exporter writes).
+        """CREATE INDEX records_seen ON records (seen_run_id, seen_seq, seen_at, record_id)""",
+    ],
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -176,7 +181,8 @@ APPLICATION_ID = 0x53494450
 _TABLES_1 = frozenset({"meta", "runs", "sessions", "requests", "records", "responses",
                        "rejects"})
 _TABLES: dict[int, frozenset[str]] = {1: _TABLES_1, 2: _TABLES_1 | {"feeds"},
-                                      3: _TABLES_1 | {"feeds"}, 4: _TABLES_1 | {"feeds"}}
+                                      3: _TABLES_1 | {"feeds"}, 4: _TABLES_1 | {"feeds"},
+                                      5: _TABLES_1 | {"feeds"}}
 assert set(_TABLES) == set(range(1, SCHEMA_VERSION + 1))
 #: Schema versions written before the application id was (files of those have none).
 _BEFORE_APPLICATION_ID = frozenset({1, 2, 3})
@@ -617,7 +623,8 @@ class SQLiteStore(FrontierStore):
         self.run_id = run_id
         return RunInfo(run_id=run_id, new=new, counts=self.counts())
 
-    def end_session(self, worker: str, reason: str, inflight: Sequence[str] = ()) -> int:
+    def end_session(self, worker: str, reason: str, inflight: Sequence[str] = (), *,
+                    finish_run: bool = True) -> int:
         now = self.clock()
         with self._write() as cur:
             cur.executemany(
@@ -631,7 +638,7 @@ class SQLiteStore(FrontierStore):
                 "WHERE worker = ? AND ended_at IS NULL",
                 (now, reason, worker),
             )
-            if reason == "finished" and self.run_id is not None:
+            if reason == "finished" and finish_run and self.run_id is not None:
                 busy = cur.execute(
                     "SELECT EXISTS (SELECT 1 FROM requests WHERE state IN ('pending', 'leased'))"
                 ).fetchone()[0]
@@ -1157,16 +1164,26 @@ class SQLiteStore(FrontierStore):
         )
 
     def run_records(self, run_id: int) -> Iterator[dict[str, object]]:
-        cur = self.conn.execute(
-            "SELECT record_id, item_type, data, first_seen, last_changed FROM records"
-            " WHERE seen_run_id = ? ORDER BY seen_seq, seen_at, record_id", (run_id,))
-        names = [d[0] for d in cur.description]
-        try:
-            while rows := cur.fetchmany(500):
-                for row in rows:
-                    yield dict(zip(names, row, strict=True))
-        finally:
-            cur.close()
+        # Keyset paging on the records_seen index: each page is one statement, read to the
+        # end before it is yielded, so no read transaction stays open while the caller
+        # writes (a write after another worker's commit would fail on a stale snapshot).
+        columns = ("SELECT record_id, item_type, data, first_seen, last_changed, seen_seq,"
+                   " seen_at FROM records WHERE seen_run_id = ?")
+        order = " ORDER BY seen_seq, seen_at, record_id LIMIT 500"
+        after: tuple[Any, ...] | None = None
+        while True:
+            if after is None:
+                rows = self._dicts(columns + order, (run_id,))
+            else:
+                rows = self._dicts(columns + " AND (seen_seq, seen_at, record_id) > (?, ?, ?)"
+                                   + order, (run_id, *after))
+            if not rows:
+                return
+            last = rows[-1]
+            after = (last["seen_seq"], last["seen_at"], last["record_id"])
+            for row in rows:
+                del row["seen_seq"], row["seen_at"]
+                yield row
 
     def feed_base(self, run_id: int, uri: str, size: int) -> int:
         with self._write() as cur:
