@@ -71,6 +71,12 @@ class Entry:
     #: memory requests under this entry's lease not finished yet: it is done after them
     waiting: int = 0
     own_finished: bool = False  #: Scrapy has finished with this entry's own request
+    #: its lease was found lost (another worker has it, or it was released): its memory
+    #: requests are dropped and nothing more is fetched under it
+    lost: bool = False
+    #: fingerprints of the filtered memory requests under this entry's lease (duplicates of
+    #: these are refused while it holds the lease)
+    memory_seen: set[str] = field(default_factory=set)
 
     def completion(self) -> Completion:
         """The frontier state this entry ends in, from what was observed."""

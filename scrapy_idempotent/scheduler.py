@@ -176,7 +176,10 @@ class IdempotentScheduler(BaseScheduler):
         #: order, sequence, entry), in Scrapy's order; see _hold_in_memory
         self._memory: list[tuple[int, int, int, int, Entry]] = []
         self._memory_seq = 0
-        self._memory_seen: set[str] = set()  # fingerprints of filtered memory requests
+        #: fingerprint of a filtered memory request -> the entry it lives under (None: of
+        #: start(), for the whole crawl); forgotten when that entry is lost, or completed
+        #: other than done (a later lease of it yields the request again)
+        self._memory_seen: dict[str, Entry | None] = {}
         self._unstorable_causes: set[str] = set()  # logged
         #: id(entry) -> entry whose own request is finished, waiting for its memory requests
         self._waiting: dict[int, Entry] = {}
@@ -426,15 +429,15 @@ class IdempotentScheduler(BaseScheduler):
         if self._failed or self._closing:
             return None
         try:
-            if self._memory:
-                # first, as Scrapy's scheduler takes its memory queue before its disk queue:
-                # each holds its owner's lease (a suspect's too: it runs inside the suspect)
-                return self._hand_out_memory()
             while True:
                 if self._suspects_inflight:
-                    return None  # a suspect runs alone (see below)
+                    # a suspect runs alone (see below), with its own memory requests (each
+                    # holds the suspect's lease)
+                    return self._hand_out_memory() if self._memory else None
                 if not self._local and not self._refill():
-                    return None
+                    return self._hand_out_memory() if self._memory else None
+                if self._memory and self._memory_first():
+                    return self._hand_out_memory()
                 if self._local[0].suspect and self._inflight:
                     # A request that was in flight at two deaths of a worker is a suspect:
                     # it runs with nothing else in flight, so that if it kills the crawl
@@ -502,7 +505,7 @@ class IdempotentScheduler(BaseScheduler):
                 self.stats.inc_value(f"idempotent/requests/{known}")
                 self._dupes.filtered(request)
                 return False
-        key = None
+        key: str | None = None
         if parent is None and continuation is None and not filtered:
             # A start request replayed by a restarted start() (Scrapy runs it from the top
             # on every crawl): when its key is known, one read decides, without encoding it
@@ -519,11 +522,9 @@ class IdempotentScheduler(BaseScheduler):
                                         "a retry of a request fetched from memory")
             data = self.codec.encode(request)
         except UnstorableRequest as exc:
-            self._hold_in_memory(request, exc, fingerprint, parent, is_start,
-                                 continues=continuation is not None or retry_of is not None)
-            if filtered:
-                self._memory_seen.add(fingerprint)
-            return True
+            return self._hold_in_memory(
+                request, exc, fingerprint, parent, is_start, key, filtered,
+                continues=continuation is not None or retry_of is not None)
         if retry_of is not None:
             retry_of.continuation = (data, request.priority)
             self.stats.inc_value("idempotent/requests/retried")
@@ -549,13 +550,20 @@ class IdempotentScheduler(BaseScheduler):
         return True
 
     def _hold_in_memory(self, request: Request, exc: UnstorableRequest, fingerprint: str,
-                        parent: Entry | None, is_start: bool, continues: bool) -> None:
+                        parent: Entry | None, is_start: bool, key: str | None,
+                        filtered: bool, continues: bool) -> bool:
         """Keep a request that cannot be stored in memory, to be fetched under the lease of
         the stored entry it came from (its owner): the owner is done only when its memory
         requests are, so a kill before that fetches the owner again, which yields the request
         again. Nothing is kept only in memory past its owner's lease. A memory request of
         ``start()`` (or of no request) has no owner: ``start()`` yields it again on every
-        crawl. Counted, and logged once per cause."""
+        crawl. Counted, and logged once per cause. ``key``: the key already derived for it
+        (a start request's), else derived here. Refused (False) when its owner's lease is
+        lost: nothing more is fetched under it."""
+        owner = parent.owner if parent is not None and parent.memory else parent
+        if owner is not None and owner.lost:
+            self.stats.inc_value("idempotent/requests/lease_lost_dropped")
+            return False
         self.stats.inc_value("idempotent/requests/unstorable")
         cause = exc.path if exc.path in ("callback", "errback", "_class", "request") \
             else f"{exc.path}: {exc.reason}"
@@ -566,8 +574,8 @@ class IdempotentScheduler(BaseScheduler):
                 "request that yielded it: if the crawl stops first, that request is fetched "
                 "again and yields it again (further requests with this cause are counted in "
                 "idempotent/requests/unstorable)", exc)
-        owner = parent.owner if parent is not None and parent.memory else parent
-        entry = Entry(key=self._key(False, fingerprint, parent, is_start),
+        entry = Entry(key=key if key is not None else
+                      self._key(False, fingerprint, parent, is_start),
                       fingerprint=fingerprint, priority=request.priority, attempts=1,
                       request=request, memory=True, owner=owner,
                       continues_owner=continues and parent is not None and (
@@ -578,11 +586,32 @@ class IdempotentScheduler(BaseScheduler):
             parent.http_error = False
         if owner is not None:
             owner.waiting += 1
+        if filtered:
+            self._memory_seen[fingerprint] = owner
+            if owner is not None:
+                owner.memory_seen.add(fingerprint)
         start_queue, fifo = self._order.place(request)
         self._memory_seq += 1
         order = self._memory_seq if fifo else -self._memory_seq
         heapq.heappush(self._memory, (-request.priority, int(start_queue), order,
                                       self._memory_seq, entry))
+        return True
+
+    def _memory_first(self) -> bool:
+        """Whether the head of the memory requests goes before the head of the batch claimed
+        ahead: the same rule as the claim (priority, then other requests before start ones,
+        then, at equal place, the newer first for a LIFO queue, the older for a FIFO one: a
+        memory request is newer than what was claimed before it was yielded). Before a
+        suspect, memory requests go first: they hold leases already taken."""
+        head = self._local[0]
+        if head.suspect:
+            return True
+        neg_priority, start_queue, order, *_ = self._memory[0]
+        mine = (neg_priority, start_queue)
+        theirs = (-head.priority, int(head.is_start))
+        if mine != theirs:
+            return mine < theirs
+        return order < 0  # LIFO: the memory request is the newer
 
     def _hand_out_memory(self) -> Request:
         *_, entry = heapq.heappop(self._memory)
@@ -594,6 +623,11 @@ class IdempotentScheduler(BaseScheduler):
         """A memory request is finished: what it produced goes to its owner's transaction
         (or, without an owner, is written now); its failure fails its owner."""
         owner = entry.owner
+        if owner is not None and owner.lost:
+            # its lease is gone: nothing it produced can be written under it
+            owner.waiting -= 1
+            self._settle_if_done(owner)
+            return
         key = owner.key if owner is not None else None
         children = [dataclasses.replace(c, parent_key=key) for c in entry.children]
         records = [(record, key) for record, _ in entry.records]
@@ -616,6 +650,10 @@ class IdempotentScheduler(BaseScheduler):
                 f"{describe(entry.request)} (fetched from memory: it cannot be stored): "
                 f"{completion.error_message or kind}"[:1000])
         owner.waiting -= 1
+        self._settle_if_done(owner)
+
+    def _settle_if_done(self, owner: Entry) -> None:
+        """Complete ``owner`` once its own request and its memory requests are finished."""
         if owner.waiting == 0 and owner.own_finished:
             del self._waiting[id(owner)]
             self._complete(owner)
@@ -920,8 +958,6 @@ class IdempotentScheduler(BaseScheduler):
         entry = self._inflight.pop(id(request), None)
         if entry is None:
             return  # not handed out by us (robots.txt, media downloads)
-        if entry.suspect:
-            self._suspects_inflight -= 1
         if self._by_fingerprint.get(entry.fingerprint) is entry:
             del self._by_fingerprint[entry.fingerprint]
         for oid in entry.tracked:
@@ -937,7 +973,19 @@ class IdempotentScheduler(BaseScheduler):
 
     def _complete(self, entry: Entry) -> None:
         """Write everything ``entry`` produced with its completion, in one transaction."""
+        if entry.suspect:
+            # counted until its memory requests are finished too: they run inside it
+            self._suspects_inflight -= 1
         completion = entry.completion()
+        if entry.lost or completion.state is not RequestState.DONE:
+            # a later lease of it fetches it again, which yields its memory requests again
+            self._forget_memory_seen(entry)
+        if entry.lost:
+            # its lease was found lost at a renewal: nothing of its work is written (this
+            # process may hold the entry again under a new lease by now, which the store's
+            # fence by worker would not tell apart)
+            self.stats.inc_value("idempotent/requests/leases_lost")
+            return
         work = UnitOfWork(requests=entry.children, records=entry.records,
                           rejects=entry.rejects, completions=[completion])
         if entry.children or completion.state is RequestState.PENDING:
@@ -1134,7 +1182,10 @@ class IdempotentScheduler(BaseScheduler):
         if stale:
             self._local = deque(leased for leased in self._local if leased.key in held)
             self._maybe_claimable = True
-        expired = sum(1 for entry in self._leased_entries() if entry.key not in held)
+        lost = [entry for entry in self._leased_entries()
+                if entry.key not in held and not entry.lost]
+        expired = len(lost)
+        self._lose(lost)
         if stale or expired:
             self.stats.inc_value("idempotent/leases/expired", len(stale) + expired)
             logger.warning(
@@ -1143,6 +1194,36 @@ class IdempotentScheduler(BaseScheduler):
                 "%d claimed requests are given up without being fetched, and the work of %d "
                 "in flight is not written unless the lease is still this worker's",
                 len(stale) + expired, len(stale), expired)
+
+    def _lose(self, entries: list[Entry]) -> None:
+        """The leases of ``entries`` are lost: their memory requests not handed out yet are
+        dropped (a worker that lost its leases stops handing out what it claimed), those in
+        flight are finished without writing anything, and their fingerprints are forgotten
+        (whoever leases the entry next fetches it and they are yielded again)."""
+        for entry in entries:
+            entry.lost = True
+            self._forget_memory_seen(entry)
+        kept = [item for item in self._memory
+                if item[-1].owner is None or not item[-1].owner.lost]
+        dropped = len(self._memory) - len(kept)
+        if not dropped:
+            return
+        owners = []
+        for *_, memory in self._memory:
+            if memory.owner is not None and memory.owner.lost:
+                memory.owner.waiting -= 1
+                owners.append(memory.owner)
+        heapq.heapify(kept)
+        self._memory = kept
+        self.stats.inc_value("idempotent/requests/lease_lost_dropped", dropped)
+        for owner in {id(owner): owner for owner in owners}.values():
+            self._settle_if_done(owner)
+
+    def _forget_memory_seen(self, entry: Entry) -> None:
+        for fingerprint in entry.memory_seen:
+            if self._memory_seen.get(fingerprint) is entry:
+                del self._memory_seen[fingerprint]
+        entry.memory_seen.clear()
 
     def _leased_entries(self) -> list[Entry]:
         """Entries this worker started and has not completed: in flight, or waiting for

@@ -112,6 +112,8 @@ class LeasedRequest:
     #: times it was sent to the network before this lease (attempts not answered from the
     #: response journal)
     downloads: int = 0
+    #: it is in the start requests' queue (see :mod:`scrapy_idempotent._order`)
+    is_start: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True)

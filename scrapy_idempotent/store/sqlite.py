@@ -904,7 +904,8 @@ class SQLiteStore(FrontierStore):
         result.leased.extend(
             LeasedRequest(key=r[1], fingerprint=r[2], data=r[3], priority=r[4],
                           attempts=r[6] + 1, suspect=r[7] >= self.isolate_after,
-                          downloads=r[6] - r[9], leased_until=now + self.lease_seconds)
+                          downloads=r[6] - r[9], leased_until=now + self.lease_seconds,
+                          is_start=bool(r[5]))
             for r in rows if r[7] < self.max_attempts
         )
 
