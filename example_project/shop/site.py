@@ -463,6 +463,12 @@ class ShopSite:
         self.price_version = price_version
         self._require_server().price_version = price_version
 
+    def set_products_failing(self, products_failing: Iterable[int]) -> None:
+        """Make these products (and only these) answer 503 from now on (a site that
+        recovers, on the same address)."""
+        self.products_failing = frozenset(products_failing)
+        self._require_server().products_failing = self.products_failing
+
     def reset_counts(self) -> None:
         """Zero the request counters."""
         server = self._require_server()
