@@ -40,15 +40,22 @@ def _scheduler_of(crawler: Crawler, component: str) -> IdempotentScheduler | Non
     the component is used outside a crawl (Scrapy's own tests drive middleware managers on a
     bare crawler), where there is nothing to attribute or store and output passes unchanged.
     Raises :class:`~.IdempotentError` when the engine's scheduler is another one (the
-    component was wired by hand without it)."""
+    component was wired by hand without it), or when the crawl has an engine whose scheduler
+    cannot be found (the component would otherwise store nothing, silently)."""
     from .scheduler import is_idempotent_scheduler
 
     try:
+        if crawler.engine is None:
+            return None
         scheduler = engine_hooks.engine_scheduler(crawler)
     except RuntimeError:  # Scrapy 2.19's Crawler.engine before the crawl built it
         return None
     if scheduler is None:
-        return None
+        raise IdempotentError(
+            f"{component} found the crawl's engine but no scheduler in it (the spider is not "
+            "open, or this Scrapy's engine keeps it elsewhere): nothing would be stored; "
+            "use it in a crawl with ADDONS = {'scrapy_idempotent.Addon': 0}"
+        )
     if not is_idempotent_scheduler(scheduler):
         raise IdempotentError(
             f"{component} needs SCHEDULER = 'scrapy_idempotent.IdempotentScheduler' (found "

@@ -549,6 +549,45 @@ async def test_middleware_outside_a_crawl_passes_output_through(db_path: Path) -
     assert not db_path.exists()
 
 
+@deferred_f_from_coro_f
+async def test_middleware_and_pipeline_with_an_engine_but_no_scheduler_raise(
+    db_path: Path,
+) -> None:
+    # the crawl's engine is built but its scheduler cannot be found: storing nothing
+    # silently would lose the crawl's work; a clear error instead
+    from scrapy.core.spidermw import SpiderMiddlewareManager
+    from scrapy.http import HtmlResponse
+
+    from scrapy_idempotent import IdempotentError
+    from scrapy_idempotent.pipeline import UpsertPipeline
+
+    crawler = get_crawler(OneItemSpider, settings(db_path))
+    crawler.spider = crawler._create_spider(url="http://example.com")
+    crawler.engine = crawler._create_engine()
+    assert engine_hooks.engine_scheduler(crawler) is None
+    manager = SpiderMiddlewareManager.from_crawler(crawler)
+    request = scrapy.Request("http://example.com/ok/one")
+    response = HtmlResponse(request.url, body=b"<html></html>", request=request)
+
+    async def callback(response: Any, request: Any) -> Any:
+        return [{"key": "one"}]
+
+    with pytest.raises(IdempotentError, match="RecordIdMiddleware found the crawl's engine "
+                                              "but no scheduler"):
+        if hasattr(manager, "scrape_response_async"):
+            output = await manager.scrape_response_async(callback, response, request)
+        else:  # Scrapy 2.13
+            from scrapy.utils.defer import maybe_deferred_to_future
+
+            output = await maybe_deferred_to_future(manager.scrape_response(
+                lambda response, request: [{"key": "one"}], response, request,
+                crawler.spider))
+        [o async for o in output]
+    pipeline = UpsertPipeline.from_crawler(crawler)
+    with pytest.raises(IdempotentError, match="UpsertPipeline found the crawl's engine"):
+        pipeline.open_spider(crawler.spider)
+
+
 # -- errors name their cause ---------------------------------------------------------------------
 
 
