@@ -278,7 +278,8 @@ class HoldingPipeline:
     """Holds the item of ``/ok/p1`` (so that page is not finished) until the spider says
     ``/block/p2`` was parsed; releases ``/block/p2`` when it gets that item."""
 
-    async def process_item(self, item: Any) -> Any:
+    async def process_item(self, item: Any, spider: Any = None) -> Any:
+        # ``spider``: Scrapy 2.13 still passes it
         from scrapy.utils.defer import maybe_deferred_to_future
 
         spider = self.crawler.spider  # type: ignore[attr-defined]
