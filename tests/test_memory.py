@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -73,7 +74,7 @@ async def test_a_lost_lease_drops_its_memory_requests_and_a_new_lease_fetches_th
             return
         stolen_at.append(len(observed.sent))
         events.append("lease lost")
-        with sqlite3.connect(db_path) as conn:
+        with closing(sqlite3.connect(db_path)) as conn, conn:
             conn.execute("UPDATE requests SET state = 'pending', worker = NULL,"
                          " leased_until = NULL WHERE url = ?", (site.url + "/ok/owner",))
         engine_hooks.engine_scheduler(crawler)._renew()
@@ -129,7 +130,7 @@ async def test_a_suspect_runs_alone_until_its_memory_requests_are_finished(
     first = await crawl(SuspectSpider, settings(db_path), url=site.url)
     assert first.reason == "finished"
     # as after two deaths with /ok/suspect in flight: everything pending again
-    with sqlite3.connect(db_path) as conn:
+    with closing(sqlite3.connect(db_path)) as conn, conn:
         conn.execute("UPDATE requests SET state = 'pending', finished_at = NULL")
         conn.execute("UPDATE runs SET finished_at = NULL, reason = NULL")  # resumed
         conn.execute("UPDATE requests SET unfinished = 2 WHERE url = ?",
