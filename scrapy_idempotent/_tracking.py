@@ -3,7 +3,7 @@
 Everything here is keyed by object identity (``id()``), never by ``request.meta``: Scrapy
 copies meta into retries and redirects, and spiders copy it into children with
 ``Request(..., meta=response.meta)``, so a key kept in meta would follow the data to the wrong
-request (notes/scrapy-internals.md). Each tracked object is held strongly while it is tracked,
+request. Each tracked object is held strongly while it is tracked,
 so its ``id()`` cannot be reused; every trace of an entry is dropped when it completes.
 """
 

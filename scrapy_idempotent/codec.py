@@ -22,7 +22,7 @@ decimal.Decimal    ``{"$decimal": "<str>"}``
 
 Anything else (generators, open files, sockets, arbitrary objects) is refused with the path of
 the value, e.g. ``meta['page'].cursor``. Nothing is ever pickled: reading the database must
-not execute code (Scrapy's disk queues pickle, see notes/scrapy-internals.md).
+not execute code (Scrapy's disk queues pickle).
 """
 
 from __future__ import annotations

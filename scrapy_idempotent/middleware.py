@@ -7,7 +7,7 @@ final ones. For every item it computes the record ID from the item's data (see
 when the item type has room for it; for every item and child request it notes which leased
 request produced it, so their writes commit with that request's completion.
 
-Errback output bypasses spider middlewares (notes/scrapy-internals.md); the scheduler
+Errback output bypasses spider middlewares (``scrapy/core/scraper.py``); the scheduler
 attributes it through the same code.
 """
 

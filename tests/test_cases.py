@@ -1,4 +1,4 @@
-"""Failure cases from the field (shared/cases.md), each reduced to the local test shop."""
+"""Failure cases reported by Scrapy users, each reduced to the local test shop."""
 
 from __future__ import annotations
 

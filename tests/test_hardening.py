@@ -1,4 +1,4 @@
-"""Hardening (issue 8): bad items, bad database files, bad neighbours, no code from the database.
+"""Hardening: bad items, bad database files, bad neighbours, no code from the database.
 
 Every test runs the real thing: crawls through Scrapy's engine against a tiny local site
 (``hardening_site.LocalSite``), real SQLite files, real processes for the neighbours. Each one

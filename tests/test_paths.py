@@ -1,4 +1,4 @@
-"""Every way a request can end inside Scrapy (issue 3), each as a real crawl of a local site.
+"""Every way a request can end inside Scrapy, each as a real crawl of a local site.
 
 Whatever happens to a request, the frontier must end with it in the right terminal state:
 no lease dangles, no crawl hangs, no request or record is lost silently, and records are

@@ -1,4 +1,4 @@
-"""Kill cases of the request paths (issue 3): a real ``CrawlerProcess`` in a subprocess
+"""Kill cases of the request paths: a real ``CrawlerProcess`` in a subprocess
 (tests/paths_spiders.py), SIGKILLed at a chosen moment, then run again on the same database."""
 
 from __future__ import annotations

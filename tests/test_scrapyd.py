@@ -1,4 +1,4 @@
-"""Deploying with scrapyd, verified against a real scrapyd (issue 7).
+"""Deploying with scrapyd, verified against a real scrapyd.
 
 One scrapyd per module: started on 127.0.0.1 on a free port, with its own configuration file
 and temporary directories (``max_proc = 1``), from a working directory without a
