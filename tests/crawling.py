@@ -89,3 +89,22 @@ def close_reason(log_path: Path) -> str | None:
         return None
     reasons = re.findall(r"Spider closed \(([^)]*)\)", log_path.read_text(errors="replace"))
     return reasons[-1] if reasons else None
+
+
+def wait_for(condition: Any, timeout: float, what: str) -> None:
+    """Poll a state (never a duration); ``timeout`` only ends a test that would hang."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def done_requests(db: Path) -> int:
+    """Frontier entries done so far (0 while the database does not exist yet)."""
+    try:
+        return int(db_rows(db, "SELECT count(*) FROM requests WHERE state = 'done'")[0][0])
+    except Exception:  # not created yet
+        return 0

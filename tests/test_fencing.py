@@ -11,13 +11,19 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from crawling import EXAMPLE_PROJECT, close_reason, db_rows, start_shop_crawl
+from crawling import (
+    EXAMPLE_PROJECT,
+    close_reason,
+    db_rows,
+    done_requests,
+    start_shop_crawl,
+    wait_for,
+)
 from shop.site import ShopSite
 
 pytestmark = pytest.mark.slow
@@ -28,20 +34,6 @@ SETTINGS = (LEASE, f"CONCURRENT_REQUESTS={CONCURRENCY}",
             f"CONCURRENT_REQUESTS_PER_DOMAIN={CONCURRENCY}", "LOG_LEVEL=INFO")
 
 
-def wait_for(condition: Any, timeout: float, what: str) -> None:
-    """Poll a state (never a duration); ``timeout`` only ends a test that would hang."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
-def done_requests(db: Path) -> int:
-    try:
-        return int(db_rows(db, "SELECT count(*) FROM requests WHERE state = 'done'")[0][0])
-    except Exception:  # not created yet
-        return 0
 
 
 def stat(log: Path, name: str) -> int:

@@ -7,24 +7,15 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from crawling import EXAMPLE_PROJECT, close_reason, db_rows, start_shop_crawl
+from crawling import EXAMPLE_PROJECT, close_reason, db_rows, start_shop_crawl, wait_for
 from shop.site import ShopSite
 
 pytestmark = pytest.mark.slow
 
-
-def wait_for(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def crawl(*args: str, cwd: Path = EXAMPLE_PROJECT) -> subprocess.CompletedProcess[str]:

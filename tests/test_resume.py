@@ -8,31 +8,23 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from crawling import close_reason, db_rows, start_shop_crawl, stored_products
+from crawling import (
+    close_reason,
+    db_rows,
+    done_requests,
+    start_shop_crawl,
+    stored_products,
+    wait_for,
+)
 from shop.site import ShopSite
 
 pytestmark = pytest.mark.slow
 
 
-def wait_for(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
-def done_requests(db: Path) -> int:
-    try:
-        return int(db_rows(db, "SELECT count(*) FROM requests WHERE state = 'done'")[0][0])
-    except Exception:  # not created yet
-        return 0
 
 
 def test_requests_in_flight_at_a_kill_are_replayed_at_full_concurrency(tmp_path: Path) -> None:
