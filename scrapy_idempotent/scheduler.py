@@ -38,7 +38,7 @@ from scrapy.utils.url import strip_url
 from twisted.internet import task
 from twisted.python.failure import Failure
 
-from . import __version__, engine_hooks
+from . import __version__, engine_hooks, signals
 from ._dupes import DuplicateFilter
 from ._order import QueueOrder
 from ._tracking import Entry, ItemTag, Pending
@@ -185,6 +185,9 @@ class IdempotentScheduler(BaseScheduler):
         self._waiting: dict[int, Entry] = {}
         self._renewal: task.LoopingCall | None = None
         self._before_end: list[Callable[[FrontierStore, int, bool], Any]] = []
+        #: key -> (request, fingerprint) of completions on their way to the database: the
+        #: request_done signal is sent for each once the transaction writing it has committed
+        self._announce: dict[str, tuple[Request | None, str]] = {}
         self.run_id: int | None = None
 
     @classmethod
@@ -504,6 +507,7 @@ class IdempotentScheduler(BaseScheduler):
             if known is not None:
                 self.stats.inc_value(f"idempotent/requests/{known}")
                 self._dupes.filtered(request)
+                self._announce_known(known, request, fingerprint, fingerprint)
                 return False
         key: str | None = None
         if parent is None and continuation is None and not filtered:
@@ -515,6 +519,7 @@ class IdempotentScheduler(BaseScheduler):
             known = self.store.known_request(fingerprint, key=key)
             if known is not None:
                 self.stats.inc_value(f"idempotent/requests/{known}")
+                self._announce_known(known, request, key, fingerprint)
                 return True
         try:
             if retry_of is not None and retry_of.memory:
@@ -735,6 +740,7 @@ class IdempotentScheduler(BaseScheduler):
             logger.error("scrapy_idempotent: cannot load stored request %s: %s", leased.key, exc)
             self._pending.completions.append(
                 Completion(leased.key, RequestState.FAILED, "unloadable", str(exc)))
+            self._announce[leased.key] = (None, leased.fingerprint)
             return None
         entry = Entry(key=leased.key, fingerprint=leased.fingerprint, priority=leased.priority,
                       attempts=leased.attempts, request=request, suspect=leased.suspect,
@@ -990,6 +996,8 @@ class IdempotentScheduler(BaseScheduler):
                           rejects=entry.rejects, completions=[completion])
         if entry.children or completion.state is RequestState.PENDING:
             self._maybe_claimable = True
+        if completion.state.terminal:
+            self._announce[entry.key] = (entry.request, entry.fingerprint)
         self._commit(work)
 
     def _commit(self, work: UnitOfWork) -> CommitResult | None:
@@ -1033,6 +1041,7 @@ class IdempotentScheduler(BaseScheduler):
             )
             return None
         self._record_stats(result, work)
+        self._announce_completions(result, work)
         buffered = self._buffered
         for written in work.requests:  # (or dropped by the store: no longer buffered)
             if written.filter_fingerprint:
@@ -1103,6 +1112,26 @@ class IdempotentScheduler(BaseScheduler):
                 "(their lease expired, e.g. the process was stopped, and another worker took "
                 "them): nothing of their work was written (idempotent/requests/leases_lost)",
                 len(lost))
+
+    def _announce_completions(self, result: CommitResult, work: UnitOfWork) -> None:
+        """Send ``request_done`` for each final state ``work`` wrote: called once its
+        transaction has committed, never before (a lost lease's completion wrote nothing)."""
+        lost = set(result.lost) if result.lost else ()
+        for completion in work.completions:
+            announced = self._announce.pop(completion.key, None)
+            if announced is None or completion.key in lost or not completion.state.terminal:
+                continue
+            request, fingerprint = announced
+            signals.send_request_done(self.crawler, self.spider, request, completion.key,
+                                      fingerprint, completion.state.value)
+
+    def _announce_known(self, known: str, request: Request, key: str,
+                        fingerprint: str) -> None:
+        """``request_done`` with state ``already_done`` for a known request refused because
+        it is already finished in this window (its final state was committed earlier)."""
+        if known == signals.ALREADY_DONE:
+            signals.send_request_done(self.crawler, self.spider, request, key, fingerprint,
+                                      signals.ALREADY_DONE)
 
     def _fail(self, reason: str) -> None:
         if self._failed:
