@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,3 +27,25 @@ def shop() -> Iterator[ShopSite]:
 @pytest.fixture
 def db_path(tmp_path: Path) -> Path:
     return tmp_path / "frontier.sqlite3"
+
+
+@pytest.fixture(scope="session")
+def postgres_cluster() -> Iterator[object]:
+    """A PostgreSQL cluster of its own for the test session (tests/postgres_server.py); the
+    tests that use it skip, naming what to install, when no server binaries or no psycopg
+    are found."""
+    pytest.importorskip("psycopg", reason="psycopg is not installed: pip install "
+                        "'scrapy-idempotent[postgresql]'")
+    from postgres_server import INSTALL_HINT, find_binaries, running_cluster
+
+    bindir = find_binaries()
+    if bindir is None:
+        pytest.skip(INSTALL_HINT)
+    with running_cluster(bindir) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def postgres_url(postgres_cluster: Any) -> str:
+    """The URL of an empty database of its own on the session's PostgreSQL cluster."""
+    return str(postgres_cluster.new_database())
