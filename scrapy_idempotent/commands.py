@@ -37,11 +37,11 @@ from scrapy.commands import ScrapyCommand
 from scrapy.exceptions import UsageError
 
 from . import engine_hooks
-from .config import IdempotentConfig
+from .config import IdempotentConfig, store_options
 from .exceptions import IdempotentError, StoreError
 from .scheduler import worker_is_dead
-from .store import CrawlIdentity
-from .store.sqlite import SQLiteStore
+from .store import CrawlIdentity, open_store
+from .store.registry import redacted, sqlite_path
 
 if TYPE_CHECKING:
     import argparse
@@ -116,7 +116,8 @@ class Command(ScrapyCommand):
         super().add_options(parser)
         group = parser.add_argument_group("Database and output")
         group.add_argument("--db", metavar="PATH",
-                           help="the frontier database (instead of a spider name)")
+                           help="the frontier database, a path or a database URL (instead of a "
+                                "spider name)")
         group.add_argument("--json", action="store_true",
                            help="print one JSON document instead of tables")
         group = parser.add_argument_group("failed and retry")
@@ -222,8 +223,7 @@ class Command(ScrapyCommand):
         assert self.settings is not None
         settings = self.settings.copy()
         if db is not None:
-            return SQLiteStore(db, busy_timeout_seconds=settings.getfloat(
-                "IDEMPOTENT_BUSY_TIMEOUT_SECONDS", 10.0)), db, None
+            return open_store(db, **store_options(settings)), redacted(db), None
         from scrapy.utils.project import inside_project
 
         if not inside_project():
@@ -233,9 +233,7 @@ class Command(ScrapyCommand):
                     "run it in the project's directory, or give the database with --db PATH")
             named: Any = SimpleNamespace(name=spider)
             config = IdempotentConfig.from_settings(settings, named)
-            return SQLiteStore(config.database_path, lease_seconds=config.lease_seconds,
-                               busy_timeout_seconds=config.busy_timeout_seconds), \
-                config.database_path, _identity(settings, spider, config)
+            return self._of(config, settings, spider)
         loader = engine_hooks.spider_loader(settings)
         known = sorted(loader.list())
         spidercls: Any
@@ -251,17 +249,21 @@ class Command(ScrapyCommand):
             # not a spider of this project (any more): its database may still be there
             spidercls = SimpleNamespace(name=spider)
             config = IdempotentConfig.from_settings(settings, spidercls)
-            if not os.path.exists(config.database_path):
+            path = sqlite_path(config.database)
+            if path is not None and not os.path.exists(path):
                 raise _UnknownSpider(
                     f"unknown spider {spider!r}; the spiders of this project: "
-                    f"{', '.join(known) or 'none'} (no database at {config.database_path} "
-                    "either)") from None
+                    f"{', '.join(known) or 'none'} (no database at {path} either)") from None
         else:
             spidercls.update_settings(settings)
             config = IdempotentConfig.from_settings(settings, spidercls)
-        return SQLiteStore(config.database_path, lease_seconds=config.lease_seconds,
-                           busy_timeout_seconds=config.busy_timeout_seconds), \
-            config.database_path, _identity(settings, spider, config)
+        return self._of(config, settings, spider)
+
+    @staticmethod
+    def _of(config: IdempotentConfig, settings: Any,
+            spider: str) -> tuple[FrontierStore, str, CrawlIdentity | None]:
+        return (open_store(config.database, **config.store_options()),
+                redacted(config.database), _identity(settings, spider, config))
 
     def _print(self, opts: argparse.Namespace, report: dict[str, Any], lines: list[str]) -> None:
         if opts.json:

@@ -20,6 +20,7 @@ from scrapy.utils.conf import closest_scrapy_cfg
 from scrapy.utils.project import data_path
 
 from .exceptions import ConfigError
+from .store.registry import sqlite_path
 
 if TYPE_CHECKING:
     from scrapy import Spider
@@ -32,6 +33,7 @@ __all__ = [
     "IdempotentConfig",
     "RunMode",
     "config_for",
+    "store_options",
     "unknown_settings",
 ]
 
@@ -90,7 +92,8 @@ SETTINGS: dict[str, Any] = {
 class IdempotentConfig:
     """The validated ``IDEMPOTENT_*`` settings of one crawl. Field names carry units."""
 
-    database_path: str
+    #: the database string: an absolute file path (SQLite), or another backend's URL
+    database: str
     lease_seconds: float
     lease_batch: int
     run_mode: str
@@ -106,6 +109,11 @@ class IdempotentConfig:
     log_interval_seconds: float
     recrawl_seconds: float | None = None
     response_journal: bool = True
+
+    def store_options(self) -> dict[str, Any]:
+        """The keyword options of :func:`~.store.open_store` these settings give (see
+        :func:`store_options`)."""
+        return {name: getattr(self, name) for name in _STORE_OPTIONS}
 
     @classmethod
     def from_settings(cls, settings: BaseSettings, spider: Spider) -> IdempotentConfig:
@@ -140,17 +148,12 @@ class IdempotentConfig:
         elif not isinstance(record_id_field, str):
             raise ConfigError("IDEMPOTENT_RECORD_ID_FIELD", record_id_field,
                               "a field name, or None/'' to keep items unchanged")
-        synchronous = str(get("IDEMPOTENT_SYNCHRONOUS")).upper()
-        if synchronous not in ("NORMAL", "FULL"):
-            raise ConfigError("IDEMPOTENT_SYNCHRONOUS", get("IDEMPOTENT_SYNCHRONOUS"),
-                              "'NORMAL' (survives a process kill) or 'FULL' (also power loss)")
         run_mode = get("IDEMPOTENT_RUN_MODE")
         if run_mode not in RunMode.ALL:
             raise ConfigError("IDEMPOTENT_RUN_MODE", run_mode, f"one of {', '.join(RunMode.ALL)}")
-        lease_seconds = _number(settings, "IDEMPOTENT_LEASE_SECONDS", minimum=1.0)
         return cls(
-            database_path=_database_path(get("IDEMPOTENT_DATABASE"), spider.name),
-            lease_seconds=lease_seconds,
+            database=_database(get("IDEMPOTENT_DATABASE"), spider.name),
+            **store_options(settings),
             lease_batch=int(_number(settings, "IDEMPOTENT_LEASE_BATCH", minimum=1, integer=True)),
             run_mode=run_mode,
             natural_keys=natural_keys,
@@ -158,19 +161,39 @@ class IdempotentConfig:
             record_id_field=record_id_field,
             volatile_fields=frozenset(_names(settings, "IDEMPOTENT_VOLATILE_FIELDS")),
             url_ignore_params=tuple(_names(settings, "IDEMPOTENT_URL_IGNORE_PARAMS")),
-            max_attempts=int(_number(settings, "IDEMPOTENT_MAX_ATTEMPTS", minimum=1,
-                                     integer=True)),
-            synchronous=synchronous,
-            busy_timeout_seconds=_number(settings, "IDEMPOTENT_BUSY_TIMEOUT_SECONDS", minimum=0.0),
             request_classes=tuple(_names(settings, "IDEMPOTENT_REQUEST_CLASSES")),
             log_interval_seconds=_number(settings, "IDEMPOTENT_LOG_INTERVAL_SECONDS",
                                          minimum=0.0),
-            recrawl_seconds=(
-                None if settings.get("IDEMPOTENT_RECRAWL_SECONDS") in (None, "")
-                else _number(settings, "IDEMPOTENT_RECRAWL_SECONDS", minimum=1.0)
-            ),
             response_journal=_boolean(settings, "IDEMPOTENT_RESPONSE_JOURNAL"),
         )
+
+
+#: The fields of :class:`IdempotentConfig` that are options of the store.
+_STORE_OPTIONS = ("lease_seconds", "max_attempts", "synchronous", "busy_timeout_seconds",
+                  "recrawl_seconds")
+
+
+def store_options(settings: BaseSettings) -> dict[str, Any]:
+    """The keyword options of :func:`~.store.open_store` that ``settings`` give (validated):
+    ``lease_seconds``, ``max_attempts``, ``synchronous``, ``busy_timeout_seconds`` and
+    ``recrawl_seconds``, as :class:`IdempotentConfig` holds them. Raises
+    :class:`~.ConfigError` naming the first bad setting."""
+    synchronous = str(settings.get("IDEMPOTENT_SYNCHRONOUS", SETTINGS["IDEMPOTENT_SYNCHRONOUS"]))
+    if synchronous.upper() not in ("NORMAL", "FULL"):
+        raise ConfigError("IDEMPOTENT_SYNCHRONOUS", settings.get("IDEMPOTENT_SYNCHRONOUS"),
+                          "'NORMAL' (survives a process kill) or 'FULL' (also power loss)")
+    return {
+        "lease_seconds": _number(settings, "IDEMPOTENT_LEASE_SECONDS", minimum=1.0),
+        "max_attempts": int(_number(settings, "IDEMPOTENT_MAX_ATTEMPTS", minimum=1,
+                                    integer=True)),
+        "synchronous": synchronous.upper(),
+        "busy_timeout_seconds": _number(settings, "IDEMPOTENT_BUSY_TIMEOUT_SECONDS",
+                                        minimum=0.0),
+        "recrawl_seconds": (
+            None if settings.get("IDEMPOTENT_RECRAWL_SECONDS") in (None, "")
+            else _number(settings, "IDEMPOTENT_RECRAWL_SECONDS", minimum=1.0)
+        ),
+    }
 
 
 #: Crawlers whose setting names were checked and whose bad setting was reported.
@@ -327,7 +350,9 @@ def _check_declared_fields(name: str, natural_keys: dict[str, tuple[str, ...]]) 
                               f"); not {', '.join(missing)}")
 
 
-def _database_path(raw: Any, spider_name: str) -> str:
+def _database(raw: Any, spider_name: str) -> str:
+    """The database string of ``IDEMPOTENT_DATABASE``: a path (or ``sqlite:///PATH``) as an
+    absolute path, another backend's URL as given; ``{spider}`` replaced in either."""
     if raw is None or raw == "":
         try:
             return data_path(os.path.join("idempotent", f"{spider_name}.sqlite3"))
@@ -341,10 +366,15 @@ def _database_path(raw: Any, spider_name: str) -> str:
                 "deployed egg)",
             ) from None
     if not isinstance(raw, (str, os.PathLike)):
-        raise ConfigError("IDEMPOTENT_DATABASE", raw, "a file path (may contain {spider})")
-    path = os.path.expanduser(os.fspath(raw))
-    if "{spider}" in path:
-        path = path.replace("{spider}", spider_name)
+        raise ConfigError("IDEMPOTENT_DATABASE", raw,
+                          "a file path (may contain {spider}) or a database URL")
+    database = os.fspath(raw)
+    if "{spider}" in database:
+        database = database.replace("{spider}", spider_name)
+    path = sqlite_path(database)  # raises for a scheme no backend is registered for
+    if path is None:
+        return database  # another backend's URL
+    path = os.path.expanduser(path)
     if not os.path.isabs(path):
         # like Scrapy's .scrapy paths: relative to the project (where scrapy.cfg is), so a
         # crawl started from a subdirectory finds the same frontier; else the current one

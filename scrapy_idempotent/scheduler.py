@@ -54,7 +54,7 @@ from .store.base import (
     RequestState,
     UnitOfWork,
 )
-from .store.sqlite import SQLiteStore
+from .store.registry import open_store, redacted
 from .store.workers import LIVE_WORKERS as _LIVE_WORKERS
 from .store.workers import worker_id, worker_is_dead
 
@@ -122,14 +122,8 @@ class IdempotentScheduler(BaseScheduler):
         self.config = config
         self.stats = crawler.stats
         self.worker = worker_id()
-        self.store: FrontierStore = store or SQLiteStore(
-            config.database_path,
-            lease_seconds=config.lease_seconds,
-            max_attempts=config.max_attempts,
-            synchronous=config.synchronous,
-            busy_timeout_seconds=config.busy_timeout_seconds,
-            recrawl_seconds=config.recrawl_seconds,
-        )
+        self.store: FrontierStore = store or open_store(config.database,
+                                                        **config.store_options())
         self.identity = RecordIdentity(
             source=config.source,
             natural_keys=config.natural_keys,
@@ -225,7 +219,7 @@ class IdempotentScheduler(BaseScheduler):
             logger.warning(
                 "The frontier in %s was built with request fingerprinter %s; this crawl uses "
                 "another one, so known requests may be fetched again.",
-                self.config.database_path, changed,
+                redacted(self.config.database), changed,
             )
         reclaimed = self._reclaim_dead_workers()
         # begin_session counted the frontier already (a full scan on a big one): derive the
@@ -239,7 +233,7 @@ class IdempotentScheduler(BaseScheduler):
             "scrapy_idempotent %s: %s run %d in %s: %d pending, %d leased (%d reclaimed from "
             "dead workers), %d done, %d failed, %d records",
             __version__, "started" if run.new else "resumed", run.run_id,
-            self.config.database_path, counts["pending"], counts["leased"], reclaimed,
+            redacted(self.config.database), counts["pending"], counts["leased"], reclaimed,
             counts["done"] + counts["redirected"], counts["failed"], counts["records"],
         )
         self._hooks = engine_hooks.EngineHooks(self.crawler.engine, self)

@@ -45,9 +45,9 @@ def config(values: dict[str, Any] | None = None,
 
 def test_defaults():
     cfg = config()
-    assert cfg.database_path.replace(os.sep, "/").endswith("idempotent/x.sqlite3")
+    assert cfg.database.replace(os.sep, "/").endswith("idempotent/x.sqlite3")
     assert cfg == IdempotentConfig(
-        database_path=cfg.database_path,
+        database=cfg.database,
         lease_seconds=60.0,
         lease_batch=8,
         run_mode="auto",
@@ -71,11 +71,11 @@ def test_default_database_path_creates_nothing(tmp_path):
 
 def test_database_spider_placeholder(tmp_path):
     cfg = config({"IDEMPOTENT_DATABASE": str(tmp_path / "db" / "{spider}-frontier.sqlite3")})
-    assert cfg.database_path == str(tmp_path / "db" / "x-frontier.sqlite3")
+    assert cfg.database == str(tmp_path / "db" / "x-frontier.sqlite3")
 
 
 def test_database_path_object(tmp_path):
-    assert config({"IDEMPOTENT_DATABASE": tmp_path / "f.db"}).database_path == str(
+    assert config({"IDEMPOTENT_DATABASE": tmp_path / "f.db"}).database == str(
         tmp_path / "f.db")
 
 
@@ -243,7 +243,7 @@ def test_good_settings_build_the_scheduler(tmp_path):
                                "IDEMPOTENT_LEASE_SECONDS": 5})
     assert isinstance(scheduler, IdempotentScheduler)
     assert scheduler.config.lease_seconds == 5.0
-    assert scheduler.config.database_path == str(tmp_path / "x.sqlite3")
+    assert scheduler.config.database == str(tmp_path / "x.sqlite3")
     assert os.listdir(tmp_path) == []  # nothing opened before the crawl starts
 
 

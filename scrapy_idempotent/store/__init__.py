@@ -1,4 +1,6 @@
-"""Stores: the durable frontier, leases, runs and records behind one interface."""
+"""Stores: the durable frontier, leases, runs and records behind one interface
+(:mod:`.base`), the backend a database string names (:func:`open_store`, :mod:`.registry`),
+and the SQLite backend (:mod:`.sqlite`)."""
 
 from .base import (
     CommitResult,
@@ -15,6 +17,7 @@ from .base import (
     RunInfo,
     UnitOfWork,
 )
+from .registry import open_store, register_backend
 from .sqlite import SCHEMA_VERSION, SQLiteStore
 
 __all__ = [
@@ -33,4 +36,6 @@ __all__ = [
     "RunInfo",
     "SQLiteStore",
     "UnitOfWork",
+    "open_store",
+    "register_backend",
 ]
