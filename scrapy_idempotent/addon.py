@@ -84,6 +84,7 @@ class Addon:
         DOWNLOADER_MIDDLEWARES = {"scrapy_idempotent.ResponseJournalMiddleware": 950}
         ITEM_PIPELINES = {"scrapy_idempotent.UpsertPipeline": 1000}
         EXTENSIONS = {"scrapy_idempotent.progress.IdempotentLogStats": 0,
+                      "scrapy_idempotent.queue_input.QueueInput": 0,  # IDEMPOTENT_QUEUE_URL
                       "scrapy.extensions.feedexport.FeedExporter": None,
                       "scrapy_idempotent.IdempotentFeedExporter": 0}
     """
@@ -119,6 +120,9 @@ class Addon:
         from .progress import IdempotentLogStats  # the progress line
 
         settings.set_in_component_priority_dict("EXTENSIONS", IdempotentLogStats, 0)
+        from .queue_input import QueueInput  # off unless IDEMPOTENT_QUEUE_URL is set
+
+        settings.set_in_component_priority_dict("EXTENSIONS", QueueInput, 0)
         _replace_feed_exporter(settings)
         if self.crawler is not None and self.crawler.spider is not None:
             # check every IDEMPOTENT_* setting before anything is built (a bad one is one

@@ -409,6 +409,16 @@ class IdempotentScheduler(BaseScheduler):
             self._fail("cannot read the frontier")
             return False
 
+    def request_state(self, fingerprint: str) -> str | None:
+        """What this crawl knows of requests with ``fingerprint`` (hex), for inputs that
+        wait on a request they fed: ``"buffered"`` (accepted by this worker, written with its
+        next transaction), ``"duplicate"`` (pending or leased in the frontier),
+        ``"already_done"`` (finished in this recrawl window: its ``request_done`` was sent), or
+        None (unknown, or due again). A read outside any transaction; raises StoreError."""
+        if self._buffered[fingerprint] or fingerprint in self._memory_seen:
+            return "buffered"
+        return self.store.known_request(fingerprint)
+
     def enqueue_request(self, request: Request) -> bool:
         """Add ``request`` to the frontier (buffered until the transaction that completes the
         request it came from), or keep it in memory when it cannot be stored. Returns False

@@ -1,0 +1,519 @@
+"""``QueueInput``: feed a crawl from a Redis stream, acknowledging a message only once the
+request it produced is done.
+
+Enabled by ``IDEMPOTENT_QUEUE_URL`` (the add-on adds the extension; without the setting it is
+off). Each worker reads the stream ``IDEMPOTENT_QUEUE_KEY`` as a consumer of the group
+``IDEMPOTENT_QUEUE_GROUP`` (``XREADGROUP``): a message read is pending for that consumer in the
+stream's pending entries list until it is acknowledged (``XACK``). A message is acknowledged
+when the :data:`~scrapy_idempotent.signals.request_done` signal announces its request (by
+fingerprint), that is once the request's page, records and completion are committed, or when
+the request was already done in the current recrawl window. Never before: a worker killed
+before that leaves the message pending, and it is delivered again (claimed at once from a
+dead consumer on the same host, or with ``XAUTOCLAIM`` once it has been idle
+``IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS``); the frontier makes the repeated delivery harmless
+(one entry per fingerprint).
+
+Why a stream and not a list with a processing list: the stream's pending entries list keeps,
+per message, its consumer, its idle time and its delivery count, so a message of a dead worker
+is found and claimed by any worker (``XAUTOCLAIM``) without a list per worker, and several
+workers share one stream through the group; acknowledging is ``XACK`` by id (O(1)), where a
+processing list needs an ``LREM`` scan and only its own worker knows to recover it.
+
+A message is one stream entry with either a field ``url`` (a URL, fetched with ``GET`` and the
+spider's ``parse``), or a field ``request`` holding a JSON object: ``url`` (required),
+``method``, ``body`` (text), ``headers`` (object), ``meta`` (object), ``cb_kwargs`` (object),
+``callback`` and ``errback`` (names of spider methods), ``priority`` (integer). A message
+with a field ``stop`` ends the crawl (``finished``) once every message read before it is done.
+A message that is not one of these, or whose request cannot be built, is parked: added to the
+stream ``<IDEMPOTENT_QUEUE_KEY>:parked`` with its id, fields and error, and acknowledged, in
+one ``MULTI``; it is logged and counted, never dropped in silence, and the crawl goes on.
+
+Redis is called on the reactor thread with a socket timeout (``redis-py``'s blocking client,
+non-blocking commands only: ``XREADGROUP`` without ``BLOCK``, polled every
+``IDEMPOTENT_QUEUE_POLL_SECONDS``). A Redis error is logged and retried at the next poll;
+acknowledgements that failed are sent again then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+from urllib.parse import urlsplit
+
+from scrapy import Request
+from scrapy import signals as scrapy_signals
+from scrapy.exceptions import DontCloseSpider, NotConfigured
+from twisted.internet import task
+
+from . import engine_hooks, signals
+from .config import SETTINGS, _number
+from .exceptions import ConfigError
+from .store.workers import LIVE_WORKERS, worker_id, worker_is_dead
+
+if TYPE_CHECKING:
+    from scrapy import Spider
+    from scrapy.crawler import Crawler
+    from typing_extensions import Self
+
+    from .scheduler import IdempotentScheduler
+
+__all__ = ["QueueConfig", "QueueInput", "QueueMessageError", "request_from_message"]
+
+logger = logging.getLogger(__name__)
+
+#: Keys a JSON request message may have.
+REQUEST_FIELDS = ("url", "method", "body", "headers", "meta", "cb_kwargs", "callback",
+                  "errback", "priority")
+#: Messages waiting longer than this are checked against the frontier (a request finished by
+#: another worker, whose signal this process never sees).
+_RECONCILE_AFTER_SECONDS = 5.0
+#: How often the consumers of the group are checked for dead ones of this host.
+_DEAD_CHECK_SECONDS = 5.0
+
+
+class QueueMessageError(ValueError):
+    """A message that is not a request this crawl can make (parked with this error)."""
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    """The validated ``IDEMPOTENT_QUEUE_*`` settings."""
+
+    url: str
+    key: str
+    group: str
+    idle_timeout_seconds: float | None
+    claim_idle_seconds: float
+    prefetch: int
+    poll_seconds: float
+
+    @property
+    def parked_key(self) -> str:
+        return f"{self.key}:parked"
+
+    @classmethod
+    def from_crawler(cls, crawler: Crawler) -> QueueConfig | None:
+        """None when ``IDEMPOTENT_QUEUE_URL`` is not set; :class:`~.ConfigError` naming the
+        setting for a bad value."""
+        settings = crawler.settings
+        url = settings.get("IDEMPOTENT_QUEUE_URL")
+        if url in (None, ""):
+            return None
+        schemes = ("redis", "rediss", "unix")
+        if not isinstance(url, str) or urlsplit(url).scheme not in schemes:
+            raise ConfigError("IDEMPOTENT_QUEUE_URL", url,
+                              "a Redis URL: redis://host:port/db, rediss://... or unix://...")
+        spider_name = crawler.spider.name if crawler.spider is not None else \
+            crawler.spidercls.name
+        key = settings.get("IDEMPOTENT_QUEUE_KEY") or f"{spider_name}:requests"
+        if not isinstance(key, str):
+            raise ConfigError("IDEMPOTENT_QUEUE_KEY", key, "a Redis key (may contain {spider})")
+        group = settings.get("IDEMPOTENT_QUEUE_GROUP", SETTINGS["IDEMPOTENT_QUEUE_GROUP"])
+        if not isinstance(group, str) or not group:
+            raise ConfigError("IDEMPOTENT_QUEUE_GROUP", group, "a non-empty consumer group name")
+        idle_timeout = settings.get("IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS")
+        return cls(
+            url=url,
+            key=key.replace("{spider}", spider_name),
+            group=group,
+            idle_timeout_seconds=None if idle_timeout in (None, "") else _number(
+                settings, "IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS", minimum=0.0),
+            claim_idle_seconds=_number(settings, "IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS",
+                                       minimum=1.0),
+            prefetch=int(_number(settings, "IDEMPOTENT_QUEUE_PREFETCH", minimum=1,
+                                 integer=True)),
+            poll_seconds=_number(settings, "IDEMPOTENT_QUEUE_POLL_SECONDS", minimum=0.01),
+        )
+
+
+def request_from_message(fields: Mapping[str, str], spider: Spider) -> Request:
+    """The request a stream entry asks for. Raises :class:`QueueMessageError` saying what is
+    wrong (the message is then parked)."""
+    if set(fields) == {"url"}:
+        data: dict[str, Any] = {"url": fields["url"]}
+    elif set(fields) == {"request"}:
+        try:
+            data = json.loads(fields["request"])
+        except ValueError as exc:
+            raise QueueMessageError(f"the request field is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise QueueMessageError("the request field must be a JSON object")
+    else:
+        raise QueueMessageError(
+            f"a message has one field, 'url' (a URL) or 'request' (a JSON object), or 'stop';"
+            f" got {', '.join(sorted(fields)) or 'none'}")
+    unknown = sorted(set(data) - set(REQUEST_FIELDS))
+    if unknown:
+        raise QueueMessageError(f"unknown request key(s) {', '.join(unknown)}; allowed: "
+                                f"{', '.join(REQUEST_FIELDS)}")
+    url = data.get("url")
+    if not isinstance(url, str) or urlsplit(url).scheme not in ("http", "https") \
+            or not urlsplit(url).netloc:
+        raise QueueMessageError(f"url must be an absolute http(s) URL, not {url!r}")
+    kwargs: dict[str, Any] = {"url": url}
+    for name, kind in (("method", str), ("body", str), ("headers", dict), ("meta", dict),
+                       ("cb_kwargs", dict), ("priority", int)):
+        if name in data:
+            value = data[name]
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise QueueMessageError(f"{name} must be a JSON {kind.__name__}, not "
+                                        f"{value!r}"[:300])
+            kwargs[name] = value
+    for name in ("callback", "errback"):
+        if name in data:
+            method = data[name]
+            target = getattr(spider, method, None) if isinstance(method, str) else None
+            if not isinstance(method, str) or method.startswith("_") or not callable(target):
+                raise QueueMessageError(
+                    f"{name} must name a method of the spider {spider.name!r}, not {method!r}")
+            kwargs[name] = target
+    try:
+        return Request(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise QueueMessageError(f"invalid request: {exc}") from None
+
+
+@dataclass
+class _Message:
+    """A message read and not yet acknowledged."""
+
+    id: str
+    received: float
+    #: fingerprints whose request_done acknowledges it: its request's, then its redirect
+    #: targets' (a redirected request is done when its target is)
+    fingerprints: set[str] = field(default_factory=set)
+    urls: set[str] = field(default_factory=set)  #: of those requests (to follow redirects)
+
+
+class QueueInput:
+    """The extension that feeds the crawl from the Redis stream (see the module docstring).
+
+    Off (``NotConfigured``) without ``IDEMPOTENT_QUEUE_URL``. Needs the
+    :class:`~.IdempotentScheduler` (its frontier makes redelivery harmless)."""
+
+    def __init__(self, crawler: Crawler, config: QueueConfig, client: Any) -> None:
+        self.crawler = crawler
+        self.config = config
+        self.redis = client
+        self.consumer = worker_id()  #: host:pid:start:nonce, so dead consumers can be told
+        self.stats = crawler.stats
+        self.spider: Spider | None = None
+        self.scheduler: IdempotentScheduler | None = None
+        self._messages: dict[str, _Message] = {}  # id -> message read, not acknowledged
+        self._waiting: dict[str, set[str]] = {}  # fingerprint -> message ids
+        self._by_url: dict[str, set[str]] = {}  # URL of a waited request -> message ids
+        self._unacked: list[str] = []  # ids whose XACK failed, sent again at the next poll
+        self._poll: task.LoopingCall | None = None
+        self._group_ready = False
+        self._claimed_dead_at = 0.0
+        self._autoclaimed_at = 0.0
+        self._reconciled_at = 0.0
+        self._stop_id: str | None = None  # a stop message read
+        self._empty_since: float | None = None  # the stream had nothing for us since then
+        self._redis_error: str | None = None  # the last Redis error logged
+
+    @classmethod
+    def from_crawler(cls, crawler: Crawler) -> Self:
+        with engine_hooks.start_failure_exits_nonzero(crawler):
+            config = QueueConfig.from_crawler(crawler)
+            if config is None:
+                raise NotConfigured("IDEMPOTENT_QUEUE_URL is not set")
+            try:
+                import redis
+            except ImportError:
+                raise ConfigError(
+                    "IDEMPOTENT_QUEUE_URL", config.url,
+                    "a Redis URL, with the redis client installed: pip install "
+                    "'scrapy-idempotent[redis]' (or pip install redis)") from None
+            client = redis.Redis.from_url(config.url, decode_responses=True,
+                                          socket_timeout=10, socket_connect_timeout=10)
+        extension = cls(crawler, config, client)
+        connect = crawler.signals.connect
+        connect(extension.spider_opened, signal=scrapy_signals.spider_opened)
+        connect(extension.spider_idle, signal=scrapy_signals.spider_idle)
+        connect(extension.spider_closed, signal=scrapy_signals.spider_closed)
+        connect(extension.request_scheduled, signal=scrapy_signals.request_scheduled)
+        connect(extension.request_done, signal=signals.request_done)
+        return extension
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def spider_opened(self, spider: Spider) -> None:
+        from .scheduler import is_idempotent_scheduler
+
+        scheduler = engine_hooks.engine_scheduler(self.crawler)
+        if not is_idempotent_scheduler(scheduler):
+            raise ConfigError("IDEMPOTENT_QUEUE_URL", self.config.url,
+                              "a queue input needs scrapy_idempotent's scheduler (the add-on "
+                              f"sets it); this crawl's scheduler is {type(scheduler).__name__}")
+        self.scheduler = cast("IdempotentScheduler", scheduler)
+        self.spider = spider
+        LIVE_WORKERS.add(self.consumer)
+        logger.info("scrapy_idempotent: reading requests from the Redis stream %r (group %r, "
+                    "consumer %s)", self.config.key, self.config.group, self.consumer)
+        self._poll = task.LoopingCall(self.poll)
+        self._poll.start(self.config.poll_seconds, now=True)
+
+    def spider_idle(self, spider: Spider) -> None:
+        """Keep an idle crawl open while the queue may bring more work; let it finish after a
+        stop message (once everything before it is done) or after
+        ``IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS`` with nothing to do."""
+        if self._messages:
+            raise DontCloseSpider  # their requests are still being done (elsewhere)
+        if self._stop_id is not None:
+            return
+        timeout = self.config.idle_timeout_seconds
+        if timeout is not None and self._empty_since is not None \
+                and time.monotonic() - self._empty_since >= timeout:
+            logger.info("scrapy_idempotent: the queue had nothing for %.1f s "
+                        "(IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS): finishing", timeout)
+            return
+        raise DontCloseSpider
+
+    def spider_closed(self, spider: Spider, reason: str) -> None:
+        if self._poll is not None and self._poll.running:
+            self._poll.stop()
+        self._flush_acks()
+        if self._stop_id is not None and reason == "finished":
+            self._ack([self._stop_id])
+        if self._messages:
+            logger.info("scrapy_idempotent: %d queue message(s) not acknowledged (their "
+                        "requests are not done): they will be delivered again",
+                        len(self._messages))
+        LIVE_WORKERS.discard(self.consumer)
+        with contextlib.suppress(Exception):  # closing only
+            self.redis.close()
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """One round: acknowledgements that failed, claims, new messages. Never raises."""
+        try:
+            self._poll_once()
+        except Exception as exc:
+            self.stats.inc_value("idempotent/queue/redis_errors")
+            text = f"{type(exc).__name__}: {exc}"
+            if text != self._redis_error:
+                self._redis_error = text
+                logger.error("scrapy_idempotent: Redis queue %r: %s (retried every %.1f s)",
+                             self.config.key, text, self.config.poll_seconds)
+        else:
+            if self._redis_error is not None:
+                logger.info("scrapy_idempotent: Redis queue %r reachable again", self.config.key)
+                self._redis_error = None
+
+    def _poll_once(self) -> None:
+        if not self._group_ready:
+            self._create_group()
+        self._flush_acks()
+        now = time.monotonic()
+        entries: list[tuple[str, dict[str, str]]] = []
+        if now >= self._claimed_dead_at:
+            self._claimed_dead_at = now + _DEAD_CHECK_SECONDS
+            entries += self._claim_from_dead()
+        if now >= self._autoclaimed_at:
+            self._autoclaimed_at = now + max(1.0, self.config.claim_idle_seconds / 4)
+            entries += self._autoclaim()
+        room = self.config.prefetch - len(self._messages) - len(entries)
+        if room > 0 and self._stop_id is None:
+            read = self.redis.xreadgroup(self.config.group, self.consumer,
+                                         {self.config.key: ">"}, count=room)
+            for _, stream_entries in read or []:
+                entries += stream_entries
+        for message_id, fields in entries:
+            self._take(message_id, fields)
+        if entries or self._messages:
+            self._empty_since = None
+        elif self._empty_since is None:
+            self._empty_since = now
+        if now >= self._reconciled_at:
+            self._reconciled_at = now + _RECONCILE_AFTER_SECONDS
+            self._reconcile(now)
+
+    def _create_group(self) -> None:
+        import redis
+
+        try:
+            self.redis.xgroup_create(self.config.key, self.config.group, id="0",
+                                     mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._group_ready = True
+
+    def _claim_from_dead(self) -> list[tuple[str, dict[str, str]]]:
+        """Take at once the pending messages of consumers that ran on this host and are
+        gone (their process no longer exists), then remove those consumers."""
+        claimed: list[tuple[str, dict[str, str]]] = []
+        for consumer in self.redis.xinfo_consumers(self.config.key, self.config.group):
+            name = consumer["name"]
+            if name == self.consumer or not worker_is_dead(name):
+                continue
+            while True:
+                pending = self.redis.xpending_range(self.config.key, self.config.group,
+                                                    min="-", max="+", count=100,
+                                                    consumername=name)
+                if not pending:
+                    break
+                ids = [p["message_id"] for p in pending]
+                entries = self.redis.xclaim(self.config.key, self.config.group,
+                                            self.consumer, 0, ids)
+                claimed += [e for e in entries if e[1] is not None]
+                gone = set(ids) - {e[0] for e in entries if e[1] is not None}
+                if gone:  # deleted from the stream meanwhile: nothing to do for them
+                    self.redis.xack(self.config.key, self.config.group, *gone)
+            self.redis.xgroup_delconsumer(self.config.key, self.config.group, name)
+            logger.info("scrapy_idempotent: consumer %s is gone: its pending messages are "
+                        "delivered again here", name)
+        self.stats.inc_value("idempotent/queue/claimed", len(claimed))
+        return claimed
+
+    def _autoclaim(self) -> list[tuple[str, dict[str, str]]]:
+        """Messages pending for ``IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS`` with any consumer
+        (a worker on another host that died, or that is too slow): delivered again here."""
+        claimed: list[tuple[str, dict[str, str]]] = []
+        start = "0-0"
+        min_idle_ms = int(self.config.claim_idle_seconds * 1000)
+        while True:
+            reply = self.redis.xautoclaim(self.config.key, self.config.group, self.consumer,
+                                          min_idle_ms, start_id=start, count=100)
+            start, entries = reply[0], reply[1]
+            claimed += [e for e in entries if e[0] not in self._messages
+                        and e[0] != self._stop_id and e[1] is not None]
+            if start in ("0-0", b"0-0") or not entries:
+                break
+        self.stats.inc_value("idempotent/queue/claimed", len(claimed))
+        return claimed
+
+    def _take(self, message_id: str, fields: dict[str, str]) -> None:
+        """Feed one message to the crawl, or park it."""
+        if message_id in self._messages or message_id == self._stop_id:
+            return
+        assert self.spider is not None and self.scheduler is not None
+        self.stats.inc_value("idempotent/queue/received")
+        if set(fields) == {"stop"}:
+            self._stop_id = message_id
+            logger.info("scrapy_idempotent: stop message %s read: the crawl finishes once "
+                        "the requests of the messages before it are done", message_id)
+            return
+        try:
+            request = request_from_message(fields, self.spider)
+        except QueueMessageError as exc:
+            self._park(message_id, fields, str(exc))
+            return
+        fingerprint = self.crawler.request_fingerprinter.fingerprint(request).hex()
+        message = _Message(message_id, time.monotonic(), {fingerprint}, {request.url})
+        self._messages[message_id] = message
+        self._waiting.setdefault(fingerprint, set()).add(message_id)
+        self._by_url.setdefault(request.url, set()).add(message_id)
+        assert self.crawler.engine is not None
+        self.crawler.engine.crawl(request)  # already done: acknowledged by now
+        if message_id in self._messages and self.scheduler.request_state(fingerprint) is None:
+            # neither accepted nor known: refused before the scheduler (an IgnoreRequest in a
+            # request_scheduled handler, as OffsiteMiddleware raises, or no fingerprint)
+            self._forget(message)
+            self._park(message_id, fields, "the request was refused before it reached the "
+                       "frontier (not in the spider's allowed_domains, or refused by a "
+                       "request_scheduled handler)")
+
+    def _park(self, message_id: str, fields: Mapping[str, str], error: str) -> None:
+        """Move a bad message to the parked stream with its error, and acknowledge it, in
+        one transaction (MULTI): visible to operators, never lost."""
+        entry = {"id": message_id, "fields": json.dumps(dict(fields), sort_keys=True),
+                 "error": error, "consumer": self.consumer}
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xadd(self.config.parked_key, entry)
+        pipe.xack(self.config.key, self.config.group, message_id)
+        pipe.execute()
+        self.stats.inc_value("idempotent/queue/parked")
+        logger.warning("scrapy_idempotent: queue message %s parked in %r: %s", message_id,
+                       self.config.parked_key, error)
+
+    # -- acknowledging ----------------------------------------------------------------------
+
+    def request_scheduled(self, request: Request, spider: Spider) -> None:
+        """A redirect of a request a message waits for: the message waits for its target."""
+        redirected_from = request.meta.get("redirect_urls")
+        if not redirected_from or not self._by_url:
+            return
+        ids = self._by_url.get(redirected_from[-1])
+        if not ids:
+            return
+        fingerprint = self.crawler.request_fingerprinter.fingerprint(request).hex()
+        for message_id in list(ids):
+            message = self._messages[message_id]
+            message.fingerprints.add(fingerprint)
+            message.urls.add(request.url)
+            self._waiting.setdefault(fingerprint, set()).add(message_id)
+            self._by_url.setdefault(request.url, set()).add(message_id)
+
+    def request_done(self, fingerprint: str, state: str) -> None:
+        """Acknowledge the messages waiting for ``fingerprint``: its final state (or that it
+        was done already) is committed."""
+        ids = self._waiting.get(fingerprint)
+        if not ids:
+            return
+        done: list[str] = []
+        for message_id in list(ids):
+            message = self._messages[message_id]
+            if state == "redirected" and len(message.fingerprints) > 1:
+                # its target is another request (registered when it was scheduled): the
+                # message is done when that is
+                message.fingerprints.discard(fingerprint)
+                ids.discard(message_id)
+                continue
+            done.append(message_id)
+        if not ids:
+            self._waiting.pop(fingerprint, None)
+        for message_id in done:
+            self._forget(self._messages[message_id])
+        self._ack(done)
+
+    def _forget(self, message: _Message) -> None:
+        del self._messages[message.id]
+        for fingerprint in message.fingerprints:
+            ids = self._waiting.get(fingerprint)
+            if ids is not None:
+                ids.discard(message.id)
+                if not ids:
+                    del self._waiting[fingerprint]
+        for url in message.urls:
+            ids = self._by_url.get(url)
+            if ids is not None:
+                ids.discard(message.id)
+                if not ids:
+                    del self._by_url[url]
+
+    def _ack(self, ids: list[str]) -> None:
+        if not ids:
+            return
+        try:
+            self.redis.xack(self.config.key, self.config.group, *ids)
+        except Exception as exc:
+            logger.warning("scrapy_idempotent: cannot acknowledge %d queue message(s) yet "
+                           "(%s): retried at the next poll", len(ids), exc)
+            self._unacked += ids
+            return
+        self.stats.inc_value("idempotent/queue/acknowledged", len(ids))
+
+    def _flush_acks(self) -> None:
+        ids, self._unacked = self._unacked, []
+        self._ack(ids)
+
+    def _reconcile(self, now: float) -> None:
+        """Messages waiting for a while on a request this worker does not process (another
+        worker holds it): acknowledged once the frontier has it finished."""
+        assert self.scheduler is not None
+        for message in list(self._messages.values()):
+            if now - message.received < _RECONCILE_AFTER_SECONDS \
+                    or len(message.fingerprints) != 1:
+                continue
+            (fingerprint,) = message.fingerprints
+            if self.scheduler.request_state(fingerprint) == signals.ALREADY_DONE:
+                self._forget(message)
+                self._ack([message.id])

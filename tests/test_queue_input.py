@@ -1,0 +1,304 @@
+"""Feeding a crawl from a Redis stream (real Redis server, real crawls of the local shop):
+messages become requests, are acknowledged only after their page is committed, redelivery is
+harmless, bad messages are parked, an empty queue keeps the crawl idle."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from scrapy import signals as scrapy_signals
+from scrapy.utils.defer import deferred_f_from_coro_f
+from scrapy.utils.test import get_crawler
+
+from crawling import crawl_settings, crawl_to_end, db_rows, frontier_counts, stored_products
+from redis_server import RedisServer, redis_server  # noqa: F401  (the fixture)
+from scrapy_idempotent import signals
+from scrapy_idempotent.queue_input import QueueInput
+from shop.site import ShopSite
+from shop.spiders.shop import ShopSpider
+
+NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
+GROUP = "scrapy_idempotent"
+
+
+class QueueSpider(ShopSpider):
+    """The shop spider with no start requests: all its work comes from the queue."""
+
+    name = "queue_shop"
+
+    async def start(self) -> AsyncIterator[Any]:
+        return
+        yield
+
+
+def queue_settings(db_path: Path, server: RedisServer, key: str, **extra: Any) -> dict[str, Any]:
+    return crawl_settings(db_path, IDEMPOTENT_QUEUE_URL=server.url, IDEMPOTENT_QUEUE_KEY=key,
+                          IDEMPOTENT_QUEUE_POLL_SECONDS=0.05, **NATURAL_KEYS, **extra)
+
+
+def product(shop: ShopSite, number: int) -> str:
+    return f"{shop.url}/product/SKU-{number:05d}"
+
+
+def product_message(shop: ShopSite, number: int) -> dict[str, str]:
+    """A JSON request message for a product page (``url`` alone would use ``parse``)."""
+    return {"request": json.dumps({"url": product(shop, number), "callback": "parse_product"})}
+
+
+def pending_count(client: Any, key: str) -> int:
+    return int(client.xpending(key, GROUP)["pending"])
+
+
+def acknowledged_all(client: Any, key: str) -> bool:
+    """Every entry of the stream was delivered to the group and none is pending."""
+    (group,) = client.xinfo_groups(key)
+    return bool(group["pending"] == 0 and group["last-delivered-id"] == client.xinfo_stream(
+        key)["last-generated-id"])
+
+
+def message_url(fields: dict[str, str]) -> str | None:
+    if "url" in fields:
+        return fields["url"]
+    if "request" in fields:
+        return str(json.loads(fields["request"])["url"])
+    return None
+
+
+class AckProbe:
+    """Wraps the queue input's Redis client (the real one) and checks at every ``XACK`` that
+    the page each acknowledged message asked for is committed in a final state."""
+
+    def __init__(self, crawler: Any, db_path: Path) -> None:
+        self.crawler, self.db_path = crawler, db_path
+        self.problems: list[str] = []
+        self.acked: list[str] = []
+        crawler.signals.connect(self.spider_opened, signal=scrapy_signals.spider_opened)
+
+    def spider_opened(self) -> None:
+        (queue_input,) = [ext for ext in self.crawler.extensions.middlewares
+                          if isinstance(ext, QueueInput)]
+        client = queue_input.redis
+        probe = self
+
+        class CheckedClient:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(client, name)
+
+            def xack(self, key: str, group: str, *ids: str) -> Any:
+                probe.check(client, key, ids)
+                return client.xack(key, group, *ids)
+
+        queue_input.redis = CheckedClient()
+
+    def check(self, client: Any, key: str, ids: tuple[str, ...]) -> None:
+        for message_id in ids:
+            self.acked.append(message_id)
+            ((_, fields),) = client.xrange(key, message_id, message_id)
+            url = message_url(fields)
+            if url is None:
+                continue  # the stop message
+            rows = db_rows(self.db_path, "SELECT key, state FROM requests WHERE url = ?", (url,))
+            while rows and all(state == "redirected" for _, state in rows):
+                # a redirect is finished when its target is (the target: its child entry)
+                rows = db_rows(self.db_path, "SELECT key, state FROM requests WHERE parent_key"
+                               f" IN ({','.join('?' * len(rows))})", [k for k, _ in rows])
+            states = {state for _, state in rows}
+            if not states or not states <= {"done", "failed"}:
+                self.problems.append(f"{message_id} ({url}) acknowledged in state {states}")
+
+
+@deferred_f_from_coro_f
+async def test_messages_become_requests_acknowledged_after_commit(
+    redis_server: RedisServer, db_path: Path  # noqa: F811
+) -> None:
+    key = f"q-{uuid.uuid4().hex}"
+    client = redis_server.client()
+    with ShopSite(port=0, listing_pages=2, products_per_page=3, products_failing=[3]) as shop:
+        for _ in range(3):  # the same URL three times: one entry, one record
+            client.xadd(key, product_message(shop, 1))
+        client.xadd(key, {"request": json.dumps({
+            "url": product(shop, 2), "callback": "parse_product", "meta": {"source": "q"},
+            "priority": 5})})
+        client.xadd(key, product_message(shop, 3))  # answers 503: failed, then acknowledged
+        client.xadd(key, {"url": f"{shop.url}/list/2"})  # links products 4..6 and list 1
+        client.xadd(key, {"stop": "1"})
+        crawler = get_crawler(QueueSpider, queue_settings(db_path, redis_server, key))
+        probe = AckProbe(crawler, db_path)
+        await crawl_to_end(crawler)
+        requests = shop.counts_by_path()
+    stats = crawler.stats.get_stats()
+    assert stats["finish_reason"] == "finished"
+    assert probe.problems == []
+    assert len(probe.acked) == 7
+    assert requests["/product/SKU-00001"] == 1
+    assert frontier_counts(db_path) == {"done": 7, "failed": 1}  # 2 listings, 6 products
+    skus = sorted(p["sku"] for p in stored_products(db_path))
+    assert skus == [f"SKU-{n:05d}" for n in (1, 2, 4, 5, 6)]
+    assert db_rows(db_path, "SELECT state, error_kind FROM requests WHERE url LIKE ?",
+                   ("%SKU-00003",)) == [("failed", "http_status")]
+    assert acknowledged_all(client, key)
+    assert stats["idempotent/queue/received"] == 7
+    assert stats["idempotent/queue/acknowledged"] == 7  # the stop message included
+    assert "idempotent/queue/parked" not in stats
+
+
+@deferred_f_from_coro_f
+async def test_a_redirected_request_is_acknowledged_when_its_target_is_done(
+    redis_server: RedisServer, db_path: Path  # noqa: F811
+) -> None:
+    key = f"q-{uuid.uuid4().hex}"
+    client = redis_server.client()
+    with ShopSite(port=0, listing_pages=1, products_per_page=2) as shop:
+        client.xadd(key, {"url": f"{shop.url}/"})  # 302 to /list/1
+        client.xadd(key, {"stop": "1"})
+        crawler = get_crawler(QueueSpider, queue_settings(db_path, redis_server, key))
+        probe = AckProbe(crawler, db_path)
+        await crawl_to_end(crawler)
+    assert crawler.stats.get_value("finish_reason") == "finished"
+    assert probe.problems == []
+    assert frontier_counts(db_path) == {"redirected": 1, "done": 3}
+    assert len(stored_products(db_path)) == 2
+    assert acknowledged_all(client, key)
+    assert len(probe.acked) == 2
+
+
+@deferred_f_from_coro_f
+async def test_bad_messages_are_parked_with_their_error_and_the_crawl_goes_on(
+    redis_server: RedisServer, db_path: Path  # noqa: F811
+) -> None:
+    key = f"q-{uuid.uuid4().hex}"
+    client = redis_server.client()
+    with ShopSite(port=0) as shop:
+        bad = [
+            {"request": "{not json"},
+            {"request": json.dumps({"url": product(shop, 1), "callback": "no_such_method"})},
+            {"request": json.dumps({"url": product(shop, 1), "dont_filter": True})},
+            {"request": json.dumps(["a", "list"])},
+            {"url": "ftp://example.com/file"},
+            {"url": "not a url"},
+            {"link": product(shop, 1)},
+            {"url": "http://elsewhere.example/page"},  # offsite: refused before the frontier
+        ]
+        ids = [client.xadd(key, fields) for fields in bad]
+        client.xadd(key, product_message(shop, 7))
+        client.xadd(key, {"stop": "1"})
+        settings = queue_settings(db_path, redis_server, key)
+        crawler = get_crawler(type("OffsiteSpider", (QueueSpider,), {
+            "allowed_domains": ["127.0.0.1"]}), settings)
+        await crawl_to_end(crawler)
+    stats = crawler.stats.get_stats()
+    assert stats["finish_reason"] == "finished"
+    parked = client.xrange(f"{key}:parked")
+    assert [fields["id"] for _, fields in parked] == ids
+    errors = [fields["error"] for _, fields in parked]
+    assert "not JSON" in errors[0]
+    assert "no_such_method" in errors[1] and "method of the spider" in errors[1]
+    assert "unknown request key(s) dont_filter" in errors[2]
+    assert "JSON object" in errors[3]
+    assert "http(s) URL" in errors[4] and "http(s) URL" in errors[5]
+    assert "one field" in errors[6] and "link" in errors[6]
+    assert "allowed_domains" in errors[7]
+    assert json.loads(parked[6][1]["fields"]) == {"link": product(shop, 1)}
+    assert stats["idempotent/queue/parked"] == 8
+    assert acknowledged_all(client, key)
+    assert [p["sku"] for p in stored_products(db_path)] == ["SKU-00007"]
+
+
+@deferred_f_from_coro_f
+async def test_empty_queue_keeps_the_crawl_idle_until_stop(
+    redis_server: RedisServer, db_path: Path  # noqa: F811
+) -> None:
+    """Work arrives while the crawl is idle (each message added once the previous one is
+    done): the crawl waits for it instead of finishing, and finishes on the stop message."""
+    key = f"q-{uuid.uuid4().hex}"
+    client = redis_server.client()
+    with ShopSite(port=0) as shop:
+        client.xadd(key, product_message(shop, 1))
+        follow_ups = [product_message(shop, 2), product_message(shop, 3), {"stop": "1"}]
+
+        def add_next(request: Any, state: str) -> None:
+            if follow_ups:
+                client.xadd(key, follow_ups.pop(0))
+
+        crawler = get_crawler(QueueSpider, queue_settings(db_path, redis_server, key))
+        crawler.signals.connect(add_next, signal=signals.request_done)
+        await crawl_to_end(crawler)
+    stats = crawler.stats.get_stats()
+    assert stats["finish_reason"] == "finished"
+    assert follow_ups == []
+    assert len(stored_products(db_path)) == 3
+    assert acknowledged_all(client, key)
+
+
+@deferred_f_from_coro_f
+async def test_idle_timeout_finishes_an_empty_queue(
+    redis_server: RedisServer, db_path: Path  # noqa: F811
+) -> None:
+    key = f"q-{uuid.uuid4().hex}"
+    crawler = get_crawler(QueueSpider, queue_settings(
+        db_path, redis_server, key, IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=0.5))
+    await crawl_to_end(crawler)
+    stats = crawler.stats.get_stats()
+    assert stats["finish_reason"] == "finished"
+    assert "idempotent/queue/received" not in stats
+    assert redis_server.client().xinfo_groups(key)[0]["name"] == GROUP
+
+
+@deferred_f_from_coro_f
+async def test_recrawl_window_applies_to_queued_urls(
+    redis_server: RedisServer, db_path: Path  # noqa: F811
+) -> None:
+    """With IDEMPOTENT_RECRAWL_SECONDS, a URL queued again in the same window is not fetched
+    (acknowledged as already done); in a later window it is fetched again (one entry)."""
+    key = f"q-{uuid.uuid4().hex}"
+    client = redis_server.client()
+    window = 3600.0
+    settings = queue_settings(db_path, redis_server, key, IDEMPOTENT_RECRAWL_SECONDS=window)
+    with ShopSite(port=0) as shop:
+        message = product_message(shop, 4)
+        for _ in range(2):  # the second: the same window
+            client.xadd(key, message)
+            client.xadd(key, {"stop": "1"})
+            crawler = get_crawler(QueueSpider, settings)
+            await crawl_to_end(crawler)
+            assert crawler.stats.get_value("finish_reason") == "finished"
+        assert shop.counts_by_path()["/product/SKU-00004"] == 1
+        assert crawler.stats.get_value("idempotent/requests/already_done") == 1
+        # the page was done in an earlier window (moved back by one window, as time passing)
+        conn = sqlite3.connect(db_path)
+        with conn:
+            conn.execute("UPDATE requests SET finished_at = finished_at - ?", (window,))
+        conn.close()
+        client.xadd(key, message)
+        client.xadd(key, {"stop": "1"})
+        crawler = get_crawler(QueueSpider, settings)
+        await crawl_to_end(crawler)
+        assert shop.counts_by_path()["/product/SKU-00004"] == 2
+    assert db_rows(db_path, "SELECT count(*), min(state) FROM requests") == [(1, "done")]
+    assert len(stored_products(db_path)) == 1
+    assert acknowledged_all(client, key)
+
+
+def test_queue_settings_are_validated(redis_server: RedisServer) -> None:  # noqa: F811
+    from scrapy_idempotent.exceptions import ConfigError
+    from scrapy_idempotent.queue_input import QueueConfig
+
+    for name, value, rule in [
+        ("IDEMPOTENT_QUEUE_URL", "http://localhost", "a Redis URL"),
+        ("IDEMPOTENT_QUEUE_PREFETCH", 0, ">= 1"),
+        ("IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS", "soon", ">= 0"),
+    ]:
+        settings = {"IDEMPOTENT_QUEUE_URL": redis_server.url, name: value}
+        with pytest.raises(ConfigError, match=rule) as info:
+            QueueConfig.from_crawler(get_crawler(QueueSpider, settings))
+        assert name in str(info.value)
+    config = QueueConfig.from_crawler(get_crawler(QueueSpider, {
+        "IDEMPOTENT_QUEUE_URL": redis_server.url}))
+    assert config is not None and config.key == "queue_shop:requests"
+    assert QueueConfig.from_crawler(get_crawler(QueueSpider, {})) is None
