@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+
+import scrapy
 
 
 def crawl_settings(db_path: Path, **extra: Any) -> dict[str, Any]:
@@ -81,6 +86,30 @@ def start_shop_crawl(site_url: str, db_path: Path, log_path: Path, *settings: st
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
+POISON_SPIDER = Path(__file__).resolve().parent / "poison_spider.py"
+
+
+def crawl_poison_until_finished(site_url: str, db: Path, log_dir: Path, *settings: str,
+                                runs: int = 8) -> list[int]:
+    """``scrapy runspider poison_spider.py`` on ``db`` again and again (logs
+    ``log_dir/run<n>.log``), until a crawl exits 0 or ``runs`` crawls ran; their exit codes."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "scrapy", "runspider", str(POISON_SPIDER), "-a",
+               f"url={site_url}", "-s", f"IDEMPOTENT_DATABASE={db}"]
+    for setting in settings:
+        command += ["-s", setting]
+    codes = []
+    for run in range(runs):
+        crawl = subprocess.run([*command, "-s", f"LOG_FILE={log_dir / f'run{run}.log'}"],
+                               cwd=log_dir, stdin=subprocess.DEVNULL, timeout=120, check=False)
+        codes.append(crawl.returncode)
+        if crawl.returncode == 0:
+            break
+    return codes
+
+
 def close_reason(log_path: Path) -> str | None:
     """The reason of the last ``Spider closed (...)`` line of a crawl log."""
     import re
@@ -91,14 +120,16 @@ def close_reason(log_path: Path) -> str | None:
     return reasons[-1] if reasons else None
 
 
-def wait_for(condition: Any, timeout: float, what: str) -> None:
-    """Poll a state (never a duration); ``timeout`` only ends a test that would hang."""
+def wait_for(condition: Any, timeout: float, what: str, log: Path | None = None) -> None:
+    """Poll a state (never a duration); ``timeout`` only ends a test that would hang. The
+    failure shows the text of ``log`` (a crawl's log file), when given."""
     import time
 
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            shown = f"; log:\n{log.read_text(errors='replace')}" if log is not None else ""
+            raise AssertionError(f"timed out waiting for {what}{shown}")
         time.sleep(0.01)
 
 
@@ -108,3 +139,57 @@ def done_requests(db: Path) -> int:
         return int(db_rows(db, "SELECT count(*) FROM requests WHERE state = 'done'")[0][0])
     except Exception:  # not created yet
         return 0
+
+
+# -- a spider fetching given paths, and log messages -----------------------------------------
+
+
+class PagesSpider(scrapy.Spider):
+    """Fetches the given paths; each page's output is ``make_output(response)``."""
+
+    name = "pages"
+
+    def __init__(self, url: str, paths: list[str],
+                 make_output: Callable[[Any], Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.base_url = url
+        self.paths = paths
+        self.make_output = make_output
+
+    async def start(self) -> Any:
+        for path in self.paths:
+            yield scrapy.Request(self.base_url + path, dont_filter=True)
+
+    def parse(self, response: Any) -> Any:
+        if self.make_output is not None:
+            yield from self.make_output(response)
+
+
+
+def pages(site: Any, count: int) -> list[str]:
+    """Adds ``count`` small HTML pages ``/page/1`` .. to the site; returns their paths."""
+    paths = [f"/page/{i}" for i in range(1, count + 1)]
+    for path in paths:
+        site.add(path, f"<html><body>{path}</body></html>")
+    return paths
+
+
+def request_keys(db_path: Path) -> dict[str, str]:
+    """URL path -> frontier key."""
+    return {urlsplit(url).path: key
+            for url, key in db_rows(db_path, "SELECT url, key FROM requests")}
+
+
+def package_messages(caplog: Any, level: int = logging.DEBUG, *,
+                     tracebacks: bool = False) -> list[str]:
+    """Messages of the package's own loggers (``scrapy_idempotent...``), optionally with the
+    text of the traceback logged with them."""
+    formatter = logging.Formatter()
+    return [r.getMessage() + (("\n" + formatter.formatException(r.exc_info))
+                              if tracebacks and r.exc_info else "")
+            for r in caplog.records
+            if r.name.startswith("scrapy_idempotent") and r.levelno >= level]
+
+
+def all_messages(caplog: Any, level: int = logging.DEBUG) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= level]

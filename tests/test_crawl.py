@@ -192,3 +192,24 @@ async def test_unstorable_requests_are_fetched_from_memory_and_the_crawl_goes_on
     assert sorted(r["url"].removeprefix(shop.url) for r in stored_products(db_path)) == [
         "/list/3", "/list/4"]
     assert stats["idempotent/records/inserted"] == 2
+
+
+@deferred_f_from_coro_f
+async def test_item_less_pages_are_done_and_listings_are_fetched_again(
+    tmp_path: Path,
+) -> None:
+    """Marking pages done because "they produced items" (as delta-fetch add-ons do) never
+    records item-less pages, and listings marked done forever never show new products."""
+    db = tmp_path / "itemless.sqlite3"
+    # the two shops run on different ports: the url field changes, and is volatile here
+    settings = crawl_settings(db, IDEMPOTENT_VOLATILE_FIELDS=["url"], **NATURAL_KEYS)
+    with ShopSite(port=0, listing_pages=1, products_per_page=10) as site:
+        await run_crawl(ShopSpider, settings, url=site.url)
+    assert frontier_counts(db) == {"done": 11}  # the item-less listing page too
+    with ShopSite(port=0, listing_pages=1, products_per_page=11) as site:  # a new product
+        crawler = await run_crawl(ShopSpider, settings, url=site.url)
+        assert site.counts_by_path()["/list/1"] == 1  # the listing is fetched again
+    stats = crawler.stats.get_stats()
+    assert (stats["idempotent/records/inserted"], stats["idempotent/records/unchanged"]) == (
+        1, 10)
+    assert sorted(r["sku"] for r in stored_products(db)) == [f"SKU-{i:05d}" for i in range(1, 12)]

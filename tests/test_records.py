@@ -10,10 +10,13 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import scrapy
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from scrapy_idempotent.codec import loads
 from scrapy_idempotent.config import DEFAULT_URL_IGNORE_PARAMS
@@ -467,3 +470,80 @@ def test_a_boolean_or_list_key_is_not_the_string_that_looks_like_it() -> None:
     assert rid(False) != rid("false")
     assert rid([1, "a"]) != rid('[1,"a"]')
     assert rid({"a": 1}) != rid('{"a":1}')
+
+
+# -- property: record IDs are stable across processes and item types -------------------------
+
+#: What a natural key field can hold: ints (any size), and text that is not blank (no lone
+#: surrogates: those are the subject of their own test above).
+_key_values = st.one_of(
+    st.integers(),
+    st.text(min_size=1, max_size=30).filter(lambda s: s.strip() != ""),
+)
+_keys = st.tuples(_key_values, _key_values)
+
+#: Computes record IDs in a fresh interpreter (another hash seed) for a JSON list of
+#: ``[source, sku, region]``.
+RECORD_IDS_ELSEWHERE = r"""
+import json, sys
+from scrapy_idempotent.records import RecordIdentity
+ids = []
+for source, sku, region in json.load(sys.stdin):
+    ident = RecordIdentity(source=source, natural_keys={"*": ("sku", "region")})
+    ids.append(ident.record_id(ident.natural_key({"sku": sku, "region": region}, None)))
+print(json.dumps(ids))
+"""
+
+
+class KeyedItem(scrapy.Item):
+    sku = scrapy.Field()
+    region = scrapy.Field()
+    record_id = scrapy.Field()
+
+
+@dataclasses.dataclass
+class KeyedData:
+    region: Any
+    sku: Any
+    extra: str = "ignored by the key"
+
+
+def test_record_ids_are_the_same_in_another_process_and_for_every_item_type() -> None:
+    """Hypothesis draws batches of compound keys (ints of any size, any non-blank text) and
+    sources; every item type gives one ID per key in this process; then ONE other process
+    (another ``PYTHONHASHSEED``) computes the IDs of everything drawn, and they agree."""
+    from scrapy_idempotent.records import RecordIdentity
+
+    kinds: list[Callable[[Any, Any], Any]] = [
+        lambda a, b: {"sku": a, "region": b},
+        lambda a, b: KeyedItem(sku=a, region=b),
+        lambda a, b: KeyedData(sku=a, region=b),
+        lambda a, b: {"region": f" {b}\t" if isinstance(b, str) else b, "sku": a,
+                      "noise": object()},
+    ]
+    drawn: list[tuple[str, Any, Any]] = []
+    ids: list[str] = []
+
+    @settings(max_examples=60, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(batch=st.lists(_keys, min_size=1, max_size=20),
+           source=st.text(min_size=1, max_size=8).filter(lambda s: s.strip() != ""))
+    def same_id_for_every_item_type(batch: list[tuple[Any, Any]], source: str) -> None:
+        ident = RecordIdentity(source=source, natural_keys={"*": ("sku", "region")})
+        by_key: dict[tuple[str, str], str] = {}
+        for a, b in batch:
+            found = {ident.record_id(ident.natural_key(make(a, b), None)) for make in kinds}
+            assert len(found) == 1, (a, b)
+            record_id = found.pop()
+            # the same normalised key (1, "1", " 1 ") always has the same ID
+            assert by_key.setdefault((str(a).strip(), str(b).strip()), record_id) == record_id
+            drawn.append((source, a, b))
+            ids.append(record_id)
+        assert len(set(by_key.values())) == len(by_key)  # different keys, different IDs
+
+    same_id_for_every_item_type()
+    assert len(drawn) >= 60
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", RECORD_IDS_ELSEWHERE], input=json.dumps(drawn),
+                         capture_output=True, text=True, env=env, check=True, timeout=60)
+    assert json.loads(out.stdout) == ids

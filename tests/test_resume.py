@@ -14,6 +14,7 @@ import pytest
 
 from crawling import (
     close_reason,
+    crawl_poison_until_finished,
     db_rows,
     done_requests,
     start_shop_crawl,
@@ -61,59 +62,17 @@ def test_requests_in_flight_at_a_kill_are_replayed_at_full_concurrency(tmp_path:
     assert len(beside_others) * 2 >= len(replayed), replayed
 
 
-POISON_SPIDER = '''
-import os
-import signal
-
-import scrapy
-
-
-class PoisonSpider(scrapy.Spider):
-    name = "poison"
-    custom_settings = {"ADDONS": {"scrapy_idempotent.Addon": 0},
-                       "IDEMPOTENT_NATURAL_KEYS": {"dict": "sku"}, "ROBOTSTXT_OBEY": False,
-                       "CONCURRENT_REQUESTS": 16, "CONCURRENT_REQUESTS_PER_DOMAIN": 16,
-                       "IDEMPOTENT_MAX_ATTEMPTS": 4}
-
-    def __init__(self, url, **kwargs):
-        super().__init__(**kwargs)
-        self.base_url = url
-
-    async def start(self):
-        yield scrapy.Request(self.base_url + "/list/1", dont_filter=True)
-
-    def parse(self, response):
-        yield from response.follow_all(css="a.product", callback=self.parse_product)
-        yield from response.follow_all(css="a.next", callback=self.parse)
-
-    def parse_product(self, response):
-        sku = response.css("span.sku::text").get()
-        if sku == "SKU-00013":  # this page kills the process, every time (OOM, segfault)
-            os.kill(os.getpid(), signal.SIGKILL)
-        yield {"sku": sku}
-'''
-
-
 def test_a_page_that_kills_every_crawl_at_full_concurrency_is_quarantined_alone(
     tmp_path: Path,
 ) -> None:
     """Sixteen requests in flight when the poison page kills the worker: the first replay
     runs at full concurrency; what was in flight at two deaths runs alone; the poison page is
     quarantined after IDEMPOTENT_MAX_ATTEMPTS (4) deaths, and no other page is."""
-    spider = tmp_path / "poison.py"
-    spider.write_text(POISON_SPIDER)
     db = tmp_path / "poison.sqlite3"
-    codes = []
     with ShopSite(port=0, listing_pages=3, products_per_page=20, delay=0.05) as site:
-        for run in range(8):
-            crawl = subprocess.run(
-                [sys.executable, "-m", "scrapy", "runspider", str(spider), "-a",
-                 f"url={site.url}", "-s", f"IDEMPOTENT_DATABASE={db}",
-                 "-s", f"LOG_FILE={tmp_path / f'run{run}.log'}"],
-                cwd=tmp_path, stdin=subprocess.DEVNULL, timeout=120, check=False)
-            codes.append(crawl.returncode)
-            if crawl.returncode == 0:
-                break
+        codes = crawl_poison_until_finished(
+            site.url, db, tmp_path, "CONCURRENT_REQUESTS=16", "CONCURRENT_REQUESTS_PER_DOMAIN=16",
+            "IDEMPOTENT_MAX_ATTEMPTS=4")
     assert codes == [-signal.SIGKILL] * 4 + [0]
     assert db_rows(db, "SELECT url, error_kind FROM requests WHERE state != 'done'") == [
         (f"{site.url}/product/SKU-00013", "quarantined")]

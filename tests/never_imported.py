@@ -1,4 +1,4 @@
-"""A module the hardening tests must never see imported: a stored request or response naming
+"""A module the security tests must never see imported: a stored request or response naming
 it (``_class``) is data from the database, and data must not make the crawl import code.
 
 Importing it leaves a trace in ``sys.modules`` and in :data:`IMPORTED`.
@@ -21,4 +21,4 @@ class EvilResponse(HtmlResponse):
 
 
 def touch(*args: object, **kwargs: object) -> None:
-    raise AssertionError("hardening_marker.touch was called")
+    raise AssertionError("never_imported.touch was called")

@@ -1,5 +1,6 @@
-"""Kill cases of the request paths: a real ``CrawlerProcess`` in a subprocess
-(tests/paths_spiders.py), SIGKILLed at a chosen moment, then run again on the same database."""
+"""A worker killed inside a page: a real ``CrawlerProcess`` in a subprocess
+(``process_spiders.py``), SIGKILLed after the page's items reached the item pipelines but
+before the page finished, then run again on the same database."""
 
 from __future__ import annotations
 
@@ -9,16 +10,15 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from paths_site import PathsSite
 
-from crawling import db_rows
+from crawling import db_rows, wait_for
 
 pytestmark = pytest.mark.slow
 
-SPIDERS = Path(__file__).resolve().parent / "paths_spiders.py"
+SPIDERS = Path(__file__).resolve().parent / "process_spiders.py"
 
 
 @pytest.fixture
@@ -43,20 +43,12 @@ def start_crawl(
         log.close()
 
 
-def wait_for(condition: Any, timeout: float, what: str, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}; log:\n{log.read_text()}")
-        time.sleep(0.02)
-
-
 def marker_lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
 @pytest.mark.parametrize("journal", [True, False], ids=["journal", "no-journal"])
-def test_c9_kill_after_items_reached_the_pipeline_before_the_page_finished(
+def test_kill_after_items_reached_the_pipeline_before_the_page_finished(
     site: PathsSite, tmp_path: Path, journal: bool
 ) -> None:
     db = tmp_path / "frontier.sqlite3"

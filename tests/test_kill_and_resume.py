@@ -1,4 +1,6 @@
-"""Failure cases reported by Scrapy users, each reduced to the local test shop."""
+"""Crawls killed and resumed, with real ``scrapy crawl`` and ``scrapy runspider`` processes:
+failures Scrapy users met with JOBDIR, each reduced to a local site (a forced stop, kills
+while links are stored, a sitemap spider, a page that kills every crawl)."""
 
 from __future__ import annotations
 
@@ -8,19 +10,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import (
     close_reason,
-    crawl_settings,
+    crawl_poison_until_finished,
     db_rows,
     frontier_counts,
-    run_crawl,
     start_shop_crawl,
     stored_products,
 )
 from shop.site import ShopSite
-from shop.spiders.shop import ShopSpider
 
 NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
 
@@ -33,10 +32,10 @@ def record_count(db: Path) -> int:
 
 
 @pytest.mark.slow
-def test_c1_forced_stop_repeats_at_most_what_was_in_flight(tmp_path: Path) -> None:
-    """scrapy/scrapy#2399: a forced stop lost the requests in the downloader. A listing of 60
+def test_forced_stop_repeats_at_most_what_was_in_flight(tmp_path: Path) -> None:
+    """With JOBDIR, a forced stop lost the requests in the downloader. A listing of 60
     product pages that take 1 s each, 8 at a time, killed once about 20 are stored."""
-    db = tmp_path / "c1.sqlite3"
+    db = tmp_path / "forced_stop.sqlite3"
     with ShopSite(port=0, listing_pages=1, products_per_page=60, delay=1.0) as site:
         settings = ("CONCURRENT_REQUESTS=8", "CONCURRENT_REQUESTS_PER_DOMAIN=8")
         first = start_shop_crawl(site.url, db, tmp_path / "first.log", *settings)
@@ -57,10 +56,10 @@ def test_c1_forced_stop_repeats_at_most_what_was_in_flight(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
-def test_c4_kills_during_heavy_enqueueing_leave_a_consistent_frontier(tmp_path: Path) -> None:
-    """scrapy/scrapy#3333, #3413: after an unclean stop the disk queue was stale or lost.
+def test_kills_during_heavy_enqueueing_leave_a_consistent_frontier(tmp_path: Path) -> None:
+    """With JOBDIR, the disk queue was stale or lost after an unclean stop.
     Listing pages each linking 500 new URLs, killed 20 times while their links are stored."""
-    db = tmp_path / "c4.sqlite3"
+    db = tmp_path / "enqueueing.sqlite3"
     rng = random.Random(20)
     seen: list[dict[str, int]] = []
     with ShopSite(port=0, listing_pages=3, products_per_page=500) as site:
@@ -91,27 +90,6 @@ def test_c4_kills_during_heavy_enqueueing_leave_a_consistent_frontier(tmp_path: 
     # the frontier never shrank between kills: nothing silently emptied
     totals = [sum(c.values()) for c in seen]
     assert totals == sorted(totals)
-
-
-@deferred_f_from_coro_f
-async def test_c21_item_less_pages_are_done_and_listings_are_fetched_again(
-    tmp_path: Path,
-) -> None:
-    """scrapy-deltafetch#17: marking pages done by "it produced items" never records item-less
-    pages, and listings marked done forever never show new products."""
-    db = tmp_path / "c21.sqlite3"
-    # the two shops run on different ports: the url field changes, and is volatile here
-    settings = crawl_settings(db, IDEMPOTENT_VOLATILE_FIELDS=["url"], **NATURAL_KEYS)
-    with ShopSite(port=0, listing_pages=1, products_per_page=10) as site:
-        await run_crawl(ShopSpider, settings, url=site.url)
-    assert frontier_counts(db) == {"done": 11}  # the item-less listing page too
-    with ShopSite(port=0, listing_pages=1, products_per_page=11) as site:  # a new product
-        crawler = await run_crawl(ShopSpider, settings, url=site.url)
-        assert site.counts_by_path()["/list/1"] == 1  # the listing is fetched again
-    stats = crawler.stats.get_stats()
-    assert (stats["idempotent/records/inserted"], stats["idempotent/records/unchanged"]) == (
-        1, 10)
-    assert sorted(r["sku"] for r in stored_products(db)) == [f"SKU-{i:05d}" for i in range(1, 12)]
 
 
 SITEMAP_SPIDER = '''
@@ -179,8 +157,8 @@ def _sitemap_site(delay: float) -> tuple[Any, dict[str, int]]:
 
 
 @pytest.mark.slow
-def test_c20_sitemap_spider_resumes_its_products(tmp_path: Path) -> None:
-    """scrapy/scrapy#4479, #4509: a resumed SitemapSpider finished at once because its
+def test_sitemap_spider_resumes_its_products(tmp_path: Path) -> None:
+    """With JOBDIR, a resumed SitemapSpider finished at once because its
     discovery requests were filtered; plain start URLs were re-crawled on every resume.
     robots.txt -> sitemap index -> 2 sitemaps -> 20 products, killed after 5 products."""
     import subprocess
@@ -188,7 +166,7 @@ def test_c20_sitemap_spider_resumes_its_products(tmp_path: Path) -> None:
 
     spider = tmp_path / "products.py"
     spider.write_text(SITEMAP_SPIDER)
-    db = tmp_path / "c20.sqlite3"
+    db = tmp_path / "sitemap.sqlite3"
     server, counts = _sitemap_site(delay=0.3)
     url = f"http://127.0.0.1:{server.server_address[1]}"
 
@@ -219,60 +197,16 @@ def test_c20_sitemap_spider_resumes_its_products(tmp_path: Path) -> None:
     assert sum(n - 1 for p, n in counts.items() if p.startswith("/product/")) <= 2
 
 
-POISON_SPIDER = '''
-import os
-import signal
-
-import scrapy
-
-
-class PoisonSpider(scrapy.Spider):
-    name = "poison"
-    custom_settings = {"ADDONS": {"scrapy_idempotent.Addon": 0},
-                       "IDEMPOTENT_NATURAL_KEYS": {"dict": "sku"}, "ROBOTSTXT_OBEY": False,
-                       "CONCURRENT_REQUESTS": 1, "DOWNLOAD_DELAY": 0.05,
-                       "IDEMPOTENT_MAX_ATTEMPTS": 3}
-
-    def __init__(self, url, **kwargs):
-        super().__init__(**kwargs)
-        self.base_url = url
-
-    async def start(self):
-        yield scrapy.Request(self.base_url + "/list/1", dont_filter=True)
-
-    def parse(self, response):
-        yield from response.follow_all(css="a.product", callback=self.parse_product)
-
-    def parse_product(self, response):
-        sku = response.css("span.sku::text").get()
-        if sku == "SKU-00013":  # this page kills the process, every time (OOM, segfault)
-            os.kill(os.getpid(), signal.SIGKILL)
-        yield {"sku": sku}
-'''
-
-
 @pytest.mark.slow
 def test_a_page_that_kills_every_crawl_is_quarantined_and_nothing_else(tmp_path: Path) -> None:
     """A page that kills the worker on every attempt must stop doing so after
     IDEMPOTENT_MAX_ATTEMPTS starts, and requests that were merely claimed beside it (never
     started) must not be blamed for it."""
-    import subprocess
-    import sys
-
-    spider = tmp_path / "poison.py"
-    spider.write_text(POISON_SPIDER)
     db = tmp_path / "poison.sqlite3"
-    codes = []
     with ShopSite(port=0, listing_pages=1, products_per_page=20) as site:
-        for run in range(8):
-            crawl = subprocess.run(
-                [sys.executable, "-m", "scrapy", "runspider", str(spider), "-a",
-                 f"url={site.url}", "-s", f"IDEMPOTENT_DATABASE={db}",
-                 "-s", f"LOG_FILE={tmp_path / f'run{run}.log'}"],
-                cwd=tmp_path, stdin=subprocess.DEVNULL, timeout=120, check=False)
-            codes.append(crawl.returncode)
-            if crawl.returncode == 0:
-                break
+        codes = crawl_poison_until_finished(
+            site.url, db, tmp_path, "CONCURRENT_REQUESTS=1", "DOWNLOAD_DELAY=0.05",
+            "IDEMPOTENT_MAX_ATTEMPTS=3")
         repeated = {p: n for p, n in site.counts_by_path().items() if n > 1}
     assert codes == [-9, -9, -9, 0]
     assert db_rows(db, "SELECT url, error_kind FROM requests WHERE state != 'done'") == [

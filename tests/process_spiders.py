@@ -1,6 +1,6 @@
-"""Spiders for the kill tests of tests/test_paths_kill.py, run in a subprocess:
+"""Spiders the kill tests run in a real ``CrawlerProcess`` of their own (a subprocess):
 
-    python tests/paths_spiders.py --url URL --db DB --marker FILE --stats FILE [-s NAME=VALUE]
+    python tests/process_spiders.py --url URL --db DB --marker FILE --stats FILE [-s NAME=VALUE]
 
 runs :class:`VariantsSpider` (or the spider named by ``--spider``) with the add-on in a
 ``CrawlerProcess``. The marker file gets one line per item that reached the item pipelines
@@ -20,14 +20,14 @@ import scrapy
 
 
 class MarkerPipeline:
-    """Appends the key of every item it sees to ``PATHS_MARKER`` (flushed at once)."""
+    """Appends the key of every item it sees to ``MARKER_FILE`` (flushed at once)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
 
     @classmethod
     def from_crawler(cls, crawler: Any) -> MarkerPipeline:
-        return cls(crawler.settings.get("PATHS_MARKER"))
+        return cls(crawler.settings.get("MARKER_FILE"))
 
     def process_item(self, item: Any, spider: Any = None) -> Any:  # Scrapy 2.13 passes it
         with open(self.path, "a") as f:
@@ -38,8 +38,8 @@ class MarkerPipeline:
 
 
 class VariantsSpider(scrapy.Spider):
-    """Case C9: a product page yields 3 variant items, then awaits a request to a URL that
-    blocks until the test releases it, so the page cannot finish before then."""
+    """A product page yields 3 variant items, then awaits a request to a URL that blocks
+    until the test releases it, so the page cannot finish before then."""
 
     name = "variants"
 
@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> None:
         "ADDONS": {"scrapy_idempotent.Addon": 0},
         "IDEMPOTENT_DATABASE": args.db,
         "IDEMPOTENT_NATURAL_KEYS": {"dict": "key"},
-        "ITEM_PIPELINES": {"paths_spiders.MarkerPipeline": 900},
-        "PATHS_MARKER": args.marker,
+        "ITEM_PIPELINES": {"process_spiders.MarkerPipeline": 900},
+        "MARKER_FILE": args.marker,
         "ROBOTSTXT_OBEY": False,
         "TELNETCONSOLE_ENABLED": False,
         "LOG_LEVEL": "INFO",
@@ -126,5 +126,5 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    sys.modules.setdefault("paths_spiders", sys.modules[__name__])
+    sys.modules.setdefault("process_spiders", sys.modules[__name__])
     main()
