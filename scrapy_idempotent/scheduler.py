@@ -1092,6 +1092,7 @@ class IdempotentScheduler(BaseScheduler):
             ("records/inserted", result.records_inserted),
             ("records/updated", result.records_updated),
             ("records/unchanged", result.records_unchanged),
+            ("records/conflicts", result.records_conflicts),
             ("records/rejected", result.rejects),
             ("requests/leases_lost", result.leases_lost),
             ("requests/quarantined", len(result.quarantined)),

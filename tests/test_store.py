@@ -61,12 +61,35 @@ def sqlite_factory(location: Path, clock: FakeClock, **options: Any) -> Frontier
     return SQLiteStore(str(location / "frontier.sqlite3"), clock=clock, **options)
 
 
+def postgresql_factory(location: Path, clock: FakeClock, **options: Any) -> FrontierStore:
+    """A PostgreSQL store on a database of this test's own (made once per location), without
+    the heartbeat thread and death by heartbeat (time here is the fake clock's)."""
+    from scrapy_idempotent.store.postgresql import PostgreSQLStore
+
+    marker = location / "postgresql-url"
+    if not marker.exists():
+        marker.write_text(_POSTGRES_CLUSTER[0].new_database())
+    options.setdefault("heartbeat_seconds", None)
+    options.setdefault("dead_after_seconds", None)
+    options.pop("synchronous", None)
+    return PostgreSQLStore(marker.read_text(), clock=clock, **options)
+
+
+_POSTGRES_CLUSTER: list[Any] = []
+
 #: What a commit that fails may raise: the package's error or the backend's DB-API error.
-COMMIT_ERRORS = (StoreError, sqlite3.Error)
+COMMIT_ERRORS: tuple[type[BaseException], ...] = (StoreError, sqlite3.Error)
+try:
+    import psycopg
+
+    COMMIT_ERRORS += (psycopg.Error,)
+except ImportError:  # the PostgreSQL store's tests skip
+    pass
 
 #: One factory per backend: ``factory(location, clock, **options)`` returns an unopened store;
 #: two stores made with the same location share one database (two processes).
-STORE_FACTORIES = [pytest.param(sqlite_factory, id="sqlite")]
+STORE_FACTORIES = [pytest.param(sqlite_factory, id="sqlite"),
+                   pytest.param(postgresql_factory, id="postgresql")]
 
 
 @pytest.fixture
@@ -79,6 +102,8 @@ def make_store(request: pytest.FixtureRequest, tmp_path: Path,
                clock: FakeClock) -> Iterator[Callable[..., Any]]:
     """``make_store(**options)``: an unopened store on this test's database, closed after."""
     made: list[Any] = []
+    if request.param is postgresql_factory and not _POSTGRES_CLUSTER:
+        _POSTGRES_CLUSTER.append(request.getfixturevalue("postgres_cluster"))
 
     def make(**options: Any) -> Any:
         options.setdefault("lease_seconds", LEASE_SECONDS)

@@ -193,6 +193,9 @@ class CommitResult:
     records_inserted: int = 0
     records_updated: int = 0
     records_unchanged: int = 0
+    #: inserts that met the unique index because another worker inserted the same record ID
+    #: meanwhile (they became updates, or nothing): the duplicate rate of concurrent workers
+    records_conflicts: int = 0
     rejects: int = 0
     completed: dict[str, int] = field(default_factory=dict)  #: state value -> count
     leases_lost: int = 0  #: completions whose lease was not this worker's: nothing written

@@ -35,6 +35,9 @@ StoreFactory = Callable[..., FrontierStore]
 #: URL scheme (lower case) -> the backend's store factory, or ``"module:attribute"`` naming it.
 BACKENDS: dict[str, StoreFactory | str] = {
     "sqlite": "scrapy_idempotent.store.sqlite:SQLiteStore",
+    # psycopg is imported only when such a database is opened (the postgresql extra)
+    "postgresql": "scrapy_idempotent.store.postgresql:PostgreSQLStore",
+    "postgres": "scrapy_idempotent.store.postgresql:PostgreSQLStore",
 }
 
 #: ``scheme://`` at the start of a database string (RFC 3986 scheme characters).

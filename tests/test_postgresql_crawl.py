@@ -1,0 +1,94 @@
+"""Real crawls of the local test shop on the PostgreSQL store (``IDEMPOTENT_DATABASE`` a
+``postgresql://`` URL): the same results as on SQLite, crawls sharing one database."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from scrapy.utils.defer import deferred_f_from_coro_f
+
+from crawling import crawl_settings, run_crawl
+from shop.site import ShopSite
+from shop.spiders.shop import ShopSpider
+
+psycopg = pytest.importorskip("psycopg")
+
+NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
+
+
+def crawl_schemas(url: str) -> list[str]:
+    with psycopg.connect(url) as conn:
+        return [name for (name,) in conn.execute(
+            "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'idempotent%' ORDER BY 1")]
+
+
+def pg_rows(url: str, schema: str, sql: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(url) as conn:
+        conn.execute("SELECT set_config('search_path', %s, false)", (schema,))
+        return [tuple(row) for row in conn.execute(sql).fetchall()]
+
+
+def assert_catalogue(url: str, schema: str, site: ShopSite) -> None:
+    import json
+
+    expected = site.expected_products()
+    rows = [json.loads(data) for (data,) in pg_rows(url, schema, "SELECT data FROM records")]
+    assert len(rows) == len(expected) == 500
+    for row in rows:
+        want = expected[row["sku"]]
+        assert (row["sku"], row["name"], row["price"]) == (want["sku"], want["name"],
+                                                            want["price"])
+
+
+@deferred_f_from_coro_f
+async def test_full_crawl_on_postgresql_stores_each_product_once(
+        shop: ShopSite, postgres_url: str) -> None:
+    settings = crawl_settings(postgres_url, **NATURAL_KEYS)  # type: ignore[arg-type]
+    crawler = await run_crawl(ShopSpider, settings, url=shop.url)
+    stats = crawler.stats.get_stats()
+    assert stats["finish_reason"] == "finished"
+    assert shop.request_count == 525
+    assert stats["idempotent/records/inserted"] == 500
+    assert stats["idempotent/requests/done"] == stats["idempotent/requests/leased"] == 525
+    [schema] = crawl_schemas(postgres_url)
+    assert_catalogue(postgres_url, schema, shop)
+    assert pg_rows(postgres_url, schema,
+                   "SELECT state, count(*) FROM requests GROUP BY state") == [("done", 525)]
+    assert pg_rows(postgres_url, schema, "SELECT finished_at IS NOT NULL, reason FROM runs"
+                   ) == [(True, "finished")]
+
+    # the next crawl is a new run over the same records: nothing inserted, nothing changed
+    shop.reset_counts()
+    crawler = await run_crawl(ShopSpider, settings, url=shop.url)
+    stats = crawler.stats.get_stats()
+    assert stats["finish_reason"] == "finished"
+    assert stats["idempotent/records/unchanged"] == 500
+    assert "idempotent/records/inserted" not in stats
+    assert "idempotent/records/conflicts" not in stats
+    assert_catalogue(postgres_url, schema, shop)
+    assert pg_rows(postgres_url, schema, "SELECT count(*) FROM runs") == [(2,)]
+
+
+@deferred_f_from_coro_f
+async def test_crawls_of_other_sources_share_one_database_without_seeing_each_other(
+        shop: ShopSite, postgres_url: str) -> None:
+    for source in ("shop-eu", "shop-us"):
+        settings = crawl_settings(postgres_url,  # type: ignore[arg-type]
+                                  IDEMPOTENT_SOURCE=source, **NATURAL_KEYS)
+        crawler = await run_crawl(ShopSpider, settings, url=shop.url)
+        stats = crawler.stats.get_stats()
+        assert stats["finish_reason"] == "finished"
+        # each crawl fetched the whole shop: the other's frontier is not its own
+        assert stats["idempotent/requests/done"] == 525
+        assert stats["idempotent/records/inserted"] == 500
+    schemas = crawl_schemas(postgres_url)
+    assert len(schemas) == 2
+    sources = []
+    for schema in schemas:
+        [(source,)] = pg_rows(postgres_url, schema, "SELECT value FROM meta WHERE key = 'source'")
+        assert pg_rows(postgres_url, schema, "SELECT DISTINCT source FROM records") == [
+            (source,)]
+        assert_catalogue(postgres_url, schema, shop)
+        sources.append(source)
+    assert sorted(sources) == ["shop-eu", "shop-us"]
