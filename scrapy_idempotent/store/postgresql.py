@@ -394,9 +394,29 @@ class PostgreSQLStore(FrontierStore):
         if conn is None or conn.closed or conn.broken:
             if conn is not None:
                 self._drop(conn)
-            conn = self._connect()
+            conn = self._reconnect() if getattr(self._local, "connected", False) \
+                else self._connect()
             self._local.conn = conn
+            self._local.connected = True
         return conn
+
+    def _reconnect(self) -> psycopg.Connection[Any]:
+        """A new connection after one was lost: the server may be restarting, so a refused
+        or not-ready connection is tried again for up to ``busy_timeout_seconds`` (this
+        blocks, as a locked SQLite database does) before :class:`~.StoreBusy` is raised."""
+        deadline = time.monotonic() + self.busy_timeout_seconds
+        delay = 0.05
+        while True:
+            try:
+                conn = self._connect()
+            except StoreBusy:
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            logger.info("scrapy_idempotent: reconnected to %s", self.shown_url)
+            return conn
 
     def _drop(self, conn: psycopg.Connection[Any]) -> None:
         with contextlib.suppress(Exception):

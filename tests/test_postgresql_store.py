@@ -1,0 +1,255 @@
+"""What the PostgreSQL store does beyond the shared contract (tests/test_store.py runs that on
+both backends): schemas per crawl and their refusal, worker liveness by heartbeat across
+hosts, record conflicts between concurrent writers, connection loss and server restarts, a
+wrong password."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from crawling import wait_for
+from scrapy_idempotent.exceptions import StoreBusy, StoreError
+from scrapy_idempotent.store import (
+    Completion,
+    CrawlIdentity,
+    NewRequest,
+    Record,
+    RequestState,
+    UnitOfWork,
+    open_store,
+)
+
+psycopg = pytest.importorskip("psycopg")
+from scrapy_idempotent.store.postgresql import (  # noqa: E402
+    SCHEMA_VERSION,
+    PostgreSQLStore,
+    schema_for,
+)
+
+T0 = 1_700_000_000.0
+SHOP = CrawlIdentity(project="p", spider="shop", source="shop")
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def make(postgres_url: str) -> Iterator[Callable[..., PostgreSQLStore]]:
+    made: list[PostgreSQLStore] = []
+
+    def make_store(url: str = postgres_url, **options: Any) -> PostgreSQLStore:
+        store = PostgreSQLStore(url, **options)
+        made.append(store)
+        return store
+
+    yield make_store
+    for store in made:
+        store.close()
+
+
+def sql(url: str, statement: str, params: Any = ()) -> list[tuple[Any, ...]]:
+    with psycopg.connect(url, autocommit=True) as conn:
+        cur = conn.execute(statement, params or None)
+        return [tuple(row) for row in cur.fetchall()] if cur.description else []
+
+
+def req(key: str) -> NewRequest:
+    return NewRequest(key=key, fingerprint=key, url=f"https://shop.example/{key}", priority=0,
+                      data="{}")
+
+
+def rec(record_id: str, content_hash: str) -> Record:
+    return Record(record_id=record_id, source="shop", natural_key='["A1"]', item_type="dict",
+                  data='{"sku": "A1"}', content_hash=content_hash)
+
+
+def test_open_store_picks_postgresql_by_scheme(postgres_url: str) -> None:
+    for url in (postgres_url, postgres_url.replace("postgresql://", "postgres://", 1)):
+        store = open_store(url, lease_seconds=30.0)
+        assert isinstance(store, PostgreSQLStore)
+        assert store.lease_seconds == 30.0
+        assert "***@" in store.shown_url and store.url == url
+
+
+def test_each_crawl_identity_gets_its_own_schema(make: Callable[..., PostgreSQLStore],
+                                                 postgres_url: str) -> None:
+    other_source = CrawlIdentity(project="p", spider="shop", source="shop-us")
+    for identity in (SHOP, other_source, SHOP):
+        store = make(heartbeat_seconds=None)
+        store.open(fingerprinter="f", identity=identity)
+        store.begin_session("w", "auto")
+        store.commit(UnitOfWork(requests=[req(identity.source)]), "w")
+        store.close()
+    schemas = [name for (name,) in sql(
+        postgres_url, "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'idempotent%'"
+        " ORDER BY 1")]
+    assert sorted(schemas) == sorted([schema_for(SHOP), schema_for(other_source)])
+    assert schema_for(SHOP).startswith("idempotent_shop_")
+    assert sql(postgres_url, f'SELECT key FROM "{schema_for(SHOP)}".requests') == [("shop",)]
+
+
+def test_a_schema_of_another_crawl_is_refused_untouched(make: Callable[..., PostgreSQLStore],
+                                                        postgres_url: str) -> None:
+    url = postgres_url + "?schema=crawl"
+    first = make(url, heartbeat_seconds=None)
+    first.open(fingerprinter="f", identity=SHOP)
+    first.close()
+    before = sql(postgres_url, "SELECT key, value FROM crawl.meta ORDER BY key")
+    other = make(url, heartbeat_seconds=None)
+    with pytest.raises(StoreError, match=r"belongs to spider 'shop'.*left untouched"):
+        other.open(fingerprinter="g", identity=CrawlIdentity("p", "books", "books"))
+    assert sql(postgres_url, "SELECT key, value FROM crawl.meta ORDER BY key") == before
+
+
+def test_a_schema_that_is_not_ours_is_refused_untouched(make: Callable[..., PostgreSQLStore],
+                                                        postgres_url: str) -> None:
+    sql(postgres_url, "CREATE SCHEMA app")
+    sql(postgres_url, "CREATE TABLE app.users (id int)")
+    store = make(postgres_url + "?schema=app", heartbeat_seconds=None)
+    with pytest.raises(StoreError, match=r"not a scrapy_idempotent frontier.*users"):
+        store.open(fingerprinter="f", identity=SHOP)
+    assert sql(postgres_url, "SELECT tablename FROM pg_tables WHERE schemaname = 'app'") == [
+        ("users",)]
+
+
+def test_a_newer_schema_version_is_refused(make: Callable[..., PostgreSQLStore],
+                                           postgres_url: str) -> None:
+    store = make(heartbeat_seconds=None)
+    store.open(fingerprinter="f", identity=SHOP)
+    store.close()
+    schema = schema_for(SHOP)
+    sql(postgres_url, f"UPDATE \"{schema}\".meta SET value = %s WHERE key = 'schema_version'",
+        (str(SCHEMA_VERSION + 1),))
+    with pytest.raises(StoreError, match="newer than this scrapy_idempotent supports"):
+        make(heartbeat_seconds=None).open(fingerprinter="f", identity=SHOP)
+
+
+def test_a_wrong_password_is_a_clear_error_without_the_password(
+        make: Callable[..., PostgreSQLStore], postgres_cluster: Any) -> None:
+    store = make(postgres_cluster.url(password="not-the-password"))
+    with pytest.raises(StoreError) as raised:
+        store.open(fingerprinter="f", identity=SHOP)
+    assert not isinstance(raised.value, StoreBusy)  # not worth retrying
+    message = str(raised.value)
+    assert "password authentication failed" in message and "IDEMPOTENT_DATABASE" in message
+    assert "not-the-password" not in message and ":***@" in message
+
+
+def test_a_worker_whose_heartbeat_is_stale_is_dead_and_its_leases_come_back(
+        make: Callable[..., PostgreSQLStore]) -> None:
+    clock = FakeClock()
+    options = {"clock": clock, "lease_seconds": 60.0, "dead_after_seconds": 15.0,
+               "heartbeat_seconds": None}
+    a, b = make(**options), make(**options)
+    for store, worker in ((a, "host-a:1:1:x"), (b, "host-b:1:1:y")):
+        store.open(fingerprinter="f", identity=SHOP)
+        store.begin_session(worker, "auto")
+    a.commit(UnitOfWork(requests=[req("p1"), req("p2")]), "host-a:1:1:x")
+    leased = a.commit(UnitOfWork(claim=2), "host-a:1:1:x").leased
+    assert len(leased) == 2
+    clock.now += 10
+    b.heartbeat()
+    assert b.reclaim_expired() == 0  # a beat 10 s ago: alive
+    clock.now += 6  # a's heartbeat is 16 s old, its leases have 44 s left
+    b.heartbeat()
+    assert b.dead_workers() == ["host-a:1:1:x"]
+    assert b.reclaim_expired() == 2
+    assert {r.key for r in b.commit(UnitOfWork(claim=2), "host-b:1:1:y").leased} == {
+        "p1", "p2"}
+    # a comes back: what it completes is not its own any more, and writes nothing
+    result = a.commit(UnitOfWork(completions=[Completion("p1", RequestState.DONE)],
+                                 records=[(rec("r1", "h1"), "p1")]), "host-a:1:1:x")
+    assert result.leases_lost == 1 and result.records_inserted == 0
+    assert a.renew_leases("host-a:1:1:x") == []
+    assert a.counts()["records"] == 0
+
+
+def test_the_heartbeat_thread_keeps_a_worker_alive(make: Callable[..., PostgreSQLStore],
+                                                   postgres_url: str) -> None:
+    store = make(heartbeat_seconds=0.05, dead_after_seconds=15.0)
+    store.open(fingerprinter="f", identity=SHOP)
+    store.begin_session("w1", "auto")
+    schema = schema_for(SHOP)
+
+    def beat() -> float:
+        return float(sql(postgres_url, f'SELECT heartbeat_at FROM "{schema}".sessions')[0][0])
+
+    first = beat()
+    wait_for(lambda: beat() > first, 60, "a heartbeat")
+    store.end_session("w1", "finished")
+    assert store._beat_thread is None
+
+
+def test_concurrent_inserts_of_one_record_id_are_a_counted_conflict(
+        make: Callable[..., PostgreSQLStore], postgres_url: str) -> None:
+    store = make(heartbeat_seconds=None)
+    store.open(fingerprinter="f", identity=SHOP)
+    store.begin_session("w1", "auto")
+    store.commit(UnitOfWork(requests=[req("p1")]), "w1")
+    store.commit(UnitOfWork(claim=1), "w1")
+    schema = schema_for(SHOP)
+    # another worker inserts the same record ID and has not committed yet
+    other = psycopg.connect(postgres_url)
+    other.execute(
+        f'INSERT INTO "{schema}".records (record_id, source, natural_key, item_type, data,'
+        " content_hash, first_seen, last_changed, first_run_id, changed_run_id, seen_run_id,"
+        " seen_seq) VALUES ('r1', 'shop', '[]', 'dict', '{}', 'h1', 1, 1, 1, 1, 1, 0)")
+    results: list[Any] = []
+    committing = threading.Thread(target=lambda: results.append(store.commit(UnitOfWork(
+        completions=[Completion("p1", RequestState.DONE)],
+        records=[(rec("r1", "h2"), "p1")]), "w1")))
+    committing.start()
+    wait_for(lambda: sql(postgres_url, "SELECT count(*) FROM pg_stat_activity WHERE"
+                         " application_name = 'scrapy_idempotent' AND wait_event_type = 'Lock'"
+                         )[0][0] == 1, 60, "the commit waiting on the other insert")
+    other.commit()
+    other.close()
+    committing.join(60)
+    [result] = results
+    assert result.records_conflicts == 1
+    assert (result.records_inserted, result.records_updated) == (0, 1)
+    assert result.completed == {"done": 1}
+    assert sql(postgres_url, f'SELECT record_id, content_hash FROM "{schema}".records') == [
+        ("r1", "h2")]
+
+
+def test_a_lost_connection_is_reopened(make: Callable[..., PostgreSQLStore],
+                                       postgres_url: str) -> None:
+    store = make(heartbeat_seconds=None)
+    store.open(fingerprinter="f", identity=SHOP)
+    store.begin_session("w1", "auto")
+    store.commit(UnitOfWork(requests=[req("p1")]), "w1")
+    sql(postgres_url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+        " WHERE application_name = 'scrapy_idempotent'")
+    # the transaction did not happen: worth retrying, and the retry works
+    with pytest.raises(StoreBusy, match=r"connection .* was lost"):
+        store.commit(UnitOfWork(claim=1), "w1")
+    assert [r.key for r in store.commit(UnitOfWork(claim=1), "w1").leased] == ["p1"]
+
+
+def test_a_server_restart_between_transactions_is_waited_for(
+        make: Callable[..., PostgreSQLStore], postgres_cluster: Any) -> None:
+    store = make(heartbeat_seconds=None, busy_timeout_seconds=120.0)
+    store.open(fingerprinter="f", identity=SHOP)
+    store.begin_session("w1", "auto")
+    store.commit(UnitOfWork(requests=[req("p1")]), "w1")
+    postgres_cluster.stop("immediate")
+    restarting = threading.Thread(target=postgres_cluster.start)
+    with pytest.raises(StoreBusy):  # the old connection is gone
+        store.counts()
+    restarting.start()
+    try:
+        # the next call reconnects, waiting for the server to accept connections again
+        assert store.counts()["pending"] == 1
+    finally:
+        restarting.join()
+    assert [r.key for r in store.commit(UnitOfWork(claim=1), "w1").leased] == ["p1"]
