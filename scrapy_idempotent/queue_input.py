@@ -214,6 +214,7 @@ class QueueInput:
         self._autoclaimed_at = 0.0
         self._reconciled_at = 0.0
         self._stop_id: str | None = None  # a stop message read
+        self._finishing = False  # the crawl was let close: read nothing more
         self._empty_since: float | None = None  # the stream had nothing for us since then
         self._redis_error: str | None = None  # the last Redis error logged
 
@@ -266,12 +267,14 @@ class QueueInput:
         if self._messages:
             raise DontCloseSpider  # their requests are still being done (elsewhere)
         if self._stop_id is not None:
+            self._finishing = True
             return
         timeout = self.config.idle_timeout_seconds
         if timeout is not None and self._empty_since is not None \
                 and time.monotonic() - self._empty_since >= timeout:
             logger.info("scrapy_idempotent: the queue had nothing for %.1f s "
                         "(IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS): finishing", timeout)
+            self._finishing = True  # read nothing more: this crawl is closing
             return
         raise DontCloseSpider
 
@@ -313,6 +316,8 @@ class QueueInput:
         self._flush_acks()
         now = time.monotonic()
         entries: list[tuple[str, dict[str, str]]] = []
+        if self._finishing:
+            return
         if now >= self._claimed_dead_at:
             self._claimed_dead_at = now + _DEAD_CHECK_SECONDS
             entries += self._claim_from_dead()
@@ -320,7 +325,7 @@ class QueueInput:
             self._autoclaimed_at = now + max(1.0, self.config.claim_idle_seconds / 4)
             entries += self._autoclaim()
         room = self.config.prefetch - len(self._messages) - len(entries)
-        if room > 0 and self._stop_id is None:
+        if room > 0 and self._stop_id is None and not self._finishing:
             read = self.redis.xreadgroup(self.config.group, self.consumer,
                                          {self.config.key: ">"}, count=room)
             for _, stream_entries in read or []:
@@ -412,7 +417,14 @@ class QueueInput:
         self._waiting.setdefault(fingerprint, set()).add(message_id)
         self._by_url.setdefault(request.url, set()).add(message_id)
         assert self.crawler.engine is not None
-        self.crawler.engine.crawl(request)  # already done: acknowledged by now
+        try:
+            self.crawler.engine.crawl(request)  # already done: acknowledged by now
+        except Exception:
+            # the engine is closing: not acknowledged, so delivered again to the next worker
+            logger.exception("scrapy_idempotent: cannot crawl the request of queue message "
+                             "%s now; it will be delivered again", message_id)
+            self._forget(message)
+            return
         if message_id in self._messages and self.scheduler.request_state(fingerprint) is None:
             # neither accepted nor known: refused before the scheduler (an IgnoreRequest in a
             # request_scheduled handler, as OffsiteMiddleware raises, or no fingerprint)

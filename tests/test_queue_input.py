@@ -16,7 +16,14 @@ from scrapy import signals as scrapy_signals
 from scrapy.utils.defer import deferred_f_from_coro_f
 from scrapy.utils.test import get_crawler
 
-from crawling import crawl_settings, crawl_to_end, db_rows, frontier_counts, stored_products
+from crawling import (
+    crawl_settings,
+    crawl_to_end,
+    db_rows,
+    frontier_counts,
+    stored_products,
+    wait_for,
+)
 from redis_server import RedisServer, redis_server  # noqa: F401  (the fixture)
 from scrapy_idempotent import signals
 from scrapy_idempotent.queue_input import QueueInput
@@ -166,6 +173,33 @@ async def test_a_redirected_request_is_acknowledged_when_its_target_is_done(
     assert len(stored_products(db_path)) == 2
     assert acknowledged_all(client, key)
     assert len(probe.acked) == 2
+
+
+@deferred_f_from_coro_f
+async def test_messages_idle_with_a_consumer_of_another_host_are_claimed(
+    redis_server: RedisServer, db_path: Path  # noqa: F811
+) -> None:
+    """Messages read by a worker of another host that never acknowledged them (it died, or
+    hangs) are taken over once idle for IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS (XAUTOCLAIM)."""
+    key = f"q-{uuid.uuid4().hex}"
+    client = redis_server.client()
+    client.xgroup_create(key, GROUP, id="0", mkstream=True)
+    with ShopSite(port=0) as shop:
+        ids = [client.xadd(key, product_message(shop, n)) for n in (8, 9)]
+        client.xreadgroup(GROUP, "otherhost:4242:1:cafe", {key: ">"})
+        assert pending_count(client, key) == 2
+        wait_for(lambda: min(p["time_since_delivered"] for p in client.xpending_range(
+            key, GROUP, "-", "+", 10)) >= 1000, 60, "the messages idle for a second")
+        client.xadd(key, {"stop": "1"})
+        crawler = get_crawler(QueueSpider, queue_settings(
+            db_path, redis_server, key, IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS=1))
+        await crawl_to_end(crawler)
+    stats = crawler.stats.get_stats()
+    assert stats["finish_reason"] == "finished"
+    assert stats["idempotent/queue/claimed"] == 2
+    assert sorted(p["sku"] for p in stored_products(db_path)) == ["SKU-00008", "SKU-00009"]
+    assert acknowledged_all(client, key)
+    assert len(ids) == 2
 
 
 @deferred_f_from_coro_f
