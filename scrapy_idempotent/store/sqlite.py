@@ -264,6 +264,8 @@ class SQLiteStore(FrontierStore):
         self.run_id: int | None = None
         self.transactions = 0  #: write transactions committed by this object
         self._conn: sqlite3.Connection | None = None
+        #: the read connection of an open crawl (see :attr:`reader`)
+        self._read: sqlite3.Connection | None = None
         self._wal: int | None = None  #: inode of the -wal file this connection writes
 
     # -- connection and schema --------------------------------------------------------------
@@ -273,6 +275,15 @@ class SQLiteStore(FrontierStore):
         if self._conn is None:
             raise StoreError(f"store {self.path} is not open")
         return self._conn
+
+    @property
+    def reader(self) -> sqlite3.Connection:
+        """The connection of the reads a crawl makes while its writes run on another thread
+        (:mod:`scrapy_idempotent.writer`): a second connection, opened by :meth:`open` in the
+        thread that opens the store and used only by it. In WAL mode its reads never wait
+        for a writer (this process's or another's) and see every committed transaction.
+        Without one (the commands' :meth:`open_existing`), the write connection."""
+        return self._read if self._read is not None else self.conn
 
     def open(self, *, fingerprinter: str = "",
              identity: CrawlIdentity | None = None) -> str | None:
@@ -293,8 +304,10 @@ class SQLiteStore(FrontierStore):
             raise StoreError(f"cannot create the database {self.path}: "
                              f"{_os_cause(exc)}{fix}") from exc
         try:
+            # the write connection: a crawl hands it to its writer thread (one thread at a
+            # time uses it: the opener's, then the writer's, then the opener's again)
             conn = sqlite3.connect(self.path, isolation_level=None,
-                                   timeout=self.busy_timeout_seconds)
+                                   timeout=self.busy_timeout_seconds, check_same_thread=False)
         except sqlite3.Error as exc:
             raise self._error(exc, "opening") from exc
         self._conn = conn
@@ -346,6 +359,7 @@ class SQLiteStore(FrontierStore):
                     "SELECT value FROM meta WHERE key = 'fingerprinter'").fetchone()[0]
                 if identity is not None:
                     self._claim_identity(cur, identity)
+            self._read = self._open_reader()
         except StoreError:
             self.close()
             raise
@@ -531,7 +545,22 @@ class SQLiteStore(FrontierStore):
                 "was it changed by hand or by another program?")
         return StoreError(f"cannot use {where} while {doing}: {exc} ({name or 'error'})")
 
+    def _open_reader(self) -> sqlite3.Connection:
+        reader = sqlite3.connect(self.path, isolation_level=None,
+                                 timeout=self.busy_timeout_seconds)
+        try:
+            reader.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_seconds * 1000)}")
+            reader.execute("PRAGMA cache_size = -32768")
+            reader.execute("PRAGMA query_only = 1")
+        except sqlite3.Error:
+            reader.close()
+            raise
+        return reader
+
     def close(self) -> None:
+        if self._read is not None:
+            self._read.close()
+            self._read = None
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -920,7 +949,7 @@ class SQLiteStore(FrontierStore):
             )
 
     def journaled_response(self, key: str) -> tuple[str, bytes] | None:
-        row = self.conn.execute(
+        row = self.reader.execute(
             "SELECT data, body FROM responses WHERE key = ?", (key,)).fetchone()
         return (row[0], bytes(row[1])) if row is not None else None
 
@@ -940,9 +969,9 @@ class SQLiteStore(FrontierStore):
 
     def known_request(self, fingerprint: str, *, key: str | None = None) -> str | None:
         if key is not None:
-            row = self._find(self.conn, key, fingerprint, False)
+            row = self._find(self.reader, key, fingerprint, False)
         else:
-            row = self._find(self.conn, fingerprint, fingerprint, True)
+            row = self._find(self.reader, fingerprint, fingerprint, True)
         if row is None:
             return None
         if row[1] not in _TERMINAL:
@@ -955,7 +984,7 @@ class SQLiteStore(FrontierStore):
     # -- leases -----------------------------------------------------------------------------
 
     def status(self, worker: str) -> FrontierStatus:
-        claimable, elsewhere = self.conn.execute(
+        claimable, elsewhere = self.reader.execute(
             "SELECT EXISTS (SELECT 1 FROM requests WHERE state = 'pending'),"
             " EXISTS (SELECT 1 FROM requests WHERE state = 'leased'"
             "  AND (worker != ? OR leased_until < ?))",
@@ -1001,7 +1030,7 @@ class SQLiteStore(FrontierStore):
             return cur.rowcount
 
     def lease_holders(self) -> list[LeaseHolder]:
-        rows = self.conn.execute(
+        rows = self.reader.execute(
             "SELECT worker, count(*), max(leased_until) FROM requests"
             " WHERE state = 'leased' GROUP BY worker ORDER BY worker"
         ).fetchall()
@@ -1009,11 +1038,12 @@ class SQLiteStore(FrontierStore):
 
     def counts(self) -> dict[str, int]:
         counts = {state.value: 0 for state in RequestState}
-        for state, n in self.conn.execute(
+        reader = self.reader
+        for state, n in reader.execute(
             "SELECT state, count(*) FROM requests GROUP BY state"
         ):
             counts[state] = n
-        counts["records"] = self.conn.execute("SELECT count(*) FROM records").fetchone()[0]
+        counts["records"] = reader.execute("SELECT count(*) FROM records").fetchone()[0]
         return counts
 
     def query(self, sql: str, params: Any = ()) -> list[tuple[Any, ...]]:

@@ -1,0 +1,310 @@
+"""The store writer: the crawl's database writes run on a thread of their own.
+
+While a crawl runs, :class:`StoreWriter` owns the store's write connection: page commits,
+journal rows, start marks, lease renewals and every other write are queued to its thread and
+run there one after the other, in the order they were submitted; their results come back to
+the reactor thread (``reactor.callFromThread``) as Deferreds and callbacks. The reactor never
+waits on the database: a write lock held by another process, a slow disk or a retry wait
+only delay the writes, while downloads that need no write go on. Reads the reactor must
+answer at once use the store's read connection (in WAL mode readers do not wait on writers).
+
+Group commit: page commits (:meth:`StoreWriter.commit`) are merged into the batch being
+filled, and one batch at a time is with the thread. A batch is sent at the next reactor turn
+when none is in flight, else as soon as the one in flight returns, with everything that
+arrived meanwhile: one write transaction per batch, never more than one per page, fewer
+when pages complete faster than a transaction takes. A batch is one
+:class:`~.store.base.UnitOfWork` and :meth:`~.store.base.FrontierStore.commit` writes it in
+ONE transaction: several pages may share a transaction, a page is never split over two, so
+"done is the last write" and the lease fence hold per page as before.
+
+Errors: a busy database (:class:`~.StoreBusy`) is tried again with back-off on the writer's
+thread (:func:`retry_busy`); any other error, or busy past the last attempt, fails the batch:
+the ``failed`` callback gets the error (the scheduler closes the spider), waiters are
+released, and nothing more is written. At close, :meth:`StoreWriter.drain` waits until
+everything submitted is written, then :meth:`StoreWriter.stop` ends the thread and the store
+is the caller's again.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from twisted.internet.defer import Deferred, succeed
+from twisted.python.failure import Failure
+
+from .exceptions import StoreBusy, StoreError
+from .store.base import CommitResult, FrontierStore, UnitOfWork
+
+__all__ = ["BUSY_ATTEMPTS", "StoreWriter", "merge_work", "retry_busy"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+#: Attempts at a write while another process holds the database locked, before the crawl is
+#: closed (each attempt waits up to IDEMPOTENT_BUSY_TIMEOUT_SECONDS for the lock).
+BUSY_ATTEMPTS = 5
+
+
+def retry_busy(what: str, action: Callable[[], _T], *, attempts: int = BUSY_ATTEMPTS,
+               sleep: Callable[[float], Any] = time.sleep) -> _T:
+    """``action()``, tried again with back-off (0.05 s, doubling) while the database is busy
+    (:class:`~.StoreBusy`), at most ``attempts`` times; any other error is raised at once, as
+    retrying cannot cure it. Blocks the calling thread: the writer's, or the reactor's only
+    before and after the crawl (opening, closing)."""
+    delay = 0.05
+    for attempt in range(1, attempts):
+        try:
+            return action()
+        except StoreBusy as exc:
+            logger.warning("scrapy_idempotent: database busy while %s (%s), retrying (%d/%d)",
+                           what, exc, attempt, attempts)
+            sleep(delay)
+            delay *= 2
+    return action()
+
+
+def merge_work(into: UnitOfWork, work: UnitOfWork) -> None:
+    """Add ``work`` to ``into``: one transaction then writes both. Each page's records,
+    children and completion stay together (the store fences them by the page's key)."""
+    into.requests.extend(work.requests)
+    into.records.extend(work.records)
+    into.rejects.extend(work.rejects)
+    into.completions.extend(work.completions)
+    into.started.extend(work.started)
+    into.responses.extend(work.responses)
+    into.replayed.extend(work.replayed)
+    into.claim = max(into.claim, work.claim)
+    for key in work.give_back:
+        if key not in into.give_back:
+            into.give_back.append(key)
+
+
+class _Stop:
+    """Sentinel: the thread ends when it takes this from its queue."""
+
+
+class StoreWriter:
+    """A thread that runs the store's writes, with group commit of page work.
+
+    :param store: an open store; its write connection is used only by this thread from
+        :meth:`start` to :meth:`stop` (the store must allow its use from another thread).
+    :param worker: the worker id commits are made for (the lease fence).
+    :param prepare: ``prepare(work)``, on the reactor thread, just before a batch is sent:
+        adds what is buffered elsewhere (start marks, journal rows, the lease claim). A batch
+        still empty after it is not written.
+    :param committed: ``committed(work, result)``, on the reactor thread, once the batch's
+        transaction is committed (durable for the store's ``synchronous`` level).
+    :param failed: ``failed(work, error)``, on the reactor thread, when a batch could not be
+        written: nothing of it was, and nothing more will be.
+    """
+
+    def __init__(self, store: FrontierStore, worker: str, *,
+                 prepare: Callable[[UnitOfWork], None] | None = None,
+                 committed: Callable[[UnitOfWork, CommitResult], None] | None = None,
+                 failed: Callable[[UnitOfWork, BaseException], None] | None = None,
+                 attempts: int = BUSY_ATTEMPTS) -> None:
+        self.store = store
+        self.worker = worker
+        self._prepare = prepare
+        self._committed = committed
+        self._failed = failed
+        self._attempts = attempts
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._reactor: Any = None
+        self._open: UnitOfWork | None = None  #: the batch being filled
+        self._open_seq = 1  #: its number (batches are numbered in the order they are sent)
+        self._durable_seq = 0  #: every batch up to this number is written (or given up)
+        self._batch_inflight = False
+        self._dispatch_call: Any = None
+        self._calls_inflight = 0
+        self._waiters: list[tuple[int, Deferred[None]]] = []
+        self._drains: list[Deferred[None]] = []
+        #: the error that failed a batch; from then on nothing more is written
+        self.error: BaseException | None = None
+        self.batches = 0  #: batches committed
+        self.pages = 0  #: completions in those batches
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> None:
+        """Start the thread; from now on only it uses the store's write connection."""
+        from twisted.internet import reactor  # the one Scrapy installed
+
+        self._reactor = reactor
+        self._thread = threading.Thread(target=self._run, name="scrapy_idempotent-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    def drain(self) -> Deferred[None]:
+        """Fires once everything submitted so far is written (or given up after an error):
+        the open batch is sent at once rather than at the next reactor turn."""
+        if self._idle():
+            return succeed(None)
+        d: Deferred[None] = Deferred()
+        self._drains.append(d)
+        if self._open is not None and not self._batch_inflight:
+            self._dispatch()
+        return d
+
+    def stop(self) -> None:
+        """End the thread (after :meth:`drain`: it then has nothing left to run, and this
+        returns at once); the store's write connection is the caller's again."""
+        thread, self._thread = self._thread, None
+        if self._dispatch_call is not None and self._dispatch_call.active():
+            self._dispatch_call.cancel()
+        self._dispatch_call = None
+        if thread is not None:
+            self._jobs.put(_Stop)
+            thread.join()
+
+    # -- any write ------------------------------------------------------------------------------
+
+    def call(self, what: str, action: Callable[[FrontierStore], _T]) -> Deferred[_T]:
+        """Run ``action(store)`` on the writer's thread, after everything submitted before,
+        retrying while the database is busy. The Deferred fires on the reactor thread with
+        its result, or fails with its error (a :class:`~.StoreError`, usually)."""
+        if self._thread is None:
+            raise StoreError("the store writer is not running")
+        d: Deferred[_T] = Deferred()
+        self._calls_inflight += 1
+        d.addBoth(self._call_done)
+        self._jobs.put((what, action, d))
+        return d
+
+    def _call_done(self, result: Any) -> Any:
+        self._calls_inflight -= 1
+        self._check_drained()
+        return result
+
+    def _run(self) -> None:
+        reactor = self._reactor
+        while True:
+            job = self._jobs.get()
+            if job is _Stop:
+                return
+            what, action, d = job
+            try:
+                result = retry_busy(what, lambda: action(self.store),  # noqa: B023
+                                    attempts=self._attempts)
+            except BaseException as exc:  # delivered to the reactor thread, which decides
+                reactor.callFromThread(d.errback, exc)
+            else:
+                reactor.callFromThread(d.callback, result)
+
+    # -- group commit -------------------------------------------------------------------------
+
+    @property
+    def open_seq(self) -> int:
+        """The number of the batch being filled: what is buffered now is written by it."""
+        return self._open_seq
+
+    def commit(self, work: UnitOfWork | None = None) -> int:
+        """Add ``work`` (may be None: only what ``prepare`` adds) to the batch being filled,
+        and have it sent at the next reactor turn, or when the batch in flight returns.
+        Returns the batch's number (see :meth:`durable`)."""
+        if self._open is None:
+            self._open = UnitOfWork()
+        if work is not None:
+            merge_work(self._open, work)
+        seq = self._open_seq
+        if not self._batch_inflight and (self._dispatch_call is None
+                                         or not self._dispatch_call.active()):
+            self._dispatch_call = self._reactor.callLater(0, self._dispatch)
+        return seq
+
+    def durable(self, seq: int) -> Deferred[None] | None:
+        """None when batch ``seq`` is written already, else a Deferred that fires (with None)
+        when it is, or when it was given up after an error."""
+        if seq <= self._durable_seq:
+            return None
+        d: Deferred[None] = Deferred()
+        self._waiters.append((seq, d))
+        return d
+
+    @property
+    def busy(self) -> bool:
+        """Whether a batch is in flight or being filled."""
+        return self._batch_inflight or self._open is not None
+
+    def _dispatch(self) -> None:
+        self._dispatch_call = None
+        if self._batch_inflight or self._thread is None:
+            return
+        work, self._open = self._open or UnitOfWork(), None
+        seq = self._open_seq
+        self._open_seq += 1
+        if self.error is None and self._prepare is not None:
+            try:
+                self._prepare(work)
+            except Exception as exc:
+                self._give_up(work, seq, exc)
+                return
+        if self.error is not None or not work:
+            self._settle(seq)
+            return
+        self._batch_inflight = True
+        d = self.call("committing", lambda store: store.commit(work, self.worker))
+        d.addCallbacks(self._batch_done, self._batch_failed, callbackArgs=(work, seq),
+                       errbackArgs=(work, seq))
+
+    def _batch_done(self, result: CommitResult, work: UnitOfWork, seq: int) -> None:
+        self._batch_inflight = False
+        self.batches += 1
+        self.pages += len(work.completions)
+        if self._committed is not None:
+            try:
+                self._committed(work, result)
+            except Exception:
+                logger.exception("scrapy_idempotent: error after a commit")
+        self._settle(seq)
+        if self._open is not None and self._thread is not None:
+            self._dispatch()
+
+    def _batch_failed(self, failure: Failure, work: UnitOfWork, seq: int) -> None:
+        self._batch_inflight = False
+        error = failure.value
+        self._give_up(work, seq, error if error is not None else StoreError(str(failure)))
+
+    def _give_up(self, work: UnitOfWork, seq: int, exc: BaseException) -> None:
+        first = self.error is None
+        if first:
+            self.error = exc
+        if first and self._failed is not None:
+            try:
+                self._failed(work, exc)
+            except Exception:
+                logger.exception("scrapy_idempotent: error handling a failed commit")
+        # nothing more is written: the batch being filled is given up too
+        self._open = None
+        self._settle(self._open_seq)
+        self._open_seq += 1
+
+    def _settle(self, seq: int) -> None:
+        self._durable_seq = max(self._durable_seq, seq)
+        ready = [d for s, d in self._waiters if s <= self._durable_seq]
+        if ready:
+            self._waiters = [(s, d) for s, d in self._waiters if s > self._durable_seq]
+            for d in ready:
+                d.callback(None)
+        self._check_drained()
+
+    def _idle(self) -> bool:
+        return (self._open is None and not self._batch_inflight
+                and self._calls_inflight == 0)
+
+    def _check_drained(self) -> None:
+        if self._drains and self._idle():
+            drains, self._drains = self._drains, []
+            for d in drains:
+                d.callback(None)
