@@ -5,6 +5,7 @@ wrong password."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -253,3 +254,100 @@ def test_a_server_restart_between_transactions_is_waited_for(
     finally:
         restarting.join()
     assert [r.key for r in store.commit(UnitOfWork(claim=1), "w1").leased] == ["p1"]
+
+
+class CuttingProxy:
+    """A TCP proxy in front of the server that cuts one connection at the COMMIT of a
+    transaction: ``"before"`` the server receives it (the client's side is cut; the server's
+    transaction stays open, holding its locks, as in a network partition), or ``"after"`` the
+    server committed, before the client reads the answer (committed, but the client cannot
+    know)."""
+
+    COMMIT_QUERY = b"Q\x00\x00\x00\x0bCOMMIT\x00"
+    COMMIT_DONE = b"C\x00\x00\x00\x0bCOMMIT\x00"
+
+    def __init__(self, port: int) -> None:
+        import socket
+
+        self.target = ("127.0.0.1", port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.cut: str | None = None
+        self.cuts = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            for source, sink, marker in ((client, server, "before"),
+                                         (server, client, "after")):
+                threading.Thread(target=self._pump, args=(source, sink, client, server, marker),
+                                 daemon=True).start()
+
+    def _pump(self, source: Any, sink: Any, client: Any, server: Any, marker: str) -> None:
+        import socket
+
+        pattern = self.COMMIT_QUERY if marker == "before" else self.COMMIT_DONE
+        while True:
+            try:
+                data = source.recv(65536)
+            except OSError:
+                data = b""
+            if data and self.cut == marker and pattern in data:
+                self.cut = None
+                self.cuts += 1
+                data = b""
+            if not data:
+                # a cut before the COMMIT leaves the server's side open: the server does not
+                # notice (as in a network partition), its transaction keeps its locks
+                ends = (client,) if marker == "before" and self.cuts else (client, server)
+                for sock in ends:  # shutdown: the other pump's recv returns
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+                    with contextlib.suppress(OSError):
+                        sock.close()
+                return
+            with contextlib.suppress(OSError):
+                sink.sendall(data)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.parametrize("cut", ["before", "after"])
+def test_a_connection_lost_during_commit_is_resolved_by_reading_back(
+        make: Callable[..., PostgreSQLStore], postgres_url: str, postgres_cluster: Any,
+        cut: str) -> None:
+    proxy = CuttingProxy(postgres_cluster.port)
+    try:
+        url = postgres_url.replace(f":{postgres_cluster.port}/", f":{proxy.port}/")
+        # a lock wait of 1 s, shorter than the server's patience with an idle transaction
+        # (5 s): the retry gets the locks only because the store ends its lost transaction
+        store = make(url, heartbeat_seconds=None, busy_timeout_seconds=1.0)
+        store.open(fingerprinter="f", identity=SHOP)
+        store.begin_session("w1", "auto")
+        store.commit(UnitOfWork(requests=[req("p1")]), "w1")
+        store.commit(UnitOfWork(claim=1), "w1")
+        store.commit(UnitOfWork(started=["p1"]), "w1")
+        work = UnitOfWork(completions=[Completion("p1", RequestState.DONE)],
+                          records=[(rec("r1", "h1"), "p1")])
+        proxy.cut = cut
+        if cut == "before":  # rolled back: worth retrying, and the retry writes it once
+            with pytest.raises(StoreBusy, match="it was not: it is retried"):
+                store.commit(work, "w1")
+            result = store.commit(work, "w1")
+        else:  # committed: read back, reported as done, not repeated
+            result = store.commit(work, "w1")
+        assert proxy.cuts == 1
+        assert result.completed == {"done": 1} and result.records_inserted == 1
+        assert store.counts() == {"pending": 0, "leased": 0, "done": 1, "failed": 0,
+                                  "redirected": 0, "records": 1}
+        assert [r["done"] for r in store.runs()] == [1]
+    finally:
+        proxy.close()

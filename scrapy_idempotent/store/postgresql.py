@@ -70,7 +70,7 @@ __all__ = ["SCHEMA_VERSION", "PostgreSQLStore", "schema_for"]
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 APPLICATION = "scrapy_idempotent"
 
 #: ``_MIGRATIONS[n]`` brings schema version n to n + 1, one transaction each (in the crawl's
@@ -181,6 +181,11 @@ _MIGRATIONS: list[list[str]] = [
             PRIMARY KEY (run_id, uri)
         )""",
     ],
+    [
+        # The number of this session's last page commit, written in that commit: after a
+        # connection lost during COMMIT, reading it back tells whether the commit happened.
+        "ALTER TABLE sessions ADD COLUMN last_commit bigint NOT NULL DEFAULT 0",
+    ],
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -189,6 +194,7 @@ _TABLES: dict[int, frozenset[str]] = {
     1: frozenset({"meta", "runs", "sessions", "requests", "records", "responses", "rejects",
                   "feeds"}),
 }
+_TABLES[2] = _TABLES[1]
 assert set(_TABLES) == set(range(1, SCHEMA_VERSION + 1))
 
 #: The claim order (see the SQLite store): written exactly as in the ``requests_pending``
@@ -197,6 +203,11 @@ _QUEUE_ORDER = "priority DESC, is_start, (CASE WHEN fifo THEN id ELSE -id END)"
 _TERMINAL = tuple(s.value for s in RequestState if s.terminal)
 _COUNTERS = ("leased", "done", "failed", "redirected", "records_inserted", "records_updated",
              "records_unchanged")
+#: id(connection) -> (pid, start time) of its server process
+conn_backends: dict[int, tuple[int, Any]] = {}
+#: Workers whose latest heartbeat (over their sessions not ended) is older than a bound.
+_DEAD_WORKERS = ("SELECT worker FROM sessions WHERE ended_at IS NULL GROUP BY worker"
+                 " HAVING max(heartbeat_at) < %s")
 #: The URL query parameter naming the schema (removed before the URL reaches libpq).
 SCHEMA_PARAMETER = "schema"
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
@@ -253,6 +264,10 @@ def _glob_regex(glob: str) -> re.Pattern[str]:
             out.append(re.escape(char))
         i += 1
     return re.compile("".join(out), re.S)
+
+
+class _CommitOutcomeUnknown(StoreError):
+    """The connection was lost during COMMIT: the transaction may or may not have happened."""
 
 
 class PostgreSQLStore(FrontierStore):
@@ -324,8 +339,11 @@ class PostgreSQLStore(FrontierStore):
         self.run_id: int | None = None
         self.session_id: int | None = None
         self.transactions = 0
+        self._commits = 0  #: page commits of this session (numbers them: see _committed)
         self._local = threading.local()
         self._connections: list[psycopg.Connection[Any]] = []
+        #: (pid, start) of the server processes of connections lost (see _end_orphans)
+        self._orphans: list[tuple[int, Any]] = []
         self._lock = threading.Lock()
         self._opened = False
         self._beat_stop: threading.Event | None = None
@@ -347,14 +365,31 @@ class PostgreSQLStore(FrontierStore):
                 "the PostgreSQL store needs psycopg 3: pip install "
                 "'scrapy-idempotent[postgresql]'") from exc
         try:
-            conn = psycopg.connect(self.url, autocommit=True,
-                                   connect_timeout=max(2, int(self.busy_timeout_seconds)),
-                                   application_name="scrapy_idempotent")
+            # keepalives: a connection whose network went away is noticed in about a minute
+            # (the URL may set other values: its parameters win)
+            defaults: dict[str, Any] = {
+                "connect_timeout": max(2, int(self.busy_timeout_seconds)),
+                "application_name": "scrapy_idempotent", "keepalives": 1,
+                "keepalives_idle": 30, "keepalives_interval": 10, "keepalives_count": 3}
+            given = psycopg.conninfo.conninfo_to_dict(self.url)
+            conninfo = psycopg.conninfo.make_conninfo(
+                self.url, **{k: v for k, v in defaults.items() if k not in given})
+            conn = psycopg.connect(conninfo, autocommit=True)
         except psycopg.Error as exc:
             raise self._connect_error(exc) from exc
         try:
-            conn.execute("SELECT set_config('lock_timeout', %s, false)",
-                         (f"{int(self.busy_timeout_seconds * 1000)}ms",))
+            # a lock wait longer than the busy timeout fails (retried); a transaction of ours
+            # left open by a lost client (its locks held) is ended by the server
+            conn.execute(
+                "SELECT set_config('lock_timeout', %s, false),"
+                " set_config('idle_in_transaction_session_timeout', %s, false)",
+                (f"{int(self.busy_timeout_seconds * 1000)}ms",
+                 f"{int(max(self.busy_timeout_seconds, 5.0) * 1000)}ms"))
+            (started,) = conn.execute(
+                "SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+            ).fetchone() or (None,)
+            conn_backends[id(conn)] = (conn.info.backend_pid, started)
+            self._end_orphans(conn)
             if set_path:
                 conn.execute("SELECT set_config('search_path', %s, false)",
                              (f'"{self.schema}"',))
@@ -369,6 +404,16 @@ class PostgreSQLStore(FrontierStore):
         with self._lock:
             self._connections.append(conn)
         return conn
+
+    def _end_orphans(self, conn: psycopg.Connection[Any]) -> None:
+        """End the server processes of connections this store lost: a transaction of theirs
+        the server still runs (it has not noticed the client is gone) would hold its row
+        locks until then; ended, it is rolled back at once."""
+        with self._lock:
+            orphans, self._orphans = self._orphans, []
+        for pid, started in orphans:
+            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                         " WHERE pid = %s AND backend_start = %s", (pid, started))
 
     def _connect_error(self, exc: Exception) -> StoreError:
         text = str(exc).strip()
@@ -419,6 +464,7 @@ class PostgreSQLStore(FrontierStore):
             return conn
 
     def _drop(self, conn: psycopg.Connection[Any]) -> None:
+        conn_backends.pop(id(conn), None)
         with contextlib.suppress(Exception):
             conn.close()
         with self._lock, contextlib.suppress(ValueError):
@@ -431,6 +477,7 @@ class PostgreSQLStore(FrontierStore):
         with self._lock:
             connections, self._connections = self._connections, []
         for conn in connections:
+            conn_backends.pop(id(conn), None)
             with contextlib.suppress(Exception):
                 conn.close()
         self._local = threading.local()
@@ -471,21 +518,27 @@ class PostgreSQLStore(FrontierStore):
             conn is None or conn.closed or conn.broken)
         if lost or isinstance(exc, (errors.AdminShutdown, errors.CannotConnectNow)):
             if conn is not None:
+                backend = conn_backends.pop(id(conn), None)
+                if backend is not None:
+                    with self._lock:
+                        self._orphans.append(backend)
                 self._drop(conn)
             if committing:
-                return StoreError(
+                return _CommitOutcomeUnknown(
                     f"the connection to {where} was lost while committing ({exc}): the "
-                    "transaction may or may not have been committed, so nothing more is "
-                    "written by this crawl; run it again to resume from what the database "
-                    "holds")
+                    "transaction may or may not have been committed")
             return StoreBusy(f"the connection to {where} was lost while {doing} ({exc}); "
                              "reconnecting")
         return StoreError(f"cannot use {where} while {doing}: {exc}")
 
     @contextlib.contextmanager
-    def _write(self, doing: str = "writing") -> Iterator[psycopg.Cursor[Any]]:
+    def _write(self, doing: str = "writing", *,
+               repeatable: bool = True) -> Iterator[psycopg.Cursor[Any]]:
         """The one write-transaction primitive: BEGIN ... COMMIT on this thread's connection,
-        rolled back on any exception (all or nothing)."""
+        rolled back on any exception (all or nothing). A connection lost during COMMIT of a
+        ``repeatable`` transaction (doing it twice is the same as once: renewals, releases,
+        the heartbeat) is :class:`~.StoreBusy`, retried; of another, the caller finds out
+        whether it happened (:meth:`commit`)."""
         import psycopg
 
         committing = False
@@ -496,7 +549,11 @@ class PostgreSQLStore(FrontierStore):
                 yield cur
                 committing = True
         except psycopg.Error as exc:
-            raise self._error(exc, doing, committing=committing) from exc
+            error = self._error(exc, doing, committing=committing)
+            if isinstance(error, _CommitOutcomeUnknown) and repeatable:
+                raise StoreBusy(f"{error}; it is repeated (doing it twice is the same as "
+                                "once)") from exc
+            raise error from exc
         self.transactions += 1
 
     def _read(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> list[Any]:
@@ -767,7 +824,34 @@ class PostgreSQLStore(FrontierStore):
             return result
         run_id = self.run_id if self.run_id is not None else 0
         now = self.clock()
-        with self._write("committing") as cur:
+        self._commits += 1
+        try:
+            self._commit(work, worker, run_id, now, result)
+        except _CommitOutcomeUnknown as exc:
+            if not self._committed(self._commits):
+                raise StoreBusy(f"{exc}; it was not: it is retried") from exc
+            logger.info("scrapy_idempotent: %s; it was, and is not repeated", exc)
+        return result
+
+    def _committed(self, number: int) -> bool:
+        """Whether this session's page commit ``number`` was committed (read back after a
+        connection lost during its COMMIT, waiting for the server as a reconnect does).
+        Raises :class:`~.StoreError` when that cannot be known: repeating the commit could
+        then write its unit of work twice."""
+        if self.session_id is not None:
+            with contextlib.suppress(StoreError):
+                row = self._one("SELECT last_commit FROM sessions WHERE session_id = %s",
+                                (self.session_id,))
+                if row is not None:
+                    return int(row[0]) >= number
+        raise StoreError(
+            f"the connection to {self.shown_url} was lost while committing, and whether the "
+            "commit happened cannot be read back: nothing more is written by this crawl; run "
+            "it again to resume from what the database holds")
+
+    def _commit(self, work: UnitOfWork, worker: str, run_id: int, now: float,
+                result: CommitResult) -> None:
+        with self._write("committing", repeatable=False) as cur:
             lost = self._fence(cur, work, worker)
             requests = [r for r in work.requests if r.parent_key not in lost] if lost \
                 else work.requests
@@ -805,7 +889,6 @@ class PostgreSQLStore(FrontierStore):
             if work.claim:
                 self._claim(cur, worker, work.claim, now, result)
             self._count(cur, result, len(started))
-        return result
 
     def _fence(self, cur: psycopg.Cursor[Any], work: UnitOfWork, worker: str) -> set[str]:
         """The keys of ``work`` whose request is not leased by ``worker`` now; the others are
@@ -994,17 +1077,19 @@ class PostgreSQLStore(FrontierStore):
             cur.execute("DELETE FROM responses WHERE key = ANY(%s)", (ended,))
 
     def _count(self, cur: psycopg.Cursor[Any], result: CommitResult, started: int) -> None:
-        """Add this transaction's work to this session's counters (same transaction)."""
+        """Add this transaction's work to this session's counters, and record its number
+        (same transaction, one statement: one row per worker, so workers never wait on
+        each other here)."""
         if self.session_id is None:
             return
         done = result.completed
         deltas = (started, done.get("done", 0),
                   done.get("failed", 0) + len(result.quarantined), done.get("redirected", 0),
                   result.records_inserted, result.records_updated, result.records_unchanged)
-        if any(deltas):
-            cur.execute(
-                "UPDATE sessions SET " + ", ".join(f"{c} = {c} + %s" for c in _COUNTERS)
-                + " WHERE session_id = %s", (*deltas, self.session_id))
+        cur.execute(
+            "UPDATE sessions SET " + ", ".join(f"{c} = {c} + %s" for c in _COUNTERS)
+            + ", last_commit = %s WHERE session_id = %s",
+            (*deltas, self._commits, self.session_id))
 
     def _window_start(self, now: float) -> float | None:
         if self.recrawl_seconds is None:
@@ -1105,9 +1190,7 @@ class PostgreSQLStore(FrontierStore):
         if self.dead_after_seconds is None:
             return []
         return [worker for (worker,) in self._read(
-            "SELECT DISTINCT worker FROM sessions WHERE ended_at IS NULL"
-            " AND heartbeat_at < %s ORDER BY worker",
-            (self.clock() - self.dead_after_seconds,))]
+            f"{_DEAD_WORKERS} ORDER BY worker", (self.clock() - self.dead_after_seconds,))]
 
     def reclaim_expired(self) -> int:
         """Put back leases whose time is up, and every lease of a worker whose heartbeat is
@@ -1117,9 +1200,7 @@ class PostgreSQLStore(FrontierStore):
         with self._write("reclaiming leases") as cur:
             cur.execute(
                 "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL"
-                " WHERE state = 'leased' AND (leased_until < %s OR worker IN"
-                "  (SELECT worker FROM sessions WHERE ended_at IS NULL"
-                "   AND heartbeat_at < %s))",
+                f" WHERE state = 'leased' AND (leased_until < %s OR worker IN ({_DEAD_WORKERS}))",
                 (now, dead_before if dead_before is not None else float("-inf")))
             return cur.rowcount
 
