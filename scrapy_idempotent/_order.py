@@ -8,6 +8,10 @@ start requests. A start request is one whose ``meta["is_start_request"]`` is set
 ``StartSpiderMiddleware``). With ``SCHEDULER_START_MEMORY_QUEUE`` unset (None or empty), start
 requests share the queue of the others. The frontier stores, per request, the queue
 (``is_start``) and the direction (``fifo``), and claims in that order.
+
+:func:`queue_position` is the one definition of that order: the store's claim (its index and
+its ``ORDER BY``) and the scheduler's requests fetched from memory follow it, and a test
+checks the store's claims against it. Importable without Scrapy (the store may use it).
 """
 
 from __future__ import annotations
@@ -16,20 +20,29 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from scrapy.utils.misc import load_object
-
 if TYPE_CHECKING:
     from scrapy import Request
     from scrapy.settings import BaseSettings
 
-__all__ = ["QueueOrder"]
+__all__ = ["QueueOrder", "queue_position"]
 
 logger = logging.getLogger(__name__)
+
+
+def queue_position(priority: int, is_start: bool, fifo: bool,
+                   sequence: int) -> tuple[int, int, int]:
+    """Where a request stands in Scrapy's order: the smallest is taken first. The highest
+    ``priority`` first; at equal priority other requests before start requests (``is_start``:
+    it is in the start requests' queue); within a queue, by ``sequence`` (the order requests
+    joined the frontier) ascending for a FIFO queue, descending for a LIFO one."""
+    return (-priority, int(is_start), sequence if fifo else -sequence)
 
 
 def _is_fifo(setting: str, value: Any, default: bool) -> bool:
     """Whether the queue class ``value`` of ``setting`` takes requests first-in-first-out,
     from the queuelib class it derives from (``FifoMemoryQueue``, ``LifoDiskQueue``, ...)."""
+    from scrapy.utils.misc import load_object
+
     try:
         cls = load_object(value) if isinstance(value, str) else value
     except (ImportError, NameError, ValueError):

@@ -26,7 +26,6 @@ import json
 import math
 import os
 import re
-import socket
 import sys
 import time
 from datetime import datetime, timezone
@@ -39,9 +38,9 @@ from scrapy.exceptions import UsageError
 from . import engine_hooks
 from .config import IdempotentConfig, store_options
 from .exceptions import IdempotentError, StoreError
-from .scheduler import worker_is_dead
 from .store import CrawlIdentity, open_store
 from .store.registry import redacted, sqlite_path
+from .workers import worker_state
 
 if TYPE_CHECKING:
     import argparse
@@ -295,7 +294,7 @@ class Command(ScrapyCommand):
         leases: list[dict[str, Any]] = [
             {"worker": h.worker, "leases": h.leases, "leased_until": _iso(h.leased_until),
              "expires_in_seconds": round(h.leased_until - now, 1),
-             "worker_state": _worker_state(h.worker)}
+             "worker_state": worker_state(h.worker)}
             for h in holders
         ]
         all_ends = [end for run_ends in ends.values() for end in run_ends]
@@ -570,7 +569,7 @@ class Command(ScrapyCommand):
             if not holders:
                 add("leases", True, "no leases held")
             for holder in holders:
-                state = _worker_state(holder.worker)
+                state = worker_state(holder.worker)
                 plural = "s" * (holder.leases != 1)
                 if state == "dead":
                     add("leases", False,
@@ -638,22 +637,12 @@ _ANOMALIES = {
 }
 
 
-def _worker_state(worker: str) -> str:
-    """``alive``/``dead`` for a worker of this host, ``other host``, or ``unknown``."""
-    parts = worker.split(":")  # host:pid:start[:nonce]
-    if len(parts) < 3 or not parts[1].isdigit():
-        return "unknown"
-    if parts[0] != socket.gethostname():
-        return "other host"
-    return "dead" if worker_is_dead(worker) else "alive"
-
-
 def _session_end(session: dict[str, object]) -> str:
     """How a crawl process ended: its close reason, or ``running``/``killed``/``unknown``
     when it never closed."""
     if session["ended_at"] is not None:
         return str(session["reason"] or "closed")
-    state = _worker_state(str(session["worker"]))
+    state = worker_state(str(session["worker"]))
     return {"alive": "running", "dead": "killed"}.get(state, "not closed")
 
 

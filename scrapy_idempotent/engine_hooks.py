@@ -64,6 +64,7 @@ __all__ = [
     "check_engine",
     "check_scrapy",
     "close_spider",
+    "close_spider_failed",
     "component_priorities",
     "disable_component",
     "engine_scheduler",
@@ -326,6 +327,22 @@ def close_spider(crawler: Crawler, reason: str) -> Deferred[None] | None:
         return deferred_from_coro(engine.close_spider_async(reason=reason))
     closing: Deferred[None] = engine.close_spider(engine.spider, reason)  # Scrapy < 2.14
     return closing
+
+
+def close_spider_failed(crawler: Crawler, reason: str) -> None:
+    """Close the spider with ``reason`` as a failed crawl: ``scrapy crawl`` (and
+    ``runspider``) then exits with 1. Scrapy (2.12 to 2.19) exits non-zero only when the
+    crawl failed to start, which it tells by the crawler having no spider once the crawl is
+    over (``CrawlerProcess._crawl``: ``bootstrap_failed |= not crawler.spider``), so the
+    crawler forgets its spider when the engine has stopped: the last signal of a crawl,
+    after every extension's close work."""
+    from scrapy import signals
+
+    def forget_spider() -> None:
+        crawler.spider = None
+
+    crawler.signals.connect(forget_spider, signal=signals.engine_stopped, weak=False)
+    close_spider(crawler, reason)
 
 
 def spider_loader(settings: BaseSettings) -> Any:

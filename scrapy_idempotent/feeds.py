@@ -59,7 +59,7 @@ from twisted.internet.defer import Deferred
 
 from . import engine_hooks
 from .codec import loads
-from .store.workers import worker_is_dead
+from .workers import worker_is_dead
 
 if TYPE_CHECKING:
     from scrapy import Spider

@@ -24,8 +24,8 @@ from scrapy.exceptions import NotConfigured
 
 from .codec import describe, dumps, loads
 from .config import config_for
+from .crawl import frontier_store, inflight_tracker
 from .engine_hooks import response_from_dict, response_to_dict, start_failure_exits_nonzero
-from .middleware import _scheduler_of
 
 if TYPE_CHECKING:
     from scrapy import Request, Spider
@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from scrapy.http import Response
     from typing_extensions import Self
 
-    from .scheduler import IdempotentScheduler
+    from .inflight import InflightTracker
+    from .store.base import FrontierStore
 
 __all__ = ["ResponseJournalMiddleware", "decode_response", "encode_response"]
 
@@ -67,7 +68,8 @@ class ResponseJournalMiddleware:
 
     def __init__(self, crawler: Crawler) -> None:
         self.crawler = crawler
-        self._scheduler: IdempotentScheduler | None = None
+        self._tracker: InflightTracker | None = None
+        self._store: FrontierStore | None = None
 
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> Self:
@@ -78,19 +80,28 @@ class ResponseJournalMiddleware:
         return cls(crawler)
 
     @property
-    def scheduler(self) -> IdempotentScheduler | None:
-        if self._scheduler is None:
-            self._scheduler = _scheduler_of(self.crawler, type(self).__name__)
-        return self._scheduler
+    def tracker(self) -> InflightTracker | None:
+        """The crawl's in-flight tracker; None outside a crawl (see :mod:`.crawl`)."""
+        if self._tracker is None:
+            self._tracker = inflight_tracker(self.crawler, type(self).__name__)
+        return self._tracker
+
+    @property
+    def store(self) -> FrontierStore | None:
+        """The crawl's store (journaled responses are read from it)."""
+        if self._store is None:
+            self._store = frontier_store(self.crawler, type(self).__name__)
+        return self._store
 
     # ``spider``: Scrapy 2.13 passes it; later releases do not (see :mod:`.engine_hooks`).
     def process_request(self, request: Request, spider: Spider | None = None) -> Response | None:
-        scheduler = self.scheduler
-        entry = scheduler.inflight_entry(request) if scheduler is not None else None
-        if scheduler is None or entry is None or entry.attempts <= 1:
+        tracker = self.tracker
+        entry = tracker.for_request(request) if tracker is not None else None
+        store = self.store
+        if tracker is None or store is None or entry is None or entry.attempts <= 1:
             return None  # a first attempt has nothing journaled
         try:
-            stored = scheduler.store.journaled_response(entry.key)
+            stored = store.journaled_response(entry.key)
             if stored is None:
                 return None
             response = decode_response(*stored)
@@ -98,20 +109,19 @@ class ResponseJournalMiddleware:
             logger.warning("scrapy_idempotent: cannot replay the journaled response of %s: %s",
                            describe(request), exc)
             return None
-        entry.replayed = True
-        scheduler.mark_replayed(entry)
+        tracker.mark_replayed(entry)
         response.flags.append("journal")
         self.crawler.stats.inc_value("idempotent/responses/replayed")
         return response
 
     def process_response(self, request: Request, response: Response,
                          spider: Spider | None = None) -> Any:
-        scheduler = self.scheduler
-        entry = scheduler.inflight_entry(request) if scheduler is not None else None
-        if scheduler is None or entry is None or entry.replayed:
+        tracker = self.tracker
+        entry = tracker.for_request(request) if tracker is not None else None
+        if tracker is None or entry is None or entry.replayed:
             return response
         try:
-            scheduler.journal_response(entry, *encode_response(response))
+            tracker.keep_response(entry, *encode_response(response))
         except Exception as exc:
             logger.warning("scrapy_idempotent: cannot journal the response of %s: %s",
                            describe(request), exc)

@@ -17,7 +17,7 @@ from scrapy.exceptions import DropItem
 
 from . import engine_hooks
 from .codec import EncodeError, dumps
-from .middleware import _scheduler_of
+from .crawl import inflight_tracker
 from .records import item_type_name
 from .store.base import Reject
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from scrapy.crawler import Crawler
     from typing_extensions import Self
 
-    from .scheduler import IdempotentScheduler
+    from .inflight import InflightTracker
 
 __all__ = ["UpsertPipeline"]
 
@@ -43,7 +43,7 @@ class UpsertPipeline:
 
     def __init__(self, crawler: Crawler) -> None:
         self.crawler = crawler
-        self.scheduler: IdempotentScheduler | None = None
+        self.tracker: InflightTracker | None = None
         self._not_items: set[str] = set()  # types warned about
 
     @classmethod
@@ -53,11 +53,11 @@ class UpsertPipeline:
     # ``spider``: Scrapy 2.13 passes it; later releases do not (see :mod:`.engine_hooks`).
     def open_spider(self, spider: Spider | None = None) -> None:
         with engine_hooks.start_failure_exits_nonzero(self.crawler):
-            self.scheduler = _scheduler_of(self.crawler, type(self).__name__)
+            self.tracker = inflight_tracker(self.crawler, type(self).__name__)
 
     def process_item(self, item: Any, spider: Spider | None = None) -> Any:
-        scheduler = self.scheduler
-        if scheduler is None:  # outside a crawl (see middleware._scheduler_of)
+        tracker = self.tracker
+        if tracker is None:  # outside a crawl (see scrapy_idempotent.crawl)
             return item
         if not is_item(item):
             # Scrapy passes any object yielded as an item to the pipelines; one that no
@@ -68,26 +68,26 @@ class UpsertPipeline:
                 logger.warning("scrapy_idempotent: %s objects are not items (no itemadapter "
                                "adapter knows them): passed on, not stored", name)
             return item
-        tag = scheduler.take_item(item)
+        origin = tracker.take_item(item)
         reason: str | None = None
-        if tag.error is not None:
-            reason = str(tag.error)
+        if origin.error is not None:
+            reason = str(origin.error)
         else:
-            assert tag.record_id is not None and tag.key_values is not None
+            assert origin.record_id is not None and origin.key_values is not None
             try:
-                record = scheduler.identity.record(item, tag.record_id, tag.key_values)
+                record = tracker.identity.record(item, origin.record_id, origin.key_values)
             except EncodeError as exc:
                 reason = f"{item_type_name(item)} item: {exc}"
             else:
-                scheduler.add_record(tag, record)
+                tracker.add_record(origin, record)
                 return item
         try:
             data = dumps(item, items=True)
         except EncodeError:
             data = repr(item)
-        scheduler.add_reject(tag, Reject(
+        tracker.add_reject(origin, Reject(
             item_type=item_type_name(item), reason=reason, data=data,
-            request_key=tag.entry.key if tag.entry is not None else None,
-            page_url=tag.page_url,
+            request_key=origin.request.key if origin.request is not None else None,
+            page_url=origin.page_url,
         ))
         raise DropItem(f"scrapy_idempotent: {reason}; kept in the rejects table")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from scrapy import signals
 from scrapy.exceptions import NotConfigured
@@ -25,13 +25,14 @@ from twisted.internet import task
 
 from . import engine_hooks
 from .config import _number
+from .crawl import frontier_store
 
 if TYPE_CHECKING:
     from scrapy import Spider
     from scrapy.crawler import Crawler
     from typing_extensions import Self
 
-    from .scheduler import IdempotentScheduler
+    from .store.base import FrontierStore
 
 __all__ = ["IdempotentLogStats"]
 
@@ -53,7 +54,7 @@ class IdempotentLogStats:
     def __init__(self, crawler: Crawler, interval_seconds: float) -> None:
         self.crawler = crawler
         self.interval_seconds = interval_seconds
-        self.scheduler: IdempotentScheduler | None = None
+        self.store: FrontierStore | None = None
         self.task: task.LoopingCall | None = None
         self._previous = (0.0, 0, 0)  # (monotonic time, pages, records) at the last line
 
@@ -78,7 +79,7 @@ class IdempotentLogStats:
         if not is_idempotent_scheduler(scheduler):
             logger.debug("scrapy_idempotent: no progress line, the scheduler is %r", scheduler)
             return
-        self.scheduler = cast("IdempotentScheduler", scheduler)
+        self.store = frontier_store(self.crawler, type(self).__name__)
         self._previous = (time.monotonic(), *self._totals())
         self.task = task.LoopingCall(self.log)
         self.task.start(self.interval_seconds, now=False)
@@ -87,7 +88,7 @@ class IdempotentLogStats:
         if self.task is not None and self.task.running:
             self.task.stop()
         self.task = None
-        self.scheduler = None
+        self.store = None
 
     def _totals(self) -> tuple[int, int]:
         stats = self.crawler.stats
@@ -97,10 +98,10 @@ class IdempotentLogStats:
 
     def log(self) -> None:
         """Log one progress line."""
-        if self.scheduler is None:
+        if self.store is None:
             return
         try:
-            counts = self.scheduler.store.counts()
+            counts = self.store.counts()
         except Exception as exc:
             logger.debug("scrapy_idempotent: no progress line: cannot read the frontier: %s",
                          exc)

@@ -53,7 +53,7 @@ from twisted.internet import task
 from . import engine_hooks, signals
 from .config import SETTINGS, _number
 from .exceptions import ConfigError
-from .store.workers import LIVE_WORKERS, worker_id, worker_is_dead
+from .workers import declare_live, forget_live, new_worker_id, worker_is_dead
 
 if TYPE_CHECKING:
     from scrapy import Spider
@@ -200,7 +200,7 @@ class QueueInput:
         self.crawler = crawler
         self.config = config
         self.redis = client
-        self.consumer = worker_id()  #: host:pid:start:nonce, so dead consumers can be told
+        self.consumer = new_worker_id()  #: host:pid:start:nonce, so dead consumers can be told
         self.stats = crawler.stats
         self.spider: Spider | None = None
         self.scheduler: IdempotentScheduler | None = None
@@ -254,7 +254,7 @@ class QueueInput:
                               f"sets it); this crawl's scheduler is {type(scheduler).__name__}")
         self.scheduler = cast("IdempotentScheduler", scheduler)
         self.spider = spider
-        LIVE_WORKERS.add(self.consumer)
+        declare_live(self.consumer)
         logger.info("scrapy_idempotent: reading requests from the Redis stream %r (group %r, "
                     "consumer %s)", self.config.key, self.config.group, self.consumer)
         self._poll = task.LoopingCall(self.poll)
@@ -288,7 +288,7 @@ class QueueInput:
             logger.info("scrapy_idempotent: %d queue message(s) not acknowledged (their "
                         "requests are not done): they will be delivered again",
                         len(self._messages))
-        LIVE_WORKERS.discard(self.consumer)
+        forget_live(self.consumer)
         with contextlib.suppress(Exception):  # closing only
             self.redis.close()
 

@@ -424,7 +424,7 @@ def _live_and_dead_workers() -> tuple[subprocess.Popen[bytes], str, str]:
     """The worker id of a process still running, and of one that has exited."""
     import socket
 
-    from scrapy_idempotent.store.workers import process_start_ticks
+    from scrapy_idempotent.workers import process_start_ticks
 
     live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
                             stdin=subprocess.PIPE)

@@ -121,7 +121,7 @@ def test_callback_requests_beat_start_requests_at_equal_priority(harness: Harnes
         # as StartSpiderMiddleware marks them
         start = scrapy.Request(f"https://example.com/{name}", dont_filter=True,
                                meta={"is_start_request": True})
-        scheduler.mark_start(start)
+        scheduler.tracker.mark_start(start)
         scheduler.enqueue_request(start)
     for name in ("other1", "other2"):
         scheduler.enqueue_request(scrapy.Request(f"https://example.com/{name}"))
@@ -174,7 +174,7 @@ def test_start_requests_are_keyed_deterministically_across_restarts(harness: Har
         scheduler = harness.scheduler()
         for url in URLS[:3]:
             request = scrapy.Request(url, dont_filter=True)
-            scheduler.mark_start(request)
+            scheduler.tracker.mark_start(request)
             scheduler.enqueue_request(request)
         scheduler.next_request()  # flushes
         harness.close(scheduler)
@@ -279,7 +279,7 @@ def test_duplicate_of_a_buffered_child_is_refused_at_once(harness: Harness) -> N
     # is only buffered (for its page's transaction) when the second arrives
     children = [scrapy.Request("https://example.com/child") for _ in range(2)]
     for page, child in zip((first, second), children, strict=True):
-        scheduler.track(child, scheduler.inflight_entry(page), page.url)
+        scheduler.tracker.track(child, scheduler.tracker.for_request(page), page.url)
     assert scheduler.enqueue_request(children[0]) is True
     assert scheduler.enqueue_request(children[1]) is False
     assert scheduler.stats.get_value("dupefilter/filtered") == 1

@@ -26,7 +26,7 @@ SHOP = CrawlIdentity(project="shop", spider="shop", source="shop")
 WORKER = textwrap.dedent("""
     import sys
     from scrapy_idempotent.store import CrawlIdentity, SQLiteStore
-    from scrapy_idempotent.store.workers import worker_id
+    from scrapy_idempotent.workers import worker_id
 
     store = SQLiteStore(sys.argv[1])
     store.open(fingerprinter="x", identity=CrawlIdentity("shop", "shop", "shop"))

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 from ..exceptions import StoreBusy, StoreError
+from ..workers import worker_is_dead
 from .base import (
     CommitResult,
     Completion,
@@ -31,7 +32,6 @@ from .base import (
     RunInfo,
     UnitOfWork,
 )
-from .workers import worker_is_dead
 
 __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
 
