@@ -663,7 +663,8 @@ class PostgreSQLStore(FrontierStore):
         if "meta" in tables:
             with contextlib.suppress(StoreError):
                 meta = dict(self._read(
-                    "SELECT key, value FROM meta WHERE key IN ('application', 'schema_version')"))
+                    f'SELECT key, value FROM "{self.schema}".meta'
+                    " WHERE key IN ('application', 'schema_version')"))
         version = int(meta["schema_version"]) if meta.get("schema_version", "").isdigit() else 0
         ours = meta.get("application") == APPLICATION and version >= 1
         if ours and version > SCHEMA_VERSION:
@@ -1231,8 +1232,8 @@ class PostgreSQLStore(FrontierStore):
         self._opened = True
         try:
             if self.requested_schema is None:
-                self.schema = (schema_for(identity) if identity is not None
-                               else self._only_schema())
+                self._use_schema(schema_for(identity) if identity is not None
+                                 else self._only_schema())
             if not self._tables(self.schema):
                 raise StoreError(f"no frontier in schema {self.schema} of {self.shown_url}")
             version, _ = self._check_ownership()
@@ -1245,6 +1246,14 @@ class PostgreSQLStore(FrontierStore):
             raise
         return {"schema_version": version, "supported_schema_version": SCHEMA_VERSION,
                 "journal_mode": "wal"}
+
+    def _use_schema(self, schema: str) -> None:
+        """Work in ``schema`` from now on (the connections open now included)."""
+        self.schema = schema
+        with self._lock:
+            connections = list(self._connections)
+        for conn in connections:
+            conn.execute("SELECT set_config('search_path', %s, false)", (f'"{schema}"',))
 
     def _only_schema(self) -> str:
         """The schema of the one crawl in the database (its frontiers: schemas with this
