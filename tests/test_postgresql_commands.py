@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 from scrapy.utils.defer import deferred_f_from_coro_f
+from test_commands import idempotent, idempotent_json
 
 from crawling import crawl_settings, run_crawl
 from shop.site import ShopSite, product_sku
 from shop.spiders.shop import ShopSpider
-from test_commands import idempotent, idempotent_json
 
 psycopg = pytest.importorskip("psycopg")
 
