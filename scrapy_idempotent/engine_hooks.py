@@ -314,6 +314,17 @@ def engine_scheduler(crawler: Crawler) -> Any:
         return getattr(slot, "scheduler", None)
 
 
+def schedule_next_request(crawler: Crawler) -> None:
+    """Make the engine ask the scheduler for requests at the next turn of the reactor
+    instead of at its next heartbeat (``_SLOT_HEARTBEAT_INTERVAL``, 5 s): the engine slot's
+    ``nextcall.schedule()``, as the engine does itself when a download ends
+    (scrapy/core/engine.py). Nothing when no spider is open."""
+    slot = getattr(crawler.engine, "_slot", None)
+    nextcall = getattr(slot, "nextcall", None)
+    if nextcall is not None:
+        nextcall.schedule()
+
+
 def close_spider(crawler: Crawler, reason: str) -> Deferred[None] | None:
     """Ask the engine to close the spider with ``reason``; None when no spider is open.
     ``ExecutionEngine.close_spider_async(reason=...)`` (Scrapy 2.14), before that

@@ -88,6 +88,12 @@ class ClaimedRequests:
         self.maybe_claimable = False
         self._recheck_at = now + 1.0
 
+    def wake(self) -> None:
+        """Another worker may have made requests claimable (the store said so): ask the
+        store at the next chance, without waiting for the recheck."""
+        self.maybe_claimable = True
+        self._recheck_at = 0.0
+
     def keep_held(self, held: set[str]) -> int:
         """Drop the requests whose lease is not in ``held`` (found lost at a renewal; never
         handed out). Returns how many were dropped."""

@@ -251,6 +251,26 @@ class IdempotentScheduler(BaseScheduler):
         self._hooks.install()
         self._renewal = task.LoopingCall(self._tick)
         self._renewal.start(self.config.lease_seconds / 3, now=False)
+        self._woken = False
+        self.store.watch_for_work(self._work_may_be_claimable)
+
+    def _work_may_be_claimable(self) -> None:
+        """The store's signal that another worker may have made requests claimable (any
+        thread): wake the engine once (a signal that comes while one is pending joins it)."""
+        if self._woken or self._closing:
+            return
+        self._woken = True
+        from twisted.internet import reactor
+
+        reactor.callFromThread(self._wake)
+
+    def _wake(self) -> None:
+        self._woken = False
+        if self._closing or self._failed:
+            return
+        self.stats.inc_value("idempotent/wakeups")
+        self.claimed.wake()
+        engine_hooks.schedule_next_request(self.crawler)
 
     def before_session_end(self, hook: Callable[[FrontierStore, int, bool], Any]) -> None:
         """Call ``hook(store, run_id, finishing)`` (a coroutine function) at close, once every

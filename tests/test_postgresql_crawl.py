@@ -92,3 +92,70 @@ async def test_crawls_of_other_sources_share_one_database_without_seeing_each_ot
         assert_catalogue(postgres_url, schema, shop)
         sources.append(source)
     assert sorted(sources) == ["shop-eu", "shop-us"]
+
+
+@deferred_f_from_coro_f
+async def test_a_second_worker_waits_for_the_first_and_wakes_when_work_appears(
+        shop: ShopSite, postgres_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two workers (crawls in this process, one frontier). The first holds the first listing
+    page (the shop holds its answer back) while the second starts: it has nothing to claim
+    and waits; once the page's links are committed, the first's notification wakes it. Both
+    finish, every page fetched once."""
+    import asyncio
+    import threading
+
+    from scrapy.utils.test import get_crawler
+
+    from crawling import crawl_to_end
+    from scrapy_idempotent import engine_hooks
+    from shop import site as shop_site
+
+    gate = threading.Event()
+    answer = shop_site._ShopHandler._answer
+
+    def gated(handler: Any, path: str, send_body: bool) -> None:
+        if path == "/list/1":
+            gate.wait(300)
+        answer(handler, path, send_body)
+
+    monkeypatch.setattr(shop_site._ShopHandler, "_answer", gated)
+    settings = crawl_settings(postgres_url,  # type: ignore[arg-type]
+                              IDEMPOTENT_RUN_MODE="resume", **NATURAL_KEYS)
+    first, second = get_crawler(ShopSpider, settings), get_crawler(ShopSpider, settings)
+    first_done = asyncio.ensure_future(crawl_to_end(first, url=shop.url))
+    await wait_until(lambda: shop.counts_by_path().get("/list/1") == 1)
+    second_done = asyncio.ensure_future(crawl_to_end(second, url=shop.url))
+
+    def idle() -> bool:  # the second worker asked the store for work and found none
+        try:
+            scheduler = engine_hooks.engine_scheduler(second)
+        except RuntimeError:  # Crawler.engine before the crawl starts (Scrapy 2.19)
+            return False
+        return scheduler is not None and not scheduler.claimed.maybe_claimable
+
+    await wait_until(idle)
+    gate.set()
+    await first_done
+    await second_done
+    for crawler in (first, second):
+        assert crawler.stats.get_value("finish_reason") == "finished"
+    assert second.stats.get_value("idempotent/wakeups", 0) >= 1
+    done = [c.stats.get_value("idempotent/requests/done", 0) for c in (first, second)]
+    assert all(done) and sum(done) + sum(c.stats.get_value("idempotent/requests/redirected", 0)
+                                         for c in (first, second)) == 525
+    assert shop.request_count == 525
+    [schema] = crawl_schemas(postgres_url)
+    assert_catalogue(postgres_url, schema, shop)
+
+
+async def wait_until(condition: Any) -> None:
+    """Let the reactor run until ``condition()`` holds (a state, never a duration)."""
+    from scrapy.utils.defer import maybe_deferred_to_future
+    from twisted.internet import reactor
+    from twisted.internet.task import deferLater
+
+    for _ in range(30000):
+        if condition():
+            return
+        await maybe_deferred_to_future(deferLater(reactor, 0.01, lambda: None))
+    raise AssertionError("timed out")

@@ -351,3 +351,28 @@ def test_a_connection_lost_during_commit_is_resolved_by_reading_back(
         assert [r["done"] for r in store.runs()] == [1]
     finally:
         proxy.close()
+
+
+def test_a_listening_worker_is_told_when_work_appears(make: Callable[..., PostgreSQLStore],
+                                                      postgres_url: str) -> None:
+    idle, busy = make(heartbeat_seconds=None), make(heartbeat_seconds=None)
+    for store, worker in ((idle, "w1"), (busy, "w2")):
+        store.open(fingerprinter="f", identity=SHOP)
+        store.begin_session(worker, "auto")
+    signals = threading.Semaphore(0)
+    assert idle.watch_for_work(signals.release)
+
+    def listening() -> bool:
+        return bool(sql(postgres_url, "SELECT count(*) FROM pg_stat_activity"
+                        " WHERE query LIKE 'LISTEN %'")[0][0])
+
+    wait_for(listening, 60, "the listener")
+    busy.commit(UnitOfWork(requests=[req("p1"), req("p2")]), "w2")  # new requests
+    assert signals.acquire(timeout=60)
+    assert [r.key for r in busy.commit(UnitOfWork(claim=2), "w2").leased] == ["p2", "p1"]
+    assert busy.release_leases(["w2"]) == 2  # released leases
+    assert signals.acquire(timeout=60)
+    busy.commit(UnitOfWork(claim=1), "w2")  # a claim makes nothing claimable: no signal
+    idle.close()
+    wait_for(lambda: not listening(), 60, "the listener to stop")
+    assert not signals.acquire(blocking=False)

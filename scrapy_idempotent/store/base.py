@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -309,6 +309,14 @@ class FrontierStore(ABC):
         with ``everything``; with ``everything`` also empty the write-ahead log. In bounded
         steps, so that the write lock is never held long. Returns the bytes given back (0 when
         there was nothing to do)."""
+
+    def watch_for_work(self, callback: Callable[[], object]) -> bool:
+        """Call ``callback()`` (from another thread) whenever another worker may have made
+        requests claimable (new requests, leases given back), until :meth:`close`. Calls
+        may be grouped (one for several changes) and may come when nothing is claimable
+        after all; none may come for a change, so the caller still polls, less eagerly.
+        Returns False when this store cannot tell (the default): the caller polls."""
+        return False
 
     @abstractmethod
     def lease_holders(self) -> list[LeaseHolder]: ...

@@ -203,6 +203,8 @@ _QUEUE_ORDER = "priority DESC, is_start, (CASE WHEN fifo THEN id ELSE -id END)"
 _TERMINAL = tuple(s.value for s in RequestState if s.terminal)
 _COUNTERS = ("leased", "done", "failed", "redirected", "records_inserted", "records_updated",
              "records_unchanged")
+#: Page commits that add requests send at most one notification per this many seconds.
+NOTIFY_INTERVAL_SECONDS = 0.25
 #: id(connection) -> (pid, start time) of its server process
 conn_backends: dict[int, tuple[int, Any]] = {}
 #: Workers whose latest heartbeat (over their sessions not ended) is older than a bound.
@@ -347,6 +349,9 @@ class PostgreSQLStore(FrontierStore):
         self._lock = threading.Lock()
         self._opened = False
         self._beat_stop: threading.Event | None = None
+        self._listen_stop: threading.Event | None = None
+        self._listen_thread: threading.Thread | None = None
+        self._notified_at = -NOTIFY_INTERVAL_SECONDS
         self._beat_thread: threading.Thread | None = None
 
     # -- connections ------------------------------------------------------------------------
@@ -474,6 +479,7 @@ class PostgreSQLStore(FrontierStore):
 
     def close(self) -> None:
         self._stop_heartbeat()
+        self._stop_listening()
         with self._lock:
             connections, self._connections = self._connections, []
         for conn in connections:
@@ -890,6 +896,9 @@ class PostgreSQLStore(FrontierStore):
             if work.claim:
                 self._claim(cur, worker, work.claim, now, result)
             self._count(cur, result, len(started))
+            if (result.requests_added or result.requests_due_again
+                    or result.completed.get(RequestState.PENDING.value)):
+                self._notify(cur)
 
     def _fence(self, cur: psycopg.Cursor[Any], work: UnitOfWork, worker: str) -> set[str]:
         """The keys of ``work`` whose request is not leased by ``worker`` now; the others are
@@ -1179,11 +1188,80 @@ class PostgreSQLStore(FrontierStore):
         with self._write("releasing leases") as cur:
             return self._release(cur, workers)
 
-    @staticmethod
-    def _release(cur: psycopg.Cursor[Any], workers: list[str]) -> int:
+    def _release(self, cur: psycopg.Cursor[Any], workers: list[str]) -> int:
         cur.execute("UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL"
                     " WHERE state = 'leased' AND worker = ANY(%s)", (list(workers),))
-        return cur.rowcount
+        released = cur.rowcount
+        if released:
+            self._notify(cur, force=True)
+        return released
+
+    # -- waking idle workers (LISTEN/NOTIFY) ------------------------------------------------
+
+    @property
+    def channel(self) -> str:
+        """The notification channel of this crawl: its schema's name."""
+        return self.schema
+
+    def _notify(self, cur: psycopg.Cursor[Any], *, force: bool = False) -> None:
+        """Tell listening workers that requests became claimable, when this transaction
+        commits (NOTIFY is transactional). At most one per :data:`NOTIFY_INTERVAL_SECONDS`
+        from page commits (a busy crawl adds requests in most of them; an idle worker needs
+        one signal, and polls besides), always for released leases."""
+        now = time.monotonic()
+        if not force and now - self._notified_at < NOTIFY_INTERVAL_SECONDS:
+            return
+        self._notified_at = now
+        cur.execute("SELECT pg_notify(%s, '')", (self.channel,))
+
+    def watch_for_work(self, callback: Callable[[], object]) -> bool:
+        """Listen on this crawl's channel from a thread of its own (its own connection) and
+        call ``callback`` for each notification (several at once make one call). A lost
+        connection is reopened, and ``callback`` called once (notifications sent meanwhile
+        are lost)."""
+        if self._listen_thread is not None:
+            return True
+        stop = threading.Event()
+
+        def listen() -> None:
+            listened = False
+            while not stop.is_set():
+                try:
+                    conn = self._connect(set_path=False)
+                except StoreError as exc:
+                    logger.debug("scrapy_idempotent: cannot listen for work: %s", exc)
+                    stop.wait(1.0)
+                    continue
+                try:
+                    conn.execute(f'LISTEN "{self.channel}"')
+                    if listened:  # what was sent while the connection was down is lost
+                        callback()
+                    listened = True
+                    while not stop.is_set():
+                        if any(True for _ in conn.notifies(timeout=0.5, stop_after=1)):
+                            with contextlib.suppress(Exception):  # drain: one call for all
+                                list(conn.notifies(timeout=0.0))
+                            callback()
+                except Exception as exc:
+                    if not stop.is_set():
+                        logger.debug("scrapy_idempotent: listening for work: %s", exc)
+                        stop.wait(0.5)
+                finally:
+                    self._drop(conn)
+
+        self._listen_stop = stop
+        self._listen_thread = threading.Thread(
+            target=listen, name="scrapy_idempotent listener", daemon=True)
+        self._listen_thread.start()
+        return True
+
+    def _stop_listening(self) -> None:
+        if self._listen_stop is not None:
+            self._listen_stop.set()
+        if (self._listen_thread is not None
+                and self._listen_thread is not threading.current_thread()):
+            self._listen_thread.join(timeout=30)
+        self._listen_stop = self._listen_thread = None
 
     def dead_workers(self) -> list[str]:
         """Workers whose session has not ended and whose heartbeat is older than
@@ -1203,7 +1281,10 @@ class PostgreSQLStore(FrontierStore):
                 "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL"
                 f" WHERE state = 'leased' AND (leased_until < %s OR worker IN ({_DEAD_WORKERS}))",
                 (now, dead_before if dead_before is not None else float("-inf")))
-            return cur.rowcount
+            reclaimed = cur.rowcount
+            if reclaimed:
+                self._notify(cur, force=True)
+            return reclaimed
 
     def reclaim_space(self, *, everything: bool = False) -> int:
         """PostgreSQL's autovacuum gives the space of dead rows back for reuse (tuned on the
@@ -1357,6 +1438,8 @@ class PostgreSQLStore(FrontierStore):
                 " attempts = 0, finished_at = NULL, error_kind = NULL, error_message = NULL"
                 f" WHERE {where}", params)
             retried = cur.rowcount
+            if retried:
+                self._notify(cur, force=True)
             last = self._reopen(cur, bool(retried))
         return {"retried": retried, "run_id": last[0] if last else None,
                 "reopened": bool(retried and last and last[1] is not None)}
