@@ -8,6 +8,8 @@ __version__ = "0.1.0"
 from .addon import Addon
 from .exceptions import (
     ConfigError,
+    DeliveryRefused,
+    DeliveryRetry,
     IdempotentError,
     MissingNaturalKey,
     StoreError,
@@ -17,6 +19,7 @@ from .exceptions import (
 from .feeds import IdempotentFeedExporter
 from .journal import ResponseJournalMiddleware
 from .middleware import RecordIdMiddleware
+from .outbox import OutboxDelivery, OutboxTarget
 from .pipeline import UpsertPipeline
 from .scheduler import IdempotentScheduler
 from .store import SQLiteStore
@@ -24,10 +27,14 @@ from .store import SQLiteStore
 __all__ = [
     "Addon",
     "ConfigError",
+    "DeliveryRefused",
+    "DeliveryRetry",
     "IdempotentError",
     "IdempotentFeedExporter",
     "IdempotentScheduler",
     "MissingNaturalKey",
+    "OutboxDelivery",
+    "OutboxTarget",
     "RecordIdMiddleware",
     "ResponseJournalMiddleware",
     "SQLiteStore",

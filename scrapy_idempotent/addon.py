@@ -85,6 +85,7 @@ class Addon:
         ITEM_PIPELINES = {"scrapy_idempotent.UpsertPipeline": 1000}
         EXTENSIONS = {"scrapy_idempotent.progress.IdempotentLogStats": 0,
                       "scrapy_idempotent.queue_input.QueueInput": 0,  # IDEMPOTENT_QUEUE_URL
+                      "scrapy_idempotent.OutboxDelivery": 0,
                       "scrapy.extensions.feedexport.FeedExporter": None,
                       "scrapy_idempotent.IdempotentFeedExporter": 0}
     """
@@ -123,6 +124,9 @@ class Addon:
         from .queue_input import QueueInput  # off unless IDEMPOTENT_QUEUE_URL is set
 
         settings.set_in_component_priority_dict("EXTENSIONS", QueueInput, 0)
+        from .outbox import OutboxDelivery  # off (NotConfigured) without outbox targets
+
+        settings.set_in_component_priority_dict("EXTENSIONS", OutboxDelivery, 0)
         _replace_feed_exporter(settings)
         if self.crawler is not None and self.crawler.spider is not None:
             # check every IDEMPOTENT_* setting before anything is built (a bad one is one

@@ -4,20 +4,24 @@ back, get the records out and check the database, without opening SQLite by hand
 Registered as a Scrapy command through the ``scrapy.commands`` entry point (``setup.cfg``);
 Scrapy has no sub-commands, so the first argument names one:
 
-* ``status``: runs, frontier by state, leases and their owners, records, failures by kind,
-  repeated requests, totals over all runs;
+* ``status``: runs, frontier by state, leases and their owners, records, outbox deliveries
+  by target and state, failures by kind, repeated requests, totals over all runs;
 * ``failed``: failed requests with URL, error kind, message and attempts;
 * ``retry``: failed requests back to pending (one transaction), so the next crawl fetches them;
   with ``--rejects`` the pages of the last run's rejected items;
 * ``rejects``: items that could not become records (type, reason, page, time);
 * ``export``: records to JSON Lines, CSV or JSON through Scrapy's item exporters;
 * ``check``: integrity, schema version, WAL mode, leases of dead workers, impossible states;
-  exit code 1 when something is wrong.
+  exit code 1 when something is wrong;
+* ``deliver``: sends the outbox's pending announcements to the configured targets (what a
+  killed crawl, or a receiver that was down, left), for at most
+  ``IDEMPOTENT_OUTBOX_DRAIN_SECONDS``; exit code 1 when some are left.
 
 The database is the one the scheduler uses for ``SPIDER`` in the current project
 (``IDEMPOTENT_DATABASE``, ``{spider}`` replaced, default ``.scrapy/idempotent/<spider>.sqlite3``
-in the project data dir), or ``--db PATH`` anywhere. Every command but ``retry`` opens it
-read-only; none creates or migrates it. ``--json`` prints one JSON document for scripts.
+in the project data dir), or ``--db PATH`` anywhere. Every command but ``retry`` and
+``deliver`` opens it read-only; none creates or migrates it. ``--json`` prints one JSON
+document for scripts.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from scrapy.exceptions import UsageError
 from . import engine_hooks
 from .config import IdempotentConfig, store_options
 from .exceptions import IdempotentError, StoreError
+from .outbox import target_label
 from .store import CrawlIdentity, open_store
 from .store.registry import redacted, sqlite_path
 from .workers import worker_state
@@ -59,6 +64,8 @@ SUBCOMMANDS: dict[str, str] = {
     "rejects": "items that could not become records, with type, reason, page and time",
     "export": "records to JSON Lines, CSV or JSON (-o FILE, default stdout)",
     "check": "integrity, schema, WAL, dead workers' leases, impossible rows; exit 1 if wrong",
+    "deliver": "send the outbox's pending announcements to IDEMPOTENT_OUTBOX_TARGETS; exit 1 "
+               "if some are left",
 }
 
 #: Options that only some sub-commands take (option dest -> sub-commands).
@@ -96,6 +103,8 @@ class Command(ScrapyCommand):
 
     requires_project = False
     requires_crawler_process = False
+    _config: IdempotentConfig
+    _settings: Any
 
     def syntax(self) -> str:
         return f"<{'|'.join(SUBCOMMANDS)}> [SPIDER] [options]"
@@ -108,7 +117,7 @@ class Command(ScrapyCommand):
         return (
             f"Operator tools for a scrapy_idempotent frontier database. {commands}. The "
             "database is the one of SPIDER in the current project (IDEMPOTENT_DATABASE), or "
-            "--db PATH. Only retry writes to it."
+            "--db PATH. Only retry and deliver write to it."
         )
 
     def add_options(self, parser: argparse.ArgumentParser) -> None:
@@ -189,9 +198,11 @@ class Command(ScrapyCommand):
             store, path, identity = self._store(args[1] if len(args) > 1 else None,
                                                 opts.db)
             try:
-                # only retry writes: it refuses, untouched, a file that is not ours or another
-                # crawl's (known from the spider's settings; with --db, only the former)
-                info = store.open_existing(readonly=subcommand != "retry", identity=identity)
+                # only retry and deliver write: they refuse, untouched, a file that is not
+                # ours or another crawl's (known from the spider's settings; with --db, only
+                # the former)
+                info = store.open_existing(readonly=subcommand not in ("retry", "deliver"),
+                                           identity=identity)
                 if subcommand != "check" and (
                     info["schema_version"] != info["supported_schema_version"]
                 ):
@@ -221,7 +232,10 @@ class Command(ScrapyCommand):
         the only spider of the project."""
         assert self.settings is not None
         settings = self.settings.copy()
+        self._settings = settings
         if db is not None:
+            self._config = IdempotentConfig.from_settings(
+                settings, SimpleNamespace(name=spider or "spider"))  # type: ignore[arg-type]
             return open_store(db, **store_options(settings)), redacted(db), None
         from scrapy.utils.project import inside_project
 
@@ -258,9 +272,9 @@ class Command(ScrapyCommand):
             config = IdempotentConfig.from_settings(settings, spidercls)
         return self._of(config, settings, spider)
 
-    @staticmethod
-    def _of(config: IdempotentConfig, settings: Any,
+    def _of(self, config: IdempotentConfig, settings: Any,
             spider: str) -> tuple[FrontierStore, str, CrawlIdentity | None]:
+        self._config = config
         return (open_store(config.database, **config.store_options()),
                 redacted(config.database), _identity(settings, spider, config))
 
@@ -282,6 +296,7 @@ class Command(ScrapyCommand):
         failures = store.failure_counts()
         repeated = store.repeated_requests(10)
         holders = store.lease_holders()
+        outbox = store.outbox_counts()
         now = time.time()
 
         ends: dict[int, list[str]] = {}
@@ -318,6 +333,7 @@ class Command(ScrapyCommand):
                 "rejected": current["rejects"] if current else 0,
             },
             "failures": failures,
+            "outbox": outbox,
             "repeated": {
                 "requests": summary["repeated"],
                 "downloaded_again": summary["downloaded_again"],
@@ -374,6 +390,13 @@ class Command(ScrapyCommand):
                          (f"updated {run_label}", rec["updated"]),
                          (f"unchanged {run_label}", rec["unchanged"]),
                          (f"rejected {run_label}", rec["rejected"])])
+        lines += ["", "Outbox (announcements of record changes, by target)"]
+        if outbox:
+            lines += _table(["target", "pending", "delivered", "failed"],
+                            [[target_label(target), n["pending"], n["delivered"],
+                              n["failed"]] for target, n in outbox.items()])
+        else:
+            lines.append("  none (no IDEMPOTENT_OUTBOX_TARGETS when records changed)")
         lines += ["", "Failures by kind"]
         if failures:
             lines += _table(["kind", "requests"], [[k or "-", v] for k, v in failures.items()])
@@ -543,6 +566,72 @@ class Command(ScrapyCommand):
             print(json.dumps(report) if opts.json else line, file=sys.stderr)
         else:
             self._print(opts, report, [line])
+
+    # -- deliver ----------------------------------------------------------------------------
+
+    def _deliver(self, store: FrontierStore, path: str, info: dict[str, object],
+                 opts: argparse.Namespace) -> None:
+        config = self._config
+        if not config.outbox_targets:
+            raise IdempotentError(
+                "IDEMPOTENT_OUTBOX_TARGETS is empty: there is nowhere to deliver to")
+        from scrapy.utils.defer import deferred_from_coro
+        from scrapy.utils.reactor import install_reactor, is_reactor_installed
+
+        if not is_reactor_installed():
+            install_reactor(self._settings["TWISTED_REACTOR"] or
+                            "twisted.internet.asyncioreactor.AsyncioSelectorReactor",
+                            self._settings["ASYNCIO_EVENT_LOOP"])
+        from twisted.internet import reactor as installed
+
+        reactor: Any = installed
+        outcome: list[Any] = []
+
+        def finish(result: Any) -> None:
+            outcome.append(result)
+            reactor.stop()
+
+        def start() -> None:
+            deferred_from_coro(self._deliver_all(store, config)).addBoth(finish)
+
+        reactor.callWhenRunning(start)
+        reactor.run()
+        if not outcome:  # the reactor was stopped from outside (a signal)
+            raise IdempotentError("interrupted; what was not recorded as delivered is sent "
+                                  "again by the next `deliver` or crawl")
+        from twisted.python.failure import Failure
+
+        if isinstance(outcome[0], Failure):
+            outcome[0].raiseException()
+        counts, left = outcome[0]
+        report = {"database": path, **counts, "pending": left,
+                  "outbox": store.outbox_counts()}
+        self.exitcode = 1 if left else 0
+        lines = [f"Delivered {counts['delivered']}, retried {counts['pending']}, failed "
+                 f"{counts['failed']}; {left} still pending"]
+        lines += _table(["target", "pending", "delivered", "failed"],
+                        [[target_label(target), n["pending"], n["delivered"], n["failed"]]
+                         for target, n in report["outbox"].items()])
+        self._print(opts, report, lines)
+
+    async def _deliver_all(self, store: FrontierStore,
+                           config: IdempotentConfig) -> tuple[dict[str, int], int]:
+        from scrapy import Spider
+        from scrapy.crawler import Crawler
+
+        from .outbox import Deliverer, build_targets
+
+        crawler = Crawler(Spider, self._settings)
+        deliverer = Deliverer(store, build_targets(config, crawler),
+                              concurrency=config.outbox_concurrency,
+                              timeout_seconds=config.outbox_timeout_seconds,
+                              retry_seconds=config.outbox_retry_seconds,
+                              retry_max_seconds=config.outbox_retry_max_seconds)
+        try:
+            left = await deliverer.drain(config.outbox_drain_seconds)
+        finally:
+            await deliverer.close()
+        return deliverer.counts, left
 
     # -- check ------------------------------------------------------------------------------
 

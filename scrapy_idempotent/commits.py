@@ -144,6 +144,7 @@ class CommitOutcomes:
             ("records/rejected", result.rejects),
             ("requests/leases_lost", result.leases_lost),
             ("requests/quarantined", len(result.quarantined)),
+            ("outbox/written", result.outbox_entries),
         ):
             if value:
                 inc(f"idempotent/{name}", value)

@@ -93,6 +93,13 @@ SETTINGS: dict[str, Any] = {
     "IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS": 300.0,
     "IDEMPOTENT_QUEUE_PREFETCH": 100,
     "IDEMPOTENT_QUEUE_POLL_SECONDS": 0.2,
+    "IDEMPOTENT_OUTBOX_TARGETS": [],
+    "IDEMPOTENT_OUTBOX_HEADERS": {},
+    "IDEMPOTENT_OUTBOX_CONCURRENCY": 8,
+    "IDEMPOTENT_OUTBOX_TIMEOUT_SECONDS": 30.0,
+    "IDEMPOTENT_OUTBOX_RETRY_SECONDS": 1.0,
+    "IDEMPOTENT_OUTBOX_RETRY_MAX_SECONDS": 300.0,
+    "IDEMPOTENT_OUTBOX_DRAIN_SECONDS": 30.0,
 }
 
 
@@ -117,6 +124,14 @@ class IdempotentConfig:
     log_interval_seconds: float
     recrawl_seconds: float | None = None
     response_journal: bool = True
+    #: delivery targets of record changes: webhook URLs and import paths of target classes
+    outbox_targets: tuple[str, ...] = ()
+    outbox_headers: tuple[tuple[str, str], ...] = ()
+    outbox_concurrency: int = 8
+    outbox_timeout_seconds: float = 30.0
+    outbox_retry_seconds: float = 1.0
+    outbox_retry_max_seconds: float = 300.0
+    outbox_drain_seconds: float = 30.0
 
     def store_options(self) -> dict[str, Any]:
         """The keyword options of :func:`~.store.open_store` these settings give (see
@@ -173,6 +188,18 @@ class IdempotentConfig:
             log_interval_seconds=_number(settings, "IDEMPOTENT_LOG_INTERVAL_SECONDS",
                                          minimum=0.0),
             response_journal=_boolean(settings, "IDEMPOTENT_RESPONSE_JOURNAL"),
+            outbox_targets=_outbox_targets(settings),
+            outbox_headers=_headers(settings, "IDEMPOTENT_OUTBOX_HEADERS"),
+            outbox_concurrency=int(_number(settings, "IDEMPOTENT_OUTBOX_CONCURRENCY",
+                                           minimum=1, integer=True)),
+            outbox_timeout_seconds=_number(settings, "IDEMPOTENT_OUTBOX_TIMEOUT_SECONDS",
+                                           minimum=0.1),
+            outbox_retry_seconds=_number(settings, "IDEMPOTENT_OUTBOX_RETRY_SECONDS",
+                                         minimum=0.0),
+            outbox_retry_max_seconds=_number(settings, "IDEMPOTENT_OUTBOX_RETRY_MAX_SECONDS",
+                                             minimum=0.0),
+            outbox_drain_seconds=_number(settings, "IDEMPOTENT_OUTBOX_DRAIN_SECONDS",
+                                         minimum=0.0),
         )
 
 
@@ -301,6 +328,49 @@ def _names(settings: BaseSettings, name: str) -> list[str]:
     ):
         raise ConfigError(name, raw, "a list of non-empty strings (or a comma-separated string)")
     return list(raw)
+
+
+def _outbox_targets(settings: BaseSettings) -> tuple[str, ...]:
+    """Webhook URLs (``http://``, ``https://``) and import paths of target classes, each
+    checked now: a URL must have a host, a class path must import."""
+    from urllib.parse import urlsplit
+
+    from scrapy.utils.misc import load_object
+
+    name = "IDEMPOTENT_OUTBOX_TARGETS"
+    targets = _names(settings, name)
+    for target in targets:
+        if target.startswith(("http://", "https://")):
+            if not urlsplit(target).hostname:
+                raise ConfigError(name, target, "a webhook URL with a host name")
+            continue
+        if "://" in target:
+            raise ConfigError(name, target, "an http:// or https:// webhook URL, or the "
+                                            "import path of an outbox target class")
+        try:
+            load_object(target)
+        except (ImportError, AttributeError, NameError, ValueError) as exc:
+            raise ConfigError(name, target, "an http:// or https:// webhook URL, or the "
+                                            f"import path of an outbox target class ({exc})"
+                              ) from None
+    if len(set(targets)) != len(targets):
+        raise ConfigError(name, targets, "distinct targets (each one is delivered to once)")
+    return tuple(targets)
+
+
+def _headers(settings: BaseSettings, name: str) -> tuple[tuple[str, str], ...]:
+    raw = settings.get(name, SETTINGS[name])
+    if isinstance(raw, str):  # a JSON object given with -s
+        try:
+            raw = json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            raw = None
+    if hasattr(raw, "copy_to_dict"):  # a Scrapy BaseSettings
+        raw = raw.copy_to_dict()
+    if not isinstance(raw, dict) or not all(
+            isinstance(k, str) and k and isinstance(v, str) for k, v in raw.items()):
+        raise ConfigError(name, raw, "a dict of header names to string values")
+    return tuple(raw.items())
 
 
 def _natural_keys(name: str, given: Any) -> dict[str, tuple[str, ...]]:

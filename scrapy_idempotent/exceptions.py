@@ -9,6 +9,8 @@ from __future__ import annotations
 
 __all__ = [
     "ConfigError",
+    "DeliveryRefused",
+    "DeliveryRetry",
     "IdempotentError",
     "MissingNaturalKey",
     "StoreBusy",
@@ -78,3 +80,17 @@ class StoreError(IdempotentError, RuntimeError):
 class StoreBusy(StoreError):
     """Another process held the database's lock longer than the busy timeout allows: the one
     store error worth retrying."""
+
+
+class DeliveryRefused(IdempotentError):
+    """An outbox target refused an announcement for good (a webhook's 4xx answer other than
+    408, 409 and 429): the entry is parked as failed with this message as its answer."""
+
+
+class DeliveryRetry(IdempotentError):
+    """An outbox target asks to try an announcement again later (a 5xx, 408, 409 or 429
+    answer); ``retry_after_seconds``: the wait it asked for (``Retry-After``), if any."""
+
+    def __init__(self, message: str, retry_after_seconds: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_seconds = retry_after_seconds

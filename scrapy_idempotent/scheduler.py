@@ -601,6 +601,7 @@ class IdempotentScheduler(BaseScheduler):
             return None
         self.tracker.drain_into(work)
         self.claimed.prepare(work, self._closing)
+        work.outbox_targets = self.config.outbox_targets  # announce its record changes
         if not work:
             return None
         try:

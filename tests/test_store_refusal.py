@@ -40,6 +40,7 @@ def as_earlier_version(path: Path, *, schema_3: bool, journal_mode: str) -> None
     ``schema_3``, also the schema (and no application id) of version 3."""
     conn = sqlite3.connect(path, isolation_level=None)
     if schema_3:
+        conn.execute("DROP TABLE outbox")  # schema 6
         conn.execute("DROP INDEX records_seen")  # schema 5
         conn.execute("ALTER TABLE records DROP COLUMN seen_seq")
         conn.execute("ALTER TABLE runs DROP COLUMN seen_seq")

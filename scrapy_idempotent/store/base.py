@@ -10,6 +10,9 @@ Transaction guarantees every implementation gives:
   requests, records, rejects, completions and the lease claim are all durable together, or
   none is. This is how "done is the last write" holds: a completion is never committed before
   the records and child requests its response produced.
+* With :attr:`UnitOfWork.outbox_targets`, every record the transaction inserts or changes
+  gets one outbox entry per target in the same transaction (see :class:`OutboxEntry`): a
+  stored change is always announced, and a change that is not stored never is.
 * A completion deletes the response journaled for its request in the same transaction.
 * Enqueue is idempotent by request key: a key already in the frontier is not inserted again,
   whatever its state.
@@ -33,6 +36,9 @@ __all__ = [
     "LeaseHolder",
     "LeasedRequest",
     "NewRequest",
+    "OutboxEntry",
+    "OutboxOutcome",
+    "OutboxState",
     "Record",
     "Reject",
     "RequestState",
@@ -56,6 +62,14 @@ class RequestState(str, enum.Enum):
     @property
     def terminal(self) -> bool:
         return self in (RequestState.DONE, RequestState.FAILED, RequestState.REDIRECTED)
+
+
+class OutboxState(str, enum.Enum):
+    """States of an outbox entry: ``pending -> delivered | failed``."""
+
+    PENDING = "pending"  #: not acknowledged yet (never sent, or to be sent again)
+    DELIVERED = "delivered"  #: the target acknowledged it
+    FAILED = "failed"  #: the target refused it for good (its answer is kept)
 
 
 @dataclass(frozen=True)
@@ -145,6 +159,42 @@ class Record:
 
 
 @dataclass(frozen=True)
+class OutboxEntry:
+    """One announcement of a record change to one target, written by
+    :meth:`FrontierStore.commit` in the transaction that stored the change.
+
+    ``key`` is the idempotency key: ``<record_id>:<content_hash>``, the same for every
+    delivery of this change (and for every target), so a receiver deduplicates by it.
+    ``entry_id`` grows with every entry written (later changes have larger ids)."""
+
+    entry_id: int
+    target: str
+    key: str
+    kind: str  #: ``inserted`` or ``updated``
+    record_id: str
+    content_hash: str
+    item_type: str
+    source: str
+    natural_key: str  #: JSON list of the natural key values
+    data: str  #: the record's data (JSON object) as stored by this change
+    run_id: int
+    created_at: float  #: when the change was committed (unix seconds, the store's clock)
+    attempts: int = 0  #: deliveries tried before this one
+
+
+@dataclass(frozen=True)
+class OutboxOutcome:
+    """What one delivery attempt of entry ``entry_id`` came to: ``DELIVERED``, ``FAILED``
+    (refused for good), or ``PENDING`` with ``retry_at`` (unix seconds) for another try.
+    ``detail`` is the target's answer (status and body) or the error, kept in the entry."""
+
+    entry_id: int
+    state: OutboxState
+    detail: str = ""
+    retry_at: float | None = None
+
+
+@dataclass(frozen=True)
 class Reject:
     """An item that could not become a record (for example, no natural key)."""
 
@@ -176,6 +226,9 @@ class UnitOfWork:
     #: requests the worker claimed ahead and never started, put back to pending before the
     #: claim, so that the claim takes the first requests in queue order, new ones included
     give_back: list[str] = field(default_factory=list)
+    #: targets to announce every record inserted or changed by this unit to (one outbox
+    #: entry per target and change); empty: no outbox entries
+    outbox_targets: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.requests or self.records or self.rejects or self.completions
@@ -203,6 +256,7 @@ class CommitResult:
     lost: list[str] = field(default_factory=list, compare=False)
     leased: list[LeasedRequest] = field(default_factory=list)
     quarantined: list[str] = field(default_factory=list)  #: URLs failed as quarantined
+    outbox_entries: int = 0  #: outbox entries written (changes x targets)
 
 
 @dataclass(frozen=True)
@@ -324,6 +378,32 @@ class FrontierStore(ABC):
     @abstractmethod
     def counts(self) -> dict[str, int]:
         """Frontier entries by state value, plus ``records``."""
+
+    # -- the outbox ------------------------------------------------------------------------
+
+    @abstractmethod
+    def claim_outbox(self, targets: Sequence[str], limit: int,
+                     hold_seconds: float) -> list[OutboxEntry]:
+        """Up to ``limit`` pending entries of ``targets`` that are due (never tried, or their
+        retry time has come), oldest first, each held for ``hold_seconds`` (one transaction):
+        no other claim returns them meanwhile. An entry whose holder died is due again when
+        the hold ends, so a delivery may be repeated (at least once), never lost."""
+
+    @abstractmethod
+    def settle_outbox(self, outcomes: Sequence[OutboxOutcome]) -> None:
+        """Record delivery outcomes in one transaction: delivered and failed entries are
+        final (a later outcome for them changes nothing); a pending outcome counts one
+        attempt and makes the entry due at ``retry_at``. The record data of a delivered
+        entry is dropped (its key, kind and record ID are kept)."""
+
+    @abstractmethod
+    def outbox_next_due(self, targets: Sequence[str]) -> float | None:
+        """When the next pending entry of ``targets`` is due (unix seconds, the store's
+        clock; in the past when one is due now), or None when none is pending."""
+
+    @abstractmethod
+    def outbox_counts(self) -> dict[str, dict[str, int]]:
+        """Outbox entries by target, then by state value (every state, zero included)."""
 
     # -- operator queries -------------------------------------------------------------------
     # What the ``scrapy idempotent`` commands (``scrapy_idempotent/commands.py``) read and

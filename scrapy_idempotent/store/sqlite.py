@@ -27,6 +27,9 @@ from .base import (
     LeasedRequest,
     LeaseHolder,
     NewRequest,
+    OutboxEntry,
+    OutboxOutcome,
+    OutboxState,
     Record,
     RequestState,
     RunInfo,
@@ -37,7 +40,7 @@ __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 #: Schema migrations: ``_MIGRATIONS[n]`` brings version n to n + 1, one transaction each.
 _MIGRATIONS: list[list[str]] = [
@@ -166,6 +169,30 @@ _MIGRATIONS: list[list[str]] = [
         # while the feed exporter writes).
         """CREATE INDEX records_seen ON records (seen_run_id, seen_seq, seen_at, record_id)""",
     ],
+    [
+        # The outbox: one entry per record change and delivery target, written in the page
+        # transaction that stored the change (only while targets are configured).
+        """CREATE TABLE outbox (
+            id INTEGER PRIMARY KEY,
+            target TEXT NOT NULL,
+            idempotency_key TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            record_id TEXT NOT NULL,
+            content_hash TEXT NOT NULL,
+            item_type TEXT NOT NULL,
+            source TEXT NOT NULL,
+            natural_key TEXT NOT NULL,
+            data TEXT,
+            run_id INTEGER NOT NULL,
+            created_at REAL NOT NULL,
+            state TEXT NOT NULL DEFAULT 'pending',
+            attempts INTEGER NOT NULL DEFAULT 0,
+            due_at REAL NOT NULL,
+            settled_at REAL,
+            detail TEXT
+        )""",
+        """CREATE INDEX outbox_due ON outbox (target, due_at, id) WHERE state = 'pending'""",
+    ],
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -182,7 +209,8 @@ _TABLES_1 = frozenset({"meta", "runs", "sessions", "requests", "records", "respo
                        "rejects"})
 _TABLES: dict[int, frozenset[str]] = {1: _TABLES_1, 2: _TABLES_1 | {"feeds"},
                                       3: _TABLES_1 | {"feeds"}, 4: _TABLES_1 | {"feeds"},
-                                      5: _TABLES_1 | {"feeds"}}
+                                      5: _TABLES_1 | {"feeds"},
+                                      6: _TABLES_1 | {"feeds", "outbox"}}
 assert set(_TABLES) == set(range(1, SCHEMA_VERSION + 1))
 #: Schema versions written before the application id was (files of those have none).
 _BEFORE_APPLICATION_ID = frozenset({1, 2, 3})
@@ -693,7 +721,9 @@ class SQLiteStore(FrontierStore):
                 else work.requests
             self._insert_requests(cur, requests, now, run_id, result)
             records = [r for r in work.records if r[1] not in lost] if lost else work.records
-            self._upsert_records(cur, records, now, run_id, result)
+            changes = self._upsert_records(cur, records, now, run_id, result)
+            if work.outbox_targets and changes:
+                self._write_outbox(cur, changes, work.outbox_targets, now, run_id, result)
             for reject in work.rejects:
                 if reject.request_key in lost:
                     continue
@@ -789,9 +819,13 @@ class SQLiteStore(FrontierStore):
                 result.requests_already_done += 1
 
     def _upsert_records(self, cur: sqlite3.Cursor, records: list[tuple[Record, str | None]],
-                        now: float, run_id: int, result: CommitResult) -> None:
+                        now: float, run_id: int,
+                        result: CommitResult) -> list[tuple[str, Record]]:
+        """Upsert ``records``; returns the changes written: ``(kind, record)`` with kind
+        ``inserted`` or ``updated`` (an unchanged record is no change)."""
+        changes: list[tuple[str, Record]] = []
         if not records:
-            return
+            return changes
         # The times users read never go backwards, whatever the wall clock does (a
         # backward step, a worker whose clock lags): a record written now gets a time no
         # earlier than any record's last change (one read at the end of the index), so
@@ -803,10 +837,31 @@ class SQLiteStore(FrontierStore):
         row = cur.execute("SELECT seen_seq FROM runs WHERE run_id = ?", (run_id,)).fetchone()
         first = seq = row[0] if row is not None else 0
         for record, request_key in records:
+            before = result.records_inserted, result.records_updated
             if self._upsert_record(cur, record, request_key, run_id, now, seq + 1, result):
                 seq += 1
+            if result.records_inserted != before[0]:
+                changes.append(("inserted", record))
+            elif result.records_updated != before[1]:
+                changes.append(("updated", record))
         if seq != first:
             cur.execute("UPDATE runs SET seen_seq = ? WHERE run_id = ?", (seq, run_id))
+        return changes
+
+    @staticmethod
+    def _write_outbox(cur: sqlite3.Cursor, changes: list[tuple[str, Record]],
+                      targets: tuple[str, ...], now: float, run_id: int,
+                      result: CommitResult) -> None:
+        """One outbox entry per change and target, in the transaction of the change."""
+        cur.executemany(
+            "INSERT INTO outbox (target, idempotency_key, kind, record_id, content_hash,"
+            " item_type, source, natural_key, data, run_id, created_at, due_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [(target, f"{record.record_id}:{record.content_hash}", kind, record.record_id,
+              record.content_hash, record.item_type, record.source, record.natural_key,
+              record.data, run_id, now, now)
+             for kind, record in changes for target in targets])
+        result.outbox_entries += len(changes) * len(targets)
 
     @staticmethod
     def _complete(cur: sqlite3.Cursor, completions: list[Completion], lost: set[str],
@@ -937,6 +992,70 @@ class SQLiteStore(FrontierStore):
                           is_start=bool(r[5]))
             for r in rows if r[7] < self.max_attempts
         )
+
+    # -- the outbox --------------------------------------------------------------------------
+
+    def claim_outbox(self, targets: Sequence[str], limit: int,
+                     hold_seconds: float) -> list[OutboxEntry]:
+        if not targets or limit <= 0:
+            return []
+        now = self.clock()
+        marks = ", ".join("?" * len(targets))
+        with self._write() as cur:
+            rows = cur.execute(
+                "UPDATE outbox SET due_at = ? WHERE id IN (SELECT id FROM outbox"
+                f"  WHERE state = 'pending' AND target IN ({marks}) AND due_at <= ?"
+                "  ORDER BY due_at, id LIMIT ?)"
+                " RETURNING id, target, idempotency_key, kind, record_id, content_hash,"
+                " item_type, source, natural_key, data, run_id, created_at, attempts",
+                (now + hold_seconds, *targets, now, limit),
+            ).fetchall()
+        rows.sort(key=lambda r: r[0])  # RETURNING gives no order
+        return [OutboxEntry(entry_id=r[0], target=r[1], key=r[2], kind=r[3], record_id=r[4],
+                            content_hash=r[5], item_type=r[6], source=r[7],
+                            natural_key=r[8], data=r[9] or "{}", run_id=r[10],
+                            created_at=r[11], attempts=r[12])
+                for r in rows]
+
+    def settle_outbox(self, outcomes: Sequence[OutboxOutcome]) -> None:
+        if not outcomes:
+            return
+        now = self.clock()
+        with self._write() as cur:
+            for outcome in outcomes:
+                if outcome.state is OutboxState.PENDING:
+                    cur.execute(
+                        "UPDATE outbox SET attempts = attempts + 1, due_at = ?, detail = ?"
+                        " WHERE id = ? AND state = 'pending'",
+                        (outcome.retry_at if outcome.retry_at is not None else now,
+                         outcome.detail, outcome.entry_id))
+                else:
+                    delivered = outcome.state is OutboxState.DELIVERED
+                    cur.execute(
+                        "UPDATE outbox SET state = ?, attempts = attempts + 1,"
+                        " settled_at = ?, detail = ?,"
+                        " data = CASE WHEN ? THEN NULL ELSE data END"
+                        " WHERE id = ? AND state = 'pending'",
+                        (outcome.state.value, now, outcome.detail, delivered,
+                         outcome.entry_id))
+
+    def outbox_next_due(self, targets: Sequence[str]) -> float | None:
+        if not targets:
+            return None
+        marks = ", ".join("?" * len(targets))
+        due = self.conn.execute(
+            f"SELECT min(due_at) FROM outbox WHERE state = 'pending' AND target IN ({marks})",
+            tuple(targets)).fetchone()[0]
+        return float(due) if due is not None else None
+
+    def outbox_counts(self) -> dict[str, dict[str, int]]:
+        counts: dict[str, dict[str, int]] = {}
+        for target, state, n in self.conn.execute(
+                "SELECT target, state, count(*) FROM outbox GROUP BY target, state"
+                " ORDER BY target"):
+            by_state = counts.setdefault(target, {s.value: 0 for s in OutboxState})
+            by_state[state] = n
+        return counts
 
     # -- the response journal --------------------------------------------------------------
 

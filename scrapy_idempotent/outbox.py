@@ -1,0 +1,530 @@
+"""Delivery of the outbox: record changes announced to webhooks and other targets.
+
+The store writes an outbox entry per record change and target in the transaction that stores
+the change (see :class:`~.store.base.OutboxEntry`). This module sends them, at least once and
+never before that commit:
+
+* :class:`OutboxDelivery`, a Scrapy extension (the add-on enables it; it is off unless
+  ``IDEMPOTENT_OUTBOX_TARGETS`` names a target), delivers while the crawl runs and drains
+  what is left at close, for at most ``IDEMPOTENT_OUTBOX_DRAIN_SECONDS``;
+* ``scrapy idempotent deliver`` delivers what a crawl left (killed, receiver down) without
+  crawling;
+* both run a :class:`Deliverer`: claim due entries with a hold (no other deliverer takes
+  them meanwhile), hand each to its target, record the outcome. An entry is marked delivered
+  only after its target acknowledged it; a deliverer killed in between leaves the entry
+  pending, and it is sent again once its hold ends.
+
+Targets: a webhook URL (:class:`WebhookTarget`: POST of the JSON announcement with the
+idempotency key in an ``Idempotency-Key`` header, through Twisted's HTTP client, so the
+spider's downloader middlewares, robots.txt, offsite filtering and download slots do not
+apply to it, and delivery also runs after the downloader closed), or the import path of an
+:class:`OutboxTarget` class (a message broker).
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import logging
+import random
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from io import BytesIO
+from typing import TYPE_CHECKING, Any
+
+from scrapy import signals
+from scrapy.exceptions import NotConfigured
+
+from . import __version__
+from .exceptions import DeliveryRefused, DeliveryRetry, StoreError
+from .store.base import FrontierStore, OutboxEntry, OutboxOutcome, OutboxState
+
+if TYPE_CHECKING:
+    from scrapy.crawler import Crawler
+    from twisted.internet.defer import Deferred
+    from typing_extensions import Self
+
+    from .config import IdempotentConfig
+
+__all__ = [
+    "Announcement",
+    "Deliverer",
+    "OutboxDelivery",
+    "OutboxTarget",
+    "WebhookTarget",
+    "build_targets",
+    "open_outbox_store",
+    "payload_of",
+    "retry_after_seconds",
+    "target_label",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Statuses of a webhook answer that are tried again (with 5xx): timeout, conflict (the
+#: receiver is busy with the same key), too many requests.
+RETRIED_STATUSES = frozenset({408, 409, 429})
+#: The longest ``Retry-After`` honoured (a day); a longer one is cut to this.
+MAX_RETRY_AFTER_SECONDS = 86400.0
+#: Characters of a refusing answer's body kept with the failed entry.
+DETAIL_CHARS = 2000
+#: How often a running crawl looks for new or due entries.
+POLL_SECONDS = 0.5
+#: A claimed entry is held this long beyond the delivery timeout (a deliverer killed
+#: meanwhile: its entries are due again when the hold ends).
+HOLD_MARGIN_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """What a target delivers: the outbox ``entry``, its idempotency ``key`` and the JSON
+    document ``payload`` (see :func:`payload_of`)."""
+
+    key: str
+    payload: dict[str, Any]
+    entry: OutboxEntry
+
+    def body(self) -> bytes:
+        return json.dumps(self.payload, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def payload_of(entry: OutboxEntry) -> dict[str, Any]:
+    """The announcement of one change, as every target gets it."""
+    return {
+        "idempotency_key": entry.key,
+        "kind": entry.kind,
+        "record_id": entry.record_id,
+        "content_hash": entry.content_hash,
+        "item_type": entry.item_type,
+        "source": entry.source,
+        "natural_key": json.loads(entry.natural_key),
+        "record": json.loads(entry.data),
+        "run_id": entry.run_id,
+        "changed_at": datetime.fromtimestamp(entry.created_at, timezone.utc).isoformat(),
+        "sequence": entry.entry_id,
+    }
+
+
+class OutboxTarget(ABC):
+    """A destination of announcements. Subclass it, implement :meth:`deliver`, and name the
+    class in ``IDEMPOTENT_OUTBOX_TARGETS`` by its import path.
+
+    Built with :meth:`from_crawler` (during ``scrapy idempotent deliver`` the crawler has
+    settings and signals, but no engine, spider or stats). One delivery at a time per
+    announcement; up to ``IDEMPOTENT_OUTBOX_CONCURRENCY`` at once per target.
+    """
+
+    #: the target as written in the setting (set by :func:`build_targets`)
+    name: str = ""
+
+    @classmethod
+    def from_crawler(cls, crawler: Crawler) -> Self:
+        return cls()
+
+    @abstractmethod
+    async def deliver(self, announcement: Announcement) -> str:
+        """Send ``announcement`` and return once the receiver acknowledged it (the returned
+        text is kept as the answer). Raise :class:`~.DeliveryRefused` when it refuses it for
+        good, :class:`~.DeliveryRetry` (optionally with ``retry_after_seconds``) when it
+        asks to try later; any other exception is tried again later too. Must not block the
+        reactor: run a blocking client in a thread (``twisted.internet.threads``), and await
+        Deferreds with ``scrapy.utils.defer.maybe_deferred_to_future``."""
+
+    async def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release connections (called once, when delivery stops)."""
+
+
+class WebhookTarget(OutboxTarget):
+    """POST of the announcement as JSON to ``url``, with headers ``Content-Type:
+    application/json``, ``Idempotency-Key: <key>``, ``User-Agent: scrapy_idempotent/<v>``
+    and those of ``IDEMPOTENT_OUTBOX_HEADERS``. A 2xx answer acknowledges it; 5xx, 408, 409,
+    429 and network errors are tried again (``Retry-After`` honoured); any other answer
+    (4xx, a redirect) refuses it for good, kept with the entry."""
+
+    def __init__(self, url: str, headers: Sequence[tuple[str, str]] = (),
+                 timeout_seconds: float = 30.0) -> None:
+        from twisted.internet import reactor
+        from twisted.web.client import Agent, HTTPConnectionPool
+
+        self.url = url
+        self.name = url
+        self.headers = tuple(headers)
+        self.timeout_seconds = timeout_seconds
+        self._pool = HTTPConnectionPool(reactor, persistent=True)  # type: ignore[no-untyped-call]
+        self._agent = Agent(reactor, pool=self._pool,  # type: ignore[no-untyped-call]
+                            connectTimeout=timeout_seconds)
+
+    async def deliver(self, announcement: Announcement) -> str:
+        from scrapy.utils.defer import maybe_deferred_to_future
+        from twisted.internet import reactor
+        from twisted.web.client import FileBodyProducer
+        from twisted.web.http_headers import Headers
+
+        headers = Headers({
+            "Content-Type": ["application/json"],
+            "Idempotency-Key": [announcement.key],
+            "User-Agent": [f"scrapy_idempotent/{__version__}"],
+        })
+        for name, value in self.headers:
+            headers.setRawHeaders(name, [value])
+        body: Any = FileBodyProducer(BytesIO(announcement.body()))  # type: ignore[no-untyped-call]
+        request: Deferred[Any] = self._agent.request(b"POST", self.url.encode(), headers, body)
+        request.addTimeout(self.timeout_seconds, reactor)
+        response = await maybe_deferred_to_future(request)
+        reading = _read_body(response)
+        reading.addTimeout(self.timeout_seconds, reactor)
+        text = (await maybe_deferred_to_future(reading)).decode("utf-8", "replace")
+        status = int(response.code)
+        answer = f"HTTP {status}" + (f": {text[:DETAIL_CHARS]}" if text.strip() else "")
+        if 200 <= status < 300:
+            return answer
+        if status >= 500 or status in RETRIED_STATUSES:
+            value = response.headers.getRawHeaders(b"retry-after", [b""])[0]
+            raise DeliveryRetry(answer, retry_after_seconds=retry_after_seconds(
+                value.decode("latin-1")))
+        raise DeliveryRefused(answer)
+
+    async def close(self) -> None:
+        from scrapy.utils.defer import maybe_deferred_to_future
+
+        closing: Deferred[Any] = self._pool.closeCachedConnections()  # type: ignore[no-untyped-call]
+        await maybe_deferred_to_future(closing)
+
+
+def _read_body(response: Any) -> Deferred[bytes]:
+    """The body of a Twisted ``IResponse``; cancelling the Deferred (a timeout) stops the
+    transfer. (``twisted.web.client.readBody`` warns on the proxy transport it is given.)"""
+    from twisted.internet.defer import Deferred
+    from twisted.internet.protocol import Protocol
+    from twisted.web.client import ResponseDone
+    from twisted.web.http import PotentialDataLoss
+
+    class Collect(Protocol):
+        def __init__(self) -> None:
+            self.chunks: list[bytes] = []
+
+        def dataReceived(self, data: bytes) -> None:
+            self.chunks.append(data)
+
+        def connectionLost(self, reason: Any = None) -> None:
+            if done.called:
+                return
+            if reason is None or reason.check(ResponseDone, PotentialDataLoss):
+                done.callback(b"".join(self.chunks))
+            else:
+                done.errback(reason)
+
+    def cancel(_: Deferred[bytes]) -> None:
+        transport = getattr(collect, "transport", None)
+        if transport is not None:
+            transport.stopProducing()
+
+    done: Deferred[bytes] = Deferred(cancel)
+    collect = Collect()
+    response.deliverBody(collect)
+    return done
+
+
+def retry_after_seconds(value: str, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header value: a number of seconds or an HTTP
+    date (RFC 9110, 10.2.3); None when absent or unreadable. At most
+    :data:`MAX_RETRY_AFTER_SECONDS`, never negative."""
+    value = value.strip()
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=timezone.utc)
+        seconds = when.timestamp() - (time.time() if now is None else now)
+    if seconds != seconds:  # NaN
+        return None
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER_SECONDS)
+
+
+def build_targets(config: IdempotentConfig, crawler: Crawler) -> list[OutboxTarget]:
+    """The targets of ``IDEMPOTENT_OUTBOX_TARGETS``, in order."""
+    from scrapy.utils.misc import build_from_crawler, load_object
+
+    targets: list[OutboxTarget] = []
+    for spec in config.outbox_targets:
+        if spec.startswith(("http://", "https://")):
+            target: OutboxTarget = WebhookTarget(spec, config.outbox_headers,
+                                                 config.outbox_timeout_seconds)
+        else:
+            target = build_from_crawler(load_object(spec), crawler)
+            if not callable(getattr(target, "deliver", None)):
+                from .exceptions import ConfigError
+
+                raise ConfigError("IDEMPOTENT_OUTBOX_TARGETS", spec,
+                                  "a class with an async deliver(announcement) method "
+                                  "(see scrapy_idempotent.outbox.OutboxTarget)")
+        target.name = spec
+        targets.append(target)
+    return targets
+
+
+class Deliverer:
+    """Claims due outbox entries of ``targets`` from ``store`` and delivers them, at most
+    ``concurrency`` at once per target; records each outcome as it comes (one transaction
+    each). Runs on the reactor; never blocks it on a target.
+
+    Retries: attempt n (0 for the first) failing with a retryable error is tried again after
+    ``min(retry_max, retry * 2**n)`` seconds times a random factor in [0.5, 1] (jitter), or
+    after the ``Retry-After`` the receiver asked for when that is longer.
+    """
+
+    def __init__(self, store: FrontierStore, targets: Sequence[OutboxTarget], *,
+                 concurrency: int, timeout_seconds: float, retry_seconds: float,
+                 retry_max_seconds: float, clock: Callable[[], float] = time.time,
+                 on_outcome: Callable[[OutboxOutcome], None] | None = None) -> None:
+        self.store = store
+        self.targets = {target.name: target for target in targets}
+        self.concurrency = concurrency
+        self.hold_seconds = timeout_seconds + HOLD_MARGIN_SECONDS
+        self.retry_seconds = retry_seconds
+        self.retry_max_seconds = retry_max_seconds
+        self.clock = clock
+        self.on_outcome = on_outcome
+        self.inflight: dict[str, int] = dict.fromkeys(self.targets, 0)
+        self.counts = {state.value: 0 for state in OutboxState}  #: outcomes of this process
+        self.stopped = False
+        self._idle: list[Deferred[None]] = []
+
+    def pump(self) -> int:
+        """Start deliveries of due entries up to the concurrency. Returns how many started.
+        A store error is logged and ends nothing: the next pump tries again."""
+        started = 0
+        for name, target in self.targets.items():
+            free = self.concurrency - self.inflight[name]
+            if free <= 0 or self.stopped:
+                continue
+            try:
+                entries = self.store.claim_outbox([name], free, self.hold_seconds)
+            except StoreError as exc:
+                logger.warning("scrapy_idempotent: outbox: cannot claim entries (%s); "
+                               "trying again", exc)
+                return started
+            for entry in entries:
+                self.inflight[name] += 1
+                started += 1
+                self._start(target, entry)
+        return started
+
+    def _start(self, target: OutboxTarget, entry: OutboxEntry) -> None:
+        from scrapy.utils.defer import deferred_from_coro
+
+        deferred_from_coro(self._deliver(target, entry))
+
+    async def _deliver(self, target: OutboxTarget, entry: OutboxEntry) -> None:
+        try:
+            outcome = await self._attempt(target, entry)
+            try:
+                self.store.settle_outbox([outcome])
+            except StoreError as exc:  # the hold ends, and the entry is sent again
+                logger.warning("scrapy_idempotent: outbox: cannot record the delivery of %s "
+                               "(%s); it will be sent again", entry.key, exc)
+                return
+            self.counts[outcome.state.value] += 1
+            if self.on_outcome is not None:
+                self.on_outcome(outcome)
+        finally:
+            self.inflight[target.name] -= 1
+            if not self.stopped:
+                self.pump()
+            if not any(self.inflight.values()):
+                idle, self._idle = self._idle, []
+                for waiter in idle:
+                    waiter.callback(None)
+
+    async def _attempt(self, target: OutboxTarget, entry: OutboxEntry) -> OutboxOutcome:
+        announcement = Announcement(key=entry.key, payload=payload_of(entry), entry=entry)
+        try:
+            answer = await target.deliver(announcement)
+        except DeliveryRefused as exc:
+            logger.error("scrapy_idempotent: outbox: %s refused %s for good: %s",
+                         target_label(target.name), entry.key, exc)
+            return OutboxOutcome(entry.entry_id, OutboxState.FAILED, str(exc)[:DETAIL_CHARS])
+        except Exception as exc:
+            retry_after = exc.retry_after_seconds if isinstance(exc, DeliveryRetry) else None
+            detail = str(exc) if isinstance(exc, DeliveryRetry) else (
+                f"{type(exc).__name__}: {exc}")
+            delay = self.backoff(entry.attempts, retry_after)
+            logger.info("scrapy_idempotent: outbox: %s to %s not acknowledged (%s); "
+                        "again in %.1f s", entry.key, target_label(target.name), detail, delay)
+            return OutboxOutcome(entry.entry_id, OutboxState.PENDING, detail[:DETAIL_CHARS],
+                                 retry_at=self.clock() + delay)
+        return OutboxOutcome(entry.entry_id, OutboxState.DELIVERED,
+                             str(answer or "")[:DETAIL_CHARS])
+
+    def backoff(self, attempts: int, retry_after: float | None = None) -> float:
+        """Seconds before the next try of an entry tried ``attempts`` times before."""
+        delay: float = min(self.retry_max_seconds, self.retry_seconds * 2.0 ** min(attempts, 30))
+        delay *= random.uniform(0.5, 1.0)
+        if retry_after is not None:
+            delay = max(delay, retry_after)
+        return delay
+
+    def wait_idle(self) -> Deferred[None]:
+        """Fires when no delivery is in flight."""
+        from twisted.internet.defer import Deferred, succeed
+
+        if not any(self.inflight.values()):
+            return succeed(None)
+        waiter: Deferred[None] = Deferred()
+        self._idle.append(waiter)
+        return waiter
+
+    async def drain(self, seconds: float) -> int:
+        """Deliver until nothing of the targets is pending, or until ``seconds`` have gone
+        by (entries whose next try falls later are left for later). Returns the entries
+        left pending."""
+        from scrapy.utils.defer import maybe_deferred_to_future
+        from twisted.internet import reactor
+        from twisted.internet.task import deferLater
+
+        deadline = self.clock() + seconds
+        names = list(self.targets)
+        while True:
+            self.pump()
+            if any(self.inflight.values()):
+                await maybe_deferred_to_future(self.wait_idle())
+                continue
+            try:
+                due = self.store.outbox_next_due(names)
+            except StoreError as exc:
+                logger.warning("scrapy_idempotent: outbox: %s", exc)
+                due = None
+            now = self.clock()
+            if due is None or due > deadline or now >= deadline:
+                break
+            if due > now:
+                await maybe_deferred_to_future(deferLater(
+                    reactor, min(due - now, POLL_SECONDS), lambda: None))
+        return self.pending()
+
+    def pending(self) -> int:
+        counts = self.store.outbox_counts()
+        return sum(counts.get(name, {}).get("pending", 0) for name in self.targets)
+
+    async def close(self) -> None:
+        """Stop starting deliveries, wait for those in flight, close the targets."""
+        from scrapy.utils.defer import maybe_deferred_to_future
+
+        self.stopped = True
+        await maybe_deferred_to_future(self.wait_idle())
+        for target in self.targets.values():
+            try:
+                await target.close()
+            except Exception:
+                logger.exception("scrapy_idempotent: outbox: closing %s failed",
+                                 target_label(target.name))
+
+
+def target_label(target: str) -> str:
+    """A target as the setting names it, without credentials of a URL."""
+    if "://" not in target:
+        return target
+    from scrapy.utils.url import strip_url
+    from w3lib.url import safe_url_string
+
+    return strip_url(safe_url_string(target), strip_credentials=True)
+
+
+def open_outbox_store(config: IdempotentConfig) -> FrontierStore:
+    """A connection of its own to the crawl's database (created and migrated already by
+    the scheduler, or by an earlier crawl), for the deliverer."""
+    from .store import open_store
+    from .store.registry import redacted
+
+    store = open_store(config.database, **config.store_options())
+    info = store.open_existing(readonly=False)
+    if info["schema_version"] != info["supported_schema_version"]:
+        store.close()
+        raise StoreError(f"{redacted(config.database)} has schema version "
+                         f"{info['schema_version']}; this scrapy_idempotent reads "
+                         f"{info['supported_schema_version']} (a crawl migrates it)")
+    return store
+
+
+class OutboxDelivery:
+    """Extension: delivers the outbox while the crawl runs and drains it at close.
+
+    Enabled by the add-on; raises ``NotConfigured`` (off) when ``IDEMPOTENT_OUTBOX_TARGETS``
+    is empty. Starts when the spider opens (the scheduler has opened the database); at
+    ``spider_closed`` (after the scheduler's last commit) it delivers what is due for at most
+    ``IDEMPOTENT_OUTBOX_DRAIN_SECONDS``, then stops; what is left is delivered by the next
+    crawl or ``scrapy idempotent deliver``.
+    """
+
+    def __init__(self, crawler: Crawler, config: IdempotentConfig) -> None:
+        self.crawler = crawler
+        self.config = config
+        self.targets = build_targets(config, crawler)
+        self.deliverer: Deliverer | None = None
+        self._loop: Any = None
+        crawler.signals.connect(self.spider_opened, signal=signals.spider_opened)
+        crawler.signals.connect(self.spider_closed, signal=signals.spider_closed)
+
+    @classmethod
+    def from_crawler(cls, crawler: Crawler) -> Self:
+        from .config import config_for
+
+        config = config_for(crawler)
+        if not config.outbox_targets:
+            raise NotConfigured("IDEMPOTENT_OUTBOX_TARGETS is empty")
+        return cls(crawler, config)
+
+    def spider_opened(self) -> None:
+        from twisted.internet import task
+
+        try:
+            store = open_outbox_store(self.config)
+        except StoreError as exc:
+            logger.error("scrapy_idempotent: outbox delivery is off for this crawl: %s "
+                         "(`scrapy idempotent deliver` sends what is pending)", exc)
+            return
+        self.deliverer = Deliverer(
+            store, self.targets, concurrency=self.config.outbox_concurrency,
+            timeout_seconds=self.config.outbox_timeout_seconds,
+            retry_seconds=self.config.outbox_retry_seconds,
+            retry_max_seconds=self.config.outbox_retry_max_seconds,
+            on_outcome=self._count)
+        self._loop = task.LoopingCall(self.deliverer.pump)
+        self._loop.start(POLL_SECONDS, now=True)
+
+    def _count(self, outcome: OutboxOutcome) -> None:
+        stats = self.crawler.stats
+        if stats is None:
+            return
+        name = {OutboxState.DELIVERED: "delivered", OutboxState.FAILED: "failed",
+                OutboxState.PENDING: "retried"}[outcome.state]
+        stats.inc_value(f"idempotent/outbox/{name}")
+
+    async def spider_closed(self) -> None:
+        deliverer = self.deliverer
+        if deliverer is None:
+            return
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        try:
+            left = await deliverer.drain(self.config.outbox_drain_seconds)
+            if self.crawler.stats is not None:
+                self.crawler.stats.set_value("idempotent/outbox/pending", left)
+            if left:
+                logger.warning(
+                    "scrapy_idempotent: outbox: %d announcement(s) not delivered yet "
+                    "(IDEMPOTENT_OUTBOX_DRAIN_SECONDS=%g); the next crawl or `scrapy "
+                    "idempotent deliver` sends them", left, self.config.outbox_drain_seconds)
+        finally:
+            await deliverer.close()
+            deliverer.store.close()
+

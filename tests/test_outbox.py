@@ -1,0 +1,275 @@
+"""Outbox delivery through real crawls of the local shop to a real local webhook receiver."""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from scrapy.utils.defer import deferred_f_from_coro_f, maybe_deferred_to_future
+from webhook_receiver import WebhookReceiver
+
+from crawling import crawl_settings, db_rows, run_crawl
+from scrapy_idempotent.outbox import Deliverer, WebhookTarget, retry_after_seconds
+from scrapy_idempotent.store import SQLiteStore
+from shop.site import ShopSite
+from shop.spiders.shop import ShopSpider
+
+NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
+
+
+def outbox_settings(db_path: Path, *targets: str, **extra: Any) -> dict[str, Any]:
+    return crawl_settings(db_path, **NATURAL_KEYS, IDEMPOTENT_OUTBOX_TARGETS=list(targets),
+                          IDEMPOTENT_OUTBOX_RETRY_SECONDS=0.05, **extra)
+
+
+@contextlib.contextmanager
+def db_rows_connection(db_path: Path) -> Any:
+    """A write connection to the test's database, committed and closed after."""
+    conn = sqlite3.connect(db_path)
+    try:
+        with conn:
+            yield conn
+    finally:
+        conn.close()
+
+
+def outbox_states(db_path: Path) -> dict[str, int]:
+    return dict(db_rows(db_path, "SELECT state, count(*) FROM outbox GROUP BY state"))
+
+
+@pytest.fixture
+def small_shop() -> Any:
+    """5 listing pages, 50 products."""
+    with ShopSite(port=0, listing_pages=5, products_per_page=10) as site:
+        yield site
+
+
+@pytest.fixture
+def hook() -> Any:
+    with WebhookReceiver() as receiver:
+        yield receiver
+
+
+@deferred_f_from_coro_f
+async def test_every_inserted_record_is_announced_once_with_its_key(
+        shop: ShopSite, db_path: Path, hook: WebhookReceiver) -> None:
+    crawler = await run_crawl(ShopSpider, outbox_settings(db_path, hook.url), url=shop.url)
+    stats = crawler.stats.get_stats()
+    assert stats["finish_reason"] == "finished"
+    assert stats["idempotent/outbox/written"] == 500
+    assert stats["idempotent/outbox/delivered"] == 500
+    assert stats["idempotent/outbox/pending"] == 0
+    keys = hook.keys_acknowledged()
+    stored = dict(db_rows(db_path, "SELECT record_id, content_hash FROM records"))
+    assert keys == Counter({f"{rid}:{h}": 1 for rid, h in stored.items()})
+    delivery = hook.acknowledged()[0]
+    body = delivery.body
+    assert delivery.headers["Content-Type"] == "application/json"
+    assert body["idempotency_key"] == delivery.key
+    assert body["kind"] == "inserted"
+    assert body["record_id"] in stored and body["content_hash"] == stored[body["record_id"]]
+    assert body["item_type"] == "shop.items.ProductItem"
+    assert body["natural_key"] == [body["record"]["sku"]]
+    assert set(body["record"]) >= {"sku", "name", "price"}
+    assert outbox_states(db_path) == {"delivered": 500}
+    # delivered entries keep their key, not the record data
+    assert db_rows(db_path, "SELECT count(*) FROM outbox WHERE data IS NOT NULL") == [(0,)]
+
+
+@deferred_f_from_coro_f
+async def test_unchanged_records_are_not_announced_changed_ones_are(
+        small_shop: ShopSite, db_path: Path, hook: WebhookReceiver) -> None:
+    settings = outbox_settings(db_path, hook.url)
+    await run_crawl(ShopSpider, settings, url=small_shop.url)
+    await run_crawl(ShopSpider, settings, url=small_shop.url)  # a new run, nothing changed
+    assert len(hook.acknowledged()) == 50
+    with ShopSite(port=0, listing_pages=5, products_per_page=10, price_version=1) as repriced:
+        await run_crawl(ShopSpider, settings, url=repriced.url)
+    kinds = Counter(d.body["kind"] for d in hook.acknowledged())
+    assert kinds == {"inserted": 50, "updated": 50}
+    assert len(hook.keys_acknowledged()) == 100
+
+
+@deferred_f_from_coro_f
+async def test_without_a_target_nothing_is_written_nor_sent(
+        small_shop: ShopSite, db_path: Path) -> None:
+    crawler = await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS),
+                              url=small_shop.url)
+    assert "idempotent/outbox/written" not in crawler.stats.get_stats()
+    assert db_rows(db_path, "SELECT count(*) FROM outbox") == [(0,)]
+
+
+@deferred_f_from_coro_f
+async def test_a_receiver_down_for_a_while_gets_every_announcement(
+        small_shop: ShopSite, db_path: Path, hook: WebhookReceiver) -> None:
+    hook.down_for(30)
+    crawler = await run_crawl(ShopSpider, outbox_settings(db_path, hook.url), url=small_shop.url)
+    stats = crawler.stats.get_stats()
+    assert sum(1 for d in hook.deliveries if d.status == 503) == 30
+    assert stats["idempotent/outbox/retried"] == 30
+    assert stats["idempotent/outbox/delivered"] == 50
+    assert len(hook.keys_acknowledged()) == 50
+    assert outbox_states(db_path) == {"delivered": 50}
+    # every retried entry counted its attempts
+    assert db_rows(db_path, "SELECT sum(attempts) FROM outbox") == [(80,)]
+
+
+@deferred_f_from_coro_f
+async def test_a_refused_announcement_is_parked_as_failed_with_the_answer(
+        small_shop: ShopSite, db_path: Path, hook: WebhookReceiver) -> None:
+    settings = outbox_settings(db_path, hook.url)
+    await run_crawl(ShopSpider, settings, url=small_shop.url)
+    refused = {rid for (rid,) in db_rows(db_path, "SELECT record_id FROM records LIMIT 3")}
+    hook.refuse.update(refused)
+    with ShopSite(port=0, listing_pages=5, products_per_page=10, price_version=1) as repriced:
+        crawler = await run_crawl(ShopSpider, settings, url=repriced.url)
+    stats = crawler.stats.get_stats()
+    assert stats["idempotent/outbox/failed"] == 3
+    assert stats["idempotent/outbox/delivered"] == 47
+    assert "idempotent/outbox/retried" not in stats  # a 400 is not tried again
+    failed = db_rows(db_path, "SELECT record_id, kind, detail, attempts, data IS NOT NULL"
+                              " FROM outbox WHERE state = 'failed'")
+    assert {rid for rid, *_ in failed} == refused
+    assert all((kind, attempts, kept) == ("updated", 1, 1) and detail.startswith("HTTP 400")
+               for _, kind, detail, attempts, kept in failed)
+
+
+@deferred_f_from_coro_f
+async def test_close_drains_for_at_most_the_drain_seconds(
+        small_shop: ShopSite, db_path: Path, hook: WebhookReceiver) -> None:
+    hook.down = True
+    crawler = await run_crawl(ShopSpider, outbox_settings(
+        db_path, hook.url, IDEMPOTENT_OUTBOX_DRAIN_SECONDS=0), url=small_shop.url)
+    stats = crawler.stats.get_stats()
+    assert stats["finish_reason"] == "finished"
+    assert stats["idempotent/outbox/pending"] == 50
+    assert outbox_states(db_path) == {"pending": 50}
+    # the next crawl delivers what is left (a new run: nothing new to announce)
+    hook.down = False
+    crawler = await run_crawl(ShopSpider, outbox_settings(db_path, hook.url), url=small_shop.url)
+    assert outbox_states(db_path) == {"delivered": 50}
+    assert len(hook.keys_acknowledged()) == 50
+
+
+@deferred_f_from_coro_f
+async def test_retry_after_is_honoured(tmp_path: Path, hook: WebhookReceiver) -> None:
+    """A 503 with ``Retry-After: 120`` puts the entry's next try two minutes away, whatever
+    the (much shorter) backoff says."""
+    from test_outbox_store import fetch_page
+    from test_store import rec
+
+    clock = [1_700_000_000.0]
+    store = SQLiteStore(str(tmp_path / "db.sqlite3"), clock=lambda: clock[0])
+    store.open(fingerprinter="x")
+    store.begin_session("w1", "auto")
+    fetch_page(store, "a", rec("r1", "h1"), targets=(hook.url,))
+    hook.down_for(1)
+    hook.retry_after = "120"
+    target = WebhookTarget(hook.url, timeout_seconds=10)
+    target.name = hook.url
+    deliverer = Deliverer(store, [target], concurrency=1, timeout_seconds=10,
+                          retry_seconds=0.01, retry_max_seconds=1, clock=lambda: clock[0])
+    assert deliverer.pump() == 1
+    await maybe_deferred_to_future(deliverer.wait_idle())
+    [(due, detail, attempts)] = store.query("SELECT due_at, detail, attempts FROM outbox")
+    assert (due - clock[0], attempts) == (120.0, 1)
+    assert detail.startswith("HTTP 503")
+    assert deliverer.pump() == 0  # not due yet
+    clock[0] += 120
+    assert deliverer.pump() == 1
+    await maybe_deferred_to_future(deliverer.wait_idle())
+    assert store.query("SELECT state FROM outbox") == [("delivered",)]
+    await deliverer.close()
+    store.close()
+
+
+def test_retry_after_values() -> None:
+    assert retry_after_seconds("") is None
+    assert retry_after_seconds("7") == 7.0
+    assert retry_after_seconds("-3") == 0.0
+    assert retry_after_seconds("soon") is None
+    assert retry_after_seconds("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412470.0) == 10.0
+    assert retry_after_seconds("99999999") == 86400.0
+
+
+def test_backoff_doubles_with_jitter_up_to_the_maximum(tmp_path: Path) -> None:
+    deliverer = Deliverer(SQLiteStore(str(tmp_path / "x")), [], concurrency=1,
+                          timeout_seconds=1, retry_seconds=1.0, retry_max_seconds=60.0)
+    for attempts, full in ((0, 1.0), (1, 2.0), (3, 8.0), (10, 60.0), (100, 60.0)):
+        delays = [deliverer.backoff(attempts) for _ in range(200)]
+        assert all(full * 0.5 <= d <= full for d in delays)
+        assert len(set(delays)) > 1  # jitter
+    assert deliverer.backoff(0, retry_after=30.0) == 30.0
+
+
+@deferred_f_from_coro_f
+async def test_deliver_command_sends_what_a_crawl_left_and_status_counts_it(
+        small_shop: ShopSite, db_path: Path, hook: WebhookReceiver, tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from test_commands import idempotent_json
+
+    hook.down = True
+    await run_crawl(ShopSpider, outbox_settings(
+        db_path, hook.url, IDEMPOTENT_OUTBOX_DRAIN_SECONDS=0), url=small_shop.url)
+    status = idempotent_json("status", "--db", str(db_path))
+    assert status["outbox"] == {hook.url: {"pending": 50, "delivered": 0, "failed": 0}}
+
+    def deliver() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "scrapy", "idempotent", "deliver", "--db", str(db_path),
+             "--json", "-s", f"IDEMPOTENT_OUTBOX_TARGETS={hook.url}",
+             "-s", "IDEMPOTENT_OUTBOX_DRAIN_SECONDS=0"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+    still_down = deliver()  # tries each once, leaves them pending: exit code 1
+    assert still_down.returncode == 1, still_down.stderr
+    assert json.loads(still_down.stdout)["pending"] == 50
+    hook.down = False
+    with db_rows_connection(db_path) as conn:  # make them due now (no waiting for backoff)
+        conn.execute("UPDATE outbox SET due_at = 0")
+    done = deliver()
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert (report["delivered"], report["pending"]) == (50, 0)
+    assert len(hook.keys_acknowledged()) == 50
+    status = idempotent_json("status", "--db", str(db_path))
+    assert status["outbox"] == {hook.url: {"pending": 0, "delivered": 50, "failed": 0}}
+
+
+@pytest.mark.parametrize(("value", "rule"), [
+    (["ftp://hooks.example/x"], "an http:// or https:// webhook URL"),
+    (["http://"], "a webhook URL with a host name"),
+    (["no.such.module.Target"], "import path of an outbox target class"),
+    (["http://a.example/x", "http://a.example/x"], "distinct targets"),
+])
+def test_bad_targets_are_refused_naming_the_setting(value: Any, rule: str) -> None:
+    from scrapy.settings import Settings
+
+    from scrapy_idempotent import ConfigError
+    from scrapy_idempotent.config import IdempotentConfig
+
+    spider: Any = type("S", (), {"name": "s"})
+    with pytest.raises(ConfigError, match=f"IDEMPOTENT_OUTBOX_TARGETS=.*{rule}"):
+        IdempotentConfig.from_settings(Settings({"IDEMPOTENT_OUTBOX_TARGETS": value,
+                                                 "IDEMPOTENT_DATABASE": "/tmp/x"}), spider)
+
+
+def test_targets_and_headers_from_the_command_line() -> None:
+    from scrapy.settings import Settings
+
+    from scrapy_idempotent.config import IdempotentConfig
+
+    spider: Any = type("S", (), {"name": "s"})
+    config = IdempotentConfig.from_settings(Settings({
+        "IDEMPOTENT_OUTBOX_TARGETS": "http://a.example/x, https://b.example/y",
+        "IDEMPOTENT_OUTBOX_HEADERS": '{"Authorization": "Bearer t"}',
+        "IDEMPOTENT_DATABASE": "/tmp/x"}), spider)
+    assert config.outbox_targets == ("http://a.example/x", "https://b.example/y")
+    assert config.outbox_headers == (("Authorization", "Bearer t"),)

@@ -1,0 +1,189 @@
+"""The outbox part of the store contract: entries written by ``commit()`` in the transaction
+of the record change they announce, claimed with a hold, settled once.
+
+Runs against every backend of ``tests/test_store.py`` (its fixtures), with its fake clock.
+"""
+
+# ruff: noqa: F811 (the store contract's fixtures, imported, are parameters here)
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_store import (  # noqa: F401 (fixtures)
+    COMMIT_ERRORS,
+    LEASE_SECONDS,
+    claim,
+    clock,
+    enqueue,
+    make_store,
+    rec,
+    req,
+    store,
+)
+
+from scrapy_idempotent.store import (
+    Completion,
+    OutboxOutcome,
+    OutboxState,
+    RequestState,
+    SQLiteStore,
+    UnitOfWork,
+)
+
+HOOK = "https://hooks.example/records"
+BROKER = "myproject.targets.Broker"
+
+
+def page(store: Any, key: str, *records: Any, targets: tuple[str, ...] = (HOOK,),
+         worker: str = "w1") -> Any:
+    """Commit the completion of leased request ``key`` with ``records``."""
+    return store.commit(UnitOfWork(records=[(r, key) for r in records],
+                                   completions=[Completion(key, RequestState.DONE)],
+                                   outbox_targets=targets), worker)
+
+
+def fetch_page(store: Any, key: str, *records: Any, **options: Any) -> Any:
+    enqueue(store, req(key))
+    claim(store, 1)
+    return page(store, key, *records, **options)
+
+
+def entries(store: Any) -> list[tuple[Any, ...]]:
+    return store.query("SELECT target, idempotency_key, kind, record_id, state FROM outbox"
+                       " ORDER BY id")
+
+
+def test_inserted_and_updated_records_are_announced_unchanged_ones_not(store):
+    result = fetch_page(store, "a", rec("r1", "h1"), rec("r2", "h2"))
+    assert result.outbox_entries == 2
+    fetch_page(store, "b", rec("r1", "h1"), rec("r2", "h3"))  # r1 unchanged, r2 changed
+    assert entries(store) == [
+        (HOOK, "r1:h1", "inserted", "r1", "pending"),
+        (HOOK, "r2:h2", "inserted", "r2", "pending"),
+        (HOOK, "r2:h3", "updated", "r2", "pending"),
+    ]
+
+
+def test_one_entry_per_target_with_the_same_key(store):
+    fetch_page(store, "a", rec("r1", "h1"), targets=(HOOK, BROKER))
+    assert [(t, k) for t, k, *_ in entries(store)] == [(HOOK, "r1:h1"), (BROKER, "r1:h1")]
+
+
+def test_no_target_no_entry(store):
+    result = fetch_page(store, "a", rec("r1", "h1"), targets=())
+    assert result.records_inserted == 1 and result.outbox_entries == 0
+    assert entries(store) == []
+    assert store.outbox_counts() == {}
+
+
+def test_a_lost_lease_announces_nothing(store, clock):
+    enqueue(store, req("a"))
+    claim(store, 1, worker="w1")
+    clock.advance(LEASE_SECONDS + 1)
+    store.reclaim_expired()
+    claim(store, 1, worker="w2")
+    result = page(store, "a", rec("r1", "h1"), worker="w1")
+    assert result.leases_lost == 1 and result.outbox_entries == 0
+    assert entries(store) == []
+    page(store, "a", rec("r1", "h1"), worker="w2")
+    assert [k for _, k, *_ in entries(store)] == ["r1:h1"]
+
+
+def test_an_outbox_write_that_fails_takes_the_records_and_the_completion_with_it(store):
+    """Records and their announcements are one transaction: when the outbox write fails
+    (a target of None breaks a NOT NULL column), nothing of the unit is stored."""
+    enqueue(store, req("a"))
+    claim(store, 1)
+    work = UnitOfWork(records=[(rec("r1", "h1"), "a")],
+                      completions=[Completion("a", RequestState.DONE)],
+                      outbox_targets=(HOOK, None))  # type: ignore[arg-type]
+    with pytest.raises(COMMIT_ERRORS):
+        store.commit(work, "w1")
+    assert entries(store) == []
+    assert store.query("SELECT count(*) FROM records") == [(0,)]
+    assert store.query("SELECT state FROM requests WHERE key = 'a'") == [("leased",)]
+    work.outbox_targets = (HOOK,)
+    assert store.commit(work, "w1").outbox_entries == 1
+
+
+def test_entry_carries_the_record_and_the_run(store):
+    fetch_page(store, "a", rec("r1", "h1", data='{"sku": "A1", "price": "3"}'))
+    [entry] = store.claim_outbox([HOOK], 10, 30.0)
+    assert (entry.target, entry.key, entry.kind, entry.record_id, entry.content_hash) == (
+        HOOK, "r1:h1", "inserted", "r1", "h1")
+    assert (entry.item_type, entry.source, entry.natural_key) == ("dict", "shop", '["A1"]')
+    assert entry.data == '{"sku": "A1", "price": "3"}'
+    assert entry.run_id == store.runs()[-1]["run_id"]
+    assert entry.attempts == 0
+
+
+def test_claim_holds_entries_until_the_hold_ends(store, clock):
+    fetch_page(store, "a", rec("r1", "h1"), rec("r2", "h2"))
+    assert [e.key for e in store.claim_outbox([HOOK], 1, 30.0)] == ["r1:h1"]
+    assert [e.key for e in store.claim_outbox([HOOK], 10, 30.0)] == ["r2:h2"]
+    assert store.claim_outbox([HOOK], 10, 30.0) == []
+    clock.advance(31)  # the holder died: due again
+    assert [e.key for e in store.claim_outbox([HOOK], 10, 30.0)] == ["r1:h1", "r2:h2"]
+
+
+def test_claim_takes_only_the_targets_asked_for(store):
+    fetch_page(store, "a", rec("r1", "h1"), targets=(HOOK, BROKER))
+    assert [e.target for e in store.claim_outbox([BROKER], 10, 30.0)] == [BROKER]
+    assert store.claim_outbox([], 10, 30.0) == []
+
+
+def test_settle_delivered_failed_and_retry(store, clock):
+    fetch_page(store, "a", rec("r1", "h1"), rec("r2", "h2"), rec("r3", "h3"))
+    one, two, three = store.claim_outbox([HOOK], 10, 30.0)
+    store.settle_outbox([
+        OutboxOutcome(one.entry_id, OutboxState.DELIVERED, "200"),
+        OutboxOutcome(two.entry_id, OutboxState.FAILED, "400 bad payload"),
+        OutboxOutcome(three.entry_id, OutboxState.PENDING, "503", retry_at=clock() + 5),
+    ])
+    assert store.outbox_counts() == {HOOK: {"pending": 1, "delivered": 1, "failed": 1}}
+    assert store.query("SELECT state, attempts, detail, data IS NULL FROM outbox ORDER BY id"
+                       ) == [("delivered", 1, "200", 1), ("failed", 1, "400 bad payload", 0),
+                             ("pending", 1, "503", 0)]
+    assert store.claim_outbox([HOOK], 10, 30.0) == []  # not due before its retry time
+    clock.advance(5)
+    [again] = store.claim_outbox([HOOK], 10, 30.0)
+    assert (again.key, again.attempts) == ("r3:h3", 1)
+
+
+def test_a_final_state_is_never_changed_by_a_late_outcome(store):
+    fetch_page(store, "a", rec("r1", "h1"))
+    [entry] = store.claim_outbox([HOOK], 10, 30.0)
+    store.settle_outbox([OutboxOutcome(entry.entry_id, OutboxState.DELIVERED, "200")])
+    store.settle_outbox([OutboxOutcome(entry.entry_id, OutboxState.PENDING, "503", 0.0),
+                         OutboxOutcome(entry.entry_id, OutboxState.FAILED, "400")])
+    assert store.query("SELECT state, attempts FROM outbox") == [("delivered", 1)]
+
+
+def test_new_run_keeps_undelivered_entries(make_store, store):
+    fetch_page(store, "a", rec("r1", "h1"))
+    store.end_session("w1", "finished")
+    store.begin_session("w1", "auto")  # a new run clears the frontier
+    assert [e.key for e in store.claim_outbox([HOOK], 10, 30.0)] == ["r1:h1"]
+
+
+def test_sqlite_a_schema_5_database_gains_the_outbox(tmp_path: Path):
+    path = tmp_path / "old.sqlite3"
+    first = SQLiteStore(str(path))
+    first.open(fingerprinter="x")
+    first.begin_session("w1", "auto")
+    first.commit(UnitOfWork(records=[(rec("r1", "h1"), None)]), "w1")
+    first.close()
+    conn = sqlite3.connect(path)
+    conn.execute("DROP TABLE outbox")
+    conn.execute("PRAGMA user_version = 5")
+    conn.close()
+    again = SQLiteStore(str(path))
+    again.open(fingerprinter="x")
+    again.begin_session("w1", "auto")
+    assert again.query("PRAGMA user_version") == [(6,)]
+    again.commit(UnitOfWork(records=[(rec("r1", "h2"), None)], outbox_targets=(HOOK,)), "w1")
+    assert entries(again) == [(HOOK, "r1:h2", "updated", "r1", "pending")]
+    again.close()
