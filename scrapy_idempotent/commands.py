@@ -15,7 +15,9 @@ Scrapy has no sub-commands, so the first argument names one:
   exit code 1 when something is wrong;
 * ``deliver``: sends the outbox's pending announcements to the configured targets (what a
   killed crawl, or a receiver that was down, left), for at most
-  ``IDEMPOTENT_OUTBOX_DRAIN_SECONDS``; exit code 1 when some are left.
+  ``IDEMPOTENT_OUTBOX_DRAIN_SECONDS``; exit code 1 when some are left;
+* ``migrate``: copy the crawl into another, empty database (``--to``), e.g. from SQLite to
+  PostgreSQL, to continue it there.
 
 The database is the one the scheduler uses for ``SPIDER`` in the current project
 (``IDEMPOTENT_DATABASE``, ``{spider}`` replaced, default ``.scrapy/idempotent/<spider>.sqlite3``
@@ -66,6 +68,8 @@ SUBCOMMANDS: dict[str, str] = {
     "check": "integrity, schema, WAL, dead workers' leases, impossible rows; exit 1 if wrong",
     "deliver": "send the outbox's pending announcements to IDEMPOTENT_OUTBOX_TARGETS; exit 1 "
                "if some are left",
+    "migrate": "copy the crawl (frontier, records, runs, rejects) into another, empty database "
+               "(--to URL), e.g. from SQLite to PostgreSQL, to continue it there",
 }
 
 #: Options that only some sub-commands take (option dest -> sub-commands).
@@ -78,6 +82,7 @@ _OPTION_SCOPE: dict[str, tuple[str, ...]] = {
     "format": ("export",),
     "since": ("export",),
     "run": ("export",),
+    "to": ("migrate",),
 }
 
 #: ``--format`` values -> Scrapy exporter class name; a missing format is taken from the
@@ -155,6 +160,10 @@ class Command(ScrapyCommand):
                  "2026-05-04 or 2026-05-04T10:00:00Z; UTC unless an offset is given)")
         group.add_argument("--run", type=int, metavar="N",
                            help="only records inserted or changed in run N or later")
+        group = parser.add_argument_group("migrate")
+        group.add_argument("--to", metavar="DATABASE",
+                           help="the database to copy the crawl into (a postgresql:// URL); "
+                                "it must not hold this crawl yet")
 
     def process_options(self, args: list[str], opts: argparse.Namespace) -> None:
         super().process_options(args, opts)
@@ -179,6 +188,8 @@ class Command(ScrapyCommand):
                              "select failed requests: use one or the other")
         if opts.limit is not None and opts.limit < 0:
             raise UsageError("--limit must be 0 (all) or more")
+        if subcommand == "migrate" and not opts.to:
+            raise UsageError("migrate needs --to DATABASE (where to copy the crawl)")
         opts.url_glob = opts.url_regex = None
         if opts.url is not None:
             if opts.url.startswith("re:"):
@@ -632,6 +643,39 @@ class Command(ScrapyCommand):
         finally:
             await deliverer.close()
         return deliverer.counts, left
+    # -- migrate ----------------------------------------------------------------------------
+
+    def _migrate(self, store: FrontierStore, path: str, info: dict[str, object],
+                 opts: argparse.Namespace) -> None:
+        """Copy the crawl into ``--to`` (opened as a crawl of the same identity would open
+        it, created if needed, refused when it holds another crawl or this one already), in
+        one transaction there; the source is only read. Refused while a lease of the
+        source is unexpired: stop every crawl of it first."""
+        assert self.settings is not None
+        now = time.time()
+        live = [h for h in store.lease_holders() if h.leased_until >= now]
+        if live:
+            raise StoreError(
+                f"{path} has leases held by {', '.join(h.worker for h in live[:3])} until "
+                f"{_iso(max(h.leased_until for h in live))}: stop every crawl of it before "
+                "migrating (a graceful stop releases its leases at once)")
+        meta = store.meta()
+        identity = (CrawlIdentity(project=meta.get("project", ""), spider=meta["spider"],
+                                  source=meta.get("source", ""))
+                    if meta.get("spider") else None)
+        target = open_store(opts.to, **store_options(self.settings))
+        try:
+            target.open(fingerprinter=meta.get("fingerprinter", ""), identity=identity)
+            written = target.load(store.dump())
+        finally:
+            target.close()
+        moved = {table: written.get(table, 0) for table in
+                 ("runs", "requests", "records", "rejects", "responses")}
+        report = {"database": path, "to": redacted(opts.to), "rows": moved}
+        self._print(opts, report, [
+            f"Migrated {path} to {redacted(opts.to)}: "
+            + ", ".join(f"{n} {table}" for table, n in moved.items())
+            + "; set IDEMPOTENT_DATABASE to it to continue the crawl there"])
 
     # -- check ------------------------------------------------------------------------------
 

@@ -27,6 +27,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from ..exceptions import StoreError
+
 __all__ = [
     "CommitResult",
     "Completion",
@@ -529,6 +531,27 @@ class FrontierStore(ABC):
         transaction. Returns ``pages`` (entries put back), ``rejects`` (rejects marked),
         ``without_page`` (rejects whose page is not in the frontier, or unknown),
         ``run_id`` and ``reopened``."""
+
+    # -- moving a crawl to another database (``scrapy idempotent migrate``) -----------------
+    #: The tables :meth:`dump` yields, in the order :meth:`load` takes them.
+    DUMP_TABLES = ("meta", "runs", "sessions", "requests", "records", "rejects", "feeds",
+                   "responses")
+
+    def dump(self, batch: int = 1000) -> Iterator[tuple[str, list[dict[str, object]]]]:
+        """Every row of the crawl, as ``(table, rows)`` batches of at most ``batch`` rows in
+        :data:`DUMP_TABLES` order; rows are dicts of plain values keyed by the SQLite
+        store's column names (``responses.body`` is bytes). Each batch is read by one
+        statement: no read transaction is held between batches (stop the crawls first).
+        Raises :class:`~.StoreError` for a backend that cannot be read this way."""
+        raise StoreError(f"{type(self).__name__} cannot be migrated from")
+        yield  # pragma: no cover
+
+    def load(self, batches: Iterator[tuple[str, list[dict[str, object]]]]) -> dict[str, int]:
+        """Write :meth:`dump` output into this store, opened and empty (no runs, requests
+        or records yet), in one transaction: all of it, or nothing. Leases do not move:
+        a leased request arrives pending. Returns the rows written per table. Raises
+        :class:`~.StoreError` when the store is not empty or cannot be loaded."""
+        raise StoreError(f"{type(self).__name__} cannot be migrated to")
 
     @abstractmethod
     def integrity_check(self) -> list[str]:

@@ -231,6 +231,20 @@ _QUEUE_ORDER = "priority DESC, is_start, (CASE WHEN fifo THEN id ELSE -id END)"
 _TERMINAL = tuple(s.value for s in RequestState if s.terminal)
 _COUNTERS = ("leased", "done", "failed", "redirected", "records_inserted", "records_updated",
              "records_unchanged")
+#: The columns :meth:`PostgreSQLStore.load` copies, per table (as the SQLite store names them).
+_LOADED: dict[str, tuple[str, ...]] = {
+    "requests": ("id", "key", "fingerprint", "url", "priority", "is_start", "fifo", "state",
+                 "data", "parent_key", "worker", "leased_until", "attempts", "unfinished",
+                 "replays", "enqueued_at", "finished_at", "error_kind", "error_message",
+                 "run_id"),
+    "records": ("record_id", "source", "natural_key", "item_type", "data", "content_hash",
+                "first_seen", "last_changed", "first_run_id", "changed_run_id", "request_key",
+                "seen_run_id", "seen_at", "seen_seq"),
+    "rejects": ("id", "item_type", "reason", "data", "request_key", "page_url", "created_at",
+                "run_id", "retried_at"),
+    "feeds": ("run_id", "uri", "base_size"),
+    "responses": ("key", "data", "body", "stored_at"),
+}
 #: Page commits that add requests send at most one notification per this many seconds.
 NOTIFY_INTERVAL_SECONDS = 0.25
 #: id(connection) -> (pid, start time) of its server process
@@ -1661,6 +1675,72 @@ class PostgreSQLStore(FrontierStore):
             self._reopen(cur, bool(pages))
         return {"pages": pages, "rejects": marked, "without_page": int(without),
                 "run_id": last[0], "reopened": bool(pages and last[1] is not None)}
+
+    # -- migration --------------------------------------------------------------------------
+
+    def load(self, batches: Iterator[tuple[str, list[dict[str, object]]]]) -> dict[str, int]:
+        """See :meth:`.FrontierStore.load`: rows are copied with ``COPY`` in one transaction;
+        ids are kept (the claim order depends on them) and the identity sequences moved past
+        them; each run's counters become one session row of worker ``migrated``."""
+        written: dict[str, int] = {}
+        runs: list[dict[str, object]] = []
+        with self._write("loading", repeatable=False) as cur:
+            (busy,) = cur.execute(
+                "SELECT EXISTS (SELECT 1 FROM runs) OR EXISTS (SELECT 1 FROM requests)"
+                " OR EXISTS (SELECT 1 FROM records)").fetchone() or (True,)
+            if busy:
+                raise StoreError(
+                    f"schema {self.schema} of {self.shown_url} already holds a crawl (runs, "
+                    "requests or records): a crawl is migrated into an empty one only")
+            for table, rows in batches:
+                if table == "meta":
+                    cur.executemany(
+                        "INSERT INTO meta VALUES (%s, %s) ON CONFLICT (key) DO UPDATE"
+                        " SET value = EXCLUDED.value",
+                        [(r["key"], r["value"]) for r in rows
+                         if r["key"] not in ("application", "schema_version")])
+                elif table == "runs":
+                    runs.extend(rows)
+                    self._copy(cur, "runs", ("run_id", "started_at", "finished_at", "reason"),
+                               rows)
+                elif table == "sessions":
+                    for row in rows:
+                        row["heartbeat_at"] = row["started_at"]
+                    self._copy(cur, "sessions", ("session_id", "run_id", "worker", "started_at",
+                                                 "ended_at", "reason", "heartbeat_at"), rows)
+                elif table == "requests":
+                    for row in rows:
+                        row["is_start"], row["fifo"] = bool(row["is_start"]), bool(row["fifo"])
+                        if row["state"] == "leased":  # leases do not move
+                            row.update(state="pending", worker=None, leased_until=None)
+                    self._copy(cur, "requests", _LOADED["requests"], rows)
+                elif table in _LOADED:
+                    self._copy(cur, table, _LOADED[table], rows)
+                else:
+                    raise StoreError(f"cannot load rows of an unknown table {table!r}")
+                written[table] = written.get(table, 0) + len(rows)
+            for table, column in (("runs", "run_id"), ("sessions", "session_id"),
+                                  ("requests", "id"), ("rejects", "id")):
+                cur.execute(f"SELECT setval(pg_get_serial_sequence('{table}', '{column}'),"
+                            f" greatest((SELECT max({column}) FROM {table}), 1))")
+            cur.execute("SELECT setval('records_seen_seq',"
+                        " greatest((SELECT max(seen_seq) FROM records), 1))")
+            cur.executemany(
+                "INSERT INTO sessions (run_id, worker, started_at, ended_at, reason,"
+                " heartbeat_at, " + ", ".join(_COUNTERS) + ") VALUES (%s, 'migrated', %s, %s,"
+                " 'migrated', %s, " + ", ".join("%s" for _ in _COUNTERS) + ")",
+                [(r["run_id"], r["started_at"], r["finished_at"] or r["started_at"],
+                  r["started_at"], *(r.get(c) or 0 for c in _COUNTERS)) for r in runs])
+        return written
+
+    @staticmethod
+    def _copy(cur: psycopg.Cursor[Any], table: str, columns: Sequence[str],
+              rows: list[dict[str, object]]) -> None:
+        if not rows:
+            return
+        with cur.copy(f"COPY {table} ({', '.join(columns)}) FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row(tuple(row.get(column) for column in columns))
 
     def integrity_check(self) -> list[str]:
         """PostgreSQL has no whole-database check without extensions: the tables of the

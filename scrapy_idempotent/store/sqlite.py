@@ -1404,6 +1404,26 @@ class SQLiteStore(FrontierStore):
         return {"pages": pages, "rejects": marked, "without_page": without,
                 "run_id": last[0], "reopened": reopened}
 
+    def dump(self, batch: int = 1000) -> Iterator[tuple[str, list[dict[str, object]]]]:
+        # keyset paging on each table's key: one statement per batch
+        keys = {"meta": "key", "runs": "run_id", "sessions": "session_id", "requests": "id",
+                "records": "record_id", "rejects": "id", "feeds": "rowid",
+                "responses": "key"}
+        for table in self.DUMP_TABLES:
+            key = keys[table]
+            after: object = None
+            while True:
+                where = f"WHERE {key} > ?" if after is not None else ""
+                rows = self._dicts(
+                    f"SELECT {key} AS _key, * FROM {table} {where} ORDER BY {key} LIMIT ?",
+                    (*(() if after is None else (after,)), batch))
+                if not rows:
+                    break
+                after = rows[-1]["_key"]
+                for row in rows:
+                    del row["_key"]
+                yield table, rows
+
     def integrity_check(self) -> list[str]:
         return [str(row[0]) for row in self.conn.execute("PRAGMA integrity_check")]
 

@@ -1,0 +1,66 @@
+"""``scrapy idempotent migrate --to postgresql://...``: a crawl stopped on SQLite continues on
+PostgreSQL where it stopped."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+from scrapy.utils.defer import deferred_f_from_coro_f
+from test_commands import idempotent, idempotent_json
+
+from crawling import crawl_settings, db_rows, frontier_counts, run_crawl
+from shop.site import ShopSite
+from shop.spiders.shop import ShopSpider
+
+psycopg = pytest.importorskip("psycopg")
+
+NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
+
+
+@deferred_f_from_coro_f
+async def test_a_crawl_stopped_on_sqlite_continues_on_postgresql(
+        shop: ShopSite, db_path: Path, postgres_url: str) -> None:
+    first = await run_crawl(ShopSpider, crawl_settings(
+        db_path, CLOSESPIDER_ITEMCOUNT=100, **NATURAL_KEYS), url=shop.url)
+    assert first.stats.get_value("finish_reason") == "closespider_itemcount"
+    before = frontier_counts(db_path)
+    assert before.get("pending") and not before.get("leased")
+    seen = dict(db_rows(db_path, "SELECT record_id, first_seen FROM records"))
+    fetched = shop.request_count
+
+    code, out, err = idempotent("migrate", "--db", str(db_path), "--to", postgres_url)
+    assert code == 0, err
+    assert out.startswith(f"Migrated {db_path} to postgresql://postgres:***@")
+    assert f"{len(seen)} records" in out
+    status = idempotent_json("status", "--db", postgres_url)
+    assert status["run"]["run_id"] == 1 and status["run"]["finished_at"] is None
+    assert {k: v for k, v in status["frontier"].items() if v and k != "total"} == before
+    assert status["records"]["stored"] == len(seen)
+    # a second migrate into the same database is refused, nothing changed
+    code, _, err = idempotent("migrate", "--db", str(db_path), "--to", postgres_url)
+    assert code == 1 and "already holds a crawl" in err
+
+    second = await run_crawl(ShopSpider, crawl_settings(
+        postgres_url, **NATURAL_KEYS), url=shop.url)  # type: ignore[arg-type]
+    stats = second.stats.get_stats()
+    assert stats["finish_reason"] == "finished"
+    assert stats["idempotent/run_id"] == 1  # the same run, continued
+    assert stats["idempotent/records/inserted"] == 500 - len(seen)
+    assert shop.request_count - fetched == 525 - fetched  # nothing fetched twice
+    status = idempotent_json("status", "--db", postgres_url)
+    assert status["frontier"]["done"] + status["frontier"]["redirected"] == 525
+    assert status["run"]["state"] == "finished"
+    out_path = db_path.parent / "records.jsonl"
+    assert idempotent("export", "--db", postgres_url, "-o", str(out_path))[0] == 0
+    rows = [json.loads(line) for line in out_path.read_text().splitlines()]
+    expected = shop.expected_products()
+    assert len(rows) == 500
+    for row in rows:
+        assert (row["name"], row["price"]) == (expected[row["sku"]]["name"],
+                                               expected[row["sku"]]["price"])
+        if row["record_id"] in seen:  # migrated records keep their history
+            assert row["first_seen"] == datetime.fromtimestamp(
+                seen[row["record_id"]], timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
