@@ -244,6 +244,9 @@ _LOADED: dict[str, tuple[str, ...]] = {
                 "run_id", "retried_at"),
     "feeds": ("run_id", "uri", "base_size"),
     "responses": ("key", "data", "body", "stored_at"),
+    "outbox": ("id", "target", "idempotency_key", "kind", "record_id", "content_hash",
+               "item_type", "source", "natural_key", "data", "run_id", "created_at", "state",
+               "attempts", "due_at", "settled_at", "detail"),
 }
 #: Page commits that add requests send at most one notification per this many seconds.
 NOTIFY_INTERVAL_SECONDS = 0.25
@@ -1720,7 +1723,7 @@ class PostgreSQLStore(FrontierStore):
                     raise StoreError(f"cannot load rows of an unknown table {table!r}")
                 written[table] = written.get(table, 0) + len(rows)
             for table, column in (("runs", "run_id"), ("sessions", "session_id"),
-                                  ("requests", "id"), ("rejects", "id")):
+                                  ("requests", "id"), ("rejects", "id"), ("outbox", "id")):
                 cur.execute(f"SELECT setval(pg_get_serial_sequence('{table}', '{column}'),"
                             f" greatest((SELECT max({column}) FROM {table}), 1))")
             cur.execute("SELECT setval('records_seen_seq',"

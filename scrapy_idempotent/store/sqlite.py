@@ -1408,7 +1408,7 @@ class SQLiteStore(FrontierStore):
         # keyset paging on each table's key: one statement per batch
         keys = {"meta": "key", "runs": "run_id", "sessions": "session_id", "requests": "id",
                 "records": "record_id", "rejects": "id", "feeds": "rowid",
-                "responses": "key"}
+                "responses": "key", "outbox": "id"}
         for table in self.DUMP_TABLES:
             key = keys[table]
             after: object = None
