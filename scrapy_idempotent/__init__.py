@@ -17,6 +17,7 @@ from .exceptions import (
     UnsupportedScrapy,
 )
 from .feeds import IdempotentFeedExporter
+from .files import IdempotentFilesPipeline, IdempotentImagesPipeline
 from .journal import ResponseJournalMiddleware
 from .middleware import RecordIdMiddleware
 from .outbox import OutboxDelivery, OutboxTarget
@@ -31,6 +32,8 @@ __all__ = [
     "DeliveryRetry",
     "IdempotentError",
     "IdempotentFeedExporter",
+    "IdempotentFilesPipeline",
+    "IdempotentImagesPipeline",
     "IdempotentScheduler",
     "MissingNaturalKey",
     "OutboxDelivery",

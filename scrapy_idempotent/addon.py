@@ -83,9 +83,12 @@ class Addon:
         SPIDER_MIDDLEWARES = {"scrapy_idempotent.RecordIdMiddleware": 10}
         DOWNLOADER_MIDDLEWARES = {"scrapy_idempotent.ResponseJournalMiddleware": 950}
         ITEM_PIPELINES = {"scrapy_idempotent.UpsertPipeline": 1000}
+        # and, where the project enables them, at their priority:
+        # "scrapy_idempotent.IdempotentFilesPipeline" for FilesPipeline,
+        # "scrapy_idempotent.IdempotentImagesPipeline" for ImagesPipeline
         EXTENSIONS = {"scrapy_idempotent.progress.IdempotentLogStats": 0,
                       "scrapy_idempotent.queue_input.QueueInput": 0,  # IDEMPOTENT_QUEUE_URL
-                      "scrapy_idempotent.OutboxDelivery": 0,
+                      "scrapy_idempotent.OutboxDelivery": 0,  # IDEMPOTENT_OUTBOX_TARGETS
                       "scrapy.extensions.feedexport.FeedExporter": None,
                       "scrapy_idempotent.IdempotentFeedExporter": 0}
     """
@@ -124,10 +127,12 @@ class Addon:
         from .queue_input import QueueInput  # off unless IDEMPOTENT_QUEUE_URL is set
 
         settings.set_in_component_priority_dict("EXTENSIONS", QueueInput, 0)
-        from .outbox import OutboxDelivery  # off (NotConfigured) without outbox targets
+        if settings.get("IDEMPOTENT_OUTBOX_TARGETS"):  # delivery only with a target
+            from .outbox import OutboxDelivery
 
-        settings.set_in_component_priority_dict("EXTENSIONS", OutboxDelivery, 0)
+            settings.set_in_component_priority_dict("EXTENSIONS", OutboxDelivery, 0)
         _replace_feed_exporter(settings)
+        _replace_media_pipelines(settings)
         if self.crawler is not None and self.crawler.spider is not None:
             # check every IDEMPOTENT_* setting before anything is built (a bad one is one
             # CRITICAL line and exit code 1)
@@ -135,6 +140,28 @@ class Addon:
 
             with engine_hooks.start_failure_exits_nonzero(self.crawler):
                 config_for(self.crawler)
+
+
+def _replace_media_pipelines(settings: BaseSettings) -> None:
+    """Scrapy's ``FilesPipeline`` and ``ImagesPipeline`` in ``ITEM_PIPELINES`` replaced by
+    :class:`~.IdempotentFilesPipeline` and :class:`~.IdempotentImagesPipeline` at their
+    priority (files named by record ID); subclasses of them are left as they are."""
+    from scrapy.pipelines.files import FilesPipeline
+    from scrapy.pipelines.images import ImagesPipeline
+    from scrapy.utils.misc import load_object
+
+    from .files import IdempotentFilesPipeline, IdempotentImagesPipeline
+
+    ours: dict[type, type] = {FilesPipeline: IdempotentFilesPipeline,
+                              ImagesPipeline: IdempotentImagesPipeline}
+    for name, value in engine_hooks.component_priorities(settings, "ITEM_PIPELINES").items():
+        try:
+            cls = load_object(name) if isinstance(name, str) else name
+        except (ImportError, NameError, ValueError, AttributeError):
+            continue
+        if cls in ours and value is not None:
+            engine_hooks.disable_component(settings, "ITEM_PIPELINES", cls)
+            settings.set_in_component_priority_dict("ITEM_PIPELINES", ours[cls], value)
 
 
 def _replace_feed_exporter(settings: BaseSettings) -> None:

@@ -578,6 +578,37 @@ class Command(ScrapyCommand):
         else:
             self._print(opts, report, [line])
 
+    def _file_checks(self, store: FrontierStore) -> list[dict[str, Any]]:
+        """Orphans of the local files stores of ``FILES_STORE`` and ``IMAGES_STORE``: files
+        no stored record references (left by a kill, a page that failed for good, an item
+        dropped after its files were written, a file URL that changed)."""
+        from .files import orphan_files, referenced_paths
+
+        settings = self._settings
+        stores = {settings.get(name) for name in ("FILES_STORE", "IMAGES_STORE")}
+        local = sorted(str(s).split("://", 1)[-1] for s in stores
+                       if s and ("://" not in str(s) or str(s).startswith("file://")))
+        if not local:
+            return []
+        fields = (settings.get("FILES_RESULT_FIELD") or "files",
+                  settings.get("IMAGES_RESULT_FIELD") or "images")
+        referenced: set[str] = set()
+        for record in _records(store, {}):
+            data = json.loads(str(record["data"]))
+            if isinstance(data, dict):
+                referenced |= referenced_paths(data, fields)
+        checks = []
+        for basedir in local:
+            orphans = orphan_files(basedir, referenced) if os.path.isdir(basedir) else []
+            shown = ", ".join(orphans[:10]) + (" ..." if len(orphans) > 10 else "")
+            checks.append({
+                "check": "files", "ok": not orphans,
+                "detail": (f"{len(orphans)} file(s) in {basedir} that no stored record "
+                           f"references: {shown}") if orphans else
+                          f"every file in {basedir} is referenced by a stored record",
+                "orphans": orphans})
+        return checks
+
     # -- deliver ----------------------------------------------------------------------------
 
     def _deliver(self, store: FrontierStore, path: str, info: dict[str, object],
@@ -723,6 +754,8 @@ class Command(ScrapyCommand):
             add("rows", not wrong,
                 "; ".join(f"{n} {_ANOMALIES[name]}" for name, n in wrong.items())
                 if wrong else "no rows in impossible states")
+            for check in self._file_checks(store):
+                checks.append(check)
         problems = sum(1 for c in checks if not c["ok"])
         self.exitcode = 1 if problems else 0
         report = {"database": path, "ok": not problems, "problems": problems,

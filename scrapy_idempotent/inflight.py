@@ -603,6 +603,14 @@ class InflightTracker:
             return origin
         return self._origin_of_replaced(item)
 
+    def record_id_of(self, item: Any) -> str | None:
+        """The record ID ``item`` is to be stored under, without taking it (a media pipeline
+        naming files by it, before the upsert); None when it has none (no natural key)."""
+        origin = self._items.get(id(item))
+        if origin is None:
+            origin = self._origin_of_replaced(item)
+        return origin.record_id
+
     def _origin_of_replaced(self, item: Any) -> ItemOrigin:
         # An earlier pipeline returned another object: the item the pipelines started with
         # tells which request (and page) it belongs to.

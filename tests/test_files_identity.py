@@ -1,0 +1,133 @@
+"""Files named by identity: ``ImagesPipeline`` (replaced by the add-on) writes a product's
+image to ``full/<record_id>/<url key>.png``, whatever tracking parameters the URL carries,
+before the record referencing it is committed; ``check`` lists files no record references."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from image_shop import ImageShopSpider, ImageSite, image_settings
+from scrapy.utils.defer import deferred_f_from_coro_f
+
+from crawling import db_rows, run_crawl
+from scrapy_idempotent.config import DEFAULT_URL_IGNORE_PARAMS
+from scrapy_idempotent.files import (
+    AtomicFSFilesStore,
+    IdempotentImagesPipeline,
+    orphan_files,
+    url_key,
+)
+from shop.site import ShopSite
+
+pytest.importorskip("PIL", reason="ImagesPipeline needs Pillow (pip install pillow)")
+
+
+@pytest.fixture
+def small_shop() -> Any:
+    with ShopSite(port=0, listing_pages=5, products_per_page=10) as site:
+        yield site
+
+
+@pytest.fixture
+def images() -> Any:
+    with ImageSite() as site:
+        yield site
+
+
+def files_on_disk(store: Path) -> list[str]:
+    return sorted(p.relative_to(store).as_posix() for p in store.rglob("*") if p.is_file())
+
+
+def stored_images(db: Path) -> dict[str, list[dict[str, Any]]]:
+    return {rid: json.loads(data).get("images")
+            for rid, data in db_rows(db, "SELECT record_id, data FROM records")}
+
+
+def check(db: Path, store: Path) -> tuple[int, dict[str, Any]]:
+    done = subprocess.run(
+        [sys.executable, "-m", "scrapy", "idempotent", "check", "--db", str(db), "--json",
+         "-s", f"IMAGES_STORE={store}"],
+        cwd=store.parent, capture_output=True, text=True, timeout=120)
+    report = json.loads(done.stdout)
+    [files] = [c for c in report["checks"] if c["check"] == "files"]
+    return done.returncode, files
+
+
+def settings(tmp_path: Path, **extra: Any) -> dict[str, Any]:
+    return {**image_settings(str(tmp_path / "db.sqlite3"), str(tmp_path / "images")),
+            "LOG_LEVEL": "WARNING", **extra}
+
+
+@deferred_f_from_coro_f
+async def test_an_image_is_named_by_its_record_and_stored_once_whatever_its_tracking(
+        small_shop: ShopSite, images: ImageSite, tmp_path: Path) -> None:
+    db, store = tmp_path / "db.sqlite3", tmp_path / "images"
+    crawler = await run_crawl(ImageShopSpider, settings(tmp_path), url=small_shop.url,
+                              images=images.url, tracking="first")
+    assert IdempotentImagesPipeline in [type(p) for p in
+                                        crawler.engine.scraper.itemproc.middlewares]
+    assert crawler.stats.get_value("idempotent/records/inserted") == 50
+    by_record = stored_images(db)
+    expected = {}
+    for record_id, [image] in by_record.items():
+        assert set(image) == {"url", "path", "checksum"}  # no "status"
+        key = url_key(image["url"], DEFAULT_URL_IGNORE_PARAMS)
+        assert image["path"] == f"full/{record_id}/{key}.jpg"  # ImagesPipeline saves JPEG
+        expected[image["path"]] = image["checksum"]
+    assert files_on_disk(store) == sorted(expected)
+    assert sum(images.hits.values()) == 50
+
+    # another crawl (a new run), the image URLs with other tracking parameters: the same
+    # paths, found on disk (no download), no second copy
+    await run_crawl(ImageShopSpider, settings(tmp_path), url=small_shop.url,
+                    images=images.url, tracking="second")
+    assert files_on_disk(store) == sorted(expected)
+    assert sum(images.hits.values()) == 50
+    assert {i[0]["path"] for i in stored_images(db).values()} == set(expected)
+    code, files = check(db, store)
+    assert (code, files["ok"], files["orphans"]) == (0, True, [])
+
+
+def test_check_lists_files_no_record_references(tmp_path: Path) -> None:
+    from test_outbox_store import fetch_page
+    from test_store import rec
+
+    from scrapy_idempotent.store import SQLiteStore
+
+    db, store = tmp_path / "db.sqlite3", tmp_path / "images"
+    sqlite = SQLiteStore(str(db))
+    sqlite.open(fingerprinter="x")
+    sqlite.begin_session("w1", "auto")
+    data = json.dumps({"sku": "A1", "images": [{"url": "u", "path": "full/r1/k.png",
+                                                "checksum": "c"}]})
+    fetch_page(sqlite, "a", rec("r1", "h1", data=data), targets=())
+    sqlite.close()
+    for name in ("full/r1/k.png", "full/r2/k.png", "thumbs/small/r1/k.jpg",
+                 "thumbs/small/r2/k.jpg", ".partial/99999999-x"):
+        (store / name).parent.mkdir(parents=True, exist_ok=True)
+        (store / name).write_bytes(b"x")
+    assert orphan_files(store, {"full/r1/k.png"}) == [
+        ".partial/99999999-x", "full/r2/k.png", "thumbs/small/r2/k.jpg"]
+    code, files = check(db, store)
+    assert code == 1 and not files["ok"]
+    assert files["orphans"] == [".partial/99999999-x", "full/r2/k.png",
+                                "thumbs/small/r2/k.jpg"]
+
+
+def test_partial_files_of_dead_processes_are_removed_at_open(tmp_path: Path) -> None:
+    import os
+
+    store = AtomicFSFilesStore(str(tmp_path))
+    partial = tmp_path / ".partial"
+    partial.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (partial / f"{dead}-abc").write_bytes(b"half")
+    (partial / f"{os.getpid()}-def").write_bytes(b"mine")  # a live writer's
+    assert store.remove_dead_partials() == 1
+    assert sorted(p.name for p in partial.iterdir()) == [f"{os.getpid()}-def"]
