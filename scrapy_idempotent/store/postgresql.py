@@ -970,14 +970,14 @@ class PostgreSQLStore(FrontierStore):
         # key -> (id, state, finished_at); fingerprint -> the same, of dont_filter entries
         by_key: dict[str, tuple[Any, str, Any]] = {
             key: (id_, state, finished) for id_, key, state, finished in cur.execute(
-                "SELECT id, key, state, finished_at FROM requests WHERE key = ANY(%s)",
+                "SELECT id, key, state, finished_at FROM requests WHERE key = ANY(%b)",
                 (sorted(lookup),))}
         fingerprints = sorted({r.fingerprint for r in requests if r.filter_fingerprint})
         by_other: dict[str, tuple[Any, str, Any]] = {}
         if fingerprints:
             for id_, fingerprint, state, finished in cur.execute(
                     "SELECT id, fingerprint, state, finished_at FROM requests"
-                    " WHERE fingerprint = ANY(%s) AND key <> fingerprint", (fingerprints,)):
+                    " WHERE fingerprint = ANY(%b) AND key <> fingerprint", (fingerprints,)):
                 by_other.setdefault(fingerprint, (id_, state, finished))
         new: list[NewRequest] = []
         for req in requests:
@@ -1011,8 +1011,9 @@ class PostgreSQLStore(FrontierStore):
             "INSERT INTO requests (key, fingerprint, url, priority, is_start, fifo, state,"
             " data, parent_key, enqueued_at, run_id)"
             " SELECT k, f, u, p, s, ff, 'pending', d, pk, %s, %s FROM unnest("
-            "  %s::text[], %s::text[], %s::text[], %s::int[], %s::bool[], %s::bool[],"
-            "  %s::text[], %s::text[]) WITH ORDINALITY AS t(k, f, u, p, s, ff, d, pk, n)"
+            # binary parameters: text arrays are not quoted element by element
+            "  %b::text[], %b::text[], %b::text[], %b::int[], %b::bool[], %b::bool[],"
+            "  %b::text[], %b::text[]) WITH ORDINALITY AS t(k, f, u, p, s, ff, d, pk, n)"
             " ORDER BY n ON CONFLICT (key) DO NOTHING RETURNING key",
             (now, run_id, [r.key for r in new], [r.fingerprint for r in new],
              [r.url for r in new], [r.priority for r in new], [r.is_start for r in new],
