@@ -40,7 +40,13 @@ from scrapy.exceptions import NotConfigured
 
 from . import __version__
 from .exceptions import DeliveryRefused, DeliveryRetry, StoreError
-from .store.base import FrontierStore, OutboxEntry, OutboxOutcome, OutboxState
+from .store.base import (
+    CrawlIdentity,
+    FrontierStore,
+    OutboxEntry,
+    OutboxOutcome,
+    OutboxState,
+)
 
 if TYPE_CHECKING:
     from scrapy.crawler import Crawler
@@ -439,14 +445,15 @@ def target_label(target: str) -> str:
     return strip_url(safe_url_string(target), strip_credentials=True)
 
 
-def open_outbox_store(config: IdempotentConfig) -> FrontierStore:
+def open_outbox_store(config: IdempotentConfig, identity: CrawlIdentity) -> FrontierStore:
     """A connection of its own to the crawl's database (created and migrated already by
-    the scheduler, or by an earlier crawl), for the deliverer."""
+    the scheduler, or by an earlier crawl), for the deliverer; ``identity`` finds the crawl's
+    frontier in a database that holds several (PostgreSQL schemas) and refuses another's."""
     from .store import open_store
     from .store.registry import redacted
 
     store = open_store(config.database, **config.store_options())
-    info = store.open_existing(readonly=False)
+    info = store.open_existing(readonly=False, identity=identity)
     if info["schema_version"] != info["supported_schema_version"]:
         store.close()
         raise StoreError(f"{redacted(config.database)} has schema version "
@@ -486,8 +493,11 @@ class OutboxDelivery:
     def spider_opened(self) -> None:
         from twisted.internet import task
 
+        assert self.crawler.spider is not None
+        identity = CrawlIdentity(project=str(self.crawler.settings.get("BOT_NAME") or ""),
+                                 spider=self.crawler.spider.name, source=self.config.source)
         try:
-            store = open_outbox_store(self.config)
+            store = open_outbox_store(self.config, identity)
         except StoreError as exc:
             logger.error("scrapy_idempotent: outbox delivery is off for this crawl: %s "
                          "(`scrapy idempotent deliver` sends what is pending)", exc)

@@ -273,3 +273,19 @@ def test_targets_and_headers_from_the_command_line() -> None:
         "IDEMPOTENT_DATABASE": "/tmp/x"}), spider)
     assert config.outbox_targets == ("http://a.example/x", "https://b.example/y")
     assert config.outbox_headers == (("Authorization", "Bearer t"),)
+
+
+@deferred_f_from_coro_f
+async def test_two_crawls_sharing_a_postgresql_database_each_announce_their_records(
+        small_shop: ShopSite, hook: WebhookReceiver, request: pytest.FixtureRequest) -> None:
+    """On PostgreSQL the deliverer finds its crawl's own schema among several."""
+    pytest.importorskip("psycopg")
+    postgres_url = request.getfixturevalue("postgres_url")
+    for source in ("first", "second"):
+        crawler = await run_crawl(ShopSpider, outbox_settings(
+            postgres_url, hook.url, IDEMPOTENT_SOURCE=source), url=small_shop.url)  # type: ignore[arg-type]
+        stats = crawler.stats.get_stats()
+        assert stats["idempotent/outbox/written"] == stats["idempotent/outbox/delivered"] == 50
+    sources = Counter(d.body["source"] for d in hook.acknowledged())
+    assert sources == {"first": 50, "second": 50}
+    assert len(hook.keys_acknowledged()) == 100
