@@ -397,6 +397,7 @@ class PostgreSQLStore(FrontierStore):
         self._listen_stop: threading.Event | None = None
         self._listen_thread: threading.Thread | None = None
         self._notified_at = -NOTIFY_INTERVAL_SECONDS
+        self._worker: str | None = None  #: the worker of this store's session
         self._beat_thread: threading.Thread | None = None
 
     # -- connections ------------------------------------------------------------------------
@@ -793,6 +794,7 @@ class PostgreSQLStore(FrontierStore):
                 " VALUES (%s, %s, %s, %s) RETURNING session_id",
                 (run_id, worker, now, now)).fetchone() or (None,)
         self.run_id = int(run_id)
+        self._worker = worker
         self._start_heartbeat()
         return RunInfo(run_id=self.run_id, new=new, counts=self.counts())
 
@@ -1284,7 +1286,8 @@ class PostgreSQLStore(FrontierStore):
         if not force and now - self._notified_at < NOTIFY_INTERVAL_SECONDS:
             return
         self._notified_at = now
-        cur.execute("SELECT pg_notify(%s, '')", (self.channel,))
+        # the payload names the sender: its own listener ignores it
+        cur.execute("SELECT pg_notify(%s, %s)", (self.channel, self._worker or ""))
 
     def watch_for_work(self, callback: Callable[[], object]) -> bool:
         """Listen on this crawl's channel from a thread of its own (its own connection) and
@@ -1310,9 +1313,12 @@ class PostgreSQLStore(FrontierStore):
                         callback()
                     listened = True
                     while not stop.is_set():
-                        if any(True for _ in conn.notifies(timeout=0.5, stop_after=1)):
-                            with contextlib.suppress(Exception):  # drain: one call for all
-                                list(conn.notifies(timeout=0.0))
+                        # drained in one go: one call for all; not for this worker's own
+                        received = list(conn.notifies(timeout=0.5, stop_after=1))
+                        if received:
+                            with contextlib.suppress(Exception):
+                                received += conn.notifies(timeout=0.0)
+                        if any(n.payload != self._worker for n in received):
                             callback()
                 except Exception as exc:
                     if not stop.is_set():
