@@ -45,8 +45,10 @@ class QueueSpider(ShopSpider):
 
 
 def queue_settings(db_path: Path, server: RedisServer, key: str, **extra: Any) -> dict[str, Any]:
+    # CLOSESPIDER_TIMEOUT: a crawl that would wait for its queue forever ends (not finished)
     return crawl_settings(db_path, IDEMPOTENT_QUEUE_URL=server.url, IDEMPOTENT_QUEUE_KEY=key,
-                          IDEMPOTENT_QUEUE_POLL_SECONDS=0.05, **NATURAL_KEYS, **extra)
+                          IDEMPOTENT_QUEUE_POLL_SECONDS=0.05, CLOSESPIDER_TIMEOUT=150,
+                          **NATURAL_KEYS, **extra)
 
 
 def product(shop: ShopSite, number: int) -> str:
@@ -200,6 +202,58 @@ async def test_messages_idle_with_a_consumer_of_another_host_are_claimed(
     assert sorted(p["sku"] for p in stored_products(db_path)) == ["SKU-00008", "SKU-00009"]
     assert acknowledged_all(client, key)
     assert len(ids) == 2
+
+
+async def reactor_wait_for(condition: Any, what: str, timeout: float = 120) -> None:
+    """Poll a state while the reactor keeps running (the crawls go on meanwhile)."""
+    import time
+
+    from scrapy.utils.defer import maybe_deferred_to_future
+    from twisted.internet import reactor
+    from twisted.internet.task import deferLater
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await maybe_deferred_to_future(deferLater(reactor, 0.05, lambda: None))
+
+
+@deferred_f_from_coro_f
+async def test_a_message_whose_request_another_worker_does_is_acknowledged_after_it(
+    redis_server: RedisServer, db_path: Path  # noqa: F811
+) -> None:
+    """Two workers on one stream and one frontier: B reads a message whose request A is
+    fetching (a duplicate for B: A holds the lease). B never sees A's signal; it acknowledges
+    the message once the frontier has the request done."""
+    from scrapy.utils.defer import maybe_deferred_to_future
+
+    key = f"q-{uuid.uuid4().hex}"
+    client = redis_server.client()
+    settings = queue_settings(db_path, redis_server, key, IDEMPOTENT_QUEUE_PREFETCH=1,
+                              IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=0.5)
+    with ShopSite(port=0, delay=10) as shop:
+        client.xadd(key, product_message(shop, 1))
+        worker_a = get_crawler(QueueSpider, settings)
+        crawl_a = worker_a.crawl()
+        await reactor_wait_for(lambda: shop.in_flight >= 1, "A fetching the page")
+        second = client.xadd(key, product_message(shop, 1))  # A holds its one message
+        worker_b = get_crawler(QueueSpider, settings)
+        crawl_b = worker_b.crawl()
+        await reactor_wait_for(lambda: worker_b.stats.get_value("idempotent/queue/received"),
+                               "B reading the second message")
+        assert shop.in_flight >= 1  # A's page still in flight: B met a leased request
+        await maybe_deferred_to_future(crawl_a)
+        await maybe_deferred_to_future(crawl_b)
+        assert shop.counts_by_path() == {"/product/SKU-00001": 1}
+    for worker in (worker_a, worker_b):
+        assert worker.stats.get_value("finish_reason") == "finished"
+        assert worker.stats.get_value("idempotent/queue/acknowledged") == 1
+    assert worker_b.stats.get_value("idempotent/requests/duplicate") == 1
+    assert db_rows(db_path, "SELECT count(*), min(state) FROM requests") == [(1, "done")]
+    assert acknowledged_all(client, key)
+    assert second not in {p["message_id"] for p in client.xpending_range(key, GROUP, "-", "+",
+                                                                          10)}
 
 
 @deferred_f_from_coro_f
