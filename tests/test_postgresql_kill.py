@@ -85,6 +85,7 @@ def test_sigkill_and_resume_on_postgresql_stores_each_product_once(
         assert close_reason(log) == "finished"
         requests = site.request_count
         assert_all_products_once(postgres_url, site)
+    print(f"\n[postgresql kill] kills={kills}, requests={requests} (bound {525 + kills})")
     # one request at a time: a kill repeats at most the request on the wire
     assert 525 <= requests <= 525 + kills
     assert crawl_rows(postgres_url, "SELECT state, count(*) FROM requests GROUP BY state") == [
@@ -138,6 +139,8 @@ def test_three_workers_on_three_hosts_killed_and_restarted_store_each_product_on
             assert close_reason(log) == "finished", log.read_text()[-3000:]
         requests = site.request_count
         assert_all_products_once(postgres_url, site)
+    print(f"\n[postgresql workers] kills={kills}, worker processes={hosts}, "
+          f"requests={requests} (bound {525 + kills * concurrency})")
     # each kill repeats at most what that worker had on the wire
     assert 525 <= requests <= 525 + kills * concurrency, requests
     assert crawl_rows(postgres_url, "SELECT state, count(*) FROM requests GROUP BY state") == [

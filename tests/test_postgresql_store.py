@@ -376,3 +376,19 @@ def test_a_listening_worker_is_told_when_work_appears(make: Callable[..., Postgr
     idle.close()
     wait_for(lambda: not listening(), 60, "the listener to stop")
     assert not signals.acquire(blocking=False)
+
+
+def test_a_statement_timeout_is_worth_retrying_and_writes_nothing(
+        make: Callable[..., PostgreSQLStore]) -> None:
+    store = make(heartbeat_seconds=None)
+    store.open(fingerprinter="f", identity=SHOP)
+    store.begin_session("w1", "auto")
+    # the server's statement_timeout (set by the DBA, here on this connection): a big unit of
+    # work runs past it
+    store.conn.execute("SET statement_timeout = '1ms'")
+    many = UnitOfWork(requests=[req(f"p{n}") for n in range(20000)])
+    with pytest.raises(StoreBusy, match="statement_timeout"):
+        store.commit(many, "w1")
+    store.conn.execute("RESET statement_timeout")
+    assert store.counts()["pending"] == 0  # rolled back: all or nothing
+    assert store.commit(many, "w1").requests_added == 20000
