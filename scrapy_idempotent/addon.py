@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import engine_hooks
+from . import scrapy_compat
 from .journal import ResponseJournalMiddleware
 from .middleware import RecordIdMiddleware
 from .pipeline import UpsertPipeline
@@ -110,10 +110,10 @@ class Addon:
                         "neither resumes nor writes the crawl's database", command)
             return
         if self.crawler is not None:
-            with engine_hooks.start_failure_exits_nonzero(self.crawler):
-                engine_hooks.check_scrapy()
+            with scrapy_compat.start_failure_exits_nonzero(self.crawler):
+                scrapy_compat.check_scrapy()
         else:
-            engine_hooks.check_scrapy()
+            scrapy_compat.check_scrapy()
         settings.set("SCHEDULER", IdempotentScheduler, "addon")
         settings.set_in_component_priority_dict(
             "SPIDER_MIDDLEWARES", RecordIdMiddleware, MIDDLEWARE_PRIORITY)
@@ -138,7 +138,7 @@ class Addon:
             # CRITICAL line and exit code 1)
             from .config import config_for
 
-            with engine_hooks.start_failure_exits_nonzero(self.crawler):
+            with scrapy_compat.start_failure_exits_nonzero(self.crawler):
                 config_for(self.crawler)
 
 
@@ -173,7 +173,7 @@ def _replace_feed_exporter(settings: BaseSettings) -> None:
     from .feeds import IdempotentFeedExporter
 
     priority: Any = 0
-    for name, value in engine_hooks.component_priorities(settings, "EXTENSIONS").items():
+    for name, value in scrapy_compat.component_priorities(settings, "EXTENSIONS").items():
         try:
             cls = load_object(name) if isinstance(name, str) else name
         except (ImportError, NameError, ValueError, AttributeError):
@@ -182,5 +182,5 @@ def _replace_feed_exporter(settings: BaseSettings) -> None:
             if value is None:
                 return  # feed exports turned off by the project
             priority = value
-    engine_hooks.disable_component(settings, "EXTENSIONS", FeedExporter)
+    scrapy_compat.disable_component(settings, "EXTENSIONS", FeedExporter)
     settings.set_in_component_priority_dict("EXTENSIONS", IdempotentFeedExporter, priority)

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from scrapy.commands import ScrapyCommand
 from scrapy.exceptions import UsageError
 
-from . import engine_hooks
+from . import scrapy_compat
 from .config import IdempotentConfig, store_options
 from .exceptions import IdempotentError, StoreError
 from .outbox import target_label
@@ -168,7 +168,7 @@ class Command(ScrapyCommand):
     def process_options(self, args: list[str], opts: argparse.Namespace) -> None:
         super().process_options(args, opts)
         assert self.settings is not None
-        engine_hooks.quiet_command(self.settings)
+        scrapy_compat.quiet_command(self.settings)
         unknown = [a for a in args if a.startswith("-") and a != "-"]
         if unknown:
             raise UsageError(f"unknown option {unknown[0]}")
@@ -258,7 +258,7 @@ class Command(ScrapyCommand):
             named: Any = SimpleNamespace(name=spider)
             config = IdempotentConfig.from_settings(settings, named)
             return self._of(config, settings, spider)
-        loader = engine_hooks.spider_loader(settings)
+        loader = scrapy_compat.spider_loader(settings)
         known = sorted(loader.list())
         spidercls: Any
         if spider is None:

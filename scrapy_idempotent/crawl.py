@@ -17,9 +17,10 @@ nothing, silently).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+import warnings
+from typing import TYPE_CHECKING, Any, cast
 
-from . import engine_hooks
+from . import scrapy_compat
 from .exceptions import IdempotentError
 
 if TYPE_CHECKING:
@@ -29,7 +30,12 @@ if TYPE_CHECKING:
     from .scheduler import IdempotentScheduler
     from .store.base import FrontierStore
 
-__all__ = ["frontier_store", "idempotent_scheduler", "inflight_tracker"]
+__all__ = [
+    "deprecated_scheduler_attribute",
+    "frontier_store",
+    "idempotent_scheduler",
+    "inflight_tracker",
+]
 
 
 def idempotent_scheduler(crawler: Crawler, component: str) -> IdempotentScheduler | None:
@@ -40,7 +46,7 @@ def idempotent_scheduler(crawler: Crawler, component: str) -> IdempotentSchedule
     try:
         if crawler.engine is None:
             return None
-        scheduler = engine_hooks.engine_scheduler(crawler)
+        scheduler = scrapy_compat.engine_scheduler(crawler)
     except RuntimeError:  # Scrapy 2.19's Crawler.engine before the crawl built it
         return None
     if scheduler is None:
@@ -68,3 +74,15 @@ def frontier_store(crawler: Crawler, component: str) -> FrontierStore | None:
     """The crawl's store, for reads (see the module docstring)."""
     scheduler = idempotent_scheduler(crawler, component)
     return scheduler.store if scheduler is not None else None
+
+
+def deprecated_scheduler_attribute() -> Any:
+    """The ``scheduler`` attribute the components had before they used the tracker and the
+    store (a property that warns, then answers :func:`idempotent_scheduler`)."""
+    def scheduler(self: Any) -> IdempotentScheduler | None:
+        name = type(self).__name__
+        warnings.warn(f"{name}.scheduler is deprecated: use scrapy_idempotent.crawl's "
+                      "inflight_tracker(crawler, ...) or frontier_store(crawler, ...)",
+                      DeprecationWarning, stacklevel=2)
+        return idempotent_scheduler(self.crawler, name)
+    return property(scheduler)

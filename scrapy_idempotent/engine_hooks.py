@@ -1,50 +1,32 @@
-"""The Scrapy releases this package runs on, and every difference between them.
+"""The engine hooks: how the in-flight tracker learns what the engine does with a request.
 
-Exact request completion hooks private methods of Scrapy's engine (see
-:mod:`scrapy_idempotent.scheduler`), and a few public APIs the package uses are newer than the
-oldest supported release. Everything that differs between Scrapy releases lives here, one
-function per API, each naming the Scrapy release that changed it, detected by feature (does
-the method exist?) wherever that is possible and by version only where the difference is a
-behaviour, not a name.
+Scrapy has no public "the engine is done with this request" (scrapy/scrapy#7978 proposes a
+``Scheduler.finish_request``). The exact moment is the engine's private
+``_slot.remove_request(request)``, which fires once per handed-out request after its items
+went through the pipelines and its children were enqueued, whatever the outcome. Besides it,
+the tracker observes the downloader's output (a response, a failure, a retry or redirect),
+the spider's final output and errors (errback output bypasses every spider middleware), and
+each item's trip through the item pipelines.
 
-Supported: Scrapy 2.13 (the first with the asynchronous ``Spider.start()``) to 2.19, each
-minor release tested by the CI matrix. An older Scrapy, or one that lacks a hook, is refused
-at start with :class:`~.UnsupportedScrapy`; a newer one that still has every hook runs with
-one warning.
+:class:`EngineHooks` is the one place that installs and removes these hooks: it checks that
+every private method exists on the running Scrapy (:func:`check_engine`, refusing to run
+otherwise with :class:`~.UnsupportedScrapy`), shadows each with an instance attribute that
+reports to an :class:`EngineObserver` and then calls the engine's own method, and deletes
+those attributes again at close. :func:`close_spider_failed` closes a crawl that failed
+after it started (a store error) so that ``scrapy crawl`` exits non-zero;
+:func:`schedule_next_request` wakes an idle engine when the store says work appeared.
 
-Scrapy's issue scrapy/scrapy#7978 ("Support crash-tolerant crawls") proposes a public
-``Scheduler.finish_request``; until something like it exists the hooks stay private.
-
-The differences, by the release that changed them:
-
-* 2.13: ``Spider.start()``, ``Scraper.handle_spider_output_async`` (the oldest release);
-  components are passed ``spider`` (they accept it as an optional argument); every command
-  builds a crawler process (:func:`quiet_command`).
-* 2.14: ``Scraper.start_itemproc_async`` (:class:`EngineHooks`),
-  ``ExecutionEngine.close_spider_async`` (:func:`close_spider`), ``get_spider_loader``
-  (:func:`spider_loader`), ``SignalManager.send_catch_log_async`` (:func:`send_signal`).
-* 2.15: download errors wrapped in Scrapy's own (:func:`failure_name`); a failed start exits
-  non-zero (:func:`start_failure_exits_nonzero`); component dicts unified with their base
-  (:func:`component_priorities`, :func:`disable_component`).
-* 2.18: ``apply_uri_params`` (:func:`feed_uri`); callbacks run without the 0.1 s delay (a
-  behaviour, nothing to adapt: ``CloseSpider`` takes effect sooner).
-* 2.19: ``ExecutionEngine.scheduler`` (:func:`engine_scheduler`), ``Response.to_dict`` and
-  ``response_from_dict`` (:func:`response_to_dict`, :func:`response_from_dict`).
+The differences between Scrapy releases are in :mod:`scrapy_idempotent.scrapy_compat`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import re
-from collections.abc import Callable, Coroutine, Iterator
+import warnings
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
-import scrapy
-from scrapy.utils.misc import load_object
-
-from . import __version__
-from .exceptions import UnsupportedScrapy
+from . import scrapy_compat
+from .scrapy_compat import close_spider, refuse_release, warn_if_untested
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -52,104 +34,25 @@ if TYPE_CHECKING:
     from scrapy import Request
     from scrapy.crawler import Crawler
     from scrapy.http import Response
-    from scrapy.settings import BaseSettings
-    from twisted.internet.defer import Deferred
     from twisted.python.failure import Failure
 
 __all__ = [
-    "NEWEST_TESTED",
-    "OLDEST_SUPPORTED",
     "EngineHooks",
     "EngineObserver",
     "check_engine",
-    "check_scrapy",
-    "close_spider",
     "close_spider_failed",
-    "component_priorities",
-    "disable_component",
-    "engine_scheduler",
-    "failure_name",
-    "feed_uri",
-    "quiet_command",
-    "response_from_dict",
-    "response_to_dict",
-    "scrapy_version",
-    "send_signal",
-    "spider_loader",
-    "start_failure_exits_nonzero",
-    "supported_range",
+    "schedule_next_request",
 ]
 
-logger = logging.getLogger(__name__)
 
-#: The oldest supported Scrapy release: the first with the asynchronous ``Spider.start()``
-#: (and ``Scraper.handle_spider_output_async``, which the errback hook wraps).
-OLDEST_SUPPORTED = (2, 13)
-#: The newest Scrapy release the hooks are tested with.
-NEWEST_TESTED = (2, 19)
-
-_warned_untested = False
-
-
-def scrapy_version(version: str | None = None) -> tuple[int, int]:
-    """``(major, minor)`` of ``version`` (default: the running Scrapy's ``__version__``);
-    ``(0, 0)`` when it cannot be read."""
-    match = re.match(r"(\d+)\.(\d+)", version if version is not None else scrapy.__version__)
-    return (int(match[1]), int(match[2])) if match else (0, 0)
-
-
-def supported_range() -> str:
-    """``"2.13 to 2.19"``: the releases the hooks are tested with."""
-    return "{}.{} to {}.{}".format(*OLDEST_SUPPORTED, *NEWEST_TESTED)
-
-
-def _refuse(lacks: str) -> UnsupportedScrapy:
-    """The error refusing this Scrapy, logged first as one CRITICAL line (as a bad setting
-    is), so the reason is the first thing ``scrapy crawl`` says."""
-    error = UnsupportedScrapy(
-        f"scrapy_idempotent {__version__} supports Scrapy {supported_range()}; the installed "
-        f"Scrapy {scrapy.__version__} lacks {lacks}. Install a supported release "
-        f"(pip install 'scrapy>={OLDEST_SUPPORTED[0]}.{OLDEST_SUPPORTED[1]}') or remove "
-        "scrapy_idempotent from the settings"
-    )
-    logger.critical("%s; the crawl was not started", error)
-    return error
-
-
-def check_scrapy() -> None:
-    """Refuse a Scrapy without what the package is built on, warn once about an untested one.
-
-    Called when the add-on configures a crawl and again when the scheduler opens (manual
-    wiring), before anything is fetched. Raises :class:`~.UnsupportedScrapy` naming what is
-    missing; logs one warning for a release newer than :data:`NEWEST_TESTED` (or older than
-    :data:`OLDEST_SUPPORTED`) that has every hook."""
-    from scrapy import Spider
-    from scrapy.settings import BaseSettings
-
-    missing = []
-    if not callable(getattr(Spider, "start", None)):  # Scrapy 2.13: async Spider.start()
-        missing.append("the asynchronous Spider.start() (Scrapy 2.13)")
-    if not callable(getattr(BaseSettings, "set_in_component_priority_dict", None)):
-        missing.append("BaseSettings.set_in_component_priority_dict() (Scrapy 2.13)")
-    if missing:
-        raise _refuse(" and ".join(missing))
-    _warn_if_untested()
-
-
-def _warn_if_untested() -> None:
-    global _warned_untested
-    version = scrapy_version()
-    if OLDEST_SUPPORTED <= version <= NEWEST_TESTED or _warned_untested:
-        return
-    _warned_untested = True
-    logger.warning(
-        "scrapy_idempotent %s is tested with Scrapy %s, not %s: the engine hooks it needs "
-        "are present, but check that interrupted crawls resume correctly",
-        __version__, supported_range(), scrapy.__version__,
-    )
-
-
-# -- the completion hooks -------------------------------------------------------------------
+def __getattr__(name: str) -> Any:
+    # the differences between Scrapy releases lived here before scrapy_compat
+    if name in scrapy_compat.__all__:
+        warnings.warn(f"scrapy_idempotent.engine_hooks.{name} is deprecated: use "
+                      f"scrapy_idempotent.scrapy_compat.{name}", DeprecationWarning,
+                      stacklevel=2)
+        return getattr(scrapy_compat, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class EngineObserver(Protocol):
@@ -208,8 +111,9 @@ def check_engine(engine: Any) -> None:
     missing = [f"{label}.{name}()" for obj, label, name in _hooked_methods(engine)
                if not callable(getattr(obj, name, None))]
     if missing:
-        raise _refuse(f"the engine internals that exact completion hooks ({', '.join(missing)})")
-    _warn_if_untested()
+        raise refuse_release(
+            f"the engine internals that exact completion hooks ({', '.join(missing)})")
+    warn_if_untested()
 
 
 class EngineHooks:
@@ -301,19 +205,6 @@ def _async_itemproc(scraper: Any) -> Callable[..., Coroutine[Any, Any, None]]:
     return start_itemproc_async
 
 
-def engine_scheduler(crawler: Crawler) -> Any:
-    """The crawl's scheduler, or None before the engine has opened the spider:
-    ``crawler.engine.scheduler`` (public in Scrapy 2.19), before that the engine slot's."""
-    engine = crawler.engine
-    if engine is None:
-        return None
-    try:
-        return engine.scheduler
-    except AttributeError:  # Scrapy < 2.19
-        slot = getattr(engine, "_slot", None)
-        return getattr(slot, "scheduler", None)
-
-
 def schedule_next_request(crawler: Crawler) -> None:
     """Make the engine ask the scheduler for requests at the next turn of the reactor
     instead of at its next heartbeat (``_SLOT_HEARTBEAT_INTERVAL``, 5 s): the engine slot's
@@ -323,21 +214,6 @@ def schedule_next_request(crawler: Crawler) -> None:
     nextcall = getattr(slot, "nextcall", None)
     if nextcall is not None:
         nextcall.schedule()
-
-
-def close_spider(crawler: Crawler, reason: str) -> Deferred[None] | None:
-    """Ask the engine to close the spider with ``reason``; None when no spider is open.
-    ``ExecutionEngine.close_spider_async(reason=...)`` (Scrapy 2.14), before that
-    ``close_spider(spider, reason)``."""
-    from scrapy.utils.defer import deferred_from_coro
-
-    engine = crawler.engine
-    if engine is None or engine.spider is None:
-        return None
-    if callable(getattr(engine, "close_spider_async", None)):
-        return deferred_from_coro(engine.close_spider_async(reason=reason))
-    closing: Deferred[None] = engine.close_spider(engine.spider, reason)  # Scrapy < 2.14
-    return closing
 
 
 def close_spider_failed(crawler: Crawler, reason: str) -> None:
@@ -354,197 +230,3 @@ def close_spider_failed(crawler: Crawler, reason: str) -> None:
 
     crawler.signals.connect(forget_spider, signal=signals.engine_stopped, weak=False)
     close_spider(crawler, reason)
-
-
-def spider_loader(settings: BaseSettings) -> Any:
-    """The project's spider loader: ``scrapy.spiderloader.get_spider_loader`` (Scrapy 2.14),
-    before that the ``SPIDER_LOADER_CLASS`` built from the settings as ``CrawlerRunner``
-    does."""
-    from scrapy import spiderloader
-
-    get_loader = getattr(spiderloader, "get_spider_loader", None)
-    if get_loader is not None:
-        return get_loader(settings)
-    return load_object(settings["SPIDER_LOADER_CLASS"]).from_settings(settings.frozencopy())
-
-
-def quiet_command(settings: BaseSettings) -> None:
-    """For a command that only reads the database (from its ``process_options``):
-    ``requires_crawler_process = False`` (Scrapy 2.14) spares it Scrapy's crawler process;
-    Scrapy 2.13 builds one for every command, which logs Scrapy's start and versions at INFO
-    on stderr, so there the log level is WARNING unless the command line sets one."""
-    from scrapy.commands import ScrapyCommand
-    from scrapy.settings import SETTINGS_PRIORITIES
-
-    if "requires_crawler_process" in vars(ScrapyCommand):
-        return
-    if (settings.getpriority("LOG_LEVEL") or 0) < SETTINGS_PRIORITIES["cmdline"]:
-        settings.set("LOG_LEVEL", "WARNING", priority="cmdline")
-
-
-def component_priorities(settings: BaseSettings, name: str) -> Any:
-    """A component priority dict setting merged with its ``_BASE`` (``{component: priority}``,
-    ``None`` for a component turned off): ``get_component_priority_dict_with_base`` (Scrapy
-    2.15, which also unifies keys given as classes and as import paths), before that
-    ``getwithbase``."""
-    merged = getattr(settings, "get_component_priority_dict_with_base", None)
-    if merged is not None:
-        return merged(name)
-    return settings.getwithbase(name)
-
-
-def disable_component(settings: BaseSettings, name: str, cls: type) -> None:
-    """Turn ``cls`` off in the component priority dict setting ``name`` (``EXTENSIONS``,
-    ...), including where it is enabled by the ``_BASE`` setting. Scrapy 2.15 unifies keys
-    given as classes and as import paths; before that a class key leaves the import path of
-    ``<name>_BASE`` enabled, so the import path is turned off instead."""
-    if callable(getattr(settings, "get_component_priority_dict_with_base", None)):
-        settings.set_in_component_priority_dict(name, cls, None)
-        return
-    components = settings.getdict(name)
-    components[f"{cls.__module__}.{cls.__qualname__}"] = None
-    settings.set(name, components, settings.getpriority(name) or 0)
-
-
-def response_to_dict(response: Response) -> dict[str, Any]:
-    """The data of ``response`` as ``Response.to_dict()`` (Scrapy 2.19) returns it: every
-    attribute in ``Response.attributes`` except ``request`` and ``certificate``, headers as a
-    dict, and ``_class`` for a subclass. The same dict on every release, so a journal written
-    under one release is read under another."""
-    to_dict = getattr(response, "to_dict", None)
-    if to_dict is not None:
-        data: dict[str, Any] = to_dict()
-        return data
-    return _response_to_dict(response)
-
-
-def _response_to_dict(response: Response) -> dict[str, Any]:
-    # Scrapy < 2.19 (tested against 2.19's own method on every release)
-    data: dict[str, Any] = {"headers": dict(response.headers)}
-    for name in response.attributes:
-        if name not in ("request", "certificate"):
-            data.setdefault(name, getattr(response, name))
-    if type(response) is not scrapy.http.Response:
-        data["_class"] = f"{type(response).__module__}.{type(response).__name__}"
-    return data
-
-
-def response_from_dict(data: dict[str, Any]) -> Response:
-    """Inverse of :func:`response_to_dict`: ``scrapy.utils.response.response_from_dict``
-    (Scrapy 2.19), before that the class named by ``_class`` (or guessed from the headers,
-    URL and body by ``responsetypes``) built from the other keys."""
-    from scrapy.utils import response as response_utils
-
-    from_dict = getattr(response_utils, "response_from_dict", None)
-    if from_dict is not None:
-        response: Response = from_dict(data)
-        return response
-    return _response_from_dict(data)
-
-
-def _response_from_dict(data: dict[str, Any]) -> Response:
-    # Scrapy < 2.19
-    from scrapy.http import Headers
-    from scrapy.responsetypes import responsetypes
-
-    kwargs = {key: value for key, value in data.items() if key != "_class"}
-    kwargs["headers"] = Headers(kwargs.get("headers") or {})
-    if "_class" in data:
-        cls = load_object(data["_class"])
-    else:
-        cls = responsetypes.from_args(headers=kwargs["headers"], url=kwargs["url"],
-                                      body=kwargs.get("body"))
-    built: Response = cls(**kwargs)
-    return built
-
-
-#: Scrapy 2.15 wraps the Twisted exceptions of its download handlers into its own
-#: (``scrapy.utils._download_handlers.wrap_twisted_exceptions``); before that the Twisted
-#: ones reach the engine. Failure kinds use the 2.15 names on every release, so
-#: ``scrapy idempotent retry --kind download_error/DownloadTimeoutError`` means the same
-#: whichever Scrapy crawled. (module, class) of the Twisted exception -> Scrapy's name.
-_DOWNLOAD_ERROR_NAMES = {
-    ("twisted.web.error", "SchemeNotSupported"): "UnsupportedURLSchemeError",
-    ("twisted.internet.defer", "CancelledError"): "DownloadCancelledError",
-    ("twisted.internet.error", "ConnectionRefusedError"): "DownloadConnectionRefusedError",
-    ("twisted.internet.error", "DNSLookupError"): "CannotResolveHostError",
-    ("twisted.web._newclient", "ResponseFailed"): "DownloadFailedError",
-    ("twisted.internet.error", "TimeoutError"): "DownloadTimeoutError",
-    ("twisted.internet.defer", "TimeoutError"): "DownloadTimeoutError",
-}
-
-
-def failure_name(exc: object) -> str:
-    """The name a download failure is recorded under (``download_error/<name>``): the class
-    name, with the Twisted exceptions that Scrapy 2.15 and later wrap named as Scrapy names
-    them (a subclass by its nearest mapped base, as ``isinstance`` matches there)."""
-    for cls in type(exc).__mro__:
-        name = _DOWNLOAD_ERROR_NAMES.get((cls.__module__, cls.__name__))
-        if name is not None:
-            return name
-    return type(exc).__name__
-
-
-#: Scrapy 2.15 counts a crawl whose start failed after its spider was built (an add-on, a
-#: component or the scheduler's ``open`` raised) as a failed bootstrap, so ``scrapy crawl``
-#: exits 1; Scrapy 2.13 and 2.14 only count a crawl that never built its spider, and exit 0.
-_START_FAILURE_EXITS_ZERO = scrapy_version() < (2, 15)
-
-
-@contextlib.contextmanager
-def start_failure_exits_nonzero(crawler: Crawler) -> Iterator[None]:
-    """Around a step of a crawl's start that may refuse it (a setting, the database, the
-    Scrapy release): when the step raises, ``scrapy crawl`` exits non-zero on every release.
-
-    Nothing to do on Scrapy 2.15 and later. On 2.13 and 2.14 ``CrawlerRunner`` decides on
-    the crawler's ``spider`` attribute once the failed crawl has unwound, so it is cleared
-    then: when the engine has reported the spider closed (after the ``spider_closed``
-    handlers connected before this one), or at once when the engine has no slot to close
-    (it was not built, or the scheduler could not be)."""
-    try:
-        yield
-    except Exception:
-        if _START_FAILURE_EXITS_ZERO:
-            _forget_spider_after_close(crawler)
-        raise
-
-
-def _forget_spider_after_close(crawler: Crawler) -> None:
-    from scrapy import signals
-
-    def forget_spider() -> None:
-        crawler.spider = None
-
-    if getattr(crawler.engine, "_slot", None) is None:
-        forget_spider()
-    else:
-        crawler.signals.connect(forget_spider, signals.spider_closed, weak=False)
-
-
-# -- feeds and signals ----------------------------------------------------------------------
-
-
-async def send_signal(crawler: Crawler, signal: object, **kwargs: Any) -> None:
-    """Send ``signal`` and wait for its asynchronous handlers:
-    ``SignalManager.send_catch_log_async`` (Scrapy 2.14), before that the Deferred of
-    ``send_catch_log_deferred``."""
-    manager = crawler.signals
-    if callable(getattr(manager, "send_catch_log_async", None)):
-        await manager.send_catch_log_async(signal, **kwargs)
-        return
-    from scrapy.utils.defer import maybe_deferred_to_future
-
-    await maybe_deferred_to_future(manager.send_catch_log_deferred(signal, **kwargs))
-
-
-def feed_uri(uri_template: str, params: dict[str, Any]) -> str:
-    """A feed URI from its template: ``apply_uri_params`` (Scrapy 2.18, which leaves percent
-    signs outside ``%(name)s`` placeholders alone), before that ``uri_template % params``
-    as Scrapy itself did."""
-    from scrapy.extensions import feedexport
-
-    apply = getattr(feedexport, "apply_uri_params", None)
-    if apply is not None:
-        uri: str = apply(uri_template, params)
-        return uri
-    return uri_template % params

@@ -57,7 +57,7 @@ from scrapy.utils.defer import maybe_deferred_to_future
 from scrapy.utils.misc import load_object
 from twisted.internet.defer import Deferred
 
-from . import engine_hooks
+from . import scrapy_compat
 from .codec import loads
 from .workers import worker_is_dead
 
@@ -99,7 +99,7 @@ class IdempotentFeedExporter(FeedExporter):
         from .scheduler import is_idempotent_scheduler
 
         self._spider = spider
-        scheduler = engine_hooks.engine_scheduler(self.crawler)
+        scheduler = scrapy_compat.engine_scheduler(self.crawler)
         if scheduler is None or not is_idempotent_scheduler(scheduler):
             # No run to read the records from: Scrapy's own behaviour, item by item.
             self.crawler.signals.connect(self.item_scraped, signals.item_scraped)
@@ -114,7 +114,7 @@ class IdempotentFeedExporter(FeedExporter):
         if not self._from_run:
             await super().close_spider(spider)
             return
-        await engine_hooks.send_signal(self.crawler, signals.feed_exporter_closed)
+        await scrapy_compat.send_signal(self.crawler, signals.feed_exporter_closed)
 
     # -- writing the run's feeds -------------------------------------------------------------
 
@@ -184,7 +184,7 @@ class IdempotentFeedExporter(FeedExporter):
         spider = self._spider
         assert spider is not None
         params = self._run_uri_params(spider, options["uri_params"], run_start, batch_id)
-        uri = engine_hooks.feed_uri(uri_template, params)
+        uri = scrapy_compat.feed_uri(uri_template, params)
         storage = self._get_storage(uri, options)
         target = partial = None
         append = False
@@ -250,7 +250,7 @@ class IdempotentFeedExporter(FeedExporter):
         else:
             logger.info("Stored %s", what, extra={"spider": spider})
             self.crawler.stats.inc_value(f"feedexport/success_count/{storage_name}")
-        await engine_hooks.send_signal(self.crawler, signals.feed_slot_closed, slot=slot)
+        await scrapy_compat.send_signal(self.crawler, signals.feed_slot_closed, slot=slot)
 
     def _item(self, row: dict[str, object]) -> Any:
         """The item a record was stored from, as far as it can be rebuilt: an instance of its

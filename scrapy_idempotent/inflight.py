@@ -46,10 +46,10 @@ from twisted.python.failure import Failure
 
 from ._order import QueueOrder, queue_position
 from .codec import describe
-from .engine_hooks import failure_name
 from .exceptions import MissingNaturalKey, UnstorableRequest
 from .keys import RequestFingerprints
 from .records import RecordIdentity, item_type_name
+from .scrapy_compat import failure_name
 from .store.base import (
     Completion,
     LeasedRequest,

@@ -24,8 +24,8 @@ from scrapy.exceptions import NotConfigured
 
 from .codec import describe, dumps, loads
 from .config import config_for
-from .crawl import frontier_store, inflight_tracker
-from .engine_hooks import response_from_dict, response_to_dict, start_failure_exits_nonzero
+from .crawl import deprecated_scheduler_attribute, frontier_store, inflight_tracker
+from .scrapy_compat import response_from_dict, response_to_dict, start_failure_exits_nonzero
 
 if TYPE_CHECKING:
     from scrapy import Request, Spider
@@ -66,6 +66,8 @@ def decode_response(data: str, body: bytes) -> Response:
 class ResponseJournalMiddleware:
     """Downloader middleware: journal raw responses of leased requests, replay them."""
 
+    scheduler = deprecated_scheduler_attribute()
+
     def __init__(self, crawler: Crawler) -> None:
         self.crawler = crawler
         self._tracker: InflightTracker | None = None
@@ -93,7 +95,7 @@ class ResponseJournalMiddleware:
             self._store = frontier_store(self.crawler, type(self).__name__)
         return self._store
 
-    # ``spider``: Scrapy 2.13 passes it; later releases do not (see :mod:`.engine_hooks`).
+    # ``spider``: Scrapy 2.13 passes it; later releases do not (see :mod:`.scrapy_compat`).
     def process_request(self, request: Request, spider: Spider | None = None) -> Response | None:
         tracker = self.tracker
         entry = tracker.for_request(request) if tracker is not None else None

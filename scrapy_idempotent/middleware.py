@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 from scrapy import Request, signals
 from scrapy.utils.misc import load_object
 
-from . import engine_hooks
+from . import scrapy_compat
 from ._dupes import DuplicateFilter
 from .config import config_for
-from .crawl import inflight_tracker
+from .crawl import deprecated_scheduler_attribute, inflight_tracker
 from .exceptions import ConfigError
 
 if TYPE_CHECKING:
@@ -41,6 +41,8 @@ __all__ = ["RecordIdMiddleware"]
 class RecordIdMiddleware:
     """Spider middleware: record IDs on items, and output attributed to its request."""
 
+    scheduler = deprecated_scheduler_attribute()
+
     def __init__(self, crawler: Crawler) -> None:
         self.crawler = crawler
         self._tracker: InflightTracker | None = None
@@ -51,7 +53,7 @@ class RecordIdMiddleware:
         # Spider middlewares are built with the engine, before the spider opens: checking the
         # settings here stops a misconfigured crawl before anything starts (the scheduler
         # reads them again when it is built, at spider open).
-        with engine_hooks.start_failure_exits_nonzero(crawler):
+        with scrapy_compat.start_failure_exits_nonzero(crawler):
             if crawler.spider is not None:
                 config_for(crawler)
             DuplicateFilter.check(crawler.settings)  # DUPEFILTER_CLASS
@@ -90,7 +92,7 @@ class RecordIdMiddleware:
                     tracker.track(output, None, None)
             yield output
 
-    # ``spider``: Scrapy 2.13 passes it; later releases do not (see :mod:`.engine_hooks`).
+    # ``spider``: Scrapy 2.13 passes it; later releases do not (see :mod:`.scrapy_compat`).
     async def process_spider_output(
         self, response: Response, result: AsyncIterator[Any], spider: Spider | None = None
     ) -> AsyncIterator[Any]:

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 from itemadapter import is_item
 from scrapy.exceptions import DropItem
 
-from . import engine_hooks
+from . import scrapy_compat
 from .codec import EncodeError, dumps
-from .crawl import inflight_tracker
+from .crawl import deprecated_scheduler_attribute, inflight_tracker
 from .records import item_type_name
 from .store.base import Reject
 
@@ -41,6 +41,8 @@ class UpsertPipeline:
     dropped with a :class:`~scrapy.exceptions.DropItem` naming the item type and field.
     """
 
+    scheduler = deprecated_scheduler_attribute()
+
     def __init__(self, crawler: Crawler) -> None:
         self.crawler = crawler
         self.tracker: InflightTracker | None = None
@@ -50,9 +52,9 @@ class UpsertPipeline:
     def from_crawler(cls, crawler: Crawler) -> Self:
         return cls(crawler)
 
-    # ``spider``: Scrapy 2.13 passes it; later releases do not (see :mod:`.engine_hooks`).
+    # ``spider``: Scrapy 2.13 passes it; later releases do not (see :mod:`.scrapy_compat`).
     def open_spider(self, spider: Spider | None = None) -> None:
-        with engine_hooks.start_failure_exits_nonzero(self.crawler):
+        with scrapy_compat.start_failure_exits_nonzero(self.crawler):
             self.tracker = inflight_tracker(self.crawler, type(self).__name__)
 
     def process_item(self, item: Any, spider: Spider | None = None) -> Any:

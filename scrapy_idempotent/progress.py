@@ -23,9 +23,9 @@ from scrapy import signals
 from scrapy.exceptions import NotConfigured
 from twisted.internet import task
 
-from . import engine_hooks
+from . import scrapy_compat
 from .config import _number
-from .crawl import frontier_store
+from .crawl import deprecated_scheduler_attribute, frontier_store
 
 if TYPE_CHECKING:
     from scrapy import Spider
@@ -51,6 +51,8 @@ class IdempotentLogStats:
     raises into the crawl: a frontier that cannot be read skips one line (logged at DEBUG).
     """
 
+    scheduler = deprecated_scheduler_attribute()
+
     def __init__(self, crawler: Crawler, interval_seconds: float) -> None:
         self.crawler = crawler
         self.interval_seconds = interval_seconds
@@ -62,7 +64,7 @@ class IdempotentLogStats:
     def from_crawler(cls, crawler: Crawler) -> Self:
         """Raises :class:`~scrapy.exceptions.NotConfigured` when the interval is 0, and
         :class:`~.ConfigError` when it is not a number >= 0."""
-        with engine_hooks.start_failure_exits_nonzero(crawler):
+        with scrapy_compat.start_failure_exits_nonzero(crawler):
             interval = _number(crawler.settings, "IDEMPOTENT_LOG_INTERVAL_SECONDS",
                                minimum=0.0)
         if not interval:
@@ -75,7 +77,7 @@ class IdempotentLogStats:
     def spider_opened(self, spider: Spider) -> None:
         from .scheduler import is_idempotent_scheduler
 
-        scheduler = engine_hooks.engine_scheduler(self.crawler)
+        scheduler = scrapy_compat.engine_scheduler(self.crawler)
         if not is_idempotent_scheduler(scheduler):
             logger.debug("scrapy_idempotent: no progress line, the scheduler is %r", scheduler)
             return

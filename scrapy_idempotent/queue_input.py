@@ -50,7 +50,7 @@ from scrapy import signals as scrapy_signals
 from scrapy.exceptions import DontCloseSpider, NotConfigured
 from twisted.internet import task
 
-from . import engine_hooks, signals
+from . import scrapy_compat, signals
 from .config import SETTINGS, _number
 from .exceptions import ConfigError
 from .workers import declare_live, forget_live, new_worker_id, worker_is_dead
@@ -220,7 +220,7 @@ class QueueInput:
 
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> Self:
-        with engine_hooks.start_failure_exits_nonzero(crawler):
+        with scrapy_compat.start_failure_exits_nonzero(crawler):
             config = QueueConfig.from_crawler(crawler)
             if config is None:
                 raise NotConfigured("IDEMPOTENT_QUEUE_URL is not set")
@@ -247,7 +247,7 @@ class QueueInput:
     def spider_opened(self, spider: Spider) -> None:
         from .scheduler import is_idempotent_scheduler
 
-        scheduler = engine_hooks.engine_scheduler(self.crawler)
+        scheduler = scrapy_compat.engine_scheduler(self.crawler)
         if not is_idempotent_scheduler(scheduler):
             raise ConfigError("IDEMPOTENT_QUEUE_URL", self.config.url,
                               "a queue input needs scrapy_idempotent's scheduler (the add-on "

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from scrapy.core.scheduler import BaseScheduler
 from twisted.internet import task
 
-from . import __version__, engine_hooks, signals, workers
+from . import __version__, engine_hooks, scrapy_compat, signals, workers
 from ._dupes import DuplicateFilter
 from ._order import QueueOrder
 from .codec import RequestCodec, describe
@@ -183,7 +183,7 @@ class IdempotentScheduler(BaseScheduler):
         """Read and validate the ``IDEMPOTENT_*`` settings (a bad one raises
         :class:`~.ConfigError` here, before the first request)."""
         assert crawler.spider is not None
-        with engine_hooks.start_failure_exits_nonzero(crawler):
+        with scrapy_compat.start_failure_exits_nonzero(crawler):
             return cls(crawler, config_for(crawler))
 
     @property
@@ -212,7 +212,7 @@ class IdempotentScheduler(BaseScheduler):
         workers, and hook into the engine. Raises :class:`~.StoreError` or
         :class:`~.UnsupportedScrapy` before anything is fetched (and ``scrapy crawl`` then
         exits non-zero)."""
-        with engine_hooks.start_failure_exits_nonzero(self.crawler):
+        with scrapy_compat.start_failure_exits_nonzero(self.crawler):
             self._open(spider)
 
     def _open(self, spider: Spider) -> None:

@@ -21,7 +21,7 @@ from scrapy.utils.defer import deferred_f_from_coro_f
 from scrapy.utils.test import get_crawler
 
 from crawling import crawl_settings, crawl_to_end, db_rows
-from scrapy_idempotent import engine_hooks
+from scrapy_idempotent import scrapy_compat
 
 
 @pytest.fixture
@@ -151,7 +151,7 @@ class OrderSpider(SiteSpider):
             if how == "yield":
                 yield self.request(number, priority)
             else:
-                scheduler = engine_hooks.engine_scheduler(self.crawler)
+                scheduler = scrapy_compat.engine_scheduler(self.crawler)
                 scheduler.enqueue_request(self.request(number, priority))
 
     def parse(self, response: Any) -> Any:
@@ -565,7 +565,7 @@ async def test_middleware_and_pipeline_with_an_engine_but_no_scheduler_raise(
     crawler = get_crawler(OneItemSpider, settings(db_path))
     crawler.spider = crawler._create_spider(url="http://example.com")
     crawler.engine = crawler._create_engine()
-    assert engine_hooks.engine_scheduler(crawler) is None
+    assert scrapy_compat.engine_scheduler(crawler) is None
     manager = SpiderMiddlewareManager.from_crawler(crawler)
     request = scrapy.Request("http://example.com/ok/one")
     response = HtmlResponse(request.url, body=b"<html></html>", request=request)

@@ -43,3 +43,14 @@ def test_the_schedulers_former_tracking_methods_warn_and_delegate(harness: Harne
     assert [w.category for w in caught] == [DeprecationWarning]
     assert "for_request" in str(caught[0].message)
     finish(scheduler, request)
+
+
+def test_the_components_former_scheduler_attribute_warns(harness: Harness) -> None:
+    from scrapy_idempotent import RecordIdMiddleware, UpsertPipeline
+
+    scheduler = harness.scheduler()
+    for component in (RecordIdMiddleware(scheduler.crawler), UpsertPipeline(scheduler.crawler)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert component.scheduler is scheduler
+        assert [w.category for w in caught] == [DeprecationWarning]

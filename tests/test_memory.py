@@ -21,7 +21,7 @@ from scrapy.utils.test import get_crawler
 from test_fidelity import ONE_AT_A_TIME, Observed, SiteSpider, crawl, path_of, records, settings
 
 from crawling import crawl_to_end, db_rows
-from scrapy_idempotent import engine_hooks
+from scrapy_idempotent import scrapy_compat
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ async def test_a_lost_lease_drops_its_memory_requests_and_a_new_lease_fetches_th
         with closing(sqlite3.connect(db_path)) as conn, conn:
             conn.execute("UPDATE requests SET state = 'pending', worker = NULL,"
                          " leased_until = NULL WHERE url = ?", (site.url + "/ok/owner",))
-        engine_hooks.engine_scheduler(crawler)._renew()
+        scrapy_compat.engine_scheduler(crawler)._renew()
 
     def on_sent(request: Any, spider: Any) -> None:
         events.append(f"sent {path_of(request.url)}")

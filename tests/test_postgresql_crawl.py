@@ -107,7 +107,7 @@ async def test_a_second_worker_waits_for_the_first_and_wakes_when_work_appears(
     from scrapy.utils.test import get_crawler
 
     from crawling import crawl_to_end
-    from scrapy_idempotent import engine_hooks
+    from scrapy_idempotent import scrapy_compat
     from shop import site as shop_site
 
     gate = threading.Event()
@@ -128,7 +128,7 @@ async def test_a_second_worker_waits_for_the_first_and_wakes_when_work_appears(
 
     def idle() -> bool:  # the second worker asked the store for work and found none
         try:
-            scheduler = engine_hooks.engine_scheduler(second)
+            scheduler = scrapy_compat.engine_scheduler(second)
         except RuntimeError:  # Crawler.engine before the crawl starts (Scrapy 2.19)
             return False
         return scheduler is not None and not scheduler.claimed.maybe_claimable

@@ -1,4 +1,4 @@
-"""The Scrapy releases the package runs on (:mod:`scrapy_idempotent.engine_hooks`).
+"""The Scrapy releases the package runs on (:mod:`scrapy_idempotent.scrapy_compat`).
 
 Every supported release is tested whole by the matrix (``.ci/matrix.py``); these tests check,
 on whichever release runs them, what a release outside the range gets and that the
@@ -23,7 +23,7 @@ from twisted.web import _newclient
 from twisted.web import error as web_error
 
 from crawling import crawl_settings, db_rows, run_crawl
-from scrapy_idempotent import Addon, UnsupportedScrapy, engine_hooks
+from scrapy_idempotent import Addon, UnsupportedScrapy, scrapy_compat
 from shop.site import ShopSite
 from shop.spiders.shop import ShopSpider
 
@@ -38,14 +38,14 @@ def small_shop() -> ShopSite:
 
 def test_the_supported_range_is_the_one_setup_cfg_states() -> None:
     setup_cfg = (Path(__file__).resolve().parent.parent / "setup.cfg").read_text()
-    floor = "{}.{}".format(*engine_hooks.OLDEST_SUPPORTED)
+    floor = "{}.{}".format(*scrapy_compat.OLDEST_SUPPORTED)
     assert f"scrapy>={floor}\n" in setup_cfg
-    assert engine_hooks.supported_range() == "2.13 to 2.19"
-    assert engine_hooks.scrapy_version("2.19.0") == (2, 19)
-    assert engine_hooks.scrapy_version("2.20.0rc1") == (2, 20)
-    assert engine_hooks.scrapy_version("garbage") == (0, 0)
-    assert engine_hooks.OLDEST_SUPPORTED <= engine_hooks.scrapy_version() \
-        <= engine_hooks.NEWEST_TESTED  # the matrix runs only supported releases
+    assert scrapy_compat.supported_range() == "2.13 to 2.19"
+    assert scrapy_compat.scrapy_version("2.19.0") == (2, 19)
+    assert scrapy_compat.scrapy_version("2.20.0rc1") == (2, 20)
+    assert scrapy_compat.scrapy_version("garbage") == (0, 0)
+    assert scrapy_compat.OLDEST_SUPPORTED <= scrapy_compat.scrapy_version() \
+        <= scrapy_compat.NEWEST_TESTED  # the matrix runs only supported releases
 
 
 def test_a_scrapy_without_async_start_is_refused_by_the_add_on(
@@ -88,14 +88,14 @@ async def test_a_newer_release_with_every_hook_runs_with_one_warning(
     caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(scrapy, "__version__", "2.99.0")
-    monkeypatch.setattr(engine_hooks, "_warned_untested", False)
+    monkeypatch.setattr(scrapy_compat, "_warned_untested", False)
     with caplog.at_level(logging.WARNING, logger="scrapy_idempotent"):
         crawler = await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS),
                                   url=small_shop.url)
     assert crawler.stats.get_value("finish_reason") == "finished"
     assert db_rows(db_path, "SELECT count(*) FROM records") == [(3,)]
     warnings = [r.getMessage() for r in caplog.records
-                if r.name == "scrapy_idempotent.engine_hooks"]
+                if r.name == "scrapy_idempotent.scrapy_compat"]
     # checked by the add-on and again by the scheduler, said once
     assert warnings == [
         "scrapy_idempotent 0.1.0 is tested with Scrapy 2.13 to 2.19, not 2.99.0: the engine "
@@ -105,9 +105,9 @@ async def test_a_newer_release_with_every_hook_runs_with_one_warning(
 def test_a_supported_release_runs_without_a_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(engine_hooks, "_warned_untested", False)
+    monkeypatch.setattr(scrapy_compat, "_warned_untested", False)
     with caplog.at_level(logging.WARNING, logger="scrapy_idempotent"):
-        engine_hooks.check_scrapy()
+        scrapy_compat.check_scrapy()
     assert caplog.records == []
 
 
@@ -127,7 +127,7 @@ def test_a_supported_release_runs_without_a_warning(
 def test_download_failures_are_named_as_scrapy_2_15_names_them(
     exc: BaseException, name: str
 ) -> None:
-    assert engine_hooks.failure_name(exc) == name
+    assert scrapy_compat.failure_name(exc) == name
 
 
 def test_scrapys_own_download_errors_keep_their_names() -> None:
@@ -137,7 +137,7 @@ def test_scrapys_own_download_errors_keep_their_names() -> None:
         cls = getattr(exceptions, cls_name, None)
         if cls is None:  # Scrapy < 2.15: the Twisted ones reach the engine (tested above)
             continue
-        assert engine_hooks.failure_name(cls("x")) == cls_name
+        assert scrapy_compat.failure_name(cls("x")) == cls_name
 
 
 RESPONSES = [
@@ -152,17 +152,17 @@ RESPONSES = [
 
 @pytest.mark.parametrize("response", RESPONSES, ids=lambda r: type(r).__name__)
 def test_the_response_backport_is_scrapys_to_dict(response: Response) -> None:
-    data = engine_hooks._response_to_dict(response)
+    data = scrapy_compat._response_to_dict(response)
     if hasattr(response, "to_dict"):  # Scrapy 2.19: the backport says the same
         assert data == response.to_dict()
-    for built in (engine_hooks._response_from_dict(dict(data)),
-                  engine_hooks.response_from_dict(dict(data))):
+    for built in (scrapy_compat._response_from_dict(dict(data)),
+                  scrapy_compat.response_from_dict(dict(data))):
         assert type(built) is type(response)
-        assert engine_hooks._response_to_dict(built) == data
+        assert scrapy_compat._response_to_dict(built) == data
         assert built.body == response.body
         assert built.headers == response.headers
     without_class = {k: v for k, v in data.items() if k != "_class"}
-    guessed = engine_hooks._response_from_dict(without_class)  # as responsetypes guesses
+    guessed = scrapy_compat._response_from_dict(without_class)  # as responsetypes guesses
     assert guessed.url == response.url and guessed.body == response.body
 
 

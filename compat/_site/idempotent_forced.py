@@ -68,7 +68,7 @@ def _class_name(obj: object) -> str:
 
 
 def _scheduler_of(crawler: Any) -> object:
-    from scrapy_idempotent.engine_hooks import engine_scheduler  # every supported release
+    from scrapy_idempotent.scrapy_compat import engine_scheduler  # every supported release
 
     return engine_scheduler(crawler)
 
