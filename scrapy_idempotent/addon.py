@@ -154,13 +154,13 @@ def _replace_media_pipelines(settings: BaseSettings) -> None:
 
     ours: dict[type, type] = {FilesPipeline: IdempotentFilesPipeline,
                               ImagesPipeline: IdempotentImagesPipeline}
-    for name, value in engine_hooks.component_priorities(settings, "ITEM_PIPELINES").items():
+    for name, value in scrapy_compat.component_priorities(settings, "ITEM_PIPELINES").items():
         try:
             cls = load_object(name) if isinstance(name, str) else name
         except (ImportError, NameError, ValueError, AttributeError):
             continue
         if cls in ours and value is not None:
-            engine_hooks.disable_component(settings, "ITEM_PIPELINES", cls)
+            scrapy_compat.disable_component(settings, "ITEM_PIPELINES", cls)
             settings.set_in_component_priority_dict("ITEM_PIPELINES", ours[cls], value)
 
 

@@ -1,9 +1,11 @@
 """The engine hooks: how the in-flight tracker learns what the engine does with a request.
 
-Scrapy has no public "the engine is done with this request" (scrapy/scrapy#7978 proposes a
-``Scheduler.finish_request``). The exact moment is the engine's private
-``_slot.remove_request(request)``, which fires once per handed-out request after its items
-went through the pipelines and its children were enqueued, whatever the outcome. Besides it,
+Scrapy has no public "the engine is done with this request" (a public
+``Scheduler.finish_request`` has been proposed to Scrapy, under the title "Support
+crash-tolerant crawls"; until something like it exists the hooks stay private). The exact
+moment is the engine's private ``_slot.remove_request(request)``, which fires once per
+handed-out request after its items went through the pipelines and its children were
+enqueued, whatever the outcome. Besides it,
 the tracker observes the downloader's output (a response, a failure, a retry or redirect),
 the spider's final output and errors (errback output bypasses every spider middleware), and
 each item's trip through the item pipelines.

@@ -12,8 +12,7 @@ minor release tested by the CI matrix. An older Scrapy, or one that lacks a hook
 at start with :class:`~.UnsupportedScrapy`; a newer one that still has every hook runs with
 one warning.
 
-Scrapy's issue scrapy/scrapy#7978 ("Support crash-tolerant crawls") proposes a public
-``Scheduler.finish_request``; until something like it exists the hooks stay private.
+The hooks themselves, and why they are private, are in :mod:`scrapy_idempotent.engine_hooks`.
 
 The differences, by the release that changed them:
 
