@@ -81,7 +81,7 @@ class ItemOrigin:
     identity, as the spider middleware learnt them."""
 
     item: Any
-    request: InflightRequest | None
+    producer: InflightRequest | None  #: the in-flight request whose page yielded it
     record_id: str | None
     key_values: list[Any] | None
     error: Exception | None = None
@@ -519,7 +519,7 @@ class InflightTracker:
             return
         if output is None or not is_item(output):
             return  # not an item (Scrapy passes such output on as it is): nothing to key
-        origin = ItemOrigin(item=output, request=entry, record_id=None, key_values=None,
+        origin = ItemOrigin(item=output, producer=entry, record_id=None, key_values=None,
                             page_url=page_url)
         try:
             origin.key_values = self.identity.natural_key(output, page_url)
@@ -598,8 +598,8 @@ class InflightTracker:
         middleware saw (an earlier pipeline replaced it, or it came from ``start()``)."""
         origin = self._items.pop(id(item), None)
         if origin is not None:
-            if origin.request is not None:
-                origin.request.tracked.pop(id(item), None)
+            if origin.producer is not None:
+                origin.producer.tracked.pop(id(item), None)
             return origin
         return self._origin_of_replaced(item)
 
@@ -615,11 +615,11 @@ class InflightTracker:
         # An earlier pipeline returned another object: the item the pipelines started with
         # tells which request (and page) it belongs to.
         first = _ITEM_IN_PIPELINES.get()
-        entry = first.request if first is not None else None
+        entry = first.producer if first is not None else None
         page_url = first.page_url if first is not None else None
         if entry is not None and id(entry.request) not in self._inflight:
             entry = None
-        origin = ItemOrigin(item=item, request=entry, record_id=None, key_values=None,
+        origin = ItemOrigin(item=item, producer=entry, record_id=None, key_values=None,
                             page_url=page_url)
         keyed = self.identity.key_fields(item) is not None
         if not keyed and first is not None and first.record_id is not None:
@@ -652,7 +652,7 @@ class InflightTracker:
         (target.rejects if target is not None else self.unattributed.rejects).append(reject)
 
     def _target(self, origin: ItemOrigin) -> InflightRequest | None:
-        entry = origin.request
+        entry = origin.producer
         return entry if entry is not None and id(entry.request) in self._inflight else None
 
     # -- completion -------------------------------------------------------------------------

@@ -89,7 +89,7 @@ class UpsertPipeline:
             data = repr(item)
         tracker.add_reject(origin, Reject(
             item_type=item_type_name(item), reason=reason, data=data,
-            request_key=origin.request.key if origin.request is not None else None,
+            request_key=origin.producer.key if origin.producer is not None else None,
             page_url=origin.page_url,
         ))
         raise DropItem(f"scrapy_idempotent: {reason}; kept in the rejects table")
