@@ -159,3 +159,30 @@ async def wait_until(condition: Any) -> None:
             return
         await maybe_deferred_to_future(deferLater(reactor, 0.01, lambda: None))
     raise AssertionError("timed out")
+
+
+@deferred_f_from_coro_f
+async def test_feeds_on_postgresql_are_the_runs_records_once(
+        shop: ShopSite, postgres_url: str, tmp_path: Any) -> None:
+    """A graceful stop leaves a snapshot; the resumed run replaces it and appends once (the
+    feed is written from the run's records, read page by page from PostgreSQL)."""
+    import json
+
+    appended, replaced = tmp_path / "appended.jsonl", tmp_path / "replaced.json"
+    appended.write_text('{"before": "the run"}\n')
+    feeds = {str(appended): {"format": "jsonlines"},
+             str(replaced): {"format": "json", "overwrite": True}}
+    settings = crawl_settings(postgres_url, FEEDS=feeds,  # type: ignore[arg-type]
+                              CLOSESPIDER_ITEMCOUNT=50, **NATURAL_KEYS)
+    crawler = await run_crawl(ShopSpider, settings, url=shop.url)
+    assert crawler.stats.get_value("finish_reason") == "closespider_itemcount"
+    snapshot = json.loads(replaced.read_text())
+    assert 50 <= len(snapshot) < 500
+    del settings["CLOSESPIDER_ITEMCOUNT"]
+    crawler = await run_crawl(ShopSpider, settings, url=shop.url)
+    assert crawler.stats.get_value("finish_reason") == "finished"
+    everything = json.loads(replaced.read_text())
+    assert sorted(r["sku"] for r in everything) == sorted(shop.expected_products())
+    lines = [json.loads(line) for line in appended.read_text().splitlines()]
+    assert lines[0] == {"before": "the run"}
+    assert sorted(r["sku"] for r in lines[1:]) == sorted(shop.expected_products())
