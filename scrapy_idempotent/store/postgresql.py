@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import logging
 import re
 import threading
@@ -386,7 +387,8 @@ class PostgreSQLStore(FrontierStore):
         self.run_id: int | None = None
         self.session_id: int | None = None
         self.transactions = 0
-        self._commits = 0  #: page commits of this session (numbers them: see _committed)
+        #: numbers the page commits of this store (see _committed); next() is atomic
+        self._commit_numbers = itertools.count(1)
         self._local = threading.local()
         self._connections: list[psycopg.Connection[Any]] = []
         #: (pid, start) of the server processes of connections lost (see _end_orphans)
@@ -878,11 +880,11 @@ class PostgreSQLStore(FrontierStore):
             return result
         run_id = self.run_id if self.run_id is not None else 0
         now = self.clock()
-        self._commits += 1
+        number = next(self._commit_numbers)
         try:
-            self._commit(work, worker, run_id, now, result)
+            self._commit(work, worker, run_id, now, result, number)
         except _CommitOutcomeUnknown as exc:
-            if not self._committed(self._commits):
+            if not self._committed(number):
                 raise StoreBusy(f"{exc}; it was not: it is retried") from exc
             logger.info("scrapy_idempotent: %s; it was, and is not repeated", exc)
         return result
@@ -896,15 +898,15 @@ class PostgreSQLStore(FrontierStore):
             with contextlib.suppress(StoreError):
                 row = self._one("SELECT last_commit FROM sessions WHERE session_id = %s",
                                 (self.session_id,))
-                if row is not None:
-                    return int(row[0]) >= number
+                if row is not None:  # the last commit written (commits are serial)
+                    return int(row[0]) == number
         raise StoreError(
             f"the connection to {self.shown_url} was lost while committing, and whether the "
             "commit happened cannot be read back: nothing more is written by this crawl; run "
             "it again to resume from what the database holds")
 
     def _commit(self, work: UnitOfWork, worker: str, run_id: int, now: float,
-                result: CommitResult) -> None:
+                result: CommitResult, number: int) -> None:
         with self._write("committing", repeatable=False) as cur:
             lost = self._fence(cur, work, worker)
             requests = [r for r in work.requests if r.parent_key not in lost] if lost \
@@ -944,7 +946,7 @@ class PostgreSQLStore(FrontierStore):
                     (list(work.give_back), worker))
             if work.claim:
                 self._claim(cur, worker, work.claim, now, result)
-            self._count(cur, result, len(started))
+            self._count(cur, result, len(started), number)
             if (result.requests_added or result.requests_due_again
                     or result.completed.get(RequestState.PENDING.value)):
                 self._notify(cur)
@@ -1160,7 +1162,8 @@ class PostgreSQLStore(FrontierStore):
         if ended:  # only the lease holder's completion ends the journal entry
             cur.execute("DELETE FROM responses WHERE key = ANY(%s)", (ended,))
 
-    def _count(self, cur: psycopg.Cursor[Any], result: CommitResult, started: int) -> None:
+    def _count(self, cur: psycopg.Cursor[Any], result: CommitResult, started: int,
+               number: int) -> None:
         """Add this transaction's work to this session's counters, and record its number
         (same transaction, one statement: one row per worker, so workers never wait on
         each other here)."""
@@ -1173,7 +1176,7 @@ class PostgreSQLStore(FrontierStore):
         cur.execute(
             "UPDATE sessions SET " + ", ".join(f"{c} = {c} + %s" for c in _COUNTERS)
             + ", last_commit = %s WHERE session_id = %s",
-            (*deltas, self._commits, self.session_id))
+            (*deltas, number, self.session_id))
 
     def _window_start(self, now: float) -> float | None:
         if self.recrawl_seconds is None:
