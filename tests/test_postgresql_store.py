@@ -392,3 +392,28 @@ def test_a_statement_timeout_is_worth_retrying_and_writes_nothing(
     store.conn.execute("RESET statement_timeout")
     assert store.counts()["pending"] == 0  # rolled back: all or nothing
     assert store.commit(many, "w1").requests_added == 20000
+
+
+def test_lease_renewals_are_hot_updates(make: Callable[..., PostgreSQLStore],
+                                        postgres_url: str) -> None:
+    """A renewal changes only ``leased_until``, which no index holds: PostgreSQL can keep the
+    new row version on its page without new index entries (a HOT update, when the page has
+    room: the table leaves 20% free), so renewing every lease every few seconds does not
+    bloat the indexes. With ``leased_until`` in an index none would be."""
+    store = make(heartbeat_seconds=None)
+    store.open(fingerprinter="f", identity=SHOP)
+    store.begin_session("w1", "auto")
+    store.commit(UnitOfWork(requests=[req(f"p{n}") for n in range(16)]), "w1")
+    assert len(store.commit(UnitOfWork(claim=16), "w1").leased) == 16
+    for _ in range(5):
+        assert len(store.renew_leases("w1")) == 16
+    store.close()  # its statistics reach the server when its connection ends
+
+    def updates() -> tuple[int, int]:
+        rows = sql(postgres_url, "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables"
+                   " WHERE schemaname = %s AND relname = 'requests'", (schema_for(SHOP),))
+        return int(rows[0][0]), int(rows[0][1])
+
+    wait_for(lambda: updates()[0] >= 16 + 5 * 16, 60, "the statistics of 96 updates")
+    updated, hot = updates()
+    assert hot >= 5 * 16 // 2, (updated, hot)  # the claims are not HOT: state changes
