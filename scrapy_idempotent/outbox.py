@@ -24,6 +24,7 @@ apply to it, and delivery also runs after the downloader closed), or the import 
 from __future__ import annotations
 
 import email.utils
+import functools
 import json
 import logging
 import random
@@ -33,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from io import BytesIO
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from scrapy import signals
 from scrapy.exceptions import NotConfigured
@@ -69,6 +70,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 #: Statuses of a webhook answer that are tried again (with 5xx): timeout, conflict (the
 #: receiver is busy with the same key), too many requests.
@@ -278,10 +281,53 @@ def build_targets(config: IdempotentConfig, crawler: Crawler) -> list[OutboxTarg
     return targets
 
 
+#: Runs a store call somewhere and gives its result as a Deferred (see :class:`StoreThread`).
+StoreRunner = Callable[[Callable[[], Any]], "Deferred[Any]"]
+
+
+def run_inline(action: Callable[[], Any]) -> Deferred[Any]:
+    """A :data:`StoreRunner` calling the store on the reactor thread itself."""
+    from twisted.internet.defer import maybeDeferred
+
+    return maybeDeferred(action)
+
+
+class StoreThread:
+    """A :data:`StoreRunner` with one thread of its own: every store call of a deliverer runs
+    there, one after the other (a SQLite connection stays on the thread that opened it), so
+    the reactor never waits on the database (a write lock held by the crawl's writer)."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._executor = ThreadPoolExecutor(max_workers=1,
+                                            thread_name_prefix="scrapy_idempotent-outbox")
+
+    def __call__(self, action: Callable[[], Any]) -> Deferred[Any]:
+        from twisted.internet import reactor
+        from twisted.internet.defer import Deferred
+        done: Deferred[Any] = Deferred()
+
+        def fire(future: Any) -> None:
+            exc = future.exception()
+            if exc is not None:
+                done.errback(exc)
+            else:
+                done.callback(future.result())
+
+        self._executor.submit(action).add_done_callback(
+            lambda future: reactor.callFromThread(fire, future))
+        return done
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False)
+
+
 class Deliverer:
     """Claims due outbox entries of ``targets`` from ``store`` and delivers them, at most
     ``concurrency`` at once per target; records each outcome as it comes (one transaction
-    each). Runs on the reactor; never blocks it on a target.
+    each). Runs on the reactor and never blocks it on a target; store calls run through
+    ``run_store`` (the crawl's extension gives a :class:`StoreThread`).
 
     Retries: attempt n (0 for the first) failing with a retryable error is tried again after
     ``min(retry_max, retry * 2**n)`` seconds times a random factor in [0.5, 1] (jitter), or
@@ -291,7 +337,8 @@ class Deliverer:
     def __init__(self, store: FrontierStore, targets: Sequence[OutboxTarget], *,
                  concurrency: int, timeout_seconds: float, retry_seconds: float,
                  retry_max_seconds: float, clock: Callable[[], float] = time.time,
-                 on_outcome: Callable[[OutboxOutcome], None] | None = None) -> None:
+                 on_outcome: Callable[[OutboxOutcome], None] | None = None,
+                 run_store: StoreRunner = run_inline) -> None:
         self.store = store
         self.targets = {target.name: target for target in targets}
         self.concurrency = concurrency
@@ -300,30 +347,57 @@ class Deliverer:
         self.retry_max_seconds = retry_max_seconds
         self.clock = clock
         self.on_outcome = on_outcome
+        self.run_store = run_store
         self.inflight: dict[str, int] = dict.fromkeys(self.targets, 0)
         self.counts = {state.value: 0 for state in OutboxState}  #: outcomes of this process
         self.stopped = False
         self._idle: list[Deferred[None]] = []
+        self._pumping = False
+        self._pump_again = False
 
-    def pump(self) -> int:
-        """Start deliveries of due entries up to the concurrency. Returns how many started.
-        A store error is logged and ends nothing: the next pump tries again."""
+    async def _store(self, action: Callable[[], _T]) -> _T:
+        from scrapy.utils.defer import maybe_deferred_to_future
+
+        result: _T = await maybe_deferred_to_future(self.run_store(action))
+        return result
+
+    def pump(self) -> Deferred[int]:
+        """Start deliveries of due entries up to the concurrency; fires with how many
+        started. A pump asked for while one runs makes that one look again. A store error is
+        logged and ends nothing: the next pump tries again."""
+        from scrapy.utils.defer import deferred_from_coro
+        from twisted.internet.defer import succeed
+
+        if self._pumping:
+            self._pump_again = True
+            return succeed(0)
+        return deferred_from_coro(self._pump())
+
+    async def _pump(self) -> int:
+        self._pumping = True
         started = 0
-        for name, target in self.targets.items():
-            free = self.concurrency - self.inflight[name]
-            if free <= 0 or self.stopped:
-                continue
-            try:
-                entries = self.store.claim_outbox([name], free, self.hold_seconds)
-            except StoreError as exc:
-                logger.warning("scrapy_idempotent: outbox: cannot claim entries (%s); "
-                               "trying again", exc)
-                return started
-            for entry in entries:
-                self.inflight[name] += 1
-                started += 1
-                self._start(target, entry)
-        return started
+        try:
+            while True:
+                self._pump_again = False
+                for name, target in self.targets.items():
+                    free = self.concurrency - self.inflight[name]
+                    if free <= 0 or self.stopped:
+                        continue
+                    try:
+                        entries = await self._store(functools.partial(
+                            self.store.claim_outbox, [name], free, self.hold_seconds))
+                    except StoreError as exc:
+                        logger.warning("scrapy_idempotent: outbox: cannot claim entries "
+                                       "(%s); trying again", exc)
+                        return started
+                    for entry in entries:
+                        self.inflight[name] += 1
+                        started += 1
+                        self._start(target, entry)
+                if not self._pump_again:
+                    return started
+        finally:
+            self._pumping = False
 
     def _start(self, target: OutboxTarget, entry: OutboxEntry) -> None:
         from scrapy.utils.defer import deferred_from_coro
@@ -334,7 +408,7 @@ class Deliverer:
         try:
             outcome = await self._attempt(target, entry)
             try:
-                self.store.settle_outbox([outcome])
+                await self._store(functools.partial(self.store.settle_outbox, [outcome]))
             except StoreError as exc:  # the hold ends, and the entry is sent again
                 logger.warning("scrapy_idempotent: outbox: cannot record the delivery of %s "
                                "(%s); it will be sent again", entry.key, exc)
@@ -400,12 +474,12 @@ class Deliverer:
         deadline = self.clock() + seconds
         names = list(self.targets)
         while True:
-            self.pump()
+            await maybe_deferred_to_future(self.pump())
             if any(self.inflight.values()):
                 await maybe_deferred_to_future(self.wait_idle())
                 continue
             try:
-                due = self.store.outbox_next_due(names)
+                due = await self._store(functools.partial(self.store.outbox_next_due, names))
             except StoreError as exc:
                 logger.warning("scrapy_idempotent: outbox: %s", exc)
                 due = None
@@ -415,10 +489,11 @@ class Deliverer:
             if due > now:
                 await maybe_deferred_to_future(deferLater(
                     reactor, min(due - now, POLL_SECONDS), lambda: None))
-        return self.pending()
+        return await self.pending()
 
-    def pending(self) -> int:
-        counts = self.store.outbox_counts()
+    async def pending(self) -> int:
+        """Entries of the targets still pending (read through the store runner)."""
+        counts = await self._store(self.store.outbox_counts)
         return sum(counts.get(name, {}).get("pending", 0) for name in self.targets)
 
     async def close(self) -> None:
@@ -478,6 +553,7 @@ class OutboxDelivery:
         self.targets = build_targets(config, crawler)
         self.deliverer: Deliverer | None = None
         self._loop: Any = None
+        self._thread: StoreThread | None = None
         crawler.signals.connect(self.spider_opened, signal=signals.spider_opened)
         crawler.signals.connect(self.spider_closed, signal=signals.spider_closed)
 
@@ -490,24 +566,28 @@ class OutboxDelivery:
             raise NotConfigured("IDEMPOTENT_OUTBOX_TARGETS is empty")
         return cls(crawler, config)
 
-    def spider_opened(self) -> None:
+    async def spider_opened(self) -> None:
+        from scrapy.utils.defer import maybe_deferred_to_future
         from twisted.internet import task
 
         assert self.crawler.spider is not None
         identity = CrawlIdentity(project=str(self.crawler.settings.get("BOT_NAME") or ""),
                                  spider=self.crawler.spider.name, source=self.config.source)
+        thread = self._thread = StoreThread()
         try:
-            store = open_outbox_store(self.config, identity)
+            store = await maybe_deferred_to_future(
+                thread(lambda: open_outbox_store(self.config, identity)))
         except StoreError as exc:
             logger.error("scrapy_idempotent: outbox delivery is off for this crawl: %s "
                          "(`scrapy idempotent deliver` sends what is pending)", exc)
+            thread.shutdown()
             return
         self.deliverer = Deliverer(
             store, self.targets, concurrency=self.config.outbox_concurrency,
             timeout_seconds=self.config.outbox_timeout_seconds,
             retry_seconds=self.config.outbox_retry_seconds,
             retry_max_seconds=self.config.outbox_retry_max_seconds,
-            on_outcome=self._count)
+            on_outcome=self._count, run_store=thread)
         self._loop = task.LoopingCall(self.deliverer.pump)
         self._loop.start(POLL_SECONDS, now=True)
 
@@ -535,6 +615,10 @@ class OutboxDelivery:
                     "(IDEMPOTENT_OUTBOX_DRAIN_SECONDS=%g); the next crawl or `scrapy "
                     "idempotent deliver` sends them", left, self.config.outbox_drain_seconds)
         finally:
+            from scrapy.utils.defer import maybe_deferred_to_future
+
             await deliverer.close()
-            deliverer.store.close()
+            await maybe_deferred_to_future(deliverer.run_store(deliverer.store.close))
+            if self._thread is not None:
+                self._thread.shutdown()
 

@@ -28,6 +28,7 @@ class Delivery:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 128  # the default 5 overflows (connections reset) under load
     receiver: WebhookReceiver
 
     def handle_error(self, request: Any, client_address: Any) -> None:
