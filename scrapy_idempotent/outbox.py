@@ -354,6 +354,7 @@ class Deliverer:
         self._idle: list[Deferred[None]] = []
         self._pumping = False
         self._pump_again = False
+        self._pump_waiters: list[Deferred[int]] = []
 
     async def _store(self, action: Callable[[], _T]) -> _T:
         from scrapy.utils.defer import maybe_deferred_to_future
@@ -363,18 +364,21 @@ class Deliverer:
 
     def pump(self) -> Deferred[int]:
         """Start deliveries of due entries up to the concurrency; fires with how many
-        started. A pump asked for while one runs makes that one look again. A store error is
-        logged and ends nothing: the next pump tries again."""
+        started, once their claims are done. A pump asked for while one runs makes that one
+        look again, and fires when it ends. A store error is logged and ends nothing: the
+        next pump tries again."""
         from scrapy.utils.defer import deferred_from_coro
-        from twisted.internet.defer import succeed
+        from twisted.internet.defer import Deferred
 
         if self._pumping:
             self._pump_again = True
-            return succeed(0)
+            waiter: Deferred[int] = Deferred()
+            self._pump_waiters.append(waiter)
+            return waiter
+        self._pumping = True  # at once: a second call in this turn waits for this pump
         return deferred_from_coro(self._pump())
 
     async def _pump(self) -> int:
-        self._pumping = True
         started = 0
         try:
             while True:
@@ -398,6 +402,9 @@ class Deliverer:
                     return started
         finally:
             self._pumping = False
+            waiters, self._pump_waiters = self._pump_waiters, []
+            for waiter in waiters:
+                waiter.callback(0)
 
     def _start(self, target: OutboxTarget, entry: OutboxEntry) -> None:
         from scrapy.utils.defer import deferred_from_coro
@@ -501,6 +508,8 @@ class Deliverer:
         from scrapy.utils.defer import maybe_deferred_to_future
 
         self.stopped = True
+        if self._pumping:  # its claims may still start deliveries
+            await maybe_deferred_to_future(self.pump())
         await maybe_deferred_to_future(self.wait_idle())
         for target in self.targets.values():
             try:
