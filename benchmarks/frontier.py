@@ -166,9 +166,10 @@ def _child(size: int, ops: int, cap: float, db: Path | str,
     claim(1)
     timed("page", ops, 1, lambda: page(new_request))
     timed("page, dup links", ops, 1, lambda: page(known_request))
-    journal_keys = iter(range(10**9))
-    timed("journal", ops, 1, lambda: store.journal_response(
-        f"j{next(journal_keys)}", RESPONSE_DATA, BODY))
+    # one response journaled per transaction, as the scheduler commits it: for a request
+    # this worker holds (the lease fences it), replacing the one before
+    timed("journal", ops, 1, lambda: store.commit(
+        UnitOfWork(responses=[(leased[-1], RESPONSE_DATA, BODY)]), WORKER))
     timed("status", ops, 1, lambda: store.status(WORKER))
     t0 = time.perf_counter()
     counts = store.counts()

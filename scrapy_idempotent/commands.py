@@ -28,6 +28,7 @@ document for scripts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -53,7 +54,14 @@ if TYPE_CHECKING:
     import argparse
     from collections.abc import Iterator, Sequence
 
-    from .store.base import FrontierStore
+    from .store.base import (
+        EngineSetting,
+        FrontierStore,
+        RunSummary,
+        SchemaInfo,
+        SessionInfo,
+        StoredRecord,
+    )
 
 __all__ = ["SUBCOMMANDS", "Command"]
 
@@ -214,12 +222,10 @@ class Command(ScrapyCommand):
                 # the former)
                 info = store.open_existing(readonly=subcommand not in ("retry", "deliver"),
                                            identity=identity)
-                if subcommand != "check" and (
-                    info["schema_version"] != info["supported_schema_version"]
-                ):
+                if subcommand != "check" and not info.current:
                     raise StoreError(
-                        f"{path} has schema version {info['schema_version']}; this "
-                        f"scrapy_idempotent reads version {info['supported_schema_version']}"
+                        f"{path} has schema version {info.version}; this "
+                        f"scrapy_idempotent reads version {info.supported}"
                         " (a crawl migrates an older database; a newer one needs a newer "
                         "scrapy_idempotent)")
                 getattr(self, f"_{subcommand}")(store, path, info, opts)
@@ -297,20 +303,22 @@ class Command(ScrapyCommand):
 
     # -- status -----------------------------------------------------------------------------
 
-    def _status(self, store: FrontierStore, path: str, info: dict[str, object],
+    def _status(self, store: FrontierStore, path: str, info: SchemaInfo,
                 opts: argparse.Namespace) -> None:
-        report = _status_report(store, path, info)
-        self._print(opts, report, [] if opts.json else _status_lines(report))
+        engine = store.engine_settings()
+        report = _status_report(store, path, info, engine)
+        self._print(opts, report, [] if opts.json else _status_lines(report, engine))
 
     # -- failed and retry -------------------------------------------------------------------
 
-    def _failed(self, store: FrontierStore, path: str, info: dict[str, object],
+    def _failed(self, store: FrontierStore, path: str, info: SchemaInfo,
                 opts: argparse.Namespace) -> None:
         filters = _filters(opts)
         limit = _FAILED_LIMIT if opts.limit is None else opts.limit
         total = store.count_failed(**filters)
         rows = store.failed_requests(**filters, limit=limit or None)
-        failed = [{**row, "finished_at": _iso(row["finished_at"])} for row in rows]
+        failed = [{**dataclasses.asdict(row), "finished_at": _iso(row.finished_at)}
+                  for row in rows]
         report = {"database": path, "matching": total, "listed": len(failed), "failed": failed}
         described = _describe_filters(opts)
         lines = [f"{total} failed request{'s' * (total != 1)}{described}"
@@ -323,20 +331,20 @@ class Command(ScrapyCommand):
                   _shorten(str(r["error_message"] or ""))] for r in failed])
         self._print(opts, report, lines)
 
-    def _retry(self, store: FrontierStore, path: str, info: dict[str, object],
+    def _retry(self, store: FrontierStore, path: str, info: SchemaInfo,
                opts: argparse.Namespace) -> None:
         if opts.rejects:
             self._retry_rejects(store, path, opts)
             return
         result = store.retry_failed(**_filters(opts))
-        retried = _int(result["retried"])
-        report = {"database": path, **result}
+        retried = result.retried
+        report = {"database": path, **dataclasses.asdict(result)}
         described = _describe_filters(opts)
         if not retried:
             lines = [f"No failed request{described}: nothing changed."]
         else:
-            run = result["run_id"]
-            how = (f"run {run} reopened: the next crawl resumes it" if result["reopened"]
+            run = result.run_id
+            how = (f"run {run} reopened: the next crawl resumes it" if result.reopened
                    else f"run {run} is unfinished: the next crawl resumes it")
             lines = [f"Put {retried} failed request{'s' * (retried != 1)}{described} back to "
                      f"pending; {how} and fetches them (unless IDEMPOTENT_RUN_MODE is fresh)."]
@@ -344,17 +352,17 @@ class Command(ScrapyCommand):
 
     def _retry_rejects(self, store: FrontierStore, path: str, opts: argparse.Namespace) -> None:
         result = store.retry_rejects()
-        pages, without = _int(result["pages"]), _int(result["without_page"])
-        report = {"database": path, **result}
-        run = result["run_id"]
+        pages, without = result.pages, result.without_page
+        report = {"database": path, **dataclasses.asdict(result)}
+        run = result.run_id
         if not pages:
             lines = [f"No page of a rejected item of run {run} to put back: nothing changed."
                      if run is not None else "No run yet: nothing changed."]
         else:
-            how = (f"run {run} reopened: the next crawl resumes it" if result["reopened"]
+            how = (f"run {run} reopened: the next crawl resumes it" if result.reopened
                    else f"run {run} is unfinished: the next crawl resumes it")
-            lines = [f"Put {pages} page{'s' * (pages != 1)} of {result['rejects']} rejected "
-                     f"item{'s' * (result['rejects'] != 1)} back to pending; {how} and fetches "
+            lines = [f"Put {pages} page{'s' * (pages != 1)} of {result.rejects} rejected "
+                     f"item{'s' * (result.rejects != 1)} back to pending; {how} and fetches "
                      "them again (unless IDEMPOTENT_RUN_MODE is fresh)."]
         if without:
             lines.append(f"{without} rejected item{'s' * (without != 1)} of run {run} "
@@ -364,13 +372,13 @@ class Command(ScrapyCommand):
 
     # -- rejects ----------------------------------------------------------------------------
 
-    def _rejects(self, store: FrontierStore, path: str, info: dict[str, object],
+    def _rejects(self, store: FrontierStore, path: str, info: SchemaInfo,
                  opts: argparse.Namespace) -> None:
         limit = _FAILED_LIMIT if opts.limit is None else opts.limit
         total = store.count_rejects()
         rows = store.rejects(limit=limit or None)
-        rejects = [{**row, "created_at": _iso(row["created_at"]),
-                    "retried_at": _iso(row["retried_at"])} for row in rows]
+        rejects = [{**dataclasses.asdict(row), "created_at": _iso(row.created_at),
+                    "retried_at": _iso(row.retried_at)} for row in rows]
         report = {"database": path, "total": total, "listed": len(rejects),
                   "rejects": rejects}
         lines = [f"{total} rejected item{'s' * (total != 1)}"
@@ -387,7 +395,7 @@ class Command(ScrapyCommand):
 
     # -- export -----------------------------------------------------------------------------
 
-    def _export(self, store: FrontierStore, path: str, info: dict[str, object],
+    def _export(self, store: FrontierStore, path: str, info: SchemaInfo,
                 opts: argparse.Namespace) -> None:
         from scrapy.utils.misc import load_object
 
@@ -449,7 +457,7 @@ class Command(ScrapyCommand):
                   settings.get("IMAGES_RESULT_FIELD") or "images")
         referenced: set[str] = set()
         for record in _records(store, {}):
-            data = json.loads(str(record["data"]))
+            data = json.loads(record.data)
             if isinstance(data, dict):
                 referenced |= referenced_paths(data, fields)
         checks = []
@@ -466,7 +474,7 @@ class Command(ScrapyCommand):
 
     # -- deliver ----------------------------------------------------------------------------
 
-    def _deliver(self, store: FrontierStore, path: str, info: dict[str, object],
+    def _deliver(self, store: FrontierStore, path: str, info: SchemaInfo,
                  opts: argparse.Namespace) -> None:
         config = self._config
         if not config.outbox_targets:
@@ -531,7 +539,7 @@ class Command(ScrapyCommand):
         return deliverer.counts, left
     # -- migrate ----------------------------------------------------------------------------
 
-    def _migrate(self, store: FrontierStore, path: str, info: dict[str, object],
+    def _migrate(self, store: FrontierStore, path: str, info: SchemaInfo,
                  opts: argparse.Namespace) -> None:
         """Copy the crawl into ``--to`` (opened as a crawl of the same identity would open
         it, created if needed, refused when it holds another crawl or this one already), in
@@ -565,7 +573,7 @@ class Command(ScrapyCommand):
 
     # -- check ------------------------------------------------------------------------------
 
-    def _check(self, store: FrontierStore, path: str, info: dict[str, object],
+    def _check(self, store: FrontierStore, path: str, info: SchemaInfo,
                opts: argparse.Namespace) -> None:
         checks: list[dict[str, Any]] = []
 
@@ -573,16 +581,15 @@ class Command(ScrapyCommand):
             checks.append({"check": name, "ok": ok, "detail": detail})
 
         integrity = store.integrity_check()
-        add("integrity", integrity == ["ok"],
-            "PRAGMA integrity_check: " + "; ".join(integrity[:10]))
-        version, supported = info["schema_version"], info["supported_schema_version"]
-        add("schema_version", version == supported,
-            f"schema version {version}" + ("" if version == supported else
-                                           f", this scrapy_idempotent reads {supported}"))
-        add("journal_mode", info["journal_mode"] == "wal",
-            f"journal mode {info['journal_mode']}" +
-            ("" if info["journal_mode"] == "wal" else " (expected wal)"))
-        if version == supported:
+        add("integrity", integrity.ok,
+            f"{integrity.method}: " + ("; ".join(integrity.problems[:10]) or "ok"))
+        add("schema_version", info.current,
+            f"schema version {info.version}" + (
+                "" if info.current else f", this scrapy_idempotent reads {info.supported}"))
+        for setting in store.engine_settings():
+            add(setting.name, setting.ok, f"{setting.label} {setting.value}" + (
+                "" if setting.ok else f" (expected {setting.expected})"))
+        if info.current:
             now = time.time()
             holders = store.lease_holders()
             if not holders:
@@ -627,7 +634,8 @@ class Command(ScrapyCommand):
 # -- status -------------------------------------------------------------------------------
 
 
-def _status_report(store: FrontierStore, path: str, info: dict[str, object]) -> dict[str, Any]:
+def _status_report(store: FrontierStore, path: str, info: SchemaInfo,
+                   engine: Sequence[EngineSetting]) -> dict[str, Any]:
     """What ``status`` reports (its ``--json`` form): the database, its runs, frontier,
     leases, records, outbox, failures, repeated requests and totals."""
     meta = store.meta()
@@ -636,14 +644,14 @@ def _status_report(store: FrontierStore, path: str, info: dict[str, object]) -> 
     counts = store.counts()
     ends: dict[int, list[str]] = {}
     for session in sessions:
-        ends.setdefault(_int(session["run_id"]), []).append(_session_end(session))
+        ends.setdefault(session.run_id, []).append(_session_end(session))
     records = counts.pop("records")
-    run_rows = [_run_report(run, ends.get(_int(run["run_id"]), [])) for run in runs]
+    run_rows = [_run_report(run, ends.get(run.run_id, [])) for run in runs]
     current = run_rows[-1] if run_rows else None
     return {
         "database": path,
-        "schema_version": info["schema_version"],
-        "journal_mode": info["journal_mode"],
+        "schema_version": info.version,
+        **{setting.name: setting.value for setting in engine},
         "created_at": _iso(float(meta["created_at"])) if "created_at" in meta else None,
         "fingerprinter": meta.get("fingerprinter"),
         "run": current,
@@ -677,15 +685,15 @@ def _repeated_report(store: FrontierStore, current: dict[str, Any] | None,
                      records: int) -> dict[str, Any]:
     summary = store.request_summary()
     return {
-        "requests": summary["repeated"],
-        "downloaded_again": summary["downloaded_again"],
-        "downloads": summary["downloads"],
-        "replays": summary["replays"],
-        "most_attempts": summary["most_attempts"],
+        "requests": summary.repeated,
+        "downloaded_again": summary.downloaded_again,
+        "downloads": summary.downloads,
+        "replays": summary.replays,
+        "most_attempts": summary.most_attempts,
         "leased": current["leased"] if current else 0,
         "leases_per_record": (round(current["leased"] / records, 3)
                               if current and records else None),
-        "top": store.repeated_requests(10),
+        "top": [dataclasses.asdict(row) for row in store.repeated_requests(10)],
     }
 
 
@@ -693,22 +701,22 @@ _RUN_COUNTERS = ("leased", "done", "failed", "redirected", "records_inserted",
                  "records_updated", "records_unchanged", "rejects")
 
 
-def _totals_report(runs: Sequence[dict[str, object]], run_rows: list[dict[str, Any]],
+def _totals_report(runs: Sequence[RunSummary], run_rows: list[dict[str, Any]],
                    all_ends: list[str]) -> dict[str, Any]:
     return {
         "runs": len(runs),
-        "finished_runs": sum(1 for run in runs if run["finished_at"] is not None),
+        "finished_runs": sum(1 for run in runs if run.finished_at is not None),
         "crawls": len(all_ends),
         "crawls_by_end": _tally(all_ends),
         **{name: sum(int(r[name]) for r in run_rows) for name in _RUN_COUNTERS},
     }
 
 
-def _status_lines(report: dict[str, Any]) -> list[str]:
+def _status_lines(report: dict[str, Any], engine: Sequence[EngineSetting]) -> list[str]:
     """The text form of :func:`_status_report`, one section after the other."""
     current = report["run"]
     run_label = f"in run {current['run_id']}" if current else "in this run"
-    lines = _status_head(report)
+    lines = _status_head(report, engine)
     for section in (_runs_section(report["runs"]), _frontier_section(report["frontier"]),
                     _leases_section(report["leases"]),
                     _records_section(report["records"], run_label),
@@ -719,11 +727,12 @@ def _status_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _status_head(report: dict[str, Any]) -> list[str]:
+def _status_head(report: dict[str, Any], engine: Sequence[EngineSetting]) -> list[str]:
     current = report["run"]
     lines = [f"Database  {report['database']}",
-             f"          schema {report['schema_version']}, journal mode "
-             f"{report['journal_mode']}, created {report['created_at'] or '-'}"]
+             f"          schema {report['schema_version']}"
+             + "".join(f", {setting.label} {setting.value}" for setting in engine)
+             + f", created {report['created_at'] or '-'}"]
     if current is None:
         lines.append("No run yet: no crawl has used this database.")
     else:
@@ -849,21 +858,21 @@ _ANOMALIES = {
 }
 
 
-def _session_end(session: dict[str, object]) -> str:
+def _session_end(session: SessionInfo) -> str:
     """How a crawl process ended: its close reason, or ``running``/``killed``/``unknown``
     when it never closed."""
-    if session["ended_at"] is not None:
-        return str(session["reason"] or "closed")
-    state = worker_state(str(session["worker"]))
+    if session.ended_at is not None:
+        return session.reason or "closed"
+    state = worker_state(session.worker)
     return {"alive": "running", "dead": "killed"}.get(state, "not closed")
 
 
-def _run_report(run: dict[str, object], ends: list[str]) -> dict[str, Any]:
-    report: dict[str, Any] = {**run, "started_at": _iso(run["started_at"]),
-                              "finished_at": _iso(run["finished_at"]),
+def _run_report(run: RunSummary, ends: list[str]) -> dict[str, Any]:
+    report: dict[str, Any] = {**dataclasses.asdict(run), "started_at": _iso(run.started_at),
+                              "finished_at": _iso(run.finished_at),
                               "crawls": len(ends), "crawls_by_end": _tally(ends)}
-    if run["finished_at"] is not None:
-        report["state"] = str(run["reason"] or "finished")
+    if run.finished_at is not None:
+        report["state"] = run.reason or "finished"
     elif "running" in ends:
         report["state"] = "running"
     else:
@@ -901,7 +910,7 @@ def _describe_filters(opts: argparse.Namespace) -> str:
     return (" " + " ".join(parts)) if parts else ""
 
 
-def _records(store: FrontierStore, filters: dict[str, Any]) -> Iterator[dict[str, object]]:
+def _records(store: FrontierStore, filters: dict[str, Any]) -> Iterator[StoredRecord]:
     """Every matching record, one page at a time (memory does not grow with the table)."""
     after = None
     while True:
@@ -909,18 +918,18 @@ def _records(store: FrontierStore, filters: dict[str, Any]) -> Iterator[dict[str
         yield from page
         if len(page) < _PAGE:
             return
-        after = str(page[-1]["record_id"])
+        after = page[-1].record_id
 
 
-def _export_row(record: dict[str, object], *, flat: bool) -> dict[str, Any]:
+def _export_row(record: StoredRecord, *, flat: bool) -> dict[str, Any]:
     """The exported form of a record: ``record_id``, ``first_seen``, ``last_changed``, then
     the item's fields as plain JSON values (tuples and sets as lists, datetimes and dates as
     ISO 8601 text, Decimals as text, bytes as base64 text). With ``flat`` (CSV), lists and
     objects become JSON text."""
-    row: dict[str, Any] = {"record_id": record["record_id"],
-                           "first_seen": _iso(record["first_seen"]),
-                           "last_changed": _iso(record["last_changed"])}
-    data = _plain(json.loads(str(record["data"])))
+    row: dict[str, Any] = {"record_id": record.record_id,
+                           "first_seen": _iso(record.first_seen),
+                           "last_changed": _iso(record.last_changed)}
+    data = _plain(json.loads(record.data))
     for name, value in (data.items() if isinstance(data, dict) else [("data", data)]):
         if flat and isinstance(value, (list, dict)):
             value = json.dumps(value, ensure_ascii=False, sort_keys=True)
@@ -992,11 +1001,6 @@ def _iso(seconds: object) -> str | None:
     assert isinstance(seconds, (int, float))
     moment = datetime.fromtimestamp(seconds, timezone.utc)
     return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _int(value: object) -> int:
-    assert isinstance(value, int)
-    return value
 
 
 def _expiry(seconds: float) -> str:

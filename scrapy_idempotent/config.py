@@ -20,6 +20,7 @@ from scrapy.utils.conf import closest_scrapy_cfg
 from scrapy.utils.project import data_path
 
 from .exceptions import ConfigError
+from .store.base import RunMode
 from .store.registry import sqlite_path
 
 if TYPE_CHECKING:
@@ -58,21 +59,12 @@ DEFAULT_URL_IGNORE_PARAMS: tuple[str, ...] = (
 )
 
 
-class RunMode:
-    """Values of ``IDEMPOTENT_RUN_MODE``."""
-
-    AUTO = "auto"  #: resume an unfinished run, else start a new run
-    RESUME = "resume"  #: always continue the last run (a finished run stays finished)
-    FRESH = "fresh"  #: always start a new run (the frontier is cleared, records are kept)
-    ALL = (AUTO, RESUME, FRESH)
-
-
 #: Every setting with its default; the docs test checks each one is documented in the README.
 SETTINGS: dict[str, Any] = {
     "IDEMPOTENT_DATABASE": None,
     "IDEMPOTENT_LEASE_SECONDS": 60.0,
     "IDEMPOTENT_LEASE_BATCH": 8,
-    "IDEMPOTENT_RUN_MODE": RunMode.AUTO,
+    "IDEMPOTENT_RUN_MODE": RunMode.AUTO.value,
     "IDEMPOTENT_NATURAL_KEYS": {},
     "IDEMPOTENT_SOURCE": None,
     "IDEMPOTENT_RECORD_ID_FIELD": "record_id",
@@ -111,7 +103,7 @@ class IdempotentConfig:
     database: str
     lease_seconds: float
     lease_batch: int
-    run_mode: str
+    run_mode: RunMode
     natural_keys: dict[str, tuple[str, ...]]
     source: str
     record_id_field: str | None
@@ -171,9 +163,11 @@ class IdempotentConfig:
         elif not isinstance(record_id_field, str):
             raise ConfigError("IDEMPOTENT_RECORD_ID_FIELD", record_id_field,
                               "a field name, or None/'' to keep items unchanged")
-        run_mode = get("IDEMPOTENT_RUN_MODE")
-        if run_mode not in RunMode.ALL:
-            raise ConfigError("IDEMPOTENT_RUN_MODE", run_mode, f"one of {', '.join(RunMode.ALL)}")
+        try:
+            run_mode = RunMode(get("IDEMPOTENT_RUN_MODE"))
+        except (ValueError, TypeError):
+            raise ConfigError("IDEMPOTENT_RUN_MODE", get("IDEMPOTENT_RUN_MODE"),
+                              f"one of {', '.join(mode.value for mode in RunMode)}") from None
         return cls(
             database=_database(get("IDEMPOTENT_DATABASE"), spider.name),
             **store_options(settings),

@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from scrapy.crawler import Crawler
     from typing_extensions import Self
 
-    from .store.base import FrontierStore
+    from .store.base import FrontierStore, RunRecord
 
 __all__ = ["IdempotentFeedExporter"]
 
@@ -124,8 +124,8 @@ class IdempotentFeedExporter(FeedExporter):
         written only then)."""
         spider = self._spider
         assert spider is not None
-        started = next((float(run["started_at"]) for run in store.runs()  # type: ignore[arg-type]
-                        if run["run_id"] == run_id), None)
+        started = next((run.started_at for run in store.runs() if run.run_id == run_id),
+                       None)
         run_start = (datetime.fromtimestamp(started, timezone.utc) if started is not None
                      else datetime.now(timezone.utc))
         slots: list[_RunSlot] = []
@@ -147,7 +147,7 @@ class IdempotentFeedExporter(FeedExporter):
                 try:
                     await self._export_item(item, slots, store, run_id, run_start)
                 except Exception:  # as Scrapy: logged, the item skips the remaining feeds
-                    logger.error("Error exporting record %s to the feeds", row["record_id"],
+                    logger.error("Error exporting record %s to the feeds", row.record_id,
                                  exc_info=True, extra={"spider": spider})
             for slot in slots:
                 await self._store_slot(slot, store, run_id)
@@ -252,13 +252,13 @@ class IdempotentFeedExporter(FeedExporter):
             self.crawler.stats.inc_value(f"feedexport/success_count/{storage_name}")
         await scrapy_compat.send_signal(self.crawler, signals.feed_slot_closed, slot=slot)
 
-    def _item(self, row: dict[str, object]) -> Any:
+    def _item(self, row: RunRecord) -> Any:
         """The item a record was stored from, as far as it can be rebuilt: an instance of its
         class when that class is loaded in this process and accepts the fields, else a dict;
         the record ID stamped into ``IDEMPOTENT_RECORD_ID_FIELD`` as the crawl stamps it."""
-        data = loads(str(row["data"]))
+        data = loads(row.data)
         item: Any = data
-        cls = _loaded_class(str(row["item_type"]))
+        cls = _loaded_class(row.item_type)
         if isinstance(data, dict) and cls is not None and cls is not dict:
             with contextlib.suppress(Exception):
                 from scrapy import Item
@@ -266,7 +266,7 @@ class IdempotentFeedExporter(FeedExporter):
                 item = cls(data) if issubclass(cls, Item) else cls(**data)
         if self._record_id_field is not None:
             with contextlib.suppress(KeyError, TypeError, AttributeError):
-                ItemAdapter(item)[self._record_id_field] = row["record_id"]
+                ItemAdapter(item)[self._record_id_field] = row.record_id
         return item
 
 

@@ -538,11 +538,11 @@ def open_outbox_store(config: IdempotentConfig, identity: CrawlIdentity) -> Fron
 
     store = open_store(config.database, **config.store_options())
     info = store.open_existing(readonly=False, identity=identity)
-    if info["schema_version"] != info["supported_schema_version"]:
+    if not info.current:
         store.close()
         raise StoreError(f"{redacted(config.database)} has schema version "
-                         f"{info['schema_version']}; this scrapy_idempotent reads "
-                         f"{info['supported_schema_version']} (a crawl migrates it)")
+                         f"{info.version}; this scrapy_idempotent reads "
+                         f"{info.supported} (a crawl migrates it)")
     return store
 
 

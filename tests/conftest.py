@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ EXAMPLE_PROJECT = ROOT / "example_project"
 if str(EXAMPLE_PROJECT) not in sys.path:
     sys.path.insert(0, str(EXAMPLE_PROJECT))
 
+from scrapy_idempotent.store import FrontierStore, open_store  # noqa: E402
 from shop.site import ShopSite  # noqa: E402
 
 
@@ -49,3 +51,81 @@ def postgres_cluster() -> Iterator[object]:
 def postgres_url(postgres_cluster: Any) -> str:
     """The URL of an empty database of its own on the session's PostgreSQL cluster."""
     return str(postgres_cluster.new_database())
+
+
+# -- store backends: the contract tests run against each -----------------------------------
+
+#: Unix seconds the store tests start at.
+T0 = 1_700_000_000.0
+
+
+class FakeClock:
+    """Unix seconds that only move when a test says so."""
+
+    def __init__(self, now: float = T0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@dataclass(frozen=True)
+class StoreBackend:
+    """How the store tests get a database of one backend: ``database(request, tmp_path)``
+    gives the database string (``IDEMPOTENT_DATABASE``) of a new, empty database for one
+    test; ``options`` are given to every store of it (unless the test gives its own)."""
+
+    database: Callable[[pytest.FixtureRequest, Path], str]
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+#: One param per store backend: every test taking ``store_factory`` runs against each.
+STORE_BACKENDS = [
+    pytest.param(StoreBackend(lambda request, tmp_path: str(tmp_path / "frontier.sqlite3")),
+                 id="sqlite"),
+    # time is the fake clock's: no heartbeat thread, no death by heartbeat
+    pytest.param(StoreBackend(lambda request, tmp_path: request.getfixturevalue("postgres_url"),
+                              {"heartbeat_seconds": None, "dead_after_seconds": None}),
+                 id="postgresql"),
+]
+
+
+@pytest.fixture(params=STORE_BACKENDS)
+def store_backend(request: pytest.FixtureRequest) -> StoreBackend:
+    backend: StoreBackend = request.param
+    return backend
+
+
+@pytest.fixture
+def store_database(store_backend: StoreBackend, request: pytest.FixtureRequest,
+                   tmp_path: Path) -> str:
+    """The database string of a new, empty database of each store backend in turn."""
+    return store_backend.database(request, tmp_path)
+
+
+@pytest.fixture
+def store_factory(store_backend: StoreBackend, store_database: str,
+                  clock: FakeClock) -> Iterator[Callable[..., FrontierStore]]:
+    """``store_factory(**options)``: an unopened store on this test's database, chosen by
+    ``open_store`` as a crawl chooses it, with the test's clock (``clock=`` overrides it);
+    stores made by one test share its database (as two processes would). Every store made is
+    closed after the test."""
+    made: list[FrontierStore] = []
+
+    def make(**options: Any) -> FrontierStore:
+        store = open_store(store_database, **{**store_backend.options, "clock": clock,
+                                              **options})
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        store.close()

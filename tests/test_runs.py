@@ -1,29 +1,23 @@
-"""Runs and recrawl windows at the store level, with injected clocks (no Scrapy)."""
+"""Runs and recrawl windows at the store level, with injected clocks (no Scrapy). Part of the
+store contract: every test runs against each store backend (``store_factory``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any
 
-import pytest
+from conftest import FakeClock as Clock
 
 from scrapy_idempotent.store import (
     Completion,
+    FrontierStore,
     NewRequest,
     RequestState,
-    SQLiteStore,
     UnitOfWork,
 )
 
 HOUR = 3600.0
-
-
-class Clock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
+Stores = Callable[..., FrontierStore]
 
 
 def request(n: int) -> NewRequest:
@@ -31,24 +25,19 @@ def request(n: int) -> NewRequest:
                       priority=0, data="{}")
 
 
-@pytest.fixture
-def stores(db_path: Path) -> Iterator[list[SQLiteStore]]:
-    opened: list[SQLiteStore] = []
-    yield opened
-    for store in opened:
-        store.close()
-
-
-def open_store(stores: list[SQLiteStore], db_path: Path, clock: Clock, worker: str,
-               **kwargs: float) -> SQLiteStore:
-    store = SQLiteStore(str(db_path), clock=clock, **kwargs)
+def open_store(store_factory: Stores, clock: Clock, worker: str, **kwargs: Any) -> FrontierStore:
+    store = store_factory(clock=clock, **kwargs)
     store.open(fingerprinter="f")
     store.begin_session(worker, "auto")
-    stores.append(store)
     return store
 
 
-def crawl(store: SQLiteStore, worker: str, n: int) -> None:
+def requests(store: FrontierStore) -> list[tuple[str, int]]:
+    """(state, attempts) of every frontier entry."""
+    return [(entry.state, entry.attempts) for entry in store.entries()]
+
+
+def crawl(store: FrontierStore, worker: str, n: int) -> None:
     """Enqueue, lease and complete request n."""
     store.commit(UnitOfWork(requests=[request(n)]), worker)
     for leased in store.commit(UnitOfWork(claim=10), worker).leased:
@@ -57,37 +46,34 @@ def crawl(store: SQLiteStore, worker: str, n: int) -> None:
                      worker)
 
 
-def test_run_counters_are_cumulative_over_sessions(stores: list[SQLiteStore],
-                                                   db_path: Path) -> None:
+def test_run_counters_are_cumulative_over_sessions(store_factory: Stores) -> None:
     clock = Clock(1000.0)
-    first = open_store(stores, db_path, clock, "w1")
+    first = open_store(store_factory, clock, "w1")
     crawl(first, "w1", 1)
     first.end_session("w1", "shutdown")
-    second = open_store(stores, db_path, clock, "w2")  # resumes the unfinished run
-    assert second.run_id == first.run_id
+    second = open_store(store_factory, clock, "w2")  # resumes the unfinished run
     crawl(second, "w2", 2)
     second.end_session("w2", "finished")
-    (row,) = second.query("SELECT leased, done, failed, finished_at FROM runs")
-    assert row == (2, 2, 0, 1000.0)
+    (run,) = second.runs()
+    assert (run.leased, run.done, run.failed, run.finished_at) == (2, 2, 0, 1000.0)
 
 
 def test_without_window_a_new_run_starts_from_an_empty_frontier(
-    stores: list[SQLiteStore], db_path: Path
+    store_factory: Stores,
 ) -> None:
     clock = Clock(1000.0)
-    store = open_store(stores, db_path, clock, "w1")
+    store = open_store(store_factory, clock, "w1")
     crawl(store, "w1", 1)
     store.end_session("w1", "finished")
-    store.begin_session("w1", "auto")
-    assert store.run_id == 2
+    assert store.begin_session("w1", "auto").run_id == 2
     assert store.commit(UnitOfWork(requests=[request(1)]), "w1").requests_added == 1
 
 
 def test_within_the_window_done_is_not_due_and_after_it_is(
-    stores: list[SQLiteStore], db_path: Path
+    store_factory: Stores,
 ) -> None:
     clock = Clock(10 * HOUR + 60)
-    store = open_store(stores, db_path, clock, "w1", recrawl_seconds=HOUR)
+    store = open_store(store_factory, clock, "w1", recrawl_seconds=HOUR)
     crawl(store, "w1", 1)
     store.end_session("w1", "finished")
     clock.now += 600  # a new run in the same window keeps what was done
@@ -97,18 +83,18 @@ def test_within_the_window_done_is_not_due_and_after_it_is(
     clock.now = 11 * HOUR + 1  # the next window: due again, once
     result = store.commit(UnitOfWork(requests=[request(1), request(1)]), "w1")
     assert (result.requests_due_again, result.requests_duplicate) == (1, 1)
-    assert store.query("SELECT state, attempts FROM requests") == [("pending", 0)]
+    assert requests(store) == [("pending", 0)]
 
 
 def test_workers_whose_clocks_differ_across_a_window_boundary_fetch_once(
-    stores: list[SQLiteStore], db_path: Path
+    store_factory: Stores,
 ) -> None:
     """Worker A's clock reads 0.5 s before the hour, worker B's 0.5 s after it. A page done by
     A in the last window is rediscovered by both: it is due again for B, and the state change
     in the database makes it one pending entry, leased by one worker, fetched once."""
     clock_a, clock_b = Clock(11 * HOUR - 0.5), Clock(11 * HOUR + 0.5)
-    a = open_store(stores, db_path, clock_a, "a", recrawl_seconds=HOUR)
-    b = open_store(stores, db_path, clock_b, "b", recrawl_seconds=HOUR)
+    a = open_store(store_factory, clock_a, "a", recrawl_seconds=HOUR)
+    b = open_store(store_factory, clock_b, "b", recrawl_seconds=HOUR)
     clock_a.now -= 60
     crawl(a, "a", 1)  # done in window 10 by A's clock
     clock_a.now += 60
@@ -118,18 +104,18 @@ def test_workers_whose_clocks_differ_across_a_window_boundary_fetch_once(
     assert b.commit(UnitOfWork(requests=[request(1)]), "b").requests_duplicate == 1
     leased = [a.commit(UnitOfWork(claim=5), "a").leased, b.commit(UnitOfWork(claim=5), "b").leased]
     assert sorted(len(x) for x in leased) == [0, 1]
-    assert a.query("SELECT count(*) FROM requests") == [(1,)]
+    assert len(requests(a)) == 1
 
 
 def test_a_new_run_with_a_window_forgets_what_was_done_before_it(
-    stores: list[SQLiteStore], db_path: Path
+    store_factory: Stores,
 ) -> None:
     clock = Clock(10 * HOUR + 60)
-    store = open_store(stores, db_path, clock, "w1", recrawl_seconds=HOUR)
+    store = open_store(store_factory, clock, "w1", recrawl_seconds=HOUR)
     crawl(store, "w1", 1)
     clock.now += 60
     crawl(store, "w1", 2)
     store.end_session("w1", "finished")
     clock.now = 11 * HOUR + 5
     store.begin_session("w1", "auto")
-    assert store.query("SELECT count(*) FROM requests") == [(0,)]
+    assert requests(store) == []

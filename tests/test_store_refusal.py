@@ -70,8 +70,8 @@ def test_another_spiders_database_is_refused_with_not_a_byte_changed(
     # and its own crawl still opens it, migrates it and converts it
     store = SQLiteStore(str(path))
     store.open(fingerprinter="x", identity=SPIDER_A)
-    assert store.query("PRAGMA auto_vacuum") == [(2,)]
-    assert store.query("SELECT count(*) FROM requests") == [(200,)]
+    assert store.conn.execute("PRAGMA auto_vacuum").fetchall() == [(2,)]
+    assert store.conn.execute("SELECT count(*) FROM requests").fetchall() == [(200,)]
     store.close()
 
 

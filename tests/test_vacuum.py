@@ -131,8 +131,8 @@ def test_free_space_is_given_back_in_bounded_steps(tmp_path: Path) -> None:
         store.commit(UnitOfWork(requests=[NewRequest(
             key=f"k{batch}-{i}", fingerprint=f"k{batch}-{i}", url="https://shop.example/",
             priority=0, data="x" * 8000) for i in range(500)]), "w1")
-    store.query("DELETE FROM requests")
-    free = store.query("PRAGMA freelist_count")[0][0]
+    store.conn.execute("DELETE FROM requests").fetchall()
+    free = store.conn.execute("PRAGMA freelist_count").fetchall()[0][0]
     assert free > 3 * RECLAIM_STEP_PAGES
     statements: list[str] = []
     store.conn.set_trace_callback(statements.append)
@@ -141,6 +141,6 @@ def test_free_space_is_given_back_in_bounded_steps(tmp_path: Path) -> None:
     steps = [s for s in statements if "incremental_vacuum" in s]
     assert steps == [f"PRAGMA incremental_vacuum({RECLAIM_STEP_PAGES});"] * len(steps)
     assert len(steps) >= 4
-    assert store.query("PRAGMA freelist_count") == [(0,)]
-    assert freed == free * store.query("PRAGMA page_size")[0][0]
+    assert store.conn.execute("PRAGMA freelist_count").fetchall() == [(0,)]
+    assert freed == free * store.conn.execute("PRAGMA page_size").fetchall()[0][0]
     store.close()

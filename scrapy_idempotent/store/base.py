@@ -1,8 +1,11 @@
 """The store interface: what the frontier, leases, runs and records need from a database.
 
-Plain values in, plain values out; nothing here imports Scrapy. :class:`~.SQLiteStore` is the
-embedded implementation; a PostgreSQL store for many machines is to follow and must pass the
-same contract tests (``tests/test_store.py``).
+Plain values in, typed values out (frozen dataclasses, no backend's types); nothing here
+imports Scrapy or a database driver. Errors are :class:`~.StoreError`, and
+:class:`~.StoreBusy` the one worth retrying. :class:`~.SQLiteStore` is the embedded
+implementation; :func:`~.open_store` chooses a backend from the database string. Every backend
+passes the same contract tests (``tests/test_store_contract.py`` and the other tests taking
+the ``store_factory`` fixture), which read state through this interface only.
 
 Transaction guarantees every implementation gives:
 
@@ -23,6 +26,7 @@ Transaction guarantees every implementation gives:
 from __future__ import annotations
 
 import enum
+import fnmatch
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -33,8 +37,12 @@ __all__ = [
     "CommitResult",
     "Completion",
     "CrawlIdentity",
+    "EngineSetting",
+    "FailedRequest",
+    "FrontierEntry",
     "FrontierStatus",
     "FrontierStore",
+    "IntegrityReport",
     "LeaseHolder",
     "LeasedRequest",
     "NewRequest",
@@ -43,9 +51,21 @@ __all__ = [
     "OutboxState",
     "Record",
     "Reject",
+    "RejectedItem",
+    "RejectsRetried",
+    "RepeatedRequest",
     "RequestState",
+    "RequestSummary",
+    "RetriedFailed",
     "RunInfo",
+    "RunMode",
+    "RunRecord",
+    "RunSummary",
+    "SchemaInfo",
+    "SessionInfo",
+    "StoredRecord",
     "UnitOfWork",
+    "url_glob_matches",
 ]
 
 
@@ -72,6 +92,14 @@ class OutboxState(str, enum.Enum):
     PENDING = "pending"  #: not acknowledged yet (never sent, or to be sent again)
     DELIVERED = "delivered"  #: the target acknowledged it
     FAILED = "failed"  #: the target refused it for good (its answer is kept)
+
+
+class RunMode(str, enum.Enum):
+    """How a session joins the runs (``IDEMPOTENT_RUN_MODE``)."""
+
+    AUTO = "auto"  #: resume an unfinished run, else start a new run
+    RESUME = "resume"  #: always continue the last run (a finished run stays finished)
+    FRESH = "fresh"  #: always start a new run (the frontier is cleared, records are kept)
 
 
 @dataclass(frozen=True)
@@ -286,6 +314,216 @@ class RunInfo:
     counts: dict[str, int]
 
 
+# -- what the operator queries return --------------------------------------------------------
+# Times are unix seconds (float), None where there is none. States are text as stored
+# (``pending``, ``done``...): a damaged database may hold a state the package never writes,
+# and the operator commands must still show it.
+
+
+@dataclass(frozen=True)
+class SchemaInfo:
+    """The schema of a database opened with :meth:`FrontierStore.open_existing`."""
+
+    version: int  #: as found in the database
+    supported: int  #: the version this scrapy_idempotent reads and writes
+
+    @property
+    def current(self) -> bool:
+        return self.version == self.supported
+
+
+@dataclass(frozen=True)
+class EngineSetting:
+    """A setting of the database engine the store relies on, as found (SQLite's journal mode
+    must be ``wal``); ``expected`` None: shown, never a problem."""
+
+    name: str  #: ``journal_mode``
+    label: str  #: ``journal mode``, as shown to a user
+    value: str  #: as found, lower case
+    expected: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.expected is None or self.value == self.expected
+
+
+@dataclass(frozen=True)
+class IntegrityReport:
+    """The database engine's own consistency check."""
+
+    method: str  #: how it was checked (``PRAGMA integrity_check``)
+    problems: tuple[str, ...] = ()  #: what it found, empty when nothing
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """A run, with counters cumulative over all its sessions."""
+
+    run_id: int
+    started_at: float
+    finished_at: float | None  #: None while unfinished
+    reason: str | None
+    leased: int
+    done: int
+    failed: int
+    redirected: int
+    records_inserted: int
+    records_updated: int
+    records_unchanged: int
+    rejects: int  #: items kept in the rejects table during the run
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """A session: one crawl process's part of a run. ``ended_at`` and ``reason`` are None
+    when the process never closed (it is still running, or it was killed)."""
+
+    session_id: int
+    run_id: int
+    worker: str
+    started_at: float
+    ended_at: float | None
+    reason: str | None
+
+
+@dataclass(frozen=True)
+class RequestSummary:
+    """Over the whole frontier."""
+
+    requests: int
+    leases: int  #: sum of attempts
+    repeated: int  #: entries leased more than once
+    most_attempts: int
+    expired_leases: int  #: leased, lease time over
+    journaled_responses: int
+    replays: int  #: attempts answered from the response journal
+    downloads: int  #: attempts sent to the network: leases minus replays
+    downloaded_again: int  #: entries sent to the network more than once
+
+
+@dataclass(frozen=True)
+class RepeatedRequest:
+    key: str
+    url: str
+    state: str
+    attempts: int
+    worker: str | None
+    error_kind: str | None
+
+
+@dataclass(frozen=True)
+class FailedRequest:
+    key: str
+    url: str
+    error_kind: str | None
+    error_message: str | None
+    attempts: int
+    finished_at: float | None
+    parent_key: str | None
+    run_id: int
+
+
+@dataclass(frozen=True)
+class RetriedFailed:
+    """What :meth:`FrontierStore.retry_failed` did."""
+
+    retried: int  #: entries put back to pending
+    run_id: int | None  #: the last run, None when there is none
+    reopened: bool  #: the last run was finished and is open again
+
+
+@dataclass(frozen=True)
+class RejectsRetried:
+    """What :meth:`FrontierStore.retry_rejects` did."""
+
+    pages: int  #: entries put back to pending
+    rejects: int  #: rejects marked as put back
+    without_page: int  #: rejects whose page is not in the frontier, or unknown
+    run_id: int | None
+    reopened: bool
+
+
+@dataclass(frozen=True)
+class StoredRecord:
+    """A record as :meth:`FrontierStore.records_page` returns it; ``natural_key`` and
+    ``data`` are JSON text (the codec's tagged JSON)."""
+
+    record_id: str
+    source: str
+    natural_key: str
+    item_type: str
+    data: str
+    first_seen: float
+    last_changed: float
+    first_run_id: int
+    changed_run_id: int
+    content_hash: str = ""  #: sha256 hex of the data without volatile fields
+    request_key: str | None = None  #: of the request whose response last wrote it
+
+
+@dataclass(frozen=True)
+class FrontierEntry:
+    """One request of the frontier, as stored (:meth:`FrontierStore.entry`)."""
+
+    key: str
+    fingerprint: str
+    url: str
+    state: str
+    priority: int
+    is_start: bool
+    data: str  #: the request as JSON text
+    parent_key: str | None
+    worker: str | None  #: the lease holder while leased
+    leased_until: float | None
+    attempts: int  #: times started since it was last (re)queued by an operator
+    #: times started in a row without finishing (the worker died, or the lease expired)
+    unfinished: int
+    replays: int  #: attempts answered from the response journal
+    enqueued_at: float
+    finished_at: float | None
+    error_kind: str | None
+    error_message: str | None
+    run_id: int
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """A record of a run's feeds (:meth:`FrontierStore.run_records`)."""
+
+    record_id: str
+    item_type: str
+    data: str  #: JSON text
+    first_seen: float
+    last_changed: float
+
+
+@dataclass(frozen=True)
+class RejectedItem:
+    id: int
+    item_type: str
+    reason: str
+    data: str  #: JSON text
+    request_key: str | None
+    page_url: str | None
+    created_at: float
+    run_id: int
+    retried_at: float | None  #: when its page was put back, None if not yet
+    page_state: str | None  #: of the page's frontier entry, None when not in the frontier
+
+
+def url_glob_matches(glob: str, url: str) -> bool:
+    """The operator queries' URL glob, the reference every backend follows (translating it
+    into its own pattern language where it can): the whole URL matches, case-sensitively;
+    ``*`` is any run of characters (``/`` included), ``?`` one character, ``[abc]`` and
+    ``[a-z]`` one of a set, ``[!abc]`` one not in it; every other character, ``^`` and ``]``
+    included, is itself. Python's :func:`fnmatch.fnmatchcase`."""
+    return fnmatch.fnmatchcase(url, glob)
+
+
 class FrontierStore(ABC):
     """A durable frontier with leases, plus the records table. See the module docstring."""
 
@@ -304,9 +542,9 @@ class FrontierStore(ABC):
     def close(self) -> None: ...
 
     @abstractmethod
-    def begin_session(self, worker: str, run_mode: str) -> RunInfo:
-        """Join the current run or start a new one (``auto``/``resume``/``fresh``, see
-        :class:`~.config.RunMode`). A new run clears the frontier and keeps the records."""
+    def begin_session(self, worker: str, run_mode: RunMode) -> RunInfo:
+        """Join the current run or start a new one (see :class:`RunMode`). A new run clears
+        the frontier and keeps the records."""
 
     @abstractmethod
     def end_session(self, worker: str, reason: str, inflight: Sequence[str] = (), *,
@@ -323,13 +561,9 @@ class FrontierStore(ABC):
         """Apply ``work`` in one transaction (see the module docstring)."""
 
     @abstractmethod
-    def journal_response(self, key: str, data: str, body: bytes) -> None:
-        """Keep the response received for leased request ``key`` (its own transaction) until
-        the request's completion deletes it; ``data`` is JSON text, ``body`` raw bytes."""
-
-    @abstractmethod
     def journaled_response(self, key: str) -> tuple[str, bytes] | None:
-        """The ``(data, body)`` journaled for ``key``, if any."""
+        """The ``(data, body)`` journaled for ``key``, if any (a commit's
+        :attr:`UnitOfWork.responses` journals them)."""
 
     @abstractmethod
     def known_request(self, fingerprint: str, *, key: str | None = None) -> str | None:
@@ -409,66 +643,64 @@ class FrontierStore(ABC):
 
     # -- operator queries -------------------------------------------------------------------
     # What the ``scrapy idempotent`` commands (``scrapy_idempotent/commands.py``) read and
-    # change. Plain values in and out: rows are dicts keyed by column name, times are unix
-    # seconds. Failed-request filters: ``kinds`` matches an error kind exactly or as a prefix
-    # ending at a ``/`` (``download_error`` matches ``download_error/TimeoutError``);
-    # ``url_glob`` is a case-sensitive glob on the whole URL (``*``, ``?``, ``[...]``);
-    # ``url_regex`` a regular expression searched in the URL (Python syntax).
+    # change: the typed values above. Failed-request filters: ``kinds`` matches an error kind
+    # exactly or as a prefix ending at a ``/`` (``download_error`` matches
+    # ``download_error/TimeoutError``); ``url_glob`` is the glob of :func:`url_glob_matches`
+    # on the whole URL; ``url_regex`` a regular expression searched in the URL (Python
+    # syntax).
 
     @abstractmethod
     def open_existing(self, *, readonly: bool = True,
-                      identity: CrawlIdentity | None = None) -> dict[str, object]:
+                      identity: CrawlIdentity | None = None) -> SchemaInfo:
         """Open a database that already exists, without creating, migrating or otherwise
-        changing it (not even its journal mode), read-only unless ``readonly`` is False.
+        changing it (not even an engine setting), read-only unless ``readonly`` is False.
         Before opening it for writing, refuse (untouched) a database that is not this
         package's or, with ``identity``, that belongs to another crawl, as :meth:`open` does.
+        Returns the schema version found and supported. Raises :class:`~.StoreError` when
+        there is no database there or it cannot be read."""
 
-        Returns ``schema_version`` (int, as found), ``supported_schema_version`` (int) and
-        ``journal_mode`` (str, lower case). Raises :class:`~.StoreError` when there is no
-        database at the path or it cannot be read."""
+    @abstractmethod
+    def entry(self, key: str) -> FrontierEntry | None:
+        """The frontier entry of ``key``, None when there is none."""
+
+    @abstractmethod
+    def entries(self, *, after: str | None = None, limit: int = 1000) -> list[FrontierEntry]:
+        """Frontier entries in key order, the first ``limit`` after key ``after`` (keyset
+        paging, as :meth:`records_page`)."""
+
+    @abstractmethod
+    def engine_settings(self) -> list[EngineSetting]:
+        """The settings of the database engine the store relies on, as found (``check``
+        reports one whose value is not the expected one)."""
 
     @abstractmethod
     def meta(self) -> dict[str, str]:
         """The ``meta`` table: ``fingerprinter``, ``created_at`` (unix seconds as text), ..."""
 
     @abstractmethod
-    def runs(self) -> list[dict[str, object]]:
-        """Every run, oldest first: ``run_id``, ``started_at``, ``finished_at`` (None while
-        unfinished), ``reason``, the run's counters, cumulative over all its sessions
-        (``leased``, ``done``, ``failed``, ``redirected``, ``records_inserted``,
-        ``records_updated``, ``records_unchanged``), and ``rejects`` (items kept in the
-        rejects table during the run)."""
+    def runs(self) -> list[RunSummary]:
+        """Every run, oldest first."""
 
     @abstractmethod
-    def sessions(self) -> list[dict[str, object]]:
-        """Every session (one per crawl process), oldest first: ``session_id``, ``run_id``,
-        ``worker``, ``started_at``, ``ended_at`` and ``reason`` (both None when the process
-        never closed: it is still running, or it was killed)."""
+    def sessions(self) -> list[SessionInfo]:
+        """Every session (one per crawl process), oldest first."""
 
     @abstractmethod
-    def request_summary(self) -> dict[str, int]:
-        """Over the frontier: ``requests``, ``leases`` (sum of attempts), ``repeated``
-        (entries leased more than once), ``most_attempts``, ``expired_leases`` (leased,
-        lease time over), ``journaled_responses``, ``replays`` (attempts answered from the
-        response journal), ``downloads`` (attempts sent to the network: leases minus
-        replays), ``downloaded_again`` (entries sent to the network more than once)."""
+    def request_summary(self) -> RequestSummary: ...
 
     @abstractmethod
     def failure_counts(self) -> dict[str, int]:
-        """Failed entries by error kind, most frequent first."""
+        """Failed entries by error kind ("" for none), most frequent first (ties by kind)."""
 
     @abstractmethod
-    def repeated_requests(self, limit: int) -> list[dict[str, object]]:
-        """Entries leased more than once, most attempts first: ``key``, ``url``, ``state``,
-        ``attempts``, ``worker``, ``error_kind``."""
+    def repeated_requests(self, limit: int) -> list[RepeatedRequest]:
+        """Entries leased more than once, most attempts first (ties in enqueue order)."""
 
     @abstractmethod
     def failed_requests(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
                         url_regex: str | None = None,
-                        limit: int | None = None) -> list[dict[str, object]]:
-        """Failed entries matching the filters, latest failure first, at most ``limit``:
-        ``key``, ``url``, ``error_kind``, ``error_message``, ``attempts``, ``finished_at``,
-        ``parent_key``, ``run_id``."""
+                        limit: int | None = None) -> list[FailedRequest]:
+        """Failed entries matching the filters, latest failure first, at most ``limit``."""
 
     @abstractmethod
     def count_failed(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
@@ -477,29 +709,26 @@ class FrontierStore(ABC):
 
     @abstractmethod
     def retry_failed(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
-                     url_regex: str | None = None) -> dict[str, object]:
+                     url_regex: str | None = None) -> RetriedFailed:
         """Put the failed entries matching the filters back to pending, in one transaction:
         error kind and message, finish time and attempts are reset. When any was put back and
         the last run is finished, the run is reopened (its ``finished_at`` and ``reason``
         cleared) so that the next crawl in run mode ``auto`` resumes it instead of starting a
-        new run over an emptied frontier. Returns ``retried`` (int), ``run_id`` (the last
-        run, or None) and ``reopened`` (bool)."""
+        new run over an emptied frontier."""
 
     @abstractmethod
     def records_page(self, *, after: str | None = None, limit: int = 1000,
                      changed_since: float | None = None,
-                     changed_since_run: int | None = None) -> list[dict[str, object]]:
+                     changed_since_run: int | None = None) -> list[StoredRecord]:
         """Records in record-ID order, the first ``limit`` after record ID ``after`` (keyset
         paging: pass the last ``record_id`` of a page to get the next), optionally only those
         inserted or changed at or after ``changed_since`` or in run ``changed_since_run`` or a
-        later one: ``record_id``, ``source``, ``natural_key``, ``item_type``, ``data`` (JSON
-        text), ``first_seen``, ``last_changed``, ``first_run_id``, ``changed_run_id``."""
+        later one."""
 
     @abstractmethod
-    def run_records(self, run_id: int) -> Iterator[dict[str, object]]:
+    def run_records(self, run_id: int) -> Iterator[RunRecord]:
         """Every record inserted, updated or seen unchanged in run ``run_id`` (what the run's
-        feeds hold), in the order the run first stored or saw them (ties by record ID):
-        ``record_id``, ``item_type``, ``data`` (JSON text), ``first_seen``, ``last_changed``.
+        feeds hold), in the order the run first stored or saw them (ties by record ID).
         Streamed by pages, with no read transaction held between them (the caller may write
         to the store while it iterates): memory does not grow with the table; a record the
         run stores meanwhile comes after those already read."""
@@ -512,25 +741,20 @@ class FrontierStore(ABC):
 
     @abstractmethod
     def rejects(self, *, run_id: int | None = None, pending_only: bool = False,
-                limit: int | None = None) -> list[dict[str, object]]:
+                limit: int | None = None) -> list[RejectedItem]:
         """Rejected items, latest first (of run ``run_id``; with ``pending_only`` those not
-        put back yet), at most ``limit``: ``id``, ``item_type``, ``reason``, ``data``,
-        ``request_key``, ``page_url``, ``created_at``, ``run_id``, ``retried_at``,
-        ``page_state`` (state of the page's frontier entry, None when it is not in the
-        frontier)."""
+        put back yet), at most ``limit``."""
 
     @abstractmethod
     def count_rejects(self, *, run_id: int | None = None, pending_only: bool = False) -> int:
         """How many rejected items match, as :meth:`rejects` filters them."""
 
     @abstractmethod
-    def retry_rejects(self) -> dict[str, object]:
+    def retry_rejects(self) -> RejectsRetried:
         """Put the pages of the last run's rejected items that were not put back yet back to
         pending (their attempts, finish time and error reset), mark those rejects as put
         back, and reopen the run if it had finished (as :meth:`retry_failed`), in one
-        transaction. Returns ``pages`` (entries put back), ``rejects`` (rejects marked),
-        ``without_page`` (rejects whose page is not in the frontier, or unknown),
-        ``run_id`` and ``reopened``."""
+        transaction."""
 
     # -- moving a crawl to another database (``scrapy idempotent migrate``) -----------------
     #: The tables :meth:`dump` yields, in the order :meth:`load` takes them.
@@ -554,8 +778,8 @@ class FrontierStore(ABC):
         raise StoreError(f"{type(self).__name__} cannot be migrated to")
 
     @abstractmethod
-    def integrity_check(self) -> list[str]:
-        """The database engine's own consistency check; ``["ok"]`` when it finds nothing."""
+    def integrity_check(self) -> IntegrityReport:
+        """The database engine's own consistency check."""
 
     @abstractmethod
     def anomalies(self) -> dict[str, int]:

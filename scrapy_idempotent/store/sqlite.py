@@ -22,8 +22,12 @@ from .base import (
     CommitResult,
     Completion,
     CrawlIdentity,
+    EngineSetting,
+    FailedRequest,
+    FrontierEntry,
     FrontierStatus,
     FrontierStore,
+    IntegrityReport,
     LeasedRequest,
     LeaseHolder,
     NewRequest,
@@ -31,9 +35,21 @@ from .base import (
     OutboxOutcome,
     OutboxState,
     Record,
+    RejectedItem,
+    RejectsRetried,
+    RepeatedRequest,
     RequestState,
+    RequestSummary,
+    RetriedFailed,
     RunInfo,
+    RunMode,
+    RunRecord,
+    RunSummary,
+    SchemaInfo,
+    SessionInfo,
+    StoredRecord,
     UnitOfWork,
+    url_glob_matches,
 )
 
 __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
@@ -641,7 +657,7 @@ class SQLiteStore(FrontierStore):
 
     # -- runs and sessions ------------------------------------------------------------------
 
-    def begin_session(self, worker: str, run_mode: str) -> RunInfo:
+    def begin_session(self, worker: str, run_mode: RunMode) -> RunInfo:
         now = self.clock()
         with self._write() as cur:
             last = cur.execute(
@@ -649,8 +665,8 @@ class SQLiteStore(FrontierStore):
             ).fetchone()
             new = (
                 last is None
-                or run_mode == "fresh"
-                or (run_mode == "auto" and last[1] is not None)
+                or RunMode(run_mode) is RunMode.FRESH
+                or (RunMode(run_mode) is RunMode.AUTO and last[1] is not None)
             )
             if new:
                 # an earlier run left unfinished (IDEMPOTENT_RUN_MODE = fresh) ends here
@@ -1059,14 +1075,6 @@ class SQLiteStore(FrontierStore):
 
     # -- the response journal --------------------------------------------------------------
 
-    def journal_response(self, key: str, data: str, body: bytes) -> None:
-        with self._write() as cur:
-            cur.execute(
-                "INSERT OR REPLACE INTO responses (key, data, body, stored_at)"
-                " VALUES (?, ?, ?, ?)",
-                (key, data, body, self.clock()),
-            )
-
     def journaled_response(self, key: str) -> tuple[str, bytes] | None:
         row = self.reader.execute(
             "SELECT data, body FROM responses WHERE key = ?", (key,)).fetchone()
@@ -1165,16 +1173,12 @@ class SQLiteStore(FrontierStore):
         counts["records"] = reader.execute("SELECT count(*) FROM records").fetchone()[0]
         return counts
 
-    def query(self, sql: str, params: Any = ()) -> list[tuple[Any, ...]]:
-        """Read-only helper for commands and tests."""
-        return self.conn.execute(sql, params).fetchall()
-
     # -- operator queries -------------------------------------------------------------------
     # For the ``scrapy idempotent`` commands; see the section of the same name in base.py.
     # Everything here only reads, except retry_failed (one write transaction).
 
     def open_existing(self, *, readonly: bool = True,
-                      identity: CrawlIdentity | None = None) -> dict[str, object]:
+                      identity: CrawlIdentity | None = None) -> SchemaInfo:
         from pathlib import Path
 
         if self._conn is not None:
@@ -1191,7 +1195,6 @@ class SQLiteStore(FrontierStore):
                 if identity is not None:
                     self._check_identity(self._stored_identity(conn), identity)
             version = conn.execute("PRAGMA user_version").fetchone()[0]
-            journal_mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
         except StoreError:
             conn.close()
             raise
@@ -1199,8 +1202,27 @@ class SQLiteStore(FrontierStore):
             conn.close()
             raise self._error(exc, "reading") from exc
         self._conn = conn
-        return {"schema_version": version, "supported_schema_version": SCHEMA_VERSION,
-                "journal_mode": str(journal_mode).lower()}
+        return SchemaInfo(version=int(version), supported=SCHEMA_VERSION)
+
+    def entry(self, key: str) -> FrontierEntry | None:
+        found = self._entries_where("key = ?", (key,), 1)
+        return found[0] if found else None
+
+    def entries(self, *, after: str | None = None, limit: int = 1000) -> list[FrontierEntry]:
+        return self._entries_where("key > ?", (after or "",), limit)
+
+    def _entries_where(self, where: str, params: tuple[Any, ...],
+                      limit: int) -> list[FrontierEntry]:
+        return [FrontierEntry(*(*row[:5], bool(row[5]), *row[6:])) for row in self.conn.execute(
+            "SELECT key, fingerprint, url, state, priority, is_start, data, parent_key, worker,"
+            " leased_until, attempts, unfinished, replays, enqueued_at, finished_at, error_kind,"
+            f" error_message, run_id FROM requests WHERE {where} ORDER BY key LIMIT ?",
+            (*params, limit))]
+
+    def engine_settings(self) -> list[EngineSetting]:
+        mode = self.conn.execute("PRAGMA journal_mode").fetchone()[0]
+        return [EngineSetting(name="journal_mode", label="journal mode",
+                              value=str(mode).lower(), expected="wal")]
 
     def _connect_existing(self, uri: str) -> sqlite3.Connection:
         try:
@@ -1218,22 +1240,19 @@ class SQLiteStore(FrontierStore):
     def meta(self) -> dict[str, str]:
         return dict(self.conn.execute("SELECT key, value FROM meta ORDER BY key").fetchall())
 
-    def runs(self) -> list[dict[str, object]]:
-        rejects = dict(self.conn.execute(
-            "SELECT run_id, count(*) FROM rejects GROUP BY run_id").fetchall())
-        runs = self._dicts(
+    def runs(self) -> list[RunSummary]:
+        return [RunSummary(*row) for row in self.conn.execute(
             "SELECT run_id, started_at, finished_at, reason, leased, done, failed, redirected,"
-            " records_inserted, records_updated, records_unchanged FROM runs ORDER BY run_id")
-        for run in runs:
-            run["rejects"] = rejects.get(run["run_id"], 0)
-        return runs
+            " records_inserted, records_updated, records_unchanged, coalesce(j.rejects, 0)"
+            " FROM runs LEFT JOIN (SELECT run_id, count(*) AS rejects FROM rejects"
+            " GROUP BY run_id) AS j USING (run_id) ORDER BY run_id")]
 
-    def sessions(self) -> list[dict[str, object]]:
-        return self._dicts(
+    def sessions(self) -> list[SessionInfo]:
+        return [SessionInfo(*row) for row in self.conn.execute(
             "SELECT session_id, run_id, worker, started_at, ended_at, reason FROM sessions"
-            " ORDER BY session_id")
+            " ORDER BY session_id")]
 
-    def request_summary(self) -> dict[str, int]:
+    def request_summary(self) -> RequestSummary:
         requests, leases, repeated, most, expired, replays, again = self.conn.execute(
             "SELECT count(*), coalesce(sum(attempts), 0), coalesce(sum(attempts > 1), 0),"
             " coalesce(max(attempts), 0),"
@@ -1243,30 +1262,30 @@ class SQLiteStore(FrontierStore):
             (self.clock(),),
         ).fetchone()
         journaled = self.conn.execute("SELECT count(*) FROM responses").fetchone()[0]
-        return {"requests": requests, "leases": leases, "repeated": repeated,
-                "most_attempts": most, "expired_leases": expired,
-                "journaled_responses": journaled, "replays": replays,
-                "downloads": leases - replays, "downloaded_again": again}
+        return RequestSummary(requests=requests, leases=leases, repeated=repeated,
+                              most_attempts=most, expired_leases=expired,
+                              journaled_responses=journaled, replays=replays,
+                              downloads=leases - replays, downloaded_again=again)
 
     def failure_counts(self) -> dict[str, int]:
         return dict(self.conn.execute(
             "SELECT coalesce(error_kind, ''), count(*) FROM requests WHERE state = 'failed'"
             " GROUP BY 1 ORDER BY 2 DESC, 1").fetchall())
 
-    def repeated_requests(self, limit: int) -> list[dict[str, object]]:
-        return self._dicts(
+    def repeated_requests(self, limit: int) -> list[RepeatedRequest]:
+        return [RepeatedRequest(*row) for row in self.conn.execute(
             "SELECT key, url, state, attempts, worker, error_kind FROM requests"
-            " WHERE attempts > 1 ORDER BY attempts DESC, id LIMIT ?", (limit,))
+            " WHERE attempts > 1 ORDER BY attempts DESC, id LIMIT ?", (limit,))]
 
     def failed_requests(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
                         url_regex: str | None = None,
-                        limit: int | None = None) -> list[dict[str, object]]:
+                        limit: int | None = None) -> list[FailedRequest]:
         where, params = self._failed_filter(kinds, url_glob, url_regex)
-        return self._dicts(
+        return [FailedRequest(*row) for row in self.conn.execute(
             "SELECT key, url, error_kind, error_message, attempts, finished_at, parent_key,"
             f" run_id FROM requests WHERE {where} ORDER BY finished_at DESC, id DESC LIMIT ?",
             (*params, -1 if limit is None else limit),
-        )
+        )]
 
     def count_failed(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
                      url_regex: str | None = None) -> int:
@@ -1276,7 +1295,7 @@ class SQLiteStore(FrontierStore):
         return count
 
     def retry_failed(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
-                     url_regex: str | None = None) -> dict[str, object]:
+                     url_regex: str | None = None) -> RetriedFailed:
         where, params = self._failed_filter(kinds, url_glob, url_regex)
         with self._write() as cur:
             cur.execute(
@@ -1292,12 +1311,12 @@ class SQLiteStore(FrontierStore):
             if reopened:
                 cur.execute("UPDATE runs SET finished_at = NULL, reason = NULL WHERE run_id = ?",
                             (last[0],))
-        return {"retried": retried, "run_id": last[0] if last is not None else None,
-                "reopened": reopened}
+        return RetriedFailed(retried=retried, run_id=last[0] if last is not None else None,
+                             reopened=reopened)
 
     def records_page(self, *, after: str | None = None, limit: int = 1000,
                      changed_since: float | None = None,
-                     changed_since_run: int | None = None) -> list[dict[str, object]]:
+                     changed_since_run: int | None = None) -> list[StoredRecord]:
         where: list[str] = ["record_id > ?"]
         params: list[Any] = [after or ""]
         if changed_since is not None:
@@ -1306,14 +1325,14 @@ class SQLiteStore(FrontierStore):
         if changed_since_run is not None:
             where.append("changed_run_id >= ?")
             params.append(changed_since_run)
-        return self._dicts(
+        return [StoredRecord(*row) for row in self.conn.execute(
             "SELECT record_id, source, natural_key, item_type, data, first_seen, last_changed,"
-            " first_run_id, changed_run_id FROM records"
+            " first_run_id, changed_run_id, content_hash, request_key FROM records"
             f" WHERE {' AND '.join(where)} ORDER BY record_id LIMIT ?",
             (*params, limit),
-        )
+        )]
 
-    def run_records(self, run_id: int) -> Iterator[dict[str, object]]:
+    def run_records(self, run_id: int) -> Iterator[RunRecord]:
         # Keyset paging on the records_seen index: each page is one statement, read to the
         # end before it is yielded, so no read transaction stays open while the caller
         # writes (a write after another worker's commit would fail on a stale snapshot).
@@ -1323,17 +1342,17 @@ class SQLiteStore(FrontierStore):
         after: tuple[Any, ...] | None = None
         while True:
             if after is None:
-                rows = self._dicts(columns + order, (run_id,))
+                rows = self.conn.execute(columns + order, (run_id,)).fetchall()
             else:
-                rows = self._dicts(columns + " AND (seen_seq, seen_at, record_id) > (?, ?, ?)"
-                                   + order, (run_id, *after))
+                rows = self.conn.execute(
+                    columns + " AND (seen_seq, seen_at, record_id) > (?, ?, ?)" + order,
+                    (run_id, *after)).fetchall()
             if not rows:
                 return
             last = rows[-1]
-            after = (last["seen_seq"], last["seen_at"], last["record_id"])
+            after = (last[5], last[6], last[0])
             for row in rows:
-                del row["seen_seq"], row["seen_at"]
-                yield row
+                yield RunRecord(*row[:5])
 
     def feed_base(self, run_id: int, uri: str, size: int) -> int:
         with self._write() as cur:
@@ -1354,15 +1373,15 @@ class SQLiteStore(FrontierStore):
         return " AND ".join(where), params
 
     def rejects(self, *, run_id: int | None = None, pending_only: bool = False,
-                limit: int | None = None) -> list[dict[str, object]]:
+                limit: int | None = None) -> list[RejectedItem]:
         where, params = self._rejects_filter(run_id, pending_only)
-        return self._dicts(
+        return [RejectedItem(*row) for row in self.conn.execute(
             "SELECT j.id, j.item_type, j.reason, j.data, j.request_key,"
             " coalesce(j.page_url, r.url) AS page_url, j.created_at, j.run_id, j.retried_at,"
             " r.state AS page_state FROM rejects j LEFT JOIN requests r ON r.key = j.request_key"
             f" WHERE {where} ORDER BY j.created_at DESC, j.id DESC LIMIT ?",
             (*params, -1 if limit is None else limit),
-        )
+        )]
 
     def count_rejects(self, *, run_id: int | None = None, pending_only: bool = False) -> int:
         where, params = self._rejects_filter(run_id, pending_only)
@@ -1370,14 +1389,14 @@ class SQLiteStore(FrontierStore):
             f"SELECT count(*) FROM rejects j WHERE {where}", params).fetchone()[0]
         return count
 
-    def retry_rejects(self) -> dict[str, object]:
+    def retry_rejects(self) -> RejectsRetried:
         now = self.clock()
         with self._write() as cur:
             last = cur.execute(
                 "SELECT run_id, finished_at FROM runs ORDER BY run_id DESC LIMIT 1").fetchone()
             if last is None:
-                return {"pages": 0, "rejects": 0, "without_page": 0, "run_id": None,
-                        "reopened": False}
+                return RejectsRetried(pages=0, rejects=0, without_page=0, run_id=None,
+                                      reopened=False)
             keys = {key for (key,) in cur.execute(
                 "SELECT DISTINCT request_key FROM rejects WHERE run_id = ?"
                 " AND retried_at IS NULL AND request_key IN"
@@ -1401,8 +1420,8 @@ class SQLiteStore(FrontierStore):
             if reopened:
                 cur.execute("UPDATE runs SET finished_at = NULL, reason = NULL WHERE run_id = ?",
                             (last[0],))
-        return {"pages": pages, "rejects": marked, "without_page": without,
-                "run_id": last[0], "reopened": reopened}
+        return RejectsRetried(pages=pages, rejects=marked, without_page=without,
+                              run_id=last[0], reopened=reopened)
 
     def dump(self, batch: int = 1000) -> Iterator[tuple[str, list[dict[str, object]]]]:
         # keyset paging on each table's key: one statement per batch
@@ -1424,8 +1443,16 @@ class SQLiteStore(FrontierStore):
                     del row["_key"]
                 yield table, rows
 
-    def integrity_check(self) -> list[str]:
-        return [str(row[0]) for row in self.conn.execute("PRAGMA integrity_check")]
+    def _dicts(self, sql: str, params: Any = ()) -> list[dict[str, object]]:
+        """Rows as dicts keyed by column name (a table dump is column by column)."""
+        cur = self.conn.execute(sql, params)
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+    def integrity_check(self) -> IntegrityReport:
+        found = [str(row[0]) for row in self.conn.execute("PRAGMA integrity_check")]
+        return IntegrityReport(method="PRAGMA integrity_check",
+                               problems=() if found == ["ok"] else tuple(found))
 
     def anomalies(self) -> dict[str, int]:
         terminal = ", ".join(f"'{state}'" for state in _TERMINAL)
@@ -1451,11 +1478,6 @@ class SQLiteStore(FrontierStore):
         }
         return {name: self.conn.execute(sql).fetchone()[0] for name, sql in checks.items()}
 
-    def _dicts(self, sql: str, params: Any = ()) -> list[dict[str, object]]:
-        cur = self.conn.execute(sql, params)
-        names = [d[0] for d in cur.description]
-        return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
-
     def _failed_filter(self, kinds: list[str] | None, url_glob: str | None,
                        url_regex: str | None) -> tuple[str, list[Any]]:
         where, params = ["state = 'failed'"], []
@@ -1465,8 +1487,14 @@ class SQLiteStore(FrontierStore):
             for kind in kinds:
                 params += [kind, len(kind) + 1, f"{kind}/"]
         if url_glob is not None:
-            where.append("url GLOB ?")
-            params.append(url_glob)
+            # the interface's glob (url_glob_matches), not SQLite's GLOB, whose character
+            # sets are negated with [^...] where the interface's use [!...]
+            glob = url_glob
+            self.conn.create_function(
+                "idempotent_url_glob", 1,
+                lambda url: url is not None and url_glob_matches(glob, url),
+                deterministic=True)
+            where.append("idempotent_url_glob(url)")
         if url_regex is not None:
             import re
 

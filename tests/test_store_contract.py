@@ -1,10 +1,9 @@
 """The store contract (``scrapy_idempotent.store.base``), without Scrapy.
 
-Every test that takes the ``store`` or ``make_store`` fixture runs against each factory in
-``STORE_FACTORIES``: add a backend there and it must pass the same tests. Besides the
-``FrontierStore`` methods, the tests read rows through ``store.query(sql, params)`` over the
-``requests`` and ``records`` tables. The tests named ``test_sqlite_*`` are about the SQLite file
-itself (schema version, permissions, WAL).
+Every test runs against each store backend (the ``store_factory`` fixture of
+``tests/conftest.py``, where a backend is added) and reads state through the
+``FrontierStore`` interface only, so the same tests hold for any backend. Tests of one
+backend's own files and settings live in files of their own (``test_sqlite_store.py``).
 
 Time never passes by itself: every store gets a ``FakeClock`` that the tests move forward.
 """
@@ -12,19 +11,14 @@ Time never passes by itself: every store gets a ``FakeClock`` that the tests mov
 from __future__ import annotations
 
 import json
-import os
-import random
-import sqlite3
-import stat
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+from conftest import T0
 
 from scrapy_idempotent.exceptions import StoreError
 from scrapy_idempotent.store import (
-    SCHEMA_VERSION,
     CommitResult,
     Completion,
     FrontierStatus,
@@ -36,84 +30,23 @@ from scrapy_idempotent.store import (
     Reject,
     RequestState,
     RunInfo,
-    SQLiteStore,
     UnitOfWork,
 )
+from scrapy_idempotent.store.base import FrontierEntry, StoredRecord
 
 LEASE_SECONDS = 60.0
-T0 = 1_700_000_000.0
-
-
-class FakeClock:
-    """Unix seconds that only move when a test says so."""
-
-    def __init__(self, now: float = T0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def sqlite_factory(location: Path, clock: FakeClock, **options: Any) -> FrontierStore:
-    return SQLiteStore(str(location / "frontier.sqlite3"), clock=clock, **options)
-
-
-def postgresql_factory(location: Path, clock: FakeClock, **options: Any) -> FrontierStore:
-    """A PostgreSQL store on a database of this test's own (made once per location), without
-    the heartbeat thread and death by heartbeat (time here is the fake clock's)."""
-    from scrapy_idempotent.store.postgresql import PostgreSQLStore
-
-    marker = location / "postgresql-url"
-    if not marker.exists():
-        marker.write_text(_POSTGRES_CLUSTER[0].new_database())
-    options.setdefault("heartbeat_seconds", None)
-    options.setdefault("dead_after_seconds", None)
-    options.pop("synchronous", None)
-    return PostgreSQLStore(marker.read_text(), clock=clock, **options)
-
-
-_POSTGRES_CLUSTER: list[Any] = []
-
-#: What a commit that fails may raise: the package's error or the backend's DB-API error.
-COMMIT_ERRORS: tuple[type[BaseException], ...] = (StoreError, sqlite3.Error)
-try:
-    import psycopg
-
-    COMMIT_ERRORS += (psycopg.Error,)
-except ImportError:  # the PostgreSQL store's tests skip
-    pass
-
-#: One factory per backend: ``factory(location, clock, **options)`` returns an unopened store;
-#: two stores made with the same location share one database (two processes).
-STORE_FACTORIES = [pytest.param(sqlite_factory, id="sqlite"),
-                   pytest.param(postgresql_factory, id="postgresql")]
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture(params=STORE_FACTORIES)
-def make_store(request: pytest.FixtureRequest, tmp_path: Path,
-               clock: FakeClock) -> Iterator[Callable[..., Any]]:
-    """``make_store(**options)``: an unopened store on this test's database, closed after."""
-    made: list[Any] = []
-    if request.param is postgresql_factory and not _POSTGRES_CLUSTER:
-        _POSTGRES_CLUSTER.append(request.getfixturevalue("postgres_cluster"))
+def make_store(store_factory: Callable[..., FrontierStore]) -> Callable[..., Any]:
+    """``make_store(**options)``: an unopened store on this test's database (leases of
+    ``LEASE_SECONDS`` unless given)."""
 
     def make(**options: Any) -> Any:
         options.setdefault("lease_seconds", LEASE_SECONDS)
-        store = request.param(tmp_path, clock, **options)
-        made.append(store)
-        return store
+        return store_factory(**options)
 
-    yield make
-    for store in made:
-        store.close()
+    return make
 
 
 @pytest.fixture
@@ -186,9 +119,26 @@ def complete(store: Any, key: str, state: RequestState = RequestState.DONE,
 
 def row(store: Any, key: str) -> tuple[Any, ...]:
     """(state, worker, attempts) of one frontier entry."""
-    rows = store.query("SELECT state, worker, attempts FROM requests WHERE key = ?", (key,))
-    assert len(rows) == 1, rows
-    return tuple(rows[0])
+    entry = store.entry(key)
+    assert entry is not None, key
+    return (entry.state, entry.worker, entry.attempts)
+
+
+def entries(store: Any) -> list[FrontierEntry]:
+    """Every frontier entry, in key order (paged as a caller of ``entries`` pages)."""
+    found: list[FrontierEntry] = []
+    while page := store.entries(after=found[-1].key if found else None, limit=3):
+        found += page
+    return found
+
+
+def records(store: Any) -> list[StoredRecord]:
+    return list(store.records_page(limit=10_000))
+
+
+def journal(store: Any, key: str, data: str, body: bytes, worker: str = "w1") -> None:
+    """Journal a response as the scheduler does: in a unit of work."""
+    store.commit(UnitOfWork(responses=[(key, data, body)]), worker)
 
 
 def counts(**nonzero: int) -> dict[str, int]:
@@ -198,7 +148,7 @@ def counts(**nonzero: int) -> dict[str, int]:
 
 
 def frontier_keys(store: Any) -> list[str]:
-    return [r[0] for r in store.query("SELECT key FROM requests ORDER BY key")]
+    return [entry.key for entry in entries(store)]
 
 
 # -- idempotent enqueue ---------------------------------------------------------------------
@@ -436,13 +386,11 @@ def test_completion_commits_children_records_and_done_together(store, clock):
     assert result == CommitResult(requests_added=2, records_inserted=1, completed={"done": 1})
     assert store.counts() == counts(pending=2, done=1, records=1)
     assert row(store, "parent") == ("done", None, 1)
-    assert store.query(
-        "SELECT key, parent_key FROM requests WHERE state = 'pending' ORDER BY key"
-    ) == [("child1", "parent"), ("child2", "parent")]
-    assert store.query(
-        "SELECT record_id, source, natural_key, item_type, data, content_hash, first_seen,"
-        " last_changed, request_key FROM records"
-    ) == [("r1", "shop", '["A1"]', "dict", '{"sku":"A1"}', "h1", T0 + 5, T0 + 5, "parent")]
+    assert [(e.key, e.parent_key) for e in entries(store) if e.state == "pending"] == [
+        ("child1", "parent"), ("child2", "parent")]
+    assert [(r.record_id, r.source, r.natural_key, r.item_type, r.data, r.content_hash,
+             r.first_seen, r.last_changed, r.request_key) for r in records(store)] == [
+        ("r1", "shop", '["A1"]', "dict", '{"sku":"A1"}', "h1", T0 + 5, T0 + 5, "parent")]
 
 
 def test_completion_and_claim_in_one_unit(store):
@@ -465,7 +413,7 @@ def test_failed_completion_keeps_the_error(store):
     result = complete(store, "a", RequestState.FAILED, error_kind="http_status",
                       error_message="HTTP 500 not handled by the spider")
     assert result == CommitResult(completed={"failed": 1})
-    assert store.query("SELECT state, error_kind, error_message FROM requests") == [
+    assert [(e.state, e.error_kind, e.error_message) for e in entries(store)] == [
         ("failed", "http_status", "HTTP 500 not handled by the spider")]
 
 
@@ -489,7 +437,7 @@ def test_rejects_are_stored(store):
         "w1",
     )
     assert result == CommitResult(rejects=1)
-    assert store.query("SELECT item_type, reason, data, request_key FROM rejects") == [
+    assert [(j.item_type, j.reason, j.data, j.request_key) for j in store.rejects()] == [
         ("dict", "no sku", '{"name":"x"}', "p1")]
 
 
@@ -497,12 +445,8 @@ def test_rejects_are_stored(store):
 
 
 def record_times(store: Any, record_id: str) -> tuple[Any, ...]:
-    rows = store.query(
-        "SELECT data, content_hash, first_seen, last_changed FROM records WHERE record_id = ?",
-        (record_id,),
-    )
-    assert len(rows) == 1, rows
-    return tuple(rows[0])
+    (found,) = [r for r in records(store) if r.record_id == record_id]
+    return (found.data, found.content_hash, found.first_seen, found.last_changed)
 
 
 def commit_record(store: Any, record: Record) -> CommitResult:
@@ -538,14 +482,13 @@ def test_record_times_never_go_backwards_across_a_backward_clock_step(store, clo
     commit_record(store, rec("r1", "h1", '{"price":1}'))
     clock.advance(100)
     commit_record(store, rec("r2", "h1", '{"price":1}'))
-    shown = max(r["last_changed"] for r in store.records_page())  # what an export showed
+    shown = max(r.last_changed for r in store.records_page())  # what an export showed
     clock.advance(-3600)  # NTP steps the clock back
     commit_record(store, rec("r1", "h2", '{"price":2}'))
     commit_record(store, rec("r3", "h1", '{"price":3}'))
-    times = {r["record_id"]: (r["first_seen"], r["last_changed"])
-             for r in store.records_page()}
+    times = {r.record_id: (r.first_seen, r.last_changed) for r in store.records_page()}
     assert all(first <= last for first, last in times.values()), times
-    assert {r["record_id"] for r in store.records_page(changed_since=shown)} >= {"r1", "r3"}
+    assert {r.record_id for r in store.records_page(changed_since=shown)} >= {"r1", "r3"}
     assert store.anomalies()["record_times"] == 0
 
 
@@ -578,12 +521,12 @@ def test_failed_commit_writes_nothing_of_its_unit(store):
         records=[(rec("r1", "h1"), "parent"), (broken, "parent")],
         completions=[Completion("parent", RequestState.DONE)],
     )
-    with pytest.raises(COMMIT_ERRORS):  # source is NOT NULL
+    with pytest.raises(StoreError):  # source is NOT NULL
         store.commit(work, "w1")
     assert frontier_keys(store) == ["parent"]
     assert row(store, "parent") == ("leased", "w1", 1)
     assert store.counts() == counts(leased=1)
-    assert store.query("SELECT count(*) FROM records") == [(0,)]
+    assert records(store) == []
 
     # the store is usable afterwards: no transaction was left open
     work.records = [(rec("r1", "h1"), "parent")]
@@ -595,7 +538,7 @@ def test_failed_commit_writes_nothing_of_its_unit(store):
 def test_failure_after_a_completion_rolls_the_completion_back(store):
     enqueue(store, req("a"), req("b"))
     claim(store, 2)
-    store.journal_response("a", '{"status":200}', b"<html>")
+    journal(store, "a", '{"status":200}', b"<html>")
     work = UnitOfWork(
         requests=[req("child")],
         records=[(rec("r1", "h1"), "a")],
@@ -605,12 +548,12 @@ def test_failure_after_a_completion_rolls_the_completion_back(store):
             Completion("b", RequestState.PENDING, data={"not": "text"}),  # type: ignore[arg-type]
         ],
     )
-    with pytest.raises(COMMIT_ERRORS):  # the data of a continuation must be JSON text
+    with pytest.raises(StoreError):  # the data of a continuation must be JSON text
         store.commit(work, "w1")
     assert row(store, "a") == ("leased", "w1", 1)
     assert row(store, "b") == ("leased", "w1", 1)
     assert store.counts() == counts(leased=2)
-    assert store.query("SELECT count(*) FROM rejects") == [(0,)]
+    assert store.count_rejects() == 0
     assert frontier_keys(store) == ["a", "b"]
     assert store.journaled_response("a") == ('{"status":200}', b"<html>")
 
@@ -677,15 +620,14 @@ def test_lost_lease_writes_nothing_of_its_unit_of_work(store, clock):
     )
     assert result == CommitResult(requests_added=1, leases_lost=1)
     assert result.lost == ["b"]
-    assert store.query("SELECT record_id, content_hash FROM records") == [("r1", "new")]
-    assert store.query("SELECT count(*) FROM rejects") == [(0,)]
-    assert store.query("SELECT count(*) FROM responses") == [(0,)]
-    assert store.query("SELECT key FROM requests WHERE key IN ('orphan', 'child')") == [
-        ("orphan",)]
-    assert store.query("SELECT attempts FROM requests WHERE key = 'b'") == [(2,)]
+    assert [(r.record_id, r.content_hash) for r in records(store)] == [("r1", "new")]
+    assert store.count_rejects() == 0
+    assert store.request_summary().journaled_responses == 0
+    assert [key for key in frontier_keys(store) if key in ("orphan", "child")] == ["orphan"]
+    assert row(store, "b")[2] == 2
     runs_after = store.runs()
-    assert [r["done"] for r in runs_after] == [r["done"] for r in runs_before]
-    assert [r["leased"] for r in runs_after] == [r["leased"] for r in runs_before]
+    assert [r.done for r in runs_after] == [r.done for r in runs_before]
+    assert [r.leased for r in runs_after] == [r.leased for r in runs_before]
 
 
 def test_renewal_does_not_revive_an_expired_lease(store, clock):
@@ -731,7 +673,7 @@ def test_request_started_max_attempts_times_without_finishing_is_quarantined(mak
         assert store.release_leases(["w1"]) == 1  # the worker died with it
     result = store.commit(UnitOfWork(claim=1), "w1")
     assert result == CommitResult(quarantined=["https://shop.example/poison"])
-    assert store.query("SELECT state, worker, attempts, error_kind FROM requests") == [
+    assert [(e.state, e.worker, e.attempts, e.error_kind) for e in entries(store)] == [
         ("failed", None, 2, "quarantined")]
     assert store.counts() == counts(failed=1)
     assert enqueue(store, req("poison")) == CommitResult(requests_already_done=1)
@@ -774,7 +716,7 @@ def test_claimed_but_never_started_leases_do_not_count_towards_quarantine(make_s
         store.release_leases(["w1"])
     result = store.commit(UnitOfWork(claim=2), "w1")
     assert [(r.key, r.attempts) for r in result.leased] == [("bystander", 1)]
-    assert store.query("SELECT key, state, attempts, unfinished FROM requests ORDER BY key") == [
+    assert [(e.key, e.state, e.attempts, e.unfinished) for e in entries(store)] == [
         ("bystander", "leased", 0, 0), ("poison", "failed", 2, 0)]
 
 
@@ -784,7 +726,7 @@ def test_a_completed_attempt_resets_the_unfinished_count(make_store):
     for _ in range(5):  # retried again and again, each attempt completes its lease
         assert len(claim(store, 1)) == 1
         store.commit(UnitOfWork(completions=[Completion("flaky", RequestState.PENDING)]), "w1")
-    assert store.query("SELECT state, attempts, unfinished FROM requests") == [
+    assert [(e.state, e.attempts, e.unfinished) for e in entries(store)] == [
         ("pending", 5, 0)]
 
 
@@ -888,9 +830,8 @@ def test_records_remember_the_run_that_created_and_changed_them(make_store):
     store.close()
     store, _ = open_store(make_store, "w2")
     store.commit(UnitOfWork(records=[(rec("r1", "h2"), None), (rec("r2", "h1"), None)]), "w2")
-    assert store.query(
-        "SELECT record_id, first_run_id, changed_run_id FROM records ORDER BY record_id"
-    ) == [("r1", 1, 2), ("r2", 1, 1)]
+    assert [(r.record_id, r.first_run_id, r.changed_run_id) for r in records(store)] == [
+        ("r1", 1, 2), ("r2", 1, 1)]
 
 
 # -- the response journal -------------------------------------------------------------------
@@ -900,10 +841,10 @@ def test_journaled_response_is_kept_until_the_completion(store):
     enqueue(store, req("a"), req("b"))
     claim(store, 2)
     assert store.journaled_response("a") is None
-    store.journal_response("a", '{"status":200}', b"\x00<html>")
+    journal(store, "a", '{"status":200}', b"\x00<html>")
     assert store.journaled_response("a") == ('{"status":200}', b"\x00<html>")
     assert store.journaled_response("b") is None
-    store.journal_response("a", '{"status":203}', b"")  # a later response replaces it
+    journal(store, "a", '{"status":203}', b"")  # a later response replaces it
     assert store.journaled_response("a") == ('{"status":203}', b"")
     result = store.commit(UnitOfWork(requests=[req("child")],
                                      completions=[Completion("a", RequestState.DONE)]), "w1")
@@ -914,7 +855,7 @@ def test_journaled_response_is_kept_until_the_completion(store):
 def test_continuation_deletes_the_journaled_response(store):
     enqueue(store, req("a"))
     claim(store, 1)
-    store.journal_response("a", '{"status":503}', b"busy")
+    journal(store, "a", '{"status":503}', b"busy")
     complete(store, "a", RequestState.PENDING, data='{"url":"retry"}')
     assert store.journaled_response("a") is None
 
@@ -927,7 +868,7 @@ def test_lost_lease_completion_keeps_the_journaled_response(store, clock):
     clock.advance(LEASE_SECONDS + 1)
     store.reclaim_expired()
     claim(store, 1, worker="w2")
-    store.journal_response("a", '{"status":200}', b"w2")
+    journal(store, "a", '{"status":200}', b"w2", worker="w2")
     assert complete(store, "a", worker="w1") == CommitResult(leases_lost=1)
     assert store.journaled_response("a") == ('{"status":200}', b"w2")
 
@@ -936,7 +877,7 @@ def test_new_run_discards_the_journal(make_store):
     store, _ = open_store(make_store, "w1")
     enqueue(store, req("a"))
     claim(store, 1)
-    store.journal_response("a", '{"status":200}', b"x")
+    journal(store, "a", '{"status":200}', b"x")
     store.close()
     store, run = open_store(make_store, "w2", "fresh")
     assert run.new is True
@@ -1012,136 +953,3 @@ def test_status_counts_the_workers_own_expired_leases_as_reclaimable(store, cloc
     assert store.status("w1") == FrontierStatus(claimable=False, leased_elsewhere=False)
     clock.advance(LEASE_SECONDS + 1)
     assert store.status("w1") == FrontierStatus(claimable=False, leased_elsewhere=True)
-
-
-# -- the SQLite file ------------------------------------------------------------------------
-
-
-def test_sqlite_reopening_an_existing_file(tmp_path, clock):
-    path = str(tmp_path / "f.sqlite3")
-    first = SQLiteStore(path, clock=clock)
-    assert first.open(fingerprinter="x") is None
-    first.begin_session("w1", "auto")
-    enqueue(first, req("a"))
-    first.close()
-    second = SQLiteStore(path, clock=clock)
-    try:
-        assert second.open(fingerprinter="x") is None
-        assert second.begin_session("w2", "auto") == RunInfo(run_id=1, new=False,
-                                                             counts=counts(pending=1))
-        assert second.query("PRAGMA user_version") == [(SCHEMA_VERSION,)]
-    finally:
-        second.close()
-
-
-def test_sqlite_newer_schema_is_refused_and_the_file_left_untouched(tmp_path):
-    from scrapy_idempotent.store.sqlite import APPLICATION_ID
-
-    path = tmp_path / "f.sqlite3"
-    conn = sqlite3.connect(path)
-    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
-    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-    conn.commit()
-    conn.close()
-    before = path.read_bytes()
-    store = SQLiteStore(str(path))
-    with pytest.raises(StoreError) as caught:
-        store.open(fingerprinter="x")
-    message = str(caught.value)
-    assert str(path) in message
-    assert f"schema version {SCHEMA_VERSION + 1}" in message
-    assert path.read_bytes() == before
-    assert sorted(os.listdir(tmp_path)) == ["f.sqlite3"]
-    with pytest.raises(StoreError):
-        store.status("w1")  # closed again
-
-
-def test_sqlite_corrupt_file_is_a_store_error_naming_the_path(tmp_path):
-    path = tmp_path / "f.sqlite3"
-    path.write_bytes(random.Random(1234).randbytes(8192))
-    before = path.read_bytes()
-    store = SQLiteStore(str(path))
-    with pytest.raises(StoreError) as caught:
-        store.open(fingerprinter="x")
-    assert str(path) in str(caught.value)
-    assert path.read_bytes() == before
-
-
-def test_sqlite_new_file_is_private_to_its_owner(tmp_path):
-    store = SQLiteStore(str(tmp_path / "f.sqlite3"))
-    try:
-        store.open(fingerprinter="x")
-        store.begin_session("w1", "auto")
-        for name in ("f.sqlite3", "f.sqlite3-wal", "f.sqlite3-shm"):
-            assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o600, name
-    finally:
-        store.close()
-
-
-def test_sqlite_missing_directory_is_created(tmp_path):
-    path = tmp_path / "deep" / "er" / "f.sqlite3"
-    store = SQLiteStore(str(path))
-    try:
-        assert store.open(fingerprinter="x") is None
-        assert path.is_file()
-    finally:
-        store.close()
-
-
-def test_sqlite_open_reports_the_fingerprinter_recorded_at_creation(tmp_path):
-    path = str(tmp_path / "f.sqlite3")
-    for given, expected in [("x", None), ("y", "x"), ("y", "x"), ("x", None)]:
-        store = SQLiteStore(path)
-        try:
-            assert store.open(fingerprinter=given) == expected, given
-        finally:
-            store.close()
-
-
-def test_sqlite_wal_mode_is_on(tmp_path):
-    path = tmp_path / "f.sqlite3"
-    store = SQLiteStore(str(path))
-    try:
-        store.open(fingerprinter="x")
-        assert store.query("PRAGMA journal_mode") == [("wal",)]
-    finally:
-        store.close()
-    conn = sqlite3.connect(path)
-    try:  # persistent: another connection sees WAL without asking for it
-        assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
-    finally:
-        conn.close()
-
-
-def test_sqlite_use_before_open_is_a_store_error(tmp_path):
-    store = SQLiteStore(str(tmp_path / "f.sqlite3"))
-    with pytest.raises(StoreError, match="is not open"):
-        store.counts()
-
-
-def test_a_version_1_database_is_migrated_and_keeps_what_its_runs_saw(tmp_path):
-    import sqlite3
-
-    from scrapy_idempotent.store.sqlite import _MIGRATIONS, SCHEMA_VERSION
-
-    path = tmp_path / "v1.sqlite3"
-    conn = sqlite3.connect(path)
-    for statement in _MIGRATIONS[0]:
-        conn.execute(statement)
-    conn.execute("INSERT INTO runs (run_id, started_at) VALUES (1, 1.0), (2, 2.0)")
-    conn.execute(
-        "INSERT INTO records (record_id, source, natural_key, item_type, data, content_hash,"
-        " first_seen, last_changed, first_run_id, changed_run_id) VALUES"
-        " ('r1', 's', '[]', 'dict', '{}', 'h', 1.0, 2.5, 1, 2)")
-    conn.execute("PRAGMA user_version = 1")
-    conn.commit()
-    conn.close()
-    store = SQLiteStore(str(path))
-    store.open()
-    try:
-        assert store.query("PRAGMA user_version") == [(SCHEMA_VERSION,)]
-        assert [row["record_id"] for row in store.run_records(2)] == ["r1"]
-        assert list(store.run_records(1)) == []
-        assert store.request_summary()["downloads"] == 0
-    finally:
-        store.close()

@@ -1,0 +1,187 @@
+"""The SQLite store's own file: schema version, migration, refusal of files it cannot use,
+permissions, WAL mode. What every backend must do is in ``test_store_contract.py``."""
+
+from __future__ import annotations
+
+import os
+import random
+import sqlite3
+import stat
+from pathlib import Path
+
+import pytest
+
+from crawling import db_rows
+from scrapy_idempotent.exceptions import StoreError
+from scrapy_idempotent.store import SCHEMA_VERSION, NewRequest, RunInfo, SQLiteStore, UnitOfWork
+from scrapy_idempotent.store.base import EngineSetting, IntegrityReport, SchemaInfo
+
+
+def test_sqlite_reopening_an_existing_file(tmp_path, clock):
+    path = str(tmp_path / "f.sqlite3")
+    first = SQLiteStore(path, clock=clock)
+    assert first.open(fingerprinter="x") is None
+    first.begin_session("w1", "auto")
+    first.commit(UnitOfWork(requests=[NewRequest(key="a", fingerprint="a", url="https://a",
+                                                 priority=0, data="{}")]), "w1")
+    first.close()
+    second = SQLiteStore(path, clock=clock)
+    try:
+        assert second.open(fingerprinter="x") is None
+        assert second.begin_session("w2", "auto") == RunInfo(
+            run_id=1, new=False, counts={"pending": 1, "leased": 0, "done": 0, "failed": 0,
+                                         "redirected": 0, "records": 0})
+        assert db_rows(Path(path), "PRAGMA user_version") == [(SCHEMA_VERSION,)]
+    finally:
+        second.close()
+
+
+def test_sqlite_newer_schema_is_refused_and_the_file_left_untouched(tmp_path):
+    from scrapy_idempotent.store.sqlite import APPLICATION_ID
+
+    path = tmp_path / "f.sqlite3"
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    conn.commit()
+    conn.close()
+    before = path.read_bytes()
+    store = SQLiteStore(str(path))
+    with pytest.raises(StoreError) as caught:
+        store.open(fingerprinter="x")
+    message = str(caught.value)
+    assert str(path) in message
+    assert f"schema version {SCHEMA_VERSION + 1}" in message
+    assert path.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["f.sqlite3"]
+    with pytest.raises(StoreError):
+        store.status("w1")  # closed again
+
+
+def test_sqlite_corrupt_file_is_a_store_error_naming_the_path(tmp_path):
+    path = tmp_path / "f.sqlite3"
+    path.write_bytes(random.Random(1234).randbytes(8192))
+    before = path.read_bytes()
+    store = SQLiteStore(str(path))
+    with pytest.raises(StoreError) as caught:
+        store.open(fingerprinter="x")
+    assert str(path) in str(caught.value)
+    assert path.read_bytes() == before
+
+
+def test_sqlite_new_file_is_private_to_its_owner(tmp_path):
+    store = SQLiteStore(str(tmp_path / "f.sqlite3"))
+    try:
+        store.open(fingerprinter="x")
+        store.begin_session("w1", "auto")
+        for name in ("f.sqlite3", "f.sqlite3-wal", "f.sqlite3-shm"):
+            assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o600, name
+    finally:
+        store.close()
+
+
+def test_sqlite_missing_directory_is_created(tmp_path):
+    path = tmp_path / "deep" / "er" / "f.sqlite3"
+    store = SQLiteStore(str(path))
+    try:
+        assert store.open(fingerprinter="x") is None
+        assert path.is_file()
+    finally:
+        store.close()
+
+
+def test_sqlite_open_reports_the_fingerprinter_recorded_at_creation(tmp_path):
+    path = str(tmp_path / "f.sqlite3")
+    for given, expected in [("x", None), ("y", "x"), ("y", "x"), ("x", None)]:
+        store = SQLiteStore(path)
+        try:
+            assert store.open(fingerprinter=given) == expected, given
+        finally:
+            store.close()
+
+
+def test_sqlite_wal_mode_is_on(tmp_path):
+    path = tmp_path / "f.sqlite3"
+    store = SQLiteStore(str(path))
+    try:
+        store.open(fingerprinter="x")
+        assert [(s.name, s.value, s.ok) for s in store.engine_settings()] == [
+            ("journal_mode", "wal", True)]
+    finally:
+        store.close()
+    conn = sqlite3.connect(path)
+    try:  # persistent: another connection sees WAL without asking for it
+        assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    finally:
+        conn.close()
+
+
+def test_sqlite_use_before_open_is_a_store_error(tmp_path):
+    store = SQLiteStore(str(tmp_path / "f.sqlite3"))
+    with pytest.raises(StoreError, match="is not open"):
+        store.counts()
+
+
+def test_a_version_1_database_is_migrated_and_keeps_what_its_runs_saw(tmp_path):
+    from scrapy_idempotent.store.sqlite import _MIGRATIONS
+
+    path = tmp_path / "v1.sqlite3"
+    conn = sqlite3.connect(path)
+    for statement in _MIGRATIONS[0]:
+        conn.execute(statement)
+    conn.execute("INSERT INTO runs (run_id, started_at) VALUES (1, 1.0), (2, 2.0)")
+    conn.execute(
+        "INSERT INTO records (record_id, source, natural_key, item_type, data, content_hash,"
+        " first_seen, last_changed, first_run_id, changed_run_id) VALUES"
+        " ('r1', 's', '[]', 'dict', '{}', 'h', 1.0, 2.5, 1, 2)")
+    conn.execute("PRAGMA user_version = 1")
+    conn.commit()
+    conn.close()
+    store = SQLiteStore(str(path))
+    store.open()
+    try:
+        assert db_rows(path, "PRAGMA user_version") == [(SCHEMA_VERSION,)]
+        assert [row.record_id for row in store.run_records(2)] == ["r1"]
+        assert list(store.run_records(1)) == []
+        assert store.request_summary().downloads == 0
+    finally:
+        store.close()
+
+
+def test_sqlite_open_existing_refuses_a_missing_or_foreign_file_and_creates_none(tmp_path):
+    missing = tmp_path / "missing.sqlite3"
+    with pytest.raises(StoreError, match="no frontier database at"):
+        SQLiteStore(str(missing)).open_existing()
+    assert not missing.exists()
+
+    path = tmp_path / "db.sqlite3"
+    path.write_bytes(b"not a database" * 100)
+    with pytest.raises(StoreError, match="is not a scrapy_idempotent database, or is damaged"):
+        SQLiteStore(str(path)).open_existing()
+    assert path.read_bytes() == b"not a database" * 100
+
+
+def test_sqlite_check_results_are_typed(tmp_path):
+    path = tmp_path / "db.sqlite3"
+    store = SQLiteStore(str(path))
+    store.open()
+    store.close()
+    store = SQLiteStore(str(path))
+    try:
+        assert store.open_existing() == SchemaInfo(version=SCHEMA_VERSION,
+                                                   supported=SCHEMA_VERSION)
+        assert store.integrity_check() == IntegrityReport(method="PRAGMA integrity_check")
+        assert store.engine_settings() == [EngineSetting(
+            name="journal_mode", label="journal mode", value="wal", expected="wal")]
+    finally:
+        store.close()
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA journal_mode = DELETE")
+    conn.close()
+    store = SQLiteStore(str(path))
+    try:
+        store.open_existing()
+        (setting,) = store.engine_settings()
+        assert (setting.value, setting.ok) == ("delete", False)
+    finally:
+        store.close()
