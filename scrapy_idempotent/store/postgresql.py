@@ -53,8 +53,12 @@ from .base import (
     CommitResult,
     Completion,
     CrawlIdentity,
+    EngineSetting,
+    FailedRequest,
+    FrontierEntry,
     FrontierStatus,
     FrontierStore,
+    IntegrityReport,
     LeasedRequest,
     LeaseHolder,
     NewRequest,
@@ -62,10 +66,23 @@ from .base import (
     OutboxOutcome,
     OutboxState,
     Record,
+    RejectedItem,
+    RejectsRetried,
+    RepeatedRequest,
     RequestState,
+    RequestSummary,
+    RetriedFailed,
     RunInfo,
+    RunMode,
+    RunRecord,
+    RunSummary,
+    SchemaInfo,
+    SessionInfo,
+    StoredRecord,
     UnitOfWork,
+    url_glob_matches,
 )
+from .registry import redacted
 
 if TYPE_CHECKING:
     import psycopg
@@ -291,37 +308,6 @@ def _split_url(url: str) -> tuple[str, str | None]:
     return urlunsplit(parts._replace(query=urlencode(rest))), schema
 
 
-def _redacted(url: str) -> str:
-    """``url`` with its password replaced by ``***``."""
-    return re.sub(r"^([a-zA-Z][a-zA-Z0-9+.-]*://[^/?#@:]*:)[^/?#]*@", r"\1***@", url, count=1)
-
-
-def _glob_regex(glob: str) -> re.Pattern[str]:
-    """SQLite's GLOB as a Python pattern (``*``, ``?``, ``[...]``, ``[^...]``; case-sensitive,
-    the whole string), so the filters of the operator commands match as on SQLite."""
-    out, i = [], 0
-    while i < len(glob):
-        char = glob[i]
-        if char == "*":
-            out.append(".*")
-        elif char == "?":
-            out.append(".")
-        elif char == "[":
-            end = glob.find("]", i + 2)
-            if end < 0:
-                out.append(re.escape(char))
-            else:
-                body = glob[i + 1:end]
-                negate = body.startswith("^")
-                body = body[1:] if negate else body
-                out.append("[" + ("^" if negate else "") + body.replace("\\", "\\\\") + "]")
-                i = end
-        else:
-            out.append(re.escape(char))
-        i += 1
-    return re.compile("".join(out), re.S)
-
-
 class _CommitOutcomeUnknown(StoreError):
     """The connection was lost during COMMIT: the transaction may or may not have happened."""
 
@@ -367,7 +353,7 @@ class PostgreSQLStore(FrontierStore):
         dead_after_seconds: float | bool | None = True,
     ) -> None:
         self.url, url_schema = _split_url(url)
-        self.shown_url = _redacted(url)
+        self.shown_url = redacted(url)
         self.requested_schema = schema or url_schema
         if self.requested_schema is not None and not _IDENTIFIER.match(self.requested_schema):
             raise StoreError(
@@ -640,20 +626,6 @@ class PostgreSQLStore(FrontierStore):
         rows = self._read(sql, params)
         return rows[0] if rows else None
 
-    def _dicts(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, object]]:
-        import psycopg
-
-        try:
-            cur = self.conn.execute(sql, params)
-            names = [d.name for d in cur.description or ()]
-            return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
-        except psycopg.Error as exc:
-            raise self._error(exc, "reading") from exc
-
-    def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        """Read-only helper for tests (``?`` placeholders, as on SQLite)."""
-        return [tuple(row) for row in self._read(sql.replace("?", "%s"), params)]
-
     # -- schema and ownership ---------------------------------------------------------------
 
     def open(self, *, fingerprinter: str = "",
@@ -776,14 +748,15 @@ class PostgreSQLStore(FrontierStore):
 
     # -- runs and sessions ------------------------------------------------------------------
 
-    def begin_session(self, worker: str, run_mode: str) -> RunInfo:
+    def begin_session(self, worker: str, run_mode: RunMode) -> RunInfo:
         now = self.clock()
         with self._write("starting a session") as cur:
             self._lock_schema(cur)  # two workers starting at once start one run
             last = cur.execute(
                 "SELECT run_id, finished_at FROM runs ORDER BY run_id DESC LIMIT 1").fetchone()
-            new = last is None or run_mode == "fresh" or (
-                run_mode == "auto" and last[1] is not None)
+            mode = RunMode(run_mode)
+            new = last is None or mode is RunMode.FRESH or (
+                mode is RunMode.AUTO and last[1] is not None)
             if new or last is None:
                 cur.execute("UPDATE runs SET finished_at = %s, reason = 'superseded'"
                             " WHERE finished_at IS NULL", (now,))
@@ -1220,10 +1193,6 @@ class PostgreSQLStore(FrontierStore):
 
     # -- the response journal ---------------------------------------------------------------
 
-    def journal_response(self, key: str, data: str, body: bytes) -> None:
-        with self._write("journaling a response") as cur:
-            self._journal(cur, [(key, data, body)], self.clock())
-
     def journaled_response(self, key: str) -> tuple[str, bytes] | None:
         row = self._one("SELECT data, body FROM responses WHERE key = %s", (key,))
         return (row[0], bytes(row[1])) if row is not None else None
@@ -1456,7 +1425,7 @@ class PostgreSQLStore(FrontierStore):
     # -- operator queries -------------------------------------------------------------------
 
     def open_existing(self, *, readonly: bool = True,
-                      identity: CrawlIdentity | None = None) -> dict[str, object]:
+                      identity: CrawlIdentity | None = None) -> SchemaInfo:
         if self._opened:
             raise StoreError(f"store {self.shown_url} is already open")
         self._opened = True
@@ -1474,8 +1443,27 @@ class PostgreSQLStore(FrontierStore):
         except BaseException:
             self.close()
             raise
-        return {"schema_version": version, "supported_schema_version": SCHEMA_VERSION,
-                "journal_mode": "wal"}
+        return SchemaInfo(version=version, supported=SCHEMA_VERSION)
+
+    def engine_settings(self) -> list[EngineSetting]:
+        """None to check: what a crawl relies on (transactions, row locks) PostgreSQL always
+        has."""
+        return []
+
+    def entry(self, key: str) -> FrontierEntry | None:
+        found = self._entries_where("key = %s", (key,), 1)
+        return found[0] if found else None
+
+    def entries(self, *, after: str | None = None, limit: int = 1000) -> list[FrontierEntry]:
+        return self._entries_where("key > %s", (after or "",), limit)
+
+    def _entries_where(self, where: str, params: tuple[Any, ...],
+                       limit: int) -> list[FrontierEntry]:
+        return [FrontierEntry(*row) for row in self._read(
+            "SELECT key, fingerprint, url, state, priority, is_start, data, parent_key, worker,"
+            " leased_until, attempts, unfinished, replays, enqueued_at, finished_at, error_kind,"
+            f" error_message, run_id FROM requests WHERE {where} ORDER BY key COLLATE \"C\""
+            " LIMIT %s", (*params, limit))]
 
     def _use_schema(self, schema: str) -> None:
         """Work in ``schema`` from now on (the connections open now included)."""
@@ -1504,21 +1492,20 @@ class PostgreSQLStore(FrontierStore):
     def meta(self) -> dict[str, str]:
         return dict(self._read("SELECT key, value FROM meta ORDER BY key"))
 
-    def runs(self) -> list[dict[str, object]]:
+    def runs(self) -> list[RunSummary]:
         sums = ", ".join(f"coalesce(sum(s.{c}), 0)::bigint AS {c}" for c in _COUNTERS)
-        runs = self._dicts(
+        return [RunSummary(*row) for row in self._read(
             f"SELECT r.run_id, r.started_at, r.finished_at, r.reason, {sums},"
             " (SELECT count(*) FROM rejects j WHERE j.run_id = r.run_id) AS rejects"
             " FROM runs r LEFT JOIN sessions s ON s.run_id = r.run_id"
-            " GROUP BY r.run_id ORDER BY r.run_id")
-        return runs
+            " GROUP BY r.run_id ORDER BY r.run_id")]
 
-    def sessions(self) -> list[dict[str, object]]:
-        return self._dicts(
+    def sessions(self) -> list[SessionInfo]:
+        return [SessionInfo(*row) for row in self._read(
             "SELECT session_id, run_id, worker, started_at, ended_at, reason FROM sessions"
-            " ORDER BY session_id")
+            " ORDER BY session_id")]
 
-    def request_summary(self) -> dict[str, int]:
+    def request_summary(self) -> RequestSummary:
         row = self._one(
             "SELECT count(*), coalesce(sum(attempts), 0), count(*) FILTER (WHERE attempts > 1),"
             " coalesce(max(attempts), 0),"
@@ -1527,20 +1514,20 @@ class PostgreSQLStore(FrontierStore):
             " FROM requests", (self.clock(),))
         requests, leases, repeated, most, expired, replays, again = (int(v) for v in row)
         (journaled,) = self._one("SELECT count(*) FROM responses")
-        return {"requests": requests, "leases": leases, "repeated": repeated,
-                "most_attempts": most, "expired_leases": expired,
-                "journaled_responses": int(journaled), "replays": replays,
-                "downloads": leases - replays, "downloaded_again": again}
+        return RequestSummary(requests=requests, leases=leases, repeated=repeated,
+                              most_attempts=most, expired_leases=expired,
+                              journaled_responses=int(journaled), replays=replays,
+                              downloads=leases - replays, downloaded_again=again)
 
     def failure_counts(self) -> dict[str, int]:
         return dict(self._read(
             "SELECT coalesce(error_kind, ''), count(*) FROM requests WHERE state = 'failed'"
             " GROUP BY 1 ORDER BY 2 DESC, 1"))
 
-    def repeated_requests(self, limit: int) -> list[dict[str, object]]:
-        return self._dicts(
+    def repeated_requests(self, limit: int) -> list[RepeatedRequest]:
+        return [RepeatedRequest(*row) for row in self._read(
             "SELECT key, url, state, attempts, worker, error_kind FROM requests"
-            " WHERE attempts > 1 ORDER BY attempts DESC, id LIMIT %s", (limit,))
+            " WHERE attempts > 1 ORDER BY attempts DESC, id LIMIT %s", (limit,))]
 
     def _failed_filter(self, kinds: list[str] | None, url_glob: str | None,
                        url_regex: str | None) -> tuple[str, list[Any]]:
@@ -1551,27 +1538,25 @@ class PostgreSQLStore(FrontierStore):
             for kind in kinds:
                 params += [kind, len(kind) + 1, f"{kind}/"]
         if url_glob is not None or url_regex is not None:
-            # matched here, in Python, as on SQLite (GLOB, Python regular expressions)
-            patterns = []
-            if url_glob is not None:
-                patterns.append(_glob_regex(url_glob).fullmatch)
-            if url_regex is not None:
-                patterns.append(re.compile(url_regex).search)
+            # matched here, in Python: the interface's glob, Python regular expressions
+            glob = url_glob
+            pattern = re.compile(url_regex) if url_regex is not None else None
             keys = [key for key, url in self._read(
                         "SELECT key, url FROM requests WHERE " + " AND ".join(where), params)
-                    if all(match(url) is not None for match in patterns)]
+                    if (glob is None or url_glob_matches(glob, url))
+                    and (pattern is None or pattern.search(url) is not None)]
             where.append("key = ANY(%s)")
             params.append(keys)
         return " AND ".join(where), params
 
     def failed_requests(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
                         url_regex: str | None = None,
-                        limit: int | None = None) -> list[dict[str, object]]:
+                        limit: int | None = None) -> list[FailedRequest]:
         where, params = self._failed_filter(kinds, url_glob, url_regex)
-        return self._dicts(
+        return [FailedRequest(*row) for row in self._read(
             "SELECT key, url, error_kind, error_message, attempts, finished_at, parent_key,"
             f" run_id FROM requests WHERE {where} ORDER BY finished_at DESC, id DESC LIMIT %s",
-            (*params, limit))
+            (*params, limit))]
 
     def count_failed(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
                      url_regex: str | None = None) -> int:
@@ -1579,7 +1564,7 @@ class PostgreSQLStore(FrontierStore):
         return int(self._one(f"SELECT count(*) FROM requests WHERE {where}", params)[0])
 
     def retry_failed(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
-                     url_regex: str | None = None) -> dict[str, object]:
+                     url_regex: str | None = None) -> RetriedFailed:
         where, params = self._failed_filter(kinds, url_glob, url_regex)
         with self._write("putting failed requests back") as cur:
             cur.execute(
@@ -1590,8 +1575,8 @@ class PostgreSQLStore(FrontierStore):
             if retried:
                 self._notify(cur, force=True)
             last = self._reopen(cur, bool(retried))
-        return {"retried": retried, "run_id": last[0] if last else None,
-                "reopened": bool(retried and last and last[1] is not None)}
+        return RetriedFailed(retried=retried, run_id=last[0] if last else None,
+                             reopened=bool(retried and last and last[1] is not None))
 
     @staticmethod
     def _reopen(cur: psycopg.Cursor[Any], changed: bool) -> tuple[Any, ...] | None:
@@ -1605,7 +1590,7 @@ class PostgreSQLStore(FrontierStore):
 
     def records_page(self, *, after: str | None = None, limit: int = 1000,
                      changed_since: float | None = None,
-                     changed_since_run: int | None = None) -> list[dict[str, object]]:
+                     changed_since_run: int | None = None) -> list[StoredRecord]:
         where: list[str] = ["record_id > %s"]
         params: list[Any] = [after or ""]
         if changed_since is not None:
@@ -1614,30 +1599,29 @@ class PostgreSQLStore(FrontierStore):
         if changed_since_run is not None:
             where.append("changed_run_id >= %s")
             params.append(changed_since_run)
-        return self._dicts(
+        return [StoredRecord(*row) for row in self._read(
             "SELECT record_id, source, natural_key, item_type, data, first_seen, last_changed,"
-            " first_run_id, changed_run_id FROM records"
+            " first_run_id, changed_run_id, content_hash, request_key FROM records"
             f" WHERE {' AND '.join(where)} ORDER BY record_id LIMIT %s",
-            (*params, limit))
+            (*params, limit))]
 
-    def run_records(self, run_id: int) -> Iterator[dict[str, object]]:
+    def run_records(self, run_id: int) -> Iterator[RunRecord]:
         columns = ("SELECT record_id, item_type, data, first_seen, last_changed, seen_seq,"
                    " seen_at FROM records WHERE seen_run_id = %s")
         order = " ORDER BY seen_seq, seen_at, record_id LIMIT 500"
         after: tuple[Any, ...] | None = None
         while True:
             if after is None:
-                rows = self._dicts(columns + order, (run_id,))
+                rows = self._read(columns + order, (run_id,))
             else:
-                rows = self._dicts(columns + " AND (seen_seq, seen_at, record_id) >"
-                                   " (%s, %s, %s)" + order, (run_id, *after))
+                rows = self._read(columns + " AND (seen_seq, seen_at, record_id) >"
+                                  " (%s, %s, %s)" + order, (run_id, *after))
             if not rows:
                 return
             last = rows[-1]
-            after = (last["seen_seq"], last["seen_at"], last["record_id"])
+            after = (last[5], last[6], last[0])
             for row in rows:
-                del row["seen_seq"], row["seen_at"]
-                yield row
+                yield RunRecord(*row[:5])
 
     def feed_base(self, run_id: int, uri: str, size: int) -> int:
         with self._write("recording a feed") as cur:
@@ -1658,26 +1642,26 @@ class PostgreSQLStore(FrontierStore):
         return " AND ".join(where), params
 
     def rejects(self, *, run_id: int | None = None, pending_only: bool = False,
-                limit: int | None = None) -> list[dict[str, object]]:
+                limit: int | None = None) -> list[RejectedItem]:
         where, params = self._rejects_filter(run_id, pending_only)
-        return self._dicts(
+        return [RejectedItem(*row) for row in self._read(
             "SELECT j.id, j.item_type, j.reason, j.data, j.request_key,"
             " coalesce(j.page_url, r.url) AS page_url, j.created_at, j.run_id, j.retried_at,"
             " r.state AS page_state FROM rejects j LEFT JOIN requests r ON r.key = j.request_key"
-            f" WHERE {where} ORDER BY j.created_at DESC, j.id DESC LIMIT %s", (*params, limit))
+            f" WHERE {where} ORDER BY j.created_at DESC, j.id DESC LIMIT %s", (*params, limit))]
 
     def count_rejects(self, *, run_id: int | None = None, pending_only: bool = False) -> int:
         where, params = self._rejects_filter(run_id, pending_only)
         return int(self._one(f"SELECT count(*) FROM rejects j WHERE {where}", params)[0])
 
-    def retry_rejects(self) -> dict[str, object]:
+    def retry_rejects(self) -> RejectsRetried:
         now = self.clock()
         with self._write("putting rejected pages back") as cur:
             last = cur.execute(
                 "SELECT run_id, finished_at FROM runs ORDER BY run_id DESC LIMIT 1").fetchone()
             if last is None:
-                return {"pages": 0, "rejects": 0, "without_page": 0, "run_id": None,
-                        "reopened": False}
+                return RejectsRetried(pages=0, rejects=0, without_page=0, run_id=None,
+                                      reopened=False)
             cur.execute(
                 "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL,"
                 " attempts = 0, replays = 0, unfinished = 0, finished_at = NULL,"
@@ -1694,8 +1678,8 @@ class PostgreSQLStore(FrontierStore):
                 "SELECT count(*) FROM rejects WHERE run_id = %s AND retried_at IS NULL",
                 (last[0],)).fetchone() or (0,)
             self._reopen(cur, bool(pages))
-        return {"pages": pages, "rejects": marked, "without_page": int(without),
-                "run_id": last[0], "reopened": bool(pages and last[1] is not None)}
+        return RejectsRetried(pages=pages, rejects=marked, without_page=int(without),
+                              run_id=last[0], reopened=bool(pages and last[1] is not None))
 
     # -- migration --------------------------------------------------------------------------
 
@@ -1763,10 +1747,9 @@ class PostgreSQLStore(FrontierStore):
             for row in rows:
                 copy.write_row(tuple(row.get(column) for column in columns))
 
-    def integrity_check(self) -> list[str]:
+    def integrity_check(self) -> IntegrityReport:
         """PostgreSQL has no whole-database check without extensions: the tables of the
-        schema are all there and every index of theirs is valid (``["ok"]``), else what is
-        wrong."""
+        schema are all there and every index of theirs is valid, else what is wrong."""
         problems = [f"missing table {name}" for name in
                     sorted(_TABLES[SCHEMA_VERSION] - self._tables(self.schema))]
         problems += [f"index {name} is not valid (rebuild it: REINDEX INDEX {name})"
@@ -1774,7 +1757,7 @@ class PostgreSQLStore(FrontierStore):
                          "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
                          " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s"
                          " AND NOT (i.indisvalid AND i.indisready)", (self.schema,))]
-        return problems or ["ok"]
+        return IntegrityReport(method="tables and index validity", problems=tuple(problems))
 
     def anomalies(self) -> dict[str, int]:
         terminal = ", ".join(f"'{state}'" for state in _TERMINAL)
