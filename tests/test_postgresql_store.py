@@ -348,7 +348,7 @@ def test_a_connection_lost_during_commit_is_resolved_by_reading_back(
         assert result.completed == {"done": 1} and result.records_inserted == 1
         assert store.counts() == {"pending": 0, "leased": 0, "done": 1, "failed": 0,
                                   "redirected": 0, "records": 1}
-        assert [r["done"] for r in store.runs()] == [1]
+        assert [r.done for r in store.runs()] == [1]
     finally:
         proxy.close()
 
