@@ -162,7 +162,7 @@ async def test_retry_after_is_honoured(tmp_path: Path, hook: WebhookReceiver) ->
     """A 503 with ``Retry-After: 120`` puts the entry's next try two minutes away, whatever
     the (much shorter) backoff says."""
     from test_outbox_store import fetch_page
-    from test_store import rec
+    from test_store_contract import rec
 
     clock = [1_700_000_000.0]
     store = SQLiteStore(str(tmp_path / "db.sqlite3"), clock=lambda: clock[0])
@@ -177,14 +177,15 @@ async def test_retry_after_is_honoured(tmp_path: Path, hook: WebhookReceiver) ->
                           retry_seconds=0.01, retry_max_seconds=1, clock=lambda: clock[0])
     assert await maybe_deferred_to_future(deliverer.pump()) == 1
     await maybe_deferred_to_future(deliverer.wait_idle())
-    [(due, detail, attempts)] = store.query("SELECT due_at, detail, attempts FROM outbox")
-    assert (due - clock[0], attempts) == (120.0, 1)
-    assert detail.startswith("HTTP 503")
+    [entry] = store.outbox_entries()
+    due = store.outbox_next_due([hook.url])
+    assert due is not None and (due - clock[0], entry.attempts) == (120.0, 1)
+    assert entry.detail is not None and entry.detail.startswith("HTTP 503")
     assert await maybe_deferred_to_future(deliverer.pump()) == 0  # not due yet
     clock[0] += 120
     assert await maybe_deferred_to_future(deliverer.pump()) == 1
     await maybe_deferred_to_future(deliverer.wait_idle())
-    assert store.query("SELECT state FROM outbox") == [("delivered",)]
+    assert [entry.state for entry in store.outbox_entries()] == ["delivered"]
     await deliverer.close()
     store.close()
 

@@ -1,7 +1,8 @@
 """The outbox part of the store contract: entries written by ``commit()`` in the transaction
 of the record change they announce, claimed with a hold, settled once.
 
-Runs against every backend of ``tests/test_store.py`` (its fixtures), with its fake clock.
+Runs against every store backend (``store_factory``, through the fixtures of
+``tests/test_store_contract.py``), with the fake clock, reading through the interface only.
 """
 
 # ruff: noqa: F811 (the store contract's fixtures, imported, are parameters here)
@@ -12,18 +13,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_store import (  # noqa: F401 (fixtures)
-    COMMIT_ERRORS,
+from test_store_contract import (  # noqa: F401 (fixtures)
     LEASE_SECONDS,
     claim,
-    clock,
     enqueue,
     make_store,
     rec,
+    records,
     req,
+    row,
     store,
 )
 
+from crawling import db_rows
+from scrapy_idempotent.exceptions import StoreError
 from scrapy_idempotent.store import (
     Completion,
     OutboxOutcome,
@@ -52,8 +55,7 @@ def fetch_page(store: Any, key: str, *records: Any, **options: Any) -> Any:
 
 
 def entries(store: Any) -> list[tuple[Any, ...]]:
-    return store.query("SELECT target, idempotency_key, kind, record_id, state FROM outbox"
-                       " ORDER BY id")
+    return [(e.target, e.key, e.kind, e.record_id, e.state) for e in store.outbox_entries()]
 
 
 def test_inserted_and_updated_records_are_announced_unchanged_ones_not(store):
@@ -100,11 +102,11 @@ def test_an_outbox_write_that_fails_takes_the_records_and_the_completion_with_it
     work = UnitOfWork(records=[(rec("r1", "h1"), "a")],
                       completions=[Completion("a", RequestState.DONE)],
                       outbox_targets=(HOOK, None))  # type: ignore[arg-type]
-    with pytest.raises(COMMIT_ERRORS):
+    with pytest.raises(StoreError):
         store.commit(work, "w1")
     assert entries(store) == []
-    assert store.query("SELECT count(*) FROM records") == [(0,)]
-    assert store.query("SELECT state FROM requests WHERE key = 'a'") == [("leased",)]
+    assert records(store) == []
+    assert row(store, "a")[0] == "leased"
     work.outbox_targets = (HOOK,)
     assert store.commit(work, "w1").outbox_entries == 1
 
@@ -116,7 +118,7 @@ def test_entry_carries_the_record_and_the_run(store):
         HOOK, "r1:h1", "inserted", "r1", "h1")
     assert (entry.item_type, entry.source, entry.natural_key) == ("dict", "shop", '["A1"]')
     assert entry.data == '{"sku": "A1", "price": "3"}'
-    assert entry.run_id == store.runs()[-1]["run_id"]
+    assert entry.run_id == store.runs()[-1].run_id
     assert entry.attempts == 0
 
 
@@ -144,9 +146,10 @@ def test_settle_delivered_failed_and_retry(store, clock):
         OutboxOutcome(three.entry_id, OutboxState.PENDING, "503", retry_at=clock() + 5),
     ])
     assert store.outbox_counts() == {HOOK: {"pending": 1, "delivered": 1, "failed": 1}}
-    assert store.query("SELECT state, attempts, detail, data IS NULL FROM outbox ORDER BY id"
-                       ) == [("delivered", 1, "200", 1), ("failed", 1, "400 bad payload", 0),
-                             ("pending", 1, "503", 0)]
+    assert [(e.state, e.attempts, e.detail, e.data is None)
+            for e in store.outbox_entries()] == [("delivered", 1, "200", True),
+                                                 ("failed", 1, "400 bad payload", False),
+                                                 ("pending", 1, "503", False)]
     assert store.claim_outbox([HOOK], 10, 30.0) == []  # not due before its retry time
     clock.advance(5)
     [again] = store.claim_outbox([HOOK], 10, 30.0)
@@ -159,7 +162,7 @@ def test_a_final_state_is_never_changed_by_a_late_outcome(store):
     store.settle_outbox([OutboxOutcome(entry.entry_id, OutboxState.DELIVERED, "200")])
     store.settle_outbox([OutboxOutcome(entry.entry_id, OutboxState.PENDING, "503", 0.0),
                          OutboxOutcome(entry.entry_id, OutboxState.FAILED, "400")])
-    assert store.query("SELECT state, attempts FROM outbox") == [("delivered", 1)]
+    assert [(e.state, e.attempts) for e in store.outbox_entries()] == [("delivered", 1)]
 
 
 def test_new_run_keeps_undelivered_entries(make_store, store):
@@ -183,7 +186,7 @@ def test_sqlite_a_schema_5_database_gains_the_outbox(tmp_path: Path):
     again = SQLiteStore(str(path))
     again.open(fingerprinter="x")
     again.begin_session("w1", "auto")
-    assert again.query("PRAGMA user_version") == [(6,)]
+    assert db_rows(path, "PRAGMA user_version") == [(6,)]
     again.commit(UnitOfWork(records=[(rec("r1", "h2"), None)], outbox_targets=(HOOK,)), "w1")
     assert entries(again) == [(HOOK, "r1:h2", "updated", "r1", "pending")]
     again.close()

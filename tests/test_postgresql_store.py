@@ -1,4 +1,4 @@
-"""What the PostgreSQL store does beyond the shared contract (tests/test_store.py runs that on
+"""What the PostgreSQL store does beyond the shared contract (tests/test_store_contract.py runs that on
 both backends): schemas per crawl and their refusal, worker liveness by heartbeat across
 hosts, record conflicts between concurrent writers, connection loss and server restarts, a
 wrong password."""

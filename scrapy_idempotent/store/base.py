@@ -48,6 +48,7 @@ __all__ = [
     "NewRequest",
     "OutboxEntry",
     "OutboxOutcome",
+    "OutboxRow",
     "OutboxState",
     "Record",
     "Reject",
@@ -210,6 +211,21 @@ class OutboxEntry:
     run_id: int
     created_at: float  #: when the change was committed (unix seconds, the store's clock)
     attempts: int = 0  #: deliveries tried before this one
+
+
+@dataclass(frozen=True)
+class OutboxRow:
+    """An outbox entry as stored (:meth:`FrontierStore.outbox_entries`)."""
+
+    entry_id: int
+    target: str
+    key: str  #: the idempotency key
+    kind: str
+    record_id: str
+    state: str  #: an :class:`OutboxState` value
+    attempts: int
+    detail: str | None  #: the last outcome's detail
+    data: str | None  #: None once delivered (the record data is dropped then)
 
 
 @dataclass(frozen=True)
@@ -640,6 +656,11 @@ class FrontierStore(ABC):
     @abstractmethod
     def outbox_counts(self) -> dict[str, dict[str, int]]:
         """Outbox entries by target, then by state value (every state, zero included)."""
+
+    @abstractmethod
+    def outbox_entries(self, *, after: int | None = None, limit: int = 1000) -> list[OutboxRow]:
+        """Outbox entries in the order they were written, the first ``limit`` after entry
+        ``after`` (keyset paging by ``entry_id``)."""
 
     # -- operator queries -------------------------------------------------------------------
     # What the ``scrapy idempotent`` commands (``scrapy_idempotent/commands.py``) read and

@@ -64,6 +64,7 @@ from .base import (
     NewRequest,
     OutboxEntry,
     OutboxOutcome,
+    OutboxRow,
     OutboxState,
     Record,
     RejectedItem,
@@ -1394,6 +1395,11 @@ class PostgreSQLStore(FrontierStore):
         (due,) = self._one("SELECT min(due_at) FROM outbox WHERE state = 'pending'"
                            " AND target = ANY(%s)", (list(targets),))
         return float(due) if due is not None else None
+
+    def outbox_entries(self, *, after: int | None = None, limit: int = 1000) -> list[OutboxRow]:
+        return [OutboxRow(*row) for row in self._read(
+            "SELECT id, target, idempotency_key, kind, record_id, state, attempts, detail, data"
+            " FROM outbox WHERE id > %s ORDER BY id LIMIT %s", (after or 0, limit))]
 
     def outbox_counts(self) -> dict[str, dict[str, int]]:
         counts: dict[str, dict[str, int]] = {}

@@ -33,6 +33,7 @@ from .base import (
     NewRequest,
     OutboxEntry,
     OutboxOutcome,
+    OutboxRow,
     OutboxState,
     Record,
     RejectedItem,
@@ -1063,6 +1064,11 @@ class SQLiteStore(FrontierStore):
             f"SELECT min(due_at) FROM outbox WHERE state = 'pending' AND target IN ({marks})",
             tuple(targets)).fetchone()[0]
         return float(due) if due is not None else None
+
+    def outbox_entries(self, *, after: int | None = None, limit: int = 1000) -> list[OutboxRow]:
+        return [OutboxRow(*row) for row in self.conn.execute(
+            "SELECT id, target, idempotency_key, kind, record_id, state, attempts, detail, data"
+            " FROM outbox WHERE id > ? ORDER BY id LIMIT ?", (after or 0, limit)).fetchall()]
 
     def outbox_counts(self) -> dict[str, dict[str, int]]:
         counts: dict[str, dict[str, int]] = {}
