@@ -95,7 +95,7 @@ async def test_an_image_is_named_by_its_record_and_stored_once_whatever_its_trac
 
 def test_check_lists_files_no_record_references(tmp_path: Path) -> None:
     from test_outbox_store import fetch_page
-    from test_store import rec
+    from test_store_contract import rec
 
     from scrapy_idempotent.store import SQLiteStore
 

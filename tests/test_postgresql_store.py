@@ -1,7 +1,7 @@
-"""What the PostgreSQL store does beyond the shared contract (tests/test_store_contract.py runs that on
-both backends): schemas per crawl and their refusal, worker liveness by heartbeat across
-hosts, record conflicts between concurrent writers, connection loss and server restarts, a
-wrong password."""
+"""What the PostgreSQL store does beyond the shared contract (tests/test_store_contract.py
+runs that on both backends): schemas per crawl and their refusal, worker liveness by
+heartbeat across hosts, record conflicts between concurrent writers, connection loss and
+server restarts, a wrong password."""
 
 from __future__ import annotations
 
