@@ -417,3 +417,41 @@ def test_lease_renewals_are_hot_updates(make: Callable[..., PostgreSQLStore],
     wait_for(lambda: updates()[0] >= 16 + 5 * 16, 60, "the statistics of 96 updates")
     updated, hot = updates()
     assert hot >= 5 * 16 // 2, (updated, hot)  # the claims are not HOT: state changes
+
+
+def test_after_a_server_outage_no_live_worker_looks_dead(
+        make: Callable[..., PostgreSQLStore], postgres_cluster: Any) -> None:
+    """The server is down longer than the liveness bound: no heartbeat could be written, so
+    when it is back every heartbeat is stale. The first worker back must not take the leases
+    of a worker that is alive (its heartbeat thread beats again); a worker that is really
+    dead is still found, once the live ones have had the time to beat."""
+    options = {"heartbeat_seconds": 0.3, "dead_after_seconds": 3.0,
+               "busy_timeout_seconds": 120.0}
+    w1, w2 = make(**options), make(**options)
+    for store, worker in ((w1, "host-1:1:1:a"), (w2, "host-2:1:1:b")):
+        store.open(fingerprinter="f", identity=SHOP)
+        store.begin_session(worker, "auto")
+    w1.commit(UnitOfWork(requests=[req(f"p{n}") for n in range(4)]), "host-1:1:1:a")
+    assert len(w1.commit(UnitOfWork(claim=2), "host-1:1:1:a").leased) == 2
+    assert len(w2.commit(UnitOfWork(claim=2), "host-2:1:1:b").leased) == 2
+    postgres_cluster.stop("immediate")
+    wait_for(lambda: _stale_for(w1, 4.0), 60,
+             "an outage longer than the bound")
+    postgres_cluster.start()
+    with pytest.raises(StoreBusy):  # the connection the outage broke
+        w1.reclaim_expired()
+    assert w1.reclaim_expired() == 0  # back, but heartbeats are not judged yet
+    assert sorted(r[0] for r in w1.query(
+        "SELECT worker FROM requests WHERE state = 'leased'")) == [
+        "host-1:1:1:a", "host-1:1:1:a", "host-2:1:1:b", "host-2:1:1:b"]
+    # w2 really dies (its heartbeat stops): once judged, its leases come back, not w1's own
+    w2._stop_heartbeat()
+    wait_for(lambda: w1.reclaim_expired() == 2, 120, "w2's leases reclaimed")
+    assert sorted(r[0] for r in w1.query(
+        "SELECT worker FROM requests WHERE state = 'leased'")) == [
+        "host-1:1:1:a", "host-1:1:1:a"]
+
+
+def _stale_for(store: PostgreSQLStore, seconds: float) -> bool:
+    """Whether ``seconds`` have passed since the store's last (re)connection."""
+    return store.clock() - store._connected_since > seconds

@@ -395,6 +395,9 @@ class PostgreSQLStore(FrontierStore):
         self._listen_thread: threading.Thread | None = None
         self._notified_at = -NOTIFY_INTERVAL_SECONDS
         self._worker: str | None = None  #: the worker of this store's session
+        #: when this store last (re)connected, store clock: heartbeats are judged only after
+        #: a bound from then (see reclaim_expired)
+        self._connected_since = float("inf")
         self._beat_thread: threading.Thread | None = None
 
     # -- connections ------------------------------------------------------------------------
@@ -441,6 +444,7 @@ class PostgreSQLStore(FrontierStore):
             if set_path:
                 conn.execute("SELECT set_config('search_path', %s, false)",
                              (f'"{self.schema}"',))
+            self._connected_since = self.clock()  # (again) after a break: see reclaim_expired
             if self._fixed_clock is None:
                 before = time.time()
                 (server,) = conn.execute(
@@ -1331,15 +1335,28 @@ class PostgreSQLStore(FrontierStore):
             f"{_DEAD_WORKERS} ORDER BY worker", (self.clock() - self.dead_after_seconds,))]
 
     def reclaim_expired(self) -> int:
-        """Put back leases whose time is up, and every lease of a worker whose heartbeat is
-        older than :attr:`dead_after_seconds` (dead, on whatever host), in one statement."""
-        now = self.clock()
-        dead_before = now - self.dead_after_seconds if self.dead_after_seconds else None
+        """Put back leases whose time is up, and every lease of another worker whose
+        heartbeat is older than :attr:`dead_after_seconds` (dead, on whatever host), in one
+        statement.
+
+        Heartbeats are judged only once this store has been connected without a break for
+        longer than the liveness bound plus a heartbeat period: after an outage of the
+        server (or of this worker's network) no worker could beat, so stale heartbeats say
+        nothing until the live workers have had the time to beat again."""
         with self._write("reclaiming leases") as cur:
+            # judged once the connection of this transaction is there (it may have been
+            # reopened just now)
+            now = self.clock()
+            judged = self.dead_after_seconds is not None and (
+                now - self._connected_since
+                >= self.dead_after_seconds + (self.heartbeat_seconds or 0.0))
+            dead_before = now - self.dead_after_seconds if judged and self.dead_after_seconds \
+                else float("-inf")
             cur.execute(
                 "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL"
-                f" WHERE state = 'leased' AND (leased_until < %s OR worker IN ({_DEAD_WORKERS}))",
-                (now, dead_before if dead_before is not None else float("-inf")))
+                " WHERE state = 'leased' AND (leased_until < %s OR"
+                f" (worker IN ({_DEAD_WORKERS}) AND worker IS DISTINCT FROM %s))",
+                (now, dead_before, self._worker))
             reclaimed = cur.rowcount
             if reclaimed:
                 self._notify(cur, force=True)
