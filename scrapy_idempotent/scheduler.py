@@ -12,7 +12,9 @@ store. Its collaborators are built by :meth:`IdempotentScheduler.from_crawler` a
 * the store (:class:`~.FrontierStore`): the durable frontier;
 * :class:`~.InflightTracker` (:mod:`.inflight`): what each handed-out request produced and
   how it went; the engine hooks report to it, the spider middleware and the pipeline use it;
-* :class:`~.StoreWriter` (:mod:`.commits`): page commits and lease renewals, with stats;
+* :class:`~.StoreWriter` (:mod:`.commits`): page commits and lease renewals (the seam a
+  writer thread replaces), and :class:`~.CommitOutcomes`: what follows a durable commit
+  (stats, warnings, the ``request_done`` signal);
 * :class:`~.ClaimedRequests` (:mod:`.leases`): the requests claimed ahead;
 * :class:`~.RequestKeys` and :class:`~.RequestFingerprints` (:mod:`.keys`): request identity.
 
