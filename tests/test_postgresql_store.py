@@ -420,7 +420,7 @@ def test_lease_renewals_are_hot_updates(make: Callable[..., PostgreSQLStore],
 
 
 def test_after_a_server_outage_no_live_worker_looks_dead(
-        make: Callable[..., PostgreSQLStore], postgres_cluster: Any) -> None:
+        make: Callable[..., PostgreSQLStore], postgres_cluster: Any, postgres_url: str) -> None:
     """The server is down longer than the liveness bound: no heartbeat could be written, so
     when it is back every heartbeat is stale. The first worker back must not take the leases
     of a worker that is alive (its heartbeat thread beats again); a worker that is really
@@ -441,15 +441,13 @@ def test_after_a_server_outage_no_live_worker_looks_dead(
     with pytest.raises(StoreBusy):  # the connection the outage broke
         w1.reclaim_expired()
     assert w1.reclaim_expired() == 0  # back, but heartbeats are not judged yet
-    assert sorted(r[0] for r in w1.query(
-        "SELECT worker FROM requests WHERE state = 'leased'")) == [
+    leased = f"SELECT worker FROM \"{schema_for(SHOP)}\".requests WHERE state = 'leased'"
+    assert sorted(r[0] for r in sql(postgres_url, leased)) == [
         "host-1:1:1:a", "host-1:1:1:a", "host-2:1:1:b", "host-2:1:1:b"]
     # w2 really dies (its heartbeat stops): once judged, its leases come back, not w1's own
     w2._stop_heartbeat()
     wait_for(lambda: w1.reclaim_expired() == 2, 120, "w2's leases reclaimed")
-    assert sorted(r[0] for r in w1.query(
-        "SELECT worker FROM requests WHERE state = 'leased'")) == [
-        "host-1:1:1:a", "host-1:1:1:a"]
+    assert sorted(r[0] for r in sql(postgres_url, leased)) == ["host-1:1:1:a", "host-1:1:1:a"]
 
 
 def _stale_for(store: PostgreSQLStore, seconds: float) -> bool:

@@ -464,8 +464,16 @@ class PostgreSQLStore(FrontierStore):
         with self._lock:
             orphans, self._orphans = self._orphans, []
         for pid, started in orphans:
-            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                         " WHERE pid = %s AND backend_start = %s", (pid, started))
+            # and wait until it is gone (PostgreSQL 14+: the timeout form), so that what it
+            # was committing is settled, committed or not, before anything reads it back
+            conn.execute("SELECT pg_terminate_backend(pid, %s) FROM pg_stat_activity"
+                         " WHERE pid = %s AND backend_start = %s",
+                         (int(max(self.busy_timeout_seconds, 1.0) * 1000), pid, started))
+            row = conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s"
+                               " AND backend_start = %s", (pid, started)).fetchone()
+            if row is not None:
+                with self._lock:
+                    self._orphans.append((pid, started))
 
     def _connect_error(self, exc: Exception) -> StoreError:
         text = str(exc).strip()
@@ -882,10 +890,12 @@ class PostgreSQLStore(FrontierStore):
         then write its unit of work twice."""
         if self.session_id is not None:
             with contextlib.suppress(StoreError):
-                row = self._one("SELECT last_commit FROM sessions WHERE session_id = %s",
-                                (self.session_id,))
-                if row is not None:  # the last commit written (commits are serial)
-                    return int(row[0]) == number
+                _ = self.conn  # reconnects, ending the lost connection's server process
+                if not self._orphans:  # it is gone: what it committed is visible now
+                    row = self._one("SELECT last_commit FROM sessions WHERE session_id = %s",
+                                    (self.session_id,))
+                    if row is not None:  # the last commit written (commits are serial)
+                        return int(row[0]) == number
         raise StoreError(
             f"the connection to {self.shown_url} was lost while committing, and whether the "
             "commit happened cannot be read back: nothing more is written by this crawl; run "
