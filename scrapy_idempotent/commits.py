@@ -1,13 +1,9 @@
 """The commit path: units of work written to the store, retried while the database is busy,
 then, once durable, counted and announced.
 
-:class:`StoreWriter` is the seam between the scheduler and the database:
-:meth:`StoreWriter.commit` takes a :class:`~.UnitOfWork` and returns its
-:class:`~.CommitResult`, :meth:`StoreWriter.renew` renews this worker's leases. Both are
-synchronous here (they block the reactor thread for the transaction, and while the database
-is locked by another process for up to ``IDEMPOTENT_BUSY_TIMEOUT_SECONDS`` per attempt); a
-writer that runs them elsewhere replaces these two methods and hands the result back on the
-reactor thread.
+The writes themselves run on the writer's thread (:class:`~.writer.WriterThread`: page
+commits grouped, lease renewals, every other write), each retried there with
+:func:`retry_busy` while the database is busy; the reactor thread gets the results back.
 
 :class:`CommitOutcomes` is what follows a commit, on the reactor thread: the stats of what
 it wrote, the warnings about quarantined requests and lost leases, and the
@@ -32,9 +28,9 @@ if TYPE_CHECKING:
     from scrapy.crawler import Crawler
     from scrapy.statscollectors import StatsCollector
 
-    from .store.base import CommitResult, FrontierStore, UnitOfWork
+    from .store.base import CommitResult, UnitOfWork
 
-__all__ = ["COMMIT_ATTEMPTS", "CommitOutcomes", "StoreWriter", "retry_busy"]
+__all__ = ["COMMIT_ATTEMPTS", "CommitOutcomes", "retry_busy"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,41 +41,25 @@ _T = TypeVar("_T")
 COMMIT_ATTEMPTS = 5
 
 
-def retry_busy(what: str, action: Callable[[], _T]) -> _T:
+def retry_busy(what: str, action: Callable[[], _T], *, attempts: int = COMMIT_ATTEMPTS,
+               sleep: Callable[[float], object] = time.sleep) -> _T:
     """``action()``, tried again with back-off while another process holds the database
-    locked (:class:`~.StoreBusy`), at most :data:`COMMIT_ATTEMPTS` times; any other store
-    error (disk full, read-only, not our schema, an I/O error) is raised at once, as
-    retrying cannot cure it. Blocking: each attempt waits up to
-    IDEMPOTENT_BUSY_TIMEOUT_SECONDS for the lock. ``what``: the action, for the log
-    (``"committing"``)."""
+    locked (:class:`~.StoreBusy`), at most ``attempts`` times (back-off 0.05 s, doubling,
+    through ``sleep``); any other store error (disk full, read-only, not our schema, an I/O
+    error) is raised at once, as retrying cannot cure it. Blocks the calling thread: each
+    attempt waits up to IDEMPOTENT_BUSY_TIMEOUT_SECONDS for the lock (the writer's thread
+    while a crawl runs; the reactor's only when the store is opened and closed). ``what``:
+    the action, for the log (``"committing"``)."""
     delay = 0.05
-    for attempt in range(1, COMMIT_ATTEMPTS):
+    for attempt in range(1, attempts):
         try:
             return action()
         except StoreBusy as exc:
             logger.warning("scrapy_idempotent: database busy while %s (%s), "
-                           "retrying (%d/%d)", what, exc, attempt, COMMIT_ATTEMPTS)
-            time.sleep(delay)
+                           "retrying (%d/%d)", what, exc, attempt, attempts)
+            sleep(delay)
             delay *= 2
     return action()
-
-
-class StoreWriter:
-    """Writes of one worker to the store: page commits and lease renewals."""
-
-    def __init__(self, store: FrontierStore, worker: str) -> None:
-        self.store = store
-        self.worker = worker
-
-    def commit(self, work: UnitOfWork) -> CommitResult:
-        """Write ``work`` in one transaction (retried while the database is busy). Raises
-        the store's error when it cannot be written; then nothing of it was."""
-        return retry_busy("committing", lambda: self.store.commit(work, self.worker))
-
-    def renew(self) -> set[str]:
-        """Renew every live lease of this worker (one statement); returns the keys still
-        held. Raises the store's error when it cannot be written."""
-        return set(retry_busy("renewing leases", lambda: self.store.renew_leases(self.worker)))
 
 
 class CommitOutcomes:

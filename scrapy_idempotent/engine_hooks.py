@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from scrapy import Request
     from scrapy.crawler import Crawler
     from scrapy.http import Response
+    from twisted.internet.defer import Deferred
     from twisted.python.failure import Failure
 
 __all__ = [
@@ -67,9 +68,11 @@ class EngineObserver(Protocol):
         through the pipelines, its children were enqueued), whatever the outcome."""
 
     def downloader_output(self, result: Request | Response | Failure,
-                          request: Request) -> None:
+                          request: Request) -> Deferred[None] | None:
         """What the downloader (its middlewares) answered for ``request``: a response, a
-        failure, or a new request (a redirect or retry)."""
+        failure, or a new request (a redirect or retry). A Deferred returned is waited for
+        before the engine passes the result on (to the callback); the downloader is free
+        for other requests meanwhile."""
 
     def spider_output(self, result: Any, request: Request,
                       response: Response | Failure) -> Any:
@@ -99,6 +102,7 @@ def _hooked_methods(engine: Any) -> list[tuple[Any, str, str]]:
     scraper = getattr(engine, "scraper", None)
     return [
         (slot, "ExecutionEngine._slot", "remove_request"),
+        (getattr(slot, "nextcall", None), "ExecutionEngine._slot.nextcall", "schedule"),
         (engine, "ExecutionEngine", "_handle_downloader_output"),
         (scraper, "Scraper", "handle_spider_output_async"),  # Scrapy 2.13
         (scraper, "Scraper", "handle_spider_error"),
@@ -151,8 +155,10 @@ class EngineHooks:
             remove_request(request)
 
         def hooked_handle_output(result: Any, request: Request) -> Any:
-            observer.downloader_output(result, request)
-            return handle_output(result, request)
+            wait = observer.downloader_output(result, request)
+            if wait is None:
+                return handle_output(result, request)
+            return wait.addCallback(lambda _: handle_output(result, request))
 
         async def hooked_spider_output(result: Any, request: Request,
                                        response: Response | Failure) -> None:

@@ -62,6 +62,7 @@ from .store.base import (
 
 if TYPE_CHECKING:
     from scrapy.statscollectors import StatsCollector
+    from twisted.internet.defer import Deferred
 
 __all__ = [
     "HttpStatusRule",
@@ -99,6 +100,9 @@ class InflightRequest:
     request: Request
     suspect: bool = False  #: in flight when a worker died before
     downloads: int = 0  #: times it was sent to the network before this lease
+    #: the batch of writes (:class:`~.writer.WriterThread`) that carries its latest attempt
+    #: write (its start, its journaled response, its replay): its callback waits for it
+    write_seq: int = 0
     children: list[NewRequest] = field(default_factory=list)
     records: list[tuple[Record, str | None]] = field(default_factory=list)
     rejects: list[Reject] = field(default_factory=list)
@@ -233,8 +237,12 @@ class InflightTracker:
     ``complete(work, entry)`` is called with each unit of work that became ready to write:
     ``entry`` (a handed-out request) and its memory requests finished, or (``entry`` None) a
     memory request of no stored request finished; ``flush_soon()`` when something was
-    buffered that must be written at the next turn of the reactor (an attempt started, a
-    journaled response).
+    buffered that must be written before its response is processed (an attempt started, a
+    journaled response): it returns the number of the batch of writes that will carry it,
+    and ``writes_durable(number)`` gives None once that batch is written, else a Deferred
+    that fires then. A response (or failure) goes on to its callback (errback) only once its
+    attempt's writes are durable: a kill in the callback finds the attempt counted (a page
+    that kills every crawl is quarantined) and the response journaled (not downloaded again).
     """
 
     def __init__(self, *, stats: StatsCollector, identity: RecordIdentity,
@@ -248,7 +256,8 @@ class InflightTracker:
         self.spider: object = None
         self.complete: Callable[[UnitOfWork, InflightRequest | None], None] = \
             lambda work, entry: None
-        self.flush_soon: Callable[[], None] = lambda: None
+        self.flush_soon: Callable[[], int] = lambda: 0
+        self.writes_durable: Callable[[int], Deferred[None] | None] = lambda seq: None
         self.unattributed = UnattributedWrites()
         self._inflight: dict[int, InflightRequest] = {}  # id(handed-out request) -> entry
         self._by_fingerprint: dict[str, InflightRequest] = {}
@@ -344,8 +353,8 @@ class InflightTracker:
 
     def handed_out(self, leased: LeasedRequest, request: Request) -> InflightRequest:
         """``request`` (loaded from ``leased``) goes to the engine. The attempt counts from
-        now: it is written at the next transaction, at the latest at the next turn of the
-        reactor (before its download can finish)."""
+        now: it is written with the next transaction, before its response goes on to its
+        callback (see ``writes_durable``)."""
         entry = InflightRequest(key=leased.key, fingerprint=leased.fingerprint,
                                 priority=leased.priority, attempts=leased.attempts,
                                 request=request, suspect=leased.suspect,
@@ -355,7 +364,7 @@ class InflightTracker:
         self._inflight[id(request)] = entry
         self._by_fingerprint[leased.fingerprint] = entry
         self._started.append(leased.key)
-        self.flush_soon()
+        entry.write_seq = self.flush_soon()
         return entry
 
     def fail_unloadable(self, key: str, message: str) -> None:
@@ -379,20 +388,20 @@ class InflightTracker:
     # -- writes waiting for the next transaction --------------------------------------------
 
     def keep_response(self, entry: InflightRequest, data: str, body: bytes) -> None:
-        """Journal the raw response of ``entry`` (see :mod:`.journal`): written at the next
-        turn of the reactor, with the other writes of that moment. Not for memory requests
+        """Journal the raw response of ``entry`` (see :mod:`.journal`): written with the next
+        transaction, before the response goes on to its callback. Not for memory requests
         (nothing of theirs is stored)."""
         if entry.memory:
             return
         self._journal.append((entry, data, body))
-        self.flush_soon()
+        entry.write_seq = self.flush_soon()
 
     def mark_replayed(self, entry: InflightRequest) -> None:
         """``entry``'s response came from the response journal: this attempt is not a
-        download (written at the next turn of the reactor, with the other writes)."""
+        download (written with the next transaction, before the response goes on)."""
         entry.replayed = True
         self._replayed.append(entry.key)
-        self.flush_soon()
+        entry.write_seq = self.flush_soon()
 
     @property
     def has_attempt_writes(self) -> bool:
@@ -439,11 +448,15 @@ class InflightTracker:
             logger.exception("scrapy_idempotent: error completing %s", describe(request))
 
     def downloader_output(self, result: Request | Response | Failure,
-                          request: Request) -> None:
+                          request: Request) -> Deferred[None] | None:
         entry = self._inflight.get(id(request))
-        if entry is not None:
-            self._count_download(entry)
-            self._observe(entry, result)
+        if entry is None:
+            return None
+        self._count_download(entry)
+        self._observe(entry, result)
+        if isinstance(result, Request):
+            return None  # a retry or redirect: its own attempt comes later
+        return self.writes_durable(entry.write_seq)
 
     def spider_output(self, result: Any, request: Request,
                       response: Response | Failure) -> Any:

@@ -11,8 +11,10 @@ only what was on the wire: at most ``CONCURRENT_REQUESTS`` requests.
 
 The raw response is stored (before every other downloader middleware's ``process_response``),
 so decompression, cookies, redirects and retries run again on the replay just as they did the
-first time. Disable with ``IDEMPOTENT_RESPONSE_JOURNAL = False`` (one write transaction per
-page less; a kill then also repeats the pages being processed).
+first time. The response goes on to its callback once its journal row is written (the
+scheduler's writer sends it with the next batch of writes, usually another page's
+completion). Disable with ``IDEMPOTENT_RESPONSE_JOURNAL = False`` (no response bodies
+written; a kill then also repeats the pages being processed).
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ store. Its collaborators are built by :meth:`IdempotentScheduler.from_crawler` a
 * the store (:class:`~.FrontierStore`): the durable frontier;
 * :class:`~.InflightTracker` (:mod:`.inflight`): what each handed-out request produced and
   how it went; the engine hooks report to it, the spider middleware and the pipeline use it;
-* :class:`~.StoreWriter` (:mod:`.commits`): page commits and lease renewals (the seam a
-  writer thread replaces), and :class:`~.CommitOutcomes`: what follows a durable commit
-  (stats, warnings, the ``request_done`` signal);
+* :class:`~.WriterThread` (:mod:`.writer`): every write of the crawl, on a thread of its own,
+  page commits grouped; :class:`~.CommitOutcomes` (:mod:`.commits`): what follows a durable
+  commit (stats, warnings, the ``request_done`` signal);
 * :class:`~.ClaimedRequests` (:mod:`.leases`): the requests claimed ahead;
 * :class:`~.RequestKeys` and :class:`~.RequestFingerprints` (:mod:`.keys`): request identity.
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from scrapy.core.scheduler import BaseScheduler
@@ -42,20 +42,29 @@ from . import __version__, engine_hooks, scrapy_compat, signals, workers
 from ._dupes import DuplicateFilter
 from ._order import QueueOrder
 from .codec import RequestCodec, describe
-from .commits import CommitOutcomes, StoreWriter, retry_busy
+from .commits import CommitOutcomes, retry_busy
 from .config import IdempotentConfig, config_for
 from .exceptions import StoreError, UnstorableRequest
 from .inflight import HttpStatusRule, InflightRequest, InflightTracker, RequestOrigin
 from .keys import RequestFingerprints, RequestKeys
-from .leases import ClaimedRequests
+from .leases import ClaimedRequests, QueueRank, queue_rank, queue_rank_of_new
 from .records import RecordIdentity
-from .store.base import CrawlIdentity, FrontierStore, NewRequest, RequestState, UnitOfWork
+from .store.base import (
+    Completion,
+    CrawlIdentity,
+    FrontierStore,
+    NewRequest,
+    RequestState,
+    UnitOfWork,
+)
 from .store.registry import open_store, redacted
+from .writer import LINGER_SECONDS, WriterThread
 
 if TYPE_CHECKING:
     from scrapy import Request, Spider
     from scrapy.crawler import Crawler
     from twisted.internet.defer import Deferred
+    from twisted.python.failure import Failure
     from typing_extensions import Self
 
     from .store.base import CommitResult, LeasedRequest
@@ -152,7 +161,7 @@ class IdempotentScheduler(BaseScheduler):
 
     def __init__(self, crawler: Crawler, config: IdempotentConfig,
                  store: FrontierStore | None = None, *,
-                 tracker: InflightTracker | None = None) -> None:
+                 tracker: InflightTracker | None = None, threaded_writes: bool = True) -> None:
         self.crawler = crawler
         self.config = config
         assert crawler.stats is not None
@@ -163,7 +172,17 @@ class IdempotentScheduler(BaseScheduler):
         self.tracker = tracker or _build_tracker(crawler, config, self.fingerprints)
         self.tracker.complete = self._write_completed
         self.tracker.flush_soon = self._flush_soon
-        self.writer = StoreWriter(self.store, workers.new_worker_id())
+        #: every write of the crawl (see :mod:`.writer`); ``threaded_writes=False`` writes at
+        #: once on the calling thread (a scheduler driven by hand, outside a crawl)
+        self.writer = WriterThread(self.store, workers.new_worker_id(),
+                                   prepare=self._prepare_batch, committed=self._batch_committed,
+                                   failed=self._batch_failed, threaded=threaded_writes)
+        #: batch number -> the first place in Scrapy's order among the requests it adds (or
+        #: puts back to pending), for the batches not written yet (see _order_wait)
+        self._unwritten: dict[int, QueueRank] = {}
+        self._renewing = False
+        self._asked_in_vain = False  #: next_request answered None since the last wake
+        self._gated = 0  #: responses waiting for their writes before their callback
         self.outcomes = CommitOutcomes(crawler, crawler.stats, config.max_attempts)
         self.claimed = ClaimedRequests(config.lease_batch)
         self.keys = RequestKeys()
@@ -251,6 +270,8 @@ class IdempotentScheduler(BaseScheduler):
         )
         self._hooks = engine_hooks.EngineHooks(self.crawler.engine, self.tracker)
         self._hooks.install()
+        self.tracker.writes_durable = self._writes_durable
+        self.writer.start()  # from now on the writer's thread uses the write connection
         self._renewal = task.LoopingCall(self._tick)
         self._renewal.start(self.config.lease_seconds / 3, now=False)
         self._woken = False
@@ -294,6 +315,17 @@ class IdempotentScheduler(BaseScheduler):
         if not self._session:  # open() failed before the store was usable: nothing to close
             self.store.close()
             return None
+        if not self.writer.running:
+            return self._close_drained(reason)
+        # everything buffered is written, then the writer's thread ends and the rest of the
+        # close runs here (the store is this thread's again)
+        self.writer.commit()
+        drained = self.writer.drain()
+        drained.addCallback(lambda _: self._close_drained(reason))
+        return drained
+
+    def _close_drained(self, reason: str) -> Deferred[None] | None:
+        self.writer.stop()
         if self._before_end and not self._failed:
             from scrapy.utils.defer import deferred_from_coro
 
@@ -367,10 +399,11 @@ class IdempotentScheduler(BaseScheduler):
         raises; on a store error it answers True and lets the close take its course."""
         if self._failed:
             return False
-        if self.claimed or self.tracker.unattributed.requests or self.tracker.memory_requests:
+        if (self.claimed or self.tracker.unattributed.requests or self.tracker.memory_requests
+                or self.writer.busy):  # (a batch being written may claim requests)
             return True
         try:
-            status = self.store.status(self.worker)
+            status = self.store.status(self.worker)  # the read connection: never waits
             if status.claimable:
                 self.claimed.maybe_claimable = True
                 return True
@@ -378,8 +411,7 @@ class IdempotentScheduler(BaseScheduler):
                 now = time.time()
                 if now >= self._dead_check_at:
                     self._dead_check_at = now + 1.0
-                    if self._reclaim_dead_workers() or self.store.reclaim_expired():
-                        self.claimed.maybe_claimable = True
+                    self._reclaim_leases()
                 return True
             return False
         except Exception:
@@ -404,7 +436,12 @@ class IdempotentScheduler(BaseScheduler):
         if self._failed or self._closing:
             return None
         try:
-            return self._next_request()
+            request = self._next_request()
+            if request is None:
+                # the engine asks again when a request finishes or at its heartbeat; a write
+                # that brings requests (a claim, the end of an order wait) wakes it sooner
+                self._asked_in_vain = True
+            return request
         except Exception:
             logger.exception("scrapy_idempotent: cannot lease the next request")
             self._fail("cannot lease the next request")
@@ -531,6 +568,11 @@ class IdempotentScheduler(BaseScheduler):
 
     def _next_request(self) -> Request | None:
         tracker, claimed = self.tracker, self.claimed
+        if self._gated and not self.writer.stalled:
+            # A response waits for its writes before its callback runs: in Scrapy the
+            # callback would have run, and its requests would be enqueued, before the next
+            # request is sent (they may go first). Asked again once it has run.
+            return None
         while True:
             if tracker.suspects_in_flight:
                 # a suspect runs alone (see below), with its own memory requests (each
@@ -540,6 +582,10 @@ class IdempotentScheduler(BaseScheduler):
                 return tracker.hand_out_memory() if tracker.memory_requests else None
             if tracker.memory_requests and tracker.memory_goes_before(claimed.head()):
                 return tracker.hand_out_memory()
+            if self._order_wait(claimed.head()):
+                # requests being written go before the next one claimed here: they are
+                # handed out first, once written and claimed (the writer wakes the engine)
+                return None
             if claimed.head().suspect and tracker.in_flight:
                 # A request that was in flight at two deaths of a worker is a suspect: it
                 # runs with nothing else in flight, so that if it kills the crawl again, it
@@ -551,21 +597,61 @@ class IdempotentScheduler(BaseScheduler):
                 # The batch claimed ahead sat here past its lease (the process was stopped,
                 # or the reactor blocked): another worker may have it now.
                 self._renew()
+                if self._renewing:
+                    return None  # the renewal wakes the engine when it is back
                 continue
             request = self._load(claimed.pop())
             if request is not None:
                 return request
 
     def _refill(self) -> bool:
+        """Claim requests, when the store may have some: at once when the writer's thread is
+        idle, else with the batch after the one in flight (it wakes the engine)."""
         now = time.time()
         if not self.claimed.may_refill(now, bool(self.tracker.unattributed)):
             return False
-        result = self._commit(UnitOfWork(claim=self.claimed.claim_size(self._closing)))
-        if result is None:
+        if self.writer.threaded and not self.writer.idle:
+            self.writer.commit()  # the batch being filled claims: send it without lingering
             return False
-        if not result.leased:
-            self.claimed.found_none(now)
+        # Nothing claimed ahead and nothing being written: claim now and wait for it, so
+        # that the requests enqueued so far are taken in Scrapy's order (a request enqueued
+        # while a claim is on its way would otherwise lose its turn)
+        self._commit(UnitOfWork(claim=self.claimed.claim_size(self._closing)))
+        if self.writer.running:
+            self.writer.commit_now()
         return bool(self.claimed)
+
+    def _order_wait(self, head: LeasedRequest) -> bool:
+        """Whether requests not written yet go before ``head`` in Scrapy's order (a child is
+        taken before older requests of its priority): then ``head`` waits until they are
+        written and claimed. Not while the writes wait for the database (another process
+        holds the lock): then the requests claimed here are handed out in their order, so
+        downloads go on."""
+        if not self._unwritten:
+            return False
+        durable = self.writer.durable_seq
+        for seq in [seq for seq in self._unwritten if seq <= durable]:
+            del self._unwritten[seq]
+        if not self._unwritten or self.writer.stalled:
+            return False
+        return min(self._unwritten.values()) < queue_rank(head)
+
+    def _note_order(self, seq: int, requests: Sequence[NewRequest],
+                    completions: Sequence[Completion]) -> None:
+        """Remember where the requests batch ``seq`` adds (or puts back to pending: a retry)
+        stand in Scrapy's order, until it is written."""
+        best = self._unwritten.get(seq)
+        for new in requests:
+            rank = queue_rank_of_new(new)
+            if best is None or rank < best:
+                best = rank
+        for completion in completions:
+            if completion.state is RequestState.PENDING:
+                rank = (-(completion.priority or 0), 0, float("-inf"))
+                if best is None or rank < best:
+                    best = rank
+        if best is not None:
+            self._unwritten[seq] = best
 
     def _load(self, leased: LeasedRequest) -> Request | None:
         assert self.codec is not None
@@ -594,32 +680,76 @@ class IdempotentScheduler(BaseScheduler):
             self.outcomes.expect(entry.key, entry.request, entry.fingerprint)
         self._commit(work)
 
-    def _commit(self, work: UnitOfWork) -> CommitResult | None:
+    def _commit(self, work: UnitOfWork) -> int:
         """Write ``work`` plus everything buffered in one transaction, claiming new leases
-        when the local batch runs low. The writer retries on a locked database; when it
-        gives up the spider is closed (the uncommitted entries stay leased and are released
-        at close)."""
+        when the local batch runs low: with the writer's batch (several pages may share it),
+        or at once when the writer is stopped (at close). Returns the batch's number (0: at
+        once, or nothing to write). The writer retries on a locked database; when it gives
+        up the spider is closed (the uncommitted entries stay leased and are released at
+        close)."""
         if self._failed:
-            return None
-        self.tracker.drain_into(work)
+            return 0
+        if self.writer.running:
+            self._note_order(self.writer.open_seq, work.requests, work.completions)
+            return self.writer.commit(work)
+        self._prepare_batch(work, 0)
+        if work:
+            try:
+                result = retry_busy("committing", lambda: self.store.commit(work, self.worker))
+            except Exception as exc:
+                self._batch_failed(work, exc)
+            else:
+                self._batch_committed(work, result)
+        return 0
+
+    def _prepare_batch(self, work: UnitOfWork, seq: int) -> None:
+        """The writer's ``prepare``: add what is buffered, the claim and the give-back."""
+        pages = len(work.requests)
+        self.tracker.drain_into(work)  # (the requests of no page go first)
+        if work.requests or any(c.state is RequestState.PENDING for c in work.completions):
+            self.claimed.maybe_claimable = True
+            if seq:  # the pages' requests were noted when they were committed
+                self._note_order(seq, work.requests[:len(work.requests) - pages], ())
         self.claimed.prepare(work, self._closing)
         work.outbox_targets = self.config.outbox_targets  # announce its record changes
-        if not work:
-            return None
-        try:
-            result = self.writer.commit(work)
-        except Exception as exc:
-            logger.error("scrapy_idempotent: cannot write to the frontier database",
-                         exc_info=not isinstance(exc, StoreError))
-            self.tracker.restore_from(work)
-            self._fail(
-                f"frontier database error: {exc}; what was committed before is kept: fix "
-                "the cause and run the same crawl again to resume"
-            )
-            return None
+
+    def _batch_committed(self, work: UnitOfWork, result: CommitResult) -> None:
+        """The writer's ``committed``: count, announce, take the claimed requests."""
         self.outcomes.committed(result, work)
         self.tracker.written(work)
         self.claimed.accept(work, result)
+        if work.claim and not result.leased and not work.requests:
+            self.claimed.found_none(time.time())
+        self._wake_if_asked_in_vain()
+
+    def _batch_failed(self, work: UnitOfWork, exc: BaseException) -> None:
+        """The writer's ``failed``: nothing of ``work`` was written, nor will anything more."""
+        logger.error("scrapy_idempotent: cannot write to the frontier database",
+                     exc_info=(type(exc), exc, exc.__traceback__)
+                     if not isinstance(exc, StoreError) else False)
+        self.tracker.restore_from(work)
+        self._fail(
+            f"frontier database error: {exc}; what was committed before is kept: fix "
+            "the cause and run the same crawl again to resume"
+        )
+
+    def _writes_durable(self, seq: int) -> Deferred[None] | None:
+        """The tracker's ``writes_durable``: a response waits for its attempt's writes (they
+        are sent with the next page's completion, at the latest after the linger)."""
+        if not self.writer.running:
+            return None
+        waiting = self.writer.durable(seq)
+        if waiting is not None:
+            self.writer.commit(linger=LINGER_SECONDS)
+            self._gated += 1
+            waiting.addBoth(self._gate_passed)
+            if self.writer.stalled:
+                # the writes wait for the database: the download slot is free meanwhile
+                engine_hooks.schedule_next_request(self.crawler)
+        return waiting
+
+    def _gate_passed(self, result: Any) -> Any:
+        self._gated -= 1
         return result
 
     def _fail(self, reason: str) -> None:
@@ -630,12 +760,18 @@ class IdempotentScheduler(BaseScheduler):
         logger.error("scrapy_idempotent: closing the spider: %s", reason)
         engine_hooks.close_spider_failed(self.crawler, STORE_ERROR_REASON)
 
-    def _flush_soon(self) -> None:
+    def _flush_soon(self) -> int:
+        """The tracker's ``flush_soon``: what it buffered (an attempt's start, its journaled
+        response) goes with the writer's next batch; returns that batch's number. Its
+        response waits for it (:meth:`_writes_durable`)."""
+        if self.writer.threaded and self.writer.running:
+            return self.writer.open_seq
         if self._flush_call is None or not self._flush_call.active():
             from twisted.internet import reactor as installed  # the one Scrapy installed
 
             clock: Any = installed
             self._flush_call = clock.callLater(0, self._flush)
+        return 0
 
     def _flush(self) -> None:
         if self.tracker.has_attempt_writes and not self._failed and not self._closing:
@@ -650,7 +786,7 @@ class IdempotentScheduler(BaseScheduler):
             return
         try:
             self._renew()
-            if self.tracker.unattributed:
+            if self.tracker.unattributed or self.claimed.has_give_back:
                 self._commit(UnitOfWork())
         except Exception:
             logger.exception("scrapy_idempotent: cannot renew leases")
@@ -662,20 +798,44 @@ class IdempotentScheduler(BaseScheduler):
         there is enough of it, everything at close), so big pages do not leave the file at
         its peak size. A failure here is logged and otherwise ignored: the space stays
         free inside the file and is reused."""
+        if self.writer.running:
+            reclaiming = self.writer.call(
+                "giving free space back", lambda store: store.reclaim_space(everything=everything))
+            reclaiming.addCallbacks(self._space_reclaimed, lambda failure: logger.warning(
+                "scrapy_idempotent: could not give free space back: %s", failure.value))
+            return
         try:
             freed = self.store.reclaim_space(everything=everything)
         except Exception as exc:
             logger.warning("scrapy_idempotent: could not give free space back: %s", exc)
             return
+        self._space_reclaimed(freed)
+
+    def _space_reclaimed(self, freed: int) -> None:
         if freed:
             self.stats.inc_value("idempotent/bytes_reclaimed", freed)
 
     def _renew(self) -> None:
-        """Renew this worker's live leases (one statement) and forget those that expired:
-        the requests claimed ahead are dropped (never handed out), and a request in flight
-        whose lease expired is finished without writing anything (the store fences it)."""
+        """Renew this worker's live leases (one statement, on the writer's thread) and, once
+        renewed, forget those that expired: the requests claimed ahead are dropped (never
+        handed out), and a request in flight whose lease expired is finished without writing
+        anything (the store fences it)."""
+        if self._renewing:
+            return
+        self._renewing = True
         began = time.time()
-        held = self.writer.renew()
+        renewing = self.writer.call("renewing leases",
+                                    lambda store: store.renew_leases(self.worker))
+        renewing.addCallbacks(self._renewed, self._renew_failed, callbackArgs=(began,))
+
+    def _renew_failed(self, failure: Failure) -> None:
+        self._renewing = False
+        logger.error("scrapy_idempotent: cannot renew leases: %s", failure.value)
+
+    def _renewed(self, keys: list[str], began: float) -> None:
+        self._renewing = False
+        held = set(keys)
+        self._wake_if_asked_in_vain()
         self.claimed.renewed_until = began + self.config.lease_seconds
         if held:
             self.stats.inc_value("idempotent/leases/renewals")
@@ -689,6 +849,39 @@ class IdempotentScheduler(BaseScheduler):
                 "%d claimed requests are given up without being fetched, and the work of %d "
                 "in flight is not written unless the lease is still this worker's",
                 stale + expired, stale, expired)
+
+    def _reclaim_leases(self) -> None:
+        """Put the leases of this host's dead workers and the expired leases back to pending
+        (on the writer's thread); the claim that follows may take them."""
+        dead = [h.worker for h in self.store.lease_holders()
+                if h.worker != self.worker and workers.worker_is_dead(h.worker)]
+
+        def reclaim(store: FrontierStore) -> tuple[int, int]:
+            return (store.release_leases(dead) if dead else 0), store.reclaim_expired()
+
+        reclaiming = self.writer.call("reclaiming leases", reclaim)
+        reclaiming.addCallbacks(lambda counts: self._leases_reclaimed(dead, *counts),
+                                lambda failure: logger.warning(
+                                    "scrapy_idempotent: could not reclaim leases: %s",
+                                    failure.value))
+
+    def _leases_reclaimed(self, dead: list[str], released: int, expired: int) -> None:
+        if released:
+            self.stats.inc_value("idempotent/requests/reclaimed", released)
+            logger.info("scrapy_idempotent: reclaimed %d leases of dead workers %s",
+                        released, ", ".join(dead))
+        if released or expired:
+            self.claimed.maybe_claimable = True
+            self._wake_if_asked_in_vain()
+
+    def _wake_if_asked_in_vain(self) -> None:
+        """Have the engine ask for requests again at the next reactor turn when the last time
+        it asked it got none (only then: an engine woken between a download and its callback
+        would send the next request before the callback's children, out of Scrapy's
+        order)."""
+        if self._asked_in_vain:
+            self._asked_in_vain = False
+            engine_hooks.schedule_next_request(self.crawler)
 
     def _reclaim_dead_workers(self) -> int:
         dead = [h.worker for h in self.store.lease_holders()

@@ -1,6 +1,6 @@
 """The store writer: the crawl's database writes run on a thread of their own.
 
-While a crawl runs, :class:`StoreWriter` owns the store's write connection: page commits,
+While a crawl runs, :class:`WriterThread` owns the store's write connection: page commits,
 journal rows, start marks, lease renewals and every other write are queued to its thread and
 run there one after the other, in the order they were submitted; their results come back to
 the reactor thread (``reactor.callFromThread``) as Deferreds and callbacks. The reactor never
@@ -8,21 +8,27 @@ waits on the database: a write lock held by another process, a slow disk or a re
 only delay the writes, while downloads that need no write go on. Reads the reactor must
 answer at once use the store's read connection (in WAL mode readers do not wait on writers).
 
-Group commit: page commits (:meth:`StoreWriter.commit`) are merged into the batch being
+Group commit: page commits (:meth:`WriterThread.commit`) are merged into the batch being
 filled, and one batch at a time is with the thread. A batch is sent at the next reactor turn
 when none is in flight, else as soon as the one in flight returns, with everything that
-arrived meanwhile: one write transaction per batch, never more than one per page, fewer
-when pages complete faster than a transaction takes. A batch is one
+arrived meanwhile: one write transaction per batch, fewer than one per page when pages
+complete faster than a transaction takes. Writes that need not be durable at once (the
+start of an attempt, a journaled response) ride on the next batch; when something waits
+for them and no page completes, their batch is sent after :data:`LINGER_SECONDS`. A batch is one
 :class:`~.store.base.UnitOfWork` and :meth:`~.store.base.FrontierStore.commit` writes it in
 ONE transaction: several pages may share a transaction, a page is never split over two, so
 "done is the last write" and the lease fence hold per page as before.
 
 Errors: a busy database (:class:`~.StoreBusy`) is tried again with back-off on the writer's
-thread (:func:`retry_busy`); any other error, or busy past the last attempt, fails the batch:
-the ``failed`` callback gets the error (the scheduler closes the spider), waiters are
-released, and nothing more is written. At close, :meth:`StoreWriter.drain` waits until
-everything submitted is written, then :meth:`StoreWriter.stop` ends the thread and the store
+thread (:func:`~.commits.retry_busy`); any other error, or busy past the last attempt, fails
+the batch: the ``failed`` callback gets the error (the scheduler closes the spider), waiters
+are released, and nothing more is written. At close, :meth:`WriterThread.drain` waits until
+everything submitted is written, then :meth:`WriterThread.stop` ends the thread and the store
 is the caller's again.
+
+With ``threaded=False`` the same writes run at once on the caller's thread, each commit its
+own transaction, results delivered before :meth:`WriterThread.commit` returns: a scheduler
+driven by hand, outside a running crawl, sees every write done when its call returns.
 """
 
 from __future__ import annotations
@@ -37,36 +43,24 @@ from typing import Any, TypeVar
 from twisted.internet.defer import Deferred, succeed
 from twisted.python.failure import Failure
 
-from .exceptions import StoreBusy, StoreError
+from .commits import COMMIT_ATTEMPTS, retry_busy
+from .exceptions import StoreError
 from .store.base import CommitResult, FrontierStore, UnitOfWork
 
-__all__ = ["BUSY_ATTEMPTS", "StoreWriter", "merge_work", "retry_busy"]
+__all__ = ["LINGER_SECONDS", "STALL_SECONDS", "WriterThread", "merge_work"]
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-#: Attempts at a write while another process holds the database locked, before the crawl is
-#: closed (each attempt waits up to IDEMPOTENT_BUSY_TIMEOUT_SECONDS for the lock).
-BUSY_ATTEMPTS = 5
-
-
-def retry_busy(what: str, action: Callable[[], _T], *, attempts: int = BUSY_ATTEMPTS,
-               sleep: Callable[[float], Any] = time.sleep) -> _T:
-    """``action()``, tried again with back-off (0.05 s, doubling) while the database is busy
-    (:class:`~.StoreBusy`), at most ``attempts`` times; any other error is raised at once, as
-    retrying cannot cure it. Blocks the calling thread: the writer's, or the reactor's only
-    before and after the crawl (opening, closing)."""
-    delay = 0.05
-    for attempt in range(1, attempts):
-        try:
-            return action()
-        except StoreBusy as exc:
-            logger.warning("scrapy_idempotent: database busy while %s (%s), retrying (%d/%d)",
-                           what, exc, attempt, attempts)
-            sleep(delay)
-            delay *= 2
-    return action()
+#: A batch in flight longer than this (seconds) is waiting for the database (another
+#: process's lock, a slow disk): see :attr:`WriterThread.stalled`.
+STALL_SECONDS = 0.5
+#: How long (seconds) a batch with no page's completion in it waits for one to join it
+#: (:meth:`WriterThread.commit` with ``linger``): a response waiting for its journal row
+#: is then written with the completion of another page rather than in a transaction of
+#: its own.
+LINGER_SECONDS = 0.003
 
 
 def merge_work(into: UnitOfWork, work: UnitOfWork) -> None:
@@ -83,42 +77,60 @@ def merge_work(into: UnitOfWork, work: UnitOfWork) -> None:
     for key in work.give_back:
         if key not in into.give_back:
             into.give_back.append(key)
+    if work.outbox_targets:
+        into.outbox_targets = work.outbox_targets
 
 
 class _Stop:
     """Sentinel: the thread ends when it takes this from its queue."""
 
 
-class StoreWriter:
+class _Waiting:
+    """A job whose caller waits for it on its own thread (:meth:`WriterThread.commit_now`)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+class WriterThread:
     """A thread that runs the store's writes, with group commit of page work.
 
     :param store: an open store; its write connection is used only by this thread from
         :meth:`start` to :meth:`stop` (the store must allow its use from another thread).
     :param worker: the worker id commits are made for (the lease fence).
-    :param prepare: ``prepare(work)``, on the reactor thread, just before a batch is sent:
+    :param prepare: ``prepare(work, seq)``, on the reactor thread, just before batch number
+        ``seq`` is sent:
         adds what is buffered elsewhere (start marks, journal rows, the lease claim). A batch
         still empty after it is not written.
     :param committed: ``committed(work, result)``, on the reactor thread, once the batch's
         transaction is committed (durable for the store's ``synchronous`` level).
     :param failed: ``failed(work, error)``, on the reactor thread, when a batch could not be
         written: nothing of it was, and nothing more will be.
+    :param threaded: False: no thread, every write runs at once on the caller's thread (see
+        the module docstring).
     """
 
     def __init__(self, store: FrontierStore, worker: str, *,
-                 prepare: Callable[[UnitOfWork], None] | None = None,
+                 prepare: Callable[[UnitOfWork, int], None] | None = None,
                  committed: Callable[[UnitOfWork, CommitResult], None] | None = None,
                  failed: Callable[[UnitOfWork, BaseException], None] | None = None,
-                 attempts: int = BUSY_ATTEMPTS) -> None:
+                 attempts: int = COMMIT_ATTEMPTS, threaded: bool = True) -> None:
         self.store = store
         self.worker = worker
         self._prepare = prepare
         self._committed = committed
         self._failed = failed
         self._attempts = attempts
+        self.threaded = threaded
+        self._running = False
+        self._sent_at = 0.0  #: when the batch in flight was sent (time.monotonic())
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._reactor: Any = None
         self._open: UnitOfWork | None = None  #: the batch being filled
+        self._open_urgent = False  #: something joined it without linger
         self._open_seq = 1  #: its number (batches are numbered in the order they are sent)
         self._durable_seq = 0  #: every batch up to this number is written (or given up)
         self._batch_inflight = False
@@ -135,16 +147,18 @@ class StoreWriter:
 
     @property
     def running(self) -> bool:
-        return self._thread is not None
+        return self._running
 
     def start(self) -> None:
         """Start the thread; from now on only it uses the store's write connection."""
         from twisted.internet import reactor  # the one Scrapy installed
 
         self._reactor = reactor
-        self._thread = threading.Thread(target=self._run, name="scrapy_idempotent-writer",
-                                        daemon=True)
-        self._thread.start()
+        self._running = True
+        if self.threaded:
+            self._thread = threading.Thread(target=self._run, name="scrapy_idempotent-writer",
+                                            daemon=True)
+            self._thread.start()
 
     def drain(self) -> Deferred[None]:
         """Fires once everything submitted so far is written (or given up after an error):
@@ -161,6 +175,7 @@ class StoreWriter:
         """End the thread (after :meth:`drain`: it then has nothing left to run, and this
         returns at once); the store's write connection is the caller's again."""
         thread, self._thread = self._thread, None
+        self._running = False
         if self._dispatch_call is not None and self._dispatch_call.active():
             self._dispatch_call.cancel()
         self._dispatch_call = None
@@ -174,12 +189,20 @@ class StoreWriter:
         """Run ``action(store)`` on the writer's thread, after everything submitted before,
         retrying while the database is busy. The Deferred fires on the reactor thread with
         its result, or fails with its error (a :class:`~.StoreError`, usually)."""
-        if self._thread is None:
+        if not self._running:
             raise StoreError("the store writer is not running")
         d: Deferred[_T] = Deferred()
         self._calls_inflight += 1
         d.addBoth(self._call_done)
-        self._jobs.put((what, action, d))
+        if self._thread is not None:
+            self._jobs.put((what, action, d))
+            return d
+        try:
+            result = retry_busy(what, lambda: action(self.store), attempts=self._attempts)
+        except Exception as exc:
+            d.errback(exc)
+        else:
+            d.callback(result)
         return d
 
     def _call_done(self, result: Any) -> Any:
@@ -194,6 +217,14 @@ class StoreWriter:
             if job is _Stop:
                 return
             what, action, d = job
+            if isinstance(d, _Waiting):  # the caller waits on its thread (commit_now)
+                try:
+                    d.result = retry_busy(what, lambda: action(self.store),  # noqa: B023
+                                          attempts=self._attempts)
+                except BaseException as exc:
+                    d.error = exc
+                d.done.set()
+                continue
             try:
                 result = retry_busy(what, lambda: action(self.store),  # noqa: B023
                                     attempts=self._attempts)
@@ -209,19 +240,74 @@ class StoreWriter:
         """The number of the batch being filled: what is buffered now is written by it."""
         return self._open_seq
 
-    def commit(self, work: UnitOfWork | None = None) -> int:
+    def commit(self, work: UnitOfWork | None = None, *, linger: float = 0.0) -> int:
         """Add ``work`` (may be None: only what ``prepare`` adds) to the batch being filled,
         and have it sent at the next reactor turn, or when the batch in flight returns.
-        Returns the batch's number (see :meth:`durable`)."""
+        With ``linger`` (seconds), it is sent that late at the latest, and at once when the
+        batch in flight returns only if something without linger joined it. Returns the
+        batch's number (see :meth:`durable`)."""
         if self._open is None:
             self._open = UnitOfWork()
         if work is not None:
             merge_work(self._open, work)
         seq = self._open_seq
-        if not self._batch_inflight and (self._dispatch_call is None
-                                         or not self._dispatch_call.active()):
-            self._dispatch_call = self._reactor.callLater(0, self._dispatch)
+        if not self.threaded:
+            self._dispatch()
+            return seq
+        if not linger:
+            self._open_urgent = True
+        if not self._batch_inflight:
+            self._dispatch_in(linger)
         return seq
+
+    def _dispatch_in(self, delay: float) -> None:
+        call = self._dispatch_call
+        if call is None or not call.active():
+            self._dispatch_call = self._reactor.callLater(delay, self._dispatch)
+        elif call.getTime() > self._reactor.seconds() + delay:
+            call.reset(delay)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight on the thread (a batch being filled may wait)."""
+        return not self._batch_inflight and self._calls_inflight == 0
+
+    def commit_now(self) -> bool:
+        """Send the batch being filled (with what ``prepare`` adds) at once and wait for it
+        on the calling thread, its ``committed`` (or ``failed``) callback run before this
+        returns. Only when the thread is :attr:`idle` (else False, nothing done): the one
+        wait of the reactor, when it has nothing to hand out but what this batch claims (a
+        claim of its own keeps Scrapy's order among requests enqueued meanwhile). Returns
+        True when the batch was dealt with."""
+        if not self.idle or not self._running:
+            return False
+        if not self.threaded:
+            self._dispatch()
+            return True
+        if self._dispatch_call is not None and self._dispatch_call.active():
+            self._dispatch_call.cancel()
+        self._dispatch_call = None
+        work, self._open = self._open or UnitOfWork(), None
+        self._open_urgent = False
+        seq = self._open_seq
+        self._open_seq += 1
+        if self.error is None and self._prepare is not None:
+            try:
+                self._prepare(work, seq)
+            except Exception as exc:
+                self._give_up(work, seq, exc)
+                return True
+        if self.error is not None or not work:
+            self._settle(seq)
+            return True
+        waiting = _Waiting()
+        self._jobs.put(("committing", lambda store: store.commit(work, self.worker), waiting))
+        waiting.done.wait()
+        if waiting.error is not None:
+            self._give_up(work, seq, waiting.error)
+            return True
+        self._batch_done(waiting.result, work, seq)
+        return True
 
     def durable(self, seq: int) -> Deferred[None] | None:
         """None when batch ``seq`` is written already, else a Deferred that fires (with None)
@@ -233,20 +319,34 @@ class StoreWriter:
         return d
 
     @property
+    def durable_seq(self) -> int:
+        """Every batch up to this number is written (or was given up after an error)."""
+        return self._durable_seq
+
+    @property
     def busy(self) -> bool:
         """Whether a batch is in flight or being filled."""
         return self._batch_inflight or self._open is not None
 
+    @property
+    def stalled(self) -> bool:
+        """Whether the batch in flight waits for the database longer than a transaction
+        takes (:data:`STALL_SECONDS`): another process holds the lock, or the disk stalls."""
+        return self._batch_inflight and time.monotonic() - self._sent_at > STALL_SECONDS
+
     def _dispatch(self) -> None:
+        if self._dispatch_call is not None and self._dispatch_call.active():
+            self._dispatch_call.cancel()
         self._dispatch_call = None
-        if self._batch_inflight or self._thread is None:
+        if self._batch_inflight or not self._running:
             return
         work, self._open = self._open or UnitOfWork(), None
+        self._open_urgent = False
         seq = self._open_seq
         self._open_seq += 1
         if self.error is None and self._prepare is not None:
             try:
-                self._prepare(work)
+                self._prepare(work, seq)
             except Exception as exc:
                 self._give_up(work, seq, exc)
                 return
@@ -254,6 +354,7 @@ class StoreWriter:
             self._settle(seq)
             return
         self._batch_inflight = True
+        self._sent_at = time.monotonic()
         d = self.call("committing", lambda store: store.commit(work, self.worker))
         d.addCallbacks(self._batch_done, self._batch_failed, callbackArgs=(work, seq),
                        errbackArgs=(work, seq))
@@ -268,8 +369,11 @@ class StoreWriter:
             except Exception:
                 logger.exception("scrapy_idempotent: error after a commit")
         self._settle(seq)
-        if self._open is not None and self._thread is not None:
-            self._dispatch()
+        if self._open is not None and self._running:
+            if self._open_urgent or self._drains:
+                self._dispatch()
+            else:
+                self._dispatch_in(LINGER_SECONDS)
 
     def _batch_failed(self, failure: Failure, work: UnitOfWork, seq: int) -> None:
         self._batch_inflight = False

@@ -42,7 +42,10 @@ async def test_the_progress_line_is_logged_every_interval(
     assert done == sorted(done) and done[-1] > 0
     for m in matches:
         assert m is not None and int(m[1]) + int(m[2]) + int(m[3]) <= 24
-        assert int(m[5]) == int(m[6]) <= 20  # one crawl from an empty database
+        # one crawl from an empty database: what it inserted is what is stored, or less for
+        # a moment (a transaction committed by the writer thread whose result has not yet
+        # reached the stats on the reactor thread)
+        assert int(m[5]) <= int(m[6]) <= 20
     assert any(m is not None and int(m[7]) > 0 and int(m[8]) > 0 for m in matches)
 
 

@@ -21,6 +21,7 @@ from scrapy.utils.test import get_crawler
 
 from crawling import db_rows, frontier_counts
 from scrapy_idempotent import IdempotentScheduler
+from scrapy_idempotent.config import config_for
 
 
 class Spider(scrapy.Spider):
@@ -44,7 +45,9 @@ class Harness:
         crawler = get_crawler(Spider, {"IDEMPOTENT_DATABASE": str(self.db_path), **settings})
         crawler.spider = crawler._create_spider()
         crawler.engine = crawler._create_engine()
-        scheduler = IdempotentScheduler.from_crawler(crawler)
+        # writes at once on this thread (no writer thread): each call's writes are done
+        # when it returns, as the tests drive the scheduler by hand
+        scheduler = IdempotentScheduler(crawler, config_for(crawler), threaded_writes=False)
         if worker is not None:
             scheduler.worker = worker
         crawler.engine._slot = _Slot(True, CallLaterOnce(lambda: None), scheduler)

@@ -18,6 +18,7 @@ from twisted.internet import reactor as _reactor
 from twisted.internet.defer import Deferred
 
 from crawling import db_rows
+from scrapy_idempotent.commits import retry_busy
 from scrapy_idempotent.exceptions import StoreBusy, StoreError
 from scrapy_idempotent.store.base import (
     CommitResult,
@@ -28,7 +29,7 @@ from scrapy_idempotent.store.base import (
     UnitOfWork,
 )
 from scrapy_idempotent.store.sqlite import SQLiteStore
-from scrapy_idempotent.writer import StoreWriter, merge_work, retry_busy
+from scrapy_idempotent.writer import WriterThread, merge_work
 
 reactor: Any = _reactor
 WORKER = "host:1:1"
@@ -67,14 +68,14 @@ class Recorder:
         self.failed.append((work, exc))
 
 
-def make_writer(store: SQLiteStore, recorder: Recorder, **kwargs: Any) -> StoreWriter:
-    writer = StoreWriter(store, WORKER, committed=recorder.on_committed,
+def make_writer(store: SQLiteStore, recorder: Recorder, **kwargs: Any) -> WriterThread:
+    writer = WriterThread(store, WORKER, committed=recorder.on_committed,
                          failed=recorder.on_failed, **kwargs)
     writer.start()
     return writer
 
 
-async def block(writer: StoreWriter) -> threading.Event:
+async def block(writer: WriterThread) -> threading.Event:
     """Keep the writer's thread busy until the returned event is set."""
     release = threading.Event()
     started = threading.Event()
@@ -162,11 +163,11 @@ async def test_prepare_adds_to_the_batch_and_an_empty_batch_writes_nothing(
     recorder = Recorder()
     buffered: list[NewRequest] = []
 
-    def prepare(work: UnitOfWork) -> None:
+    def prepare(work: UnitOfWork, seq: int) -> None:
         work.requests.extend(buffered)
         buffered.clear()
 
-    writer = StoreWriter(store, WORKER, prepare=prepare, committed=recorder.on_committed)
+    writer = WriterThread(store, WORKER, prepare=prepare, committed=recorder.on_committed)
     writer.start()
     try:
         before = store.transactions

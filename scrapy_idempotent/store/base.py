@@ -159,6 +159,10 @@ class LeasedRequest:
     downloads: int = 0
     #: it is in the start requests' queue (see :mod:`scrapy_idempotent._order`)
     is_start: bool = field(default=False, compare=False)
+    #: its place in its queue (same priority, same queue): a smaller rank is taken first.
+    #: The entry's insertion order, negated for a last-in-first-out entry; so
+    #: ``(-priority, is_start, rank)`` orders claimed requests as the claim order does
+    rank: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)

@@ -1006,7 +1006,7 @@ class SQLiteStore(FrontierStore):
             LeasedRequest(key=r[1], fingerprint=r[2], data=r[3], priority=r[4],
                           attempts=r[6] + 1, suspect=r[7] >= self.isolate_after,
                           downloads=r[6] - r[9], leased_until=now + self.lease_seconds,
-                          is_start=bool(r[5]))
+                          is_start=bool(r[5]), rank=r[0] if r[10] else -r[0])
             for r in rows if r[7] < self.max_attempts
         )
 
