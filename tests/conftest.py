@@ -1,4 +1,4 @@
-"""Shared fixtures: the local test shop, real crawls in this process, frontier databases."""
+"""Shared fixtures: the local test site, frontier databases, a PostgreSQL cluster."""
 
 from __future__ import annotations
 
@@ -15,15 +15,27 @@ EXAMPLE_PROJECT = ROOT / "example_project"
 if str(EXAMPLE_PROJECT) not in sys.path:
     sys.path.insert(0, str(EXAMPLE_PROJECT))
 
+from local_site import LocalSite  # noqa: E402
+
 from scrapy_idempotent.store import FrontierStore, open_store  # noqa: E402
-from shop.site import ShopSite  # noqa: E402
 
 
 @pytest.fixture
-def shop() -> Iterator[ShopSite]:
-    """The example shop (25 listing pages, 500 products) on 127.0.0.1, a fresh one per test."""
-    with ShopSite(port=0) as site:
+def shop() -> Iterator[LocalSite]:
+    """The local site with its default shop (25 listing pages, 500 products), HTTP/1.1
+    keep-alive as a real site; a fresh one per test."""
+    with LocalSite() as site:
         yield site
+    assert site.errors == []
+
+
+@pytest.fixture
+def site() -> Iterator[LocalSite]:
+    """The local site with one HTTP/1.0 connection per request (exact counters: Twisted never
+    reuses or retries a connection by itself); a fresh one (fresh counters) per test."""
+    with LocalSite(keep_alive=False) as local:
+        yield local
+    assert local.errors == []
 
 
 @pytest.fixture

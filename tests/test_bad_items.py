@@ -10,14 +10,12 @@ import datetime
 import decimal
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import pytest
 import scrapy
-from hardening_site import LocalSite
+from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import (
@@ -37,11 +35,6 @@ PACKAGE = ROOT / "scrapy_idempotent"
 EXAMPLE_PROJECT = ROOT / "example_project"
 
 
-
-@pytest.fixture
-def site() -> Iterator[LocalSite]:
-    with LocalSite() as local:
-        yield local
 
 
 

@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import EXAMPLE_PROJECT, crawl_settings, run_crawl, start_shop_crawl
 from scrapy_idempotent.store.sqlite import SCHEMA_VERSION
-from shop.site import ShopSite, product_sku
+from shop.site import product_sku
 from shop.spiders.shop import ShopSpider
 
 NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
@@ -68,7 +69,7 @@ async def test_failed_retry_and_the_next_crawl_fetches_only_the_failed(
     settings = crawl_settings(db_path, **NATURAL_KEYS)
     # one site for both crawls: it recovers between them on the same address (a site
     # restarted on the same port could find the port taken by another process meanwhile)
-    site = ShopSite(port=0, products_failing=failing).start()
+    site = LocalSite(products_failing=failing).start()
     request.addfinalizer(site.stop)
     await run_crawl(ShopSpider, settings, url=site.url)
     urls = {f"{site.url}/product/{product_sku(n)}" for n in failing}
@@ -134,13 +135,13 @@ async def test_failed_retry_and_the_next_crawl_fetches_only_the_failed(
 async def test_export_formats_and_changed_since_filters(tmp_path: Path, db_path: Path) -> None:
     db = str(db_path)
     settings = crawl_settings(db_path, **NATURAL_KEYS)
-    with ShopSite(port=0, listing_pages=2, products_per_page=5) as small:
-        await run_crawl(ShopSpider, settings, url=small.url)
-    between = datetime.now(timezone.utc).isoformat()
-    time.sleep(0.01)
-    # run 2 on the same shop with five more products: 10 unchanged, 5 inserted
-    with ShopSite(port=small.port, listing_pages=3, products_per_page=5) as bigger:
-        await run_crawl(ShopSpider, settings, url=bigger.url)
+    with LocalSite(listing_pages=2, products_per_page=5) as shop:
+        await run_crawl(ShopSpider, settings, url=shop.url)
+        between = datetime.now(timezone.utc).isoformat()
+        time.sleep(0.01)
+        # run 2 on the same shop with five more products: 10 unchanged, 5 inserted
+        shop.set_catalogue(listing_pages=3, products_per_page=5)
+        await run_crawl(ShopSpider, settings, url=shop.url)
 
     def export(*args: str) -> Path:
         out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
@@ -181,7 +182,7 @@ async def test_export_formats_and_changed_since_filters(tmp_path: Path, db_path:
 
 def test_status_and_check_show_the_leases_of_a_killed_crawl(tmp_path: Path) -> None:
     db_path = tmp_path / "killed.sqlite3"
-    with ShopSite(port=0, delay=0.02) as site:
+    with LocalSite(delay=0.02) as site:
         crawl = start_shop_crawl(site.url, db_path, tmp_path / "crawl.log")
         deadline = time.monotonic() + 30
         while site.request_count < 40 and time.monotonic() < deadline:
@@ -216,7 +217,7 @@ async def test_check_reports_impossible_rows_and_other_commands_refuse_foreign_s
     db_path: Path,
 ) -> None:
     db = str(db_path)
-    with ShopSite(port=0, listing_pages=1, products_per_page=4) as site:
+    with LocalSite(listing_pages=1, products_per_page=4) as site:
         await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS), url=site.url)
     assert idempotent_json("check", "--db", db)["ok"] is True
 
@@ -278,7 +279,7 @@ async def test_a_spider_name_resolves_the_database_like_the_scheduler(tmp_path: 
     default_db = project / ".scrapy" / "idempotent" / "shop.sqlite3"
     project.mkdir()
     (project / "scrapy.cfg").write_text("[settings]\ndefault = shop.settings\n")
-    with ShopSite(port=0, listing_pages=1, products_per_page=2) as site:
+    with LocalSite(listing_pages=1, products_per_page=2) as site:
         await run_crawl(ShopSpider, crawl_settings(default_db, **NATURAL_KEYS), url=site.url)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         filter(None, [str(EXAMPLE_PROJECT), os.environ.get("PYTHONPATH")]))}
@@ -314,7 +315,7 @@ async def test_rejects_are_listed_and_their_pages_fetched_again_once_the_spider_
 ) -> None:
     db = str(db_path)
     settings = crawl_settings(db_path, **NATURAL_KEYS)
-    with ShopSite(port=0) as site:
+    with LocalSite() as site:
         PartlyBrokenSpider.broken = True
         crawler = await run_crawl(PartlyBrokenSpider, settings, url=site.url)
         assert crawler.stats.get_value("idempotent/records/rejected") == 50

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import scrapy
+from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import (
@@ -17,13 +18,12 @@ from crawling import (
     run_crawl,
     stored_products,
 )
-from shop.site import ShopSite
 from shop.spiders.shop import ShopSpider
 
 NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
 
 
-def assert_catalogue(db_path: Path, site: ShopSite) -> None:
+def assert_catalogue(db_path: Path, site: LocalSite) -> None:
     expected = site.expected_products()
     rows = stored_products(db_path)
     assert len(rows) == len(expected)
@@ -34,7 +34,7 @@ def assert_catalogue(db_path: Path, site: ShopSite) -> None:
 
 
 @deferred_f_from_coro_f
-async def test_full_crawl_stores_each_product_once(shop: ShopSite, db_path: Path) -> None:
+async def test_full_crawl_stores_each_product_once(shop: LocalSite, db_path: Path) -> None:
     crawler = await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS), url=shop.url)
     stats = crawler.stats.get_stats()
     assert stats["finish_reason"] == "finished"
@@ -50,7 +50,7 @@ async def test_full_crawl_stores_each_product_once(shop: ShopSite, db_path: Path
 
 @deferred_f_from_coro_f
 async def test_crawl_again_after_finish_is_a_new_run_without_duplicates(
-    shop: ShopSite, db_path: Path
+    shop: LocalSite, db_path: Path
 ) -> None:
     settings = crawl_settings(db_path, **NATURAL_KEYS)
     await run_crawl(ShopSpider, settings, url=shop.url)
@@ -68,13 +68,13 @@ async def test_crawl_again_after_finish_is_a_new_run_without_duplicates(
 
 @deferred_f_from_coro_f
 async def test_changed_price_updates_record_and_keeps_first_seen(
-    shop: ShopSite, db_path: Path
+    shop: LocalSite, db_path: Path
 ) -> None:
     settings = crawl_settings(db_path, **NATURAL_KEYS)
     await run_crawl(ShopSpider, settings, url=shop.url)
     before = {r[0]: r[1:] for r in db_rows(
         db_path, "SELECT record_id, first_seen, last_changed, content_hash FROM records")}
-    with ShopSite(port=0, price_version=1) as repriced:
+    with LocalSite(price_version=1) as repriced:
         crawler = await run_crawl(ShopSpider, settings, url=repriced.url)
         assert_catalogue(db_path, repriced)
     stats = crawler.stats.get_stats()
@@ -115,7 +115,7 @@ class MixedItemsSpider(scrapy.Spider):
 
 
 @deferred_f_from_coro_f
-async def test_item_types_record_ids_and_rejects(shop: ShopSite, db_path: Path) -> None:
+async def test_item_types_record_ids_and_rejects(shop: LocalSite, db_path: Path) -> None:
     settings = crawl_settings(db_path, IDEMPOTENT_NATURAL_KEYS={
         "dict": "sku", f"{__name__}.Variant": ["sku", "colour"]})
     scraped: list[Any] = []
@@ -173,7 +173,7 @@ class UnstorableSpider(scrapy.Spider):
 
 @deferred_f_from_coro_f
 async def test_unstorable_requests_are_fetched_from_memory_and_the_crawl_goes_on(
-    shop: ShopSite, db_path: Path, caplog: Any
+    shop: LocalSite, db_path: Path, caplog: Any
 ) -> None:
     crawler = await run_crawl(UnstorableSpider, crawl_settings(db_path), url=shop.url)
     stats = crawler.stats.get_stats()
@@ -203,10 +203,10 @@ async def test_item_less_pages_are_done_and_listings_are_fetched_again(
     db = tmp_path / "itemless.sqlite3"
     # the two shops run on different ports: the url field changes, and is volatile here
     settings = crawl_settings(db, IDEMPOTENT_VOLATILE_FIELDS=["url"], **NATURAL_KEYS)
-    with ShopSite(port=0, listing_pages=1, products_per_page=10) as site:
+    with LocalSite(listing_pages=1, products_per_page=10) as site:
         await run_crawl(ShopSpider, settings, url=site.url)
     assert frontier_counts(db) == {"done": 11}  # the item-less listing page too
-    with ShopSite(port=0, listing_pages=1, products_per_page=11) as site:  # a new product
+    with LocalSite(listing_pages=1, products_per_page=11) as site:  # a new product
         crawler = await run_crawl(ShopSpider, settings, url=site.url)
         assert site.counts_by_path()["/list/1"] == 1  # the listing is fetched again
     stats = crawler.stats.get_stats()

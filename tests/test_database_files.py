@@ -16,14 +16,14 @@ import sqlite3
 import stat
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 import scrapy
-from hardening_site import LocalSite
+from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import (
@@ -41,11 +41,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "scrapy_idempotent"
 EXAMPLE_PROJECT = ROOT / "example_project"
 
-
-@pytest.fixture
-def site() -> Iterator[LocalSite]:
-    with LocalSite() as local:
-        yield local
 
 
 KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"dict": "sku"}}
@@ -297,7 +292,7 @@ async def test_disk_full_during_commits_closes_cleanly_and_the_next_crawl_comple
     errors = package_messages(caplog, logging.ERROR)
     inserted_before = stats.get("idempotent/records/inserted", 0)
 
-    site.counts.clear()
+    site.reset_counts()
     resumed = await run_crawl(CatalogueSpider, settings, url=site.url)
     stats = resumed.stats.get_stats()
     assert stats["finish_reason"] == "finished"
@@ -309,7 +304,7 @@ async def test_disk_full_during_commits_closes_cleanly_and_the_next_crawl_comple
     _assert_done_means_stored(db_path, count)
     # only what was not done is leased again (fetched, or replayed from the journal)
     assert stats["idempotent/requests/leased"] == count + 1 - len(done_paths)
-    assert not [path for path in done_paths if site.count(path)]
+    assert not [path for path in done_paths if site.hits(path)]
     # the messages name the real cause, and tell the operator what to do
     assert "full" in store_error, store_error
     assert any("full" in m and re.search(r"(?i)resum|again", m) for m in errors), errors
@@ -358,7 +353,7 @@ def _assert_catalogue_once(db_path: Path, site: LocalSite, count: int) -> None:
     assert frontier_counts(db_path) == {"done": count + 1}
     assert sorted(_records_by_sku(db_path)) == sorted(f"S-{i}" for i in range(1, count + 1))
     _assert_done_means_stored(db_path, count)
-    assert max(site.counts.values()) <= 2
+    assert max(site.counts_by_path().values()) <= 2
 
 
 @deferred_f_from_coro_f
@@ -369,7 +364,7 @@ async def test_neighbour_holding_the_write_lock_briefly_is_waited_for(
     (five attempts and back-off: about 1.75 s of patience). The crawl waits, says so in the
     log, and finishes with every record once."""
     count = 30
-    with LocalSite(delay_seconds=0.02) as site:
+    with LocalSite(keep_alive=False, delay=0.02) as site:
         site.add_catalogue(count)
         settings = crawl_settings(db_path, IDEMPOTENT_NATURAL_KEYS={"dict": "sku"},
                                   IDEMPOTENT_BUSY_TIMEOUT_SECONDS=0.2, CONCURRENT_REQUESTS=4)
@@ -389,7 +384,7 @@ async def test_neighbour_holding_the_write_lock_too_long_closes_and_next_crawl_c
     (so it cannot even release its leases), and the next crawl, here in the same Python
     process as with ``CrawlerRunner``, must complete it without losing a request."""
     count = 30
-    with LocalSite(delay_seconds=0.02) as site:
+    with LocalSite(keep_alive=False, delay=0.02) as site:
         site.add_catalogue(count)
         settings = crawl_settings(db_path, IDEMPOTENT_NATURAL_KEYS={"dict": "sku"},
                                   IDEMPOTENT_BUSY_TIMEOUT_SECONDS=0.05, CONCURRENT_REQUESTS=4)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import scrapy
+from local_site import LocalSite
 from scrapy.settings import Settings
 from scrapy.utils.defer import deferred_f_from_coro_f
 
@@ -20,7 +21,6 @@ from scrapy_idempotent.config import IdempotentConfig
 from scrapy_idempotent.exceptions import ConfigError
 from scrapy_idempotent.store import FrontierStore, SQLiteStore, open_store
 from scrapy_idempotent.store.registry import BACKENDS, redacted
-from shop.site import ShopSite
 from shop.spiders.shop import ShopSpider
 
 NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
@@ -113,7 +113,7 @@ async def test_a_registered_scheme_gives_the_crawl_its_store(
         return SQLiteStore(str(file), **options)
 
     monkeypatch.setitem(BACKENDS, "elsewhere", factory)
-    with ShopSite(port=0, listing_pages=1, products_per_page=4) as site:
+    with LocalSite(listing_pages=1, products_per_page=4) as site:
         crawler = await run_crawl(ShopSpider, crawl_settings(
             tmp_path / "unused.sqlite3", **NATURAL_KEYS,
             IDEMPOTENT_DATABASE="elsewhere://db/{spider}", IDEMPOTENT_LEASE_SECONDS=30),
@@ -129,7 +129,7 @@ async def test_a_registered_scheme_gives_the_crawl_its_store(
 def test_scrapy_crawl_with_an_unknown_scheme_stops_before_any_request(
     tmp_path: Path,
 ) -> None:
-    with ShopSite(port=0, listing_pages=1, products_per_page=4) as site:
+    with LocalSite(listing_pages=1, products_per_page=4) as site:
         result = subprocess.run(
             [sys.executable, "-m", "scrapy", "crawl", "shop", "-a", f"url={site.url}",
              "-s", "IDEMPOTENT_DATABASE=mysql://crawler@db/shop"],
@@ -148,7 +148,7 @@ def test_scrapy_crawl_with_an_unknown_scheme_stops_before_any_request(
 async def test_the_commands_take_a_sqlite_url_and_refuse_an_unknown_scheme(
     tmp_path: Path, db_path: Path,
 ) -> None:
-    with ShopSite(port=0, listing_pages=1, products_per_page=4) as site:
+    with LocalSite(listing_pages=1, products_per_page=4) as site:
         await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS), url=site.url)
 
     def idempotent(*args: str) -> subprocess.CompletedProcess[str]:

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 from conftest import EXAMPLE_PROJECT
-
-from shop.site import ShopSite
+from local_site import LocalSite
 
 
 @pytest.mark.parametrize("module", ["scrapy", "scrapy.cmdline"])
-def test_fetch_runs_without_the_addon(module: str, shop: ShopSite, tmp_path: Path) -> None:
+def test_fetch_runs_without_the_addon(module: str, shop: LocalSite, tmp_path: Path) -> None:
     db_path = tmp_path / "frontier.sqlite3"
     done = subprocess.run(
         [sys.executable, "-m", module, "fetch",

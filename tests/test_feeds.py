@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import EXAMPLE_PROJECT, crawl_settings, db_rows, run_crawl
-from shop.site import ShopSite
 from shop.spiders.shop import ShopSpider
 
 NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
@@ -42,7 +42,7 @@ def read_csv(path: Path) -> list[dict[str, Any]]:
 
 @deferred_f_from_coro_f
 async def test_feeds_are_written_from_the_run_through_scrapys_exporters(
-    shop: ShopSite, tmp_path: Path
+    shop: LocalSite, tmp_path: Path
 ) -> None:
     db = tmp_path / "db.sqlite3"
     feeds = {
@@ -79,7 +79,7 @@ async def test_feeds_are_written_from_the_run_through_scrapys_exporters(
 
 @deferred_f_from_coro_f
 async def test_a_graceful_stop_leaves_a_snapshot_and_append_adds_the_run_once(
-    shop: ShopSite, tmp_path: Path
+    shop: LocalSite, tmp_path: Path
 ) -> None:
     db = tmp_path / "db.sqlite3"
     appended, replaced = tmp_path / "appended.jsonl", tmp_path / "replaced.json"
@@ -118,7 +118,7 @@ async def test_a_graceful_stop_leaves_a_snapshot_and_append_adds_the_run_once(
 
 @deferred_f_from_coro_f
 async def test_a_new_run_that_sees_fewer_records_has_a_feed_of_its_own_records(
-    shop: ShopSite, tmp_path: Path
+    shop: LocalSite, tmp_path: Path
 ) -> None:
     db = tmp_path / "db.sqlite3"
     feed = tmp_path / "run.jsonl"
@@ -175,7 +175,7 @@ def test_feeds_after_five_sigkills_hold_exactly_the_records_of_the_run(
     feed_args = [a.format(dir=tmp_path) for a in args]
     feed = tmp_path / name
     db = tmp_path / "db.sqlite3"
-    with ShopSite(port=0, delay=0.01) as site:
+    with LocalSite(delay=0.01) as site:
         for kill, records_before_kill in enumerate((15, 90, 170, 250, 330), 1):
             log = tmp_path / f"kill{kill}.log"
             process = subprocess.Popen(_feed_command(site.url, db, log, feed_args),
@@ -230,7 +230,7 @@ class KillingExporter(JsonItemExporter):
 
 @pytest.mark.slow
 def test_a_kill_while_the_feed_is_written_leaves_the_old_file_and_the_next_crawl_writes_it(
-    shop: ShopSite, tmp_path: Path
+    shop: LocalSite, tmp_path: Path
 ) -> None:
     (tmp_path / "killing_exporter.py").write_text(KILLING_EXPORTER)
     db, feed = tmp_path / "db.sqlite3", tmp_path / "feed.json"
@@ -278,7 +278,7 @@ async def test_a_feed_keeps_the_order_of_the_items_and_of_their_fields(
     settings = crawl_settings(db, FEEDS={str(feed): {"format": "jsonlines"}},
                               IDEMPOTENT_NATURAL_KEYS={"dict": "variant"},
                               IDEMPOTENT_RECORD_ID_FIELD=None)
-    with ShopSite(port=0, listing_pages=2, products_per_page=5) as site:
+    with LocalSite(listing_pages=2, products_per_page=5) as site:
         await run_crawl(VariantSpider, settings, url=site.url)
     lines = read_jsonlines(feed)
     assert len(lines) == 30
@@ -290,7 +290,7 @@ async def test_a_feed_keeps_the_order_of_the_items_and_of_their_fields(
 
 @deferred_f_from_coro_f
 async def test_an_appended_feed_new_with_the_run_gets_the_run_once_after_a_stop(
-    shop: ShopSite, tmp_path: Path
+    shop: LocalSite, tmp_path: Path
 ) -> None:
     db, feed = tmp_path / "db.sqlite3", tmp_path / "new.jsonl"
     settings = crawl_settings(db, FEEDS={str(feed): {"format": "jsonlines"}},
@@ -329,7 +329,7 @@ def ftp_root(tmp_path: Path) -> Any:
 @pytest.mark.filterwarnings("ignore:The asyn(core|chat) module is deprecated:DeprecationWarning")
 @deferred_f_from_coro_f
 async def test_ftp_feeds_overwritten_at_each_stop_and_appended_once_when_the_run_ends(
-    shop: ShopSite, tmp_path: Path, ftp_root: Any
+    shop: LocalSite, tmp_path: Path, ftp_root: Any
 ) -> None:
     root, base = ftp_root
     (root / "appended.jsonl").write_text('{"before": "the run"}\n')
@@ -354,7 +354,7 @@ async def test_ftp_feeds_overwritten_at_each_stop_and_appended_once_when_the_run
 
 
 @pytest.mark.slow
-def test_a_stdout_feed_gets_the_run_when_the_crawl_closes(shop: ShopSite, tmp_path: Path
+def test_a_stdout_feed_gets_the_run_when_the_crawl_closes(shop: LocalSite, tmp_path: Path
                                                           ) -> None:
     result = subprocess.run(
         _feed_command(shop.url, tmp_path / "db.sqlite3", tmp_path / "log", ["-o", "-:jsonlines"]),
@@ -449,7 +449,7 @@ async def test_a_temporary_feed_file_of_a_live_worker_is_kept_one_of_a_dead_work
         of_live.write_text("being written\n")
         of_dead.write_text("left by a kill\n")
         settings = crawl_settings(db, FEEDS={str(feed): {"format": "jsonlines"}})
-        with ShopSite(port=0, listing_pages=2, products_per_page=5) as site:
+        with LocalSite(listing_pages=2, products_per_page=5) as site:
             crawler = await run_crawl(ShopSpider, settings, url=site.url)
         assert crawler.stats.get_value("feedexport/success_count/FileFeedStorage") == 1
         assert len(read_jsonlines(feed)) == 10
@@ -470,7 +470,7 @@ async def test_a_feed_whose_temporary_file_vanished_is_not_stored_and_the_run_st
     feed.write_text("before\n")
     settings = crawl_settings(db, FEEDS={str(feed): {"format": "thief", "overwrite": True}},
                               FEED_EXPORTERS={"thief": "feed_helpers.PartialThief"})
-    with ShopSite(port=0, listing_pages=2, products_per_page=5) as site:
+    with LocalSite(listing_pages=2, products_per_page=5) as site:
         crawler = await run_crawl(ShopSpider, settings, url=site.url)
         stats = crawler.stats.get_stats()
         assert "feedexport/success_count/FileFeedStorage" not in stats
@@ -502,7 +502,7 @@ async def test_append_keeps_the_file_when_another_worker_commits_while_feeds_are
              str(appended): {"format": "jsonlines"}}
     # more records than one page of reads (500): the read is still going when the append
     # feed's base is recorded
-    with ShopSite(port=0, listing_pages=26, products_per_page=20) as site:
+    with LocalSite(listing_pages=26, products_per_page=20) as site:
         crawler = await run_crawl(ShopSpider, crawl_settings(db, FEEDS=feeds), url=site.url)
     assert crawler.stats.get_value("feedexport/success_count/FileFeedStorage") == 2
     assert db_rows(db, "SELECT count(*) FROM feeds WHERE run_id = 999") == [(1,)]
@@ -521,7 +521,7 @@ async def test_a_feed_that_cannot_be_stored_leaves_the_run_unfinished_and_is_wri
     blocker.write_text("a file where the feed's directory should be")
     feed = blocker / "feed.json"
     settings = crawl_settings(db, FEEDS={str(feed): {"format": "json"}})
-    with ShopSite(port=0, listing_pages=2, products_per_page=5) as site:
+    with LocalSite(listing_pages=2, products_per_page=5) as site:
         crawler = await run_crawl(ShopSpider, settings, url=site.url)
         assert crawler.stats.get_value("feedexport/failed_count/FileFeedStorage") == 1
         assert db_rows(db, "SELECT finished_at FROM runs") == [(None,)]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from local_site import LocalSite
 
 from crawling import (
     EXAMPLE_PROJECT,
@@ -24,7 +25,6 @@ from crawling import (
     start_shop_crawl,
     wait_for,
 )
-from shop.site import ShopSite
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ def test_a_stopped_worker_whose_leases_were_taken_writes_nothing_when_continued(
 ) -> None:
     db = tmp_path / "shop.sqlite3"
     a_log, b_log = tmp_path / "a.log", tmp_path / "b.log"
-    with ShopSite(port=0, delay=0.05) as site:
+    with LocalSite(delay=0.05) as site:
         worker_a = start_shop_crawl(site.url, db, a_log, *SETTINGS)
         worker_b = None
         try:

@@ -1,34 +1,26 @@
 """Drop-in fidelity: with the add-on, a spider behaves as it does under plain Scrapy.
 
-Each test runs real crawls in this process against :class:`paths_site.PathsSite` and checks
-what a Scrapy user sees (requests sent and their order, ``item_scraped``, ``request_dropped``,
-Scrapy's own stats and log lines) besides what the frontier stored.
+Each test runs real crawls in this process against the local site (``site`` fixture) and
+checks what a Scrapy user sees (requests sent and their order, ``item_scraped``,
+``request_dropped``, Scrapy's own stats and log lines) besides what the frontier stored.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 import scrapy
-from paths_site import PathsSite
+from local_site import LocalSite
 from scrapy import signals
 from scrapy.utils.defer import deferred_f_from_coro_f
 from scrapy.utils.test import get_crawler
 
 from crawling import crawl_settings, crawl_to_end, db_rows
 from scrapy_idempotent import scrapy_compat
-
-
-@pytest.fixture
-def site() -> Iterator[PathsSite]:
-    with PathsSite() as paths_site:
-        yield paths_site
-    assert paths_site.errors == []
 
 
 def settings(db_path: Path, **extra: Any) -> dict[str, Any]:
@@ -116,7 +108,7 @@ class OneItemSpider(SiteSpider):
 @pytest.mark.parametrize("value", [None, ""])
 @deferred_f_from_coro_f
 async def test_record_id_field_none_or_empty_leaves_items_unchanged(
-    site: PathsSite, db_path: Path, value: str | None
+    site: LocalSite, db_path: Path, value: str | None
 ) -> None:
     observed = await crawl(OneItemSpider, settings(
         db_path, IDEMPOTENT_RECORD_ID_FIELD=value), url=site.url)
@@ -126,7 +118,7 @@ async def test_record_id_field_none_or_empty_leaves_items_unchanged(
 
 
 @deferred_f_from_coro_f
-async def test_record_id_field_default_stamps_dict_items(site: PathsSite, db_path: Path) -> None:
+async def test_record_id_field_default_stamps_dict_items(site: LocalSite, db_path: Path) -> None:
     observed = await crawl(OneItemSpider, settings(db_path), url=site.url)
     [item] = observed.scraped
     [(record_id,)] = db_rows(db_path, "SELECT record_id FROM records")
@@ -188,7 +180,7 @@ ONE_AT_A_TIME = {"CONCURRENT_REQUESTS": 1, "CONCURRENT_REQUESTS_PER_DOMAIN": 1,
 ], ids=["default", "lifo-start", "shared-queues"])
 @deferred_f_from_coro_f
 async def test_requests_are_sent_in_scrapys_order(
-    site: PathsSite, db_path: Path, queue_settings: dict[str, Any],
+    site: LocalSite, db_path: Path, queue_settings: dict[str, Any],
     plan: tuple[tuple[str, int, int], ...],
 ) -> None:
     spidercls = type("PlannedSpider", (OrderSpider,), {"plan": plan})
@@ -222,7 +214,7 @@ class DepthFirstSpider(SiteSpider):
     ids=["default", "breadth-first"])
 @deferred_f_from_coro_f
 async def test_crawl_order_matches_scrapy_one_request_at_a_time(
-    site: PathsSite, db_path: Path, queue_settings: dict[str, Any]
+    site: LocalSite, db_path: Path, queue_settings: dict[str, Any]
 ) -> None:
     plain = await crawl(DepthFirstSpider, {**ONE_AT_A_TIME, **queue_settings,
                                            "TELNETCONSOLE_ENABLED": False}, url=site.url)
@@ -254,7 +246,7 @@ class DuplicateLinksSpider(SiteSpider):
 
 @deferred_f_from_coro_f
 async def test_duplicates_are_dropped_and_counted_as_by_scrapys_dupefilter(
-    site: PathsSite, db_path: Path, caplog: Any
+    site: LocalSite, db_path: Path, caplog: Any
 ) -> None:
     plain = await crawl(DuplicateLinksSpider, {"TELNETCONSOLE_ENABLED": False}, url=site.url)
     site.reset_counts()
@@ -321,7 +313,7 @@ class TwoPagesOneLinkSpider(SiteSpider):
 
 @deferred_f_from_coro_f
 async def test_a_link_buffered_by_a_page_in_flight_is_a_duplicate_for_another_page(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     site.block()
     observed = await crawl(TwoPagesOneLinkSpider, settings(
@@ -339,7 +331,7 @@ async def test_a_link_buffered_by_a_page_in_flight_is_a_duplicate_for_another_pa
 
 @deferred_f_from_coro_f
 async def test_dupefilter_debug_logs_every_duplicate_with_its_referer(
-    site: PathsSite, db_path: Path, caplog: Any
+    site: LocalSite, db_path: Path, caplog: Any
 ) -> None:
     caplog.set_level("DEBUG")
     observed = await crawl(DuplicateLinksSpider, settings(db_path, DUPEFILTER_DEBUG=True),
@@ -351,7 +343,7 @@ async def test_dupefilter_debug_logs_every_duplicate_with_its_referer(
 
 @deferred_f_from_coro_f
 async def test_base_dupefilter_filters_nothing_as_in_scrapy(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     class ShortSpider(DuplicateLinksSpider):
         links: ClassVar[dict[str, tuple[str, ...]]] = {"a": ("b", "b", "c"), "b": (), "c": ()}
@@ -380,7 +372,7 @@ async def test_base_dupefilter_filters_nothing_as_in_scrapy(
 
 @deferred_f_from_coro_f
 async def test_another_dupefilter_class_is_refused_at_start(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     from scrapy_idempotent.exceptions import ConfigError
 
@@ -390,7 +382,7 @@ async def test_another_dupefilter_class_is_refused_at_start(
         await crawl_to_end(crawler, url=site.url)
     assert raised.value.setting == "DUPEFILTER_CLASS"
     assert "REQUEST_FINGERPRINTER_CLASS" in str(raised.value)
-    assert site.total() == 0
+    assert site.request_count == 0
 
 
 class CustomDupeFilter:
@@ -418,7 +410,7 @@ class PollingSpider(SiteSpider):
 
 @deferred_f_from_coro_f
 async def test_dont_filter_requests_to_the_pages_own_url_are_each_fetched(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     plain = await crawl(PollingSpider, {"TELNETCONSOLE_ENABLED": False}, url=site.url)
     assert sorted(i["key"] for i in plain.scraped) == ["poll-1", "poll-2", "poll-3"]
@@ -487,7 +479,7 @@ class AddingMiddleware:
 
 @deferred_f_from_coro_f
 async def test_items_from_start_and_from_middlewares_are_stored_and_scraped(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     middlewares = {"SPIDER_MIDDLEWARES": {f"{__name__}.AddingMiddleware": 5}}
     plain = await crawl(StartItemsSpider, {"TELNETCONSOLE_ENABLED": False, **middlewares},
@@ -625,7 +617,7 @@ class LinkingSpider(SiteSpider):
 
 @deferred_f_from_coro_f
 async def test_a_fingerprinter_error_refuses_the_request_and_names_the_fingerprinter(
-    site: PathsSite, db_path: Path, caplog: Any
+    site: LocalSite, db_path: Path, caplog: Any
 ) -> None:
     observed = await crawl(LinkingSpider, settings(
         db_path, REQUEST_FINGERPRINTER_CLASS=f"{__name__}.PickyFingerprinter"), url=site.url)
@@ -666,7 +658,7 @@ class ChainSpider(SiteSpider):
 
 @deferred_f_from_coro_f
 async def test_unstorable_start_requests_and_their_children_are_fetched_as_in_scrapy(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     plain = await crawl(ChainSpider, {"TELNETCONSOLE_ENABLED": False}, url=site.url)
     expected = sorted(map(path_of, plain.sent))
@@ -701,7 +693,7 @@ class NotesSpider(SiteSpider):
 
 @deferred_f_from_coro_f
 async def test_several_items_of_a_page_without_a_key_are_several_records(
-    site: PathsSite, db_path: Path, caplog: Any
+    site: LocalSite, db_path: Path, caplog: Any
 ) -> None:
     plain = await crawl(NotesSpider, {"TELNETCONSOLE_ENABLED": False}, url=site.url)
     observed = await crawl(NotesSpider, settings(db_path), url=site.url)

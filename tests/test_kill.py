@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from local_site import LocalSite
 
 from crawling import db_rows, frontier_counts
-from shop.site import ShopSite
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "example_project"))
 import demo
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 def test_sigkill_and_resume_stores_each_product_once(tmp_path: Path, seed: int) -> None:
     # One request at a time, a shop answering in 10 ms: a kill may repeat only the request on
     # the wire, so the bound is exact (525 + kills).
-    with ShopSite(port=0, delay=0.01) as site:
+    with LocalSite(delay=0.01) as site:
         result = demo.run_mode("idempotent", site, kills=4, rng=random.Random(seed),
                                workdir=tmp_path, kill_min=0.2, kill_max=1.0, progress=False,
                                concurrency=1)
@@ -41,7 +41,7 @@ def test_sigkill_and_resume_stores_each_product_once(tmp_path: Path, seed: int) 
 def test_sigkill_at_full_concurrency_repeats_at_most_what_was_on_the_wire(
     tmp_path: Path,
 ) -> None:
-    with ShopSite(port=0, delay=0.01) as site:
+    with LocalSite(delay=0.01) as site:
         result = demo.run_mode("idempotent", site, kills=3, rng=random.Random(3),
                                workdir=tmp_path, kill_min=0.2, kill_max=0.6, progress=False,
                                concurrency=16)

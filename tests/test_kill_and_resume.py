@@ -7,9 +7,9 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
+from local_site import LocalSite
 
 from crawling import (
     close_reason,
@@ -19,7 +19,6 @@ from crawling import (
     start_shop_crawl,
     stored_products,
 )
-from shop.site import ShopSite
 
 NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
 
@@ -36,7 +35,7 @@ def test_forced_stop_repeats_at_most_what_was_in_flight(tmp_path: Path) -> None:
     """With JOBDIR, a forced stop lost the requests in the downloader. A listing of 60
     product pages that take 1 s each, 8 at a time, killed once about 20 are stored."""
     db = tmp_path / "forced_stop.sqlite3"
-    with ShopSite(port=0, listing_pages=1, products_per_page=60, delay=1.0) as site:
+    with LocalSite(listing_pages=1, products_per_page=60, delay=1.0) as site:
         settings = ("CONCURRENT_REQUESTS=8", "CONCURRENT_REQUESTS_PER_DOMAIN=8")
         first = start_shop_crawl(site.url, db, tmp_path / "first.log", *settings)
         try:
@@ -62,7 +61,7 @@ def test_kills_during_heavy_enqueueing_leave_a_consistent_frontier(tmp_path: Pat
     db = tmp_path / "enqueueing.sqlite3"
     rng = random.Random(20)
     seen: list[dict[str, int]] = []
-    with ShopSite(port=0, listing_pages=3, products_per_page=500) as site:
+    with LocalSite(listing_pages=3, products_per_page=500) as site:
         settings = ("CONCURRENT_REQUESTS=1", "CONCURRENT_REQUESTS_PER_DOMAIN=1")
         for attempt in range(20):
             before = site.request_count
@@ -112,48 +111,23 @@ class ProductsSpider(SitemapSpider):
 '''
 
 
-def _sitemap_site(delay: float) -> tuple[Any, dict[str, int]]:
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    counts: dict[str, int] = {}
-
-    class Handler(BaseHTTPRequestHandler):
-        disable_nagle_algorithm = True
-
-        def do_GET(self) -> None:
-            counts[self.path] = counts.get(self.path, 0) + 1
-            base = f"http://127.0.0.1:{self.server.server_address[1]}"
-            kind = "text/xml"
-            if self.path == "/robots.txt":
-                body, kind = f"User-agent: *\nSitemap: {base}/sitemap_index.xml\n", "text/plain"
-            elif self.path == "/sitemap_index.xml":
-                body = ('<?xml version="1.0"?><sitemapindex xmlns='
-                        '"http://www.sitemaps.org/schemas/sitemap/0.9">'
-                        + "".join(f"<sitemap><loc>{base}/sitemap{i}.xml</loc></sitemap>"
-                                  for i in (1, 2)) + "</sitemapindex>")
-            elif self.path in ("/sitemap1.xml", "/sitemap2.xml"):
-                first = 1 if self.path == "/sitemap1.xml" else 11
-                body = ('<?xml version="1.0"?><urlset xmlns='
-                        '"http://www.sitemaps.org/schemas/sitemap/0.9">'
-                        + "".join(f"<url><loc>{base}/product/{i}</loc></url>"
-                                  for i in range(first, first + 10)) + "</urlset>")
-            else:
-                time.sleep(delay)
-                body, kind = "<html><body>product</body></html>", "text/html"
-            data = body.encode()
-            self.send_response(200)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, counts
+def _add_sitemaps(site: LocalSite, delay: float) -> None:
+    """robots.txt -> a sitemap index -> 2 sitemaps -> 20 product pages that take ``delay``."""
+    urlset = '<?xml version="1.0"?><urlset xmlns="http://www.sitemaps.org/schemas/sitemap/0.9">'
+    site.add("/robots.txt", f"User-agent: *\nSitemap: {site.url}/sitemap_index.xml\n",
+             "text/plain")
+    site.add("/sitemap_index.xml",
+             '<?xml version="1.0"?><sitemapindex xmlns='
+             '"http://www.sitemaps.org/schemas/sitemap/0.9">'
+             + "".join(f"<sitemap><loc>{site.url}/sitemap{i}.xml</loc></sitemap>"
+                       for i in (1, 2)) + "</sitemapindex>", "text/xml")
+    for path, first in (("/sitemap1.xml", 1), ("/sitemap2.xml", 11)):
+        site.add(path, urlset + "".join(f"<url><loc>{site.url}/product/{i}</loc></url>"
+                                        for i in range(first, first + 10)) + "</urlset>",
+                 "text/xml")
+    for i in range(1, 21):
+        site.add(f"/product/{i}", "<html><body>product</body></html>", "text/html",
+                 delay=delay)
 
 
 @pytest.mark.slow
@@ -167,16 +141,16 @@ def test_sitemap_spider_resumes_its_products(tmp_path: Path) -> None:
     spider = tmp_path / "products.py"
     spider.write_text(SITEMAP_SPIDER)
     db = tmp_path / "sitemap.sqlite3"
-    server, counts = _sitemap_site(delay=0.3)
-    url = f"http://127.0.0.1:{server.server_address[1]}"
+    with LocalSite(keep_alive=False) as site:
+        _add_sitemaps(site, delay=0.3)
 
-    def run(log: str) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            [sys.executable, "-m", "scrapy", "runspider", str(spider), "-a", f"url={url}",
-             "-s", f"IDEMPOTENT_DATABASE={db}", "-s", f"LOG_FILE={tmp_path / log}"],
-            cwd=tmp_path, stdin=subprocess.DEVNULL)
+        def run(log: str) -> subprocess.Popen[bytes]:
+            return subprocess.Popen(
+                [sys.executable, "-m", "scrapy", "runspider", str(spider), "-a",
+                 f"url={site.url}", "-s", f"IDEMPOTENT_DATABASE={db}",
+                 "-s", f"LOG_FILE={tmp_path / log}"],
+                cwd=tmp_path, stdin=subprocess.DEVNULL)
 
-    try:
         first = run("first.log")
         deadline = time.monotonic() + 60
         while record_count(db) < 5 and time.monotonic() < deadline:
@@ -186,9 +160,7 @@ def test_sitemap_spider_resumes_its_products(tmp_path: Path) -> None:
         assert 5 <= record_count(db) < 20
         second = run("second.log")
         assert second.wait(timeout=60) == 0
-    finally:
-        server.shutdown()
-        server.server_close()
+        counts = site.counts_by_path()
     assert close_reason(tmp_path / "second.log") == "finished"
     assert sorted(int(r["sku"]) for r in stored_products(db)) == list(range(1, 21))
     # discovery pages were fetched once: done before the kill, not crawled again on resume
@@ -203,7 +175,7 @@ def test_a_page_that_kills_every_crawl_is_quarantined_and_nothing_else(tmp_path:
     IDEMPOTENT_MAX_ATTEMPTS starts, and requests that were merely claimed beside it (never
     started) must not be blamed for it."""
     db = tmp_path / "poison.sqlite3"
-    with ShopSite(port=0, listing_pages=1, products_per_page=20) as site:
+    with LocalSite(listing_pages=1, products_per_page=20) as site:
         codes = crawl_poison_until_finished(
             site.url, db, tmp_path, "CONCURRENT_REQUESTS=1", "DOWNLOAD_DELAY=0.05",
             "IDEMPOTENT_MAX_ATTEMPTS=3")

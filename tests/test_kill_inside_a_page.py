@@ -8,11 +8,10 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from paths_site import PathsSite
+from local_site import LocalSite
 
 from crawling import db_rows, wait_for
 
@@ -21,14 +20,9 @@ pytestmark = pytest.mark.slow
 SPIDERS = Path(__file__).resolve().parent / "process_spiders.py"
 
 
-@pytest.fixture
-def site() -> Iterator[PathsSite]:
-    with PathsSite() as paths_site:
-        yield paths_site
-
 
 def start_crawl(
-    site: PathsSite, tmp_path: Path, run: int, *settings: str, spider: str = "variants"
+    site: LocalSite, tmp_path: Path, run: int, *settings: str, spider: str = "variants"
 ) -> subprocess.Popen[bytes]:
     args = [sys.executable, str(SPIDERS), "--url", site.url, "--spider", spider,
             "--db", str(tmp_path / "frontier.sqlite3"),
@@ -49,7 +43,7 @@ def marker_lines(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("journal", [True, False], ids=["journal", "no-journal"])
 def test_kill_after_items_reached_the_pipeline_before_the_page_finished(
-    site: PathsSite, tmp_path: Path, journal: bool
+    site: LocalSite, tmp_path: Path, journal: bool
 ) -> None:
     db = tmp_path / "frontier.sqlite3"
     setting = f"IDEMPOTENT_RESPONSE_JOURNAL={json.dumps(journal)}"
@@ -106,7 +100,7 @@ def test_kill_after_items_reached_the_pipeline_before_the_page_finished(
 
 
 def test_kill_while_a_memory_request_is_in_flight_replays_its_page(
-    site: PathsSite, tmp_path: Path
+    site: LocalSite, tmp_path: Path
 ) -> None:
     # a request that cannot be stored lives under its page's lease: killed before it is
     # done, the page is not done either; the next crawl fetches the page again, whose

@@ -1,20 +1,18 @@
 """Requests that cannot be stored (fetched from memory under their owner's lease), in real
-crawls against :class:`paths_site.PathsSite`: a lost lease stops them, a later lease of the
-owner fetches them again, a suspect runs alone with them, and they take their turn among the
-stored requests by priority as in Scrapy.
+crawls against the local site (``site`` fixture): a lost lease stops them, a later lease of
+the owner fetches them again, a suspect runs alone with them, and they take their turn among
+the stored requests by priority as in Scrapy.
 """
 
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
 from typing import Any, ClassVar
 
-import pytest
 import scrapy
-from paths_site import PathsSite
+from local_site import LocalSite
 from scrapy import signals
 from scrapy.utils.defer import deferred_f_from_coro_f
 from scrapy.utils.test import get_crawler
@@ -22,13 +20,6 @@ from test_fidelity import ONE_AT_A_TIME, Observed, SiteSpider, crawl, path_of, r
 
 from crawling import crawl_to_end, db_rows
 from scrapy_idempotent import scrapy_compat
-
-
-@pytest.fixture
-def site() -> Iterator[PathsSite]:
-    with PathsSite() as paths_site:
-        yield paths_site
-    assert paths_site.errors == []
 
 
 def memory_item(response: Any) -> list[dict[str, str]]:
@@ -60,7 +51,7 @@ class OwnerSpider(SiteSpider):
 
 @deferred_f_from_coro_f
 async def test_a_lost_lease_drops_its_memory_requests_and_a_new_lease_fetches_them_again(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     crawler = get_crawler(OwnerSpider, settings(db_path, **ONE_AT_A_TIME))
     observed = Observed(crawler)
@@ -125,7 +116,7 @@ class SuspectSpider(SiteSpider):
 
 @deferred_f_from_coro_f
 async def test_a_suspect_runs_alone_until_its_memory_requests_are_finished(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     first = await crawl(SuspectSpider, settings(db_path), url=site.url)
     assert first.reason == "finished"
@@ -182,7 +173,7 @@ class PriorityChildrenSpider(SiteSpider):
 
 @deferred_f_from_coro_f
 async def test_memory_requests_take_their_turn_by_priority_as_in_scrapy(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     plain = await crawl(PriorityChildrenSpider, {**ONE_AT_A_TIME, "TELNETCONSOLE_ENABLED": False},
                         url=site.url)
@@ -220,7 +211,7 @@ class TwinStoredSpider(TwinStartSpider):
 
 @deferred_f_from_coro_f
 async def test_an_unstorable_start_request_takes_one_rank_among_its_twins(
-    site: PathsSite, tmp_path: Path
+    site: LocalSite, tmp_path: Path
 ) -> None:
     stored_db, mixed_db = tmp_path / "stored.sqlite3", tmp_path / "mixed.sqlite3"
     stored = await crawl(TwinStoredSpider, settings(stored_db), url=site.url)

@@ -10,9 +10,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from local_site import LocalSite
 
 from crawling import EXAMPLE_PROJECT, close_reason, db_rows, start_shop_crawl, wait_for
-from shop.site import ShopSite
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,7 @@ def test_another_spider_or_project_on_the_database_is_refused_at_start(
     tmp_path: Path,
 ) -> None:
     db = tmp_path / "shared.sqlite3"
-    with ShopSite(port=0) as site:
+    with LocalSite() as site:
         first = crawl("crawl", "shop", "-a", f"url={site.url}",
                       "-s", f"IDEMPOTENT_DATABASE={db}", "-s", "LOG_LEVEL=INFO")
         assert first.returncode == 0, first.stderr[-3000:]
@@ -77,7 +77,7 @@ def test_a_crawl_closed_by_a_store_error_exits_non_zero_and_the_next_one_complet
     ``scrapy crawl`` exits with 1. The next crawl resumes from what the database holds."""
     db = tmp_path / "shop.sqlite3"
     log = tmp_path / "first.log"
-    with ShopSite(port=0, delay=0.01) as site:
+    with LocalSite(delay=0.01) as site:
         worker = start_shop_crawl(site.url, db, log, "CONCURRENT_REQUESTS=4",
                                   "LOG_LEVEL=INFO")
         try:

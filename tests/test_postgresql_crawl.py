@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import crawl_settings, run_crawl
-from shop.site import ShopSite
 from shop.spiders.shop import ShopSpider
 
 psycopg = pytest.importorskip("psycopg")
@@ -29,7 +29,7 @@ def pg_rows(url: str, schema: str, sql: str) -> list[tuple[Any, ...]]:
         return [tuple(row) for row in conn.execute(sql).fetchall()]
 
 
-def assert_catalogue(url: str, schema: str, site: ShopSite) -> None:
+def assert_catalogue(url: str, schema: str, site: LocalSite) -> None:
     import json
 
     expected = site.expected_products()
@@ -43,7 +43,7 @@ def assert_catalogue(url: str, schema: str, site: ShopSite) -> None:
 
 @deferred_f_from_coro_f
 async def test_full_crawl_on_postgresql_stores_each_product_once(
-        shop: ShopSite, postgres_url: str) -> None:
+        shop: LocalSite, postgres_url: str) -> None:
     settings = crawl_settings(postgres_url, **NATURAL_KEYS)  # type: ignore[arg-type]
     crawler = await run_crawl(ShopSpider, settings, url=shop.url)
     stats = crawler.stats.get_stats()
@@ -72,7 +72,7 @@ async def test_full_crawl_on_postgresql_stores_each_product_once(
 
 @deferred_f_from_coro_f
 async def test_crawls_of_other_sources_share_one_database_without_seeing_each_other(
-        shop: ShopSite, postgres_url: str) -> None:
+        shop: LocalSite, postgres_url: str) -> None:
     for source in ("shop-eu", "shop-us"):
         settings = crawl_settings(postgres_url,  # type: ignore[arg-type]
                                   IDEMPOTENT_SOURCE=source, **NATURAL_KEYS)

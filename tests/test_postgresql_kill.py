@@ -13,16 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from local_site import LocalSite
 
 from crawling import EXAMPLE_PROJECT, close_reason, wait_for
-from shop.site import ShopSite
 
 psycopg = pytest.importorskip("psycopg")
 
 pytestmark = pytest.mark.slow
 
 
-def crawl_command(site: ShopSite, url: str, log: Path, *settings: str) -> list[str]:
+def crawl_command(site: LocalSite, url: str, log: Path, *settings: str) -> list[str]:
     command = [sys.executable, "-m", "scrapy", "crawl", "shop", "-a", f"url={site.url}",
                "-s", f"IDEMPOTENT_DATABASE={url}", "-s", f"LOG_FILE={log}",
                "-s", "TELNETCONSOLE_ENABLED=False"]
@@ -54,7 +54,7 @@ def crawl_rows(url: str, sql: str) -> list[tuple[Any, ...]]:
         return [tuple(row) for row in conn.execute(sql).fetchall()]
 
 
-def assert_all_products_once(url: str, site: ShopSite) -> None:
+def assert_all_products_once(url: str, site: LocalSite) -> None:
     expected = site.expected_products()
     records = [json.loads(data) for (data,) in crawl_rows(url, "SELECT data FROM records")]
     assert len(records) == len({r["sku"] for r in records}) == len(expected) == 500
@@ -67,7 +67,7 @@ def test_sigkill_and_resume_on_postgresql_stores_each_product_once(
         tmp_path: Path, postgres_url: str) -> None:
     rng = random.Random(7)
     kills = 4
-    with ShopSite(port=0, delay=0.01) as site:
+    with LocalSite(delay=0.01) as site:
         for run in range(kills):
             log = tmp_path / f"run{run}.log"
             baseline = site.request_count
@@ -112,7 +112,7 @@ def test_three_workers_on_three_hosts_killed_and_restarted_store_each_product_on
                 "IDEMPOTENT_LEASE_SECONDS=6", "IDEMPOTENT_RUN_MODE=resume")
     kills = 5
     hosts = 0
-    with ShopSite(port=0, delay=0.02) as site:
+    with LocalSite(delay=0.02) as site:
 
         def launch(slot: int) -> tuple[subprocess.Popen[bytes], Path]:
             nonlocal hosts

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from local_site import LocalSite
 from scrapy.exceptions import NotConfigured
 from scrapy.utils.defer import deferred_f_from_coro_f
 from scrapy.utils.test import get_crawler
@@ -14,7 +15,6 @@ from scrapy.utils.test import get_crawler
 from crawling import crawl_settings, run_crawl
 from scrapy_idempotent import ConfigError
 from scrapy_idempotent.progress import IdempotentLogStats
-from shop.site import ShopSite
 from shop.spiders.shop import ShopSpider
 
 LINE = re.compile(
@@ -33,7 +33,7 @@ async def test_the_progress_line_is_logged_every_interval(
         db_path, IDEMPOTENT_NATURAL_KEYS={"shop.items.ProductItem": "sku"},
         IDEMPOTENT_LOG_INTERVAL_SECONDS=0.05, CONCURRENT_REQUESTS=2,
         CONCURRENT_REQUESTS_PER_DOMAIN=2)
-    with ShopSite(port=0, listing_pages=4, products_per_page=5, delay=0.02) as site:
+    with LocalSite(listing_pages=4, products_per_page=5, delay=0.02) as site:
         await run_crawl(ShopSpider, settings, url=site.url)
     lines = [r.getMessage() for r in caplog.records if r.name == "scrapy_idempotent.progress"]
     matches = [LINE.fullmatch(line) for line in lines]

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from local_site import LocalSite
 from scrapy import signals as scrapy_signals
 from scrapy.utils.defer import deferred_f_from_coro_f
 from scrapy.utils.test import get_crawler
@@ -27,7 +28,6 @@ from crawling import (
 from redis_server import RedisServer, redis_server  # noqa: F401  (the fixture)
 from scrapy_idempotent import signals
 from scrapy_idempotent.queue_input import QueueInput
-from shop.site import ShopSite
 from shop.spiders.shop import ShopSpider
 
 NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
@@ -51,11 +51,11 @@ def queue_settings(db_path: Path, server: RedisServer, key: str, **extra: Any) -
                           **NATURAL_KEYS, **extra)
 
 
-def product(shop: ShopSite, number: int) -> str:
+def product(shop: LocalSite, number: int) -> str:
     return f"{shop.url}/product/SKU-{number:05d}"
 
 
-def product_message(shop: ShopSite, number: int) -> dict[str, str]:
+def product_message(shop: LocalSite, number: int) -> dict[str, str]:
     """A JSON request message for a product page (``url`` alone would use ``parse``)."""
     return {"request": json.dumps({"url": product(shop, number), "callback": "parse_product"})}
 
@@ -128,7 +128,7 @@ async def test_messages_become_requests_acknowledged_after_commit(
 ) -> None:
     key = f"q-{uuid.uuid4().hex}"
     client = redis_server.client()
-    with ShopSite(port=0, listing_pages=2, products_per_page=3, products_failing=[3]) as shop:
+    with LocalSite(listing_pages=2, products_per_page=3, products_failing=[3]) as shop:
         for _ in range(3):  # the same URL three times: one entry, one record
             client.xadd(key, product_message(shop, 1))
         client.xadd(key, {"request": json.dumps({
@@ -163,7 +163,7 @@ async def test_a_redirected_request_is_acknowledged_when_its_target_is_done(
 ) -> None:
     key = f"q-{uuid.uuid4().hex}"
     client = redis_server.client()
-    with ShopSite(port=0, listing_pages=1, products_per_page=2) as shop:
+    with LocalSite(listing_pages=1, products_per_page=2) as shop:
         client.xadd(key, {"url": f"{shop.url}/"})  # 302 to /list/1
         client.xadd(key, {"stop": "1"})
         crawler = get_crawler(QueueSpider, queue_settings(db_path, redis_server, key))
@@ -262,7 +262,7 @@ async def test_bad_messages_are_parked_with_their_error_and_the_crawl_goes_on(
 ) -> None:
     key = f"q-{uuid.uuid4().hex}"
     client = redis_server.client()
-    with ShopSite(port=0) as shop:
+    with LocalSite() as shop:
         bad = [
             {"request": "{not json"},
             {"request": json.dumps({"url": product(shop, 1), "callback": "no_such_method"})},
@@ -306,7 +306,7 @@ async def test_empty_queue_keeps_the_crawl_idle_until_stop(
     done): the crawl waits for it instead of finishing, and finishes on the stop message."""
     key = f"q-{uuid.uuid4().hex}"
     client = redis_server.client()
-    with ShopSite(port=0) as shop:
+    with LocalSite() as shop:
         client.xadd(key, product_message(shop, 1))
         follow_ups = [product_message(shop, 2), product_message(shop, 3), {"stop": "1"}]
 
@@ -348,7 +348,7 @@ async def test_recrawl_window_applies_to_queued_urls(
     client = redis_server.client()
     window = 3600.0
     settings = queue_settings(db_path, redis_server, key, IDEMPOTENT_RECRAWL_SECONDS=window)
-    with ShopSite(port=0) as shop:
+    with LocalSite() as shop:
         message = product_message(shop, 4)
         for _ in range(2):  # the second: the same window
             client.xadd(key, message)

@@ -2,9 +2,9 @@
 
 Whatever happens to a request, the frontier must end with it in the right terminal state:
 no lease dangles, no crawl hangs, no request or record is lost silently, and records are
-stored exactly once. Each test runs real crawls in this process against
-:class:`paths_site.PathsSite` and then checks the frontier rows (``url, state, error_kind,
-attempts``), that nothing is left ``leased``, the close reason, the records stored and the
+stored exactly once. Each test runs real crawls in this process against the local site
+(``site`` fixture) and then checks the frontier rows (``url, state, error_kind, attempts``),
+that nothing is left ``leased``, the close reason, the records stored and the
 ``idempotent/...`` stats.
 """
 
@@ -16,13 +16,13 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
 import pytest
 import scrapy
-from paths_site import PathsSite, free_port
+from local_site import LocalSite, free_port
 from scrapy.downloadermiddlewares.retry import get_retry_request
 from scrapy.exceptions import CloseSpider, DropItem
 from scrapy.http import JsonRequest
@@ -36,13 +36,6 @@ NATURAL_KEYS = {"dict": "key"}
 
 # -- fixtures and helpers ---------------------------------------------------------------------
 
-
-@pytest.fixture
-def site() -> Iterator[PathsSite]:
-    """The paths site on 127.0.0.1, a fresh one (fresh counters) per test."""
-    with PathsSite() as paths_site:
-        yield paths_site
-    assert paths_site.errors == []
 
 
 def settings(db_path: Path, **extra: Any) -> dict[str, Any]:
@@ -58,7 +51,7 @@ def settings(db_path: Path, **extra: Any) -> dict[str, Any]:
     return crawl_settings(db_path, **values)
 
 
-def rows(db_path: Path, site: PathsSite) -> list[tuple[str, str, str | None, int]]:
+def rows(db_path: Path, site: LocalSite) -> list[tuple[str, str, str | None, int]]:
     """The frontier: ``(url relative to the site, state, error_kind, attempts)``, sorted."""
     return sorted(
         (url.removeprefix(site.url), state, kind, attempts)
@@ -67,7 +60,7 @@ def rows(db_path: Path, site: PathsSite) -> list[tuple[str, str, str | None, int
     )
 
 
-def frontier(db_path: Path, site: PathsSite) -> dict[str, tuple[str, str | None, int]]:
+def frontier(db_path: Path, site: LocalSite) -> dict[str, tuple[str, str | None, int]]:
     """The frontier by relative URL, checking that no URL has two rows."""
     found = rows(db_path, site)
     by_url = {url: (state, kind, attempts) for url, state, kind, attempts in found}
@@ -90,7 +83,7 @@ def records(db_path: Path) -> dict[str, dict[str, Any]]:
     return by_key
 
 
-def record_owner(db_path: Path, site: PathsSite) -> dict[str, str | None]:
+def record_owner(db_path: Path, site: LocalSite) -> dict[str, str | None]:
     """Record ``key`` -> URL of the frontier entry whose completion stored it."""
     urls = dict(db_rows(db_path, "SELECT key, url FROM requests"))
     owners: dict[str, str | None] = {}
@@ -171,7 +164,7 @@ class LinksSpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_success_items_and_requests_and_a_page_without_items(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     crawler = await crawl(LinksSpider, settings(db_path), url=site.url)
     assert finish_reason(crawler) == "finished"
@@ -229,7 +222,7 @@ class InterleavedSpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_interleaved_items_and_requests_with_a_slow_pipeline(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     SlowPipeline.finished.clear()
     InterleavedSpider.ended = None
@@ -256,7 +249,7 @@ async def test_interleaved_items_and_requests_with_a_slow_pipeline(
     assert "requests/repeated" not in stats
     assert crawler.stats.get_value("item_scraped_count") == 24
     assert all(n == 1 for n in site.counts_by_path().values())
-    assert site.total() == 13
+    assert site.request_count == 13
 
 
 # -- callback errors ------------------------------------------------------------------------
@@ -294,7 +287,7 @@ class CallbackErrorSpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_callback_raising_before_its_first_yield_and_midway(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     crawler = await crawl(CallbackErrorSpider, settings(db_path), url=site.url)
     assert finish_reason(crawler) == "finished"
@@ -360,7 +353,7 @@ class DownloadErrorSpider(PathSpider):
 ])
 @deferred_f_from_coro_f
 async def test_download_error_ends_failed_after_its_retries(
-    site: PathsSite, db_path: Path, kind: str, error: str | None, use_errback: bool
+    site: LocalSite, db_path: Path, kind: str, error: str | None, use_errback: bool
 ) -> None:
     target = {
         "refused": f"http://127.0.0.1:{free_port()}/ok/nobody-home",
@@ -435,7 +428,7 @@ class ErrbackRetrySpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_errback_retrying_its_request_continues_the_same_entry(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     crawler = await crawl(ErrbackRetrySpider, settings(db_path), url=site.url)
     assert finish_reason(crawler) == "finished"
@@ -483,7 +476,7 @@ class HttpErrorSpider(PathSpider):
 @pytest.mark.parametrize("code", [404, 500])
 @deferred_f_from_coro_f
 async def test_http_error_ends_failed(
-    site: PathsSite, db_path: Path, code: int, use_errback: bool
+    site: LocalSite, db_path: Path, code: int, use_errback: bool
 ) -> None:
     path = f"/status/{code}/x"
     crawler = await crawl(HttpErrorSpider, settings(
@@ -515,7 +508,7 @@ class HandleStatusSpider(HttpErrorSpider):
 @pytest.mark.parametrize("how", ["setting", "spider", "meta-list", "meta-all"])
 @deferred_f_from_coro_f
 async def test_http_error_allowed_by_httperror_allowed_codes_is_done(
-    site: PathsSite, db_path: Path, how: str
+    site: LocalSite, db_path: Path, how: str
 ) -> None:
     path = "/status/404/allowed"
     extra: dict[str, Any] = {"HTTPERROR_ALLOWED_CODES": [404]} if how == "setting" else {}
@@ -540,7 +533,7 @@ async def test_http_error_allowed_by_httperror_allowed_codes_is_done(
 
 @deferred_f_from_coro_f
 async def test_retry_middleware_503_then_200_continues_the_same_entry(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     path = "/flaky/1/x"
     crawler = await crawl(LinksSpider, settings(db_path, RETRY_ENABLED=True, RETRY_TIMES=2),
@@ -587,7 +580,7 @@ class RetryFromCallbackSpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_get_retry_request_from_a_callback_continues_the_same_entry(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     crawler = await crawl(RetryFromCallbackSpider, settings(db_path, RETRY_TIMES=2),
                           url=site.url)
@@ -637,7 +630,7 @@ class RedirectSpider(PathSpider):
 @pytest.mark.parametrize("code", [301, 302, 307])
 @deferred_f_from_coro_f
 async def test_http_redirect_ends_redirected_and_the_target_is_crawled(
-    site: PathsSite, db_path: Path, code: int
+    site: LocalSite, db_path: Path, code: int
 ) -> None:
     method, body = ("POST", b"payload=1") if code == 307 else ("GET", b"")
     source, target = f"/redirect/{code}/r?to=/echo/t{code}", f"/echo/t{code}"
@@ -664,7 +657,7 @@ async def test_http_redirect_ends_redirected_and_the_target_is_crawled(
 
 @deferred_f_from_coro_f
 async def test_meta_refresh_ends_redirected_and_the_target_is_crawled(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     source = "/refresh/m?to=/ok/meta-target"
     crawler = await crawl(RedirectSpider, settings(db_path), url=site.url,
@@ -694,7 +687,7 @@ class RedirectToDoneSpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_redirect_to_a_url_already_done_is_not_fetched_again(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     crawler = await crawl(RedirectToDoneSpider, settings(db_path), url=site.url)
     assert finish_reason(crawler) == "finished"
@@ -713,7 +706,7 @@ async def test_redirect_to_a_url_already_done_is_not_fetched_again(
 
 
 @deferred_f_from_coro_f
-async def test_chain_of_three_redirects(site: PathsSite, db_path: Path) -> None:
+async def test_chain_of_three_redirects(site: LocalSite, db_path: Path) -> None:
     crawler = await crawl(RedirectSpider, settings(db_path), url=site.url,
                           plan=[("/chain/3/c", "GET", b"")])
     assert finish_reason(crawler) == "finished"
@@ -734,7 +727,7 @@ async def test_chain_of_three_redirects(site: PathsSite, db_path: Path) -> None:
 
 @deferred_f_from_coro_f
 async def test_too_many_redirects_ends_failed_and_calls_the_errback_once(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     crawler = await crawl(RedirectSpider, settings(db_path, REDIRECT_MAX_TIMES=2),
                           url=site.url, plan=[("/chain/3/m", "GET", b"")])
@@ -765,7 +758,7 @@ class LoopSpider(PathSpider):
 
 
 @deferred_f_from_coro_f
-async def test_redirect_loop_ends(site: PathsSite, db_path: Path) -> None:
+async def test_redirect_loop_ends(site: LocalSite, db_path: Path) -> None:
     crawler = await crawl(LoopSpider, settings(db_path), url=site.url, dont_filter=False)
     assert finish_reason(crawler) == "finished"
     # 0 -> 1 -> 0: the way back is to an entry already answered
@@ -780,7 +773,7 @@ async def test_redirect_loop_ends(site: PathsSite, db_path: Path) -> None:
 
 @deferred_f_from_coro_f
 async def test_redirect_loop_of_a_dont_filter_request_ends_at_redirect_max_times(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     # dont_filter (start_urls) is inherited by redirects: each hop is a new entry, as with
     # Scrapy's own scheduler, until REDIRECT_MAX_TIMES
@@ -794,7 +787,7 @@ async def test_redirect_loop_of_a_dont_filter_request_ends_at_redirect_max_times
         ("/loop/l/1", "redirected", None, 1),
     ]
     assert_nothing_leased(db_path)
-    assert site.total() == 4
+    assert site.request_count == 4
 
 
 # -- IgnoreRequest: robots.txt, offsite, depth ---------------------------------------------------
@@ -802,7 +795,7 @@ async def test_redirect_loop_of_a_dont_filter_request_ends_at_redirect_max_times
 
 @deferred_f_from_coro_f
 async def test_robots_txt_disallowed_request_ends_failed_as_ignored(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     crawler = await crawl(LinksSpider, settings(db_path, ROBOTSTXT_OBEY=True), url=site.url,
                           start_paths=("/ok/open?links=/private/p1,/ok/allowed",))
@@ -829,7 +822,7 @@ class OffsiteSpider(LinksSpider):
 
 @deferred_f_from_coro_f
 async def test_offsite_request_never_reaches_the_frontier(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     offsite = f"http://localhost:{site.port}/ok/offsite"  # the same server, another host
     crawler = await crawl(OffsiteSpider, settings(db_path), url=site.url,
@@ -862,7 +855,7 @@ class DeepSpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_depth_limit_drops_deeper_requests_before_the_frontier(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     crawler = await crawl(DeepSpider, settings(db_path, DEPTH_LIMIT=2), url=site.url)
     assert finish_reason(crawler) == "finished"
@@ -905,7 +898,7 @@ class PipelineSpider(PathSpider):
 
 
 @deferred_f_from_coro_f
-async def test_drop_item_and_pipeline_error_before_ours(site: PathsSite, db_path: Path) -> None:
+async def test_drop_item_and_pipeline_error_before_ours(site: LocalSite, db_path: Path) -> None:
     crawler = await crawl(PipelineSpider, settings(
         db_path, ITEM_PIPELINES={f"{__name__}.PickyPipeline": 100}), url=site.url)
     assert finish_reason(crawler) == "finished"
@@ -932,7 +925,7 @@ class CopyingPipeline:
 
 
 @deferred_f_from_coro_f
-async def test_pipeline_returning_a_new_item_object(site: PathsSite, db_path: Path) -> None:
+async def test_pipeline_returning_a_new_item_object(site: LocalSite, db_path: Path) -> None:
     crawler = await crawl(PipelineSpider, settings(
         db_path, ITEM_PIPELINES={f"{__name__}.CopyingPipeline": 100}), url=site.url)
     assert finish_reason(crawler) == "finished"
@@ -980,7 +973,7 @@ class PageItemSpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_pipeline_returning_a_new_url_keyed_item_is_stored_under_its_page(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     crawler = await crawl(PageItemSpider, settings(
         db_path, ITEM_PIPELINES={f"{__name__}.RepricingPipeline": 100}), url=site.url)
@@ -1014,7 +1007,7 @@ class StashMiddleware:
 ], ids=["retry", "retries-fail", "redirect"])
 @deferred_f_from_coro_f
 async def test_retry_or_redirect_that_cannot_be_stored_is_fetched_under_its_requests_lease(
-    site: PathsSite, db_path: Path, path: str, hits: int, unstorable: int,
+    site: LocalSite, db_path: Path, path: str, hits: int, unstorable: int,
     end: tuple[str, str | None], stored: set[str],
 ) -> None:
     crawler = await crawl(LinksSpider, settings(
@@ -1080,7 +1073,7 @@ class KeyedSpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_close_spider_from_a_callback_then_the_next_crawl_finishes_the_job(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     first = await crawl(KeyedSpider, settings(db_path, CONCURRENT_REQUESTS=2), url=site.url,
                         stop_at=GATE_AFTER_KEY, release=site.release)
@@ -1139,7 +1132,7 @@ class StopMidwaySpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_close_spider_midway_keeps_what_was_yielded_and_the_page_stays_due(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     first = await crawl(StopMidwaySpider, settings(db_path), url=site.url, stop=True)
     assert finish_reason(first) == "stopped_midway"
@@ -1203,7 +1196,7 @@ class TenPagesSpider(PathSpider):
 ])
 @deferred_f_from_coro_f
 async def test_closespider_count_leaves_the_rest_pending_for_the_next_crawl(
-    site: PathsSite, db_path: Path, setting: str, reason: str
+    site: LocalSite, db_path: Path, setting: str, reason: str
 ) -> None:
     one_at_a_time = {"CONCURRENT_REQUESTS": 1, "CONCURRENT_REQUESTS_PER_DOMAIN": 1}
     first = await crawl(TenPagesSpider, settings(db_path, **{setting: 3}, **one_at_a_time),
@@ -1225,7 +1218,7 @@ async def test_closespider_count_leaves_the_rest_pending_for_the_next_crawl(
     assert (istats(first)["records/inserted"] + istats(second)["records/inserted"]) == 10
     assert istats(second)["requests/done"] == 10 - done_first
     assert all(n == 1 for n in site.counts_by_path().values()), site.counts_by_path()
-    assert site.total() == 10
+    assert site.request_count == 10
 
 
 # -- identity of children: meta copied from the response, dont_filter, replayed parents -----------
@@ -1254,7 +1247,7 @@ class MetaCopySpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_children_with_meta_copied_from_the_response(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     crawler = await crawl(MetaCopySpider, settings(db_path, RETRY_ENABLED=True, RETRY_TIMES=2),
                           url=site.url)
@@ -1308,7 +1301,7 @@ class DontFilterSpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_dont_filter_children_of_a_replayed_parent_are_not_inserted_twice(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     crawler = await crawl(DontFilterSpider, settings(db_path, RETRY_TIMES=2), url=site.url)
     assert finish_reason(crawler) == "finished"
@@ -1393,7 +1386,7 @@ class BodiesSpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_post_form_and_json_requests_round_trip_through_the_store(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     import base64
     import datetime
@@ -1496,7 +1489,7 @@ class UnstorableSpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_unstorable_requests_are_fetched_from_memory_and_logged_once_per_cause(
-    site: PathsSite, db_path: Path, tmp_path: Path, caplog: Any
+    site: LocalSite, db_path: Path, tmp_path: Path, caplog: Any
 ) -> None:
     data_file = tmp_path / "data.txt"
     data_file.write_text("x")
@@ -1559,7 +1552,7 @@ class CounterPaginationSpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_c19_counter_pagination_resume_runs_the_pending_page_and_reports_drops(
-    site: PathsSite, db_path: Path, caplog: Any
+    site: LocalSite, db_path: Path, caplog: Any
 ) -> None:
     one_at_a_time = {"CONCURRENT_REQUESTS": 1, "CONCURRENT_REQUESTS_PER_DOMAIN": 1}
     first = await crawl(CounterPaginationSpider, settings(
@@ -1596,7 +1589,7 @@ async def test_c19_counter_pagination_resume_runs_the_pending_page_and_reports_d
 
 @deferred_f_from_coro_f
 async def test_retries_up_to_retry_times_are_not_cut_short_by_the_attempt_limit(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     # RETRY_TIMES=10: Scrapy makes up to 11 attempts; each retry completes its lease (it is a
     # continuation, not a crash), so IDEMPOTENT_MAX_ATTEMPTS (10) must not quarantine it
@@ -1615,7 +1608,7 @@ async def test_retries_up_to_retry_times_are_not_cut_short_by_the_attempt_limit(
 
 @deferred_f_from_coro_f
 async def test_redirect_to_itself_continues_the_same_entry(
-    site: PathsSite, db_path: Path
+    site: LocalSite, db_path: Path
 ) -> None:
     # a cookie check: the page redirects to itself once; the same request again
     path = "/self/1/cookie-check"

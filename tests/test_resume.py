@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from local_site import LocalSite
 
 from crawling import (
     close_reason,
@@ -21,7 +22,6 @@ from crawling import (
     stored_products,
     wait_for,
 )
-from shop.site import ShopSite
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def test_requests_in_flight_at_a_kill_are_replayed_at_full_concurrency(tmp_path:
     (before, each ran alone, with nothing else in flight, one after the other)."""
     db = tmp_path / "shop.sqlite3"
     settings = ("CONCURRENT_REQUESTS=24", "CONCURRENT_REQUESTS_PER_DOMAIN=24")
-    with ShopSite(port=0, delay=0.2) as site:
+    with LocalSite(delay=0.2) as site:
         first = start_shop_crawl(site.url, db, tmp_path / "first.log", *settings)
         try:
             wait_for(lambda: done_requests(db) >= 30 and site.in_flight >= 16, 120,
@@ -69,7 +69,7 @@ def test_a_page_that_kills_every_crawl_at_full_concurrency_is_quarantined_alone(
     runs at full concurrency; what was in flight at two deaths runs alone; the poison page is
     quarantined after IDEMPOTENT_MAX_ATTEMPTS (4) deaths, and no other page is."""
     db = tmp_path / "poison.sqlite3"
-    with ShopSite(port=0, listing_pages=3, products_per_page=20, delay=0.05) as site:
+    with LocalSite(listing_pages=3, products_per_page=20, delay=0.05) as site:
         codes = crawl_poison_until_finished(
             site.url, db, tmp_path, "CONCURRENT_REQUESTS=16", "CONCURRENT_REQUESTS_PER_DOMAIN=16",
             "IDEMPOTENT_MAX_ATTEMPTS=4")
@@ -126,7 +126,7 @@ def test_a_resume_over_a_mostly_done_start_list_writes_no_transaction_per_start_
     script = tmp_path / "crawl.py"
     script.write_text(START_LIST_CRAWL)
     db = tmp_path / "starts.sqlite3"
-    with ShopSite(port=0, listing_pages=50, products_per_page=20) as site:
+    with LocalSite(listing_pages=50, products_per_page=20) as site:
         stats = []
         for run, pages in enumerate((990, 0)):
             out = tmp_path / f"stats{run}.json"

@@ -4,7 +4,7 @@ One scrapyd per module: started on 127.0.0.1 on a free port, with its own config
 and temporary directories (``max_proc = 1``), from a working directory without a
 ``scrapy.cfg`` (like a real deployment). ``example_project`` is built into an egg with
 setuptools and uploaded with ``addversion.json``; jobs are scheduled with ``schedule.json``
-against a local ``ShopSite`` and an absolute ``IDEMPOTENT_DATABASE``.
+against a local ``LocalSite`` and an absolute ``IDEMPOTENT_DATABASE``.
 
 * A job SIGKILLed in the middle of the crawl is resumed by the next job of the same spider:
   500 correct records, at most 525 + 1 requests, the dead job's leases reclaimed at once.
@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from local_site import LocalSite
 
 from crawling import db_rows, frontier_counts
-from shop.site import ShopSite
 
 pytestmark = pytest.mark.slow
 
@@ -368,7 +368,7 @@ def job_settings(db: Path, run_mode: str) -> dict[str, Any]:
     return settings
 
 
-def wait_for_requests(scrapyd: Scrapyd, job: str, site: ShopSite, count: int) -> None:
+def wait_for_requests(scrapyd: Scrapyd, job: str, site: LocalSite, count: int) -> None:
     def enough() -> bool:
         if site.request_count >= count:
             return True
@@ -380,7 +380,7 @@ def wait_for_requests(scrapyd: Scrapyd, job: str, site: ShopSite, count: int) ->
     wait_until(enough, JOB_START_TIMEOUT, f"{count} requests of job {job}", interval=0.01)
 
 
-def finish_crawl(scrapyd: Scrapyd, site: ShopSite, settings: Mapping[str, Any]
+def finish_crawl(scrapyd: Scrapyd, site: LocalSite, settings: Mapping[str, Any]
                  ) -> dict[str, Any]:
     """Schedule the next job and wait until it ends; what it did."""
     before = site.request_count
@@ -411,7 +411,7 @@ def test_sigkilled_job_is_resumed_by_the_next_job(scrapyd: Scrapyd, tmp_path: Pa
     starts a new run, so the requests of the killed job are all made again."""
     db = tmp_path / "shop.sqlite3"
     settings = job_settings(db, run_mode)
-    with ShopSite(port=0, delay=0.01) as site:
+    with LocalSite(delay=0.01) as site:
         expected = site.expected_products()
         pages = site.page_count
         killed = scrapyd.schedule(settings, url=site.url)
@@ -468,7 +468,7 @@ def test_cancelled_job_releases_its_leases_and_the_next_job_finishes(
     at once and completes the crawl."""
     db = tmp_path / "shop.sqlite3"  # a fresh database
     settings = job_settings(db, run_mode)
-    with ShopSite(port=0, delay=0.01) as site:
+    with LocalSite(delay=0.01) as site:
         expected = site.expected_products()
         pages = site.page_count
         cancelled = scrapyd.schedule(settings, url=site.url)

@@ -10,14 +10,12 @@ import logging
 import re
 import sqlite3
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import pytest
 import scrapy
-from hardening_site import LocalSite
+from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import (
@@ -37,11 +35,6 @@ PACKAGE = ROOT / "scrapy_idempotent"
 EXAMPLE_PROJECT = ROOT / "example_project"
 
 
-
-@pytest.fixture
-def site() -> Iterator[LocalSite]:
-    with LocalSite() as local:
-        yield local
 
 
 KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"dict": "sku"}}
@@ -140,7 +133,7 @@ async def _crawl_with_stored_rows(site: LocalSite, db_path: Path, rows: dict[str
                         _stored_request(db_path, site.url + path, **changes))
     _insert_pending(db_path, "good", site.url + "/good", _stored_request(db_path,
                                                                           site.url + "/good"))
-    site.counts.clear()
+    site.reset_counts()
     sys.modules.pop("never_imported", None)
     crawler = await run_crawl(PagesSpider, {**settings, "IDEMPOTENT_RUN_MODE": "resume"},
                               url=site.url, paths=[], make_output=lambda r: [{"sku": r.url}])
@@ -160,8 +153,8 @@ async def test_stored_request_naming_code_is_failed_as_unloadable_and_nothing_ru
     assert "never_imported" not in sys.modules  # nothing was imported
     assert crawler.stats.get_value("finish_reason") == "finished"
     assert outcome["good"][0] == "done"  # the crawl went on
-    assert site.count("/good") == 1
-    assert [path for path in site.counts if path.startswith("/stored/")] == []
+    assert site.hits("/good") == 1
+    assert [path for path in site.counts_by_path() if path.startswith("/stored/")] == []
     for name, changes in STORED_CODE.items():
         state, kind, message = outcome[name]
         assert (state, kind) == ("failed", "unloadable"), (name, outcome[name])
@@ -189,7 +182,7 @@ async def test_stored_request_naming_a_spider_framework_method_is_unloadable(
     wrong = {name: outcome[name] for name in STORED_FRAMEWORK_METHODS
              if tuple(outcome[name][:2]) != ("failed", "unloadable")}
     assert wrong == {}, (wrong, spider_errors)
-    assert [path for path in site.counts if path.startswith("/stored/")] == []
+    assert [path for path in site.counts_by_path() if path.startswith("/stored/")] == []
 
 
 @deferred_f_from_coro_f
@@ -224,7 +217,7 @@ async def test_journaled_response_naming_another_class_is_not_loaded(
     assert "never_imported" not in sys.modules
     assert crawler.stats.get_value("finish_reason") == "finished"
     assert seen == ["<html>the real page</html>"]
-    assert site.count("/replayed") == 1
+    assert site.hits("/replayed") == 1
     assert any("journaled response" in m and "not allowed" in m
                for m in package_messages(caplog, logging.WARNING))
 
@@ -269,7 +262,7 @@ async def test_sql_injection_in_urls_meta_items_and_source_is_stored_as_data(
     assert stored["meta"]["note"] == SQL_INJECTION
     assert stored["meta"][SQL_INJECTION_2] == [1]
     assert stored["cb_kwargs"] == {"why": SQL_INJECTION}
-    assert site.count(target) == 1
+    assert site.hits(target) == 1
 
 
 @deferred_f_from_coro_f

@@ -8,12 +8,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 from scrapy.utils.test import get_crawler
 
 from crawling import crawl_settings, crawl_to_end, frontier_counts
 from scrapy_idempotent import signals
-from shop.site import ShopSite
 from shop.spiders.shop import ShopSpider
 
 NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
@@ -68,7 +68,7 @@ class DurabilityProbe:
 async def test_request_done_follows_each_commit_and_already_done_duplicates(
     db_path: Path,
 ) -> None:
-    with ShopSite(port=0, products_failing=[7]) as shop:
+    with LocalSite(products_failing=[7]) as shop:
         crawler = get_crawler(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS))
         probe = DurabilityProbe(db_path)
         crawler.signals.connect(probe, signal=signals.request_done)
@@ -96,7 +96,7 @@ async def test_request_done_follows_each_commit_and_already_done_duplicates(
 async def test_restarted_start_request_already_done_is_announced(db_path: Path) -> None:
     """A resumed crawl whose start request is done already: ``start()`` yields it again,
     nothing is fetched, and ``request_done`` says ``already_done`` (with the same key)."""
-    with ShopSite(port=0, listing_pages=1, products_per_page=2) as shop:
+    with LocalSite(listing_pages=1, products_per_page=2) as shop:
         settings = crawl_settings(db_path, IDEMPOTENT_RUN_MODE="resume", **NATURAL_KEYS)
         first = get_crawler(ShopSpider, settings)
         first_probe = DurabilityProbe(db_path)

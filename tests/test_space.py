@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import scrapy
-from hardening_site import LocalSite
+from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import crawl_settings, db_rows, run_crawl
@@ -38,7 +38,7 @@ class BigPages(scrapy.Spider):
 @deferred_f_from_coro_f
 async def test_journal_space_comes_back_after_a_crawl_of_big_pages(tmp_path: Path) -> None:
     db = tmp_path / "big.sqlite3"
-    with LocalSite() as site:
+    with LocalSite(keep_alive=False) as site:
         for i in range(1, PAGES + 1):
             site.add(f"/page/{i}", b"<html><body>" + b"x" * PAGE + b"</body></html>")
         crawler = await run_crawl(BigPages, crawl_settings(

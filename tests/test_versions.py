@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import scrapy
+from local_site import LocalSite
 from scrapy.core.scraper import Scraper
 from scrapy.http import HtmlResponse, JsonResponse, Response, TextResponse
 from scrapy.settings import Settings
@@ -24,15 +25,14 @@ from twisted.web import error as web_error
 
 from crawling import crawl_settings, db_rows, run_crawl
 from scrapy_idempotent import Addon, UnsupportedScrapy, scrapy_compat
-from shop.site import ShopSite
 from shop.spiders.shop import ShopSpider
 
 NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
 
 
 @pytest.fixture
-def small_shop() -> ShopSite:
-    with ShopSite(port=0, listing_pages=1, products_per_page=3) as site:
+def small_shop() -> LocalSite:
+    with LocalSite(listing_pages=1, products_per_page=3) as site:
         yield site
 
 
@@ -67,7 +67,7 @@ def test_a_scrapy_without_async_start_is_refused_by_the_add_on(
 
 @deferred_f_from_coro_f
 async def test_an_engine_without_a_hook_is_refused_before_any_request(
-    small_shop: ShopSite, db_path: Path, monkeypatch: pytest.MonkeyPatch,
+    small_shop: LocalSite, db_path: Path, monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture
 ) -> None:
     # a release whose scraper lost a method the completion hooks wrap
@@ -84,7 +84,7 @@ async def test_an_engine_without_a_hook_is_refused_before_any_request(
 
 @deferred_f_from_coro_f
 async def test_a_newer_release_with_every_hook_runs_with_one_warning(
-    small_shop: ShopSite, db_path: Path, monkeypatch: pytest.MonkeyPatch,
+    small_shop: LocalSite, db_path: Path, monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(scrapy, "__version__", "2.99.0")
@@ -168,7 +168,7 @@ def test_the_response_backport_is_scrapys_to_dict(response: Response) -> None:
 
 @deferred_f_from_coro_f
 async def test_the_hooks_shadow_the_engine_while_the_spider_runs_and_are_removed_at_close(
-    small_shop: ShopSite, db_path: Path
+    small_shop: LocalSite, db_path: Path
 ) -> None:
     from scrapy import signals
     from scrapy.utils.test import get_crawler

@@ -9,32 +9,30 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, ClassVar
 
 import pytest
+from local_site import LocalSite
 
-from crawling import close_reason, db_rows, frontier_counts, start_shop_crawl, stored_products
-from shop.site import ShopSite
+from crawling import (
+    close_reason,
+    db_rows,
+    frontier_counts,
+    start_shop_crawl,
+    stored_products,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
 ONE_AT_A_TIME = ("CONCURRENT_REQUESTS=1", "CONCURRENT_REQUESTS_PER_DOMAIN=1")
 
 
-def wait_for(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
-def assert_catalogue(db_path: Path, site: ShopSite) -> None:
+def assert_catalogue(db_path: Path, site: LocalSite) -> None:
     expected = site.expected_products()
     rows = stored_products(db_path)
     assert len(rows) == len(expected)
@@ -49,12 +47,12 @@ def test_three_workers_with_random_kills_store_each_product_once(tmp_path: Path)
     logs: list[Path] = []
     killed: list[Path] = []
 
-    def start(site: ShopSite) -> subprocess.Popen[bytes]:
+    def start(site: LocalSite) -> subprocess.Popen[bytes]:
         log = tmp_path / f"worker{len(logs)}.log"
         logs.append(log)
         return start_shop_crawl(site.url, db, log, *ONE_AT_A_TIME)
 
-    with ShopSite(port=0, delay=0.01) as site:
+    with LocalSite(delay=0.01) as site:
         workers = [start(site) for _ in range(3)]  # all at once on a new database
         current = list(logs)
         try:
@@ -86,7 +84,7 @@ def test_three_workers_with_random_kills_store_each_product_once(tmp_path: Path)
 
 def test_sigterm_releases_leases_and_the_next_crawl_resumes_at_once(tmp_path: Path) -> None:
     db = tmp_path / "shop.sqlite3"
-    with ShopSite(port=0, delay=0.01) as site:
+    with LocalSite(delay=0.01) as site:
         crawl = start_shop_crawl(site.url, db, tmp_path / "first.log",
                                  "CONCURRENT_REQUESTS=4", "IDEMPOTENT_LEASE_SECONDS=600")
         try:
@@ -134,46 +132,20 @@ SLOW_SPIDER = textwrap.dedent('''
 ''')
 
 
-class _SlowHandler(BaseHTTPRequestHandler):
-    disable_nagle_algorithm = True
-    counts: ClassVar[dict[str, int]] = {}
-    release: ClassVar[threading.Event] = threading.Event()
-
-    def do_GET(self) -> None:
-        self.counts[self.path] = self.counts.get(self.path, 0) + 1
-        if self.path == "/slow":
-            self.release.wait(120)  # answered when the test says so (longer than the lease)
-            body = b"slow page"
-        else:
-            body = b'<a href="/slow">slow</a>'
-        self.send_response(200)
-        self.send_header("Content-Type", "text/html")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
-def slow_site() -> Iterator[tuple[str, dict[str, int], threading.Event]]:
-    counts: dict[str, int] = {}
-    release = threading.Event()
-    handler = type("Handler", (_SlowHandler,), {"counts": counts, "release": release})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", counts, release
-    release.set()
-    server.shutdown()
-    server.server_close()
+def slow_site() -> Iterator[LocalSite]:
+    """``/start`` links ``/slow``, which is answered only when the test releases it (longer
+    than the lease)."""
+    with LocalSite(keep_alive=False) as site:
+        site.add("/start", '<a href="/slow">slow</a>', "text/html")
+        site.add("/slow", "slow page", "text/html", held=True)
+        yield site
 
 
 def test_a_page_slower_than_the_lease_keeps_its_lease_and_is_fetched_once(
-    tmp_path: Path, slow_site: tuple[str, dict[str, int], threading.Event]
+    tmp_path: Path, slow_site: LocalSite
 ) -> None:
-    url, counts, release = slow_site
+    url = slow_site.url
     spider = tmp_path / "slow_spider.py"
     spider.write_text(SLOW_SPIDER)
     db = tmp_path / "slow.sqlite3"
@@ -195,7 +167,7 @@ def test_a_page_slower_than_the_lease_keeps_its_lease_and_is_fetched_once(
     first = start("first.log")
     second = None
     try:
-        wait_for(lambda: counts.get("/slow", 0) == 1, 120, "the slow page")
+        wait_for(lambda: slow_site.hits("/slow") == 1, 120, "the slow page")
         second = start("second.log")  # a live worker: it must not take the slow page
         # The page is answered only once the second worker has joined the run and the first
         # has renewed its lease for more than a lease time since: waiting on state, not on
@@ -205,14 +177,14 @@ def test_a_page_slower_than_the_lease_keeps_its_lease_and_is_fetched_once(
         joined = slow_lease_until()
         wait_for(lambda: slow_lease_until() > joined + lease, 120, "renewals of the lease")
         assert second.poll() is None, (tmp_path / "second.log").read_text()
-        release.set()
+        slow_site.release()
         assert first.wait(timeout=120) == 0
         assert second.wait(timeout=120) == 0
     finally:
-        release.set()
+        slow_site.release()
         for p in (first, second):
             if p is not None and p.poll() is None:
                 p.kill()
-    assert counts == {"/start": 1, "/slow": 1}
+    assert slow_site.counts_by_path() == {"/start": 1, "/slow": 1}
     assert [json.loads(d)["id"] for (d,) in db_rows(db, "SELECT data FROM records")] == ["slow"]
     assert close_reason(tmp_path / "second.log") == "finished"

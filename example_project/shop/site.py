@@ -45,7 +45,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any
 
-__all__ = ["ShopSite", "product_name", "product_price", "product_sku"]
+__all__ = [
+    "ShopSite",
+    "listing_html",
+    "product_html",
+    "product_name",
+    "product_price",
+    "product_sku",
+]
 
 STATS_PATH = "/__stats__"
 RESET_PATH = "/__reset__"
@@ -242,32 +249,10 @@ class _ShopHandler(BaseHTTPRequestHandler):
     # --- pages -----------------------------------------------------------------------------
 
     def _listing_html(self, page: int) -> str:
-        per_page = self.server.products_per_page
-        first = (page - 1) * per_page + 1
-        items = "\n".join(
-            f'    <li><a class="product" href="/product/{product_sku(n)}">'
-            f"{html.escape(product_name(n))}</a></li>"
-            for n in range(first, first + per_page)
-        )
-        nav = ['<a class="listing first" href="/list/1">first page</a>']
-        if page < self.server.listing_pages:
-            nav.append(f'<a class="listing next" href="/list/{page + 1}">next page</a>')
-        return _page(
-            f"Products, page {page}",
-            f'<h1>Products, page {page}</h1>\n<ul class="products">\n{items}\n</ul>\n'
-            f"<nav>{' '.join(nav)}</nav>",
-        )
+        return listing_html(page, self.server.listing_pages, self.server.products_per_page)
 
     def _product_html(self, number: int) -> str:
-        name = html.escape(product_name(number))
-        price = product_price(number, self.server.price_version)
-        return _page(
-            name,
-            f'<div class="product">\n<h1 class="name">{name}</h1>\n'
-            f'<p>SKU: <span class="sku">{product_sku(number)}</span></p>\n'
-            f'<p>Price: <span class="price">{price}</span> EUR</p>\n</div>\n'
-            '<nav><a class="listing first" href="/list/1">all products</a></nav>',
-        )
+        return product_html(number, self.server.price_version)
 
     # --- low-level I/O ---------------------------------------------------------------------
 
@@ -319,6 +304,37 @@ def _page(title: str, body: str) -> str:
     return (
         '<!DOCTYPE html>\n<html><head><meta charset="utf-8">'
         f"<title>{title}</title></head>\n<body>\n{body}\n</body></html>\n"
+    )
+
+
+def listing_html(page: int, listing_pages: int, products_per_page: int) -> str:
+    """The HTML of listing page ``page`` (1-based) of a shop of ``listing_pages`` pages."""
+    first = (page - 1) * products_per_page + 1
+    items = "\n".join(
+        f'    <li><a class="product" href="/product/{product_sku(n)}">'
+        f"{html.escape(product_name(n))}</a></li>"
+        for n in range(first, first + products_per_page)
+    )
+    nav = ['<a class="listing first" href="/list/1">first page</a>']
+    if page < listing_pages:
+        nav.append(f'<a class="listing next" href="/list/{page + 1}">next page</a>')
+    return _page(
+        f"Products, page {page}",
+        f'<h1>Products, page {page}</h1>\n<ul class="products">\n{items}\n</ul>\n'
+        f"<nav>{' '.join(nav)}</nav>",
+    )
+
+
+def product_html(number: int, price_version: int = 0) -> str:
+    """The HTML of product ``number``'s page."""
+    name = html.escape(product_name(number))
+    price = product_price(number, price_version)
+    return _page(
+        name,
+        f'<div class="product">\n<h1 class="name">{name}</h1>\n'
+        f'<p>SKU: <span class="sku">{product_sku(number)}</span></p>\n'
+        f'<p>Price: <span class="price">{price}</span> EUR</p>\n</div>\n'
+        '<nav><a class="listing first" href="/list/1">all products</a></nav>',
     )
 
 
