@@ -9,8 +9,10 @@ Pages (a test's own routes first, then the shop, then the route families, else 4
 
 * Routes added by the test: :meth:`LocalSite.add` (any body, status, content type, headers;
   optionally a delay, or held until :meth:`LocalSite.release`), :meth:`LocalSite.add_json`,
-  :meth:`LocalSite.add_catalogue` (``/list`` linking ``/item/1`` .. ``/item/<n>``). A route
-  with a query matches that exact URL; one without matches its path whatever the query.
+  :meth:`LocalSite.add_catalogue` (``/list`` linking ``/item/1`` .. ``/item/<n>``), and
+  :meth:`LocalSite.add_responder` (a function of the request received answers it: a webhook
+  receiver, an API with state). A route with a query matches that exact URL; one without
+  matches its path whatever the query.
 * The shop of the example project (its pages, ``shop.site``): ``/`` redirects to ``/list/1``;
   ``/list/<n>`` links ``products_per_page`` products ``/product/SKU-00001``... and the next
   listing page; ``/product/<sku>`` shows its name, SKU and price (``price_version`` changes
@@ -62,7 +64,7 @@ import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from http import HTTPStatus
 from http.cookies import SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -83,7 +85,7 @@ from shop.site import (  # noqa: E402 (the example project's shop pages)
     product_sku,
 )
 
-__all__ = ["LocalSite", "free_port"]
+__all__ = ["LocalSite", "Received", "Responder", "free_port"]
 
 STATS_PATH = "/__stats__"
 RESET_PATH = "/__reset__"
@@ -112,6 +114,24 @@ class _Route:
     headers: dict[str, str]
     delay: float  #: seconds to wait before answering
     held: bool  #: answered only once the site is released
+
+
+@dataclasses.dataclass(frozen=True)
+class Received:
+    """A request as the site received it (what a responder is given)."""
+
+    method: str
+    path: str  #: without the query
+    query: str
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+#: Answers a request: ``(status, headers, body)``.
+Responder = Callable[[Received], "tuple[int, dict[str, str], bytes | str]"]
 
 
 class _Server(ThreadingHTTPServer):
@@ -211,7 +231,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _answer(self, path: str, query: dict[str, list[str]], body: bytes, hits: int) -> None:
         site = self.server.site
-        route = site.routes.get(self.path.split("#", 1)[0]) or site.routes.get(path)
+        full_path = self.path.split("#", 1)[0]
+        responder = site.responders.get(full_path) or site.responders.get(path)
+        if responder is not None:
+            status, headers, answer = responder(Received(
+                self.command, path, urlsplit(full_path).query, dict(self.headers.items()), body))
+            self._send(status, answer, headers.get("Content-Type", "application/json"),
+                       {k: v for k, v in headers.items() if k != "Content-Type"})
+            return
+        route = site.routes.get(full_path) or site.routes.get(path)
         if route is not None:
             if route.delay:
                 time.sleep(route.delay)
@@ -340,6 +368,7 @@ class LocalSite:
         self.host = host
         self.port = port
         self.routes: dict[str, _Route] = {}
+        self.responders: dict[str, Responder] = {}
         self.headers_seen: list[dict[str, str]] = []  #: headers of every counted request
         self.errors: list[str] = []  #: tracebacks of the site's own failures (none expected)
         self._lock = threading.Lock()
@@ -441,6 +470,12 @@ class LocalSite:
         once the site is released (:meth:`release`)."""
         data = body.encode("utf-8") if isinstance(body, str) else body
         self.routes[path] = _Route(status, content_type, data, dict(headers or {}), delay, held)
+
+    def add_responder(self, path: str, responder: Responder) -> None:
+        """Answer requests of ``path`` (any method) with ``responder(received)``, which returns
+        ``(status, headers, body)`` (a ``Content-Type`` among the headers, else JSON). It runs
+        on the site's handler thread: state it shares with the test needs a lock."""
+        self.responders[path] = responder
 
     def add_json(self, path: str, value: Any) -> None:
         self.add(path, json.dumps(value), "application/json")
