@@ -1,8 +1,7 @@
 """Values and requests as JSON text: the only form in which anything enters the database.
 
 Tagged JSON keeps what plain JSON would lose, so a stored value comes back equal to what was
-given (value semantics: a stored object comes back as a copy, never the same object, see
-scrapy/scrapy#6120):
+given (value semantics: a stored object comes back as a copy, never the same object):
 
 =================  =======================================
 Python value       stored as

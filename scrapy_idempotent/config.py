@@ -40,8 +40,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Query parameters ignored when a page URL serves as a natural key: analytics and session ids
-#: (scrapy/scrapy#1560, #1113). Matching is by exact name, or by prefix for names ending in ``*``.
+#: Query parameters ignored when a page URL serves as a natural key: analytics and session
+#: ids. Matching is by exact name, or by prefix for names ending in ``*``.
 DEFAULT_URL_IGNORE_PARAMS: tuple[str, ...] = (
     "utm_*",
     "fbclid",

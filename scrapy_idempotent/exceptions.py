@@ -47,8 +47,7 @@ class UnstorableRequest(IdempotentError, ValueError):
 
     ``path`` names the offending value inside the request (for example ``cb_kwargs['rows']``),
     ``request`` is the ``repr`` of the request. Raised at enqueue time so the fault is seen
-    where it was made (Scrapy's disk queues instead fall back silently to memory, see
-    scrapy/scrapy#6119).
+    where it was made (Scrapy's disk queues instead fall back silently to memory).
     """
 
     def __init__(self, request: str, path: str, reason: str) -> None:

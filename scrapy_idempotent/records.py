@@ -45,7 +45,7 @@ def page_key(url: str, ignore_params: Iterable[str]) -> str:
     :func:`w3lib.url.canonicalize_url` (sorted query, no fragment), then every query argument
     and ``;name=value`` path parameter whose name matches ``ignore_params`` is removed (exact,
     case-insensitive; a trailing ``*`` matches a prefix), so ``?utm_source=x`` or
-    ``;jsessionid=...`` variants of a page are one key (scrapy/scrapy#1560).
+    ``;jsessionid=...`` variants of a page are one key.
     """
     patterns = [p.lower() for p in ignore_params]
 

@@ -1,4 +1,4 @@
-"""Tagged JSON values and stored requests (``scrapy_idempotent.codec``); cases C16, C17, C18."""
+"""Tagged JSON values and stored requests (``scrapy_idempotent.codec``)."""
 
 from __future__ import annotations
 

@@ -1046,7 +1046,7 @@ def keyed_path(key: int) -> str:
 
 
 class KeyedSpider(PathSpider):
-    """Case C2: 40 keyed requests (the key in ``cb_kwargs``); ``stop_at`` raises CloseSpider
+    """40 keyed requests (the key in ``cb_kwargs``); ``stop_at`` raises CloseSpider
     in the callback of that key before it yields its record (after calling ``release``)."""
 
     def __init__(self, url: str, stop_at: int | None = None,
@@ -1529,12 +1529,13 @@ async def test_unstorable_requests_are_fetched_from_memory_and_logged_once_per_c
     assert "cb_kwargs['fh']" in warning_for("u-file")
 
 
-# -- case C19: pagination driven by a counter on the spider ---------------------------------------
+# -- pagination driven by a counter on the spider -------------------------------------------------
 
 
 class CounterPaginationSpider(PathSpider):
-    """The next page's number comes from a counter on the spider (scrapy/scrapy#5312), so
-    after a resume the counter starts from 1 again while the frontier is further on."""
+    """The next page's number comes from a counter on the spider (a pattern reported to break
+    resumes with JOBDIR), so after a resume the counter starts from 1 again while the frontier
+    is further on."""
 
     def __init__(self, url: str, **kwargs: Any) -> None:
         super().__init__(url, **kwargs)
@@ -1551,7 +1552,7 @@ class CounterPaginationSpider(PathSpider):
 
 
 @deferred_f_from_coro_f
-async def test_c19_counter_pagination_resume_runs_the_pending_page_and_reports_drops(
+async def test_counter_pagination_resume_runs_the_pending_page_and_reports_drops(
     site: LocalSite, db_path: Path, caplog: Any
 ) -> None:
     one_at_a_time = {"CONCURRENT_REQUESTS": 1, "CONCURRENT_REQUESTS_PER_DOMAIN": 1}

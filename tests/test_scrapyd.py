@@ -4,7 +4,7 @@ One scrapyd per module: started on 127.0.0.1 on a free port, with its own config
 and temporary directories (``max_proc = 1``), from a working directory without a
 ``scrapy.cfg`` (like a real deployment). ``example_project`` is built into an egg with
 setuptools and uploaded with ``addversion.json``; jobs are scheduled with ``schedule.json``
-against a local ``LocalSite`` and an absolute ``IDEMPOTENT_DATABASE``.
+against the local test site (``local_site.LocalSite``) and an absolute ``IDEMPOTENT_DATABASE``.
 
 * A job SIGKILLed in the middle of the crawl is resumed by the next job of the same spider:
   500 correct records, at most 525 + 1 requests, the dead job's leases reclaimed at once.
@@ -396,7 +396,7 @@ def finish_crawl(scrapyd: Scrapyd, site: LocalSite, settings: Mapping[str, Any]
 
 
 def report(name: str, **figures: Any) -> None:
-    """The figures of a run, printed (pytest -s shows them) for the issue note."""
+    """The figures of a run, printed (pytest -s shows them)."""
     print(f"\n[{name}] " + ", ".join(f"{k}={v}" for k, v in figures.items()), flush=True)
 
 
