@@ -1,5 +1,5 @@
-"""The README documents every setting (a ``### NAME`` heading) and every stat the package can
-set (a row of the stats table)."""
+"""The README documents every setting (a ``### NAME`` heading with a one-line example) and
+every stat the package can set (a row of the stats table)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def source_stats() -> tuple[dict[str, str], dict[str, str]]:
     """
     names: dict[str, str] = {}
     patterns: dict[str, str] = {}
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         in_fstrings = {id(value) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr)
                        for value in node.values}
@@ -45,7 +45,7 @@ def source_stats() -> tuple[dict[str, str], dict[str, str]]:
                 for node in ast.walk(scope):
                     scopes[id(node)] = scope  # innermost function wins: walked last
         for node in ast.walk(tree):
-            where = f"{path.name}:{getattr(node, 'lineno', '?')}"
+            where = f"{path.relative_to(PACKAGE)}:{getattr(node, 'lineno', '?')}"
             if (isinstance(node, ast.Constant) and isinstance(node.value, str)
                     and node.value.startswith(PREFIX) and id(node) not in in_fstrings):
                 names[node.value] = where
@@ -74,6 +74,30 @@ def test_every_setting_has_a_heading() -> None:
     headings = set(re.findall(r"^### (\w+)\s*$", README, re.MULTILINE))
     missing = sorted(set(SETTINGS) - headings)
     assert not missing, f"settings without a '### NAME' heading in README.md: {missing}"
+
+
+def setting_section(name: str) -> str:
+    """The text under ``### NAME``, up to the next heading."""
+    found = re.search(rf"^### {name}\s*$\n(.*?)(?=^#{{1,3}} |\Z)", README,
+                      re.MULTILINE | re.DOTALL)
+    assert found is not None, f"no '### {name}' heading in README.md"
+    return found.group(1)
+
+
+def test_every_setting_has_a_one_line_example() -> None:
+    """Each setting's section starts with ``Example: `NAME = value` `` (a Python literal, as
+    written in ``settings.py``)."""
+    bad: dict[str, str] = {}
+    for name in sorted(SETTINGS):
+        example = re.search(rf"^Example: `{name} = (.+)`$", setting_section(name), re.MULTILINE)
+        if example is None:
+            bad[name] = "no 'Example: `NAME = value`' line"
+            continue
+        try:
+            ast.literal_eval(example.group(1))
+        except (ValueError, SyntaxError) as exc:
+            bad[name] = f"{example.group(1)!r} is not a Python literal ({exc})"
+    assert not bad, f"settings without a valid one-line example in README.md: {bad}"
 
 
 def test_every_stat_is_in_the_stats_table() -> None:
