@@ -8,11 +8,12 @@ import re
 from pathlib import Path
 
 import pytest
+from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 from test_commands import idempotent, idempotent_json
 
 from crawling import crawl_settings, run_crawl
-from shop.site import ShopSite, product_sku
+from shop.site import product_sku
 from shop.spiders.shop import ShopSpider
 
 psycopg = pytest.importorskip("psycopg")
@@ -25,7 +26,7 @@ async def test_operator_commands_on_postgresql(
         postgres_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     failing = {3, 7, 42}
     settings = crawl_settings(postgres_url, **NATURAL_KEYS)  # type: ignore[arg-type]
-    site = ShopSite(port=0, products_failing=failing).start()
+    site = LocalSite(products_failing=failing).start()
     request.addfinalizer(site.stop)
     await run_crawl(ShopSpider, settings, url=site.url)
     db = postgres_url  # one crawl in the database: its schema is found

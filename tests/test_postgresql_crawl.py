@@ -96,29 +96,21 @@ async def test_crawls_of_other_sources_share_one_database_without_seeing_each_ot
 
 @deferred_f_from_coro_f
 async def test_a_second_worker_waits_for_the_first_and_wakes_when_work_appears(
-        shop: ShopSite, postgres_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        shop: LocalSite, postgres_url: str) -> None:
     """Two workers (crawls in this process, one frontier). The first holds the first listing
     page (the shop holds its answer back) while the second starts: it has nothing to claim
     and waits; once the page's links are committed, the first's notification wakes it. Both
     finish, every page fetched once."""
     import asyncio
-    import threading
 
     from scrapy.utils.test import get_crawler
 
     from crawling import crawl_to_end
     from scrapy_idempotent import scrapy_compat
-    from shop import site as shop_site
+    from shop.site import listing_html
 
-    gate = threading.Event()
-    answer = shop_site._ShopHandler._answer
-
-    def gated(handler: Any, path: str, send_body: bool) -> None:
-        if path == "/list/1":
-            gate.wait(300)
-        answer(handler, path, send_body)
-
-    monkeypatch.setattr(shop_site._ShopHandler, "_answer", gated)
+    # the first listing page is answered once the site is released
+    shop.add("/list/1", listing_html(1, shop.listing_pages, shop.products_per_page), held=True)
     settings = crawl_settings(postgres_url,  # type: ignore[arg-type]
                               IDEMPOTENT_RUN_MODE="resume", **NATURAL_KEYS)
     first, second = get_crawler(ShopSpider, settings), get_crawler(ShopSpider, settings)
@@ -134,7 +126,7 @@ async def test_a_second_worker_waits_for_the_first_and_wakes_when_work_appears(
         return scheduler is not None and not scheduler.claimed.maybe_claimable
 
     await wait_until(idle)
-    gate.set()
+    shop.release()
     await first_done
     await second_done
     for crawler in (first, second):
@@ -163,7 +155,7 @@ async def wait_until(condition: Any) -> None:
 
 @deferred_f_from_coro_f
 async def test_feeds_on_postgresql_are_the_runs_records_once(
-        shop: ShopSite, postgres_url: str, tmp_path: Any) -> None:
+        shop: LocalSite, postgres_url: str, tmp_path: Any) -> None:
     """A graceful stop leaves a snapshot; the resumed run replaces it and appends once (the
     feed is written from the run's records, read page by page from PostgreSQL)."""
     import json

@@ -9,10 +9,10 @@ import threading
 from typing import Any
 
 import pytest
+from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import crawl_settings, run_crawl, wait_for
-from shop.site import ShopSite
 from shop.spiders.shop import ShopSpider
 
 psycopg = pytest.importorskip("psycopg")
@@ -43,7 +43,7 @@ def done(url: str) -> int:
     return int(rows[0][0]) if rows else 0
 
 
-def assert_all_products_once(url: str, site: ShopSite) -> None:
+def assert_all_products_once(url: str, site: LocalSite) -> None:
     expected = site.expected_products()
     records = [json.loads(data) for (data,) in crawl_rows(url, "SELECT data FROM records")]
     assert len(records) == len({r["sku"] for r in records}) == 500
@@ -63,7 +63,7 @@ async def test_a_server_restart_mid_crawl_is_waited_for(postgres_url: str,
         postgres_cluster.start()
         restarted.set()
 
-    with ShopSite(port=0, delay=0.01) as site:
+    with LocalSite(delay=0.01) as site:
         restarter = threading.Thread(target=restart_after_100_pages, daemon=True)
         restarter.start()
         settings = crawl_settings(postgres_url,  # type: ignore[arg-type]
@@ -90,7 +90,7 @@ async def test_a_server_that_stays_away_closes_the_spider_and_the_next_crawl_res
         postgres_cluster.stop("immediate")
         stopped.set()
 
-    with ShopSite(port=0, delay=0.01) as site:
+    with LocalSite(delay=0.01) as site:
         stopper = threading.Thread(target=stop_after_100_pages, daemon=True)
         stopper.start()
         settings = crawl_settings(postgres_url,  # type: ignore[arg-type]

@@ -186,7 +186,7 @@ async def test_messages_idle_with_a_consumer_of_another_host_are_claimed(
     key = f"q-{uuid.uuid4().hex}"
     client = redis_server.client()
     client.xgroup_create(key, GROUP, id="0", mkstream=True)
-    with ShopSite(port=0) as shop:
+    with LocalSite() as shop:
         ids = [client.xadd(key, product_message(shop, n)) for n in (8, 9)]
         client.xreadgroup(GROUP, "otherhost:4242:1:cafe", {key: ">"})
         assert pending_count(client, key) == 2

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from local_site import LocalSite
 
 from crawling import (
     EXAMPLE_PROJECT,
@@ -24,7 +25,6 @@ from crawling import (
     wait_for,
 )
 from redis_server import RedisServer, redis_server  # noqa: F401  (the fixture)
-from shop.site import ShopSite
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +98,7 @@ def all_acknowledged(client: Any, key: str) -> bool:
                 and group["last-delivered-id"] == client.xinfo_stream(key)["last-generated-id"])
 
 
-def product_message(shop: ShopSite, number: int) -> dict[str, str]:
+def product_message(shop: LocalSite, number: int) -> dict[str, str]:
     return {"request": json.dumps({"url": f"{shop.url}/product/SKU-{number:05d}",
                                    "callback": "parse_product"})}
 
@@ -110,7 +110,7 @@ def test_same_url_three_times_worker_killed_during_the_second_delivery(
     client = redis_server.client()
     db = tmp_path / "frontier.sqlite3"
     # the page answers after 60 s while the first worker lives: it is killed in the middle
-    with ShopSite(port=0, delay=60) as shop:
+    with LocalSite(delay=60) as shop:
         message = product_message(shop, 1)
         first = client.xadd(key, message)
         worker = start_worker(redis_server, key, db, tmp_path / "run1.log")
@@ -123,7 +123,7 @@ def test_same_url_three_times_worker_killed_during_the_second_delivery(
         finally:
             kill(worker)
         assert frontier_counts(db) == {"leased": 1}  # in flight, nothing committed
-        shop._require_server().delay = 0  # the next fetch of the page answers at once
+        shop.delay = 0  # the next fetch of the page answers at once
         third = client.xadd(key, message)
         client.xadd(key, {"stop": "1"})
         worker = start_worker(redis_server, key, db, tmp_path / "run2.log")
@@ -155,7 +155,7 @@ def test_queue_fed_crawl_killed_ten_times(
     settings = (f"CONCURRENT_REQUESTS={concurrency}",
                 f"CONCURRENT_REQUESTS_PER_DOMAIN={concurrency}",
                 "IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=1")
-    with ShopSite(port=0, delay=0.01) as shop:
+    with LocalSite(delay=0.01) as shop:
         messages = [{"url": f"{shop.url}/list/{n}"} for n in range(1, 26)] + [
             product_message(shop, n) for n in range(1, 501)]
         rng.shuffle(messages)
