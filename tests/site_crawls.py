@@ -1,0 +1,137 @@
+"""Crawls of the local site whose frontier is then checked, shared by the request-outcome
+tests: quick crawl settings, a crawl that notes what Scrapy dropped, readers of the frontier
+rows, records and stats, and the spiders' base class."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import scrapy
+from local_site import LocalSite
+
+from crawling import crawl_settings, crawl_to_end, db_rows
+
+NATURAL_KEYS = {"dict": "key"}
+
+
+def settings(db_path: Path, **extra: Any) -> dict[str, Any]:
+    """A quick crawl with the add-on: dict items keyed by their ``key`` field."""
+    values: dict[str, Any] = {
+        "IDEMPOTENT_NATURAL_KEYS": NATURAL_KEYS,
+        "DOWNLOAD_TIMEOUT": 5,
+        "CONCURRENT_REQUESTS": 4,
+        "CONCURRENT_REQUESTS_PER_DOMAIN": 4,
+        "TELNETCONSOLE_ENABLED": False,
+    }
+    values.update(extra)
+    return crawl_settings(db_path, **values)
+
+
+def rows(db_path: Path, site: LocalSite) -> list[tuple[str, str, str | None, int]]:
+    """The frontier: ``(url relative to the site, state, error_kind, attempts)``, sorted."""
+    return sorted(
+        (url.removeprefix(site.url), state, kind, attempts)
+        for url, state, kind, attempts in db_rows(
+            db_path, "SELECT url, state, error_kind, attempts FROM requests")
+    )
+
+
+def frontier(db_path: Path, site: LocalSite) -> dict[str, tuple[str, str | None, int]]:
+    """The frontier by relative URL, checking that no URL has two rows."""
+    found = rows(db_path, site)
+    by_url = {url: (state, kind, attempts) for url, state, kind, attempts in found}
+    assert len(by_url) == len(found), f"a URL has several frontier rows: {found}"
+    return by_url
+
+
+def assert_nothing_leased(db_path: Path) -> None:
+    leased = db_rows(db_path, "SELECT url, worker FROM requests WHERE state = 'leased'")
+    assert leased == [], f"leases left dangling: {leased}"
+    journal = db_rows(db_path, "SELECT key FROM responses")
+    assert journal == [], "responses of finished requests left in the journal"
+
+
+def records(db_path: Path) -> dict[str, dict[str, Any]]:
+    """Stored records by their ``key`` field (each record ID is one row by construction)."""
+    found = [json.loads(data) for (data,) in db_rows(db_path, "SELECT data FROM records")]
+    by_key = {record["key"]: record for record in found}
+    assert len(by_key) == len(found), f"two records share a key: {found}"
+    return by_key
+
+
+def record_owner(db_path: Path, site: LocalSite) -> dict[str, str | None]:
+    """Record ``key`` -> URL of the frontier entry whose completion stored it."""
+    urls = dict(db_rows(db_path, "SELECT key, url FROM requests"))
+    owners: dict[str, str | None] = {}
+    for data, request_key in db_rows(db_path, "SELECT data, request_key FROM records"):
+        url = urls.get(request_key)
+        owners[json.loads(data)["key"]] = url.removeprefix(site.url) if url else None
+    return owners
+
+
+async def crawl(spidercls: type, settings_dict: dict[str, Any], **kwargs: Any) -> Any:
+    """Like :func:`crawling.run_crawl`, also noting the URLs of requests Scrapy reports as
+    dropped (``request_dropped``: the scheduler refused them) in ``crawler.dropped_urls``."""
+    from scrapy import signals
+    from scrapy.utils.test import get_crawler
+
+    crawler = get_crawler(spidercls, settings_dict)
+    dropped: list[str] = []
+
+    def on_dropped(request: Any, spider: Any) -> None:
+        dropped.append(request.url)
+
+    crawler.dropped_urls = dropped  # type: ignore[attr-defined]
+    crawler.on_dropped = on_dropped  # type: ignore[attr-defined]  # signals hold weak refs
+    crawler.signals.connect(on_dropped, signals.request_dropped)
+    await crawl_to_end(crawler, **kwargs)
+    return crawler
+
+
+def istats(crawler: Any) -> dict[str, Any]:
+    """The crawl's ``idempotent/...`` stats, without the prefix."""
+    return {k.removeprefix("idempotent/"): v for k, v in crawler.stats.get_stats().items()
+            if k.startswith("idempotent/")}
+
+
+def finish_reason(crawler: Any) -> str:
+    return str(crawler.stats.get_value("finish_reason"))
+
+
+def path_of(response: Any) -> str:
+    """The path (and query) of a response's URL."""
+    from urllib.parse import urlsplit
+
+    split = urlsplit(str(response.url))
+    return split.path + (f"?{split.query}" if split.query else "")
+
+
+class PathSpider(scrapy.Spider):
+    """Base of the spiders below: ``url`` is the site's root; ``self.at(path)`` is absolute."""
+
+    name = "paths"
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.base_url = url
+
+    def at(self, path: str) -> str:
+        return path if path.startswith(("http://", "https://")) else self.base_url + path
+
+
+class LinksSpider(PathSpider):
+    """Every page yields one item (unless its path says ``empty``) and follows its links."""
+
+    start_paths: tuple[str, ...] = ("/ok/home?links=/ok/a,/ok/b,/ok/empty",)
+
+    async def start(self) -> Any:
+        for path in self.start_paths:
+            yield scrapy.Request(self.at(path))
+
+    def parse(self, response: Any) -> Any:
+        if not path_of(response).startswith("/ok/empty"):
+            yield {"key": path_of(response)}
+        for href in response.css("a::attr(href)").getall():
+            yield response.follow(href)
