@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from image_shop import ImageShopSpider, ImageSite, image_settings
+from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import db_rows, run_crawl
@@ -22,14 +23,13 @@ from scrapy_idempotent.files import (
     orphan_files,
     url_key,
 )
-from shop.site import ShopSite
 
 pytest.importorskip("PIL", reason="ImagesPipeline needs Pillow (pip install pillow)")
 
 
 @pytest.fixture
 def small_shop() -> Any:
-    with ShopSite(port=0, listing_pages=5, products_per_page=10) as site:
+    with LocalSite(listing_pages=5, products_per_page=10) as site:
         yield site
 
 
@@ -65,7 +65,7 @@ def settings(tmp_path: Path, **extra: Any) -> dict[str, Any]:
 
 @deferred_f_from_coro_f
 async def test_an_image_is_named_by_its_record_and_stored_once_whatever_its_tracking(
-        small_shop: ShopSite, images: ImageSite, tmp_path: Path) -> None:
+        small_shop: LocalSite, images: ImageSite, tmp_path: Path) -> None:
     db, store = tmp_path / "db.sqlite3", tmp_path / "images"
     crawler = await run_crawl(ImageShopSpider, settings(tmp_path), url=small_shop.url,
                               images=images.url, tracking="first")

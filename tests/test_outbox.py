@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f, maybe_deferred_to_future
 from webhook_receiver import WebhookReceiver
 
 from crawling import crawl_settings, db_rows, run_crawl
 from scrapy_idempotent.outbox import Deliverer, WebhookTarget, retry_after_seconds
 from scrapy_idempotent.store import SQLiteStore
-from shop.site import ShopSite
 from shop.spiders.shop import ShopSpider
 
 NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
@@ -44,7 +44,7 @@ def outbox_states(db_path: Path) -> dict[str, int]:
 @pytest.fixture
 def small_shop() -> Any:
     """5 listing pages, 50 products."""
-    with ShopSite(port=0, listing_pages=5, products_per_page=10) as site:
+    with LocalSite(listing_pages=5, products_per_page=10) as site:
         yield site
 
 
@@ -56,7 +56,7 @@ def hook() -> Any:
 
 @deferred_f_from_coro_f
 async def test_every_inserted_record_is_announced_once_with_its_key(
-        shop: ShopSite, db_path: Path, hook: WebhookReceiver) -> None:
+        shop: LocalSite, db_path: Path, hook: WebhookReceiver) -> None:
     crawler = await run_crawl(ShopSpider, outbox_settings(db_path, hook.url), url=shop.url)
     stats = crawler.stats.get_stats()
     assert stats["finish_reason"] == "finished"
@@ -82,12 +82,12 @@ async def test_every_inserted_record_is_announced_once_with_its_key(
 
 @deferred_f_from_coro_f
 async def test_unchanged_records_are_not_announced_changed_ones_are(
-        small_shop: ShopSite, db_path: Path, hook: WebhookReceiver) -> None:
+        small_shop: LocalSite, db_path: Path, hook: WebhookReceiver) -> None:
     settings = outbox_settings(db_path, hook.url)
     await run_crawl(ShopSpider, settings, url=small_shop.url)
     await run_crawl(ShopSpider, settings, url=small_shop.url)  # a new run, nothing changed
     assert len(hook.acknowledged()) == 50
-    with ShopSite(port=0, listing_pages=5, products_per_page=10, price_version=1) as repriced:
+    with LocalSite(listing_pages=5, products_per_page=10, price_version=1) as repriced:
         await run_crawl(ShopSpider, settings, url=repriced.url)
     kinds = Counter(d.body["kind"] for d in hook.acknowledged())
     assert kinds == {"inserted": 50, "updated": 50}
@@ -96,7 +96,7 @@ async def test_unchanged_records_are_not_announced_changed_ones_are(
 
 @deferred_f_from_coro_f
 async def test_without_a_target_nothing_is_written_nor_sent(
-        small_shop: ShopSite, db_path: Path) -> None:
+        small_shop: LocalSite, db_path: Path) -> None:
     crawler = await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS),
                               url=small_shop.url)
     assert "idempotent/outbox/written" not in crawler.stats.get_stats()
@@ -105,7 +105,7 @@ async def test_without_a_target_nothing_is_written_nor_sent(
 
 @deferred_f_from_coro_f
 async def test_a_receiver_down_for_a_while_gets_every_announcement(
-        small_shop: ShopSite, db_path: Path, hook: WebhookReceiver) -> None:
+        small_shop: LocalSite, db_path: Path, hook: WebhookReceiver) -> None:
     hook.down_for(30)
     crawler = await run_crawl(ShopSpider, outbox_settings(db_path, hook.url), url=small_shop.url)
     stats = crawler.stats.get_stats()
@@ -122,12 +122,12 @@ async def test_a_receiver_down_for_a_while_gets_every_announcement(
 
 @deferred_f_from_coro_f
 async def test_a_refused_announcement_is_parked_as_failed_with_the_answer(
-        small_shop: ShopSite, db_path: Path, hook: WebhookReceiver) -> None:
+        small_shop: LocalSite, db_path: Path, hook: WebhookReceiver) -> None:
     settings = outbox_settings(db_path, hook.url)
     await run_crawl(ShopSpider, settings, url=small_shop.url)
     refused = {rid for (rid,) in db_rows(db_path, "SELECT record_id FROM records LIMIT 3")}
     hook.refuse.update(refused)
-    with ShopSite(port=0, listing_pages=5, products_per_page=10, price_version=1) as repriced:
+    with LocalSite(listing_pages=5, products_per_page=10, price_version=1) as repriced:
         crawler = await run_crawl(ShopSpider, settings, url=repriced.url)
     stats = crawler.stats.get_stats()
     assert stats["idempotent/outbox/failed"] == 3
@@ -142,7 +142,7 @@ async def test_a_refused_announcement_is_parked_as_failed_with_the_answer(
 
 @deferred_f_from_coro_f
 async def test_close_drains_for_at_most_the_drain_seconds(
-        small_shop: ShopSite, db_path: Path, hook: WebhookReceiver) -> None:
+        small_shop: LocalSite, db_path: Path, hook: WebhookReceiver) -> None:
     hook.down = True
     crawler = await run_crawl(ShopSpider, outbox_settings(
         db_path, hook.url, IDEMPOTENT_OUTBOX_DRAIN_SECONDS=0), url=small_shop.url)
@@ -211,7 +211,7 @@ def test_backoff_doubles_with_jitter_up_to_the_maximum(tmp_path: Path) -> None:
 
 @deferred_f_from_coro_f
 async def test_deliver_command_sends_what_a_crawl_left_and_status_counts_it(
-        small_shop: ShopSite, db_path: Path, hook: WebhookReceiver, tmp_path: Path) -> None:
+        small_shop: LocalSite, db_path: Path, hook: WebhookReceiver, tmp_path: Path) -> None:
     import json
     import subprocess
     import sys
@@ -280,7 +280,7 @@ def test_targets_and_headers_from_the_command_line() -> None:
 
 @deferred_f_from_coro_f
 async def test_two_crawls_sharing_a_postgresql_database_each_announce_their_records(
-        small_shop: ShopSite, hook: WebhookReceiver, request: pytest.FixtureRequest) -> None:
+        small_shop: LocalSite, hook: WebhookReceiver, request: pytest.FixtureRequest) -> None:
     """On PostgreSQL the deliverer finds its crawl's own schema among several."""
     pytest.importorskip("psycopg")
     postgres_url = request.getfixturevalue("postgres_url")

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from local_site import LocalSite
 from webhook_receiver import WebhookReceiver
 
 from crawling import close_reason, db_rows, done_requests, start_shop_crawl, wait_for
-from shop.site import ShopSite
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +55,7 @@ def kill_ten_times(start: Callable[[int], subprocess.Popen[bytes]], db: Path, se
 
 def test_ten_sigkills_every_stored_record_is_announced_and_nothing_else(tmp_path: Path):
     db = tmp_path / "shop.sqlite3"
-    with ShopSite(port=0, delay=0.01) as shop, WebhookReceiver() as hook:
+    with LocalSite(delay=0.01) as shop, WebhookReceiver() as hook:
         settings = [f"IDEMPOTENT_OUTBOX_TARGETS={hook.url}",
                     "IDEMPOTENT_OUTBOX_TIMEOUT_SECONDS=5",
                     "IDEMPOTENT_OUTBOX_RETRY_SECONDS=0.2",
@@ -115,7 +115,7 @@ def test_ten_sigkills_leave_one_image_per_product_and_no_orphan(tmp_path: Path):
                  "--images", images.url, "--db", str(db), "--store", str(store)],
                 stdout=out, stderr=subprocess.STDOUT)
 
-    with ShopSite(port=0, delay=0.01) as shop, ImageSite() as images:
+    with LocalSite(delay=0.01) as shop, ImageSite() as images:
         kills = kill_ten_times(lambda run: crawl(tmp_path / f"run{run}.log"), db, seed=17)
         final = crawl(tmp_path / "final.log")
         assert final.wait(timeout=900) == 0

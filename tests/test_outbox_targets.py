@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 from test_outbox import db_rows_connection
 
 from crawling import crawl_settings, db_rows, run_crawl
 from redis_server import RedisServer, redis_server  # noqa: F401 (the fixture)
-from shop.site import ShopSite
 from shop.spiders.shop import ShopSpider
 
 NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.fixture
 def small_shop() -> Any:
-    with ShopSite(port=0, listing_pages=5, products_per_page=10) as site:
+    with LocalSite(listing_pages=5, products_per_page=10) as site:
         yield site
 
 
@@ -38,7 +38,7 @@ def stored_keys(db: Path) -> set[str]:
 
 @deferred_f_from_coro_f
 async def test_the_readme_redis_stream_target_in_a_crawl(
-        small_shop: ShopSite, db_path: Path, redis_server: RedisServer,  # noqa: F811
+        small_shop: LocalSite, db_path: Path, redis_server: RedisServer,  # noqa: F811
         request: pytest.FixtureRequest) -> None:
     stream = f"records-{request.node.name}"
     crawler = await run_crawl(ShopSpider, crawl_settings(
@@ -57,7 +57,7 @@ async def test_the_readme_redis_stream_target_in_a_crawl(
 
 @deferred_f_from_coro_f
 async def test_deliver_command_builds_a_class_target_from_the_settings(
-        small_shop: ShopSite, db_path: Path, redis_server: RedisServer,  # noqa: F811
+        small_shop: LocalSite, db_path: Path, redis_server: RedisServer,  # noqa: F811
         request: pytest.FixtureRequest, tmp_path: Path) -> None:
     stream = f"records-{request.node.name}"
     target = "outbox_targets.RedisStreamTarget"
@@ -83,7 +83,7 @@ async def test_deliver_command_builds_a_class_target_from_the_settings(
 
 @deferred_f_from_coro_f
 async def test_a_target_refuses_and_defers_through_the_interface(
-        small_shop: ShopSite, db_path: Path) -> None:
+        small_shop: LocalSite, db_path: Path) -> None:
     from outbox_targets import PickyTarget
 
     PickyTarget.CALLS.clear()

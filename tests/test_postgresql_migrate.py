@@ -8,11 +8,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 from test_commands import idempotent, idempotent_json
 
 from crawling import crawl_settings, db_rows, frontier_counts, run_crawl
-from shop.site import ShopSite
 from shop.spiders.shop import ShopSpider
 
 psycopg = pytest.importorskip("psycopg")
@@ -22,7 +22,7 @@ NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
 
 @deferred_f_from_coro_f
 async def test_a_crawl_stopped_on_sqlite_continues_on_postgresql(
-        shop: ShopSite, db_path: Path, postgres_url: str) -> None:
+        shop: LocalSite, db_path: Path, postgres_url: str) -> None:
     first = await run_crawl(ShopSpider, crawl_settings(
         db_path, CLOSESPIDER_ITEMCOUNT=100, **NATURAL_KEYS), url=shop.url)
     assert first.stats.get_value("finish_reason") == "closespider_itemcount"

@@ -9,9 +9,8 @@ import signal
 from collections.abc import Iterator
 
 import pytest
+from local_site import LocalSite
 from test_scrapyd import Scrapyd, build_egg, stat, wait_until
-
-from shop.site import ShopSite
 
 psycopg = pytest.importorskip("psycopg")
 
@@ -47,7 +46,7 @@ def test_two_scrapyds_on_one_crawl_one_killed_the_other_finishes(
     settings = {"IDEMPOTENT_DATABASE": postgres_url, "CONCURRENT_REQUESTS": CONCURRENCY,
                 "IDEMPOTENT_RUN_MODE": "resume"}
     first, second = two_scrapyds
-    with ShopSite(port=0, delay=0.02) as site:
+    with LocalSite(delay=0.02) as site:
         doomed = first.schedule(settings, url=site.url)
         survivor = second.schedule(settings, url=site.url)
         pid = first.wait_running(doomed)

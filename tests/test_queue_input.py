@@ -232,7 +232,7 @@ async def test_a_message_whose_request_another_worker_does_is_acknowledged_after
     client = redis_server.client()
     settings = queue_settings(db_path, redis_server, key, IDEMPOTENT_QUEUE_PREFETCH=1,
                               IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=0.5)
-    with ShopSite(port=0, delay=10) as shop:
+    with LocalSite(delay=10) as shop:
         client.xadd(key, product_message(shop, 1))
         worker_a = get_crawler(QueueSpider, settings)
         crawl_a = worker_a.crawl()

@@ -1,16 +1,17 @@
-"""A real webhook receiver for the outbox tests: an HTTP server on 127.0.0.1 (port 0) that
-records every POST it gets (idempotency key, JSON body, the status it answered) and can be
-down (503, optionally with ``Retry-After``) or refuse some records (400)."""
+"""A real webhook receiver for the outbox tests, served by the local test site
+(:meth:`local_site.LocalSite.add_responder` at ``/hook``, HTTP/1.1 keep-alive): it records
+every POST it gets (idempotency key, JSON body, the status it answered) and can be down (503,
+optionally with ``Retry-After``) or refuse some records (400)."""
 
 from __future__ import annotations
 
 import json
-import sys
 import threading
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any
+
+from local_site import LocalSite, Received
 
 __all__ = ["Delivery", "WebhookReceiver"]
 
@@ -24,47 +25,6 @@ class Delivery:
         self.body = body
         self.status = status
         self.headers = headers
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 128  # the default 5 overflows (connections reset) under load
-    receiver: WebhookReceiver
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # a client killed mid-request (the kill tests) resets its connection: expected
-        if not isinstance(sys.exc_info()[1], OSError):
-            super().handle_error(request, client_address)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def do_POST(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length)
-        receiver = self.server.receiver
-        try:
-            body = json.loads(raw)
-        except ValueError:  # cut short (a client killed while sending): not acknowledged
-            body = {"unreadable": raw.decode("utf-8", "replace")}
-        status, extra = receiver.answer(body) if "unreadable" not in body else (400, {})
-        with receiver.lock:
-            receiver.deliveries.append(Delivery(self.headers.get("Idempotency-Key"), body,
-                                                status, dict(self.headers.items())))
-            receiver.changed.notify_all()
-        payload = b'{"ok": true}' if status < 300 else b'{"error": "not now"}'
-        self.send_response(status)
-        for name, value in extra.items():
-            self.send_header(name, value)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
 
 
 class WebhookReceiver:
@@ -81,13 +41,12 @@ class WebhookReceiver:
         self.retry_after: str | None = None
         self.refuse: set[str] = set()
         self._down_left = 0
-        self._server = _Server(("127.0.0.1", 0), _Handler)
-        self._server.receiver = self
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self.site = LocalSite()
+        self.site.add_responder("/hook", self._receive)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}/hook"
+        return f"{self.site.url}/hook"
 
     def down_for(self, posts: int) -> None:
         with self.lock:
@@ -106,6 +65,19 @@ class WebhookReceiver:
             return 400, {}
         return 200, {}
 
+    def _receive(self, request: Received) -> tuple[int, dict[str, str], bytes]:
+        try:
+            body = json.loads(request.body)
+        except ValueError:  # cut short (a client killed while sending): not acknowledged
+            body = {"unreadable": request.body.decode("utf-8", "replace")}
+        status, extra = self.answer(body) if "unreadable" not in body else (400, {})
+        with self.lock:
+            self.deliveries.append(Delivery(request.headers.get("Idempotency-Key"), body,
+                                            status, request.headers))
+            self.changed.notify_all()
+        payload = b'{"ok": true}' if status < 300 else b'{"error": "not now"}'
+        return status, {**extra, "Content-Type": "application/json"}, payload
+
     def acknowledged(self) -> list[Delivery]:
         with self.lock:
             return [d for d in self.deliveries if 200 <= d.status < 300]
@@ -114,11 +86,10 @@ class WebhookReceiver:
         return Counter(d.key for d in self.acknowledged() if d.key is not None)
 
     def __enter__(self) -> WebhookReceiver:
-        self._thread.start()
+        self.site.start()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join()
+        self.site.stop()
+        assert self.site.errors == [], self.site.errors
