@@ -8,6 +8,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from local_site import LocalSite
 
 from crawling import (
     close_reason,
@@ -18,7 +19,6 @@ from crawling import (
     stored_products,
     wait_for,
 )
-from shop.site import ShopSite
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ LEASE_BATCH = 24
 def test_downloads_go_on_while_another_process_holds_the_write_lock(tmp_path: Path) -> None:
     db = tmp_path / "shop.sqlite3"
     log = tmp_path / "crawl.log"
-    with ShopSite(port=0, delay=0.02) as site:
+    with LocalSite(delay=0.02) as site:
         crawl = start_shop_crawl(
             site.url, db, log, f"CONCURRENT_REQUESTS={CONCURRENCY}",
             f"CONCURRENT_REQUESTS_PER_DOMAIN={CONCURRENCY}",

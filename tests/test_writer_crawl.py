@@ -7,10 +7,10 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import crawl_settings, frontier_counts, run_crawl, stored_products
-from shop.site import ShopSite
 from shop.spiders.shop import ShopSpider
 
 NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
@@ -44,7 +44,7 @@ class CheckingSpider(ShopSpider):
 
 @deferred_f_from_coro_f
 async def test_a_callback_runs_once_its_attempt_and_response_are_durable(
-        shop: ShopSite, db_path: Path) -> None:
+        shop: LocalSite, db_path: Path) -> None:
     crawler = await run_crawl(CheckingSpider, crawl_settings(db_path, **NATURAL_KEYS),
                               url=shop.url, db=str(db_path))
     stats = crawler.stats.get_stats()
@@ -59,7 +59,7 @@ async def test_a_callback_runs_once_its_attempt_and_response_are_durable(
 
 
 @deferred_f_from_coro_f
-async def test_pages_share_transactions(shop: ShopSite, db_path: Path) -> None:
+async def test_pages_share_transactions(shop: LocalSite, db_path: Path) -> None:
     crawler = await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS),
                               url=shop.url)
     stats = crawler.stats.get_stats()
