@@ -568,6 +568,10 @@ class IdempotentScheduler(BaseScheduler):
 
     def _next_request(self) -> Request | None:
         tracker, claimed = self.tracker, self.claimed
+        if self._renewing and not self.writer.stalled:
+            # which leases are still this worker's is being asked: nothing is handed out
+            # under a lease that may be lost (asked again when the renewal is back)
+            return None
         if self._gated and not self.writer.stalled:
             # A response waits for its writes before its callback runs: in Scrapy the
             # callback would have run, and its requests would be enqueued, before the next

@@ -126,6 +126,7 @@ class WriterThread:
         self.threaded = threaded
         self._running = False
         self._sent_at = 0.0  #: when the batch in flight was sent (time.monotonic())
+        self._progress_at = 0.0  #: when the thread last finished a write, or got one to do
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._reactor: Any = None
@@ -192,6 +193,8 @@ class WriterThread:
         if not self._running:
             raise StoreError("the store writer is not running")
         d: Deferred[_T] = Deferred()
+        if not self._calls_inflight:
+            self._progress_at = time.monotonic()
         self._calls_inflight += 1
         d.addBoth(self._call_done)
         if self._thread is not None:
@@ -207,6 +210,7 @@ class WriterThread:
 
     def _call_done(self, result: Any) -> Any:
         self._calls_inflight -= 1
+        self._progress_at = time.monotonic()
         self._check_drained()
         return result
 
@@ -330,9 +334,11 @@ class WriterThread:
 
     @property
     def stalled(self) -> bool:
-        """Whether the batch in flight waits for the database longer than a transaction
-        takes (:data:`STALL_SECONDS`): another process holds the lock, or the disk stalls."""
-        return self._batch_inflight and time.monotonic() - self._sent_at > STALL_SECONDS
+        """Whether the thread's writes wait for the database longer than a transaction takes
+        (no write done for :data:`STALL_SECONDS` while some are in flight): another process
+        holds the lock, or the disk stalls."""
+        return (self._calls_inflight > 0
+                and time.monotonic() - self._progress_at > STALL_SECONDS)
 
     def _dispatch(self) -> None:
         if self._dispatch_call is not None and self._dispatch_call.active():
