@@ -225,12 +225,17 @@ def store_options(settings: BaseSettings) -> dict[str, Any]:
     }
 
 
+#: The config of each crawler, read once (again only when the spider object it was read
+#: for changes: the spider class before the spider exists, then the spider).
+_CONFIGS: weakref.WeakKeyDictionary[Crawler, tuple[Any, IdempotentConfig]] = (
+    weakref.WeakKeyDictionary())
 #: Crawlers whose setting names were checked and whose bad setting was reported.
 _REPORTED: weakref.WeakKeyDictionary[Crawler, set[str]] = weakref.WeakKeyDictionary()
 
 
 def config_for(crawler: Crawler) -> IdempotentConfig:
-    """The validated config of ``crawler``'s spider (every component reads it through here).
+    """The validated config of ``crawler``'s spider (every component reads it through here),
+    read once per crawler and spider and shared.
 
     The first call per crawler warns about unknown ``IDEMPOTENT_*`` names (with the nearest
     known one). A bad value is logged once as one CRITICAL line naming the setting, the value
@@ -245,14 +250,19 @@ def config_for(crawler: Crawler) -> IdempotentConfig:
             logger.warning("Unknown setting %s ignored%s", name,
                            f": did you mean {nearest}?" if nearest else "")
     spider: Any = crawler.spider if crawler.spider is not None else crawler.spidercls
+    cached = _CONFIGS.get(crawler)
+    if cached is not None and cached[0] is spider:
+        return cached[1]
     try:
-        return IdempotentConfig.from_settings(crawler.settings, spider)
+        config = IdempotentConfig.from_settings(crawler.settings, spider)
     except ConfigError as exc:
         if "error" not in reported:
             reported.add("error")
             logger.critical("scrapy_idempotent: %s; the crawl was not started", exc)
             _quiet_task_exception()
         raise
+    _CONFIGS[crawler] = (spider, config)
+    return config
 
 
 def _quiet_task_exception() -> None:

@@ -24,7 +24,7 @@ from scrapy.exceptions import NotConfigured
 from twisted.internet import task
 
 from . import scrapy_compat
-from .config import _number
+from .config import config_for
 from .crawl import deprecated_scheduler_attribute, frontier_store
 
 if TYPE_CHECKING:
@@ -65,8 +65,7 @@ class IdempotentLogStats:
         """Raises :class:`~scrapy.exceptions.NotConfigured` when the interval is 0, and
         :class:`~.ConfigError` when it is not a number >= 0."""
         with scrapy_compat.start_failure_exits_nonzero(crawler):
-            interval = _number(crawler.settings, "IDEMPOTENT_LOG_INTERVAL_SECONDS",
-                               minimum=0.0)
+            interval = config_for(crawler).log_interval_seconds
         if not interval:
             raise NotConfigured("IDEMPOTENT_LOG_INTERVAL_SECONDS is 0")
         extension = cls(crawler, interval)
