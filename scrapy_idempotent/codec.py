@@ -184,6 +184,34 @@ def decode_value(value: Any) -> Any:
     return value
 
 
+#: Tags whose plain JSON form is a list of their elements, and tags whose plain form is
+#: their text (base64 of bytes, ISO 8601 of dates and times, a Decimal's digits).
+_PLAIN_LISTS = frozenset({"$tuple", "$set", "$frozenset"})
+_PLAIN_TEXT = frozenset({"$bytes", "$datetime", "$date", "$decimal"})
+
+
+def plain_value(value: Any, leaf: Callable[[Any], Any] = lambda v: v) -> Any:
+    """Tagged JSON (as stored) to plain JSON values, for exports: a tuple, set or frozenset
+    becomes a list, bytes their base64 text, a datetime, date or Decimal its text, a dict
+    whose keys are not all text an object keyed by each key's JSON text. ``leaf`` maps every
+    other value and every key of an object (the exporter's rules for text and numbers)."""
+    if isinstance(value, list):
+        return [plain_value(v, leaf) for v in value]
+    if isinstance(value, dict):
+        if len(value) == 1:
+            ((tag, inner),) = value.items()
+            if tag in _PLAIN_LISTS:
+                return [plain_value(v, leaf) for v in inner]
+            if tag in _PLAIN_TEXT:
+                return leaf(inner)
+            if tag == "$dict":
+                return {k if isinstance(k := plain_value(key, leaf), str)
+                        else json.dumps(k, sort_keys=True): plain_value(v, leaf)
+                        for key, v in inner}
+        return {leaf(k): plain_value(v, leaf) for k, v in value.items()}
+    return leaf(value)
+
+
 def _text(encoded: Any, *, sort_keys: bool) -> str:
     text = json.dumps(encoded, sort_keys=sort_keys, ensure_ascii=False, separators=(",", ":"))
     try:

@@ -43,6 +43,7 @@ from scrapy.commands import ScrapyCommand
 from scrapy.exceptions import UsageError
 
 from . import scrapy_compat
+from .codec import plain_value
 from .config import IdempotentConfig, store_options
 from .exceptions import IdempotentError, StoreError
 from .outbox import target_label
@@ -938,27 +939,19 @@ def _export_row(record: StoredRecord, *, flat: bool) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> Any:
-    """Tagged JSON (see :mod:`~.codec`) to plain JSON values that every export format can
-    write: text with a lone surrogate (not valid Unicode; the codec stores it as it came) has
-    each lone surrogate replaced by U+FFFD, and a NaN or infinite number becomes None (null
-    in JSON, an empty cell in CSV), as JavaScript's ``JSON.stringify`` does."""
+    """Tagged JSON (see :mod:`~.codec`, which owns the tags) to plain JSON values that every
+    export format can write: text with a lone surrogate (not valid Unicode; the codec stores
+    it as it came) has each lone surrogate replaced by U+FFFD, and a NaN or infinite number
+    becomes None (null in JSON, an empty cell in CSV), as JavaScript's ``JSON.stringify``
+    does."""
+    return plain_value(value, _export_leaf)
+
+
+def _export_leaf(value: Any) -> Any:
     if isinstance(value, str):
         return _text(value)
     if isinstance(value, float) and not math.isfinite(value):
         return None
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        if len(value) == 1:
-            ((tag, inner),) = value.items()
-            if tag in ("$tuple", "$set", "$frozenset"):
-                return [_plain(v) for v in inner]
-            if tag in ("$bytes", "$datetime", "$date", "$decimal"):
-                return _plain(inner)
-            if tag == "$dict":
-                return {k if isinstance(k := _plain(key), str)
-                        else json.dumps(k, sort_keys=True): _plain(v) for key, v in inner}
-        return {_text(k): _plain(v) for k, v in value.items()}
     return value
 
 
