@@ -34,6 +34,7 @@ __all__ = [
     "IdempotentConfig",
     "RunMode",
     "config_for",
+    "log_interval_seconds",
     "store_options",
     "unknown_settings",
 ]
@@ -179,8 +180,7 @@ class IdempotentConfig:
             volatile_fields=frozenset(_names(settings, "IDEMPOTENT_VOLATILE_FIELDS")),
             url_ignore_params=tuple(_names(settings, "IDEMPOTENT_URL_IGNORE_PARAMS")),
             request_classes=tuple(_names(settings, "IDEMPOTENT_REQUEST_CLASSES")),
-            log_interval_seconds=_number(settings, "IDEMPOTENT_LOG_INTERVAL_SECONDS",
-                                         minimum=0.0),
+            log_interval_seconds=log_interval_seconds(settings),
             response_journal=_boolean(settings, "IDEMPOTENT_RESPONSE_JOURNAL"),
             outbox_targets=_outbox_targets(settings),
             outbox_headers=_headers(settings, "IDEMPOTENT_OUTBOX_HEADERS"),
@@ -195,6 +195,12 @@ class IdempotentConfig:
             outbox_drain_seconds=_number(settings, "IDEMPOTENT_OUTBOX_DRAIN_SECONDS",
                                          minimum=0.0),
         )
+
+
+def log_interval_seconds(settings: BaseSettings) -> float:
+    """``IDEMPOTENT_LOG_INTERVAL_SECONDS`` (validated): read without a spider, as the progress
+    extension is built for any crawler."""
+    return _number(settings, "IDEMPOTENT_LOG_INTERVAL_SECONDS", minimum=0.0)
 
 
 #: The fields of :class:`IdempotentConfig` that are options of the store.

@@ -24,7 +24,7 @@ from scrapy.exceptions import NotConfigured
 from twisted.internet import task
 
 from . import scrapy_compat
-from .config import config_for
+from .config import log_interval_seconds
 from .crawl import deprecated_scheduler_attribute, frontier_store
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class IdempotentLogStats:
         """Raises :class:`~scrapy.exceptions.NotConfigured` when the interval is 0, and
         :class:`~.ConfigError` when it is not a number >= 0."""
         with scrapy_compat.start_failure_exits_nonzero(crawler):
-            interval = config_for(crawler).log_interval_seconds
+            interval = log_interval_seconds(crawler.settings)
         if not interval:
             raise NotConfigured("IDEMPOTENT_LOG_INTERVAL_SECONDS is 0")
         extension = cls(crawler, interval)
