@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import crawl_settings, run_crawl
 from scrapy_idempotent import config as config_module
 from scrapy_idempotent.config import IdempotentConfig, config_for
-from shop.site import ShopSite
 from shop.spiders.shop import ShopSpider
 
 
@@ -25,7 +25,7 @@ async def test_one_config_object_per_crawl(db_path: Path, monkeypatch) -> None:
         return config
 
     monkeypatch.setattr(IdempotentConfig, "from_settings", staticmethod(counted))
-    with ShopSite(port=0, listing_pages=1, products_per_page=2) as site:
+    with LocalSite(listing_pages=1, products_per_page=2) as site:
         crawler = await run_crawl(ShopSpider, crawl_settings(
             db_path, IDEMPOTENT_LOG_INTERVAL_SECONDS=30,
             IDEMPOTENT_NATURAL_KEYS={"shop.items.ProductItem": "sku"}), url=site.url)
