@@ -124,9 +124,10 @@ class Addon:
         from .progress import IdempotentLogStats  # the progress line
 
         settings.set_in_component_priority_dict("EXTENSIONS", IdempotentLogStats, 0)
-        from .queue_input import QueueInput  # off unless IDEMPOTENT_QUEUE_URL is set
+        if settings.get("IDEMPOTENT_QUEUE_URL"):  # queue input only with a queue
+            from .queue_input import QueueInput
 
-        settings.set_in_component_priority_dict("EXTENSIONS", QueueInput, 0)
+            settings.set_in_component_priority_dict("EXTENSIONS", QueueInput, 0)
         if settings.get("IDEMPOTENT_OUTBOX_TARGETS"):  # delivery only with a target
             from .outbox import OutboxDelivery
 

@@ -473,10 +473,9 @@ class QueueInput:
         done: list[str] = []
         for message_id in list(ids):
             message = self._messages[message_id]
-            if state == "redirected" and len(message.fingerprints) > 1:
+            if state == "redirected" and self._wait_for_targets(message, fingerprint):
                 # its target is another request (registered when it was scheduled): the
                 # message is done when that is
-                message.fingerprints.discard(fingerprint)
                 ids.discard(message_id)
                 continue
             done.append(message_id)
@@ -485,6 +484,24 @@ class QueueInput:
         for message_id in done:
             self._forget(self._messages[message_id])
         self._ack(done)
+
+    def _wait_for_targets(self, message: _Message, redirected: str) -> bool:
+        """Whether ``message`` still waits for a target of its redirected request. A target
+        the frontier does not know was refused before it was stored (a ``request_scheduled``
+        handler such as the offsite middleware dropped it, or it was unidentifiable): the
+        redirect's own commit, which would have stored an accepted target, is durable now,
+        so nothing more will come of it."""
+        assert self.scheduler is not None
+        message.fingerprints.discard(redirected)
+        for target in list(message.fingerprints):
+            if self.scheduler.request_state(target) is None:
+                message.fingerprints.discard(target)
+                ids = self._waiting.get(target)
+                if ids is not None:
+                    ids.discard(message.id)
+                    if not ids:
+                        del self._waiting[target]
+        return bool(message.fingerprints)
 
     def _forget(self, message: _Message) -> None:
         del self._messages[message.id]

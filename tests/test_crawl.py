@@ -213,3 +213,18 @@ async def test_item_less_pages_are_done_and_listings_are_fetched_again(
     assert (stats["idempotent/records/inserted"], stats["idempotent/records/unchanged"]) == (
         1, 10)
     assert sorted(r["sku"] for r in stored_products(db)) == [f"SKU-{i:05d}" for i in range(1, 12)]
+
+
+@deferred_f_from_coro_f
+async def test_a_crawl_with_only_the_add_on_logs_no_warning(
+    db_path: Path, caplog: Any
+) -> None:
+    # components that are off unless configured (queue input, outbox delivery) are not added,
+    # so Scrapy logs no "Disabled ..." warning for them
+    with LocalSite(listing_pages=1, products_per_page=2) as site:
+        with caplog.at_level("WARNING"):
+            crawler = await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS),
+                                      url=site.url)
+    assert crawler.stats.get_value("finish_reason") == "finished"
+    assert [r.getMessage() for r in caplog.records if r.levelname != "INFO"
+            and r.levelno >= 30] == []

@@ -114,11 +114,16 @@ class AckProbe:
                 continue  # the stop message
             rows = db_rows(self.db_path, "SELECT key, state FROM requests WHERE url = ?", (url,))
             while rows and all(state == "redirected" for _, state in rows):
-                # a redirect is finished when its target is (the target: its child entry)
-                rows = db_rows(self.db_path, "SELECT key, state FROM requests WHERE parent_key"
-                               f" IN ({','.join('?' * len(rows))})", [k for k, _ in rows])
+                # a redirect is finished when its target is (the target: its child entry);
+                # one whose target was refused before the frontier (offsite) is finished
+                targets = db_rows(self.db_path, "SELECT key, state FROM requests WHERE "
+                                  f"parent_key IN ({','.join('?' * len(rows))})",
+                                  [k for k, _ in rows])
+                if not targets:
+                    break
+                rows = targets
             states = {state for _, state in rows}
-            if not states or not states <= {"done", "failed"}:
+            if not states or not states <= {"done", "failed", "redirected"}:
                 self.problems.append(f"{message_id} ({url}) acknowledged in state {states}")
 
 
@@ -175,6 +180,30 @@ async def test_a_redirected_request_is_acknowledged_when_its_target_is_done(
     assert len(stored_products(db_path)) == 2
     assert acknowledged_all(client, key)
     assert len(probe.acked) == 2
+
+
+@deferred_f_from_coro_f
+async def test_a_request_redirected_off_site_is_acknowledged_after_its_redirect(
+    redis_server: RedisServer, db_path: Path  # noqa: F811
+) -> None:
+    # the offsite middleware drops the target after request_scheduled was sent for it: the
+    # message must not wait for a request that never reaches the frontier
+    key = f"q-{uuid.uuid4().hex}"
+    client = redis_server.client()
+    with LocalSite(listing_pages=1, products_per_page=1) as shop:
+        client.xadd(key, {"url": f"{shop.url}/redirect/302/away?to=http://elsewhere.invalid/x"})
+        client.xadd(key, {"stop": "1"})
+        spider = type("OffsiteQueueSpider", (QueueSpider,), {"allowed_domains": ["127.0.0.1"]})
+        crawler = get_crawler(spider, queue_settings(db_path, redis_server, key))
+        probe = AckProbe(crawler, db_path)
+        await crawl_to_end(crawler)
+    stats = crawler.stats.get_stats()
+    assert stats["finish_reason"] == "finished"
+    assert stats["offsite/filtered"] == 1
+    assert probe.problems == []
+    assert frontier_counts(db_path) == {"redirected": 1}
+    assert acknowledged_all(client, key)
+    assert stats["idempotent/queue/acknowledged"] == 2  # the stop message included
 
 
 @deferred_f_from_coro_f
