@@ -27,9 +27,10 @@ written to a temporary file in ``<store>/.partial/`` and renamed into place, so 
 leaves a truncated file under a final name; temporary files of dead processes are removed
 when a crawl opens the store.
 
-The result field (``files``/``images``) lists ``url``, ``path`` and ``checksum``, without
-Scrapy's ``status`` (``downloaded``/``uptodate``/``cached``): it says how this process got the
-file, not what the file is, and would make every later run look like a change of the record.
+The result field (``files``/``images``) is Scrapy's (``url``, ``path``, ``checksum``,
+``status``); the record's content hash leaves ``status`` (``downloaded``/``uptodate``/
+``cached``) out: it says how this process got the file, not what the file is, and would make
+every later run look like a change of the record.
 """
 
 from __future__ import annotations
@@ -157,14 +158,6 @@ class _IdentityPaths:
         ext = PurePosixPath(default).suffix if suffix is None else suffix
         return f"{prefix}/{record_id}/{url_key(request.url, self._ignore_params())}{ext}"
 
-    @staticmethod
-    def _without_status(results: list[Any]) -> list[Any]:
-        kept = []
-        for ok, value in results:
-            if ok and isinstance(value, dict):
-                value = {k: v for k, v in value.items() if k != "status"}
-            kept.append((ok, value))
-        return kept
 
 
 def _atomic_schemes(schemes: dict[str, Any]) -> dict[str, Any]:
@@ -186,10 +179,6 @@ class IdempotentFilesPipeline(_IdentityPaths, FilesPipeline):
         default = super().file_path(request, response, info, item=item)
         return self._identity_path(default, "full", request, item)
 
-    def item_completed(self, results: list[Any], item: Any,
-                       info: MediaPipeline.SpiderInfo) -> Any:
-        return super().item_completed(self._without_status(results), item, info)
-
 
 class IdempotentImagesPipeline(_IdentityPaths, ImagesPipeline):
     """Scrapy's ``ImagesPipeline`` with images and thumbnails named by record ID (see the
@@ -210,10 +199,6 @@ class IdempotentImagesPipeline(_IdentityPaths, ImagesPipeline):
                    info: MediaPipeline.SpiderInfo | None = None, *, item: Any = None) -> str:
         default = super().thumb_path(request, thumb_id, response, info, item=item)
         return self._identity_path(default, f"thumbs/{thumb_id}", request, item, ".jpg")
-
-    def item_completed(self, results: list[Any], item: Any,
-                       info: MediaPipeline.SpiderInfo) -> Any:
-        return super().item_completed(self._without_status(results), item, info)
 
 
 def _remove_dead_partials(store: Any) -> None:

@@ -174,11 +174,10 @@ class RecordIdentity:
         if self.record_id_field is not None:
             data.pop(self.record_id_field, None)
         encoded = encode_value(data, items=True)
-        hashed = (
-            {k: v for k, v in encoded.items() if k not in self.volatile_fields}
-            if self.volatile_fields and isinstance(encoded, dict)
-            else encoded
-        )
+        without_status = _without_media_status(data)
+        hashed = encoded if without_status is None else encode_value(without_status, items=True)
+        if self.volatile_fields and isinstance(hashed, dict):
+            hashed = {k: v for k, v in hashed.items() if k not in self.volatile_fields}
         return encoded, hashed
 
     def record_id(self, key_values: list[Any]) -> str:
@@ -199,3 +198,21 @@ class RecordIdentity:
             content_hash=hashlib.sha256(canonical_json(hashed).encode("utf-8")).hexdigest(),
         )
 
+
+#: the keys of one entry of the result field of Scrapy's FilesPipeline / ImagesPipeline
+_MEDIA_RESULT_KEYS = frozenset({"url", "path", "checksum", "status"})
+
+
+def _without_media_status(data: dict[str, Any]) -> dict[str, Any] | None:
+    """``data`` without the ``status`` of the media pipelines' results (``downloaded``,
+    ``uptodate``, ``cached``: how this process got the file, not what the file is), or None
+    when it has none. The status stays in the stored item; it is left out of the content
+    hash, so a later run finding the file already there is not a change of the record."""
+    changed: dict[str, Any] | None = None
+    for name, value in data.items():
+        if (isinstance(value, list) and value
+                and all(isinstance(v, dict) and v.keys() == _MEDIA_RESULT_KEYS for v in value)):
+            changed = dict(data) if changed is None else changed
+            changed[name] = [{k: v for k, v in entry.items() if k != "status"}
+                             for entry in value]
+    return changed

@@ -221,10 +221,9 @@ async def test_a_crawl_with_only_the_add_on_logs_no_warning(
 ) -> None:
     # components that are off unless configured (queue input, outbox delivery) are not added,
     # so Scrapy logs no "Disabled ..." warning for them
-    with LocalSite(listing_pages=1, products_per_page=2) as site:
-        with caplog.at_level("WARNING"):
-            crawler = await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS),
-                                      url=site.url)
+    with LocalSite(listing_pages=1, products_per_page=2) as site, caplog.at_level("WARNING"):
+        crawler = await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS),
+                                  url=site.url)
     assert crawler.stats.get_value("finish_reason") == "finished"
     assert [r.getMessage() for r in caplog.records if r.levelname != "INFO"
             and r.levelno >= 30] == []

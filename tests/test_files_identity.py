@@ -75,7 +75,7 @@ async def test_an_image_is_named_by_its_record_and_stored_once_whatever_its_trac
     by_record = stored_images(db)
     expected = {}
     for record_id, [image] in by_record.items():
-        assert set(image) == {"url", "path", "checksum"}  # no "status"
+        assert set(image) == {"url", "path", "checksum", "status"}  # Scrapy's result
         key = url_key(image["url"], DEFAULT_URL_IGNORE_PARAMS)
         assert image["path"] == f"full/{record_id}/{key}.jpg"  # ImagesPipeline saves JPEG
         expected[image["path"]] = image["checksum"]
@@ -84,6 +84,14 @@ async def test_an_image_is_named_by_its_record_and_stored_once_whatever_its_trac
 
     # another crawl (a new run), the image URLs with other tracking parameters: the same
     # paths, found on disk (no download), no second copy
+    # the same pages again: the files are there already (Scrapy's status "uptodate", was
+    # "downloaded"); the status is not part of the record's content: no record changed
+    again = await run_crawl(ImageShopSpider, settings(tmp_path), url=small_shop.url,
+                            images=images.url, tracking="first")
+    assert again.stats.get_value("idempotent/records/updated", 0) == 0
+    assert again.stats.get_value("idempotent/records/unchanged") == 50
+    assert {i[0]["status"] for i in stored_images(db).values()} == {"downloaded"}
+    assert sum(images.hits.values()) == 50
     await run_crawl(ImageShopSpider, settings(tmp_path), url=small_shop.url,
                     images=images.url, tracking="second")
     assert files_on_disk(store) == sorted(expected)
