@@ -44,7 +44,7 @@ from ._order import QueueOrder
 from .codec import RequestCodec, describe
 from .commits import CommitOutcomes, retry_busy
 from .config import IdempotentConfig, config_for
-from .exceptions import StoreError, UnstorableRequest
+from .exceptions import StoreBusy, StoreError, UnstorableRequest
 from .inflight import HttpStatusRule, InflightRequest, InflightTracker, RequestOrigin
 from .keys import RequestFingerprints, RequestKeys
 from .leases import ClaimedRequests, QueueRank, queue_rank, queue_rank_of_new
@@ -414,6 +414,9 @@ class IdempotentScheduler(BaseScheduler):
                     self._reclaim_leases()
                 return True
             return False
+        except StoreBusy as exc:  # a lost connection being re-established: asked again soon
+            logger.warning("scrapy_idempotent: cannot read the frontier yet (%s)", exc)
+            return True
         except Exception:
             logger.exception("scrapy_idempotent: cannot read the frontier")
             self._fail("cannot read the frontier")
@@ -529,8 +532,9 @@ class IdempotentScheduler(BaseScheduler):
         """Most enqueued requests are rediscovered links: known ones (in the frontier, or
         buffered for the next transaction) are refused like Scrapy's dupefilter does,
         without being encoded or written."""
+        # retried like a commit while the store is busy (a lost connection re-established)
         known = "duplicate" if self.tracker.is_buffered(fingerprint) \
-            else self.store.known_request(fingerprint)
+            else retry_busy("reading", lambda: self.store.known_request(fingerprint))
         if known is None:
             return False
         self.stats.inc_value(f"idempotent/requests/{known}")
