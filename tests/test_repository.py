@@ -15,8 +15,9 @@ TEXT_FILES = ("README.md", "CHANGELOG.md", "setup.cfg", "pyproject.toml")
 SUFFIXES = {".py", ".md", ".txt", ".cfg", ".toml", ".sh", ""}
 SKIPPED_PARTS = {".cache", "__pycache__", ".matrix", ".hypothesis"}
 
-#: ``owner/repo#123``, ``project#17``, "issue 12", "pull request #3"; documents of the team's
-#: own notes, which are not in the repository.
+#: A tracker reference (a repository or project name, a hash sign and a number), the words
+#: issue or pull request followed by a number, and the team's own notes documents, which are not
+#: in the repository.
 OUTSIDE_REFERENCE = re.compile(
     r"\b[A-Za-z][\w.-]*#\d+\b"
     r"|(?i:\b(?:issue|pull request)s?\s+#?\d+)"
