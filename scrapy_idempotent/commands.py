@@ -843,6 +843,8 @@ _WORKER_STATES = {
     "alive": "running on this host",
     "dead": "dead: process gone",
     "other host": "on another host",
+    "other namespace": "on this host name, in another PID namespace (container) or of an "
+                       "older release",
     "unknown": "unknown worker id",
 }
 

@@ -200,7 +200,7 @@ class QueueInput:
         self.crawler = crawler
         self.config = config
         self.redis = client
-        self.consumer = new_worker_id()  #: host:pid:start:nonce, so dead consumers can be told
+        self.consumer = new_worker_id()  #: a worker id, so dead consumers can be told
         self.stats = crawler.stats
         self.spider: Spider | None = None
         self.scheduler: IdempotentScheduler | None = None
@@ -352,8 +352,9 @@ class QueueInput:
         self._group_ready = True
 
     def _claim_from_dead(self) -> list[tuple[str, dict[str, str]]]:
-        """Take at once the pending messages of consumers that ran on this host and are
-        gone (their process no longer exists), then remove those consumers."""
+        """Take at once the pending messages of consumers that ran on this host, in this
+        process's PID namespace, and are gone (their process no longer exists), then remove
+        those consumers."""
         claimed: list[tuple[str, dict[str, str]]] = []
         for consumer in self.redis.xinfo_consumers(self.config.key, self.config.group):
             name = consumer["name"]

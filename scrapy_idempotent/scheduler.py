@@ -230,7 +230,7 @@ class IdempotentScheduler(BaseScheduler):
 
     def open(self, spider: Spider) -> None:
         """Open the store, join or start a run, reclaim the leases of this host's dead
-        workers, and hook into the engine. Raises :class:`~.StoreError` or
+        workers (of its PID namespace), and hook into the engine. Raises :class:`~.StoreError` or
         :class:`~.UnsupportedScrapy` before anything is fetched (and ``scrapy crawl`` then
         exits non-zero)."""
         with scrapy_compat.start_failure_exits_nonzero(self.crawler):
@@ -859,8 +859,9 @@ class IdempotentScheduler(BaseScheduler):
                 stale + expired, stale, expired)
 
     def _reclaim_leases(self) -> None:
-        """Put the leases of this host's dead workers and the expired leases back to pending
-        (on the writer's thread); the claim that follows may take them."""
+        """Put the leases of this host's dead workers (of its PID namespace) and the
+        expired leases back to pending (on the writer's thread); the claim that follows may
+        take them."""
         dead = [h.worker for h in self.store.lease_holders()
                 if h.worker != self.worker and workers.worker_is_dead(h.worker)]
 

@@ -424,15 +424,16 @@ def _live_and_dead_workers() -> tuple[subprocess.Popen[bytes], str, str]:
     """The worker id of a process still running, and of one that has exited."""
     import socket
 
-    from scrapy_idempotent.workers import process_start_ticks
+    from scrapy_idempotent.workers import WorkerId, pid_namespace, process_start_ticks
 
     live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
                             stdin=subprocess.PIPE)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    host = socket.gethostname()
-    live_id = f"{host}:{live.pid}:{process_start_ticks(live.pid) or 1}:0a0b0c0d"
-    dead_id = f"{host}:{dead.pid}:{process_start_ticks(live.pid) or 1}:0a0b0c0d"
+    host, namespace = socket.gethostname(), pid_namespace()
+    start = process_start_ticks(live.pid) or "1"
+    live_id = str(WorkerId(host, live.pid, start, "0a0b0c0d", namespace))
+    dead_id = str(WorkerId(host, dead.pid, start, "0a0b0c0d", namespace))
     return live, live_id, dead_id
 
 

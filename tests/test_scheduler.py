@@ -22,6 +22,7 @@ from scrapy.utils.test import get_crawler
 from crawling import db_rows, frontier_counts
 from scrapy_idempotent import IdempotentScheduler
 from scrapy_idempotent.config import config_for
+from scrapy_idempotent.workers import WorkerId
 
 
 class Spider(scrapy.Spider):
@@ -253,10 +254,13 @@ def test_two_workers_never_share_a_lease_and_dead_workers_are_reclaimed(
     second = harness.scheduler()
     assert second.next_request() is None  # everything is leased by a live worker elsewhere
     assert second.has_pending_requests()  # ... so it waits instead of finishing
-    # a process of this host that no longer exists: its leases come back at once
+    # a process of this host (and PID namespace) that no longer exists: its leases come
+    # back at once
+    here = WorkerId.parse(second.worker)
+    assert here is not None
+    dead = WorkerId(here.host, 999999, "1", "0a0b0c0d", here.namespace)
     conn = sqlite3.connect(harness.db_path)
-    conn.execute("UPDATE requests SET worker = ? WHERE state = 'leased'",
-                 (f"{second.worker.split(':')[0]}:999999:1",))
+    conn.execute("UPDATE requests SET worker = ? WHERE state = 'leased'", (str(dead),))
     conn.commit()
     conn.close()
     second._dead_check_at = 0

@@ -10,14 +10,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import sqlite3
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 from ..exceptions import StoreBusy, StoreError
-from ..workers import worker_is_dead
+from ..workers import worker_state
 from .base import (
     CommitResult,
     Completion,
@@ -414,19 +413,18 @@ class SQLiteStore(FrontierStore):
         return stored if stored != fingerprinter else None
 
     def _live_sessions(self, conn: sqlite3.Connection) -> list[str]:
-        """The workers of the sessions of other crawls that still run: not ended, and not
-        of a process known to be gone (on this host); a worker of another host counts while
-        it holds an unexpired lease."""
-        host = socket.gethostname()
+        """The workers of the sessions of other crawls that still run: not ended, and of a
+        process known to run (of this host and PID namespace); a worker whose process cannot
+        be looked up from here (another host, another PID namespace, an id of an older
+        release) counts while it holds an unexpired lease."""
         leasing = {worker for (worker,) in conn.execute(
             "SELECT DISTINCT worker FROM requests WHERE state = 'leased' AND leased_until >= ?",
             (self.clock(),))}
         live = []
         for (worker,) in conn.execute(
                 "SELECT DISTINCT worker FROM sessions WHERE ended_at IS NULL ORDER BY worker"):
-            if worker_is_dead(worker):
-                continue
-            if worker.split(":", 1)[0] == host or worker in leasing:
+            state = worker_state(worker)
+            if state == "alive" or (state != "dead" and worker in leasing):
                 live.append(worker)
         return live
 
