@@ -1,11 +1,12 @@
 """The shop with product images, for the files-named-by-identity tests.
 
-* :class:`ImageSite`: an HTTP server on 127.0.0.1 (port 0) answering ``/img/<sku>.png`` with a
-  small PNG of that product (any query string), counting requests per path;
+* :func:`serve_product_images`: the local site (``local_site.LocalSite``, the shop) answers
+  ``/img/<sku>.png`` with a small PNG of that product (any query string);
+  :func:`image_downloads` counts those requests;
 * :class:`ImageShopSpider`: the example shop's spider whose product items also carry
   ``image_urls`` (the product's image, with a tracking parameter that differs per crawl
   process: ``?utm_source=<pid>``) and an ``images`` field for ``ImagesPipeline``'s result;
-* ``python tests/image_shop.py --url SHOP --images IMAGES --db DB --store DIR [-s NAME=JSON]``
+* ``python tests/image_shop.py --url SHOP --db DB --store DIR [--images URL] [-s NAME=JSON]``
   runs that spider with the add-on and ``ImagesPipeline`` in a ``CrawlerProcess`` of its own
   (the kill tests' subprocess).
 """
@@ -18,12 +19,8 @@ import io
 import json
 import os
 import sys
-import threading
-from collections import Counter
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import scrapy
@@ -33,6 +30,9 @@ for path in (HERE, HERE.parent / "example_project"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+from local_site import LocalSite  # noqa: E402
+
+from shop.site import product_sku  # noqa: E402
 from shop.spiders.shop import ShopSpider  # noqa: E402
 
 
@@ -47,62 +47,18 @@ def product_png(sku: str) -> bytes:
     return out.getvalue()
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    protocol_version = "HTTP/1.0"
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0]
-        with self.server.lock:
-            self.server.hits[path] += 1
-        if not (path.startswith("/img/") and path.endswith(".png")):
-            self.send_error(404)
-            return
-        body = product_png(path[len("/img/"):-len(".png")])
-        self.send_response(200)
-        self.send_header("Content-Type", "image/png")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+def serve_product_images(site: LocalSite) -> None:
+    """Have ``site`` (the shop) answer ``/img/<sku>.png`` of each of its products, whatever
+    the query string, with that product's PNG."""
+    for number in range(1, site.product_count + 1):
+        sku = product_sku(number)
+        site.add(f"/img/{sku}.png", product_png(sku), "image/png")
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    hits: Counter[str]
-    lock: threading.Lock
-
-
-class ImageSite:
-    """``with ImageSite() as images:`` ... ``images.url``; ``images.hits`` counts requests
-    by path (without the query)."""
-
-    def __init__(self) -> None:
-        self._server = _Server(("127.0.0.1", 0), _Handler)
-        self._server.hits = Counter()
-        self._server.lock = threading.Lock()
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    @property
-    def hits(self) -> Counter[str]:
-        with self._server.lock:
-            return Counter(self._server.hits)
-
-    def __enter__(self) -> ImageSite:
-        self._thread.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join()
+def image_downloads(site: LocalSite) -> int:
+    """Requests of product images ``site`` received (since its last counter reset)."""
+    return sum(count for path, count in site.counts_by_path().items()
+               if path.startswith("/img/"))
 
 
 class ProductImageItem(scrapy.Item):
@@ -115,14 +71,15 @@ class ProductImageItem(scrapy.Item):
 
 
 class ImageShopSpider(ShopSpider):
-    """The shop spider; each product also has its image (``-a images=URL``)."""
+    """The shop spider; each product also has its image (on the site of ``-a images=URL``,
+    by default the shop's own)."""
 
     name = "image_shop"
 
     def __init__(self, url: str = "", images: str = "", tracking: str = "",
                  **kwargs: Any) -> None:
         super().__init__(url, **kwargs)
-        self.images = images.rstrip("/")
+        self.images = (images or url).rstrip("/")
         self.tracking = tracking or str(os.getpid())
 
     def parse_product(self, response: Any) -> Iterator[Any]:
@@ -154,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--url", required=True)
-    parser.add_argument("--images", required=True)
+    parser.add_argument("--images", default="")
     parser.add_argument("--db", required=True)
     parser.add_argument("--store", required=True)
     parser.add_argument("-s", dest="settings", action="append", default=[])

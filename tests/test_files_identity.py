@@ -11,14 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from image_shop import ImageShopSpider, ImageSite, image_settings
+from image_shop import ImageShopSpider, image_downloads, image_settings, serve_product_images
 from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import db_rows, run_crawl
 from scrapy_idempotent.config import DEFAULT_URL_IGNORE_PARAMS
 from scrapy_idempotent.files import (
-    AtomicFSFilesStore,
     IdempotentImagesPipeline,
     orphan_files,
     url_key,
@@ -29,13 +28,9 @@ pytest.importorskip("PIL", reason="ImagesPipeline needs Pillow (pip install pill
 
 @pytest.fixture
 def small_shop() -> Any:
+    """The shop of 50 products, with their images."""
     with LocalSite(listing_pages=5, products_per_page=10) as site:
-        yield site
-
-
-@pytest.fixture
-def images() -> Any:
-    with ImageSite() as site:
+        serve_product_images(site)
         yield site
 
 
@@ -65,10 +60,10 @@ def settings(tmp_path: Path, **extra: Any) -> dict[str, Any]:
 
 @deferred_f_from_coro_f
 async def test_an_image_is_named_by_its_record_and_stored_once_whatever_its_tracking(
-        small_shop: LocalSite, images: ImageSite, tmp_path: Path) -> None:
+        small_shop: LocalSite, tmp_path: Path) -> None:
     db, store = tmp_path / "db.sqlite3", tmp_path / "images"
     crawler = await run_crawl(ImageShopSpider, settings(tmp_path), url=small_shop.url,
-                              images=images.url, tracking="first")
+                              tracking="first")
     assert IdempotentImagesPipeline in [type(p) for p in
                                         crawler.engine.scraper.itemproc.middlewares]
     assert crawler.stats.get_value("idempotent/records/inserted") == 50
@@ -80,22 +75,22 @@ async def test_an_image_is_named_by_its_record_and_stored_once_whatever_its_trac
         assert image["path"] == f"full/{record_id}/{key}.jpg"  # ImagesPipeline saves JPEG
         expected[image["path"]] = image["checksum"]
     assert files_on_disk(store) == sorted(expected)
-    assert sum(images.hits.values()) == 50
+    assert image_downloads(small_shop) == 50
 
     # another crawl (a new run), the image URLs with other tracking parameters: the same
     # paths, found on disk (no download), no second copy
     # the same pages again: the files are there already (Scrapy's status "uptodate", was
     # "downloaded"); the status is not part of the record's content: no record changed
     again = await run_crawl(ImageShopSpider, settings(tmp_path), url=small_shop.url,
-                            images=images.url, tracking="first")
+                            tracking="first")
     assert again.stats.get_value("idempotent/records/updated", 0) == 0
     assert again.stats.get_value("idempotent/records/unchanged") == 50
     assert {i[0]["status"] for i in stored_images(db).values()} == {"downloaded"}
-    assert sum(images.hits.values()) == 50
+    assert image_downloads(small_shop) == 50
     await run_crawl(ImageShopSpider, settings(tmp_path), url=small_shop.url,
-                    images=images.url, tracking="second")
+                    tracking="second")
     assert files_on_disk(store) == sorted(expected)
-    assert sum(images.hits.values()) == 50
+    assert image_downloads(small_shop) == 50
     assert {i[0]["path"] for i in stored_images(db).values()} == set(expected)
     code, files = check(db, store)
     assert (code, files["ok"], files["orphans"]) == (0, True, [])
@@ -125,17 +120,3 @@ def test_check_lists_files_no_record_references(tmp_path: Path) -> None:
     assert code == 1 and not files["ok"]
     assert files["orphans"] == [".partial/99999999-x", "full/r2/k.png",
                                 "thumbs/small/r2/k.jpg"]
-
-
-def test_partial_files_of_dead_processes_are_removed_at_open(tmp_path: Path) -> None:
-    import os
-
-    store = AtomicFSFilesStore(str(tmp_path))
-    partial = tmp_path / ".partial"
-    partial.mkdir()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    (partial / f"{dead}-abc").write_bytes(b"half")
-    (partial / f"{os.getpid()}-def").write_bytes(b"mine")  # a live writer's
-    assert store.remove_dead_partials() == 1
-    assert sorted(p.name for p in partial.iterdir()) == [f"{os.getpid()}-def"]

@@ -103,7 +103,7 @@ def test_ten_sigkills_every_stored_record_is_announced_and_nothing_else(tmp_path
 
 
 def test_ten_sigkills_leave_one_image_per_product_and_no_orphan(tmp_path: Path):
-    from image_shop import ImageSite
+    from image_shop import image_downloads, serve_product_images
 
     pytest.importorskip("PIL", reason="ImagesPipeline needs Pillow (pip install pillow)")
     db, store = tmp_path / "shop.sqlite3", tmp_path / "images"
@@ -112,15 +112,16 @@ def test_ten_sigkills_leave_one_image_per_product_and_no_orphan(tmp_path: Path):
         with open(log, "wb") as out:
             return subprocess.Popen(
                 [sys.executable, str(HERE / "image_shop.py"), "--url", shop.url,
-                 "--images", images.url, "--db", str(db), "--store", str(store)],
+                 "--db", str(db), "--store", str(store)],
                 stdout=out, stderr=subprocess.STDOUT)
 
-    with LocalSite(delay=0.01) as shop, ImageSite() as images:
+    with LocalSite(delay=0.01) as shop:
+        serve_product_images(shop)
         kills = kill_ten_times(lambda run: crawl(tmp_path / f"run{run}.log"), db, seed=17)
         final = crawl(tmp_path / "final.log")
         assert final.wait(timeout=900) == 0
         assert close_reason(tmp_path / "final.log") == "finished"
-        downloads = sum(images.hits.values())
+        downloads = image_downloads(shop)
 
     assert kills == KILLS
     paths: dict[str, str] = {}

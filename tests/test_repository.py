@@ -26,7 +26,7 @@ OUTSIDE_REFERENCE = re.compile(
 #: What starting an HTTP server of one's own looks like in a test module.
 OWN_SERVER = re.compile(r"\bhttp\.server\b|\bHTTPServer\b|\bShopSite\b")
 #: Modules not moved to the local site yet, with why.
-NOT_YET_MOVED = {"image_shop.py": "the product-image host of the files tests (landed last)"}
+NOT_YET_MOVED: dict[str, str] = {}
 
 
 def repository_text_files() -> list[Path]:
