@@ -6,6 +6,8 @@
 * :class:`ImageShopSpider`: the example shop's spider whose product items also carry
   ``image_urls`` (the product's image, with a tracking parameter that differs per crawl
   process: ``?utm_source=<pid>``) and an ``images`` field for ``ImagesPipeline``'s result;
+* :class:`FileShopSpider`: the same, the image as a plain file for ``FilesPipeline``
+  (``file_urls``, ``files``);
 * ``python tests/image_shop.py --url SHOP --db DB --store DIR [--images URL] [-s NAME=JSON]``
   runs that spider with the add-on and ``ImagesPipeline`` in a ``CrawlerProcess`` of its own
   (the kill tests' subprocess).
@@ -88,6 +90,37 @@ class ImageShopSpider(ShopSpider):
                 **dict(product),
                 image_urls=[f"{self.images}/img/{product['sku']}.png"
                             f"?utm_source={self.tracking}"])
+
+
+class ProductFileItem(scrapy.Item):
+    sku = scrapy.Field()
+    name = scrapy.Field()
+    price = scrapy.Field()
+    url = scrapy.Field()
+    file_urls = scrapy.Field()
+    files = scrapy.Field()
+
+
+class FileShopSpider(ImageShopSpider):
+    """The same shop, each product's image a plain file (``FilesPipeline``'s ``file_urls``
+    and ``files``)."""
+
+    name = "file_shop"
+
+    def parse_product(self, response: Any) -> Iterator[Any]:
+        for product in super().parse_product(response):
+            data = dict(product)
+            urls = data.pop("image_urls")
+            yield ProductFileItem(**data, file_urls=urls)
+
+
+def file_settings(db: str, store: str) -> dict[str, Any]:
+    """The settings of :class:`FileShopSpider`: ``FilesPipeline`` into ``store``."""
+    settings = image_settings(db, store)
+    del settings["IMAGES_STORE"]
+    return {**settings, "FILES_STORE": store,
+            "IDEMPOTENT_NATURAL_KEYS": {"image_shop.ProductFileItem": "sku"},
+            "ITEM_PIPELINES": {"scrapy.pipelines.files.FilesPipeline": 1}}
 
 
 def image_settings(db: str, store: str) -> dict[str, Any]:
