@@ -621,9 +621,12 @@ class IdempotentScheduler(BaseScheduler):
         if self.writer.threaded and not self.writer.idle:
             self.writer.commit()  # the batch being filled claims: send it without lingering
             return False
-        # Nothing claimed ahead and nothing being written: claim now and wait for it, so
-        # that the requests enqueued so far are taken in Scrapy's order (a request enqueued
-        # while a claim is on its way would otherwise lose its turn)
+        # Nothing claimed ahead and nothing being written: claim now and wait for it a
+        # moment, so that the requests enqueued so far are taken in Scrapy's order (a
+        # request enqueued while a claim is on its way would otherwise lose its turn). Never
+        # longer than the writer's STALL_SECONDS: a claim that waits for the database (a
+        # lock another process holds) goes on without the reactor, and its batch wakes the
+        # engine when it is written.
         self._commit(UnitOfWork(claim=self.claimed.claim_size(self._closing)))
         if self.writer.running:
             self.writer.commit_now()

@@ -86,12 +86,38 @@ class _Stop:
 
 
 class _Waiting:
-    """A job whose caller waits for it on its own thread (:meth:`WriterThread.commit_now`)."""
+    """A job whose caller waits for it on its own thread, for a while
+    (:meth:`WriterThread.commit_now`): the writer's thread hands its outcome to the waiting
+    caller, or, once the caller stopped waiting, to the reactor thread like any other job."""
 
-    def __init__(self) -> None:
-        self.done = threading.Event()
+    def __init__(self, deferred: Deferred[Any]) -> None:
+        self.deferred = deferred
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._abandoned = False
         self.result: Any = None
         self.error: BaseException | None = None
+
+    def settle(self, result: Any, error: BaseException | None) -> bool:
+        """On the writer's thread: the job's outcome. False when the caller no longer waits
+        (its Deferred is then the reactor thread's to fire)."""
+        with self._lock:
+            if self._abandoned:
+                return False
+            self.result, self.error = result, error
+            self._done.set()
+            return True
+
+    def wait(self, timeout: float) -> bool:
+        """On the caller's thread: wait up to ``timeout`` seconds for the outcome. True when
+        it came (in :attr:`result` / :attr:`error`); False when the caller stopped waiting,
+        and then never True later: the outcome fires :attr:`deferred` on the reactor."""
+        self._done.wait(timeout)
+        with self._lock:
+            if self._done.is_set():
+                return True
+            self._abandoned = True
+            return False
 
 
 class WriterThread:
@@ -221,19 +247,19 @@ class WriterThread:
             if job is _Stop:
                 return
             what, action, d = job
-            if isinstance(d, _Waiting):  # the caller waits on its thread (commit_now)
-                try:
-                    d.result = retry_busy(what, lambda: action(self.store),  # noqa: B023
-                                          attempts=self._attempts)
-                except BaseException as exc:
-                    d.error = exc
-                d.done.set()
-                continue
+            result: Any = None
+            error: BaseException | None = None
             try:
                 result = retry_busy(what, lambda: action(self.store),  # noqa: B023
                                     attempts=self._attempts)
             except BaseException as exc:  # delivered to the reactor thread, which decides
-                reactor.callFromThread(d.errback, exc)
+                error = exc
+            if isinstance(d, _Waiting):  # its caller may still wait for it (commit_now)
+                if d.settle(result, error):
+                    continue
+                d = d.deferred
+            if error is not None:
+                reactor.callFromThread(d.errback, error)
             else:
                 reactor.callFromThread(d.callback, result)
 
@@ -276,13 +302,16 @@ class WriterThread:
         """Nothing in flight on the thread (a batch being filled may wait)."""
         return not self._batch_inflight and self._calls_inflight == 0
 
-    def commit_now(self) -> bool:
+    def commit_now(self, timeout: float = STALL_SECONDS) -> bool:
         """Send the batch being filled (with what ``prepare`` adds) at once and wait for it
-        on the calling thread, its ``committed`` (or ``failed``) callback run before this
-        returns. Only when the thread is :attr:`idle` (else False, nothing done): the one
+        on the calling thread up to ``timeout`` seconds: when it is written in that time,
+        its ``committed`` (or ``failed``) callback has run when this returns True. Past that
+        (another process holds the lock, a slow disk or network) the batch goes on like any
+        other (:meth:`commit`: its callbacks run on the reactor thread when it is done) and
+        this returns False: the wait of the reactor is bounded, never a wait on the
+        database. Only when the thread is :attr:`idle` (else False, nothing done): the one
         wait of the reactor, when it has nothing to hand out but what this batch claims (a
-        claim of its own keeps Scrapy's order among requests enqueued meanwhile). Returns
-        True when the batch was dealt with."""
+        claim of its own keeps Scrapy's order among requests enqueued meanwhile)."""
         if not self.idle or not self._running:
             return False
         if not self.threaded:
@@ -304,13 +333,22 @@ class WriterThread:
         if self.error is not None or not work:
             self._settle(seq)
             return True
-        waiting = _Waiting()
+        self._batch_inflight = True
+        self._sent_at = time.monotonic()
+        d: Deferred[CommitResult] = Deferred()
+        self._calls_inflight += 1
+        self._progress_at = time.monotonic()
+        d.addBoth(self._call_done)
+        d.addCallbacks(self._batch_done, self._batch_failed, callbackArgs=(work, seq),
+                       errbackArgs=(work, seq))
+        waiting = _Waiting(d)
         self._jobs.put(("committing", lambda store: store.commit(work, self.worker), waiting))
-        waiting.done.wait()
+        if not waiting.wait(timeout):
+            return False  # on its way: its callbacks run on the reactor thread
         if waiting.error is not None:
-            self._give_up(work, seq, waiting.error)
-            return True
-        self._batch_done(waiting.result, work, seq)
+            d.errback(waiting.error)
+        else:
+            d.callback(waiting.result)
         return True
 
     def durable(self, seq: int) -> Deferred[None] | None:
