@@ -28,10 +28,19 @@ A message that is not one of these, or whose request cannot be built, is parked:
 stream ``<IDEMPOTENT_QUEUE_KEY>:parked`` with its id, fields and error, and acknowledged, in
 one ``MULTI``; it is logged and counted, never dropped in silence, and the crawl goes on.
 
-Redis is called on the reactor thread with a socket timeout (``redis-py``'s blocking client,
-non-blocking commands only: ``XREADGROUP`` without ``BLOCK``, polled every
-``IDEMPOTENT_QUEUE_POLL_SECONDS``). A Redis error is logged and retried at the next poll;
+Redis is never called on the reactor thread: every command (``redis-py``'s blocking client,
+``XREADGROUP`` without ``BLOCK``, polled every ``IDEMPOTENT_QUEUE_POLL_SECONDS``; the
+acknowledgements; the parking) runs on one thread of the extension's own, one after the other
+in the order they were sent, and the reactor gets the replies back. A Redis server that stops
+answering delays the queue's reads and acknowledgements (each command up to its socket
+timeout), never the downloads, the page commits or the lease renewals; a poll starts only once
+the one before it is back. A Redis error is logged and retried at the next poll;
 acknowledgements that failed are sent again then.
+
+``IDEMPOTENT_QUEUE_PREFETCH`` bounds the messages a worker holds unacknowledged, whatever
+brought them: read (``XREADGROUP``), claimed from a dead consumer (``XCLAIM``) or claimed
+once idle (``XAUTOCLAIM``); what is left over is claimed by the next polls (or by other
+workers).
 """
 
 from __future__ import annotations
@@ -48,9 +57,11 @@ from urllib.parse import urlsplit
 from scrapy import Request
 from scrapy import signals as scrapy_signals
 from scrapy.exceptions import DontCloseSpider, NotConfigured
+from scrapy.utils.defer import maybe_deferred_to_future
 from twisted.internet import task
 
 from . import scrapy_compat, signals
+from ._serial_thread import SerialThread
 from .config import SETTINGS, _number
 from .exceptions import ConfigError
 from .workers import declare_live, forget_live, new_worker_id, worker_is_dead
@@ -58,6 +69,8 @@ from .workers import declare_live, forget_live, new_worker_id, worker_is_dead
 if TYPE_CHECKING:
     from scrapy import Spider
     from scrapy.crawler import Crawler
+    from twisted.internet.defer import Deferred
+    from twisted.python.failure import Failure
     from typing_extensions import Self
 
     from .scheduler import IdempotentScheduler
@@ -178,6 +191,32 @@ def request_from_message(fields: Mapping[str, str], spider: Spider) -> Request:
         raise QueueMessageError(f"invalid request: {exc}") from None
 
 
+@dataclass(frozen=True)
+class _PollPlan:
+    """What one poll asks of Redis, decided on the reactor thread."""
+
+    create_group: bool
+    acks: list[str]  #: ids whose XACK failed before: sent again first
+    claim_dead: bool  #: take over the pending messages of this host's dead consumers
+    autoclaim: str | None  #: XAUTOCLAIM from this cursor (None: not this time)
+    room: int  #: messages that may be taken (claims and reads together)
+    read: bool  #: read new messages (XREADGROUP) with the room left
+    known: frozenset[str]  #: ids this worker holds already (not taken twice)
+
+
+@dataclass
+class _Polled:
+    """What one poll got from Redis (on the Redis thread), for the reactor thread."""
+
+    group_ready: bool = False
+    acked: int = 0
+    claimed: int = 0
+    entries: list[tuple[str, dict[str, str]]] = field(default_factory=list)
+    dead_left: bool = False  #: a dead consumer still has pending messages (no room)
+    autoclaim_cursor: str | None = None  #: where the next XAUTOCLAIM goes on (None: done)
+    error: BaseException | None = None  #: the Redis error that ended the poll early
+
+
 @dataclass
 class _Message:
     """A message read and not yet acknowledged."""
@@ -209,9 +248,13 @@ class QueueInput:
         self._by_url: dict[str, set[str]] = {}  # URL of a waited request -> message ids
         self._unacked: list[str] = []  # ids whose XACK failed, sent again at the next poll
         self._poll: task.LoopingCall | None = None
+        #: every Redis command, one after the other, off the reactor thread
+        self._redis_calls = SerialThread("scrapy_idempotent-queue")
+        self._closed = False
         self._group_ready = False
         self._claimed_dead_at = 0.0
         self._autoclaimed_at = 0.0
+        self._autoclaim_cursor = "0-0"  #: where XAUTOCLAIM goes on (kept between polls)
         self._reconciled_at = 0.0
         self._stop_id: str | None = None  # a stop message read
         self._finishing = False  # the crawl was let close: read nothing more
@@ -278,67 +321,133 @@ class QueueInput:
             return
         raise DontCloseSpider
 
-    def spider_closed(self, spider: Spider, reason: str) -> None:
+    async def spider_closed(self, spider: Spider, reason: str) -> None:
+        """Stop polling; send the acknowledgements still owed (after every command sent
+        before), then close the client and end the Redis thread. The close waits for it."""
+        self._closed = True
         if self._poll is not None and self._poll.running:
             self._poll.stop()
-        self._flush_acks()
+        ids, self._unacked = self._unacked, []
         if self._stop_id is not None and reason == "finished":
-            self._ack([self._stop_id])
+            ids.append(self._stop_id)
         if self._messages:
             logger.info("scrapy_idempotent: %d queue message(s) not acknowledged (their "
                         "requests are not done): they will be delivered again",
                         len(self._messages))
         forget_live(self.consumer)
-        with contextlib.suppress(Exception):  # closing only
-            self.redis.close()
+        closing = self._redis_calls(lambda: self._ack_and_close(ids))
+        closing.addCallbacks(self._acked, self._ack_failed, errbackArgs=(ids,))
+        closing.addBoth(lambda _: self._redis_calls.stop())
+        await maybe_deferred_to_future(closing)
+
+    def _ack_and_close(self, ids: list[str]) -> int:
+        """On the Redis thread: the last acknowledgements, then the client is closed."""
+        try:
+            return self._xack(ids)
+        finally:
+            with contextlib.suppress(Exception):  # closing only
+                self.redis.close()
 
     # -- reading ----------------------------------------------------------------------------
 
-    def poll(self) -> None:
-        """One round: acknowledgements that failed, claims, new messages. Never raises."""
-        try:
-            self._poll_once()
-        except Exception as exc:
-            self.stats.inc_value("idempotent/queue/redis_errors")
-            text = f"{type(exc).__name__}: {exc}"
-            if text != self._redis_error:
-                self._redis_error = text
-                logger.error("scrapy_idempotent: Redis queue %r: %s (retried every %.1f s)",
-                             self.config.key, text, self.config.poll_seconds)
-        else:
-            if self._redis_error is not None:
-                logger.info("scrapy_idempotent: Redis queue %r reachable again", self.config.key)
-                self._redis_error = None
-
-    def _poll_once(self) -> None:
-        if not self._group_ready:
-            self._create_group()
-        self._flush_acks()
+    def poll(self) -> Deferred[Any] | None:
+        """One round: acknowledgements that failed, claims, new messages; the Redis commands
+        run on the Redis thread, the messages are taken here when they are back (the next
+        poll starts after that). Never fails."""
+        if self._closed:
+            return None
         now = time.monotonic()
-        entries: list[tuple[str, dict[str, str]]] = []
-        if self._finishing:
-            return
-        if now >= self._claimed_dead_at:
-            self._claimed_dead_at = now + _DEAD_CHECK_SECONDS
-            entries += self._claim_from_dead()
-        if now >= self._autoclaimed_at:
-            self._autoclaimed_at = now + max(1.0, self.config.claim_idle_seconds / 4)
-            entries += self._autoclaim()
-        room = self.config.prefetch - len(self._messages) - len(entries)
-        if room > 0 and self._stop_id is None and not self._finishing:
-            read = self.redis.xreadgroup(self.config.group, self.consumer,
-                                         {self.config.key: ">"}, count=room)
-            for _, stream_entries in read or []:
-                entries += stream_entries
-        for message_id, fields in entries:
+        plan = self._plan(now)
+        polling = self._redis_calls(lambda: self._poll_redis(plan))
+        polling.addCallback(self._polled, plan, now)
+        polling.addErrback(self._poll_failed, plan)
+        return polling
+
+    def _plan(self, now: float) -> _PollPlan:
+        acks, self._unacked = self._unacked, []
+        reading = not self._finishing and self._stop_id is None
+        claim_dead = not self._finishing and now >= self._claimed_dead_at
+        autoclaim = not self._finishing and now >= self._autoclaimed_at
+        known = frozenset(self._messages) | (
+            {self._stop_id} if self._stop_id is not None else frozenset())
+        return _PollPlan(
+            create_group=not self._group_ready, acks=acks, claim_dead=claim_dead,
+            autoclaim=self._autoclaim_cursor if autoclaim else None,
+            room=self.config.prefetch - len(self._messages) if not self._finishing else 0,
+            read=reading, known=known)
+
+    def _poll_redis(self, plan: _PollPlan) -> _Polled:
+        """On the Redis thread: the commands of one poll. A Redis error ends it early,
+        returned with what was got until then (messages claimed are this worker's now)."""
+        polled = _Polled(autoclaim_cursor=plan.autoclaim)
+        try:
+            if plan.create_group:
+                self._create_group()
+            polled.group_ready = True
+            polled.acked = self._xack(plan.acks)
+            room = plan.room
+            if plan.claim_dead and room > 0:
+                room -= self._claim_from_dead(room, polled)
+            elif plan.claim_dead:
+                polled.dead_left = True  # not checked: no room
+            if plan.autoclaim is not None and room > 0:
+                room -= self._autoclaim(plan.autoclaim, room, plan.known, polled)
+            if plan.read and room > 0:
+                read = self.redis.xreadgroup(self.config.group, self.consumer,
+                                             {self.config.key: ">"}, count=room)
+                for _, stream_entries in read or []:
+                    polled.entries += stream_entries
+        except Exception as exc:
+            polled.error = exc
+        return polled
+
+    def _polled(self, polled: _Polled, plan: _PollPlan, now: float) -> None:
+        """On the reactor thread: take the messages one poll brought."""
+        if polled.group_ready:
+            self._group_ready = True
+        if polled.acked:
+            self.stats.inc_value("idempotent/queue/acknowledged", polled.acked)
+        elif plan.acks and polled.error is not None:
+            self._unacked += plan.acks  # not sent: again at the next poll
+        if polled.claimed:
+            self.stats.inc_value("idempotent/queue/claimed", polled.claimed)
+        if plan.claim_dead and not polled.dead_left and polled.error is None:
+            self._claimed_dead_at = now + _DEAD_CHECK_SECONDS  # all taken: check later
+        if plan.autoclaim is not None and polled.error is None:
+            if polled.autoclaim_cursor is None:  # the pending list was scanned to its end
+                self._autoclaim_cursor = "0-0"
+                self._autoclaimed_at = now + max(1.0, self.config.claim_idle_seconds / 4)
+            else:  # more to scan: at the next poll
+                self._autoclaim_cursor = polled.autoclaim_cursor
+        if self._closed:
+            return  # read while closing: not acknowledged, so delivered again
+        for message_id, fields in polled.entries:
             self._take(message_id, fields)
-        if entries or self._messages:
+        if polled.error is not None:
+            self._redis_failed(polled.error)
+            return
+        if polled.entries or self._messages:
             self._empty_since = None
         elif self._empty_since is None:
             self._empty_since = now
         if now >= self._reconciled_at:
             self._reconciled_at = now + _RECONCILE_AFTER_SECONDS
             self._reconcile(now)
+        if self._redis_error is not None:
+            logger.info("scrapy_idempotent: Redis queue %r reachable again", self.config.key)
+            self._redis_error = None
+
+    def _poll_failed(self, failure: Failure, plan: _PollPlan) -> None:
+        self._unacked += plan.acks
+        self._redis_failed(failure.value)
+
+    def _redis_failed(self, exc: BaseException | None) -> None:
+        self.stats.inc_value("idempotent/queue/redis_errors")
+        text = f"{type(exc).__name__}: {exc}"
+        if text != self._redis_error:
+            self._redis_error = text
+            logger.error("scrapy_idempotent: Redis queue %r: %s (retried every %.1f s)",
+                         self.config.key, text, self.config.poll_seconds)
 
     def _create_group(self) -> None:
         import redis
@@ -349,52 +458,67 @@ class QueueInput:
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
-        self._group_ready = True
 
-    def _claim_from_dead(self) -> list[tuple[str, dict[str, str]]]:
-        """Take at once the pending messages of consumers that ran on this host, in this
-        process's PID namespace, and are gone (their process no longer exists), then remove
-        those consumers."""
-        claimed: list[tuple[str, dict[str, str]]] = []
+    def _claim_from_dead(self, room: int, polled: _Polled) -> int:
+        """On the Redis thread: take at once up to ``room`` pending messages of consumers
+        that ran on this host, in this process's PID namespace, and are gone (their process
+        no longer exists), and remove such a consumer once it has none left. Returns how many
+        were taken."""
+        taken = 0
         for consumer in self.redis.xinfo_consumers(self.config.key, self.config.group):
             name = consumer["name"]
             if name == self.consumer or not worker_is_dead(name):
                 continue
-            while True:
-                pending = self.redis.xpending_range(self.config.key, self.config.group,
-                                                    min="-", max="+", count=100,
-                                                    consumername=name)
-                if not pending:
-                    break
+            if taken >= room:
+                polled.dead_left = True
+                break
+            want = room - taken
+            pending = self.redis.xpending_range(self.config.key, self.config.group,
+                                                min="-", max="+", count=want,
+                                                consumername=name)
+            if pending:
                 ids = [p["message_id"] for p in pending]
-                entries = self.redis.xclaim(self.config.key, self.config.group,
-                                            self.consumer, 0, ids)
-                claimed += [e for e in entries if e[1] is not None]
-                gone = set(ids) - {e[0] for e in entries if e[1] is not None}
+                entries = [e for e in self.redis.xclaim(self.config.key, self.config.group,
+                                                        self.consumer, 0, ids)
+                           if e[1] is not None]
+                polled.entries += entries
+                taken += len(entries)
+                gone = set(ids) - {e[0] for e in entries}
                 if gone:  # deleted from the stream meanwhile: nothing to do for them
                     self.redis.xack(self.config.key, self.config.group, *gone)
+                if len(pending) == want:  # it may have more: taken at the next poll
+                    polled.dead_left = True
+                    break
             self.redis.xgroup_delconsumer(self.config.key, self.config.group, name)
             logger.info("scrapy_idempotent: consumer %s is gone: its pending messages are "
                         "delivered again here", name)
-        self.stats.inc_value("idempotent/queue/claimed", len(claimed))
-        return claimed
+        polled.claimed += taken
+        return taken
 
-    def _autoclaim(self) -> list[tuple[str, dict[str, str]]]:
-        """Messages pending for ``IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS`` with any consumer
-        (a worker on another host that died, or that is too slow): delivered again here."""
-        claimed: list[tuple[str, dict[str, str]]] = []
-        start = "0-0"
+    def _autoclaim(self, cursor: str, room: int, known: frozenset[str],
+                   polled: _Polled) -> int:
+        """On the Redis thread: up to ``room`` messages pending for
+        ``IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS`` with any consumer (a worker on another host
+        that died, or that is too slow), delivered again here; the scan goes on from
+        ``cursor`` and stops where the room is full (the next poll goes on from there).
+        Returns how many were taken."""
         min_idle_ms = int(self.config.claim_idle_seconds * 1000)
-        while True:
+        taken = 0
+        while taken < room:
             reply = self.redis.xautoclaim(self.config.key, self.config.group, self.consumer,
-                                          min_idle_ms, start_id=start, count=100)
-            start, entries = reply[0], reply[1]
-            claimed += [e for e in entries if e[0] not in self._messages
-                        and e[0] != self._stop_id and e[1] is not None]
-            if start in ("0-0", b"0-0") or not entries:
+                                          min_idle_ms, start_id=cursor, count=room - taken)
+            cursor, entries = reply[0], reply[1]
+            new = [e for e in entries if e[0] not in known and e[1] is not None]
+            polled.entries += new
+            taken += len(new)
+            if cursor in ("0-0", b"0-0"):
+                polled.autoclaim_cursor = None
                 break
-        self.stats.inc_value("idempotent/queue/claimed", len(claimed))
-        return claimed
+            polled.autoclaim_cursor = cursor
+            if not entries:
+                break
+        polled.claimed += taken
+        return taken
 
     def _take(self, message_id: str, fields: dict[str, str]) -> None:
         """Feed one message to the crawl, or park it."""
@@ -439,10 +563,18 @@ class QueueInput:
         one transaction (MULTI): visible to operators, never lost."""
         entry = {"id": message_id, "fields": json.dumps(dict(fields), sort_keys=True),
                  "error": error, "consumer": self.consumer}
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(self.config.parked_key, entry)
-        pipe.xack(self.config.key, self.config.group, message_id)
-        pipe.execute()
+
+        def park() -> None:  # on the Redis thread
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.xadd(self.config.parked_key, entry)
+            pipe.xack(self.config.key, self.config.group, message_id)
+            pipe.execute()
+
+        parking = self._redis_calls(park)
+        parking.addCallbacks(self._parked, lambda failure: self._redis_failed(failure.value),
+                             callbackArgs=(message_id, error))
+
+    def _parked(self, _: None, message_id: str, error: str) -> None:
         self.stats.inc_value("idempotent/queue/parked")
         logger.warning("scrapy_idempotent: queue message %s parked in %r: %s", message_id,
                        self.config.parked_key, error)
@@ -520,20 +652,28 @@ class QueueInput:
                     del self._by_url[url]
 
     def _ack(self, ids: list[str]) -> None:
-        if not ids:
-            return
-        try:
-            self.redis.xack(self.config.key, self.config.group, *ids)
-        except Exception as exc:
-            logger.warning("scrapy_idempotent: cannot acknowledge %d queue message(s) yet "
-                           "(%s): retried at the next poll", len(ids), exc)
-            self._unacked += ids
-            return
-        self.stats.inc_value("idempotent/queue/acknowledged", len(ids))
+        """Acknowledge ``ids`` (on the Redis thread, after every command sent before: always
+        after the commit that ``request_done`` announced)."""
+        if not ids or self._closed:
+            return  # (closed: the close acknowledges what is owed)
+        acking = self._redis_calls(lambda: self._xack(ids))
+        acking.addCallbacks(self._acked, self._ack_failed, errbackArgs=(ids,))
 
-    def _flush_acks(self) -> None:
-        ids, self._unacked = self._unacked, []
-        self._ack(ids)
+    def _xack(self, ids: list[str]) -> int:
+        if not ids:
+            return 0
+        self.redis.xack(self.config.key, self.config.group, *ids)
+        return len(ids)
+
+    def _acked(self, count: int) -> None:
+        if count:
+            self.stats.inc_value("idempotent/queue/acknowledged", count)
+
+    def _ack_failed(self, failure: Failure, ids: list[str]) -> None:
+        logger.warning("scrapy_idempotent: cannot acknowledge %d queue message(s) yet "
+                       "(%s): retried at the next poll", len(ids), failure.value)
+        if not self._closed:
+            self._unacked += ids
 
     def _reconcile(self, now: float) -> None:
         """Messages waiting for a while on a request this worker does not process (another
