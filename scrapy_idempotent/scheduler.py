@@ -29,6 +29,7 @@ to run otherwise (:class:`~.UnsupportedScrapy`), and reports to the tracker.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
@@ -198,6 +199,7 @@ class IdempotentScheduler(BaseScheduler):
         self._session = False  # a session was begun in the store (open() got that far)
         self._renewal: task.LoopingCall | None = None
         self._before_end: list[Callable[[FrontierStore, int, bool], Any]] = []
+        self._last_counts: dict[str, int] = {}  #: the last count read (see __len__)
 
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> Self:
@@ -272,6 +274,9 @@ class IdempotentScheduler(BaseScheduler):
         self._hooks.install()
         self.tracker.writes_durable = self._writes_durable
         self.writer.start()  # from now on the writer's thread uses the write connection
+        if self.writer.threaded:
+            # and reconnects after a lost connection: the reads here never wait for it
+            self.store.never_wait_here()
         self._renewal = task.LoopingCall(self._tick)
         self._renewal.start(self.config.lease_seconds / 3, now=False)
         self._woken = False
@@ -326,6 +331,7 @@ class IdempotentScheduler(BaseScheduler):
 
     def _close_drained(self, reason: str) -> Deferred[None] | None:
         self.writer.stop()
+        self.store.never_wait_here(False)  # the close's writes wait for the database again
         if self._before_end and not self._failed:
             from scrapy.utils.defer import deferred_from_coro
 
@@ -461,9 +467,12 @@ class IdempotentScheduler(BaseScheduler):
         return self.store.known_request(fingerprint)
 
     def __len__(self) -> int:
-        """Pending and leased entries in the frontier (all workers), plus buffered ones."""
-        counts = self.store.counts()
-        return (counts["pending"] + counts["leased"]
+        """Pending and leased entries in the frontier (all workers), plus buffered ones
+        (the frontier's figures of the last count while the store cannot be read at once)."""
+        with contextlib.suppress(StoreBusy):
+            self._last_counts = self.store.counts()
+        counts = self._last_counts
+        return (counts.get("pending", 0) + counts.get("leased", 0)
                 + len(self.tracker.unattributed.requests) + self.tracker.memory_requests)
 
     # -- enqueue ----------------------------------------------------------------------------
@@ -487,7 +496,7 @@ class IdempotentScheduler(BaseScheduler):
             # or writing a transaction for it (a resume over a long start list that is
             # mostly done starts downloading at once). The commit would count it the same.
             key = self._key(fingerprint, filtered, origin)
-            known = self.store.known_request(fingerprint, key=key)
+            known = self._known(fingerprint, key)
             if known is not None:
                 self.stats.inc_value(f"idempotent/requests/{known}")
                 if known == signals.ALREADY_DONE:
@@ -532,9 +541,8 @@ class IdempotentScheduler(BaseScheduler):
         """Most enqueued requests are rediscovered links: known ones (in the frontier, or
         buffered for the next transaction) are refused like Scrapy's dupefilter does,
         without being encoded or written."""
-        # retried like a commit while the store is busy (a lost connection re-established)
         known = "duplicate" if self.tracker.is_buffered(fingerprint) \
-            else retry_busy("reading", lambda: self.store.known_request(fingerprint))
+            else self._known(fingerprint)
         if known is None:
             return False
         self.stats.inc_value(f"idempotent/requests/{known}")
@@ -542,6 +550,18 @@ class IdempotentScheduler(BaseScheduler):
         if known == signals.ALREADY_DONE:
             self.outcomes.already_done(request, fingerprint, fingerprint)
         return True
+
+    def _known(self, fingerprint: str, key: str | None = None) -> str | None:
+        """The store's :meth:`~.FrontierStore.known_request`, or None (unknown) while the
+        store cannot be read at once (a lost connection being re-established on another
+        thread): the request is then buffered, and the commit decides (a duplicate is
+        counted there and not added twice)."""
+        try:
+            return self.store.known_request(fingerprint, key=key)
+        except StoreBusy as exc:
+            self.stats.inc_value("idempotent/requests/unchecked")
+            logger.debug("scrapy_idempotent: duplicate check left to the commit (%s)", exc)
+            return None
 
     def _key(self, fingerprint: str, filtered: bool, origin: RequestOrigin) -> str:
         parent = origin.parent

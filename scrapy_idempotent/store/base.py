@@ -628,6 +628,14 @@ class FrontierStore(ABC):
         Returns False when this store cannot tell (the default): the caller polls."""
         return False
 
+    def never_wait_here(self, never: bool = True) -> None:
+        """From now on (``never`` false: no longer) the calling thread never waits for the
+        database to come back: a store that lost its connection raises :class:`~.StoreBusy`
+        at once on this thread and reconnects on another. The scheduler's reads on the
+        reactor thread while the writer thread runs. The default does nothing (a store
+        whose reads do not reconnect)."""
+        return None
+
     @abstractmethod
     def lease_holders(self) -> list[LeaseHolder]: ...
 

@@ -33,6 +33,9 @@ machines need on top:
   operation raises :class:`~.StoreBusy` (retried by the caller: the transaction did not
   happen); a connection lost during COMMIT may or may not have committed, so it raises
   :class:`~.StoreError` and the crawl closes (the next crawl resumes from what is there).
+  A thread that must never wait (:meth:`PostgreSQLStore.never_wait_here`: the reactor's,
+  while the writer thread runs) gets :class:`~.StoreBusy` at once instead, while a thread of
+  the store's reopens its connection.
 """
 
 from __future__ import annotations
@@ -313,6 +316,46 @@ class _CommitOutcomeUnknown(StoreError):
     """The connection was lost during COMMIT: the transaction may or may not have happened."""
 
 
+class _Reconnecting:
+    """A lost connection being reopened on a thread of its own, for a thread that must not
+    wait for it (:meth:`PostgreSQLStore.never_wait_here`): tried again, backing off up to
+    1 s, while the server refuses or is not ready (:class:`~.StoreBusy`), until it answers,
+    an error that a retry cannot cure comes (kept in :attr:`error`), or :meth:`stop`."""
+
+    def __init__(self, store: PostgreSQLStore) -> None:
+        self.store = store
+        self.conn: psycopg.Connection[Any] | None = None  #: set under the store's lock
+        self.error: StoreError | None = None  #: set under the store's lock
+        self._stopped = threading.Event()
+        threading.Thread(target=self._run, name="scrapy_idempotent reconnect",
+                         daemon=True).start()
+
+    def _run(self) -> None:
+        store = self.store
+        delay = 0.05
+        while not self._stopped.is_set():
+            try:
+                conn = store._connect()
+            except StoreBusy:
+                self._stopped.wait(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            except StoreError as exc:
+                with store._lock:
+                    self.error = exc
+                return
+            with store._lock:
+                if not self._stopped.is_set():
+                    self.conn = conn
+                    logger.info("scrapy_idempotent: reconnected to %s", store.shown_url)
+                    return
+            store._drop(conn)  # the store was closed meanwhile
+            return
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
 class PostgreSQLStore(FrontierStore):
     """The :class:`~.FrontierStore` on a PostgreSQL database (see the module docstring).
 
@@ -399,6 +442,8 @@ class PostgreSQLStore(FrontierStore):
         #: a bound from then (see reclaim_expired)
         self._connected_since = float("inf")
         self._beat_thread: threading.Thread | None = None
+        #: the thread reopening the connection of a thread that never waits, if any
+        self._reconnecting: _Reconnecting | None = None
 
     # -- connections ------------------------------------------------------------------------
 
@@ -492,18 +537,44 @@ class PostgreSQLStore(FrontierStore):
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
-        """This thread's connection, opened (again) when missing or broken."""
+        """This thread's connection, opened (again) when missing or broken; on a thread
+        that never waits (:meth:`never_wait_here`), taken from the thread that reopens it,
+        or :class:`~.StoreBusy` at once while it is not back."""
         if not self._opened:
             raise StoreError(f"store {self.shown_url} is not open")
         conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
         if conn is None or conn.closed or conn.broken:
             if conn is not None:
                 self._drop(conn)
-            conn = self._reconnect() if getattr(self._local, "connected", False) \
-                else self._connect()
+            if getattr(self._local, "never_wait", False):
+                conn = self._reconnected()
+            else:
+                conn = self._reconnect() if getattr(self._local, "connected", False) \
+                    else self._connect()
             self._local.conn = conn
             self._local.connected = True
         return conn
+
+    def never_wait_here(self, never: bool = True) -> None:
+        self._local.never_wait = never
+
+    def _reconnected(self) -> psycopg.Connection[Any]:
+        """For a thread that never waits: the connection the reconnecting thread has opened
+        for it, or :class:`~.StoreBusy` now, starting that thread when it is not running
+        (one per store: it tries, backing off up to 1 s, until the server answers or the
+        store is closed)."""
+        with self._lock:
+            reconnecting = self._reconnecting
+            if reconnecting is not None and reconnecting.conn is not None:
+                self._reconnecting = None
+                return reconnecting.conn
+            if reconnecting is None or reconnecting.error is not None:
+                error = reconnecting.error if reconnecting is not None else None
+                self._reconnecting = _Reconnecting(self)
+                if error is not None:  # the last attempt's answer; the next one is started
+                    raise error
+        raise StoreBusy(f"the connection to {self.shown_url} was lost; it is being "
+                        "re-established on another thread")
 
     def _reconnect(self) -> psycopg.Connection[Any]:
         """A new connection after one was lost: the server may be restarting, so a refused
@@ -535,6 +606,10 @@ class PostgreSQLStore(FrontierStore):
     def close(self) -> None:
         self._stop_heartbeat()
         self._stop_listening()
+        with self._lock:
+            reconnecting, self._reconnecting = self._reconnecting, None
+        if reconnecting is not None:
+            reconnecting.stop()
         with self._lock:
             connections, self._connections = self._connections, []
         for conn in connections:
