@@ -218,11 +218,13 @@ class Command(ScrapyCommand):
             store, path, identity = self._store(args[1] if len(args) > 1 else None,
                                                 opts.db)
             try:
-                # only retry and deliver write: they refuse, untouched, a file that is not
-                # ours or another crawl's (known from the spider's settings; with --db, only
-                # the former)
-                info = store.open_existing(readonly=subcommand not in ("retry", "deliver"),
-                                           identity=identity)
+                # only retry and deliver write (and migrate locks the source it copies,
+                # writing nothing): they refuse, untouched, a file that is not ours or
+                # another crawl's (known from the spider's settings; with --db, only the
+                # former)
+                info = store.open_existing(
+                    readonly=subcommand not in ("retry", "deliver", "migrate"),
+                    identity=identity)
                 if subcommand != "check" and not info.current:
                     raise StoreError(
                         f"{path} has schema version {info.version}; this "
@@ -544,26 +546,36 @@ class Command(ScrapyCommand):
                  opts: argparse.Namespace) -> None:
         """Copy the crawl into ``--to`` (opened as a crawl of the same identity would open
         it, created if needed, refused when it holds another crawl or this one already), in
-        one transaction there; the source is only read. Refused while a lease of the
-        source is unexpired: stop every crawl of it first."""
+        one transaction there. The source is only read, under its write lock from the check
+        until the target has committed (:meth:`~.FrontierStore.frozen`): one consistent
+        state is copied, and nothing lands in the source meanwhile. Refused while a crawl of
+        the source runs (a session not ended of a live worker, or an unexpired lease): stop
+        every crawl of it first."""
         assert self.settings is not None
-        now = time.time()
-        live = [h for h in store.lease_holders() if h.leased_until >= now]
-        if live:
-            raise StoreError(
-                f"{path} has leases held by {', '.join(h.worker for h in live[:3])} until "
-                f"{_iso(max(h.leased_until for h in live))}: stop every crawl of it before "
-                "migrating (a graceful stop releases its leases at once)")
-        meta = store.meta()
-        identity = (CrawlIdentity(project=meta.get("project", ""), spider=meta["spider"],
-                                  source=meta.get("source", ""))
-                    if meta.get("spider") else None)
-        target = open_store(opts.to, **store_options(self.settings))
-        try:
-            target.open(fingerprinter=meta.get("fingerprinter", ""), identity=identity)
-            written = target.load(store.dump())
-        finally:
-            target.close()
+        with store.frozen():
+            now = time.time()
+            running = store.live_workers()
+            if running:
+                raise StoreError(
+                    f"{path} is in use by the crawl of {', '.join(running[:3])}"
+                    f"{' and others' if len(running) > 3 else ''} (a session that has not "
+                    "ended, of a process that runs): stop every crawl of it before migrating")
+            live = [h for h in store.lease_holders() if h.leased_until >= now]
+            if live:
+                raise StoreError(
+                    f"{path} has leases held by {', '.join(h.worker for h in live[:3])} until "
+                    f"{_iso(max(h.leased_until for h in live))}: stop every crawl of it before "
+                    "migrating (a graceful stop releases its leases at once)")
+            meta = store.meta()
+            identity = (CrawlIdentity(project=meta.get("project", ""), spider=meta["spider"],
+                                      source=meta.get("source", ""))
+                        if meta.get("spider") else None)
+            target = open_store(opts.to, **store_options(self.settings))
+            try:
+                target.open(fingerprinter=meta.get("fingerprinter", ""), identity=identity)
+                written = target.load(store.dump())
+            finally:
+                target.close()
         moved = {table: written.get(table, 0) for table in
                  ("runs", "requests", "records", "rejects", "responses")}
         report = {"database": path, "to": redacted(opts.to), "rows": moved}

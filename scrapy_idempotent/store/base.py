@@ -25,6 +25,7 @@ Transaction guarantees every implementation gives:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import fnmatch
 from abc import ABC, abstractmethod
@@ -798,10 +799,28 @@ class FrontierStore(ABC):
         """Every row of the crawl, as ``(table, rows)`` batches of at most ``batch`` rows in
         :data:`DUMP_TABLES` order; rows are dicts of plain values keyed by the SQLite
         store's column names (``responses.body`` is bytes). Each batch is read by one
-        statement: no read transaction is held between batches (stop the crawls first).
-        Raises :class:`~.StoreError` for a backend that cannot be read this way."""
+        statement: read inside :meth:`frozen` for one consistent copy (else a commit landing
+        between two batches is half in it). Raises :class:`~.StoreError` for a backend that
+        cannot be read this way."""
         raise StoreError(f"{type(self).__name__} cannot be migrated from")
         yield  # pragma: no cover
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """Inside the block, nothing is committed to this store by anyone else, and its reads
+        (:meth:`dump`) see one state: the copy of a migration, which also ends inside the
+        block, so that nothing lands in the source after the copy and before the target has
+        it. Writers of other processes wait meanwhile (and give up after their busy timeout).
+        Opened with ``open_existing(readonly=False)``; nothing is written. Raises
+        :class:`~.StoreBusy` when another process holds the write lock past the busy
+        timeout, :class:`~.StoreError` for a backend that cannot be migrated from."""
+        raise StoreError(f"{type(self).__name__} cannot be migrated from")
+        yield  # pragma: no cover
+
+    def live_workers(self) -> list[str]:
+        """The workers whose sessions still run (not ended, and not known dead): a crawl of
+        this store in progress, even one holding no lease at the moment."""
+        return sorted({h.worker for h in self.lease_holders()})
 
     def load(self, batches: Iterator[tuple[str, list[dict[str, object]]]]) -> dict[str, int]:
         """Write :meth:`dump` output into this store, opened and empty (no runs, requests

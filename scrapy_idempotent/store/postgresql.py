@@ -1517,6 +1517,16 @@ class PostgreSQLStore(FrontierStore):
         high-churn tables at creation); nothing to do here: 0."""
         return 0
 
+    def live_workers(self) -> list[str]:
+        """Sessions not ended whose heartbeat is within the liveness bound (any host)."""
+        if self.dead_after_seconds is None:
+            return [w for (w,) in self._read("SELECT DISTINCT worker FROM sessions"
+                                              " WHERE ended_at IS NULL ORDER BY worker")]
+        return [w for (w,) in self._read(
+            "SELECT DISTINCT worker FROM sessions WHERE ended_at IS NULL"
+            " AND heartbeat_at >= %s ORDER BY worker",
+            (self.clock() - self.dead_after_seconds,))]
+
     def lease_holders(self) -> list[LeaseHolder]:
         rows = self._read(
             "SELECT worker, count(*), max(leased_until) FROM requests WHERE state = 'leased'"

@@ -1447,6 +1447,24 @@ class SQLiteStore(FrontierStore):
                     del row["_key"]
                 yield table, rows
 
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        # BEGIN IMMEDIATE: the write lock (no other connection commits until the block ends;
+        # readers go on, in WAL mode) and one snapshot for every read of the block
+        conn = self.conn
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise self._error(exc, "locking the database for a consistent copy") from exc
+        try:
+            yield
+        finally:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")  # nothing was written: the lock is let go
+
+    def live_workers(self) -> list[str]:
+        return self._live_sessions(self.conn)
+
     def _dicts(self, sql: str, params: Any = ()) -> list[dict[str, object]]:
         """Rows as dicts keyed by column name (a table dump is column by column)."""
         cur = self.conn.execute(sql, params)
