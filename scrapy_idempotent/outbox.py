@@ -151,7 +151,8 @@ class WebhookTarget(OutboxTarget):
     application/json``, ``Idempotency-Key: <key>``, ``User-Agent: scrapy_idempotent/<v>``
     and those of ``IDEMPOTENT_OUTBOX_HEADERS``. A 2xx answer acknowledges it; 5xx, 408, 409,
     429 and network errors are tried again (``Retry-After`` honoured); any other answer
-    (4xx, a redirect) refuses it for good, kept with the entry."""
+    (4xx, a redirect) refuses it for good, kept with the entry. ``timeout_seconds`` bounds
+    the whole exchange (connecting, sending, the answer's headers and body)."""
 
     def __init__(self, url: str, headers: Sequence[tuple[str, str]] = (),
                  timeout_seconds: float = 30.0) -> None:
@@ -180,11 +181,12 @@ class WebhookTarget(OutboxTarget):
         for name, value in self.headers:
             headers.setRawHeaders(name, [value])
         body: Any = FileBodyProducer(BytesIO(announcement.body()))  # type: ignore[no-untyped-call]
+        deadline = time.monotonic() + self.timeout_seconds  # one for the whole exchange
         request: Deferred[Any] = self._agent.request(b"POST", self.url.encode(), headers, body)
         request.addTimeout(self.timeout_seconds, reactor)
         response = await maybe_deferred_to_future(request)
         reading = _read_body(response)
-        reading.addTimeout(self.timeout_seconds, reactor)
+        reading.addTimeout(max(deadline - time.monotonic(), 0.0), reactor)
         text = (await maybe_deferred_to_future(reading)).decode("utf-8", "replace")
         status = int(response.code)
         answer = f"HTTP {status}" + (f": {text[:DETAIL_CHARS]}" if text.strip() else "")
@@ -320,7 +322,46 @@ class StoreThread:
         return done
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False)
+        """Let what was submitted finish, then end the thread and wait for it to be gone."""
+        self._executor.shutdown(wait=True)
+
+
+def _bounded(deferred: Deferred[_T], seconds: float) -> Deferred[_T]:
+    """``deferred``'s result, or a :class:`TimeoutError` once ``seconds`` have passed
+    without one. ``deferred`` is then cancelled, and the result is given whether or not the
+    cancellation ends it (a target that ignores it cannot hold anything up). Cancelling the
+    result cancels ``deferred`` the same way."""
+    from twisted.internet import reactor as installed
+    from twisted.internet.defer import Deferred
+    from twisted.python.failure import Failure
+
+    reactor: Any = installed
+
+    def cancel(_: Deferred[_T]) -> None:
+        if timer.active():
+            timer.cancel()
+        deferred.cancel()
+
+    result: Deferred[_T] = Deferred(cancel)
+
+    def give(outcome: Any) -> None:
+        if timer.active():
+            timer.cancel()
+        if result.called:  # timed out or cancelled: the late outcome is dropped
+            return
+        if isinstance(outcome, Failure):
+            result.errback(outcome)
+        else:
+            result.callback(outcome)
+
+    def expire() -> None:
+        if not result.called:
+            result.errback(TimeoutError(f"no answer within {seconds:g} s"))
+        deferred.cancel()
+
+    timer = reactor.callLater(seconds, expire)
+    deferred.addBoth(give)
+    return result
 
 
 class Deliverer:
@@ -328,6 +369,12 @@ class Deliverer:
     ``concurrency`` at once per target; records each outcome as it comes (one transaction
     each). Runs on the reactor and never blocks it on a target; store calls run through
     ``run_store`` (the crawl's extension gives a :class:`StoreThread`).
+
+    One delivery at a time per entry: an attempt ends after ``timeout_seconds`` at the
+    latest (the target is cancelled and the entry tried again later), and a claim holds the
+    entry :data:`HOLD_MARGIN_SECONDS` longer than that; an entry whose delivery is still in
+    flight here is never claimed again by this deliverer, and an outcome is recorded only
+    while the claim that sent it still holds the entry (:attr:`OutboxEntry.held_until`).
 
     Retries: attempt n (0 for the first) failing with a retryable error is tried again after
     ``min(retry_max, retry * 2**n)`` seconds times a random factor in [0.5, 1] (jitter), or
@@ -342,6 +389,7 @@ class Deliverer:
         self.store = store
         self.targets = {target.name: target for target in targets}
         self.concurrency = concurrency
+        self.timeout_seconds = timeout_seconds
         self.hold_seconds = timeout_seconds + HOLD_MARGIN_SECONDS
         self.retry_seconds = retry_seconds
         self.retry_max_seconds = retry_max_seconds
@@ -351,10 +399,20 @@ class Deliverer:
         self.inflight: dict[str, int] = dict.fromkeys(self.targets, 0)
         self.counts = {state.value: 0 for state in OutboxState}  #: outcomes of this process
         self.stopped = False
+        #: no delivery starts after this (``time.monotonic()``); set by :meth:`drain`
+        self.start_until: float | None = None
+        self._claimed: set[int] = set()  # entry ids from their claim until their settle
+        self._running: dict[int, Deferred[Any]] = {}  # entry id -> its attempt
+        self._cancelled: set[int] = set()  # attempts cancelled because delivery stopped
         self._idle: list[Deferred[None]] = []
         self._pumping = False
         self._pump_again = False
         self._pump_waiters: list[Deferred[int]] = []
+
+    def may_start(self) -> bool:
+        """Whether a new delivery may start: not stopped, and the drain's time not over."""
+        return not self.stopped and (self.start_until is None
+                                     or time.monotonic() < self.start_until)
 
     async def _store(self, action: Callable[[], _T]) -> _T:
         from scrapy.utils.defer import maybe_deferred_to_future
@@ -366,7 +424,7 @@ class Deliverer:
         """Start deliveries of due entries up to the concurrency; fires with how many
         started, once their claims are done. A pump asked for while one runs makes that one
         look again, and fires when it ends. A store error is logged and ends nothing: the
-        next pump tries again."""
+        next pump tries again. Starts nothing once :meth:`may_start` says no."""
         from scrapy.utils.defer import deferred_from_coro
         from twisted.internet.defer import Deferred
 
@@ -378,6 +436,12 @@ class Deliverer:
         self._pumping = True  # at once: a second call in this turn waits for this pump
         return deferred_from_coro(self._pump())
 
+    def _claim(self, name: str, limit: int, busy: frozenset[int]) -> list[OutboxEntry]:
+        """The claim, on the store's thread: nothing once no delivery may start."""
+        if not self.may_start():
+            return []
+        return self.store.claim_outbox([name], limit, self.hold_seconds, exclude=busy)
+
     async def _pump(self) -> int:
         started = 0
         try:
@@ -385,19 +449,19 @@ class Deliverer:
                 self._pump_again = False
                 for name, target in self.targets.items():
                     free = self.concurrency - self.inflight[name]
-                    if free <= 0 or self.stopped:
+                    if free <= 0 or not self.may_start():
                         continue
                     try:
                         entries = await self._store(functools.partial(
-                            self.store.claim_outbox, [name], free, self.hold_seconds))
+                            self._claim, name, free, frozenset(self._claimed)))
                     except StoreError as exc:
                         logger.warning("scrapy_idempotent: outbox: cannot claim entries "
                                        "(%s); trying again", exc)
                         return started
                     for entry in entries:
-                        self.inflight[name] += 1
-                        started += 1
-                        self._start(target, entry)
+                        send = self.may_start()  # else claimed as delivery stopped
+                        self._start(target, entry, send=send)
+                        started += send
                 if not self._pump_again:
                     return started
         finally:
@@ -406,40 +470,72 @@ class Deliverer:
             for waiter in waiters:
                 waiter.callback(0)
 
-    def _start(self, target: OutboxTarget, entry: OutboxEntry) -> None:
+    def _start(self, target: OutboxTarget, entry: OutboxEntry, *, send: bool = True) -> None:
         from scrapy.utils.defer import deferred_from_coro
 
-        deferred_from_coro(self._deliver(target, entry))
+        self.inflight[target.name] += 1
+        self._claimed.add(entry.entry_id)
+        deferred_from_coro(self._deliver(target, entry, send))
 
-    async def _deliver(self, target: OutboxTarget, entry: OutboxEntry) -> None:
+    async def _deliver(self, target: OutboxTarget, entry: OutboxEntry, send: bool) -> None:
         try:
-            outcome = await self._attempt(target, entry)
+            outcome = (await self._attempt(target, entry) if send else OutboxOutcome(
+                entry.entry_id, OutboxState.PENDING, "not sent: delivery stopped",
+                retry_at=self.clock(), held_until=entry.held_until))
             try:
-                await self._store(functools.partial(self.store.settle_outbox, [outcome]))
+                settled = await self._store(functools.partial(self.store.settle_outbox,
+                                                              [outcome]))
             except StoreError as exc:  # the hold ends, and the entry is sent again
                 logger.warning("scrapy_idempotent: outbox: cannot record the delivery of %s "
                                "(%s); it will be sent again", entry.key, exc)
                 return
-            self.counts[outcome.state.value] += 1
-            if self.on_outcome is not None:
-                self.on_outcome(outcome)
+            if not settled:
+                logger.warning("scrapy_idempotent: outbox: the outcome of %s came after its "
+                               "hold ended and was not recorded (%s)", entry.key,
+                               outcome.detail)
+                return
+            if send:
+                self.counts[outcome.state.value] += 1
+                if self.on_outcome is not None:
+                    self.on_outcome(outcome)
         finally:
+            self._claimed.discard(entry.entry_id)
+            self._running.pop(entry.entry_id, None)
+            self._cancelled.discard(entry.entry_id)
             self.inflight[target.name] -= 1
-            if not self.stopped:
+            if self.may_start():
                 self.pump()
             if not any(self.inflight.values()):
                 idle, self._idle = self._idle, []
                 for waiter in idle:
-                    waiter.callback(None)
+                    if not waiter.called:
+                        waiter.callback(None)
 
     async def _attempt(self, target: OutboxTarget, entry: OutboxEntry) -> OutboxOutcome:
+        from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
+        from twisted.internet.defer import CancelledError, maybeDeferred
+
         announcement = Announcement(key=entry.key, payload=payload_of(entry), entry=entry)
+        token = entry.held_until
         try:
-            answer = await target.deliver(announcement)
+            running = _bounded(maybeDeferred(
+                lambda: deferred_from_coro(target.deliver(announcement))),
+                self.timeout_seconds)
+            self._running[entry.entry_id] = running
+            answer = await maybe_deferred_to_future(running)
         except DeliveryRefused as exc:
             logger.error("scrapy_idempotent: outbox: %s refused %s for good: %s",
                          target_label(target.name), entry.key, exc)
-            return OutboxOutcome(entry.entry_id, OutboxState.FAILED, str(exc)[:DETAIL_CHARS])
+            return OutboxOutcome(entry.entry_id, OutboxState.FAILED, str(exc)[:DETAIL_CHARS],
+                                 held_until=token)
+        except CancelledError:
+            if entry.entry_id not in self._cancelled:
+                raise
+            logger.info("scrapy_idempotent: outbox: %s to %s cut off as delivery stopped; "
+                        "due again at once", entry.key, target_label(target.name))
+            return OutboxOutcome(entry.entry_id, OutboxState.PENDING,
+                                 "not acknowledged before delivery stopped",
+                                 retry_at=self.clock(), held_until=token)
         except Exception as exc:
             retry_after = exc.retry_after_seconds if isinstance(exc, DeliveryRetry) else None
             detail = str(exc) if isinstance(exc, DeliveryRetry) else (
@@ -448,9 +544,9 @@ class Deliverer:
             logger.info("scrapy_idempotent: outbox: %s to %s not acknowledged (%s); "
                         "again in %.1f s", entry.key, target_label(target.name), detail, delay)
             return OutboxOutcome(entry.entry_id, OutboxState.PENDING, detail[:DETAIL_CHARS],
-                                 retry_at=self.clock() + delay)
+                                 retry_at=self.clock() + delay, held_until=token)
         return OutboxOutcome(entry.entry_id, OutboxState.DELIVERED,
-                             str(answer or "")[:DETAIL_CHARS])
+                             str(answer or "")[:DETAIL_CHARS], held_until=token)
 
     def backoff(self, attempts: int, retry_after: float | None = None) -> float:
         """Seconds before the next try of an entry tried ``attempts`` times before."""
@@ -460,42 +556,61 @@ class Deliverer:
             delay = max(delay, retry_after)
         return delay
 
-    def wait_idle(self) -> Deferred[None]:
-        """Fires when no delivery is in flight."""
+    def wait_idle(self, seconds: float | None = None) -> Deferred[None]:
+        """Fires when no delivery is in flight, or after ``seconds`` when given."""
+        from twisted.internet import reactor as installed
         from twisted.internet.defer import Deferred, succeed
 
+        reactor: Any = installed
         if not any(self.inflight.values()):
             return succeed(None)
         waiter: Deferred[None] = Deferred()
         self._idle.append(waiter)
+        if seconds is not None:
+            timer = reactor.callLater(max(seconds, 0.0), lambda: (
+                None if waiter.called else waiter.callback(None)))
+
+            def stop_timer(result: None) -> None:
+                if timer.active():
+                    timer.cancel()
+                return result
+
+            waiter.addBoth(stop_timer)
         return waiter
 
     async def drain(self, seconds: float) -> int:
         """Deliver until nothing of the targets is pending, or until ``seconds`` have gone
-        by (entries whose next try falls later are left for later). Returns the entries
-        left pending."""
+        by (entries whose next try falls later are left for later), then stop: no delivery
+        starts after that time, and those still in flight then are cancelled and left
+        pending, due at once. ``0`` delivers nothing more. Returns the entries left
+        pending."""
         from scrapy.utils.defer import maybe_deferred_to_future
         from twisted.internet import reactor
         from twisted.internet.task import deferLater
 
-        deadline = self.clock() + seconds
+        until = time.monotonic() + max(seconds, 0.0)
+        self.start_until = until
         names = list(self.targets)
-        while True:
-            await maybe_deferred_to_future(self.pump())
-            if any(self.inflight.values()):
-                await maybe_deferred_to_future(self.wait_idle())
-                continue
-            try:
-                due = await self._store(functools.partial(self.store.outbox_next_due, names))
-            except StoreError as exc:
-                logger.warning("scrapy_idempotent: outbox: %s", exc)
-                due = None
-            now = self.clock()
-            if due is None or due > deadline or now >= deadline:
-                break
-            if due > now:
-                await maybe_deferred_to_future(deferLater(
-                    reactor, min(due - now, POLL_SECONDS), lambda: None))
+        try:
+            while self.may_start():
+                await maybe_deferred_to_future(self.pump())
+                if any(self.inflight.values()):
+                    await maybe_deferred_to_future(self.wait_idle(until - time.monotonic()))
+                    continue
+                try:
+                    due = await self._store(functools.partial(self.store.outbox_next_due,
+                                                              names))
+                except StoreError as exc:
+                    logger.warning("scrapy_idempotent: outbox: %s", exc)
+                    due = None
+                now, left = self.clock(), until - time.monotonic()
+                if due is None or due - now >= left:
+                    break
+                if due > now:
+                    await maybe_deferred_to_future(deferLater(
+                        reactor, min(due - now, POLL_SECONDS, left), lambda: None))
+        finally:
+            await self.stop()
         return await self.pending()
 
     async def pending(self) -> int:
@@ -503,17 +618,32 @@ class Deliverer:
         counts = await self._store(self.store.outbox_counts)
         return sum(counts.get(name, {}).get("pending", 0) for name in self.targets)
 
-    async def close(self) -> None:
-        """Stop starting deliveries, wait for those in flight, close the targets."""
+    async def stop(self) -> None:
+        """Start no more deliveries; cancel those in flight (each is left pending, due at
+        once) and wait until their outcomes are recorded."""
         from scrapy.utils.defer import maybe_deferred_to_future
 
         self.stopped = True
-        if self._pumping:  # its claims may still start deliveries
+        if self._pumping:  # its claims are recorded as not sent
             await maybe_deferred_to_future(self.pump())
+        for entry_id, running in list(self._running.items()):
+            self._cancelled.add(entry_id)
+            running.cancel()
         await maybe_deferred_to_future(self.wait_idle())
+
+    async def close(self) -> None:
+        """Stop (see :meth:`stop`), then close the targets (each given ``timeout_seconds``
+        at most)."""
+        from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
+        from twisted.internet.defer import maybeDeferred
+
+        await self.stop()
         for target in self.targets.values():
             try:
-                await target.close()
+                closing: Callable[[], Deferred[None]] = functools.partial(
+                    deferred_from_coro, target.close())
+                await maybe_deferred_to_future(_bounded(maybeDeferred(closing),
+                                                        self.timeout_seconds))
             except Exception:
                 logger.exception("scrapy_idempotent: outbox: closing %s failed",
                                  target_label(target.name))

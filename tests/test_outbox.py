@@ -224,20 +224,21 @@ async def test_deliver_command_sends_what_a_crawl_left_and_status_counts_it(
     status = idempotent_json("status", "--db", str(db_path))
     assert status["outbox"] == {hook.url: {"pending": 50, "delivered": 0, "failed": 0}}
 
-    def deliver() -> subprocess.CompletedProcess[str]:
+    def deliver(drain_seconds: float) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "scrapy", "idempotent", "deliver", "--db", str(db_path),
              "--json", "-s", f"IDEMPOTENT_OUTBOX_TARGETS={hook.url}",
-             "-s", "IDEMPOTENT_OUTBOX_DRAIN_SECONDS=0"],
-            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+             "-s", "IDEMPOTENT_OUTBOX_RETRY_SECONDS=60",
+             "-s", f"IDEMPOTENT_OUTBOX_DRAIN_SECONDS={drain_seconds}"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=300)
 
-    still_down = deliver()  # tries each once, leaves them pending: exit code 1
+    still_down = deliver(1)  # what it tries is answered 503: all left pending, exit code 1
     assert still_down.returncode == 1, still_down.stderr
     assert json.loads(still_down.stdout)["pending"] == 50
     hook.down = False
     with db_rows_connection(db_path) as conn:  # make them due now (no waiting for backoff)
         conn.execute("UPDATE outbox SET due_at = 0")
-    done = deliver()
+    done = deliver(120)  # ends as soon as nothing is pending
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert (report["delivered"], report["pending"]) == (50, 0)

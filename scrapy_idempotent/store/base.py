@@ -29,7 +29,7 @@ import contextlib
 import enum
 import fnmatch
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ..exceptions import StoreError
@@ -216,6 +216,9 @@ class OutboxEntry:
     run_id: int
     created_at: float  #: when the change was committed (unix seconds, the store's clock)
     attempts: int = 0  #: deliveries tried before this one
+    #: the end of the hold the claim wrote (the store's clock); given back with the outcome
+    #: (:attr:`OutboxOutcome.held_until`), it is the claim's token
+    held_until: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -237,12 +240,15 @@ class OutboxRow:
 class OutboxOutcome:
     """What one delivery attempt of entry ``entry_id`` came to: ``DELIVERED``, ``FAILED``
     (refused for good), or ``PENDING`` with ``retry_at`` (unix seconds) for another try.
-    ``detail`` is the target's answer (status and body) or the error, kept in the entry."""
+    ``detail`` is the target's answer (status and body) or the error, kept in the entry.
+    ``held_until`` is the claim's token (:attr:`OutboxEntry.held_until`): the outcome is
+    recorded only while the entry is still held by that claim; None: whatever holds it."""
 
     entry_id: int
     state: OutboxState
     detail: str = ""
     retry_at: float | None = None
+    held_until: float | None = None
 
 
 @dataclass(frozen=True)
@@ -647,19 +653,24 @@ class FrontierStore(ABC):
     # -- the outbox ------------------------------------------------------------------------
 
     @abstractmethod
-    def claim_outbox(self, targets: Sequence[str], limit: int,
-                     hold_seconds: float) -> list[OutboxEntry]:
+    def claim_outbox(self, targets: Sequence[str], limit: int, hold_seconds: float, *,
+                     exclude: Collection[int] = ()) -> list[OutboxEntry]:
         """Up to ``limit`` pending entries of ``targets`` that are due (never tried, or their
-        retry time has come), oldest first, each held for ``hold_seconds`` (one transaction):
-        no other claim returns them meanwhile. An entry whose holder died is due again when
-        the hold ends, so a delivery may be repeated (at least once), never lost."""
+        retry time has come), oldest first, except the entry ids in ``exclude`` (deliveries
+        of the caller still in flight), each held for ``hold_seconds`` (one transaction): no
+        other claim returns them meanwhile. An entry whose holder died is due again when the
+        hold ends, so a delivery may be repeated (at least once), never lost. Each entry's
+        :attr:`~OutboxEntry.held_until` is the claim's token for :meth:`settle_outbox`."""
 
     @abstractmethod
-    def settle_outbox(self, outcomes: Sequence[OutboxOutcome]) -> None:
+    def settle_outbox(self, outcomes: Sequence[OutboxOutcome]) -> list[OutboxOutcome]:
         """Record delivery outcomes in one transaction: delivered and failed entries are
         final (a later outcome for them changes nothing); a pending outcome counts one
         attempt and makes the entry due at ``retry_at``. The record data of a delivered
-        entry is dropped (its key, kind and record ID are kept)."""
+        entry is dropped (its key, kind and record ID are kept). An outcome with a
+        ``held_until`` token changes its entry only while the entry is still held by that
+        claim (a late outcome of a claim whose hold ended and was claimed again changes
+        nothing). Returns the outcomes that changed an entry, in the order given."""
 
     @abstractmethod
     def outbox_next_due(self, targets: Sequence[str]) -> float | None:

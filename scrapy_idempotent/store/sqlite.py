@@ -12,7 +12,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, cast
 
 from ..exceptions import StoreBusy, StoreError
@@ -1010,49 +1010,56 @@ class SQLiteStore(FrontierStore):
 
     # -- the outbox --------------------------------------------------------------------------
 
-    def claim_outbox(self, targets: Sequence[str], limit: int,
-                     hold_seconds: float) -> list[OutboxEntry]:
+    def claim_outbox(self, targets: Sequence[str], limit: int, hold_seconds: float, *,
+                     exclude: Collection[int] = ()) -> list[OutboxEntry]:
         if not targets or limit <= 0:
             return []
         now = self.clock()
         marks = ", ".join("?" * len(targets))
+        skip = ", ".join("?" * len(exclude))
         with self._write() as cur:
             rows = cur.execute(
                 "UPDATE outbox SET due_at = ? WHERE id IN (SELECT id FROM outbox"
                 f"  WHERE state = 'pending' AND target IN ({marks}) AND due_at <= ?"
-                "  ORDER BY due_at, id LIMIT ?)"
+                + (f" AND id NOT IN ({skip})" if exclude else "")
+                + "  ORDER BY due_at, id LIMIT ?)"
                 " RETURNING id, target, idempotency_key, kind, record_id, content_hash,"
-                " item_type, source, natural_key, data, run_id, created_at, attempts",
-                (now + hold_seconds, *targets, now, limit),
+                " item_type, source, natural_key, data, run_id, created_at, attempts, due_at",
+                (now + hold_seconds, *targets, now, *exclude, limit),
             ).fetchall()
         rows.sort(key=lambda r: r[0])  # RETURNING gives no order
         return [OutboxEntry(entry_id=r[0], target=r[1], key=r[2], kind=r[3], record_id=r[4],
                             content_hash=r[5], item_type=r[6], source=r[7],
                             natural_key=r[8], data=r[9] or "{}", run_id=r[10],
-                            created_at=r[11], attempts=r[12])
+                            created_at=r[11], attempts=r[12], held_until=r[13])
                 for r in rows]
 
-    def settle_outbox(self, outcomes: Sequence[OutboxOutcome]) -> None:
+    def settle_outbox(self, outcomes: Sequence[OutboxOutcome]) -> list[OutboxOutcome]:
         if not outcomes:
-            return
+            return []
         now = self.clock()
+        settled: list[OutboxOutcome] = []
         with self._write() as cur:
             for outcome in outcomes:
+                # only a pending entry, and only while the claim that sent it holds it
+                held = " WHERE id = ? AND state = 'pending' AND (? IS NULL OR due_at = ?)"
+                token = (outcome.entry_id, outcome.held_until, outcome.held_until)
                 if outcome.state is OutboxState.PENDING:
                     cur.execute(
                         "UPDATE outbox SET attempts = attempts + 1, due_at = ?, detail = ?"
-                        " WHERE id = ? AND state = 'pending'",
+                        + held,
                         (outcome.retry_at if outcome.retry_at is not None else now,
-                         outcome.detail, outcome.entry_id))
+                         outcome.detail, *token))
                 else:
-                    delivered = outcome.state is OutboxState.DELIVERED
                     cur.execute(
                         "UPDATE outbox SET state = ?, attempts = attempts + 1,"
                         " settled_at = ?, detail = ?,"
-                        " data = CASE WHEN ? THEN NULL ELSE data END"
-                        " WHERE id = ? AND state = 'pending'",
-                        (outcome.state.value, now, outcome.detail, delivered,
-                         outcome.entry_id))
+                        " data = CASE WHEN ? THEN NULL ELSE data END" + held,
+                        (outcome.state.value, now, outcome.detail,
+                         outcome.state is OutboxState.DELIVERED, *token))
+                if cur.rowcount:
+                    settled.append(outcome)
+        return settled
 
     def outbox_next_due(self, targets: Sequence[str]) -> float | None:
         if not targets:
