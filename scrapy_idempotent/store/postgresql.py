@@ -288,6 +288,9 @@ _DEAD_WORKERS = ("SELECT worker FROM sessions WHERE ended_at IS NULL GROUP BY wo
 #: The URL query parameter naming the schema (removed before the URL reaches libpq).
 SCHEMA_PARAMETER = "schema"
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+#: A frontier entry already there: (id, state, finished_at); id None for one added by the
+#: same page commit.
+_Known = tuple[Any, str, Any]
 
 
 def schema_for(identity: CrawlIdentity | None) -> str:
@@ -627,8 +630,14 @@ class PostgreSQLStore(FrontierStore):
         from psycopg import errors
 
         where = f"the database {self.shown_url} (schema {self.schema})"
-        if isinstance(exc, (errors.LockNotAvailable, errors.DeadlockDetected,
-                            errors.SerializationFailure)):
+        if isinstance(exc, errors.DeadlockDetected):
+            return StoreBusy(f"{where}: this transaction and another one waited for each "
+                             f"other's locks while {doing}; the server ended this one, which "
+                             f"is retried ({exc})")
+        if isinstance(exc, errors.SerializationFailure):
+            return StoreBusy(f"{where}: this transaction conflicted with a concurrent one "
+                             f"while {doing}; it is retried ({exc})")
+        if isinstance(exc, errors.LockNotAvailable):
             return StoreBusy(f"{where} is locked by another transaction longer than "
                              f"IDEMPOTENT_BUSY_TIMEOUT_SECONDS "
                              f"({self.busy_timeout_seconds:g} s) allows while {doing} ({exc})")
@@ -1037,62 +1046,105 @@ class PostgreSQLStore(FrontierStore):
 
     def _insert_requests(self, cur: psycopg.Cursor[Any], requests: list[NewRequest],
                          now: float, run_id: int, result: CommitResult) -> None:
+        """Add ``requests`` to the frontier: a new key is inserted, a known one is a
+        duplicate, already done, or (recrawl window) due again."""
         if not requests:
             return
-        window_start = self._window_start(now)
+        by_key, by_fingerprint = self._known_entries(cur, requests)
+        new, due = self._sort_out(requests, by_key, by_fingerprint, now, result)
+        if due:
+            self._due_again(cur, due, now, run_id)
+        if new:
+            self._insert_new(cur, new, now, run_id, result)
+
+    @staticmethod
+    def _known_entries(cur: psycopg.Cursor[Any], requests: list[NewRequest]
+                       ) -> tuple[dict[str, _Known], dict[str, _Known]]:
+        """The entries already there: by key (the keys of ``requests``, and the
+        fingerprints of those filtered by fingerprint), and by fingerprint (entries whose
+        key is not their fingerprint: ``dont_filter`` requests)."""
         lookup = {r.key for r in requests} | {r.fingerprint for r in requests
                                               if r.filter_fingerprint}
-        # key -> (id, state, finished_at); fingerprint -> the same, of dont_filter entries
-        by_key: dict[str, tuple[Any, str, Any]] = {
+        by_key: dict[str, _Known] = {
             key: (id_, state, finished) for id_, key, state, finished in cur.execute(
                 "SELECT id, key, state, finished_at FROM requests WHERE key = ANY(%b)",
                 (sorted(lookup),))}
         fingerprints = sorted({r.fingerprint for r in requests if r.filter_fingerprint})
-        by_other: dict[str, tuple[Any, str, Any]] = {}
+        by_fingerprint: dict[str, _Known] = {}
         if fingerprints:
             for id_, fingerprint, state, finished in cur.execute(
                     "SELECT id, fingerprint, state, finished_at FROM requests"
                     " WHERE fingerprint = ANY(%b) AND key <> fingerprint", (fingerprints,)):
-                by_other.setdefault(fingerprint, (id_, state, finished))
+                by_fingerprint.setdefault(fingerprint, (id_, state, finished))
+        return by_key, by_fingerprint
+
+    def _sort_out(self, requests: list[NewRequest], by_key: dict[str, _Known],
+                  by_fingerprint: dict[str, _Known], now: float, result: CommitResult
+                  ) -> tuple[list[NewRequest], dict[int, NewRequest]]:
+        """The requests to insert (in the order given) and the finished entries due again
+        (entry id -> the request that brings it back); counts duplicates and the already
+        done. A request seen earlier in ``requests`` counts as known."""
+        window_start = self._window_start(now)
         new: list[NewRequest] = []
+        due: dict[int, NewRequest] = {}
         for req in requests:
             known = by_key.get(req.key)
             if known is None and req.filter_fingerprint:
-                known = by_key.get(req.fingerprint) or by_other.get(req.fingerprint)
+                known = by_key.get(req.fingerprint) or by_fingerprint.get(req.fingerprint)
             if known is None:
                 new.append(req)
-                placeholder = (None, "pending", None)
+                placeholder: _Known = (None, "pending", None)
                 by_key[req.key] = placeholder
                 if req.key != req.fingerprint:
-                    by_other.setdefault(req.fingerprint, placeholder)
+                    by_fingerprint.setdefault(req.fingerprint, placeholder)
             elif known[1] not in _TERMINAL:
                 result.requests_duplicate += 1
             elif window_start is not None and known[2] < window_start:
-                cur.execute(
-                    "UPDATE requests SET state = 'pending', data = %s, priority = %s,"
-                    " is_start = %s, fifo = %s, attempts = 0, finished_at = NULL,"
-                    " error_kind = NULL, error_message = NULL, enqueued_at = %s, run_id = %s"
-                    " WHERE id = %s",
-                    (req.data, req.priority, req.is_start, req.fifo, now, run_id, known[0]))
+                due[known[0]] = req
                 by_key[req.key] = (known[0], "pending", None)
                 result.requests_due_again += 1
             else:
                 result.requests_already_done += 1
-        if not new:
-            return
-        # one statement, in the order given (ids follow it: the claim order depends on them);
-        # a key another worker inserted meanwhile is a duplicate (the unique index decides)
+        return new, due
+
+    @staticmethod
+    def _due_again(cur: psycopg.Cursor[Any], due: dict[int, NewRequest], now: float,
+                   run_id: int) -> None:
+        """Put finished entries back to pending (the recrawl window), in id order: page
+        commits locking the same rows lock them in one order, so they never deadlock."""
+        cur.executemany(
+            "UPDATE requests SET state = 'pending', data = %s, priority = %s,"
+            " is_start = %s, fifo = %s, attempts = 0, finished_at = NULL,"
+            " error_kind = NULL, error_message = NULL, enqueued_at = %s, run_id = %s"
+            " WHERE id = %s",
+            [(req.data, req.priority, req.is_start, req.fifo, now, run_id, id_)
+             for id_, req in sorted(due.items())])
+
+    @staticmethod
+    def _insert_new(cur: psycopg.Cursor[Any], new: list[NewRequest], now: float, run_id: int,
+                    result: CommitResult) -> None:
+        """Insert ``new`` in one statement; a key another worker inserted meanwhile is a
+        duplicate (the unique index decides).
+
+        The ids (the claim order depends on them) are taken in the order given, but the rows
+        go into the table in key order: two page commits inserting the same keys take the
+        unique index's locks in one order, so one waits for the other instead of both
+        deadlocking."""
         inserted = cur.execute(
-            "INSERT INTO requests (key, fingerprint, url, priority, is_start, fifo, state,"
-            " data, parent_key, enqueued_at, run_id)"
-            " SELECT k, f, u, p, s, ff, 'pending', d, pk, %s, %s FROM unnest("
+            "WITH given AS (SELECT nextval('requests_id_seq') AS id, k, f, u, p, s, ff, d, pk"
             # binary parameters: text arrays are not quoted element by element
-            "  %b::text[], %b::text[], %b::text[], %b::int[], %b::bool[], %b::bool[],"
-            "  %b::text[], %b::text[]) WITH ORDINALITY AS t(k, f, u, p, s, ff, d, pk, n)"
-            " ORDER BY n ON CONFLICT (key) DO NOTHING RETURNING key",
-            (now, run_id, [r.key for r in new], [r.fingerprint for r in new],
-             [r.url for r in new], [r.priority for r in new], [r.is_start for r in new],
-             [r.fifo for r in new], [r.data for r in new], [r.parent_key for r in new]),
+            "  FROM unnest(%b::text[], %b::text[], %b::text[], %b::int[], %b::bool[],"
+            "   %b::bool[], %b::text[], %b::text[])"
+            "  WITH ORDINALITY AS t(k, f, u, p, s, ff, d, pk, n)"
+            # nextval is evaluated after the sort: ids in the order given
+            "  ORDER BY n)"
+            " INSERT INTO requests (id, key, fingerprint, url, priority, is_start, fifo, state,"
+            " data, parent_key, enqueued_at, run_id)"
+            " SELECT id, k, f, u, p, s, ff, 'pending', d, pk, %s, %s FROM given"
+            " ORDER BY k COLLATE \"C\" ON CONFLICT (key) DO NOTHING RETURNING key",
+            ([r.key for r in new], [r.fingerprint for r in new], [r.url for r in new],
+             [r.priority for r in new], [r.is_start for r in new], [r.fifo for r in new],
+             [r.data for r in new], [r.parent_key for r in new], now, run_id),
         ).fetchall()
         result.requests_added += len(inserted)
         result.requests_duplicate += len(new) - len(inserted)
@@ -1105,8 +1157,12 @@ class PostgreSQLStore(FrontierStore):
         changes: list[tuple[str, Record]] = []
         if not records:
             return changes
-        # times users read never go backwards (see the SQLite store)
-        (newest,) = cur.execute("SELECT max(last_changed) FROM records").fetchone() or (None,)
+        # times users read never go backwards (see the SQLite store); and the numbers of
+        # the records' first sight in this run, taken in item order (the feeds' order)
+        newest, seqs = cur.execute(
+            "SELECT (SELECT max(last_changed) FROM records), ARRAY(SELECT"
+            " nextval('records_seen_seq') FROM generate_series(1, %s) ORDER BY 1)",
+            (len(records),)).fetchone() or (None, [])
         if newest is not None and newest > now:
             now = newest
         ids = sorted({record.record_id for record, _ in records})
@@ -1115,14 +1171,19 @@ class PostgreSQLStore(FrontierStore):
             for record_id, content_hash, seen_run_id in cur.execute(
                 "SELECT record_id, content_hash, seen_run_id FROM records"
                 " WHERE record_id = ANY(%s) ORDER BY record_id FOR UPDATE", (ids,))}
-        for record, request_key in records:
+        # written in record ID order (a record ID twice keeps its item order: the last
+        # wins): page commits inserting the same new records take the unique index's locks
+        # in one order, so one waits for the other instead of both deadlocking
+        written: list[tuple[int, str, Record]] = []
+        for n in sorted(range(len(records)), key=lambda n: records[n][0].record_id):
+            record, request_key = records[n]
             before = result.records_inserted, result.records_updated
-            self._upsert_record(cur, record, request_key, run_id, now, known, result)
+            self._upsert_record(cur, record, request_key, run_id, now, seqs[n], known, result)
             if result.records_inserted != before[0]:
-                changes.append(("inserted", record))
+                written.append((n, "inserted", record))
             elif result.records_updated != before[1]:
-                changes.append(("updated", record))
-        return changes
+                written.append((n, "updated", record))
+        return [(kind, record) for _, kind, record in sorted(written, key=lambda w: w[0])]
 
     @staticmethod
     def _write_outbox(cur: psycopg.Cursor[Any], changes: list[tuple[str, Record]],
@@ -1141,22 +1202,22 @@ class PostgreSQLStore(FrontierStore):
 
     @staticmethod
     def _upsert_record(cur: psycopg.Cursor[Any], record: Record, request_key: str | None,
-                       run_id: int, now: float, known: dict[str, tuple[str, int]],
+                       run_id: int, now: float, seq: int, known: dict[str, tuple[str, int]],
                        result: CommitResult) -> None:
         """Insert, update (content changed) or leave alone (same content) one record, and
-        mark it seen in ``run_id``; ``known`` holds the rows read (and locked) so far."""
+        mark it seen in ``run_id`` as its ``seq``-th record (unless seen there before);
+        ``known`` holds the rows read (and locked) so far."""
         current = known.get(record.record_id)
         if current is None:
             row = cur.execute(
                 "INSERT INTO records (record_id, source, natural_key, item_type, data,"
                 " content_hash, first_seen, last_changed, first_run_id, changed_run_id,"
                 " request_key, seen_run_id, seen_at, seen_seq)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s,"
-                " nextval('records_seen_seq'))"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
                 " ON CONFLICT (record_id) DO NOTHING RETURNING record_id",
                 (record.record_id, record.source, record.natural_key, record.item_type,
                  record.data, record.content_hash, now, now, run_id, run_id, request_key,
-                 run_id, now)).fetchone()
+                 run_id, now, seq)).fetchone()
             if row is not None:
                 known[record.record_id] = (record.content_hash, run_id)
                 result.records_inserted += 1
@@ -1177,16 +1238,16 @@ class PostgreSQLStore(FrontierStore):
                 " last_changed = %s, changed_run_id = %s, request_key = %s,"
                 " seen_at = CASE WHEN seen_run_id = %s THEN seen_at ELSE %s END,"
                 " seen_seq = CASE WHEN seen_run_id = %s THEN seen_seq"
-                "  ELSE nextval('records_seen_seq') END,"
+                "  ELSE %s END,"
                 " seen_run_id = %s WHERE record_id = %s",
                 (record.data, record.content_hash, record.item_type, now, run_id, request_key,
-                 run_id, now, run_id, run_id, record.record_id))
+                 run_id, now, run_id, seq, run_id, record.record_id))
             result.records_updated += 1
         else:
             if first_sight:
                 cur.execute("UPDATE records SET seen_run_id = %s, seen_at = %s,"
-                            " seen_seq = nextval('records_seen_seq') WHERE record_id = %s",
-                            (run_id, now, record.record_id))
+                            " seen_seq = %s WHERE record_id = %s",
+                            (run_id, now, seq, record.record_id))
             result.records_unchanged += 1
         known[record.record_id] = (record.content_hash, run_id)
 
