@@ -91,11 +91,14 @@ from .registry import redacted
 if TYPE_CHECKING:
     import psycopg
 
-__all__ = ["SCHEMA_VERSION", "PostgreSQLStore", "schema_for"]
+__all__ = ["MIN_SERVER_VERSION", "SCHEMA_VERSION", "PostgreSQLStore", "check_server_version",
+           "schema_for"]
 
 logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 4
+#: The oldest PostgreSQL server the store works with (``server_version_num``).
+MIN_SERVER_VERSION = 140000
 APPLICATION = "scrapy_idempotent"
 
 #: ``_MIGRATIONS[n]`` brings schema version n to n + 1, one transaction each (in the crawl's
@@ -306,6 +309,23 @@ def schema_for(identity: CrawlIdentity | None) -> str:
     return f"idempotent_{spider}_{digest}" if spider else f"idempotent_{digest}"
 
 
+def check_server_version(version_num: int, shown_url: str) -> None:
+    """Refuse a server older than :data:`MIN_SERVER_VERSION` (``version_num`` as in the
+    server's ``server_version_num``, e.g. 150004 for 15.4): the store ends a lost
+    connection's server process with ``pg_terminate_backend(pid, timeout)``, which waits for
+    it to exit, and that form exists from PostgreSQL 14 on."""
+    if version_num >= MIN_SERVER_VERSION:
+        return
+    major, minor = divmod(version_num, 10000)
+    found = f"{major}.{minor}" if major >= 10 else (
+        f"{version_num // 10000}.{version_num // 100 % 100}.{version_num % 100}")
+    raise StoreError(
+        f"the PostgreSQL server of {shown_url} is version {found}; the PostgreSQL store needs "
+        f"PostgreSQL {MIN_SERVER_VERSION // 10000} or later (it waits for the server process "
+        "of a lost connection to end with pg_terminate_backend(pid, timeout)): upgrade the "
+        "server, or point IDEMPOTENT_DATABASE at a newer one")
+
+
 def _split_url(url: str) -> tuple[str, str | None]:
     """``url`` without the package's own query parameter, and that parameter's value."""
     parts = urlsplit(url)
@@ -476,6 +496,11 @@ class PostgreSQLStore(FrontierStore):
             conn = psycopg.connect(conninfo, autocommit=True)
         except psycopg.Error as exc:
             raise self._connect_error(exc) from exc
+        try:  # before any statement: the version came with the connection
+            check_server_version(conn.info.server_version, self.shown_url)
+        except StoreError:
+            conn.close()
+            raise
         try:
             # a lock wait longer than the busy timeout fails (retried); a transaction of ours
             # left open by a lost client (its locks held) is ended by the server
