@@ -1364,7 +1364,8 @@ class PostgreSQLStore(FrontierStore):
         result.leased.extend(
             LeasedRequest(key=r[1], fingerprint=r[2], data=r[3], priority=r[4],
                           attempts=r[6] + 1, suspect=r[7] >= self.isolate_after,
-                          downloads=r[6] - r[9], leased_until=until, is_start=bool(r[5]))
+                          downloads=r[6] - r[9], leased_until=until, is_start=bool(r[5]),
+                          rank=r[0] if r[10] else -r[0])
             for r in rows if r[7] < self.max_attempts)
 
     # -- the response journal ---------------------------------------------------------------
