@@ -22,6 +22,7 @@ import importlib
 import re
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import unquote
 
 from ..exceptions import ConfigError
 from .base import FrontierStore
@@ -85,13 +86,31 @@ def sqlite_path(database: str) -> str | None:
 
 
 def redacted(database: str) -> str:
-    """``database`` as shown in logs and reports: the password of a URL replaced by
-    ``***`` (``postgresql://crawler:***@db.internal/shop``)."""
-    return _PASSWORD.sub(r"\1***@", database, count=1)
+    """``database`` as shown in logs and reports: every password of a URL replaced by
+    ``***``, the one before the host (``postgresql://crawler:***@db.internal/shop``) and
+    those libpq takes as query parameters (``?password=***``, ``?sslpassword=***``)."""
+    if not _URL.match(database):
+        return database  # a path: nothing in it is a password
+    shown = _PASSWORD.sub(r"\1***@", database, count=1)
+    base, mark, rest = shown.partition("?")
+    if not mark:
+        return shown
+    query, hash_, fragment = rest.partition("#")
+    parts = []
+    for part in query.split("&"):
+        name, equals, _ = part.partition("=")
+        if equals and unquote(name).lower() in _SECRET_PARAMETERS:
+            part = f"{name}=***"
+        parts.append(part)
+    return f"{base}?{'&'.join(parts)}{hash_}{fragment}"
 
 
+#: ``scheme://...``
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 #: the password of ``scheme://user:password@host...``
 _PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^/?#@:]*:)[^/?#]*@")
+#: the query parameters of a libpq URI that carry a secret
+_SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
 
 
 def open_store(database: str, **options: Any) -> FrontierStore:
