@@ -9,6 +9,12 @@ them: :func:`find_binaries` says what to install, and the tests that need a serv
 
 ``initdb`` and ``postgres`` refuse to run as root: as root, both run as the unprivileged user
 ``nobody`` (``runuser``/``setpriv``), which owns the temporary directory.
+
+The cluster dies with the test process: a watchdog process (this file run as a script, in a
+session of its own so a signal to the test's process group does not reach it) holds the read
+end of a pipe whose write end only the test process has; when the test process ends, however
+it ends (SIGKILL included), the pipe closes and the watchdog stops the server (``immediate``)
+and removes the temporary directory.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import secrets
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,15 +92,23 @@ class PostgresCluster:
             self._uid, gid = entry.pw_uid, entry.pw_gid
             os.chown(self.base, self._uid, gid)
         os.chmod(self.base, 0o700)
+        self._watchdog = self._start_watchdog()
+
+    def _start_watchdog(self) -> subprocess.Popen[bytes]:
+        """The process that stops the server and removes :attr:`base` once this process
+        is gone (see the module docstring)."""
+        read, self._lifeline = os.pipe()  # the write end is not inherited by children
+        try:
+            return subprocess.Popen(
+                [sys.executable, __file__, "watch", str(self.bindir), str(self.base),
+                 str(self._uid if self._uid is not None else -1)],
+                stdin=read, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True)
+        finally:
+            os.close(read)
 
     def _command(self, *args: str) -> list[str]:
-        command = [str(self.bindir / args[0]), *args[1:]]
-        if self._uid is None:
-            return command
-        if shutil.which("runuser"):
-            return ["runuser", "-u", UNPRIVILEGED_USER, "--", *command]
-        return ["setpriv", f"--reuid={self._uid}", f"--regid={self._uid}", "--clear-groups",
-                *command]
+        return _command(self.bindir, self._uid, *args)
 
     def _run(self, *args: str) -> None:
         done = subprocess.run(self._command(*args), stdin=subprocess.DEVNULL,
@@ -142,6 +157,8 @@ class PostgresCluster:
         with contextlib.suppress(RuntimeError):
             self.stop()
         shutil.rmtree(self.base, ignore_errors=True)
+        os.close(self._lifeline)  # the watchdog finds nothing left to do, and ends
+        self._watchdog.wait(120)
 
     def url(self, database: str = "postgres", *, password: str | None = None) -> str:
         return (f"postgresql://postgres:{self.password if password is None else password}"
@@ -158,6 +175,26 @@ class PostgresCluster:
         return self.url(name)
 
 
+def _command(bindir: Path, uid: int | None, *args: str) -> list[str]:
+    command = [str(bindir / args[0]), *args[1:]]
+    if uid is None:
+        return command
+    if shutil.which("runuser"):
+        return ["runuser", "-u", UNPRIVILEGED_USER, "--", *command]
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *command]
+
+
+def _watch(bindir: Path, base: Path, uid: int | None) -> None:
+    """Wait until the test process is gone (end of file on stdin), then stop its server
+    and remove its directory, if it has not done so itself."""
+    sys.stdin.buffer.read()
+    if (base / "data" / "postmaster.pid").exists():
+        subprocess.run(_command(bindir, uid, "pg_ctl", "-D", str(base / "data"), "-m",
+                                "immediate", "-w", "-t", "120", "stop"),
+                       stdin=subprocess.DEVNULL, capture_output=True, cwd=base, check=False)
+    shutil.rmtree(base, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def running_cluster(bindir: Path) -> Iterator[PostgresCluster]:
     cluster = PostgresCluster(bindir)
@@ -167,3 +204,8 @@ def running_cluster(bindir: Path) -> Iterator[PostgresCluster]:
         yield cluster
     finally:
         cluster.remove()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["watch"]:
+    _bindir, _base, _uid = sys.argv[2:5]
+    _watch(Path(_bindir), Path(_base), None if int(_uid) < 0 else int(_uid))

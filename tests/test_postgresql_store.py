@@ -274,7 +274,10 @@ class CuttingProxy:
         self.port = self.listener.getsockname()[1]
         self.cut: str | None = None
         self.cuts = 0
-        threading.Thread(target=self._accept, daemon=True).start()
+        #: every socket and thread of the proxy, released by close()
+        self.sockets: list[Any] = []
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
 
     def _accept(self) -> None:
         import socket
@@ -285,10 +288,14 @@ class CuttingProxy:
             except OSError:
                 return
             server = socket.create_connection(self.target)
+            self.sockets += [client, server]
             for source, sink, marker in ((client, server, "before"),
                                          (server, client, "after")):
-                threading.Thread(target=self._pump, args=(source, sink, client, server, marker),
-                                 daemon=True).start()
+                pump = threading.Thread(target=self._pump,
+                                        args=(source, sink, client, server, marker),
+                                        daemon=True)
+                self.threads.append(pump)
+                pump.start()
 
     def _pump(self, source: Any, sink: Any, client: Any, server: Any, marker: str) -> None:
         import socket
@@ -317,7 +324,20 @@ class CuttingProxy:
                 sink.sendall(data)
 
     def close(self) -> None:
+        """Stop accepting, end every connection still open (the server's side of a cut
+        "before" included) and wait for the proxy's threads."""
+        import socket
+
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
+        for sock in self.sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                sock.close()
+        for thread in self.threads:
+            thread.join(60)
 
 
 @pytest.mark.parametrize("cut", ["before", "after"])
