@@ -263,8 +263,9 @@ class CuttingProxy:
     server committed, before the client reads the answer (committed, but the client cannot
     know)."""
 
-    COMMIT_QUERY = b"Q\x00\x00\x00\x0bCOMMIT\x00"
-    COMMIT_DONE = b"C\x00\x00\x00\x0bCOMMIT\x00"
+    #: COMMIT sent as a simple query, or (pipeline mode) parsed as an extended query
+    COMMIT_QUERY = (b"Q\x00\x00\x00\x0bCOMMIT\x00", b"P\x00\x00\x00\x0e\x00COMMIT\x00\x00\x00")
+    COMMIT_DONE = (b"C\x00\x00\x00\x0bCOMMIT\x00",)
 
     def __init__(self, port: int) -> None:
         import socket
@@ -306,7 +307,7 @@ class CuttingProxy:
                 data = source.recv(65536)
             except OSError:
                 data = b""
-            if data and self.cut == marker and pattern in data:
+            if data and self.cut == marker and any(p in data for p in pattern):
                 self.cut = None
                 self.cuts += 1
                 data = b""

@@ -294,6 +294,10 @@ _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 #: A frontier entry already there: (id, state, finished_at); id None for one added by the
 #: same page commit.
 _Known = tuple[Any, str, Any]
+#: The cursors of the lookups of known entries (by key, by fingerprint), answers not read yet.
+_Lookups = tuple["psycopg.Cursor[Any] | None", "psycopg.Cursor[Any] | None"]
+#: An insert of new requests sent, answer not read yet: its cursor, the number of rows sent.
+_Inserting = tuple["psycopg.Cursor[Any]", int]
 
 
 def schema_for(identity: CrawlIdentity | None) -> str:
@@ -726,6 +730,41 @@ class PostgreSQLStore(FrontierStore):
             raise error from exc
         self.transactions += 1
 
+    @contextlib.contextmanager
+    def _pipelined(self, doing: str) -> Iterator[psycopg.Cursor[Any]]:
+        """:meth:`_write` in psycopg's pipeline mode, for the page commit (not repeatable:
+        a connection lost during COMMIT raises :class:`_CommitOutcomeUnknown`).
+
+        Statements are sent without waiting for their answers; the client waits only where
+        it reads one (a fetch) and once at the end for COMMIT's. They still run one after
+        the other, in the order sent, in the one transaction; an error in any of them fails
+        the transaction, raised at the next wait at the latest, and the transaction is
+        rolled back."""
+        import psycopg
+        from psycopg.pq import TransactionStatus
+
+        committing = False
+        conn: psycopg.Connection[Any] | None = None
+        try:
+            conn = self.conn
+            # BEGIN and COMMIT as statements: psycopg's transaction() would wait for the
+            # server after BEGIN and twice at its end
+            with conn.pipeline():
+                cur = conn.cursor()
+                cur.execute("BEGIN")
+                yield cur
+                committing = True  # from here on the server may have committed
+                cur.execute("COMMIT")
+        except BaseException as exc:
+            if conn is not None and not conn.closed and not conn.broken:
+                with contextlib.suppress(psycopg.Error):
+                    if conn.info.transaction_status != TransactionStatus.IDLE:
+                        conn.execute("ROLLBACK")
+            if isinstance(exc, psycopg.Error):
+                raise self._error(exc, doing, committing=committing) from exc
+            raise
+        self.transactions += 1
+
     def _read(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> list[Any]:
         """One statement outside any transaction (autocommit): every row."""
         import psycopg
@@ -1012,11 +1051,17 @@ class PostgreSQLStore(FrontierStore):
 
     def _commit(self, work: UnitOfWork, worker: str, run_id: int, now: float,
                 result: CommitResult, number: int) -> None:
-        with self._write("committing", repeatable=False) as cur:
-            lost = self._fence(cur, work, worker)
+        """The page commit: one transaction, pipelined (see :meth:`_pipelined`). The client
+        waits for the server only where a decision needs an answer: the fence and the
+        known entries (one wait), the records (see :meth:`_upsert_records`), the results of
+        every write and the claim (one wait), COMMIT."""
+        with self._pipelined("committing") as cur:
+            fence = self._send_fence(cur, work, worker)  # first: the completions' rows
+            lookups = self._send_lookups(cur, work.requests)
+            lost = self._fence(fence)
             requests = [r for r in work.requests if r.parent_key not in lost] if lost \
                 else work.requests
-            self._insert_requests(cur, requests, now, run_id, result)
+            inserted = self._insert_requests(cur, requests, now, run_id, result, lookups)
             records = [r for r in work.records if r[1] not in lost] if lost else work.records
             changes = self._upsert_records(cur, records, now, run_id, result)
             if work.outbox_targets and changes:
@@ -1043,63 +1088,94 @@ class PostgreSQLStore(FrontierStore):
                 cur.execute("UPDATE requests SET replays = replays + 1"
                             " WHERE key = ANY(%s) AND state = 'leased' AND worker = %s",
                             (replayed, worker))
-            self._complete(cur, work.completions, lost, worker, now, result)
+            completing = self._complete(cur, work.completions, lost, worker, now)
             if work.give_back:
                 cur.execute(
                     "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL"
                     " WHERE key = ANY(%s) AND state = 'leased' AND worker = %s",
                     (list(work.give_back), worker))
             if work.claim:
-                self._claim(cur, worker, work.claim, now, result)
+                self._claim(cur, worker, work.claim, now, result)  # waits for every answer
+            self._inserted(inserted, result)
+            self._completed(completing, result)
             self._count(cur, result, len(started), number)
             if (result.requests_added or result.requests_due_again
                     or result.completed.get(RequestState.PENDING.value)):
                 self._notify(cur)
 
-    def _fence(self, cur: psycopg.Cursor[Any], work: UnitOfWork, worker: str) -> set[str]:
-        """The keys of ``work`` whose request is not leased by ``worker`` now; the others are
-        locked until the commit, so no other worker can take or release them meanwhile."""
+    @staticmethod
+    def _send_fence(cur: psycopg.Cursor[Any], work: UnitOfWork,
+                    worker: str) -> tuple[set[str], psycopg.Cursor[Any] | None]:
+        """Lock the rows of ``work``'s requests that ``worker`` leases now (until the
+        commit: no other worker can take or release them meanwhile); the answer is read
+        by :meth:`_fence`."""
         keys = {c.key for c in work.completions}
         keys.update(key for key, _, _ in work.responses)
         keys.update(work.started)
         if not keys:
+            return keys, None
+        held = cur.connection.cursor()
+        held.execute("SELECT key FROM requests WHERE key = ANY(%s) AND state = 'leased'"
+                     " AND worker = %s ORDER BY key FOR UPDATE", (sorted(keys), worker))
+        return keys, held
+
+    @staticmethod
+    def _fence(sent: tuple[set[str], psycopg.Cursor[Any] | None]) -> set[str]:
+        """The keys of the unit whose request is not leased by the worker now."""
+        keys, held = sent
+        if held is None:
             return set()
-        held = {key for (key,) in cur.execute(
-            "SELECT key FROM requests WHERE key = ANY(%s) AND state = 'leased'"
-            " AND worker = %s ORDER BY key FOR UPDATE", (sorted(keys), worker))}
-        return keys - held
+        return keys - {key for (key,) in held.fetchall()}
 
     def _insert_requests(self, cur: psycopg.Cursor[Any], requests: list[NewRequest],
-                         now: float, run_id: int, result: CommitResult) -> None:
+                         now: float, run_id: int, result: CommitResult,
+                         lookups: _Lookups) -> _Inserting | None:
         """Add ``requests`` to the frontier: a new key is inserted, a known one is a
-        duplicate, already done, or (recrawl window) due again."""
+        duplicate, already done, or (recrawl window) due again. ``lookups``: the known
+        entries (:meth:`_send_lookups` of these requests or more). Returns the insert sent,
+        whose answer :meth:`_inserted` counts."""
         if not requests:
-            return
-        by_key, by_fingerprint = self._known_entries(cur, requests)
+            return None
+        by_key, by_fingerprint = self._known_entries(lookups)
         new, due = self._sort_out(requests, by_key, by_fingerprint, now, result)
         if due:
             self._due_again(cur, due, now, run_id)
-        if new:
-            self._insert_new(cur, new, now, run_id, result)
+        if not new:
+            return None
+        return self._insert_new(cur, new, now, run_id)
 
     @staticmethod
-    def _known_entries(cur: psycopg.Cursor[Any], requests: list[NewRequest]
-                       ) -> tuple[dict[str, _Known], dict[str, _Known]]:
-        """The entries already there: by key (the keys of ``requests``, and the
+    def _send_lookups(cur: psycopg.Cursor[Any], requests: list[NewRequest]) -> _Lookups:
+        """Ask for the entries already there: by key (the keys of ``requests``, and the
         fingerprints of those filtered by fingerprint), and by fingerprint (entries whose
-        key is not their fingerprint: ``dont_filter`` requests)."""
+        key is not their fingerprint: ``dont_filter`` requests); read by
+        :meth:`_known_entries`."""
+        if not requests:
+            return None, None
         lookup = {r.key for r in requests} | {r.fingerprint for r in requests
                                               if r.filter_fingerprint}
-        by_key: dict[str, _Known] = {
-            key: (id_, state, finished) for id_, key, state, finished in cur.execute(
-                "SELECT id, key, state, finished_at FROM requests WHERE key = ANY(%b)",
-                (sorted(lookup),))}
+        by_key = cur.connection.cursor()
+        by_key.execute("SELECT id, key, state, finished_at FROM requests WHERE key = ANY(%b)",
+                       (sorted(lookup),))
         fingerprints = sorted({r.fingerprint for r in requests if r.filter_fingerprint})
+        if not fingerprints:
+            return by_key, None
+        by_fingerprint = cur.connection.cursor()
+        by_fingerprint.execute(
+            "SELECT id, fingerprint, state, finished_at FROM requests"
+            " WHERE fingerprint = ANY(%b) AND key <> fingerprint", (fingerprints,))
+        return by_key, by_fingerprint
+
+    @staticmethod
+    def _known_entries(lookups: _Lookups) -> tuple[dict[str, _Known], dict[str, _Known]]:
+        """The answers of :meth:`_send_lookups`: entries by key, and by fingerprint."""
+        sent_by_key, sent_by_fingerprint = lookups
+        by_key: dict[str, _Known] = {} if sent_by_key is None else {
+            key: (id_, state, finished)
+            for id_, key, state, finished in sent_by_key.fetchall()}
         by_fingerprint: dict[str, _Known] = {}
-        if fingerprints:
-            for id_, fingerprint, state, finished in cur.execute(
-                    "SELECT id, fingerprint, state, finished_at FROM requests"
-                    " WHERE fingerprint = ANY(%b) AND key <> fingerprint", (fingerprints,)):
+        if sent_by_fingerprint is not None:
+            for id_, fingerprint, state, finished in sent_by_fingerprint.fetchall():
                 by_fingerprint.setdefault(fingerprint, (id_, state, finished))
         return by_key, by_fingerprint
 
@@ -1146,16 +1222,17 @@ class PostgreSQLStore(FrontierStore):
              for id_, req in sorted(due.items())])
 
     @staticmethod
-    def _insert_new(cur: psycopg.Cursor[Any], new: list[NewRequest], now: float, run_id: int,
-                    result: CommitResult) -> None:
+    def _insert_new(cur: psycopg.Cursor[Any], new: list[NewRequest], now: float,
+                    run_id: int) -> _Inserting:
         """Insert ``new`` in one statement; a key another worker inserted meanwhile is a
-        duplicate (the unique index decides).
+        duplicate (the unique index decides: see :meth:`_inserted`).
 
         The ids (the claim order depends on them) are taken in the order given, but the rows
         go into the table in key order: two page commits inserting the same keys take the
         unique index's locks in one order, so one waits for the other instead of both
         deadlocking."""
-        inserted = cur.execute(
+        inserting = cur.connection.cursor()
+        inserting.execute(
             "WITH given AS (SELECT nextval('requests_id_seq') AS id, k, f, u, p, s, ff, d, pk"
             # binary parameters: text arrays are not quoted element by element
             "  FROM unnest(%b::text[], %b::text[], %b::text[], %b::int[], %b::bool[],"
@@ -1169,10 +1246,19 @@ class PostgreSQLStore(FrontierStore):
             " ORDER BY k COLLATE \"C\" ON CONFLICT (key) DO NOTHING RETURNING key",
             ([r.key for r in new], [r.fingerprint for r in new], [r.url for r in new],
              [r.priority for r in new], [r.is_start for r in new], [r.fifo for r in new],
-             [r.data for r in new], [r.parent_key for r in new], now, run_id),
-        ).fetchall()
-        result.requests_added += len(inserted)
-        result.requests_duplicate += len(new) - len(inserted)
+             [r.data for r in new], [r.parent_key for r in new], now, run_id))
+        return inserting, len(new)
+
+    @staticmethod
+    def _inserted(inserting: _Inserting | None, result: CommitResult) -> None:
+        """Count the answer of :meth:`_insert_new`: the keys inserted are added, the others
+        duplicates."""
+        if inserting is None:
+            return
+        sent, count = inserting
+        added = len(sent.fetchall())
+        result.requests_added += added
+        result.requests_duplicate += count - added
 
     def _upsert_records(self, cur: psycopg.Cursor[Any],
                         records: list[tuple[Record, str | None]], now: float, run_id: int,
@@ -1287,37 +1373,53 @@ class PostgreSQLStore(FrontierStore):
 
     @staticmethod
     def _complete(cur: psycopg.Cursor[Any], completions: list[Completion], lost: set[str],
-                  worker: str, now: float, result: CommitResult) -> None:
-        ended: list[str] = []
+                  worker: str, now: float) -> list[tuple[Completion, psycopg.Cursor[Any] | None]]:
+        """Send the completions (each its own statement, whose answer :meth:`_completed`
+        reads: None for a completion of a lease not the worker's) and end the journal entry
+        of each completion that ended its lease."""
+        sent: list[tuple[Completion, psycopg.Cursor[Any] | None]] = []
         for done in completions:
             if done.key in lost:
-                result.leases_lost += 1
-                result.lost.append(done.key)
+                sent.append((done, None))
                 continue
+            update = cur.connection.cursor()
             if done.state is RequestState.PENDING:
-                cur.execute(
+                update.execute(
                     "UPDATE requests SET state = 'pending', worker = NULL,"
                     " leased_until = NULL, unfinished = 0, data = COALESCE(%s, data),"
                     " priority = COALESCE(%s, priority), error_kind = %s, error_message = %s"
-                    " WHERE key = %s AND state = 'leased' AND worker = %s",
+                    " WHERE key = %s AND state = 'leased' AND worker = %s RETURNING key",
                     (done.data, done.priority, done.error_kind, done.error_message, done.key,
                      worker))
             else:
-                cur.execute(
+                update.execute(
                     "UPDATE requests SET state = %s, worker = NULL, leased_until = NULL,"
                     " unfinished = 0, finished_at = %s, error_kind = %s, error_message = %s"
-                    " WHERE key = %s AND state = 'leased' AND worker = %s",
+                    " WHERE key = %s AND state = 'leased' AND worker = %s RETURNING key",
                     (done.state.value, now, done.error_kind, done.error_message, done.key,
                      worker))
-            if cur.rowcount:
-                ended.append(done.key)
+            sent.append((done, update))
+        ending = sorted({done.key for done, update in sent if update is not None})
+        if ending:
+            # only the lease holder's completion ends the journal entry: the rows were
+            # fenced (this worker's leases, locked), so each key the updates above reached
+            # is no longer leased to it now
+            cur.execute("DELETE FROM responses WHERE key = ANY(%s) AND NOT EXISTS"
+                        " (SELECT 1 FROM requests q WHERE q.key = responses.key"
+                        "  AND q.state = 'leased' AND q.worker = %s)", (ending, worker))
+        return sent
+
+    @staticmethod
+    def _completed(sent: list[tuple[Completion, psycopg.Cursor[Any] | None]],
+                   result: CommitResult) -> None:
+        """Count the answers of :meth:`_complete`, in the order of the completions."""
+        for done, update in sent:
+            if update is not None and update.fetchone() is not None:
                 result.completed[done.state.value] = (
                     result.completed.get(done.state.value, 0) + 1)
-            else:  # the same key completed twice in one unit
+            else:  # not this worker's lease, or the same key completed twice in one unit
                 result.leases_lost += 1
                 result.lost.append(done.key)
-        if ended:  # only the lease holder's completion ends the journal entry
-            cur.execute("DELETE FROM responses WHERE key = ANY(%s)", (ended,))
 
     def _count(self, cur: psycopg.Cursor[Any], result: CommitResult, started: int,
                number: int) -> None:
