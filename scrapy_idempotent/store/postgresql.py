@@ -17,7 +17,10 @@ machines need on top:
 * **A page commit is one transaction** (records, child requests, completion, next claim), as
   on SQLite. The rows of the completions are locked first (``FOR UPDATE``): a completion whose
   lease is not this worker's now writes nothing of its unit of work (fencing), however the
-  transactions of other workers interleave.
+  transactions of other workers interleave. Its statements go out in psycopg's pipeline
+  mode: the client waits for the server only where it needs an answer (three times for a
+  page without records). New requests and records are written in key order, so page
+  commits adding the same ones wait for each other instead of deadlocking.
 * **Worker liveness across hosts.** Every session beats a heartbeat from a thread of its own
   (one ``UPDATE`` per :attr:`PostgreSQLStore.heartbeat_seconds` for all its leases); a
   session whose heartbeat is older than :attr:`PostgreSQLStore.dead_after_seconds` is dead,
