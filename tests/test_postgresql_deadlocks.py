@@ -25,8 +25,10 @@ SCHEMA = schema_for(SHOP)
 
 @pytest.fixture
 def workers(postgres_url: str) -> Iterator[list[PostgreSQLStore]]:
-    """Two workers' stores on one crawl, sessions begun."""
-    stores = [PostgreSQLStore(postgres_url, heartbeat_seconds=None) for _ in range(2)]
+    """Two workers' stores on one crawl, sessions begun. A lock waits as long as it takes
+    (one commit waiting for the other is the point; a loaded machine makes it long)."""
+    stores = [PostgreSQLStore(postgres_url, heartbeat_seconds=None, busy_timeout_seconds=600)
+              for _ in range(2)]
     try:
         for n, store in enumerate(stores):
             store.open(fingerprinter="f", identity=SHOP)
