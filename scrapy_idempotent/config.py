@@ -213,7 +213,12 @@ def store_options(settings: BaseSettings) -> dict[str, Any]:
     ``lease_seconds``, ``max_attempts``, ``synchronous``, ``busy_timeout_seconds`` and
     ``recrawl_seconds``, as :class:`IdempotentConfig` holds them. Raises
     :class:`~.ConfigError` naming the first bad setting."""
-    synchronous = str(settings.get("IDEMPOTENT_SYNCHRONOUS", SETTINGS["IDEMPOTENT_SYNCHRONOUS"]))
+    given = settings.get("IDEMPOTENT_SYNCHRONOUS")
+    if given in (None, ""):
+        # a webhook or a queue acknowledgement announces a commit to another system: the
+        # commit must not be lost afterwards, even to power loss
+        given = "FULL" if _tells_others(settings) else SETTINGS["IDEMPOTENT_SYNCHRONOUS"]
+    synchronous = str(given)
     if synchronous.upper() not in ("NORMAL", "FULL"):
         raise ConfigError("IDEMPOTENT_SYNCHRONOUS", settings.get("IDEMPOTENT_SYNCHRONOUS"),
                           "'NORMAL' (survives a process kill) or 'FULL' (also power loss)")
@@ -229,6 +234,17 @@ def store_options(settings: BaseSettings) -> dict[str, Any]:
             else _number(settings, "IDEMPOTENT_RECRAWL_SECONDS", minimum=1.0)
         ),
     }
+
+
+def _tells_others(settings: BaseSettings) -> bool:
+    """Whether a commit of the crawl is announced to another system once done: outbox
+    deliveries (``IDEMPOTENT_OUTBOX_TARGETS``) or queue acknowledgements
+    (``IDEMPOTENT_QUEUE_URL``). ``IDEMPOTENT_SYNCHRONOUS`` is then ``FULL`` unless set."""
+    targets = settings.get("IDEMPOTENT_OUTBOX_TARGETS")
+    if isinstance(targets, str):
+        targets = targets.split(",")
+    return bool(settings.get("IDEMPOTENT_QUEUE_URL")) or any(
+        str(target).strip() for target in targets or ())
 
 
 #: The config of each crawler, read once (again only when the spider object it was read

@@ -396,9 +396,10 @@ class PostgreSQLStore(FrontierStore):
         is failed as ``quarantined``.
     :param clock: unix seconds; injected by tests. Default: this host's clock corrected by
         its offset from the database server's, measured at each connection.
-    :param synchronous: ``NORMAL`` or ``FULL``: both leave the server's
-        ``synchronous_commit`` as configured (by default a committed page survives a crash
-        of the server).
+    :param synchronous: ``NORMAL`` leaves the server's ``synchronous_commit`` as configured
+        (by default ``on``: a committed page survives a crash of the server); ``FULL`` turns
+        a configured ``off`` (a commit returning before it is on disk) into ``on`` for the
+        store's connections, and leaves any other value.
     :param busy_timeout_seconds: how long a statement waits for a lock another transaction
         holds (``lock_timeout``), and how long a connection attempt may take.
     :param recrawl_seconds: the recrawl window, as on SQLite.
@@ -516,6 +517,9 @@ class PostgreSQLStore(FrontierStore):
                 " set_config('idle_in_transaction_session_timeout', %s, false)",
                 (f"{int(self.busy_timeout_seconds * 1000)}ms",
                  f"{int(max(self.busy_timeout_seconds, 5.0) * 1000)}ms"))
+            if self.synchronous == "FULL":  # a commit is on the server's disk once it returns
+                conn.execute("SELECT set_config('synchronous_commit', 'on', false)"
+                             " WHERE current_setting('synchronous_commit') = 'off'")
             (started,) = conn.execute(
                 "SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
             ).fetchone() or (None,)
