@@ -528,15 +528,13 @@ class Deliverer:
                          target_label(target.name), entry.key, exc)
             return OutboxOutcome(entry.entry_id, OutboxState.FAILED, str(exc)[:DETAIL_CHARS],
                                  held_until=token)
-        except CancelledError:
-            if entry.entry_id not in self._cancelled:
-                raise
-            logger.info("scrapy_idempotent: outbox: %s to %s cut off as delivery stopped; "
-                        "due again at once", entry.key, target_label(target.name))
-            return OutboxOutcome(entry.entry_id, OutboxState.PENDING,
-                                 "not acknowledged before delivery stopped",
-                                 retry_at=self.clock(), held_until=token)
         except Exception as exc:
+            if isinstance(exc, CancelledError) and entry.entry_id in self._cancelled:
+                logger.info("scrapy_idempotent: outbox: %s to %s cut off as delivery stopped; "
+                            "due again at once", entry.key, target_label(target.name))
+                return OutboxOutcome(entry.entry_id, OutboxState.PENDING,
+                                     "not acknowledged before delivery stopped",
+                                     retry_at=self.clock(), held_until=token)
             retry_after = exc.retry_after_seconds if isinstance(exc, DeliveryRetry) else None
             detail = str(exc) if isinstance(exc, DeliveryRetry) else (
                 f"{type(exc).__name__}: {exc}")

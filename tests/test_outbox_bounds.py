@@ -299,3 +299,33 @@ def wait_until_shut(thread: StoreThread) -> None:
         except RuntimeError:
             return
         threading.Event().wait(0.001)
+
+
+class CancelledByItsClient(OutboxTarget):
+    """A client whose own request was cancelled (not by the deliverer): a failed attempt."""
+
+    name = "gate"
+
+    async def deliver(self, announcement: Any) -> str:
+        from twisted.internet.defer import CancelledError
+
+        raise CancelledError("the client gave up")
+
+
+@deferred_f_from_coro_f
+async def test_a_cancellation_the_deliverer_did_not_ask_for_is_a_failed_attempt(
+        tmp_path: Path) -> None:
+    clock = fake_clock()
+    store = entries_store(tmp_path / "db.sqlite3", clock, 1)
+    one = deliverer(store, CancelledByItsClient(), clock, retry_seconds=60.0,
+                    retry_max_seconds=60.0)
+    assert await maybe_deferred_to_future(one.pump()) == 1
+    await maybe_deferred_to_future(one.wait_idle())
+    assert one.counts["pending"] == 1
+    [entry] = store.outbox_entries()
+    assert (entry.state, entry.attempts, entry.detail) == (
+        "pending", 1, "CancelledError: the client gave up")
+    due = store.outbox_next_due(["gate"])
+    assert due is not None and due - clock() >= 30  # the backoff, not "due at once"
+    await one.close()
+    store.close()
