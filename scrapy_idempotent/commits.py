@@ -121,6 +121,7 @@ class CommitOutcomes:
             ("records/updated", result.records_updated),
             ("records/unchanged", result.records_unchanged),
             ("records/conflicts", result.records_conflicts),
+            ("records/stale", result.records_stale),
             ("records/rejected", result.rejects),
             ("requests/leases_lost", result.leases_lost),
             ("requests/quarantined", len(result.quarantined)),

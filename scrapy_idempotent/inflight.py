@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import heapq
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextvars import ContextVar
@@ -109,6 +110,11 @@ class InflightRequest:
     tracked: dict[int, Any] = field(default_factory=dict)  #: id -> object attributed to it
     dont_filter_counts: Counter[str] = field(default_factory=Counter)
     page_keys: Counter[str] = field(default_factory=Counter)
+    #: when it was handed to the engine (unix seconds)
+    handed_out_at: float = field(default_factory=time.time)
+    #: when its latest response reached the engine (unix seconds): what its items were
+    #: observed at (see :attr:`~.store.base.Record.observed_at`)
+    received_at: float | None = None
     # outcome, as observed through the engine
     status: int | None = None
     http_error: bool = False
@@ -396,10 +402,13 @@ class InflightTracker:
         self._journal.append((entry, data, body))
         entry.write_seq = self.flush_soon()
 
-    def mark_replayed(self, entry: InflightRequest) -> None:
+    def mark_replayed(self, entry: InflightRequest, *, received_at: float | None = None) -> None:
         """``entry``'s response came from the response journal: this attempt is not a
-        download (written with the next transaction, before the response goes on)."""
+        download (written with the next transaction, before the response goes on). Its
+        items were observed when the response was first received: ``received_at``, if
+        known."""
         entry.replayed = True
+        entry.received_at = received_at
         self._replayed.append(entry.key)
         entry.write_seq = self.flush_soon()
 
@@ -512,6 +521,8 @@ class InflightTracker:
             if self.fingerprints(result) != entry.fingerprint:
                 entry.redirected = True
         elif isinstance(result, Response):
+            if not (entry.replayed and entry.received_at is not None):
+                entry.received_at = time.time()
             entry.status = result.status
             entry.http_error = not self.http_status.handled(result, self.spider)
         elif isinstance(result, Failure):
@@ -653,8 +664,18 @@ class InflightTracker:
         return origin
 
     def add_record(self, origin: ItemOrigin, record: Record) -> None:
-        """Queue a record for the transaction that completes its request."""
+        """Queue a record for the transaction that completes its request, with the time its
+        data was observed: when the response it came from reached the engine; without one
+        (an errback's item), when its request was handed out; without a request (an item
+        of ``start()``), now."""
         target = self._target(origin)
+        if target is None:
+            observed = time.time()
+        elif target.received_at is not None:
+            observed = target.received_at
+        else:
+            observed = target.handed_out_at
+        record = dataclasses.replace(record, observed_at=observed)
         key = target.key if target is not None else None
         (target.records if target is not None else self.unattributed.records).append(
             (record, key))

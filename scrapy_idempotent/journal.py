@@ -20,6 +20,7 @@ written; a kill then also repeats the pages being processed).
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from scrapy.exceptions import NotConfigured
@@ -38,27 +39,42 @@ if TYPE_CHECKING:
     from .inflight import InflightTracker
     from .store.base import FrontierStore
 
-__all__ = ["ResponseJournalMiddleware", "decode_response", "encode_response"]
+__all__ = ["ResponseJournalMiddleware", "decode_response", "encode_response", "received_at_of"]
 
 logger = logging.getLogger(__name__)
 
 _RESPONSE_CLASSES = "scrapy.http.response."
 
 
-def encode_response(response: Response) -> tuple[str, bytes]:
-    """``(JSON text, body)`` of a response (:meth:`scrapy.http.Response.to_dict`); the peer IP
-    address and TLS certificate are not kept."""
+#: the key of the journaled data holding when the response was received
+_RECEIVED_AT = "_received_at"
+
+
+def encode_response(response: Response,
+                    received_at: float | None = None) -> tuple[str, bytes]:
+    """``(JSON text, body)`` of a response (:meth:`scrapy.http.Response.to_dict`) received at
+    ``received_at`` (unix seconds); the peer IP address and TLS certificate are not kept."""
     data = response_to_dict(response)
     body = data.pop("body")
     data.pop("ip_address", None)
     if not str(data.get("_class", _RESPONSE_CLASSES)).startswith(_RESPONSE_CLASSES):
         del data["_class"]  # a custom class: let responsetypes pick a built-in one
+    if received_at is not None:
+        data[_RECEIVED_AT] = received_at
     return dumps(data), body
+
+
+def received_at_of(data: str) -> float | None:
+    """When the response journaled as ``data`` was received (None: not known, a journal
+    entry written by an earlier release)."""
+    value = loads(data).get(_RECEIVED_AT)
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def decode_response(data: str, body: bytes) -> Response:
     """Inverse of :func:`encode_response`; only Scrapy's own response classes are loaded."""
     d = loads(data)
+    d.pop(_RECEIVED_AT, None)
     if not str(d.get("_class", _RESPONSE_CLASSES)).startswith(_RESPONSE_CLASSES):
         raise ValueError(f"stored response class {d['_class']!r} is not allowed")
     d["body"] = body
@@ -109,11 +125,13 @@ class ResponseJournalMiddleware:
             if stored is None:
                 return None
             response = decode_response(*stored)
+            received_at = received_at_of(stored[0])
         except Exception as exc:  # the journal is a saving, never a reason to fail
             logger.warning("scrapy_idempotent: cannot replay the journaled response of %s: %s",
                            describe(request), exc)
             return None
-        tracker.mark_replayed(entry)
+        # its items were observed when it was first received, not now
+        tracker.mark_replayed(entry, received_at=received_at)
         response.flags.append("journal")
         self.crawler.stats.inc_value("idempotent/responses/replayed")
         return response
@@ -125,7 +143,7 @@ class ResponseJournalMiddleware:
         if tracker is None or entry is None or entry.replayed:
             return response
         try:
-            tracker.keep_response(entry, *encode_response(response))
+            tracker.keep_response(entry, *encode_response(response, time.time()))
         except Exception as exc:
             logger.warning("scrapy_idempotent: cannot journal the response of %s: %s",
                            describe(request), exc)

@@ -66,8 +66,13 @@ def test_kill_after_items_reached_the_pipeline_before_the_page_finished(
     assert db_rows(db, "SELECT count(*) FROM records") == [(0,)]  # nothing before done
 
     site.release()
+    restarted_at = time.time()
     second = start_crawl(site, tmp_path, 2, setting)
     assert second.wait(60) == 0, (tmp_path / "run2.log").read_text()
+    # the records' data was observed when their response was received: in the first run
+    # when the journal answered the second one, else in the second run
+    observed = [t for (t,) in db_rows(db, "SELECT observed_at FROM records")]
+    assert observed and all((t < restarted_at) == journal for t in observed), observed
     stats = json.loads((tmp_path / "stats2.json").read_text())
     assert stats["finish_reason"] == "finished"
     assert db_rows(db, "SELECT url, state, error_kind, attempts FROM requests") == [

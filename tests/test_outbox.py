@@ -65,7 +65,7 @@ async def test_every_inserted_record_is_announced_once_with_its_key(
     assert stats["idempotent/outbox/pending"] == 0
     keys = hook.keys_acknowledged()
     stored = dict(db_rows(db_path, "SELECT record_id, content_hash FROM records"))
-    assert keys == Counter({f"{rid}:{h}": 1 for rid, h in stored.items()})
+    assert keys == Counter({f"{rid}:1:{h}": 1 for rid, h in stored.items()})  # version 1
     delivery = hook.acknowledged()[0]
     body = delivery.body
     assert delivery.headers["Content-Type"] == "application/json"

@@ -73,8 +73,8 @@ def test_ten_sigkills_every_stored_record_is_announced_and_nothing_else(tmp_path
         assert final.wait(timeout=900) == 0
         assert close_reason(tmp_path / "final.log") == "finished"
 
-    stored = {f"{rid}:{h}" for rid, h in db_rows(db, "SELECT record_id, content_hash"
-                                                     " FROM records")}
+    stored = {f"{rid}:{v}:{h}" for rid, v, h in db_rows(
+        db, "SELECT record_id, version, content_hash FROM records")}
     assert len(stored) == 500
     acknowledged = hook.keys_acknowledged()
     every_key = Counter(d.key for d in hook.deliveries)

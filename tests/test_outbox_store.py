@@ -8,7 +8,6 @@ Runs against every store backend (``store_factory``, through the fixtures of
 # ruff: noqa: F811 (the store contract's fixtures, imported, are parameters here)
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from test_store_contract import (  # noqa: F401 (fixtures)
 from crawling import db_rows
 from scrapy_idempotent.exceptions import StoreError
 from scrapy_idempotent.store import (
+    SCHEMA_VERSION,
     Completion,
     OutboxOutcome,
     OutboxState,
@@ -63,15 +63,15 @@ def test_inserted_and_updated_records_are_announced_unchanged_ones_not(store):
     assert result.outbox_entries == 2
     fetch_page(store, "b", rec("r1", "h1"), rec("r2", "h3"))  # r1 unchanged, r2 changed
     assert entries(store) == [
-        (HOOK, "r1:h1", "inserted", "r1", "pending"),
-        (HOOK, "r2:h2", "inserted", "r2", "pending"),
-        (HOOK, "r2:h3", "updated", "r2", "pending"),
+        (HOOK, "r1:1:h1", "inserted", "r1", "pending"),
+        (HOOK, "r2:1:h2", "inserted", "r2", "pending"),
+        (HOOK, "r2:2:h3", "updated", "r2", "pending"),
     ]
 
 
 def test_one_entry_per_target_with_the_same_key(store):
     fetch_page(store, "a", rec("r1", "h1"), targets=(HOOK, BROKER))
-    assert [(t, k) for t, k, *_ in entries(store)] == [(HOOK, "r1:h1"), (BROKER, "r1:h1")]
+    assert [(t, k) for t, k, *_ in entries(store)] == [(HOOK, "r1:1:h1"), (BROKER, "r1:1:h1")]
 
 
 def test_no_target_no_entry(store):
@@ -91,7 +91,7 @@ def test_a_lost_lease_announces_nothing(store, clock):
     assert result.leases_lost == 1 and result.outbox_entries == 0
     assert entries(store) == []
     page(store, "a", rec("r1", "h1"), worker="w2")
-    assert [k for _, k, *_ in entries(store)] == ["r1:h1"]
+    assert [k for _, k, *_ in entries(store)] == ["r1:1:h1"]
 
 
 def test_an_outbox_write_that_fails_takes_the_records_and_the_completion_with_it(store):
@@ -115,7 +115,7 @@ def test_entry_carries_the_record_and_the_run(store):
     fetch_page(store, "a", rec("r1", "h1", data='{"sku": "A1", "price": "3"}'))
     [entry] = store.claim_outbox([HOOK], 10, 30.0)
     assert (entry.target, entry.key, entry.kind, entry.record_id, entry.content_hash) == (
-        HOOK, "r1:h1", "inserted", "r1", "h1")
+        HOOK, "r1:1:h1", "inserted", "r1", "h1")
     assert (entry.item_type, entry.source, entry.natural_key) == ("dict", "shop", '["A1"]')
     assert entry.data == '{"sku": "A1", "price": "3"}'
     assert entry.run_id == store.runs()[-1].run_id
@@ -124,11 +124,11 @@ def test_entry_carries_the_record_and_the_run(store):
 
 def test_claim_holds_entries_until_the_hold_ends(store, clock):
     fetch_page(store, "a", rec("r1", "h1"), rec("r2", "h2"))
-    assert [e.key for e in store.claim_outbox([HOOK], 1, 30.0)] == ["r1:h1"]
-    assert [e.key for e in store.claim_outbox([HOOK], 10, 30.0)] == ["r2:h2"]
+    assert [e.key for e in store.claim_outbox([HOOK], 1, 30.0)] == ["r1:1:h1"]
+    assert [e.key for e in store.claim_outbox([HOOK], 10, 30.0)] == ["r2:1:h2"]
     assert store.claim_outbox([HOOK], 10, 30.0) == []
     clock.advance(31)  # the holder died: due again
-    assert [e.key for e in store.claim_outbox([HOOK], 10, 30.0)] == ["r1:h1", "r2:h2"]
+    assert [e.key for e in store.claim_outbox([HOOK], 10, 30.0)] == ["r1:1:h1", "r2:1:h2"]
 
 
 def test_claim_takes_only_the_targets_asked_for(store):
@@ -153,7 +153,7 @@ def test_settle_delivered_failed_and_retry(store, clock):
     assert store.claim_outbox([HOOK], 10, 30.0) == []  # not due before its retry time
     clock.advance(5)
     [again] = store.claim_outbox([HOOK], 10, 30.0)
-    assert (again.key, again.attempts) == ("r3:h3", 1)
+    assert (again.key, again.attempts) == ("r3:1:h3", 1)
 
 
 def test_a_final_state_is_never_changed_by_a_late_outcome(store):
@@ -169,24 +169,22 @@ def test_new_run_keeps_undelivered_entries(make_store, store):
     fetch_page(store, "a", rec("r1", "h1"))
     store.end_session("w1", "finished")
     store.begin_session("w1", "auto")  # a new run clears the frontier
-    assert [e.key for e in store.claim_outbox([HOOK], 10, 30.0)] == ["r1:h1"]
+    assert [e.key for e in store.claim_outbox([HOOK], 10, 30.0)] == ["r1:1:h1"]
 
 
 def test_sqlite_a_schema_5_database_gains_the_outbox(tmp_path: Path):
+    from test_record_versions import sqlite_at_version
+
     path = tmp_path / "old.sqlite3"
-    first = SQLiteStore(str(path))
-    first.open(fingerprinter="x")
-    first.begin_session("w1", "auto")
-    first.commit(UnitOfWork(records=[(rec("r1", "h1"), None)]), "w1")
-    first.close()
-    conn = sqlite3.connect(path)
-    conn.execute("DROP TABLE outbox")
-    conn.execute("PRAGMA user_version = 5")
-    conn.close()
+    sqlite_at_version(
+        path, 5, "INSERT INTO runs (run_id, started_at) VALUES (1, 1.0)",
+        "INSERT INTO records (record_id, source, natural_key, item_type, data, content_hash,"
+        " first_seen, last_changed, first_run_id, changed_run_id, seen_run_id, seen_at)"
+        " VALUES ('r1', 'shop', '[\"A1\"]', 'dict', '{}', 'h1', 1.0, 1.0, 1, 1, 1, 1.0)")
     again = SQLiteStore(str(path))
     again.open(fingerprinter="x")
     again.begin_session("w1", "auto")
-    assert db_rows(path, "PRAGMA user_version") == [(6,)]
+    assert db_rows(path, "PRAGMA user_version") == [(SCHEMA_VERSION,)]
     again.commit(UnitOfWork(records=[(rec("r1", "h2"), None)], outbox_targets=(HOOK,)), "w1")
-    assert entries(again) == [(HOOK, "r1:h2", "updated", "r1", "pending")]
+    assert entries(again) == [(HOOK, "r1:2:h2", "updated", "r1", "pending")]
     again.close()

@@ -32,8 +32,8 @@ def small_shop() -> Any:
 
 
 def stored_keys(db: Path) -> set[str]:
-    return {f"{rid}:{h}" for rid, h in db_rows(db, "SELECT record_id, content_hash"
-                                                   " FROM records")}
+    return {f"{rid}:{v}:{h}" for rid, v, h in db_rows(
+        db, "SELECT record_id, version, content_hash FROM records")}
 
 
 @deferred_f_from_coro_f

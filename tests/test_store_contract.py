@@ -10,6 +10,7 @@ Time never passes by itself: every store gets a ``FakeClock`` that the tests mov
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,8 @@ from scrapy_idempotent.store import (
     LeasedRequest,
     LeaseHolder,
     NewRequest,
+    OutboxOutcome,
+    OutboxState,
     Record,
     Reject,
     RequestState,
@@ -506,6 +509,154 @@ def test_distinct_records_in_one_unit(store):
                                               (rec("r1", "h9"), None)]), "w1")
     assert result == CommitResult(records_inserted=2, records_updated=1)
     assert store.counts() == counts(records=2)
+
+
+# -- record observation order and change versions --------------------------------------------
+
+HOOK = "https://hooks.example/records"
+
+
+def seen(record: Record, observed_at: float) -> Record:
+    """``record`` as observed (its response received) at ``observed_at``."""
+    return dataclasses.replace(record, observed_at=observed_at)
+
+
+def page_with(store: Any, key: str, *found: Record, worker: str = "w1") -> CommitResult:
+    """Commit the completion of leased request ``key`` with the records its page yielded,
+    announced to ``HOOK``."""
+    return store.commit(UnitOfWork(records=[(r, key) for r in found],
+                                   completions=[Completion(key, RequestState.DONE)],
+                                   outbox_targets=(HOOK,)), worker)
+
+
+def stored(store: Any, record_id: str) -> StoredRecord:
+    (found,) = [r for r in records(store) if r.record_id == record_id]
+    return found
+
+
+def announced(store: Any) -> list[tuple[str, str]]:
+    return [(e.key, e.kind) for e in store.outbox_entries()]
+
+
+def test_a_page_downloaded_earlier_but_committed_later_changes_nothing(store, clock):
+    """Two pages yield the same record: the listing's response arrives first (price 10),
+    the product page's later (price 12), and the product page commits first. The listing's
+    late commit is refused: the record keeps price 12, its last change and version stay,
+    nothing is announced, and the refusal is counted."""
+    enqueue(store, req("listing"), req("product"))
+    claim(store, 2)
+    assert page_with(store, "product", seen(rec("r1", "h12", '{"price":12}'), T0 + 2)) \
+        == CommitResult(records_inserted=1, outbox_entries=1, completed={"done": 1})
+    clock.advance(10)
+    assert page_with(store, "listing", seen(rec("r1", "h10", '{"price":10}'), T0 + 1)) \
+        == CommitResult(records_stale=1, completed={"done": 1})
+    record = stored(store, "r1")
+    assert (record.data, record.content_hash, record.last_changed, record.version,
+            record.observed_at) == ('{"price":12}', "h12", T0, 1, T0 + 2)
+    assert announced(store) == [("r1:1:h12", "inserted")]
+    assert store.counts() == counts(done=2, records=1)
+
+
+def test_a_later_observation_replaces_the_record(store, clock):
+    commit_record(store, seen(rec("r1", "h1", '{"price":1}'), T0))
+    clock.advance(10)
+    assert commit_record(store, seen(rec("r1", "h2", '{"price":2}'), T0 + 5)) == CommitResult(
+        records_updated=1)
+    record = stored(store, "r1")
+    assert (record.data, record.last_changed, record.version, record.observed_at) == (
+        '{"price":2}', T0 + 10, 2, T0 + 5)
+
+
+def test_the_stale_page_of_another_worker_changes_nothing(make_store, clock):
+    """Two workers on one database: w2 received its page later but commits first."""
+    w1, _ = open_store(make_store, "w1")
+    w2, _ = open_store(make_store, "w2")
+    enqueue(w1, req("a"), req("b"))
+    [a] = claim_keys(w1, 1, "w1")
+    [b] = claim_keys(w2, 1, "w2")
+    assert page_with(w2, b, seen(rec("r1", "new", '{"stock":0}'), T0 + 2),
+                     worker="w2").records_inserted == 1
+    clock.advance(5)
+    result = page_with(w1, a, seen(rec("r1", "old", '{"stock":5}'), T0 + 1), worker="w1")
+    assert (result.records_stale, result.records_updated, result.outbox_entries) == (1, 0, 0)
+    assert result.completed == {"done": 1}  # the page itself is done
+    assert (stored(w1, "r1").data, stored(w2, "r1").version) == ('{"stock":0}', 1)
+    assert announced(w1) == [("r1:1:new", "inserted")]
+
+
+def test_stale_records_in_one_transaction_of_several_pages(store):
+    """One transaction holds several pages (the writer groups them): a record of a page
+    observed earlier, written after the same record of a page observed later, is refused."""
+    enqueue(store, req("a"), req("b"))
+    claim(store, 2)
+    result = store.commit(UnitOfWork(
+        records=[(seen(rec("r1", "h2"), T0 + 2), "b"), (seen(rec("r1", "h1"), T0 + 1), "a")],
+        completions=[Completion("b", RequestState.DONE), Completion("a", RequestState.DONE)],
+        outbox_targets=(HOOK,)), "w1")
+    assert (result.records_inserted, result.records_stale, result.outbox_entries) == (1, 1, 1)
+    assert (stored(store, "r1").content_hash, stored(store, "r1").version) == ("h2", 1)
+
+
+def test_records_observed_at_the_same_time_are_written_in_commit_order(store, clock):
+    """One page yielding the same record twice: the later item wins, as before."""
+    result = store.commit(UnitOfWork(records=[(seen(rec("r1", "h1"), T0), None),
+                                              (seen(rec("r1", "h2"), T0), None)]), "w1")
+    assert (result.records_inserted, result.records_updated) == (1, 1)
+    assert (stored(store, "r1").content_hash, stored(store, "r1").version) == ("h2", 2)
+
+
+def test_an_unchanged_later_observation_still_fences_older_data(store, clock):
+    """The stored data was seen again, unchanged, at T0 + 20: data observed at T0 + 10 is
+    older than that, even though it is newer than the stored data's first observation."""
+    commit_record(store, seen(rec("r1", "h1"), T0))
+    assert commit_record(store, seen(rec("r1", "h1"), T0 + 20)) == CommitResult(
+        records_unchanged=1)
+    assert stored(store, "r1").observed_at == T0 + 20
+    assert commit_record(store, seen(rec("r1", "h2"), T0 + 10)) == CommitResult(
+        records_stale=1)
+    assert (stored(store, "r1").content_hash, stored(store, "r1").version) == ("h1", 1)
+
+
+def test_a_record_without_observation_time_is_observed_at_its_commit(store, clock):
+    commit_record(store, seen(rec("r1", "h1"), T0 + 100))  # a worker whose clock runs ahead
+    assert commit_record(store, rec("r1", "h2")) == CommitResult(records_stale=1)
+    clock.advance(200)
+    assert commit_record(store, rec("r1", "h2")) == CommitResult(records_updated=1)
+    assert stored(store, "r1").observed_at == T0 + 200
+
+
+def test_a_change_back_to_earlier_content_has_a_key_of_its_own(store, clock):
+    """A -> B -> A: three changes, three keys (a receiver deduplicating by key applies the
+    change back); the version counts the stored changes."""
+    for key, content_hash in (("p1", "hA"), ("p2", "hB"), ("p3", "hA")):
+        enqueue(store, req(key))
+        claim(store, 1)
+        clock.advance(1)
+        page_with(store, key, seen(rec("r1", content_hash), clock()))
+    keys = [key for key, _ in announced(store)]
+    assert keys == ["r1:1:hA", "r1:2:hB", "r1:3:hA"]
+    assert len(set(keys)) == 3
+    assert [kind for _, kind in announced(store)] == ["inserted", "updated", "updated"]
+    assert stored(store, "r1").version == 3
+    # seen again unchanged: no change, no new version, no announcement
+    enqueue(store, req("p4"))
+    claim(store, 1)
+    clock.advance(1)
+    page_with(store, "p4", seen(rec("r1", "hA"), clock()))
+    assert (stored(store, "r1").version, len(announced(store))) == (3, 3)
+
+
+def test_every_delivery_of_one_change_carries_its_key(store, clock):
+    enqueue(store, req("p1"), req("p2"))
+    claim(store, 2)
+    page_with(store, "p1", rec("r1", "hA"))
+    page_with(store, "p2", rec("r1", "hB"))
+    first = store.claim_outbox([HOOK], 10, 30.0)
+    assert [e.key for e in first] == ["r1:1:hA", "r1:2:hB"]
+    store.settle_outbox([OutboxOutcome(e.entry_id, OutboxState.PENDING, "503", clock())
+                         for e in first])
+    again = store.claim_outbox([HOOK], 10, 30.0)
+    assert [(e.key, e.attempts) for e in again] == [("r1:1:hA", 1), ("r1:2:hB", 1)]
 
 
 # -- rollback -------------------------------------------------------------------------------

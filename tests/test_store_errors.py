@@ -169,6 +169,8 @@ def test_a_database_of_an_earlier_version_gets_its_identity_at_the_first_open(
     conn.execute("DELETE FROM meta WHERE key IN ('project', 'spider', 'source')")
     conn.execute("PRAGMA application_id = 0")
     # as schema version 3 wrote it (the last one without an application id)
+    conn.execute("ALTER TABLE records DROP COLUMN observed_at")  # schema 7
+    conn.execute("ALTER TABLE records DROP COLUMN version")
     conn.execute("DROP TABLE outbox")  # schema 6
     conn.execute("DROP INDEX records_seen")  # schema 5
     conn.execute("ALTER TABLE records DROP COLUMN seen_seq")

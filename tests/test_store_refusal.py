@@ -40,6 +40,8 @@ def as_earlier_version(path: Path, *, schema_3: bool, journal_mode: str) -> None
     ``schema_3``, also the schema (and no application id) of version 3."""
     conn = sqlite3.connect(path, isolation_level=None)
     if schema_3:
+        conn.execute("ALTER TABLE records DROP COLUMN observed_at")  # schema 7
+        conn.execute("ALTER TABLE records DROP COLUMN version")
         conn.execute("DROP TABLE outbox")  # schema 6
         conn.execute("DROP INDEX records_seen")  # schema 5
         conn.execute("ALTER TABLE records DROP COLUMN seen_seq")

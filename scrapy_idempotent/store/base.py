@@ -16,6 +16,12 @@ Transaction guarantees every implementation gives:
 * With :attr:`UnitOfWork.outbox_targets`, every record the transaction inserts or changes
   gets one outbox entry per target in the same transaction (see :class:`OutboxEntry`): a
   stored change is always announced, and a change that is not stored never is.
+* Records: one row per record ID, written only when its content changed (or, unchanged, to
+  mark it seen by a run or observed later). A record is never replaced by data observed
+  before the stored data (:attr:`Record.observed_at`, compared with the stored one; equal
+  times: the later commit wins): such a write is refused, changes nothing, announces
+  nothing and is counted (:attr:`CommitResult.records_stale`). Every stored change adds one
+  to the record's ``version`` (1 when inserted), which is part of the outbox key.
 * A completion deletes the response journaled for its request in the same transaction.
 * Enqueue is idempotent by request key: a key already in the frontier is not inserted again,
   whatever its state.
@@ -67,6 +73,7 @@ __all__ = [
     "SessionInfo",
     "StoredRecord",
     "UnitOfWork",
+    "change_key",
     "url_glob_matches",
 ]
 
@@ -184,7 +191,12 @@ class Completion:
 
 @dataclass(frozen=True)
 class Record:
-    """An item as it is stored: identity, type, data and content hash."""
+    """An item as it is stored: identity, type, data and content hash, and when the data
+    was observed.
+
+    ``observed_at`` is when the response the item came from was received (unix seconds, the
+    worker's clock); None: when the record is committed. A stored record is never replaced
+    by data observed before it (see :meth:`FrontierStore.commit`)."""
 
     record_id: str
     source: str
@@ -192,6 +204,13 @@ class Record:
     item_type: str
     data: str  #: JSON object of the item's fields in its order (record ID field removed)
     content_hash: str  #: sha256 hex of the data without volatile fields
+    observed_at: float | None = None
+
+
+def change_key(record: Record, version: int) -> str:
+    """The idempotency key of the change that stored ``record`` as its ``version``-th
+    version: ``<record_id>:<version>:<content_hash>`` (see :class:`OutboxEntry`)."""
+    return f"{record.record_id}:{version}:{record.content_hash}"
 
 
 @dataclass(frozen=True)
@@ -199,8 +218,11 @@ class OutboxEntry:
     """One announcement of a record change to one target, written by
     :meth:`FrontierStore.commit` in the transaction that stored the change.
 
-    ``key`` is the idempotency key: ``<record_id>:<content_hash>``, the same for every
-    delivery of this change (and for every target), so a receiver deduplicates by it.
+    ``key`` is the idempotency key: ``<record_id>:<version>:<content_hash>``, with
+    ``version`` the record's change counter (1 when inserted, one more with every stored
+    change): the same for every delivery of this change (and for every target), and another
+    for every other change, a change back to earlier content included; a receiver
+    deduplicates by it.
     ``entry_id`` grows with every entry written (later changes have larger ids)."""
 
     entry_id: int
@@ -306,6 +328,9 @@ class CommitResult:
     #: inserts that met the unique index because another worker inserted the same record ID
     #: meanwhile (they became updates, or nothing): the duplicate rate of concurrent workers
     records_conflicts: int = 0
+    #: records refused because the stored one was observed later (a page downloaded earlier
+    #: but committed later): nothing of them was written
+    records_stale: int = 0
     rejects: int = 0
     completed: dict[str, int] = field(default_factory=dict)  #: state value -> count
     leases_lost: int = 0  #: completions whose lease was not this worker's: nothing written
@@ -490,6 +515,8 @@ class StoredRecord:
     changed_run_id: int
     content_hash: str = ""  #: sha256 hex of the data without volatile fields
     request_key: str | None = None  #: of the request whose response last wrote it
+    version: int = 1  #: the record's change counter: 1 when inserted, +1 per change stored
+    observed_at: float | None = None  #: when the stored data was last observed
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ..exceptions import StoreBusy, StoreError
@@ -87,6 +87,7 @@ from .base import (
     SessionInfo,
     StoredRecord,
     UnitOfWork,
+    change_key,
     url_glob_matches,
 )
 from .registry import redacted
@@ -99,7 +100,7 @@ __all__ = ["MIN_SERVER_VERSION", "SCHEMA_VERSION", "PostgreSQLStore", "check_ser
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 #: The oldest PostgreSQL server the store works with (``server_version_num``).
 MIN_SERVER_VERSION = 140000
 APPLICATION = "scrapy_idempotent"
@@ -248,6 +249,17 @@ _MIGRATIONS: list[list[str]] = [
         "DROP INDEX requests_leased",
         "CREATE INDEX requests_leased ON requests (worker) WHERE state = 'leased'",
     ],
+    [
+        # When the stored data was observed (its response received): a record is never
+        # replaced by data observed before it. Existing rows: their latest commit (a change
+        # or a run's first sight), the latest time known to have held their data.
+        "ALTER TABLE records ADD COLUMN observed_at double precision NOT NULL DEFAULT 0",
+        "UPDATE records SET observed_at = greatest(last_changed, coalesce(seen_at, 0))",
+        "ALTER TABLE records ALTER COLUMN observed_at DROP DEFAULT",
+        # The record's change counter (1 when inserted, +1 per stored change), part of the
+        # outbox key: every change has its own key, a change back to earlier content too.
+        "ALTER TABLE records ADD COLUMN version bigint NOT NULL DEFAULT 1",
+    ],
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -259,6 +271,7 @@ _TABLES: dict[int, frozenset[str]] = {
 _TABLES[2] = _TABLES[1]
 _TABLES[3] = _TABLES[2] | {"outbox"}
 _TABLES[4] = _TABLES[3]
+_TABLES[5] = _TABLES[4]
 assert set(_TABLES) == set(range(1, SCHEMA_VERSION + 1))
 
 #: The claim order (see the SQLite store): written exactly as in the ``requests_pending``
@@ -275,7 +288,7 @@ _LOADED: dict[str, tuple[str, ...]] = {
                  "run_id"),
     "records": ("record_id", "source", "natural_key", "item_type", "data", "content_hash",
                 "first_seen", "last_changed", "first_run_id", "changed_run_id", "request_key",
-                "seen_run_id", "seen_at", "seen_seq"),
+                "seen_run_id", "seen_at", "seen_seq", "observed_at", "version"),
     "rejects": ("id", "item_type", "reason", "data", "request_key", "page_url", "created_at",
                 "run_id", "retried_at"),
     "feeds": ("run_id", "uri", "base_size"),
@@ -301,6 +314,15 @@ _Known = tuple[Any, str, Any]
 _Lookups = tuple["psycopg.Cursor[Any] | None", "psycopg.Cursor[Any] | None"]
 #: An insert of new requests sent, answer not read yet: its cursor, the number of rows sent.
 _Inserting = tuple["psycopg.Cursor[Any]", int]
+
+
+class _StoredState(NamedTuple):
+    """What a page commit reads (and locks) of a stored record before writing it."""
+
+    content_hash: str
+    seen_run_id: int
+    observed_at: float
+    version: int
 
 
 def schema_for(identity: CrawlIdentity | None) -> str:
@@ -1269,10 +1291,10 @@ class PostgreSQLStore(FrontierStore):
 
     def _upsert_records(self, cur: psycopg.Cursor[Any],
                         records: list[tuple[Record, str | None]], now: float, run_id: int,
-                        result: CommitResult) -> list[tuple[str, Record]]:
-        """Upsert ``records``; returns the changes written: ``(kind, record)`` with kind
-        ``inserted`` or ``updated``."""
-        changes: list[tuple[str, Record]] = []
+                        result: CommitResult) -> list[tuple[str, Record, int]]:
+        """Upsert ``records``; returns the changes written: ``(kind, record, version)`` with
+        kind ``inserted`` or ``updated`` (an unchanged or stale record is no change)."""
+        changes: list[tuple[str, Record, int]] = []
         if not records:
             return changes
         # times users read never go backwards (see the SQLite store); and the numbers of
@@ -1284,27 +1306,28 @@ class PostgreSQLStore(FrontierStore):
         if newest is not None and newest > now:
             now = newest
         ids = sorted({record.record_id for record, _ in records})
-        known: dict[str, tuple[str, int]] = {
-            record_id: (content_hash, seen_run_id)
-            for record_id, content_hash, seen_run_id in cur.execute(
-                "SELECT record_id, content_hash, seen_run_id FROM records"
-                " WHERE record_id = ANY(%s) ORDER BY record_id FOR UPDATE", (ids,))}
+        known: dict[str, _StoredState] = {
+            row[0]: _StoredState(*row[1:]) for row in cur.execute(
+                "SELECT record_id, content_hash, seen_run_id, observed_at, version"
+                " FROM records WHERE record_id = ANY(%s) ORDER BY record_id FOR UPDATE",
+                (ids,))}
         # written in record ID order (a record ID twice keeps its item order: the last
         # wins): page commits inserting the same new records take the unique index's locks
         # in one order, so one waits for the other instead of both deadlocking
-        written: list[tuple[int, str, Record]] = []
+        written: list[tuple[int, str, Record, int]] = []
         for n in sorted(range(len(records)), key=lambda n: records[n][0].record_id):
             record, request_key = records[n]
-            before = result.records_inserted, result.records_updated
-            self._upsert_record(cur, record, request_key, run_id, now, seqs[n], known, result)
-            if result.records_inserted != before[0]:
-                written.append((n, "inserted", record))
-            elif result.records_updated != before[1]:
-                written.append((n, "updated", record))
-        return [(kind, record) for _, kind, record in sorted(written, key=lambda w: w[0])]
+            # a record without its observation time was observed at its commit
+            observed = record.observed_at if record.observed_at is not None else now
+            change = self._upsert_record(cur, record, request_key, run_id, now, observed,
+                                         seqs[n], known, result)
+            if change is not None:
+                written.append((n, change[0], record, change[1]))
+        return [(kind, record, version)
+                for _, kind, record, version in sorted(written, key=lambda w: w[0])]
 
     @staticmethod
-    def _write_outbox(cur: psycopg.Cursor[Any], changes: list[tuple[str, Record]],
+    def _write_outbox(cur: psycopg.Cursor[Any], changes: list[tuple[str, Record, int]],
                       targets: tuple[str, ...], now: float, run_id: int,
                       result: CommitResult) -> None:
         """One outbox entry per change and target, in the transaction of the change."""
@@ -1312,62 +1335,78 @@ class PostgreSQLStore(FrontierStore):
             "INSERT INTO outbox (target, idempotency_key, kind, record_id, content_hash,"
             " item_type, source, natural_key, data, run_id, created_at, due_at)"
             " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-            [(target, f"{record.record_id}:{record.content_hash}", kind, record.record_id,
+            [(target, change_key(record, version), kind, record.record_id,
               record.content_hash, record.item_type, record.source, record.natural_key,
               record.data, run_id, now, now)
-             for kind, record in changes for target in targets])
+             for kind, record, version in changes for target in targets])
         result.outbox_entries += len(changes) * len(targets)
 
     @staticmethod
     def _upsert_record(cur: psycopg.Cursor[Any], record: Record, request_key: str | None,
-                       run_id: int, now: float, seq: int, known: dict[str, tuple[str, int]],
-                       result: CommitResult) -> None:
+                       run_id: int, now: float, observed: float, seq: int,
+                       known: dict[str, _StoredState],
+                       result: CommitResult) -> tuple[str, int] | None:
         """Insert, update (content changed) or leave alone (same content) one record, and
         mark it seen in ``run_id`` as its ``seq``-th record (unless seen there before);
-        ``known`` holds the rows read (and locked) so far."""
+        ``known`` holds the rows read (and locked) so far. Data ``observed`` before the
+        stored data's observation is refused: nothing is written. Returns the change
+        stored (kind, version), if any."""
         current = known.get(record.record_id)
         if current is None:
             row = cur.execute(
                 "INSERT INTO records (record_id, source, natural_key, item_type, data,"
                 " content_hash, first_seen, last_changed, first_run_id, changed_run_id,"
-                " request_key, seen_run_id, seen_at, seen_seq)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+                " request_key, seen_run_id, seen_at, seen_seq, observed_at, version)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, 1)"
                 " ON CONFLICT (record_id) DO NOTHING RETURNING record_id",
                 (record.record_id, record.source, record.natural_key, record.item_type,
                  record.data, record.content_hash, now, now, run_id, run_id, request_key,
-                 run_id, now, seq)).fetchone()
+                 run_id, now, seq, observed)).fetchone()
             if row is not None:
-                known[record.record_id] = (record.content_hash, run_id)
+                known[record.record_id] = _StoredState(record.content_hash, run_id, observed, 1)
                 result.records_inserted += 1
-                return
+                return "inserted", 1
             # another worker inserted this record ID since the read: the unique index was
             # the backstop; this write becomes an update (or nothing) of that row
             result.records_conflicts += 1
             fetched = cur.execute(
-                "SELECT content_hash, seen_run_id FROM records WHERE record_id = %s"
-                " FOR UPDATE", (record.record_id,)).fetchone()
+                "SELECT content_hash, seen_run_id, observed_at, version FROM records"
+                " WHERE record_id = %s FOR UPDATE", (record.record_id,)).fetchone()
             assert fetched is not None
-            current = (fetched[0], fetched[1])
-        content_hash, seen_run_id = current
-        first_sight = seen_run_id != run_id
-        if content_hash != record.content_hash:
+            current = _StoredState(*fetched)
+        if observed < current.observed_at:
+            # older than what is stored (a page downloaded earlier, committed later)
+            result.records_stale += 1
+            return None
+        first_sight = current.seen_run_id != run_id
+        change: tuple[str, int] | None = None
+        if current.content_hash != record.content_hash:
             cur.execute(
                 "UPDATE records SET data = %s, content_hash = %s, item_type = %s,"
                 " last_changed = %s, changed_run_id = %s, request_key = %s,"
+                " observed_at = %s, version = version + 1,"
                 " seen_at = CASE WHEN seen_run_id = %s THEN seen_at ELSE %s END,"
                 " seen_seq = CASE WHEN seen_run_id = %s THEN seen_seq"
                 "  ELSE %s END,"
                 " seen_run_id = %s WHERE record_id = %s",
                 (record.data, record.content_hash, record.item_type, now, run_id, request_key,
-                 run_id, now, run_id, seq, run_id, record.record_id))
+                 observed, run_id, now, run_id, seq, run_id, record.record_id))
             result.records_updated += 1
+            change = ("updated", current.version + 1)
         else:
             if first_sight:
                 cur.execute("UPDATE records SET seen_run_id = %s, seen_at = %s,"
-                            " seen_seq = %s WHERE record_id = %s",
-                            (run_id, now, seq, record.record_id))
+                            " seen_seq = %s, observed_at = %s WHERE record_id = %s",
+                            (run_id, now, seq, observed, record.record_id))
+            elif observed > current.observed_at:
+                # the same data observed later: an older observation must not replace it
+                cur.execute("UPDATE records SET observed_at = %s WHERE record_id = %s",
+                            (observed, record.record_id))
             result.records_unchanged += 1
-        known[record.record_id] = (record.content_hash, run_id)
+        known[record.record_id] = _StoredState(
+            record.content_hash, run_id, observed,
+            current.version + (1 if change is not None else 0))
+        return change
 
     @staticmethod
     def _journal(cur: psycopg.Cursor[Any], responses: list[tuple[str, str, bytes]],
@@ -1922,8 +1961,8 @@ class PostgreSQLStore(FrontierStore):
             params.append(changed_since_run)
         return [StoredRecord(*row) for row in self._read(
             "SELECT record_id, source, natural_key, item_type, data, first_seen, last_changed,"
-            " first_run_id, changed_run_id, content_hash, request_key FROM records"
-            f" WHERE {' AND '.join(where)} ORDER BY record_id LIMIT %s",
+            " first_run_id, changed_run_id, content_hash, request_key, version, observed_at"
+            f" FROM records WHERE {' AND '.join(where)} ORDER BY record_id LIMIT %s",
             (*params, limit))]
 
     def run_records(self, run_id: int) -> Iterator[RunRecord]:

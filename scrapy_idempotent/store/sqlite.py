@@ -49,6 +49,7 @@ from .base import (
     SessionInfo,
     StoredRecord,
     UnitOfWork,
+    change_key,
     url_glob_matches,
 )
 
@@ -56,7 +57,7 @@ __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 #: Schema migrations: ``_MIGRATIONS[n]`` brings version n to n + 1, one transaction each.
 _MIGRATIONS: list[list[str]] = [
@@ -209,6 +210,16 @@ _MIGRATIONS: list[list[str]] = [
         )""",
         """CREATE INDEX outbox_due ON outbox (target, due_at, id) WHERE state = 'pending'""",
     ],
+    [
+        # When the stored data was observed (its response received): a record is never
+        # replaced by data observed before it. Existing rows: their latest commit (a change
+        # or a run's first sight), the latest time known to have held their data.
+        """ALTER TABLE records ADD COLUMN observed_at REAL NOT NULL DEFAULT 0""",
+        """UPDATE records SET observed_at = max(last_changed, coalesce(seen_at, 0))""",
+        # The record's change counter (1 when inserted, +1 per stored change), part of the
+        # outbox key: every change has its own key, a change back to earlier content too.
+        """ALTER TABLE records ADD COLUMN version INTEGER NOT NULL DEFAULT 1""",
+    ],
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -226,7 +237,8 @@ _TABLES_1 = frozenset({"meta", "runs", "sessions", "requests", "records", "respo
 _TABLES: dict[int, frozenset[str]] = {1: _TABLES_1, 2: _TABLES_1 | {"feeds"},
                                       3: _TABLES_1 | {"feeds"}, 4: _TABLES_1 | {"feeds"},
                                       5: _TABLES_1 | {"feeds"},
-                                      6: _TABLES_1 | {"feeds", "outbox"}}
+                                      6: _TABLES_1 | {"feeds", "outbox"},
+                                      7: _TABLES_1 | {"feeds", "outbox"}}
 assert set(_TABLES) == set(range(1, SCHEMA_VERSION + 1))
 #: Schema versions written before the application id was (files of those have none).
 _BEFORE_APPLICATION_ID = frozenset({1, 2, 3})
@@ -835,10 +847,10 @@ class SQLiteStore(FrontierStore):
 
     def _upsert_records(self, cur: sqlite3.Cursor, records: list[tuple[Record, str | None]],
                         now: float, run_id: int,
-                        result: CommitResult) -> list[tuple[str, Record]]:
-        """Upsert ``records``; returns the changes written: ``(kind, record)`` with kind
-        ``inserted`` or ``updated`` (an unchanged record is no change)."""
-        changes: list[tuple[str, Record]] = []
+                        result: CommitResult) -> list[tuple[str, Record, int]]:
+        """Upsert ``records``; returns the changes written: ``(kind, record, version)`` with
+        kind ``inserted`` or ``updated`` (an unchanged or stale record is no change)."""
+        changes: list[tuple[str, Record, int]] = []
         if not records:
             return changes
         # The times users read never go backwards, whatever the wall clock does (a
@@ -852,19 +864,20 @@ class SQLiteStore(FrontierStore):
         row = cur.execute("SELECT seen_seq FROM runs WHERE run_id = ?", (run_id,)).fetchone()
         first = seq = row[0] if row is not None else 0
         for record, request_key in records:
-            before = result.records_inserted, result.records_updated
-            if self._upsert_record(cur, record, request_key, run_id, now, seq + 1, result):
+            # a record without its observation time was observed at its commit
+            observed = record.observed_at if record.observed_at is not None else now
+            taken, change = self._upsert_record(cur, record, request_key, run_id, now,
+                                                observed, seq + 1, result)
+            if taken:
                 seq += 1
-            if result.records_inserted != before[0]:
-                changes.append(("inserted", record))
-            elif result.records_updated != before[1]:
-                changes.append(("updated", record))
+            if change is not None:
+                changes.append((change[0], record, change[1]))
         if seq != first:
             cur.execute("UPDATE runs SET seen_seq = ? WHERE run_id = ?", (seq, run_id))
         return changes
 
     @staticmethod
-    def _write_outbox(cur: sqlite3.Cursor, changes: list[tuple[str, Record]],
+    def _write_outbox(cur: sqlite3.Cursor, changes: list[tuple[str, Record, int]],
                       targets: tuple[str, ...], now: float, run_id: int,
                       result: CommitResult) -> None:
         """One outbox entry per change and target, in the transaction of the change."""
@@ -872,10 +885,10 @@ class SQLiteStore(FrontierStore):
             "INSERT INTO outbox (target, idempotency_key, kind, record_id, content_hash,"
             " item_type, source, natural_key, data, run_id, created_at, due_at)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [(target, f"{record.record_id}:{record.content_hash}", kind, record.record_id,
+            [(target, change_key(record, version), kind, record.record_id,
               record.content_hash, record.item_type, record.source, record.natural_key,
               record.data, run_id, now, now)
-             for kind, record in changes for target in targets])
+             for kind, record, version in changes for target in targets])
         result.outbox_entries += len(changes) * len(targets)
 
     @staticmethod
@@ -913,45 +926,59 @@ class SQLiteStore(FrontierStore):
 
     @staticmethod
     def _upsert_record(cur: sqlite3.Cursor, record: Record, request_key: str | None,
-                       run_id: int, now: float, seq: int, result: CommitResult) -> bool:
+                       run_id: int, now: float, observed: float, seq: int,
+                       result: CommitResult) -> tuple[bool, tuple[str, int] | None]:
         """Insert, update (content changed) or leave the record alone (same content), and
         mark it seen in ``run_id`` as the run's ``seq``-th record: an unchanged record is
-        written only the first time a run sees it. Returns whether ``seq`` was taken."""
+        written only the first time a run sees it, or to move its observation time forward.
+        Data ``observed`` before the stored data's observation is refused: nothing is
+        written. Returns whether ``seq`` was taken, and the change stored (kind, version)."""
         row = cur.execute(
-            "SELECT content_hash, seen_run_id FROM records WHERE record_id = ?",
-            (record.record_id,),
+            "SELECT content_hash, seen_run_id, observed_at, version FROM records"
+            " WHERE record_id = ?", (record.record_id,),
         ).fetchone()
         if row is None:
             cur.execute(
                 "INSERT INTO records (record_id, source, natural_key, item_type, data,"
                 " content_hash, first_seen, last_changed, first_run_id, changed_run_id,"
-                " request_key, seen_run_id, seen_at, seen_seq)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " request_key, seen_run_id, seen_at, seen_seq, observed_at, version)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1)",
                 (record.record_id, record.source, record.natural_key, record.item_type,
                  record.data, record.content_hash, now, now, run_id, run_id,
-                 request_key, run_id, now, seq),
+                 request_key, run_id, now, seq, observed),
             )
             result.records_inserted += 1
-            return True
-        first_sight = bool(row[1] != run_id)
-        if row[0] != record.content_hash:
+            return True, ("inserted", 1)
+        content_hash, seen_run_id, stored_observed, version = row
+        if observed < stored_observed:
+            # older than what is stored (a page downloaded earlier, committed later)
+            result.records_stale += 1
+            return False, None
+        first_sight = bool(seen_run_id != run_id)
+        if content_hash != record.content_hash:
             cur.execute(
                 "UPDATE records SET data = ?, content_hash = ?, item_type = ?,"
-                " last_changed = ?, changed_run_id = ?, request_key = ?,"
+                " last_changed = ?, changed_run_id = ?, request_key = ?, observed_at = ?,"
+                " version = version + 1,"
                 " seen_at = CASE WHEN seen_run_id = ? THEN seen_at ELSE ? END,"
                 " seen_seq = CASE WHEN seen_run_id = ? THEN seen_seq ELSE ? END,"
                 " seen_run_id = ? WHERE record_id = ?",
                 (record.data, record.content_hash, record.item_type, now, run_id,
-                 request_key, run_id, now, run_id, seq, run_id, record.record_id),
+                 request_key, observed, run_id, now, run_id, seq, run_id, record.record_id),
             )
             result.records_updated += 1
-        else:
-            if first_sight:
-                cur.execute(
-                    "UPDATE records SET seen_run_id = ?, seen_at = ?, seen_seq = ?"
-                    " WHERE record_id = ?", (run_id, now, seq, record.record_id))
-            result.records_unchanged += 1
-        return first_sight
+            return first_sight, ("updated", version + 1)
+        if first_sight:
+            cur.execute(
+                "UPDATE records SET seen_run_id = ?, seen_at = ?, seen_seq = ?,"
+                " observed_at = ? WHERE record_id = ?",
+                (run_id, now, seq, observed, record.record_id))
+        elif observed > stored_observed:
+            # the same data observed later: an older observation must not replace it
+            cur.execute("UPDATE records SET observed_at = ? WHERE record_id = ?",
+                        (observed, record.record_id))
+        result.records_unchanged += 1
+        return first_sight, None
 
     @staticmethod
     def _count(cur: sqlite3.Cursor, result: CommitResult, run_id: int, started: int) -> None:
@@ -1338,7 +1365,8 @@ class SQLiteStore(FrontierStore):
             params.append(changed_since_run)
         return [StoredRecord(*row) for row in self.conn.execute(
             "SELECT record_id, source, natural_key, item_type, data, first_seen, last_changed,"
-            " first_run_id, changed_run_id, content_hash, request_key FROM records"
+            " first_run_id, changed_run_id, content_hash, request_key, version, observed_at"
+            " FROM records"
             f" WHERE {' AND '.join(where)} ORDER BY record_id LIMIT ?",
             (*params, limit),
         )]
