@@ -203,7 +203,8 @@ def test_concurrent_inserts_of_one_record_id_are_a_counted_conflict(
     other.execute(
         f'INSERT INTO "{schema}".records (record_id, source, natural_key, item_type, data,'
         " content_hash, first_seen, last_changed, first_run_id, changed_run_id, seen_run_id,"
-        " seen_seq) VALUES ('r1', 'shop', '[]', 'dict', '{}', 'h1', 1, 1, 1, 1, 1, 0)")
+        " seen_seq, observed_at) VALUES ('r1', 'shop', '[]', 'dict', '{}', 'h1', 1, 1, 1, 1, 1,"
+        " 0, 1)")
     results: list[Any] = []
     committing = threading.Thread(target=lambda: results.append(store.commit(UnitOfWork(
         completions=[Completion("p1", RequestState.DONE)],
