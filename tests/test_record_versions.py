@@ -20,7 +20,7 @@ from twisted.internet.defer import Deferred
 
 from crawling import crawl_settings, db_rows, run_crawl
 from scrapy_idempotent import OutboxTarget, signals
-from scrapy_idempotent.store import Record, SQLiteStore, UnitOfWork
+from scrapy_idempotent.store import Record, SQLiteStore, UnitOfWork, open_store
 from scrapy_idempotent.store.sqlite import _MIGRATIONS, APPLICATION_ID, SCHEMA_VERSION
 
 HOOK = "https://hooks.example/records"
@@ -211,15 +211,25 @@ class ListingCommitsLast:
         return item
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def crawl_database(request: pytest.FixtureRequest, db_path: Path) -> str:
+    """The database of a crawl: a SQLite file, or a PostgreSQL database of its own."""
+    if request.param == "postgresql":
+        pytest.importorskip("psycopg")
+        url: str = request.getfixturevalue("postgres_url")
+        return url
+    return str(db_path)
+
+
 @deferred_f_from_coro_f
 async def test_a_page_downloaded_earlier_but_committed_later_keeps_the_newer_record(
-        site: LocalSite, db_path: Path) -> None:
+        site: LocalSite, crawl_database: str) -> None:
     site.add("/listing", "<html><body><b>10.00</b></body></html>")
     site.add("/product", "<html><body><b>12.00</b></body></html>", held=True)
     ListingCommitsLast.site = site
     RecordingTarget.RECEIVED.clear()
     crawler = await run_crawl(TwoPagesOneRecordSpider, crawl_settings(
-        db_path, IDEMPOTENT_NATURAL_KEYS={"dict": "sku"},
+        crawl_database, IDEMPOTENT_NATURAL_KEYS={"dict": "sku"},  # type: ignore[arg-type]
         IDEMPOTENT_OUTBOX_TARGETS=[f"{__name__}.RecordingTarget"],
         ITEM_PIPELINES={f"{__name__}.ListingCommitsLast": 100}), url=site.url)
     stats = crawler.stats.get_stats()
@@ -227,9 +237,13 @@ async def test_a_page_downloaded_earlier_but_committed_later_keeps_the_newer_rec
     assert stats["idempotent/records/inserted"] == 1
     assert stats["idempotent/records/stale"] == 1
     assert "idempotent/records/updated" not in stats
-    [(data, version)] = db_rows(db_path, "SELECT data, version FROM records")
-    assert (json.loads(data)["price"], version) == ("12.00", 1)
+    store = open_store(crawl_database)
+    store.open_existing()
+    try:
+        [record] = store.records_page()
+    finally:
+        store.close()
+    assert (json.loads(record.data)["price"], record.version) == ("12.00", 1)
     # one announcement: the newer data, inserted; the stale data is never announced
-    [(record_id, content_hash)] = db_rows(db_path, "SELECT record_id, content_hash"
-                                                    " FROM records")
-    assert [(f"{record_id}:1:{content_hash}", "inserted", "12.00")] == RecordingTarget.RECEIVED
+    key = f"{record.record_id}:1:{record.content_hash}"
+    assert [(key, "inserted", "12.00")] == RecordingTarget.RECEIVED
