@@ -176,7 +176,7 @@ async def test_an_entry_in_flight_is_not_claimed_again_when_its_hold_ends(
     clock.advance(one.hold_seconds + 1)  # the hold is over, the delivery still in flight
     assert await maybe_deferred_to_future(one.pump()) == 0
     await turns_until(lambda: gate.calls)
-    assert [key for key, _ in gate.calls] == ["r0:h0"]
+    assert [key for key, _ in gate.calls] == ["r0:1:h0"]
     gate.calls[0][1].callback("HTTP 200")
     await maybe_deferred_to_future(one.wait_idle())
     assert one.counts["delivered"] == 1

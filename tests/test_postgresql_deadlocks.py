@@ -123,7 +123,8 @@ def test_new_records_given_in_opposite_orders_do_not_deadlock(
         postgres_url,
         f"INSERT INTO \"{SCHEMA}\".records (record_id, source, natural_key, item_type, data,"
         " content_hash, first_seen, last_changed, first_run_id, changed_run_id, seen_run_id,"
-        " seen_seq) VALUES ('r0100', 'shop', '[]', 'dict', '{}', 'h', 1, 1, 1, 1, 1, 0)",
+        " seen_seq, observed_at) VALUES ('r0100', 'shop', '[]', 'dict', '{}', 'h', 1, 1, 1, 1,"
+        " 1, 0, 1)",
         workers, [UnitOfWork(records=[(rec(i), None) for i in ids]),
                   UnitOfWork(records=[(rec(i), None) for i in reversed(ids)])])
     assert all(isinstance(outcome, CommitResult) for outcome in outcomes), outcomes
