@@ -14,11 +14,13 @@ import os
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from scrapy.exceptions import NotConfigured
 from scrapy.utils.conf import closest_scrapy_cfg
 from scrapy.utils.project import data_path
 
+from ._order import QueueOrder
 from .exceptions import ConfigError
 from .store.base import RunMode
 from .store.registry import sqlite_path
@@ -32,6 +34,7 @@ __all__ = [
     "DEFAULT_URL_IGNORE_PARAMS",
     "SETTINGS",
     "IdempotentConfig",
+    "QueueConfig",
     "RunMode",
     "config_for",
     "log_interval_seconds",
@@ -96,6 +99,38 @@ SETTINGS: dict[str, Any] = {
 }
 
 
+#: Scrapy's default queue order (``SCHEDULER_MEMORY_QUEUE`` LIFO, start requests in a FIFO
+#: queue of their own).
+_SCRAPY_QUEUE_ORDER = QueueOrder(start_queue=True, start_fifo=True, other_fifo=False)
+#: The URL schemes of ``IDEMPOTENT_QUEUE_URL`` (redis-py's ``Redis.from_url``).
+_REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    """The validated ``IDEMPOTENT_QUEUE_*`` settings: the queue input's (see
+    :mod:`.queue_input`)."""
+
+    url: str
+    key: str  #: the stream (``{spider}`` replaced)
+    group: str
+    idle_timeout_seconds: float | None
+    claim_idle_seconds: float
+    prefetch: int
+    poll_seconds: float
+
+    @property
+    def parked_key(self) -> str:
+        return f"{self.key}:parked"
+
+    @classmethod
+    def from_crawler(cls, crawler: Crawler) -> QueueConfig | None:
+        """The queue settings of ``crawler`` (:attr:`IdempotentConfig.queue`), None when
+        ``IDEMPOTENT_QUEUE_URL`` is not set; :class:`~.ConfigError` naming the setting for a
+        bad value."""
+        return config_for(crawler).queue
+
+
 @dataclass(frozen=True)
 class IdempotentConfig:
     """The validated ``IDEMPOTENT_*`` settings of one crawl. Field names carry units."""
@@ -125,6 +160,14 @@ class IdempotentConfig:
     outbox_retry_seconds: float = 1.0
     outbox_retry_max_seconds: float = 300.0
     outbox_drain_seconds: float = 30.0
+    #: the queue input's settings; None without ``IDEMPOTENT_QUEUE_URL``
+    queue: QueueConfig | None = None
+    #: Scrapy's settings the frontier follows: ``HTTPERROR_ALLOW_ALL`` and
+    #: ``HTTPERROR_ALLOWED_CODES`` (which responses reach their callback) ...
+    httperror_allow_all: bool = False
+    httperror_allowed_codes: tuple[int, ...] = ()
+    #: ... and ``SCHEDULER_MEMORY_QUEUE`` / ``SCHEDULER_START_MEMORY_QUEUE`` (the queue order)
+    queue_order: QueueOrder = _SCRAPY_QUEUE_ORDER
 
     def store_options(self) -> dict[str, Any]:
         """The keyword options of :func:`~.store.open_store` these settings give (see
@@ -133,68 +176,145 @@ class IdempotentConfig:
 
     @classmethod
     def from_settings(cls, settings: BaseSettings, spider: Spider) -> IdempotentConfig:
-        """Read every ``IDEMPOTENT_*`` setting; the spider's ``idempotent_natural_keys``
-        attribute (same shape as ``IDEMPOTENT_NATURAL_KEYS``) overrides entries of the setting.
+        """Read every ``IDEMPOTENT_*`` setting, and the Scrapy settings the frontier follows;
+        the spider's ``idempotent_natural_keys`` attribute (same shape as
+        ``IDEMPOTENT_NATURAL_KEYS``) overrides entries of the setting.
 
         Raises :class:`~.ConfigError` naming the first bad setting.
         """
-
-        def get(name: str) -> Any:
-            return settings.get(name, SETTINGS[name])
-
-        natural_keys = _natural_keys("IDEMPOTENT_NATURAL_KEYS", get("IDEMPOTENT_NATURAL_KEYS"))
-        _check_declared_fields("IDEMPOTENT_NATURAL_KEYS", natural_keys)
-        override = getattr(spider, "idempotent_natural_keys", None)
-        if override is not None:
-            natural_keys.update(_natural_keys(f"{type(spider).__name__}.idempotent_natural_keys",
-                                              override))
-        source = get("IDEMPOTENT_SOURCE")
-        if source is None:
-            source = spider.name
-        if not isinstance(source, str) or not source.strip():
-            raise ConfigError("IDEMPOTENT_SOURCE", source,
-                              "a non-empty string (default: the spider name)")
-        # settings.get() answers the default for a None value: read the raw value, so an
-        # explicit None turns stamping off as "" does
-        record_id_field = (settings["IDEMPOTENT_RECORD_ID_FIELD"]
-                           if "IDEMPOTENT_RECORD_ID_FIELD" in settings
-                           else SETTINGS["IDEMPOTENT_RECORD_ID_FIELD"])
-        if record_id_field in (None, ""):
-            record_id_field = None
-        elif not isinstance(record_id_field, str):
-            raise ConfigError("IDEMPOTENT_RECORD_ID_FIELD", record_id_field,
-                              "a field name, or None/'' to keep items unchanged")
-        try:
-            run_mode = RunMode(get("IDEMPOTENT_RUN_MODE"))
-        except (ValueError, TypeError):
-            raise ConfigError("IDEMPOTENT_RUN_MODE", get("IDEMPOTENT_RUN_MODE"),
-                              f"one of {', '.join(mode.value for mode in RunMode)}") from None
+        identity = _identity(settings, spider)
+        run_mode = _run_mode(settings)
         return cls(
-            database=_database(get("IDEMPOTENT_DATABASE"), spider.name),
+            database=_database(_get(settings, "IDEMPOTENT_DATABASE"), spider.name),
             **store_options(settings),
+            **identity,
             lease_batch=int(_number(settings, "IDEMPOTENT_LEASE_BATCH", minimum=1, integer=True)),
             run_mode=run_mode,
-            natural_keys=natural_keys,
-            source=source,
-            record_id_field=record_id_field,
-            volatile_fields=frozenset(_names(settings, "IDEMPOTENT_VOLATILE_FIELDS")),
-            url_ignore_params=tuple(_names(settings, "IDEMPOTENT_URL_IGNORE_PARAMS")),
             request_classes=tuple(_names(settings, "IDEMPOTENT_REQUEST_CLASSES")),
             log_interval_seconds=log_interval_seconds(settings),
             response_journal=_boolean(settings, "IDEMPOTENT_RESPONSE_JOURNAL"),
-            outbox_targets=_outbox_targets(settings),
-            outbox_headers=_headers(settings, "IDEMPOTENT_OUTBOX_HEADERS"),
-            outbox_concurrency=int(_number(settings, "IDEMPOTENT_OUTBOX_CONCURRENCY",
-                                           minimum=1, integer=True)),
-            outbox_timeout_seconds=_number(settings, "IDEMPOTENT_OUTBOX_TIMEOUT_SECONDS",
-                                           minimum=0.1),
-            outbox_retry_seconds=_number(settings, "IDEMPOTENT_OUTBOX_RETRY_SECONDS",
-                                         minimum=0.0),
-            outbox_retry_max_seconds=_number(settings, "IDEMPOTENT_OUTBOX_RETRY_MAX_SECONDS",
-                                             minimum=0.0),
-            outbox_drain_seconds=_number(settings, "IDEMPOTENT_OUTBOX_DRAIN_SECONDS",
-                                         minimum=0.0),
+            **_outbox(settings),
+            queue=_queue(settings, spider.name),
+            **_scrapy_rules(settings),
         )
+
+
+def _identity(settings: BaseSettings, spider: Spider) -> dict[str, Any]:
+    """The record identity: ``natural_keys`` (the spider's ``idempotent_natural_keys`` over
+    ``IDEMPOTENT_NATURAL_KEYS``), ``source``, ``record_id_field``, ``volatile_fields`` and
+    ``url_ignore_params``."""
+    natural_keys = _natural_keys("IDEMPOTENT_NATURAL_KEYS",
+                                 _get(settings, "IDEMPOTENT_NATURAL_KEYS"))
+    _check_declared_fields("IDEMPOTENT_NATURAL_KEYS", natural_keys)
+    override = getattr(spider, "idempotent_natural_keys", None)
+    if override is not None:
+        natural_keys.update(_natural_keys(f"{type(spider).__name__}.idempotent_natural_keys",
+                                          override))
+    source = _get(settings, "IDEMPOTENT_SOURCE")
+    if source is None:
+        source = spider.name
+    if not isinstance(source, str) or not source.strip():
+        raise ConfigError("IDEMPOTENT_SOURCE", source,
+                          "a non-empty string (default: the spider name)")
+    return {
+        "natural_keys": natural_keys,
+        "source": source,
+        "record_id_field": _record_id_field(settings),
+        "volatile_fields": frozenset(_names(settings, "IDEMPOTENT_VOLATILE_FIELDS")),
+        "url_ignore_params": tuple(_names(settings, "IDEMPOTENT_URL_IGNORE_PARAMS")),
+    }
+
+
+def _record_id_field(settings: BaseSettings) -> str | None:
+    # settings.get() answers the default for a None value: read the raw value, so an
+    # explicit None turns stamping off as "" does
+    name = "IDEMPOTENT_RECORD_ID_FIELD"
+    record_id_field = settings[name] if name in settings else SETTINGS[name]
+    if record_id_field in (None, ""):
+        return None
+    if not isinstance(record_id_field, str):
+        raise ConfigError(name, record_id_field,
+                          "a field name, or None/'' to keep items unchanged")
+    return record_id_field
+
+
+def _run_mode(settings: BaseSettings) -> RunMode:
+    raw = _get(settings, "IDEMPOTENT_RUN_MODE")
+    try:
+        return RunMode(raw)
+    except (ValueError, TypeError):
+        raise ConfigError("IDEMPOTENT_RUN_MODE", raw,
+                          f"one of {', '.join(mode.value for mode in RunMode)}") from None
+
+
+def _outbox(settings: BaseSettings) -> dict[str, Any]:
+    """The ``IDEMPOTENT_OUTBOX_*`` settings, as the ``outbox_*`` fields."""
+    return {
+        "outbox_targets": _outbox_targets(settings),
+        "outbox_headers": _headers(settings, "IDEMPOTENT_OUTBOX_HEADERS"),
+        "outbox_concurrency": int(_number(settings, "IDEMPOTENT_OUTBOX_CONCURRENCY",
+                                          minimum=1, integer=True)),
+        "outbox_timeout_seconds": _number(settings, "IDEMPOTENT_OUTBOX_TIMEOUT_SECONDS",
+                                          minimum=0.1),
+        "outbox_retry_seconds": _number(settings, "IDEMPOTENT_OUTBOX_RETRY_SECONDS",
+                                        minimum=0.0),
+        "outbox_retry_max_seconds": _number(settings, "IDEMPOTENT_OUTBOX_RETRY_MAX_SECONDS",
+                                            minimum=0.0),
+        "outbox_drain_seconds": _number(settings, "IDEMPOTENT_OUTBOX_DRAIN_SECONDS",
+                                        minimum=0.0),
+    }
+
+
+def _queue(settings: BaseSettings, spider_name: str) -> QueueConfig | None:
+    """The ``IDEMPOTENT_QUEUE_*`` settings; None without ``IDEMPOTENT_QUEUE_URL`` (the others
+    are then not read)."""
+    url = _get(settings, "IDEMPOTENT_QUEUE_URL")
+    if url in (None, ""):
+        return None
+    if not isinstance(url, str) or urlsplit(url).scheme not in _REDIS_SCHEMES:
+        raise ConfigError("IDEMPOTENT_QUEUE_URL", url,
+                          "a Redis URL: redis://host:port/db, rediss://... or unix://...")
+    key = _get(settings, "IDEMPOTENT_QUEUE_KEY")
+    if key in (None, ""):
+        key = "{spider}:requests"
+    elif not isinstance(key, str) or not key.strip():
+        raise ConfigError("IDEMPOTENT_QUEUE_KEY", key,
+                          "a Redis key, not blank (may contain {spider})")
+    group = _get(settings, "IDEMPOTENT_QUEUE_GROUP")
+    if not isinstance(group, str) or not group.strip():
+        raise ConfigError("IDEMPOTENT_QUEUE_GROUP", group, "a non-empty consumer group name")
+    idle_timeout = _get(settings, "IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS")
+    return QueueConfig(
+        url=url,
+        key=key.replace("{spider}", spider_name),
+        group=group,
+        idle_timeout_seconds=None if idle_timeout in (None, "") else _number(
+            settings, "IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS", minimum=0.0),
+        claim_idle_seconds=_number(settings, "IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS",
+                                   minimum=1.0),
+        prefetch=int(_number(settings, "IDEMPOTENT_QUEUE_PREFETCH", minimum=1, integer=True)),
+        poll_seconds=_number(settings, "IDEMPOTENT_QUEUE_POLL_SECONDS", minimum=0.01),
+    )
+
+
+def _scrapy_rules(settings: BaseSettings) -> dict[str, Any]:
+    """The Scrapy settings the frontier follows as Scrapy does: which responses reach their
+    callback (``HTTPERROR_ALLOW_ALL``, ``HTTPERROR_ALLOWED_CODES``, as ``HttpErrorMiddleware``
+    reads them) and the queue order (``SCHEDULER_MEMORY_QUEUE``,
+    ``SCHEDULER_START_MEMORY_QUEUE``)."""
+    try:
+        allow_all = settings.getbool("HTTPERROR_ALLOW_ALL")
+    except ValueError:
+        raise ConfigError("HTTPERROR_ALLOW_ALL", settings.get("HTTPERROR_ALLOW_ALL"),
+                          "a boolean: True or False") from None
+    codes = settings.getlist("HTTPERROR_ALLOWED_CODES")
+    try:
+        allowed = tuple(int(code) for code in codes)
+    except (TypeError, ValueError):
+        raise ConfigError("HTTPERROR_ALLOWED_CODES", settings.get("HTTPERROR_ALLOWED_CODES"),
+                          "a list of HTTP status codes (integers)") from None
+    return {"httperror_allow_all": allow_all, "httperror_allowed_codes": allowed,
+            "queue_order": QueueOrder.from_settings(settings)}
 
 
 def log_interval_seconds(settings: BaseSettings) -> float:
@@ -282,6 +402,7 @@ def config_for(crawler: Crawler) -> IdempotentConfig:
             reported.add("error")
             logger.critical("scrapy_idempotent: %s; the crawl was not started", exc)
             _quiet_task_exception()
+        exc.reported = True
         raise
     _CONFIGS[crawler] = (spider, config)
     return config
@@ -314,6 +435,10 @@ def unknown_settings(settings: BaseSettings) -> dict[str, str | None]:
     return unknown
 
 
+def _get(settings: BaseSettings, name: str) -> Any:
+    return settings.get(name, SETTINGS[name])
+
+
 _TRUE = ("1", "true", "True")
 _FALSE = ("0", "false", "False")
 
@@ -329,7 +454,7 @@ def _boolean(settings: BaseSettings, name: str) -> bool:
 
 
 def _number(settings: BaseSettings, name: str, *, minimum: float, integer: bool = False) -> float:
-    raw = settings.get(name, SETTINGS[name])
+    raw = _get(settings, name)
     try:
         value = float(raw)
     except (TypeError, ValueError):

@@ -62,7 +62,7 @@ from twisted.internet import task
 
 from . import scrapy_compat, signals
 from ._serial_thread import SerialThread
-from .config import SETTINGS, _number
+from .config import QueueConfig, config_for
 from .exceptions import ConfigError
 from .workers import declare_live, forget_live, new_worker_id, worker_is_dead
 
@@ -91,57 +91,6 @@ _DEAD_CHECK_SECONDS = 5.0
 
 class QueueMessageError(ValueError):
     """A message that is not a request this crawl can make (parked with this error)."""
-
-
-@dataclass(frozen=True)
-class QueueConfig:
-    """The validated ``IDEMPOTENT_QUEUE_*`` settings."""
-
-    url: str
-    key: str
-    group: str
-    idle_timeout_seconds: float | None
-    claim_idle_seconds: float
-    prefetch: int
-    poll_seconds: float
-
-    @property
-    def parked_key(self) -> str:
-        return f"{self.key}:parked"
-
-    @classmethod
-    def from_crawler(cls, crawler: Crawler) -> QueueConfig | None:
-        """None when ``IDEMPOTENT_QUEUE_URL`` is not set; :class:`~.ConfigError` naming the
-        setting for a bad value."""
-        settings = crawler.settings
-        url = settings.get("IDEMPOTENT_QUEUE_URL")
-        if url in (None, ""):
-            return None
-        schemes = ("redis", "rediss", "unix")
-        if not isinstance(url, str) or urlsplit(url).scheme not in schemes:
-            raise ConfigError("IDEMPOTENT_QUEUE_URL", url,
-                              "a Redis URL: redis://host:port/db, rediss://... or unix://...")
-        spider_name = crawler.spider.name if crawler.spider is not None else \
-            crawler.spidercls.name
-        key = settings.get("IDEMPOTENT_QUEUE_KEY") or f"{spider_name}:requests"
-        if not isinstance(key, str):
-            raise ConfigError("IDEMPOTENT_QUEUE_KEY", key, "a Redis key (may contain {spider})")
-        group = settings.get("IDEMPOTENT_QUEUE_GROUP", SETTINGS["IDEMPOTENT_QUEUE_GROUP"])
-        if not isinstance(group, str) or not group:
-            raise ConfigError("IDEMPOTENT_QUEUE_GROUP", group, "a non-empty consumer group name")
-        idle_timeout = settings.get("IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS")
-        return cls(
-            url=url,
-            key=key.replace("{spider}", spider_name),
-            group=group,
-            idle_timeout_seconds=None if idle_timeout in (None, "") else _number(
-                settings, "IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS", minimum=0.0),
-            claim_idle_seconds=_number(settings, "IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS",
-                                       minimum=1.0),
-            prefetch=int(_number(settings, "IDEMPOTENT_QUEUE_PREFETCH", minimum=1,
-                                 integer=True)),
-            poll_seconds=_number(settings, "IDEMPOTENT_QUEUE_POLL_SECONDS", minimum=0.01),
-        )
 
 
 def request_from_message(fields: Mapping[str, str], spider: Spider) -> Request:
@@ -264,7 +213,7 @@ class QueueInput:
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> Self:
         with scrapy_compat.start_failure_exits_nonzero(crawler):
-            config = QueueConfig.from_crawler(crawler)
+            config = config_for(crawler).queue  # validated with every other setting
             if config is None:
                 raise NotConfigured("IDEMPOTENT_QUEUE_URL is not set")
             try:

@@ -41,7 +41,6 @@ from twisted.internet import task
 
 from . import __version__, engine_hooks, scrapy_compat, signals, workers
 from ._dupes import DuplicateFilter
-from ._order import QueueOrder
 from .codec import RequestCodec, describe
 from .commits import CommitOutcomes, retry_busy
 from .config import IdempotentConfig, config_for
@@ -128,7 +127,6 @@ def _retry_times(request: Request) -> int:
 
 def _build_tracker(crawler: Crawler, config: IdempotentConfig,
                    fingerprints: RequestFingerprints) -> InflightTracker:
-    settings = crawler.settings
     assert crawler.stats is not None
     return InflightTracker(
         stats=crawler.stats,
@@ -140,10 +138,9 @@ def _build_tracker(crawler: Crawler, config: IdempotentConfig,
             volatile_fields=config.volatile_fields,
         ),
         fingerprints=fingerprints,
-        order=QueueOrder.from_settings(settings),
-        http_status=HttpStatusRule(
-            allow_all=settings.getbool("HTTPERROR_ALLOW_ALL"),
-            allowed=tuple(int(s) for s in settings.getlist("HTTPERROR_ALLOWED_CODES"))),
+        order=config.queue_order,
+        http_status=HttpStatusRule(allow_all=config.httperror_allow_all,
+                                   allowed=config.httperror_allowed_codes),
     )
 
 
