@@ -23,6 +23,10 @@ __all__ = [
 class IdempotentError(Exception):
     """Base class of every error raised by scrapy_idempotent."""
 
+    #: True once the error was logged for the operator (a ``ConfigError`` at the start of a
+    #: crawl: one CRITICAL line), so that it is not logged again with a traceback
+    reported: bool = False
+
 
 class ConfigError(IdempotentError, ValueError):
     """A setting has a wrong value.

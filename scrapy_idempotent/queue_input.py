@@ -249,6 +249,9 @@ class QueueInput:
         declare_live(self.consumer)
         logger.info("scrapy_idempotent: reading requests from the Redis stream %r (group %r, "
                     "consumer %s)", self.config.key, self.config.group, self.consumer)
+        # the first poll's messages are taken when Redis answers, in a later reactor turn:
+        # after every spider_opened handler ran (Scrapy 2.13's OffsiteMiddleware builds its
+        # host filter in its own, and refuses nothing before)
         self._poll = task.LoopingCall(self.poll)
         self._poll.start(self.config.poll_seconds, now=True)
 

@@ -19,7 +19,9 @@ The differences, by the release that changed them:
 * 2.13: ``Spider.start()``, ``Scraper.handle_spider_output_async`` (the oldest release);
   components are passed ``spider`` (they accept it as an optional argument); every command
   builds a crawler process (:func:`quiet_command`).
-* 2.14: ``Scraper.start_itemproc_async`` (:class:`~.engine_hooks.EngineHooks`),
+* 2.14: ``scrapy crawl`` starts the crawl inside the reactor (on 2.13 a start that fails
+  at once leaves an unhandled failed Deferred: :func:`start_failure_exits_nonzero`);
+  ``Scraper.start_itemproc_async`` (:class:`~.engine_hooks.EngineHooks`),
   ``ExecutionEngine.close_spider_async`` (:func:`close_spider`), ``get_spider_loader``
   (:func:`spider_loader`), ``SignalManager.send_catch_log_async`` (:func:`send_signal`).
 * 2.15: download errors wrapped in Scrapy's own (:func:`failure_name`); a failed start exits
@@ -317,10 +319,54 @@ def start_failure_exits_nonzero(crawler: Crawler) -> Iterator[None]:
     (it was not built, or the scheduler could not be)."""
     try:
         yield
-    except Exception:
+    except Exception as exc:
         if _START_FAILURE_EXITS_ZERO:
             _forget_spider_after_close(crawler)
+        if _START_FAILURE_UNHANDLED and getattr(exc, "reported", False):
+            _quiet_unhandled_deferred_log()
         raise
+
+
+#: Scrapy 2.13's ``scrapy crawl`` calls ``Crawler.crawl`` before the reactor runs and, when
+#: the crawl's Deferred has failed at once (a setting refused at start), sets the exit code
+#: and drops that Deferred unhandled: Twisted then logs the error again, with its traceback,
+#: as "Unhandled error in Deferred" (Scrapy 2.14 starts crawls inside the reactor).
+_START_FAILURE_UNHANDLED = scrapy_version() < (2, 14)
+
+
+class _QuietReportedFailures:
+    """An observer in front of Twisted's Deferred logger (``twisted.internet.defer.log``)
+    that drops the "Unhandled error in Deferred" report of an error this package has
+    reported already (its ``reported`` attribute is true): the header event and the failure
+    event that follows it. Everything else goes on to the observer it wraps, in order."""
+
+    def __init__(self, observer: Any) -> None:
+        self.observer = observer
+        self._held: Any = None  # a header event, until the event that follows it is seen
+
+    def __call__(self, event: Any) -> None:
+        held, self._held = self._held, None
+        failure = event.get("log_failure")
+        if failure is not None and getattr(failure.value, "reported", False):
+            return  # (and its header with it)
+        if held is not None:
+            self.observer(held)
+        if failure is None and event.get("log_format") == "Unhandled error in Deferred:":
+            self._held = event
+            return
+        self.observer(event)
+
+
+def _quiet_unhandled_deferred_log() -> None:
+    """Scrapy 2.13 (see :data:`_START_FAILURE_UNHANDLED`): an error reported already is not
+    logged again by Twisted when its Deferred is dropped unhandled."""
+    from twisted.internet import defer
+
+    logger = getattr(defer, "log", None)
+    observer = getattr(logger, "observer", None)
+    if observer is None or isinstance(observer, _QuietReportedFailures):
+        return
+    logger.observer = _QuietReportedFailures(observer)  # type: ignore[union-attr]
 
 
 def _forget_spider_after_close(crawler: Crawler) -> None:

@@ -126,9 +126,6 @@ async def test_a_registered_scheme_gives_the_crawl_its_store(
     assert not (tmp_path / "unused.sqlite3").exists()
 
 
-@pytest.mark.skipif(tuple(int(x) for x in scrapy.__version__.split(".")[:2]) < (2, 14),
-                    reason="Scrapy 2.13 also logs Twisted's 'Unhandled error in Deferred' "
-                           "for the ConfigError (a known gap on 2.13)")
 def test_scrapy_crawl_with_an_unknown_scheme_stops_before_any_request(
     tmp_path: Path,
 ) -> None:

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import scrapy
 from local_site import LocalSite
 from scrapy import signals as scrapy_signals
 from scrapy.utils.defer import deferred_f_from_coro_f
@@ -286,9 +285,6 @@ async def test_a_message_whose_request_another_worker_does_is_acknowledged_after
                                                                           10)}
 
 
-@pytest.mark.skipif(tuple(int(x) for x in scrapy.__version__.split(".")[:2]) < (2, 14),
-                    reason="Scrapy 2.13's OffsiteMiddleware has no host_regex before "
-                           "spider_opened: an offsite message is not parked (gap on 2.13)")
 @deferred_f_from_coro_f
 async def test_bad_messages_are_parked_with_their_error_and_the_crawl_goes_on(
     redis_server: RedisServer, db_path: Path  # noqa: F811
