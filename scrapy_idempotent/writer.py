@@ -317,22 +317,10 @@ class WriterThread:
         if not self.threaded:
             self._dispatch()
             return True
-        if self._dispatch_call is not None and self._dispatch_call.active():
-            self._dispatch_call.cancel()
-        self._dispatch_call = None
-        work, self._open = self._open or UnitOfWork(), None
-        self._open_urgent = False
-        seq = self._open_seq
-        self._open_seq += 1
-        if self.error is None and self._prepare is not None:
-            try:
-                self._prepare(work, seq)
-            except Exception as exc:
-                self._give_up(work, seq, exc)
-                return True
-        if self.error is not None or not work:
-            self._settle(seq)
+        batch = self._take_batch()
+        if batch is None:
             return True
+        work, seq = batch
         self._batch_inflight = True
         self._sent_at = time.monotonic()
         d: Deferred[CommitResult] = Deferred()
@@ -379,11 +367,29 @@ class WriterThread:
                 and time.monotonic() - self._progress_at > STALL_SECONDS)
 
     def _dispatch(self) -> None:
+        if self._batch_inflight or not self._running:
+            self._cancel_dispatch()
+            return
+        batch = self._take_batch()
+        if batch is None:
+            return
+        work, seq = batch
+        self._batch_inflight = True
+        self._sent_at = time.monotonic()
+        d = self.call("committing", lambda store: store.commit(work, self.worker))
+        d.addCallbacks(self._batch_done, self._batch_failed, callbackArgs=(work, seq),
+                       errbackArgs=(work, seq))
+
+    def _cancel_dispatch(self) -> None:
         if self._dispatch_call is not None and self._dispatch_call.active():
             self._dispatch_call.cancel()
         self._dispatch_call = None
-        if self._batch_inflight or not self._running:
-            return
+
+    def _take_batch(self) -> tuple[UnitOfWork, int] | None:
+        """The batch being filled, numbered, with what ``prepare`` adds, to be sent now; None
+        when there is nothing to send (it was empty, or nothing is written after an error:
+        it is settled, or given up)."""
+        self._cancel_dispatch()
         work, self._open = self._open or UnitOfWork(), None
         self._open_urgent = False
         seq = self._open_seq
@@ -393,15 +399,11 @@ class WriterThread:
                 self._prepare(work, seq)
             except Exception as exc:
                 self._give_up(work, seq, exc)
-                return
+                return None
         if self.error is not None or not work:
             self._settle(seq)
-            return
-        self._batch_inflight = True
-        self._sent_at = time.monotonic()
-        d = self.call("committing", lambda store: store.commit(work, self.worker))
-        d.addCallbacks(self._batch_done, self._batch_failed, callbackArgs=(work, seq),
-                       errbackArgs=(work, seq))
+            return None
+        return work, seq
 
     def _batch_done(self, result: CommitResult, work: UnitOfWork, seq: int) -> None:
         self._batch_inflight = False
