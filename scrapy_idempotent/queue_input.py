@@ -63,7 +63,7 @@ from twisted.internet import task
 from . import scrapy_compat, signals
 from ._serial_thread import SerialThread
 from .config import QueueConfig, config_for
-from .exceptions import ConfigError
+from .exceptions import ConfigError, StoreBusy
 from .workers import declare_live, forget_live, new_worker_id, worker_is_dead
 
 if TYPE_CHECKING:
@@ -85,6 +85,8 @@ REQUEST_FIELDS = ("url", "method", "body", "headers", "meta", "cb_kwargs", "call
 #: Messages waiting longer than this are checked against the frontier (a request finished by
 #: another worker, whose signal this process never sees).
 _RECONCILE_AFTER_SECONDS = 5.0
+#: A request state that could not be read (the frontier was not readable at once).
+_UNREADABLE = "unreadable"
 #: How often the consumers of the group are checked for dead ones of this host.
 _DEAD_CHECK_SECONDS = 5.0
 
@@ -176,6 +178,13 @@ class _Message:
     #: targets' (a redirected request is done when its target is)
     fingerprints: set[str] = field(default_factory=set)
     urls: set[str] = field(default_factory=set)  #: of those requests (to follow redirects)
+    fingerprint: str = ""  #: its own request's
+    fields: Mapping[str, str] = field(default_factory=dict)  #: as read (to park it)
+    #: what could not be decided because the frontier could not be read at once (a lost
+    #: PostgreSQL connection being re-established): "refused" (whether its request was
+    #: refused before the frontier), "targets" (which redirect targets were); decided again
+    #: at the next reconciliation
+    undecided: set[str] = field(default_factory=set)
 
 
 class QueueInput:
@@ -489,7 +498,8 @@ class QueueInput:
             self._park(message_id, fields, str(exc))
             return
         fingerprint = self.crawler.request_fingerprinter.fingerprint(request).hex()
-        message = _Message(message_id, time.monotonic(), {fingerprint}, {request.url})
+        message = _Message(message_id, time.monotonic(), {fingerprint}, {request.url},
+                           fingerprint, fields)
         self._messages[message_id] = message
         self._waiting.setdefault(fingerprint, set()).add(message_id)
         self._by_url.setdefault(request.url, set()).add(message_id)
@@ -502,13 +512,33 @@ class QueueInput:
                              "%s now; it will be delivered again", message_id)
             self._forget(message)
             return
-        if message_id in self._messages and self.scheduler.request_state(fingerprint) is None:
-            # neither accepted nor known: refused before the scheduler (an IgnoreRequest in a
-            # request_scheduled handler, as OffsiteMiddleware raises, or no fingerprint)
+        if message_id in self._messages:
+            self._check_refused(message)
+
+    def _check_refused(self, message: _Message) -> None:
+        """Park ``message`` when its request is neither accepted nor known: refused before
+        the scheduler (an IgnoreRequest in a request_scheduled handler, as OffsiteMiddleware
+        raises, or no fingerprint). Left undecided while the frontier cannot be read."""
+        state = self._request_state(message.fingerprint)
+        if state == _UNREADABLE:
+            message.undecided.add("refused")
+            return
+        message.undecided.discard("refused")
+        if state is None:
             self._forget(message)
-            self._park(message_id, fields, "the request was refused before it reached the "
-                       "frontier (not in the spider's allowed_domains, or refused by a "
-                       "request_scheduled handler)")
+            self._park(message.id, message.fields, "the request was refused before it "
+                       "reached the frontier (not in the spider's allowed_domains, or refused "
+                       "by a request_scheduled handler)")
+
+    def _request_state(self, fingerprint: str) -> str | None:
+        """The scheduler's :meth:`~.IdempotentScheduler.request_state`, or
+        :data:`_UNREADABLE` while the frontier cannot be read at once (asked again later)."""
+        assert self.scheduler is not None
+        try:
+            return self.scheduler.request_state(fingerprint)
+        except StoreBusy as exc:
+            logger.debug("scrapy_idempotent: queue: frontier not readable now (%s)", exc)
+            return _UNREADABLE
 
     def _park(self, message_id: str, fields: Mapping[str, str], error: str) -> None:
         """Move a bad message to the parked stream with its error, and acknowledge it, in
@@ -576,10 +606,19 @@ class QueueInput:
         handler such as the offsite middleware dropped it, or it was unidentifiable): the
         redirect's own commit, which would have stored an accepted target, is durable now,
         so nothing more will come of it."""
-        assert self.scheduler is not None
         message.fingerprints.discard(redirected)
+        return self._prune_targets(message)
+
+    def _prune_targets(self, message: _Message) -> bool:
+        """Forget the targets of ``message`` that the frontier does not know (see
+        :meth:`_wait_for_targets`); whether it still waits for one. A target is kept,
+        undecided, while the frontier cannot be read."""
+        message.undecided.discard("targets")
         for target in list(message.fingerprints):
-            if self.scheduler.request_state(target) is None:
+            state = self._request_state(target)
+            if state == _UNREADABLE:
+                message.undecided.add("targets")
+            elif state is None:
                 message.fingerprints.discard(target)
                 ids = self._waiting.get(target)
                 if ids is not None:
@@ -630,12 +669,24 @@ class QueueInput:
     def _reconcile(self, now: float) -> None:
         """Messages waiting for a while on a request this worker does not process (another
         worker holds it): acknowledged once the frontier has it finished."""
-        assert self.scheduler is not None
         for message in list(self._messages.values()):
+            if message.undecided:
+                self._decide(message)
+                continue
             if now - message.received < _RECONCILE_AFTER_SECONDS \
                     or len(message.fingerprints) != 1:
                 continue
             (fingerprint,) = message.fingerprints
-            if self.scheduler.request_state(fingerprint) == signals.ALREADY_DONE:
+            if self._request_state(fingerprint) == signals.ALREADY_DONE:
                 self._forget(message)
                 self._ack([message.id])
+
+    def _decide(self, message: _Message) -> None:
+        """What was left undecided about ``message`` while the frontier could not be read."""
+        if "refused" in message.undecided:
+            self._check_refused(message)
+            if message.id not in self._messages or "refused" in message.undecided:
+                return
+        if "targets" in message.undecided and not self._prune_targets(message):
+            self._forget(message)  # its redirect is done and every target was refused
+            self._ack([message.id])
