@@ -321,7 +321,7 @@ class QueueInput:
         plan = self._plan(now)
         polling = self._redis_calls(lambda: self._poll_redis(plan))
         polling.addCallback(self._polled, plan, now)
-        polling.addErrback(self._poll_failed, plan)
+        polling.addErrback(self._poll_failed)
         return polling
 
     def _plan(self, now: float) -> _PollPlan:
@@ -398,9 +398,11 @@ class QueueInput:
             logger.info("scrapy_idempotent: Redis queue %r reachable again", self.config.key)
             self._redis_error = None
 
-    def _poll_failed(self, failure: Failure, plan: _PollPlan) -> None:
-        self._unacked += plan.acks
-        self._redis_failed(failure.value)
+    def _poll_failed(self, failure: Failure) -> None:
+        """An error taking the poll's messages on the reactor (the Redis commands' own errors
+        come back in :class:`_Polled`, its acknowledgements counted already)."""
+        logger.error("scrapy_idempotent: queue %r: cannot take the messages read: %s",
+                     self.config.key, failure.getTraceback())
 
     def _redis_failed(self, exc: BaseException | None) -> None:
         self.stats.inc_value("idempotent/queue/redis_errors")
