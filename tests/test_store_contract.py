@@ -597,6 +597,23 @@ def test_stale_records_in_one_transaction_of_several_pages(store):
     assert (stored(store, "r1").content_hash, stored(store, "r1").version) == ("h2", 1)
 
 
+def test_a_run_seeing_a_record_only_through_stale_data_still_lists_it(make_store, clock):
+    """Run 2 meets record r1 only on a page observed before the stored data: nothing of r1
+    changes, but r1 is a record this run saw, so the run's feeds hold it (its stored data)."""
+    store, _ = open_store(make_store, "w1")
+    commit_record(store, seen(rec("r1", "h2", '{"price":12}'), T0 + 50))
+    store.end_session("w1", "finished")
+    store.close()
+    clock.advance(100)
+    store, run = open_store(make_store, "w2")
+    assert run.new
+    assert commit_record(store, seen(rec("r1", "h1", '{"price":10}'), T0 + 10)) == \
+        CommitResult(records_stale=1)
+    assert [(r.record_id, r.data) for r in store.run_records(run.run_id)] == [
+        ("r1", '{"price":12}')]
+    assert stored(store, "r1").version == 1
+
+
 def test_records_observed_at_the_same_time_are_written_in_commit_order(store, clock):
     """One page yielding the same record twice: the later item wins, as before."""
     result = store.commit(UnitOfWork(records=[(seen(rec("r1", "h1"), T0), None),

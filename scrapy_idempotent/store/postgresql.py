@@ -253,9 +253,10 @@ _MIGRATIONS: list[list[str]] = [
         # When the stored data was observed (its response received): a record is never
         # replaced by data observed before it. Existing rows: their latest commit (a change
         # or a run's first sight), the latest time known to have held their data.
+        # DEFAULT 0 stays: a worker of the previous release still running during a rolling
+        # upgrade inserts without it, and its record is then older than any observation
         "ALTER TABLE records ADD COLUMN observed_at double precision NOT NULL DEFAULT 0",
         "UPDATE records SET observed_at = greatest(last_changed, coalesce(seen_at, 0))",
-        "ALTER TABLE records ALTER COLUMN observed_at DROP DEFAULT",
         # The record's change counter (1 when inserted, +1 per stored change), part of the
         # outbox key: every change has its own key, a change back to earlier content too.
         "ALTER TABLE records ADD COLUMN version bigint NOT NULL DEFAULT 1",
@@ -1317,8 +1318,11 @@ class PostgreSQLStore(FrontierStore):
         written: list[tuple[int, str, Record, int]] = []
         for n in sorted(range(len(records)), key=lambda n: records[n][0].record_id):
             record, request_key = records[n]
-            # a record without its observation time was observed at its commit
-            observed = record.observed_at if record.observed_at is not None else now
+            # a record without its observation time was observed at its commit; a worker's
+            # observation is put on the server's clock, as every other time of this store,
+            # so hosts whose clocks disagree still order their observations rightly
+            observed = (record.observed_at + self._offset if record.observed_at is not None
+                        else now)
             change = self._upsert_record(cur, record, request_key, run_id, now, observed,
                                          seqs[n], known, result)
             if change is not None:
@@ -1374,11 +1378,17 @@ class PostgreSQLStore(FrontierStore):
                 " WHERE record_id = %s FOR UPDATE", (record.record_id,)).fetchone()
             assert fetched is not None
             current = _StoredState(*fetched)
-        if observed < current.observed_at:
-            # older than what is stored (a page downloaded earlier, committed later)
-            result.records_stale += 1
-            return None
         first_sight = current.seen_run_id != run_id
+        if observed < current.observed_at:
+            # older than what is stored (a page downloaded earlier, committed later): the
+            # data stays; the record is still one this run saw (its feeds list it)
+            result.records_stale += 1
+            if first_sight:
+                cur.execute("UPDATE records SET seen_run_id = %s, seen_at = %s,"
+                            " seen_seq = %s WHERE record_id = %s",
+                            (run_id, now, seq, record.record_id))
+                known[record.record_id] = current._replace(seen_run_id=run_id)
+            return None
         change: tuple[str, int] | None = None
         if current.content_hash != record.content_hash:
             cur.execute(

@@ -950,11 +950,15 @@ class SQLiteStore(FrontierStore):
             result.records_inserted += 1
             return True, ("inserted", 1)
         content_hash, seen_run_id, stored_observed, version = row
-        if observed < stored_observed:
-            # older than what is stored (a page downloaded earlier, committed later)
-            result.records_stale += 1
-            return False, None
         first_sight = bool(seen_run_id != run_id)
+        if observed < stored_observed:
+            # older than what is stored (a page downloaded earlier, committed later): the
+            # data stays; the record is still one this run saw (its feeds list it)
+            result.records_stale += 1
+            if first_sight:
+                cur.execute("UPDATE records SET seen_run_id = ?, seen_at = ?, seen_seq = ?"
+                            " WHERE record_id = ?", (run_id, now, seq, record.record_id))
+            return first_sight, None
         if content_hash != record.content_hash:
             cur.execute(
                 "UPDATE records SET data = ?, content_hash = ?, item_type = ?,"
