@@ -373,7 +373,9 @@ class Deliverer:
     One delivery at a time per entry: an attempt ends after ``timeout_seconds`` at the
     latest (the target is cancelled and the entry tried again later), and a claim holds the
     entry :data:`HOLD_MARGIN_SECONDS` longer than that; an entry whose delivery is still in
-    flight here is never claimed again by this deliverer, and an outcome is recorded only
+    flight here, or whose cut-off call to a target ignoring the cancellation has not ended,
+    is never claimed again by this deliverer (such a call also keeps its place in the
+    target's concurrency until it ends), and an outcome is recorded only
     while the claim that sent it still holds the entry (:attr:`OutboxEntry.held_until`).
 
     Retries: attempt n (0 for the first) failing with a retryable error is tried again after
@@ -403,6 +405,10 @@ class Deliverer:
         self.start_until: float | None = None
         self._claimed: set[int] = set()  # entry ids from their claim until their settle
         self._running: dict[int, Deferred[Any]] = {}  # entry id -> its attempt
+        #: entry id -> target name of every target call not ended yet, those cut off at the
+        #: timeout included (a call ignoring its cancellation): such an entry is not claimed
+        #: again, and the call takes a place of its target's concurrency, until it ends
+        self._calls: dict[int, str] = {}
         self._cancelled: set[int] = set()  # attempts cancelled because delivery stopped
         self._idle: list[Deferred[None]] = []
         self._pumping = False
@@ -448,12 +454,13 @@ class Deliverer:
             while True:
                 self._pump_again = False
                 for name, target in self.targets.items():
-                    free = self.concurrency - self.inflight[name]
+                    free = self.concurrency - self.inflight[name] - self._abandoned(name)
                     if free <= 0 or not self.may_start():
                         continue
                     try:
                         entries = await self._store(functools.partial(
-                            self._claim, name, free, frozenset(self._claimed)))
+                            self._claim, name, free,
+                            frozenset(self._claimed.union(self._calls))))
                     except StoreError as exc:
                         logger.warning("scrapy_idempotent: outbox: cannot claim entries "
                                        "(%s); trying again", exc)
@@ -469,6 +476,11 @@ class Deliverer:
             waiters, self._pump_waiters = self._pump_waiters, []
             for waiter in waiters:
                 waiter.callback(0)
+
+    def _abandoned(self, name: str) -> int:
+        """How many calls to target ``name`` were cut off and have not ended yet."""
+        return sum(1 for entry_id, target in self._calls.items()
+                   if target == name and entry_id not in self._claimed)
 
     def _start(self, target: OutboxTarget, entry: OutboxEntry, *, send: bool = True) -> None:
         from scrapy.utils.defer import deferred_from_coro
@@ -517,10 +529,16 @@ class Deliverer:
 
         announcement = Announcement(key=entry.key, payload=payload_of(entry), entry=entry)
         token = entry.held_until
+        def ended(result: Any) -> Any:
+            self._calls.pop(entry.entry_id, None)
+            if entry.entry_id not in self._claimed and self.may_start():
+                self.pump()  # a cut-off call ended: its entry may be claimed again
+            return result
+
         try:
-            running = _bounded(maybeDeferred(
-                lambda: deferred_from_coro(target.deliver(announcement))),
-                self.timeout_seconds)
+            self._calls[entry.entry_id] = target.name
+            call = maybeDeferred(lambda: deferred_from_coro(target.deliver(announcement)))
+            running = _bounded(call.addBoth(ended), self.timeout_seconds)
             self._running[entry.entry_id] = running
             answer = await maybe_deferred_to_future(running)
         except DeliveryRefused as exc:

@@ -17,7 +17,8 @@ from scrapy_idempotent import DeliveryRefused, DeliveryRetry, OutboxTarget
 
 class RedisStreamTarget(OutboxTarget):
     def __init__(self, url: str, stream: str) -> None:
-        self.client = redis.Redis.from_url(url)
+        # a call must end within IDEMPOTENT_OUTBOX_TIMEOUT_SECONDS: a thread cannot be cancelled
+        self.client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
         self.stream = stream
 
     @classmethod

@@ -329,3 +329,66 @@ async def test_a_cancellation_the_deliverer_did_not_ask_for_is_a_failed_attempt(
     assert due is not None and due - clock() >= 30  # the backoff, not "due at once"
     await one.close()
     store.close()
+
+
+class Deaf(OutboxTarget):
+    """A broker client that ignores cancellation (a call in a thread): the first call of each
+    key ends only when the test fires ``release``; later calls acknowledge at once.
+    ``most_at_once`` is the most calls of one key running at the same time."""
+
+    def __init__(self, name: str = "gate") -> None:
+        self.name = name
+        self.released = False
+        self.waits: list[Deferred[None]] = []
+        self.calls: list[str] = []
+        self.running: dict[str, int] = {}
+        self.most_at_once = 0
+
+    async def deliver(self, announcement: Any) -> str:
+        key = announcement.key
+        first = key not in self.calls
+        self.calls.append(key)
+        self.running[key] = self.running.get(key, 0) + 1
+        self.most_at_once = max(self.most_at_once, self.running[key])
+        try:
+            while first and not self.released:
+                wait: Deferred[None] = Deferred()
+                self.waits.append(wait)
+                try:
+                    await maybe_deferred_to_future(wait)
+                except BaseException:  # cancelled: it goes on all the same
+                    continue
+            return "ok"
+        finally:
+            self.running[key] -= 1
+
+    def release(self) -> None:
+        self.released = True
+        for wait in self.waits:
+            if not wait.called:
+                wait.callback(None)
+
+
+@deferred_f_from_coro_f
+async def test_a_call_cut_off_but_still_running_keeps_its_entry_from_a_second_send(
+        tmp_path: Path) -> None:
+    """The attempt ends at the timeout, but the target's call goes on: the entry is settled
+    pending, due at once, yet not sent again while that call runs, and the call keeps its
+    place in the concurrency (stuck calls cannot pile up). Once it ends, the entry is
+    delivered by a second call."""
+    clock = fake_clock()
+    store = entries_store(tmp_path / "db.sqlite3", clock, 2)
+    deaf = Deaf()
+    one = deliverer(store, deaf, clock, concurrency=1, timeout_seconds=0.05)
+    await maybe_deferred_to_future(one.pump())
+    await turns_until(lambda: one.counts["pending"] == 1)  # the first attempt cut off
+    for _ in range(5):
+        assert await maybe_deferred_to_future(one.pump()) == 0  # its place is still taken
+    assert len(deaf.calls) == 1
+    deaf.release()  # the stuck call ends; the entries go out one by one
+    await turns_until(lambda: one.counts["delivered"] == 2)
+    assert deaf.most_at_once == 1
+    assert sorted(deaf.calls) == sorted([deaf.calls[0], *{e.key for e in
+                                                          store.outbox_entries()}])
+    assert {e.state for e in store.outbox_entries()} == {"delivered"}
+    store.close()
