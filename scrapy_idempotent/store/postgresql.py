@@ -43,6 +43,7 @@ machines need on top:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import itertools
@@ -300,6 +301,11 @@ _LOADED: dict[str, tuple[str, ...]] = {
 }
 #: Page commits that add requests send at most one notification per this many seconds.
 NOTIFY_INTERVAL_SECONDS = 0.25
+#: a read asked on a thread that never waits (the reactor's) is made by the store's reader
+#: thread and answered within this many seconds, or StoreBusy: a server that stops answering
+#: without closing the connection (a paused machine, packets dropped) holds that thread, not
+#: the reactor; while it is held, such reads are StoreBusy at once
+READ_DEADLINE_SECONDS = 2.0
 #: id(connection) -> (pid, start time) of its server process
 conn_backends: dict[int, tuple[int, Any]] = {}
 #: Workers whose latest heartbeat (over their sessions not ended) is older than a bound.
@@ -482,6 +488,9 @@ class PostgreSQLStore(FrontierStore):
         #: numbers the page commits of this store (see _committed); next() is atomic
         self._commit_numbers = itertools.count(1)
         self._local = threading.local()
+        #: the thread making the reads of threads that never wait, and its read in progress
+        self._reader: concurrent.futures.ThreadPoolExecutor | None = None
+        self._reading: concurrent.futures.Future[list[Any]] | None = None
         self._connections: list[psycopg.Connection[Any]] = []
         #: (pid, start) of the server processes of connections lost (see _end_orphans)
         self._orphans: list[tuple[int, Any]] = []
@@ -608,17 +617,18 @@ class PostgreSQLStore(FrontierStore):
         if conn is None or conn.closed or conn.broken:
             if conn is not None:
                 self._drop(conn)
-            if getattr(self._local, "never_wait", False):
+            connected = getattr(self._local, "connected", False)
+            if connected and getattr(self._local, "never_wait", False):
                 conn = self._reconnected()
-            else:
-                conn = self._reconnect() if getattr(self._local, "connected", False) \
-                    else self._connect()
+            else:  # a first connection is made here, also by a thread that never waits
+                conn = self._reconnect() if connected else self._connect()
             self._local.conn = conn
             self._local.connected = True
         return conn
 
     def never_wait_here(self, never: bool = True) -> None:
         self._local.never_wait = never
+        self._local.reads_elsewhere = never
 
     def _reconnected(self) -> psycopg.Connection[Any]:
         """For a thread that never waits: the connection the reconnecting thread has opened
@@ -672,6 +682,10 @@ class PostgreSQLStore(FrontierStore):
             reconnecting, self._reconnecting = self._reconnecting, None
         if reconnecting is not None:
             reconnecting.stop()
+        with self._lock:
+            reader, self._reader, self._reading = self._reader, None, None
+        if reader is not None:  # a read held by a server not answering is not waited for
+            reader.shutdown(wait=False)
         with self._lock:
             connections, self._connections = self._connections, []
         for conn in connections:
@@ -796,7 +810,35 @@ class PostgreSQLStore(FrontierStore):
         self.transactions += 1
 
     def _read(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> list[Any]:
-        """One statement outside any transaction (autocommit): every row."""
+        """One statement outside any transaction (autocommit): every row. On a thread that
+        never waits, made by the reader thread within :data:`READ_DEADLINE_SECONDS`."""
+        if getattr(self._local, "reads_elsewhere", False):
+            return self._read_elsewhere(sql, params)
+        return self._read_here(sql, params)
+
+    def _read_elsewhere(self, sql: str,
+                        params: Sequence[Any] | dict[str, Any]) -> list[Any]:
+        with self._lock:
+            if self._reading is not None and not self._reading.done():
+                raise StoreBusy(f"the database {self.shown_url} has not answered a read for "
+                                f"more than {READ_DEADLINE_SECONDS:g} s; reads are tried "
+                                "again once it answers")
+            if self._reader is None:
+                self._reader = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="scrapy_idempotent-reads",
+                    initializer=self._reader_thread_init)
+            self._reading = reading = self._reader.submit(self._read_here, sql, params)
+        try:
+            return reading.result(timeout=READ_DEADLINE_SECONDS)
+        except concurrent.futures.TimeoutError:
+            raise StoreBusy(f"the database {self.shown_url} did not answer a read within "
+                            f"{READ_DEADLINE_SECONDS:g} s") from None
+
+    def _reader_thread_init(self) -> None:
+        """This thread never waits for a lost connection, and makes its reads itself."""
+        self._local.never_wait = True
+
+    def _read_here(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> list[Any]:
         import psycopg
 
         try:
