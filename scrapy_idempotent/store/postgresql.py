@@ -53,7 +53,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from ..exceptions import StoreBusy, StoreError
 from .base import (
@@ -365,10 +365,12 @@ def check_server_version(version_num: int, shown_url: str) -> None:
 def _split_url(url: str) -> tuple[str, str | None]:
     """``url`` without the package's own query parameter, and that parameter's value."""
     parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    schema = next((value for name, value in query if name == SCHEMA_PARAMETER), None)
-    rest = [(name, value) for name, value in query if name != SCHEMA_PARAMETER]
-    return urlunsplit(parts._replace(query=urlencode(rest))), schema
+    # the other parameters are handed to libpq as written (libpq decodes %XX, not "+")
+    pieces = [piece for piece in parts.query.split("&") if piece]
+    ours = [piece for piece in pieces if unquote(piece.partition("=")[0]) == SCHEMA_PARAMETER]
+    schema = unquote(ours[0].partition("=")[2]) if ours else None
+    rest = "&".join(piece for piece in pieces if piece not in ours)
+    return urlunsplit(parts._replace(query=rest)), schema
 
 
 class _CommitOutcomeUnknown(StoreError):
