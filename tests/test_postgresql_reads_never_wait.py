@@ -24,6 +24,8 @@ from shop.site import listing_html
 from shop.spiders.shop import ShopSpider
 
 psycopg = pytest.importorskip("psycopg")
+from test_postgresql_outage import crawl_rows  # noqa: E402
+
 from scrapy_idempotent.store.postgresql import PostgreSQLStore  # noqa: E402
 
 SHOP = CrawlIdentity(project="p", spider="shop", source="shop")
@@ -132,22 +134,6 @@ class ReactorTicks:
             self.loop.stop()
 
 
-def rows(url: str, sql: str) -> list[tuple[Any, ...]]:
-    """Rows of ``sql`` in the crawl's schema; none while it does not exist, or while the
-    server is down."""
-    try:
-        with psycopg.connect(url, autocommit=True, connect_timeout=5) as conn:
-            schemas = [name for (name,) in conn.execute(
-                "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'idempotent%'")]
-            if not schemas or conn.execute("SELECT to_regclass(%s)", (
-                    f'"{schemas[0]}".requests',)).fetchone() == (None,):
-                return []
-            conn.execute("SELECT set_config('search_path', %s, false)", (schemas[0],))
-            return [tuple(row) for row in conn.execute(sql).fetchall()]
-    except psycopg.OperationalError:
-        return []
-
-
 @pytest.mark.slow
 @deferred_f_from_coro_f
 async def test_the_reactor_keeps_turning_through_a_server_outage_and_the_crawl_finishes(
@@ -159,8 +145,9 @@ async def test_the_reactor_keeps_turning_through_a_server_outage_and_the_crawl_f
     def outage_while_a_listing_page_is_answered(crawler: Any, ticks: ReactorTicks) -> None:
         try:
             # requested, and its start written (nothing of it waits for the database)
-            wait_for(lambda: rows(postgres_url, "SELECT attempts FROM requests WHERE url LIKE"
-                                  f" '%{HELD}'") == [(1,)], 300, f"{HELD} started")
+            wait_for(lambda: crawl_rows(
+                postgres_url, "SELECT attempts FROM requests WHERE url LIKE"
+                f" '%{HELD}'") == [(1,)], 300, f"{HELD} started")
             postgres_cluster.stop("immediate")
             outage["ticks"] = ticks.ticks
             site.release()  # answered now: its links are checked while the server is down
@@ -198,7 +185,7 @@ async def test_the_reactor_keeps_turning_through_a_server_outage_and_the_crawl_f
         # the links checked during the outage were written by the commit (rediscovered
         # ones refused there), nothing twice; what was on the wire may be fetched again
         assert site.request_count <= 525 + 16
-    assert rows(postgres_url, "SELECT state, count(*) FROM requests GROUP BY state") == [
-        ("done", 525)]
-    assert rows(postgres_url, "SELECT count(*), count(DISTINCT natural_key) FROM records") == [
-        (500, 500)]
+    assert crawl_rows(postgres_url, "SELECT state, count(*) FROM requests GROUP BY state") \
+        == [("done", 525)]
+    assert crawl_rows(postgres_url,
+                      "SELECT count(*), count(DISTINCT natural_key) FROM records") == [(500, 500)]
