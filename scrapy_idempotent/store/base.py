@@ -714,7 +714,7 @@ class FrontierStore(ABC):
         ``after`` (keyset paging by ``entry_id``)."""
 
     # -- operator queries -------------------------------------------------------------------
-    # What the ``scrapy idempotent`` commands (``scrapy_idempotent/commands.py``) read and
+    # What the ``scrapy idempotent`` commands (``scrapy_idempotent/commands/``) read and
     # change: the typed values above. Failed-request filters: ``kinds`` matches an error kind
     # exactly or as a prefix ending at a ``/`` (``download_error`` matches
     # ``download_error/TimeoutError``); ``url_glob`` is the glob of :func:`url_glob_matches`

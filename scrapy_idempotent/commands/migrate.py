@@ -1,0 +1,64 @@
+"""``scrapy idempotent migrate``: copy the crawl into another, empty database (``--to``),
+e.g. from SQLite to PostgreSQL, to continue it there."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from ..config import store_options
+from ..exceptions import StoreError
+from ..store import CrawlIdentity, open_store
+from ..store.registry import redacted
+from ._common import iso, print_report
+
+if TYPE_CHECKING:
+    import argparse
+
+    from ._common import Opened
+
+DESCRIPTION = ("copy the crawl (frontier, records, runs, rejects) into another, empty database "
+               "(--to URL), e.g. from SQLite to PostgreSQL, to continue it there")
+
+
+def run(opened: Opened, opts: argparse.Namespace) -> int:
+    """Copy the crawl into ``--to`` (opened as a crawl of the same identity would open
+    it, created if needed, refused when it holds another crawl or this one already), in
+    one transaction there. The source is only read, under its write lock from the check
+    until the target has committed (:meth:`~.FrontierStore.frozen`): one consistent
+    state is copied, and nothing lands in the source meanwhile. Refused while a crawl of
+    the source runs (a session not ended of a live worker, or an unexpired lease): stop
+    every crawl of it first."""
+    store, path = opened.store, opened.path
+    with store.frozen():
+        now = time.time()
+        running = store.live_workers()
+        if running:
+            raise StoreError(
+                f"{path} is in use by the crawl of {', '.join(running[:3])}"
+                f"{' and others' if len(running) > 3 else ''} (a session that has not "
+                "ended, of a process that runs): stop every crawl of it before migrating")
+        live = [h for h in store.lease_holders() if h.leased_until >= now]
+        if live:
+            raise StoreError(
+                f"{path} has leases held by {', '.join(h.worker for h in live[:3])} until "
+                f"{iso(max(h.leased_until for h in live))}: stop every crawl of it before "
+                "migrating (a graceful stop releases its leases at once)")
+        meta = store.meta()
+        identity = (CrawlIdentity(project=meta.get("project", ""), spider=meta["spider"],
+                                  source=meta.get("source", ""))
+                    if meta.get("spider") else None)
+        target = open_store(opts.to, **store_options(opened.command_settings))
+        try:
+            target.open(fingerprinter=meta.get("fingerprinter", ""), identity=identity)
+            written = target.load(store.dump())
+        finally:
+            target.close()
+    moved = {table: written.get(table, 0) for table in
+             ("runs", "requests", "records", "rejects", "responses")}
+    report = {"database": path, "to": redacted(opts.to), "rows": moved}
+    print_report(opts, report, [
+        f"Migrated {path} to {redacted(opts.to)}: "
+        + ", ".join(f"{n} {table}" for table, n in moved.items())
+        + "; set IDEMPOTENT_DATABASE to it to continue the crawl there"])
+    return 0
