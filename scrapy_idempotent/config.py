@@ -102,8 +102,22 @@ SETTINGS: dict[str, Any] = {
 #: Scrapy's default queue order (``SCHEDULER_MEMORY_QUEUE`` LIFO, start requests in a FIFO
 #: queue of their own).
 _SCRAPY_QUEUE_ORDER = QueueOrder(start_queue=True, start_fifo=True, other_fifo=False)
-#: The URL schemes of ``IDEMPOTENT_QUEUE_URL`` (redis-py's ``Redis.from_url``).
-_REDIS_SCHEMES = ("redis", "rediss", "unix")
+#: The URL schemes of ``IDEMPOTENT_QUEUE_URL``, by broker: a Redis stream (redis-py's
+#: ``Redis.from_url``), an SQS queue (``sqs://name``; its ``https://`` queue URL is told by its
+#: path, ``/<account>/<name>``), a RabbitMQ queue (pika's ``URLParameters``).
+_QUEUE_SCHEMES = {"redis": "redis", "rediss": "redis", "unix": "redis"}
+_BROKER_NAMES = {"redis": "Redis", "sqs": "SQS", "amqp": "RabbitMQ (AMQP)"}
+#: The most an SQS long poll may wait (ReceiveMessage's WaitTimeSeconds).
+_SQS_LONGEST_WAIT = 20.0
+
+
+def queue_broker(url: str) -> str | None:
+    """The broker an ``IDEMPOTENT_QUEUE_URL`` names ("redis", "sqs", "amqp"), None for
+    none."""
+    parts = urlsplit(url)
+    if parts.scheme in _QUEUE_SCHEMES:
+        return _QUEUE_SCHEMES[parts.scheme]
+    return None
 
 
 @dataclass(frozen=True)
@@ -118,10 +132,20 @@ class QueueConfig:
     claim_idle_seconds: float
     prefetch: int
     poll_seconds: float
+    wait_seconds: float = 1.0  #: the longest a read waits for a message (SQS long polling)
 
     @property
     def parked_key(self) -> str:
         return f"{self.key}:parked"
+
+    @property
+    def broker(self) -> str:
+        """The broker of :attr:`url`: "redis", "sqs" or "amqp"."""
+        return queue_broker(self.url) or "redis"
+
+    @property
+    def broker_name(self) -> str:
+        return _BROKER_NAMES[self.broker]
 
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> QueueConfig | None:
@@ -271,15 +295,16 @@ def _queue(settings: BaseSettings, spider_name: str) -> QueueConfig | None:
     url = _get(settings, "IDEMPOTENT_QUEUE_URL")
     if url in (None, ""):
         return None
-    if not isinstance(url, str) or urlsplit(url).scheme not in _REDIS_SCHEMES:
+    if not isinstance(url, str) or queue_broker(url) is None:
         raise ConfigError("IDEMPOTENT_QUEUE_URL", url,
-                          "a Redis URL: redis://host:port/db, rediss://... or unix://...")
+                          "a Redis URL (redis://host:port/db, rediss://... or unix://...)")
     key = _get(settings, "IDEMPOTENT_QUEUE_KEY")
     if key in (None, ""):
         key = "{spider}:requests"
     elif not isinstance(key, str) or not key.strip():
         raise ConfigError("IDEMPOTENT_QUEUE_KEY", key,
-                          "a Redis key, not blank (may contain {spider})")
+                          "a Redis key (or the queue's name), not blank (may contain "
+                          "{spider})")
     group = _get(settings, "IDEMPOTENT_QUEUE_GROUP")
     if not isinstance(group, str) or not group.strip():
         raise ConfigError("IDEMPOTENT_QUEUE_GROUP", group, "a non-empty consumer group name")
@@ -295,6 +320,15 @@ def _queue(settings: BaseSettings, spider_name: str) -> QueueConfig | None:
         prefetch=int(_number(settings, "IDEMPOTENT_QUEUE_PREFETCH", minimum=1, integer=True)),
         poll_seconds=_number(settings, "IDEMPOTENT_QUEUE_POLL_SECONDS", minimum=0.01),
     )
+
+
+def _queue_wait(settings: BaseSettings) -> float:
+    wait = _number(settings, "IDEMPOTENT_QUEUE_WAIT_SECONDS", minimum=0.0)
+    if wait > _SQS_LONGEST_WAIT:
+        raise ConfigError("IDEMPOTENT_QUEUE_WAIT_SECONDS", _get(
+            settings, "IDEMPOTENT_QUEUE_WAIT_SECONDS"),
+            f"a number from 0 to {_SQS_LONGEST_WAIT:g}")
+    return wait
 
 
 def _scrapy_rules(settings: BaseSettings) -> dict[str, Any]:

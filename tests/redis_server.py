@@ -62,16 +62,27 @@ class RedisServer:
         # else took it before the server bound it
         for _ in range(5):
             self.port = _free_port()
-            log = self.directory / f"redis-{self.port}.log"
-            self.process = subprocess.Popen(
-                [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-                 "--dir", str(self.directory), "--save", "", "--appendonly", "no",
-                 "--logfile", str(log), "--daemonize", "no"],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-            if self._wait_ready():
+            if self._launch():
                 return self
             self.stop()
         raise RuntimeError(f"redis-server did not start; see {self.directory}")
+
+    def restart(self) -> None:
+        """Stop the server and start a new one on the same port: without persistence, it
+        starts empty (no streams, no consumer groups)."""
+        self.stop()
+        if not self._launch():
+            self.stop()
+            raise RuntimeError(f"redis-server did not start again; see {self.directory}")
+
+    def _launch(self) -> bool:
+        log = self.directory / f"redis-{self.port}.log"
+        self.process = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+             "--dir", str(self.directory), "--save", "", "--appendonly", "no",
+             "--logfile", str(log), "--daemonize", "no"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        return self._wait_ready()
 
     def _wait_ready(self) -> bool:
         import redis

@@ -46,9 +46,9 @@ class QueueSpider(ShopSpider):
 
 def queue_settings(db_path: Path, server: RedisServer, key: str, **extra: Any) -> dict[str, Any]:
     # CLOSESPIDER_TIMEOUT: a crawl that would wait for its queue forever ends (not finished)
+    extra = {"CLOSESPIDER_TIMEOUT": 150, **extra}
     return crawl_settings(db_path, IDEMPOTENT_QUEUE_URL=server.url, IDEMPOTENT_QUEUE_KEY=key,
-                          IDEMPOTENT_QUEUE_POLL_SECONDS=0.05, CLOSESPIDER_TIMEOUT=150,
-                          **NATURAL_KEYS, **extra)
+                          IDEMPOTENT_QUEUE_POLL_SECONDS=0.05, **NATURAL_KEYS, **extra)
 
 
 def product(shop: LocalSite, number: int) -> str:

@@ -1,51 +1,47 @@
-"""``QueueInput``: feed a crawl from a Redis stream, acknowledging a message only once the
-request it produced is done.
+"""``QueueInput``: feed a crawl from a queue (a Redis stream, an SQS queue, a RabbitMQ queue),
+acknowledging a message only once the request it produced is done.
 
 Enabled by ``IDEMPOTENT_QUEUE_URL`` (the add-on adds the extension; without the setting it is
-off). Each worker reads the stream ``IDEMPOTENT_QUEUE_KEY`` as a consumer of the group
-``IDEMPOTENT_QUEUE_GROUP`` (``XREADGROUP``): a message read is pending for that consumer in the
-stream's pending entries list until it is acknowledged (``XACK``). A message is acknowledged
-when the :data:`~scrapy_idempotent.signals.request_done` signal announces its request (by
-fingerprint), that is once the request's page, records and completion are committed, or when
-the request was already done in the current recrawl window. Never before: a worker killed
-before that leaves the message pending, and it is delivered again (claimed at once from a
-dead consumer on the same host, or with ``XAUTOCLAIM`` once it has been idle
-``IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS``); the frontier makes the repeated delivery harmless
-(one entry per fingerprint).
+off); its scheme picks the broker: ``redis://``, ``rediss://``, ``unix://`` a Redis stream
+(:mod:`.redis_stream`), ``sqs://`` or a queue's ``https://`` URL an SQS queue (:mod:`.sqs`),
+``amqp://``, ``amqps://`` a RabbitMQ queue (:mod:`.amqp`). Each broker keeps the contract of
+:mod:`.broker`: take a batch, extend a held message's invisibility while its request is in
+progress, acknowledge after the commit, park a bad message with its error, take over a dead
+consumer's messages.
 
-Why a stream and not a list with a processing list: the stream's pending entries list keeps,
-per message, its consumer, its idle time and its delivery count, so a message of a dead worker
-is found and claimed by any worker (``XAUTOCLAIM``) without a list per worker, and several
-workers share one stream through the group; acknowledging is ``XACK`` by id (O(1)), where a
-processing list needs an ``LREM`` scan and only its own worker knows to recover it.
+A message is acknowledged when the :data:`~scrapy_idempotent.signals.request_done` signal
+announces its request (by fingerprint), that is once the request's page, records and
+completion are committed, or when the request was already done in the current recrawl window.
+Never before: a worker killed before that leaves the message unacknowledged, and the broker
+delivers it again; the frontier makes the repeated delivery harmless (one entry per
+fingerprint).
 
-A message is one stream entry with either a field ``url`` (a URL, fetched with ``GET`` and the
-spider's ``parse``), or a field ``request`` holding a JSON object: ``url`` (required),
-``method``, ``body`` (text), ``headers`` (object), ``meta`` (object), ``cb_kwargs`` (object),
-``callback`` and ``errback`` (names of spider methods), ``priority`` (integer). A message
-with a field ``stop`` ends the crawl (``finished``) once every message read before it is done.
-A message that is not one of these, or whose request cannot be built, is parked: added to the
-stream ``<IDEMPOTENT_QUEUE_KEY>:parked`` with its id, fields and error, and acknowledged, in
-one ``MULTI``; it is logged and counted, never dropped in silence, and the crawl goes on.
+A message is either a URL (fetched with ``GET`` and the spider's ``parse``), or a JSON object:
+``url`` (required), ``method``, ``body`` (text), ``headers`` (object), ``meta`` (object),
+``cb_kwargs`` (object), ``callback`` and ``errback`` (names of spider methods), ``priority``
+(integer); on a Redis stream an entry with a field ``url`` or a field ``request`` holding the
+JSON object, elsewhere the message body. A message ``stop`` (a field ``stop``, or the body
+``{"stop": true}``) ends the crawl (``finished``) once every message read before it is done.
+A message that is not one of these, or whose request cannot be built, is parked with its
+error: logged and counted, never dropped in silence, and the crawl goes on.
 
-Redis is never called on the reactor thread: every command (``redis-py``'s blocking client,
-``XREADGROUP`` without ``BLOCK``, polled every ``IDEMPOTENT_QUEUE_POLL_SECONDS``; the
-acknowledgements; the parking) runs on one thread of the extension's own, one after the other
-in the order they were sent, and the reactor gets the replies back. A Redis server that stops
-answering delays the queue's reads and acknowledgements (each command up to its socket
-timeout), never the downloads, the page commits or the lease renewals; a poll starts only once
-the one before it is back. A Redis error is logged and retried at the next poll;
-acknowledgements that failed are sent again then.
+The broker is never called on the reactor thread: every call (the reads, the extensions, the
+acknowledgements, the parking) runs on one thread of the extension's own, one after the other
+in the order they were sent, and the reactor gets the replies back. A broker that stops
+answering delays the queue's reads and acknowledgements, never the downloads, the page commits
+or the lease renewals; a poll starts only once the one before it is back. A broker error is
+logged and retried at the next poll; acknowledgements that failed are sent again then. While
+the broker cannot be reached, the crawl counts as idle for
+``IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS`` (it then closes as ``idempotent_queue_unreachable``,
+exit code 1, when the last poll failed).
 
 ``IDEMPOTENT_QUEUE_PREFETCH`` bounds the messages a worker holds unacknowledged, whatever
-brought them: read (``XREADGROUP``), claimed from a dead consumer (``XCLAIM``) or claimed
-once idle (``XAUTOCLAIM``); what is left over is claimed by the next polls (or by other
-workers).
+brought them (read, or taken over from another consumer); what is left over is taken by the
+next polls (or by other workers).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
@@ -60,11 +56,12 @@ from scrapy.exceptions import DontCloseSpider, NotConfigured
 from scrapy.utils.defer import maybe_deferred_to_future
 from twisted.internet import task
 
-from . import scrapy_compat, signals
-from ._serial_thread import SerialThread
-from .config import QueueConfig, config_for
-from .exceptions import ConfigError, StoreBusy
-from .workers import declare_live, forget_live, new_worker_id, worker_is_dead
+from .. import scrapy_compat, signals
+from .._serial_thread import SerialThread
+from ..config import QueueConfig, config_for
+from ..exceptions import ConfigError, StoreBusy
+from ..workers import declare_live, forget_live, new_worker_id
+from .broker import QueueBroker, Taken, fields_from_body
 
 if TYPE_CHECKING:
     from scrapy import Spider
@@ -73,9 +70,10 @@ if TYPE_CHECKING:
     from twisted.python.failure import Failure
     from typing_extensions import Self
 
-    from .scheduler import IdempotentScheduler
+    from ..scheduler import IdempotentScheduler
 
-__all__ = ["QueueConfig", "QueueInput", "QueueMessageError", "request_from_message"]
+__all__ = ["QueueBroker", "QueueConfig", "QueueInput", "QueueMessageError", "Taken",
+           "fields_from_body", "request_from_message"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +85,9 @@ REQUEST_FIELDS = ("url", "method", "body", "headers", "meta", "cb_kwargs", "call
 _RECONCILE_AFTER_SECONDS = 5.0
 #: A request state that could not be read (the frontier was not readable at once).
 _UNREADABLE = "unreadable"
-#: How often the consumers of the group are checked for dead ones of this host.
-_DEAD_CHECK_SECONDS = 5.0
+#: The close reason of a crawl whose queue could not be reached for
+#: IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS.
+UNREACHABLE_REASON = "idempotent_queue_unreachable"
 
 
 class QueueMessageError(ValueError):
@@ -144,28 +143,24 @@ def request_from_message(fields: Mapping[str, str], spider: Spider) -> Request:
 
 @dataclass(frozen=True)
 class _PollPlan:
-    """What one poll asks of Redis, decided on the reactor thread."""
+    """What one poll asks of the broker, decided on the reactor thread."""
 
-    create_group: bool
-    acks: list[str]  #: ids whose XACK failed before: sent again first
-    claim_dead: bool  #: take over the pending messages of this host's dead consumers
-    autoclaim: str | None  #: XAUTOCLAIM from this cursor (None: not this time)
-    room: int  #: messages that may be taken (claims and reads together)
-    read: bool  #: read new messages (XREADGROUP) with the room left
+    acks: list[str]  #: ids whose acknowledgement failed before: sent again first
+    extend: list[str]  #: ids held whose requests are in progress
+    take: bool  #: take messages (not once the crawl is finishing)
+    room: int  #: messages that may be taken (taken over and read together)
+    read: bool  #: read new messages with the room left
     known: frozenset[str]  #: ids this worker holds already (not taken twice)
 
 
 @dataclass
 class _Polled:
-    """What one poll got from Redis (on the Redis thread), for the reactor thread."""
+    """What one poll got from the broker (on the broker's thread), for the reactor."""
 
-    group_ready: bool = False
     acked: int = 0
-    claimed: int = 0
-    entries: list[tuple[str, dict[str, str]]] = field(default_factory=list)
-    dead_left: bool = False  #: a dead consumer still has pending messages (no room)
-    autoclaim_cursor: str | None = None  #: where the next XAUTOCLAIM goes on (None: done)
-    error: BaseException | None = None  #: the Redis error that ended the poll early
+    acks_sent: bool = False
+    taken: Taken = field(default_factory=Taken)
+    error: BaseException | None = None  #: the broker error that ended the poll early
 
 
 @dataclass
@@ -187,37 +182,60 @@ class _Message:
     undecided: set[str] = field(default_factory=set)
 
 
+def broker_for(config: QueueConfig, consumer: str) -> QueueBroker:
+    """The broker of ``IDEMPOTENT_QUEUE_URL`` (its scheme, checked by config.py), its client
+    library imported here: :class:`~.ConfigError` naming the extra to install without it."""
+    kind = config.broker
+    module, extra = {"redis": ("redis", "redis"), "sqs": ("boto3", "sqs"),
+                     "amqp": ("pika", "amqp")}[kind]
+    try:
+        __import__(module)
+    except ImportError:
+        raise ConfigError(
+            "IDEMPOTENT_QUEUE_URL", config.url,
+            f"a {config.broker_name} URL, with its client installed: pip install "
+            f"'scrapy-idempotent[{extra}]' (or pip install {module})") from None
+    from .redis_stream import RedisStreamBroker
+
+    return RedisStreamBroker.from_config(config, consumer)
+
+
 class QueueInput:
-    """The extension that feeds the crawl from the Redis stream (see the module docstring).
+    """The extension that feeds the crawl from a queue (see the module docstring).
 
     Off (``NotConfigured``) without ``IDEMPOTENT_QUEUE_URL``. Needs the
     :class:`~.IdempotentScheduler` (its frontier makes redelivery harmless)."""
 
-    def __init__(self, crawler: Crawler, config: QueueConfig, client: Any) -> None:
+    def __init__(self, crawler: Crawler, config: QueueConfig, broker: QueueBroker) -> None:
         self.crawler = crawler
         self.config = config
-        self.redis = client
-        self.consumer = new_worker_id()  #: a worker id, so dead consumers can be told
+        self.broker = broker
+        self.consumer = broker.consumer  #: a worker id, so dead consumers can be told
         self.stats = crawler.stats
         self.spider: Spider | None = None
         self.scheduler: IdempotentScheduler | None = None
         self._messages: dict[str, _Message] = {}  # id -> message read, not acknowledged
         self._waiting: dict[str, set[str]] = {}  # fingerprint -> message ids
         self._by_url: dict[str, set[str]] = {}  # URL of a waited request -> message ids
-        self._unacked: list[str] = []  # ids whose XACK failed, sent again at the next poll
+        self._unacked: list[str] = []  # ids whose ack failed, sent again at the next poll
         self._poll: task.LoopingCall | None = None
-        #: every Redis command, one after the other, off the reactor thread
-        self._redis_calls = SerialThread("scrapy_idempotent-queue")
+        #: every broker call, one after the other, off the reactor thread
+        self._broker_calls = SerialThread("scrapy_idempotent-queue")
         self._closed = False
-        self._group_ready = False
-        self._claimed_dead_at = 0.0
-        self._autoclaimed_at = 0.0
-        self._autoclaim_cursor = "0-0"  #: where XAUTOCLAIM goes on (kept between polls)
         self._reconciled_at = 0.0
         self._stop_id: str | None = None  # a stop message read
         self._finishing = False  # the crawl was let close: read nothing more
-        self._empty_since: float | None = None  # the stream had nothing for us since then
-        self._redis_error: str | None = None  # the last Redis error logged
+        self._empty_since: float | None = None  # the queue had nothing for us since then
+        self._broker_error: str | None = None  # the last broker error logged (None: none)
+
+    @property
+    def redis(self) -> Any:
+        """The Redis client of a Redis stream input (tests wrap it)."""
+        return getattr(self.broker, "client", None)
+
+    @redis.setter
+    def redis(self, client: Any) -> None:
+        cast("Any", self.broker).client = client
 
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> Self:
@@ -225,16 +243,8 @@ class QueueInput:
             config = config_for(crawler).queue  # validated with every other setting
             if config is None:
                 raise NotConfigured("IDEMPOTENT_QUEUE_URL is not set")
-            try:
-                import redis
-            except ImportError:
-                raise ConfigError(
-                    "IDEMPOTENT_QUEUE_URL", config.url,
-                    "a Redis URL, with the redis client installed: pip install "
-                    "'scrapy-idempotent[redis]' (or pip install redis)") from None
-            client = redis.Redis.from_url(config.url, decode_responses=True,
-                                          socket_timeout=10, socket_connect_timeout=10)
-        extension = cls(crawler, config, client)
+            broker = broker_for(config, new_worker_id())
+        extension = cls(crawler, config, broker)
         connect = crawler.signals.connect
         connect(extension.spider_opened, signal=scrapy_signals.spider_opened)
         connect(extension.spider_idle, signal=scrapy_signals.spider_idle)
@@ -246,7 +256,7 @@ class QueueInput:
     # -- lifecycle --------------------------------------------------------------------------
 
     def spider_opened(self, spider: Spider) -> None:
-        from .scheduler import is_idempotent_scheduler
+        from ..scheduler import is_idempotent_scheduler
 
         scheduler = scrapy_compat.engine_scheduler(self.crawler)
         if not is_idempotent_scheduler(scheduler):
@@ -256,18 +266,18 @@ class QueueInput:
         self.scheduler = cast("IdempotentScheduler", scheduler)
         self.spider = spider
         declare_live(self.consumer)
-        logger.info("scrapy_idempotent: reading requests from the Redis stream %r (group %r, "
-                    "consumer %s)", self.config.key, self.config.group, self.consumer)
-        # the first poll's messages are taken when Redis answers, in a later reactor turn:
-        # after every spider_opened handler ran (Scrapy 2.13's OffsiteMiddleware builds its
-        # host filter in its own, and refuses nothing before)
+        logger.info("scrapy_idempotent: reading requests from %s", self.broker.describe())
+        # the first poll's messages are taken when the broker answers, in a later reactor
+        # turn: after every spider_opened handler ran (Scrapy 2.13's OffsiteMiddleware builds
+        # its host filter in its own, and refuses nothing before)
         self._poll = task.LoopingCall(self.poll)
         self._poll.start(self.config.poll_seconds, now=True)
 
     def spider_idle(self, spider: Spider) -> None:
         """Keep an idle crawl open while the queue may bring more work; let it finish after a
         stop message (once everything before it is done) or after
-        ``IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS`` with nothing to do."""
+        ``IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS`` with nothing to do (the queue empty or not
+        reachable)."""
         if self._messages:
             raise DontCloseSpider  # their requests are still being done (elsewhere)
         if self._stop_id is not None:
@@ -276,15 +286,25 @@ class QueueInput:
         timeout = self.config.idle_timeout_seconds
         if timeout is not None and self._empty_since is not None \
                 and time.monotonic() - self._empty_since >= timeout:
+            self._finishing = True  # read nothing more: this crawl is closing
+            if self._broker_error is not None:
+                logger.error("scrapy_idempotent: %s queue %r could not be reached for %.1f s "
+                             "(IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS; %s): closing as %s",
+                             self.broker.kind, self.broker.name, timeout, self._broker_error,
+                             UNREACHABLE_REASON)
+                from ..engine_hooks import close_spider_failed
+
+                close_spider_failed(self.crawler, UNREACHABLE_REASON)
+                raise DontCloseSpider  # closed with that reason, not as finished
             logger.info("scrapy_idempotent: the queue had nothing for %.1f s "
                         "(IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS): finishing", timeout)
-            self._finishing = True  # read nothing more: this crawl is closing
             return
         raise DontCloseSpider
 
     async def spider_closed(self, spider: Spider, reason: str) -> None:
-        """Stop polling; send the acknowledgements still owed (after every command sent
-        before), then close the client and end the Redis thread. The close waits for it."""
+        """Stop polling; send the acknowledgements still owed (after every call sent
+        before), then close the broker's connection and end its thread. The close waits for
+        it."""
         self._closed = True
         if self._poll is not None and self._poll.running:
             self._poll.stop()
@@ -296,194 +316,109 @@ class QueueInput:
                         "requests are not done): they will be delivered again",
                         len(self._messages))
         forget_live(self.consumer)
-        closing = self._redis_calls(lambda: self._ack_and_close(ids))
+        closing = self._broker_calls(lambda: self._ack_and_close(ids))
         closing.addCallbacks(self._acked, self._ack_failed, errbackArgs=(ids,))
-        closing.addBoth(lambda _: self._redis_calls.stop())
+        closing.addBoth(lambda _: self._broker_calls.stop())
         await maybe_deferred_to_future(closing)
 
     def _ack_and_close(self, ids: list[str]) -> int:
-        """On the Redis thread: the last acknowledgements, then the client is closed."""
+        """On the broker's thread: the last acknowledgements, then the connection is
+        closed."""
         try:
-            return self._xack(ids)
+            return self.broker.ack(ids) if ids else 0
         finally:
-            with contextlib.suppress(Exception):  # closing only
-                self.redis.close()
+            self.broker.close()
 
     # -- reading ----------------------------------------------------------------------------
 
     def poll(self) -> Deferred[Any] | None:
-        """One round: acknowledgements that failed, claims, new messages; the Redis commands
-        run on the Redis thread, the messages are taken here when they are back (the next
-        poll starts after that). Never fails."""
+        """One round: acknowledgements that failed, extensions, new messages; the broker
+        calls run on the broker's thread, the messages are taken here when they are back
+        (the next poll starts after that). Never fails."""
         if self._closed:
             return None
         now = time.monotonic()
-        plan = self._plan(now)
-        polling = self._redis_calls(lambda: self._poll_redis(plan))
+        plan = self._plan()
+        polling = self._broker_calls(lambda: self._poll_broker(plan))
         polling.addCallback(self._polled, plan, now)
         polling.addErrback(self._poll_failed)
         return polling
 
-    def _plan(self, now: float) -> _PollPlan:
+    def _plan(self) -> _PollPlan:
         acks, self._unacked = self._unacked, []
-        reading = not self._finishing and self._stop_id is None
-        claim_dead = not self._finishing and now >= self._claimed_dead_at
-        autoclaim = not self._finishing and now >= self._autoclaimed_at
         known = frozenset(self._messages) | (
             {self._stop_id} if self._stop_id is not None else frozenset())
         return _PollPlan(
-            create_group=not self._group_ready, acks=acks, claim_dead=claim_dead,
-            autoclaim=self._autoclaim_cursor if autoclaim else None,
+            acks=acks, extend=list(self._messages), take=not self._finishing,
             room=self.config.prefetch - len(self._messages) if not self._finishing else 0,
-            read=reading, known=known)
+            read=not self._finishing and self._stop_id is None, known=known)
 
-    def _poll_redis(self, plan: _PollPlan) -> _Polled:
-        """On the Redis thread: the commands of one poll. A Redis error ends it early,
-        returned with what was got until then (messages claimed are this worker's now)."""
-        polled = _Polled(autoclaim_cursor=plan.autoclaim)
+    def _poll_broker(self, plan: _PollPlan) -> _Polled:
+        """On the broker's thread: the calls of one poll. A broker error ends it early,
+        returned with what was got until then (messages taken are this worker's now)."""
+        polled = _Polled()
         try:
-            if plan.create_group:
-                self._create_group()
-            polled.group_ready = True
-            polled.acked = self._xack(plan.acks)
-            room = plan.room
-            if plan.claim_dead and room > 0:
-                room -= self._claim_from_dead(room, polled)
-            elif plan.claim_dead:
-                polled.dead_left = True  # not checked: no room
-            if plan.autoclaim is not None and room > 0:
-                room -= self._autoclaim(plan.autoclaim, room, plan.known, polled)
-            if plan.read and room > 0:
-                read = self.redis.xreadgroup(self.config.group, self.consumer,
-                                             {self.config.key: ">"}, count=room)
-                for _, stream_entries in read or []:
-                    polled.entries += stream_entries
+            polled.acked = self.broker.ack(plan.acks) if plan.acks else 0
+            polled.acks_sent = True
+            if plan.extend and not self._closed:
+                self.broker.extend(plan.extend)
         except Exception as exc:
             polled.error = exc
+            return polled
+        if plan.take:
+            polled.taken = self.broker.take(plan.room, plan.read, plan.known)
+            polled.error = polled.taken.error
         return polled
 
     def _polled(self, polled: _Polled, plan: _PollPlan, now: float) -> None:
         """On the reactor thread: take the messages one poll brought."""
-        if polled.group_ready:
-            self._group_ready = True
+        taken = polled.taken
         if polled.acked:
             self.stats.inc_value("idempotent/queue/acknowledged", polled.acked)
-        elif plan.acks and polled.error is not None:
+        elif plan.acks and not polled.acks_sent:
             self._unacked += plan.acks  # not sent: again at the next poll
-        if polled.claimed:
-            self.stats.inc_value("idempotent/queue/claimed", polled.claimed)
-        if plan.claim_dead and not polled.dead_left and polled.error is None:
-            self._claimed_dead_at = now + _DEAD_CHECK_SECONDS  # all taken: check later
-        if plan.autoclaim is not None and polled.error is None:
-            if polled.autoclaim_cursor is None:  # the pending list was scanned to its end
-                self._autoclaim_cursor = "0-0"
-                self._autoclaimed_at = now + max(1.0, self.config.claim_idle_seconds / 4)
-            else:  # more to scan: at the next poll
-                self._autoclaim_cursor = polled.autoclaim_cursor
+        if taken.claimed:
+            self.stats.inc_value("idempotent/queue/claimed", taken.claimed)
+        for message_id in taken.lost:  # delivered again by the broker (a new id)
+            message = self._messages.get(message_id)
+            if message is not None:
+                self._forget(message)
+            if message_id == self._stop_id:
+                self._stop_id = None
         if self._closed:
             return  # read while closing: not acknowledged, so delivered again
-        for message_id, fields in polled.entries:
+        for message_id, fields in taken.entries:
             self._take(message_id, fields)
-        if polled.error is not None:
-            self._redis_failed(polled.error)
-            return
-        if polled.entries or self._messages:
+        if taken.entries or self._messages:
             self._empty_since = None
         elif self._empty_since is None:
-            self._empty_since = now
+            self._empty_since = now  # nothing to do: counts as idle, reachable or not
+        if polled.error is not None:
+            self._broker_failed(polled.error)
+            return
         if now >= self._reconciled_at:
             self._reconciled_at = now + _RECONCILE_AFTER_SECONDS
             self._reconcile(now)
-        if self._redis_error is not None:
-            logger.info("scrapy_idempotent: Redis queue %r reachable again", self.config.key)
-            self._redis_error = None
+        if self._broker_error is not None:
+            logger.info("scrapy_idempotent: %s queue %r reachable again", self.broker.kind,
+                        self.broker.name)
+            self._broker_error = None
 
     def _poll_failed(self, failure: Failure) -> None:
-        """An error taking the poll's messages on the reactor (the Redis commands' own errors
+        """An error taking the poll's messages on the reactor (the broker calls' own errors
         come back in :class:`_Polled`, its acknowledgements counted already)."""
         logger.error("scrapy_idempotent: queue %r: cannot take the messages read: %s",
-                     self.config.key, failure.getTraceback())
+                     self.broker.name, failure.getTraceback())
 
-    def _redis_failed(self, exc: BaseException | None) -> None:
-        self.stats.inc_value("idempotent/queue/redis_errors")
+    def _broker_failed(self, exc: BaseException | None) -> None:
+        self.stats.inc_value(self.broker.error_stat)
         text = f"{type(exc).__name__}: {exc}"
-        if text != self._redis_error:
-            self._redis_error = text
-            logger.error("scrapy_idempotent: Redis queue %r: %s (retried every %.1f s)",
-                         self.config.key, text, self.config.poll_seconds)
+        if text != self._broker_error:
+            self._broker_error = text
+            logger.error("scrapy_idempotent: %s queue %r: %s (retried every %.1f s)",
+                         self.broker.kind, self.broker.name, text, self.config.poll_seconds)
 
-    def _create_group(self) -> None:
-        import redis
-
-        try:
-            self.redis.xgroup_create(self.config.key, self.config.group, id="0",
-                                     mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-
-    def _claim_from_dead(self, room: int, polled: _Polled) -> int:
-        """On the Redis thread: take at once up to ``room`` pending messages of consumers
-        that ran on this host, in this process's PID namespace, and are gone (their process
-        no longer exists), and remove such a consumer once it has none left. Returns how many
-        were taken."""
-        taken = 0
-        for consumer in self.redis.xinfo_consumers(self.config.key, self.config.group):
-            name = consumer["name"]
-            if name == self.consumer or not worker_is_dead(name):
-                continue
-            if taken >= room:
-                polled.dead_left = True
-                break
-            want = room - taken
-            pending = self.redis.xpending_range(self.config.key, self.config.group,
-                                                min="-", max="+", count=want,
-                                                consumername=name)
-            if pending:
-                ids = [p["message_id"] for p in pending]
-                entries = [e for e in self.redis.xclaim(self.config.key, self.config.group,
-                                                        self.consumer, 0, ids)
-                           if e[1] is not None]
-                polled.entries += entries
-                taken += len(entries)
-                gone = set(ids) - {e[0] for e in entries}
-                if gone:  # deleted from the stream meanwhile: nothing to do for them
-                    self.redis.xack(self.config.key, self.config.group, *gone)
-                if len(pending) == want:  # it may have more: taken at the next poll
-                    polled.dead_left = True
-                    break
-            self.redis.xgroup_delconsumer(self.config.key, self.config.group, name)
-            logger.info("scrapy_idempotent: consumer %s is gone: its pending messages are "
-                        "delivered again here", name)
-        polled.claimed += taken
-        return taken
-
-    def _autoclaim(self, cursor: str, room: int, known: frozenset[str],
-                   polled: _Polled) -> int:
-        """On the Redis thread: up to ``room`` messages pending for
-        ``IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS`` with any consumer (a worker on another host
-        that died, or that is too slow), delivered again here; the scan goes on from
-        ``cursor`` and stops where the room is full (the next poll goes on from there).
-        Returns how many were taken."""
-        min_idle_ms = int(self.config.claim_idle_seconds * 1000)
-        taken = 0
-        while taken < room:
-            reply = self.redis.xautoclaim(self.config.key, self.config.group, self.consumer,
-                                          min_idle_ms, start_id=cursor, count=room - taken)
-            cursor, entries = reply[0], reply[1]
-            new = [e for e in entries if e[0] not in known and e[1] is not None]
-            polled.entries += new
-            taken += len(new)
-            if cursor in ("0-0", b"0-0"):
-                polled.autoclaim_cursor = None
-                break
-            polled.autoclaim_cursor = cursor
-            if not entries:
-                break
-        polled.claimed += taken
-        return taken
-
-    def _take(self, message_id: str, fields: dict[str, str]) -> None:
+    def _take(self, message_id: str, fields: Mapping[str, str]) -> None:
         """Feed one message to the crawl, or park it."""
         if message_id in self._messages or message_id == self._stop_id:
             return
@@ -543,25 +478,16 @@ class QueueInput:
             return _UNREADABLE
 
     def _park(self, message_id: str, fields: Mapping[str, str], error: str) -> None:
-        """Move a bad message to the parked stream with its error, and acknowledge it, in
-        one transaction (MULTI): visible to operators, never lost."""
-        entry = {"id": message_id, "fields": json.dumps(dict(fields), sort_keys=True),
-                 "error": error, "consumer": self.consumer}
-
-        def park() -> None:  # on the Redis thread
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.xadd(self.config.parked_key, entry)
-            pipe.xack(self.config.key, self.config.group, message_id)
-            pipe.execute()
-
-        parking = self._redis_calls(park)
-        parking.addCallbacks(self._parked, lambda failure: self._redis_failed(failure.value),
-                             callbackArgs=(message_id, error))
+        """Park a bad message with its error (the broker's :meth:`~.QueueBroker.park`):
+        visible to operators, never lost."""
+        self._broker_calls(lambda: self.broker.park(message_id, fields, error)).addCallbacks(
+            self._parked, lambda failure: self._broker_failed(failure.value),
+            callbackArgs=(message_id, error))
 
     def _parked(self, _: None, message_id: str, error: str) -> None:
         self.stats.inc_value("idempotent/queue/parked")
-        logger.warning("scrapy_idempotent: queue message %s parked in %r: %s", message_id,
-                       self.config.parked_key, error)
+        logger.warning("scrapy_idempotent: queue message %s parked in %s: %s", message_id,
+                       self.broker.parked_name, error)
 
     # -- acknowledging ----------------------------------------------------------------------
 
@@ -645,18 +571,12 @@ class QueueInput:
                     del self._by_url[url]
 
     def _ack(self, ids: list[str]) -> None:
-        """Acknowledge ``ids`` (on the Redis thread, after every command sent before: always
+        """Acknowledge ``ids`` (on the broker's thread, after every call sent before: always
         after the commit that ``request_done`` announced)."""
         if not ids or self._closed:
             return  # (closed: the close acknowledges what is owed)
-        acking = self._redis_calls(lambda: self._xack(ids))
+        acking = self._broker_calls(lambda: self.broker.ack(ids))
         acking.addCallbacks(self._acked, self._ack_failed, errbackArgs=(ids,))
-
-    def _xack(self, ids: list[str]) -> int:
-        if not ids:
-            return 0
-        self.redis.xack(self.config.key, self.config.group, *ids)
-        return len(ids)
 
     def _acked(self, count: int) -> None:
         if count:
