@@ -1,65 +1,303 @@
-"""The commit path: units of work written to the store, retried while the database is busy,
-then, once durable, counted and announced.
+"""The commit path: units of work written to the store through the writer, then, once
+durable, counted and announced.
 
-The writes themselves run on the writer's thread (:class:`~.writer.WriterThread`: page
-commits grouped, lease renewals, every other write), each retried there with
-:func:`retry_busy` while the database is busy; the reactor thread gets the results back.
+:class:`CommitPath` is the way every write of the crawl goes: the tracker's completed pages
+(:meth:`CommitPath.completed`), its buffered writes (:meth:`CommitPath.flush_soon`), claims
+(:meth:`CommitPath.refill`). It owns the :class:`~.writer.WriterThread` and is its three
+callbacks for each batch: before it is sent (what is buffered, the claim and the give-back),
+once it is durable, and when it could not be written. It remembers where the requests of the
+batches not written yet stand in Scrapy's order (:meth:`CommitPath.order_wait`).
 
 :class:`CommitOutcomes` is what follows a commit, on the reactor thread: the stats of what
 it wrote, the warnings about quarantined requests and lost leases, and the
 :data:`~.signals.request_done` signal of each final state it wrote.
+
+:class:`CrawlHealth` is whether writes may go on (closing, or failed: the spider is closed with
+reason :data:`STORE_ERROR_REASON`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from scrapy.utils.url import strip_url
 
-from . import signals
-from .exceptions import StoreBusy
-from .store.base import RequestState
+from . import engine_hooks, signals
+from .exceptions import StoreError
+from .leases import QueueRank, queue_rank, queue_rank_of_new
+from .store.base import RequestState, UnitOfWork
+from .writer import COMMIT_ATTEMPTS, LINGER_SECONDS, WriterThread, retry_busy
 
 if TYPE_CHECKING:
     from scrapy import Request, Spider
     from scrapy.crawler import Crawler
     from scrapy.statscollectors import StatsCollector
+    from twisted.internet.defer import Deferred
 
-    from .store.base import CommitResult, UnitOfWork
+    from .engine_hooks import EngineWakeup
+    from .inflight import InflightRequest, InflightTracker
+    from .leases import ClaimedRequests
+    from .store.base import CommitResult, Completion, FrontierStore, LeasedRequest, NewRequest
 
-__all__ = ["COMMIT_ATTEMPTS", "CommitOutcomes", "retry_busy"]
+__all__ = [
+    "COMMIT_ATTEMPTS",
+    "STORE_ERROR_REASON",
+    "CommitOutcomes",
+    "CommitPath",
+    "CrawlHealth",
+    "retry_busy",
+]
 
 logger = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
-
-#: Attempts at a write transaction before the crawl is closed (database locked by another
-#: process).
-COMMIT_ATTEMPTS = 5
+#: Reason the spider closes with when the store keeps failing.
+STORE_ERROR_REASON = "idempotent_store_error"
 
 
-def retry_busy(what: str, action: Callable[[], _T], *, attempts: int = COMMIT_ATTEMPTS,
-               sleep: Callable[[float], object] = time.sleep) -> _T:
-    """``action()``, tried again with back-off while another process holds the database
-    locked (:class:`~.StoreBusy`), at most ``attempts`` times (back-off 0.05 s, doubling,
-    through ``sleep``); any other store error (disk full, read-only, not our schema, an I/O
-    error) is raised at once, as retrying cannot cure it. Blocks the calling thread: each
-    attempt waits up to IDEMPOTENT_BUSY_TIMEOUT_SECONDS for the lock (the writer's thread
-    while a crawl runs; the reactor's only when the store is opened and closed). ``what``:
-    the action, for the log (``"committing"``)."""
-    delay = 0.05
-    for attempt in range(1, attempts):
-        try:
-            return action()
-        except StoreBusy as exc:
-            logger.warning("scrapy_idempotent: database busy while %s (%s), "
-                           "retrying (%d/%d)", what, exc, attempt, attempts)
-            sleep(delay)
-            delay *= 2
-    return action()
+class CrawlHealth:
+    """Whether the crawl's writes may go on: not once the scheduler is ``closing``, nor once
+    the store kept failing (``failed``: :meth:`fail` closes the spider, once)."""
+
+    def __init__(self, crawler: Crawler, stats: StatsCollector) -> None:
+        self._crawler = crawler
+        self._stats = stats
+        self.closing = False
+        self.failed = False
+
+    @property
+    def stopped(self) -> bool:
+        return self.failed or self.closing
+
+    def fail(self, reason: str) -> None:
+        """Close the spider with :data:`STORE_ERROR_REASON` (``reason`` goes to the log and to
+        the ``idempotent/error`` stat)."""
+        if self.failed:
+            return
+        self.failed = True
+        self._stats.set_value("idempotent/error", reason)
+        logger.error("scrapy_idempotent: closing the spider: %s", reason)
+        engine_hooks.close_spider_failed(self._crawler, STORE_ERROR_REASON)
+
+
+def _adds_pending(work: UnitOfWork) -> bool:
+    return bool(work.requests) or any(c.state is RequestState.PENDING for c in work.completions)
+
+
+class CommitPath:
+    """Every write of one worker (see the module docstring)."""
+
+    def __init__(self, store: FrontierStore, worker: str, *, tracker: InflightTracker,
+                 claimed: ClaimedRequests, outcomes: CommitOutcomes, health: CrawlHealth,
+                 wakeup: EngineWakeup, outbox_targets: Any, threaded: bool = True) -> None:
+        self.store = store
+        self.tracker = tracker
+        self.claimed = claimed
+        self.outcomes = outcomes
+        self.health = health
+        self.wakeup = wakeup
+        self.outbox_targets = outbox_targets
+        #: every write of the crawl (see :mod:`.writer`); ``threaded=False`` writes at once
+        #: on the calling thread (a scheduler driven by hand, outside a crawl)
+        self.writer = WriterThread(store, worker, prepare=self._prepare,
+                                   committed=self._committed, failed=self._failed,
+                                   threaded=threaded)
+        #: batch number -> the first place in Scrapy's order among the requests it adds (or
+        #: puts back to pending), for the batches not written yet (see order_wait)
+        self._unwritten: dict[int, QueueRank] = {}
+        self._gated = 0  #: responses waiting for their writes before their callback
+        self._flush_call: Any = None
+        tracker.complete = self.completed
+        tracker.flush_soon = self.flush_soon
+
+    def start(self) -> None:
+        """From now on the writer's thread uses the write connection, and responses wait
+        for their attempt's writes."""
+        self.tracker.writes_durable = self.writes_durable
+        self.writer.start()
+        if self.writer.threaded:
+            # and reconnects after a lost connection: the reads here never wait for it
+            self.store.never_wait_here()
+
+    def drain(self) -> Deferred[None] | None:
+        """Send everything buffered; a Deferred fired once it is all written (None: the
+        writer is not running)."""
+        if not self.writer.running:
+            return None
+        self.writer.commit()
+        return self.writer.drain()
+
+    def stop(self) -> None:
+        """End the writer's thread: the store is the caller's again, and its writes wait
+        for the database."""
+        self.writer.stop()
+        self.store.never_wait_here(False)
+
+    @property
+    def gated(self) -> bool:
+        """Whether a response waits for its writes before its callback runs."""
+        return self._gated > 0
+
+    def completed(self, work: UnitOfWork, entry: InflightRequest | None) -> None:
+        """The tracker's ``complete``: ``entry`` (with its memory requests) finished, or a
+        memory request of no stored request did (``entry`` None)."""
+        if _adds_pending(work):
+            self.claimed.maybe_claimable = True
+        if entry is not None and any(c.state.terminal for c in work.completions):
+            self.outcomes.expect(entry.key, entry.request, entry.fingerprint)
+        self.commit(work)
+
+    def commit(self, work: UnitOfWork) -> int:
+        """Write ``work`` plus everything buffered in one transaction, claiming new leases
+        when the local batch runs low: with the writer's batch (several pages may share it),
+        or at once when the writer is stopped (at close). Returns the batch's number (0: at
+        once, or nothing to write). The writer retries on a locked database; when it gives
+        up the spider is closed (the uncommitted entries stay leased and are released at
+        close)."""
+        if self.health.failed:
+            return 0
+        if self.writer.running:
+            self._note_order(self.writer.open_seq, work.requests, work.completions)
+            return self.writer.commit(work)
+        self._prepare(work, 0)
+        if work:
+            try:
+                result = retry_busy("committing",
+                                    lambda: self.store.commit(work, self.writer.worker))
+            except Exception as exc:
+                self._failed(work, exc)
+            else:
+                self._committed(work, result)
+        return 0
+
+    def flush_buffered(self) -> None:
+        """Write what waits without a page: requests of no page, claimed ones to give back."""
+        if self.tracker.unattributed or self.claimed.has_give_back:
+            self.commit(UnitOfWork())
+
+    def refill(self) -> bool:
+        """Claim requests, when the store may have some: at once when the writer's thread is
+        idle, else with the batch after the one in flight (it wakes the engine)."""
+        if not self.claimed.may_refill(time.time(), bool(self.tracker.unattributed)):
+            return False
+        if self.writer.threaded and not self.writer.idle:
+            self.writer.commit()  # the batch being filled claims: send it without lingering
+            return False
+        # Nothing claimed ahead and nothing being written: claim now and wait for it a
+        # moment, so that the requests enqueued so far are taken in Scrapy's order (a
+        # request enqueued while a claim is on its way would otherwise lose its turn). Never
+        # longer than the writer's STALL_SECONDS: a claim that waits for the database (a
+        # lock another process holds) goes on without the reactor, and its batch wakes the
+        # engine when it is written.
+        self.commit(UnitOfWork(claim=self.claimed.claim_size(self.health.closing)))
+        if self.writer.running:
+            self.writer.commit_now()
+        return bool(self.claimed)
+
+    def order_wait(self, head: LeasedRequest) -> bool:
+        """Whether requests not written yet go before ``head`` in Scrapy's order (a child is
+        taken before older requests of its priority): then ``head`` waits until they are
+        written and claimed. Not while the writes wait for the database (another process
+        holds the lock): then the requests claimed here are handed out in their order, so
+        downloads go on."""
+        if not self._unwritten:
+            return False
+        durable = self.writer.durable_seq
+        for seq in [seq for seq in self._unwritten if seq <= durable]:
+            del self._unwritten[seq]
+        if not self._unwritten or self.writer.stalled:
+            return False
+        return min(self._unwritten.values()) < queue_rank(head)
+
+    def _note_order(self, seq: int, requests: Sequence[NewRequest],
+                    completions: Sequence[Completion]) -> None:
+        """Remember where the requests batch ``seq`` adds (or puts back to pending: a retry)
+        stand in Scrapy's order, until it is written."""
+        best = self._unwritten.get(seq)
+        for new in requests:
+            rank = queue_rank_of_new(new)
+            if best is None or rank < best:
+                best = rank
+        for completion in completions:
+            if completion.state is RequestState.PENDING:
+                rank = (-(completion.priority or 0), 0, float("-inf"))
+                if best is None or rank < best:
+                    best = rank
+        if best is not None:
+            self._unwritten[seq] = best
+
+    # -- the writer's callbacks -----------------------------------------------------------
+
+    def _prepare(self, work: UnitOfWork, seq: int) -> None:
+        """The writer's ``prepare``: add what is buffered, the claim and the give-back."""
+        pages = len(work.requests)
+        self.tracker.drain_into(work)  # (the requests of no page go first)
+        if _adds_pending(work):
+            self.claimed.maybe_claimable = True
+            if seq:  # the pages' requests were noted when they were committed
+                self._note_order(seq, work.requests[:len(work.requests) - pages], ())
+        self.claimed.prepare(work, self.health.closing)
+        work.outbox_targets = self.outbox_targets  # announce its record changes
+
+    def _committed(self, work: UnitOfWork, result: CommitResult) -> None:
+        """The writer's ``committed``: count, announce, take the claimed requests."""
+        self.outcomes.committed(result, work)
+        self.tracker.written(work)
+        self.claimed.accept(work, result)
+        if work.claim and not result.leased and not work.requests:
+            self.claimed.found_none(time.time())
+        self.wakeup.if_asked_in_vain()
+
+    def _failed(self, work: UnitOfWork, exc: BaseException) -> None:
+        """The writer's ``failed``: nothing of ``work`` was written, nor will anything more."""
+        logger.error("scrapy_idempotent: cannot write to the frontier database",
+                     exc_info=(type(exc), exc, exc.__traceback__)
+                     if not isinstance(exc, StoreError) else False)
+        self.tracker.restore_from(work)
+        self.health.fail(
+            f"frontier database error: {exc}; what was committed before is kept: fix "
+            "the cause and run the same crawl again to resume"
+        )
+
+    # -- the tracker's buffered writes ----------------------------------------------------
+
+    def writes_durable(self, seq: int) -> Deferred[None] | None:
+        """The tracker's ``writes_durable``: a response waits for its attempt's writes (they
+        are sent with the next page's completion, at the latest after the linger)."""
+        if not self.writer.running:
+            return None
+        waiting = self.writer.durable(seq)
+        if waiting is not None:
+            self.writer.commit(linger=LINGER_SECONDS)
+            self._gated += 1
+            waiting.addBoth(self._gate_passed)
+            if self.writer.stalled:
+                # the writes wait for the database: the download slot is free meanwhile
+                self.wakeup.now()
+        return waiting
+
+    def _gate_passed(self, result: Any) -> Any:
+        self._gated -= 1
+        return result
+
+    def flush_soon(self) -> int:
+        """The tracker's ``flush_soon``: what it buffered (an attempt's start, its journaled
+        response) goes with the writer's next batch; returns that batch's number. Its
+        response waits for it (:meth:`writes_durable`)."""
+        if self.writer.threaded and self.writer.running:
+            return self.writer.open_seq
+        if self._flush_call is None or not self._flush_call.active():
+            from twisted.internet import reactor as installed  # the one Scrapy installed
+
+            clock: Any = installed
+            self._flush_call = clock.callLater(0, self._flush)
+        return 0
+
+    def _flush(self) -> None:
+        if self.tracker.has_attempt_writes and not self.health.stopped:
+            self.commit(UnitOfWork())
 
 
 class CommitOutcomes:

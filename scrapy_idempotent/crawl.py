@@ -17,8 +17,7 @@ nothing, silently).
 
 from __future__ import annotations
 
-import warnings
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from . import scrapy_compat
 from .exceptions import IdempotentError
@@ -31,7 +30,6 @@ if TYPE_CHECKING:
     from .store.base import FrontierStore
 
 __all__ = [
-    "deprecated_scheduler_attribute",
     "frontier_store",
     "idempotent_scheduler",
     "inflight_tracker",
@@ -75,14 +73,3 @@ def frontier_store(crawler: Crawler, component: str) -> FrontierStore | None:
     scheduler = idempotent_scheduler(crawler, component)
     return scheduler.store if scheduler is not None else None
 
-
-def deprecated_scheduler_attribute() -> Any:
-    """The ``scheduler`` attribute the components had before they used the tracker and the
-    store (a property that warns, then answers :func:`idempotent_scheduler`)."""
-    def scheduler(self: Any) -> IdempotentScheduler | None:
-        name = type(self).__name__
-        warnings.warn(f"{name}.scheduler is deprecated: use scrapy_idempotent.crawl's "
-                      "inflight_tracker(crawler, ...) or frontier_store(crawler, ...)",
-                      DeprecationWarning, stacklevel=2)
-        return idempotent_scheduler(self.crawler, name)
-    return property(scheduler)

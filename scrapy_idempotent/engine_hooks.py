@@ -16,18 +16,17 @@ otherwise with :class:`~.UnsupportedScrapy`), shadows each with an instance attr
 reports to an :class:`EngineObserver` and then calls the engine's own method, and deletes
 those attributes again at close. :func:`close_spider_failed` closes a crawl that failed
 after it started (a store error) so that ``scrapy crawl`` exits non-zero;
-:func:`schedule_next_request` wakes an idle engine when the store says work appeared.
+:func:`schedule_next_request` (and :class:`EngineWakeup`) wakes an idle engine when the store
+says work appeared.
 
 The differences between Scrapy releases are in :mod:`scrapy_idempotent.scrapy_compat`.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
-from . import scrapy_compat
 from .scrapy_compat import close_spider, refuse_release, warn_if_untested
 
 if TYPE_CHECKING:
@@ -42,20 +41,11 @@ if TYPE_CHECKING:
 __all__ = [
     "EngineHooks",
     "EngineObserver",
+    "EngineWakeup",
     "check_engine",
     "close_spider_failed",
     "schedule_next_request",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    # the differences between Scrapy releases lived here before scrapy_compat
-    if name in scrapy_compat.__all__:
-        warnings.warn(f"scrapy_idempotent.engine_hooks.{name} is deprecated: use "
-                      f"scrapy_idempotent.scrapy_compat.{name}", DeprecationWarning,
-                      stacklevel=2)
-        return getattr(scrapy_compat, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class EngineObserver(Protocol):
@@ -222,6 +212,26 @@ def schedule_next_request(crawler: Crawler) -> None:
     nextcall = getattr(slot, "nextcall", None)
     if nextcall is not None:
         nextcall.schedule()
+
+
+class EngineWakeup:
+    """Has the engine ask for requests at the next reactor turn: at once (:meth:`now`), or
+    only when the last time it asked it got none (:meth:`if_asked_in_vain`, after a write
+    that may bring requests: an engine woken between a download and its callback would send
+    the next request before the callback's children, out of Scrapy's order)."""
+
+    def __init__(self, crawler: Crawler) -> None:
+        self._crawler = crawler
+        #: the scheduler answered None since the engine was last woken
+        self.asked_in_vain = False
+
+    def now(self) -> None:
+        schedule_next_request(self._crawler)
+
+    def if_asked_in_vain(self) -> None:
+        if self.asked_in_vain:
+            self.asked_in_vain = False
+            schedule_next_request(self._crawler)
 
 
 def close_spider_failed(crawler: Crawler, reason: str) -> None:

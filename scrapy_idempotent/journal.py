@@ -27,7 +27,7 @@ from scrapy.exceptions import NotConfigured
 
 from .codec import describe, dumps, loads
 from .config import config_for
-from .crawl import deprecated_scheduler_attribute, frontier_store, inflight_tracker
+from .crawl import frontier_store, inflight_tracker
 from .scrapy_compat import response_from_dict, response_to_dict, start_failure_exits_nonzero
 
 if TYPE_CHECKING:
@@ -83,8 +83,6 @@ def decode_response(data: str, body: bytes) -> Response:
 
 class ResponseJournalMiddleware:
     """Downloader middleware: journal raw responses of leased requests, replay them."""
-
-    scheduler = deprecated_scheduler_attribute()
 
     def __init__(self, crawler: Crawler) -> None:
         self.crawler = crawler

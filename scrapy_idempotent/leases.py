@@ -1,4 +1,13 @@
-"""The requests a worker claimed ahead: leased in the store, not handed to the engine yet.
+"""A worker's leases: the requests it claimed ahead, and the periodic lease work.
+
+:class:`LeaseKeeper` is the periodic work (every ``IDEMPOTENT_LEASE_SECONDS / 3``): renew
+this worker's leases in one statement and forget those found lost, flush what waits without a
+page, give the space of deleted journal rows back; it also puts the leases of this host's
+dead workers and the expired leases back to pending (at open, and while the frontier is held
+elsewhere), and wakes the engine when the store says another worker made work claimable.
+
+:class:`ClaimedRequests` are the requests claimed ahead: leased in the store, not handed to
+the engine yet.
 
 A claim takes up to ``IDEMPOTENT_LEASE_BATCH`` requests in one transaction (usually the
 transaction of a page's completion), so ``next_request`` is served from here. The requests
@@ -13,15 +22,30 @@ found lost, and released at close.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from twisted.internet import task
+
+from . import workers
 from .store.base import RequestState
 
 if TYPE_CHECKING:
-    from .store.base import CommitResult, LeasedRequest, NewRequest, UnitOfWork
+    from scrapy.statscollectors import StatsCollector
+    from twisted.python.failure import Failure
 
-__all__ = ["ClaimedRequests", "QueueRank", "queue_rank", "queue_rank_of_new"]
+    from .commits import CrawlHealth
+    from .engine_hooks import EngineWakeup
+    from .inflight import InflightTracker
+    from .store.base import CommitResult, FrontierStore, LeasedRequest, NewRequest, UnitOfWork
+    from .writer import WriterThread
+
+__all__ = ["ClaimedRequests", "LeaseKeeper", "QueueRank", "queue_rank", "queue_rank_of_new"]
+
+logger = logging.getLogger(__name__)
 
 #: ``(-priority, is_start, rank)``: smaller is taken first (the store's claim order).
 QueueRank = tuple[int, int, float]
@@ -155,3 +179,177 @@ class ClaimedRequests:
     def has_give_back(self) -> bool:
         """Whether claimed requests wait to be given back with the next transaction."""
         return bool(self._give_back)
+
+
+class LeaseKeeper:
+    """The periodic lease work of one worker (see the module docstring). ``flush`` writes
+    what waits without a page; ``health`` stops the work once the crawl closes or failed."""
+
+    def __init__(self, store: FrontierStore, writer: WriterThread, *,
+                 tracker: InflightTracker, claimed: ClaimedRequests, stats: StatsCollector,
+                 health: CrawlHealth, wakeup: EngineWakeup, lease_seconds: float,
+                 flush: Callable[[], None]) -> None:
+        self.store = store
+        self.writer = writer
+        self.tracker = tracker
+        self.claimed = claimed
+        self.stats = stats
+        self.health = health
+        self.wakeup = wakeup
+        self.lease_seconds = lease_seconds
+        self.flush = flush
+        #: which leases are still this worker's is being asked (nothing is handed out)
+        self.renewing = False
+        self._loop: task.LoopingCall | None = None
+        self._dead_check_at = 0.0
+        self._woken = False
+
+    def start(self) -> None:
+        """Begin the periodic work, and listen for the store's signal of new work."""
+        self._loop = task.LoopingCall(self._tick)
+        self._loop.start(self.lease_seconds / 3, now=False)
+        self.store.watch_for_work(self._work_may_be_claimable)
+
+    def stop(self) -> None:
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+
+    def _tick(self) -> None:
+        """Every lease_seconds / 3: renew this worker's leases (one statement for all),
+        flush buffered writes, reclaim space."""
+        if self.health.stopped:
+            return
+        try:
+            self.renew()
+            self.flush()
+        except Exception:
+            logger.exception("scrapy_idempotent: cannot renew leases")
+            return
+        self.reclaim_space(everything=False)
+
+    # -- renewal ----------------------------------------------------------------------------
+
+    def renew(self) -> None:
+        """Renew this worker's live leases (one statement, on the writer's thread) and, once
+        renewed, forget those that expired: the requests claimed ahead are dropped (never
+        handed out), and a request in flight whose lease expired is finished without writing
+        anything (the store fences it)."""
+        if self.renewing:
+            return
+        self.renewing = True
+        began = time.time()
+        worker = self.writer.worker
+        renewing = self.writer.call("renewing leases",
+                                    lambda store: store.renew_leases(worker))
+        renewing.addCallbacks(self._renewed, self._renew_failed, callbackArgs=(began,))
+
+    def _renew_failed(self, failure: Failure) -> None:
+        self.renewing = False
+        logger.error("scrapy_idempotent: cannot renew leases: %s", failure.value)
+
+    def _renewed(self, keys: list[str], began: float) -> None:
+        self.renewing = False
+        held = set(keys)
+        self.wakeup.if_asked_in_vain()
+        self.claimed.renewed_until = began + self.lease_seconds
+        if held:
+            self.stats.inc_value("idempotent/leases/renewals")
+        stale = self.claimed.keep_held(held)
+        expired = self.tracker.lose(held)
+        if stale or expired:
+            self.stats.inc_value("idempotent/leases/expired", stale + expired)
+            logger.warning(
+                "scrapy_idempotent: %d leases of this worker expired before they were "
+                "renewed (the process was stopped or too busy for IDEMPOTENT_LEASE_SECONDS); "
+                "%d claimed requests are given up without being fetched, and the work of %d "
+                "in flight is not written unless the lease is still this worker's",
+                stale + expired, stale, expired)
+
+    # -- reclaims ---------------------------------------------------------------------------
+
+    def _dead_workers(self) -> list[str]:
+        """This host's dead workers (of its PID namespace) holding leases."""
+        return [h.worker for h in self.store.lease_holders()
+                if h.worker != self.writer.worker and workers.worker_is_dead(h.worker)]
+
+    def reclaim_dead_workers(self) -> int:
+        """At open, on the calling thread: put the dead workers' leases back to pending;
+        returns how many."""
+        dead = self._dead_workers()
+        reclaimed = self.store.release_leases(dead) if dead else 0
+        if reclaimed:
+            self.stats.inc_value("idempotent/requests/reclaimed", reclaimed)
+            self.claimed.maybe_claimable = True
+            logger.info("scrapy_idempotent: reclaimed %d leases of dead workers %s",
+                        reclaimed, ", ".join(dead))
+        return reclaimed
+
+    def reclaim_soon(self) -> None:
+        """Other workers hold leases: put those of dead workers and the expired ones back to
+        pending (on the writer's thread, at most once a second); the claim that follows may
+        take them."""
+        now = time.time()
+        if now < self._dead_check_at:
+            return
+        self._dead_check_at = now + 1.0
+        dead = self._dead_workers()
+
+        def reclaim(store: FrontierStore) -> tuple[int, int]:
+            return (store.release_leases(dead) if dead else 0), store.reclaim_expired()
+
+        reclaiming = self.writer.call("reclaiming leases", reclaim)
+        reclaiming.addCallbacks(lambda counts: self._leases_reclaimed(dead, *counts),
+                                lambda failure: logger.warning(
+                                    "scrapy_idempotent: could not reclaim leases: %s",
+                                    failure.value))
+
+    def _leases_reclaimed(self, dead: list[str], released: int, expired: int) -> None:
+        if released:
+            self.stats.inc_value("idempotent/requests/reclaimed", released)
+            logger.info("scrapy_idempotent: reclaimed %d leases of dead workers %s",
+                        released, ", ".join(dead))
+        if released or expired:
+            self.claimed.maybe_claimable = True
+            self.wakeup.if_asked_in_vain()
+
+    def reclaim_space(self, *, everything: bool) -> None:
+        """Give the space of deleted journal rows back to the file system (every tick when
+        there is enough of it, everything at close), so big pages do not leave the file at
+        its peak size. A failure here is logged and otherwise ignored: the space stays
+        free inside the file and is reused."""
+        if self.writer.running:
+            reclaiming = self.writer.call(
+                "giving free space back", lambda store: store.reclaim_space(everything=everything))
+            reclaiming.addCallbacks(self._space_reclaimed, lambda failure: logger.warning(
+                "scrapy_idempotent: could not give free space back: %s", failure.value))
+            return
+        try:
+            freed = self.store.reclaim_space(everything=everything)
+        except Exception as exc:
+            logger.warning("scrapy_idempotent: could not give free space back: %s", exc)
+            return
+        self._space_reclaimed(freed)
+
+    def _space_reclaimed(self, freed: int) -> None:
+        if freed:
+            self.stats.inc_value("idempotent/bytes_reclaimed", freed)
+
+    # -- the store's signal -----------------------------------------------------------------
+
+    def _work_may_be_claimable(self) -> None:
+        """The store's signal that another worker may have made requests claimable (any
+        thread): wake the engine once (a signal that comes while one is pending joins it)."""
+        if self._woken or self.health.closing:
+            return
+        self._woken = True
+        from twisted.internet import reactor
+
+        reactor.callFromThread(self._wake)
+
+    def _wake(self) -> None:
+        self._woken = False
+        if self.health.stopped:
+            return
+        self.stats.inc_value("idempotent/wakeups")
+        self.claimed.wake()
+        self.wakeup.now()

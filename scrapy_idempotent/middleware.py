@@ -24,7 +24,7 @@ from scrapy.utils.misc import load_object
 from . import scrapy_compat
 from ._dupes import DuplicateFilter
 from .config import config_for
-from .crawl import deprecated_scheduler_attribute, inflight_tracker
+from .crawl import inflight_tracker
 from .exceptions import ConfigError
 
 if TYPE_CHECKING:
@@ -40,8 +40,6 @@ __all__ = ["RecordIdMiddleware"]
 
 class RecordIdMiddleware:
     """Spider middleware: record IDs on items, and output attributed to its request."""
-
-    scheduler = deprecated_scheduler_attribute()
 
     def __init__(self, crawler: Crawler) -> None:
         self.crawler = crawler

@@ -17,7 +17,7 @@ from scrapy.exceptions import DropItem
 
 from . import scrapy_compat
 from .codec import EncodeError, dumps
-from .crawl import deprecated_scheduler_attribute, inflight_tracker
+from .crawl import inflight_tracker
 from .records import item_type_name
 from .store.base import Reject
 
@@ -40,8 +40,6 @@ class UpsertPipeline:
     JSON form, is kept in the ``rejects`` table, counted (``idempotent/records/rejected``) and
     dropped with a :class:`~scrapy.exceptions.DropItem` naming the item type and field.
     """
-
-    scheduler = deprecated_scheduler_attribute()
 
     def __init__(self, crawler: Crawler) -> None:
         self.crawler = crawler

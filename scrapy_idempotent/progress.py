@@ -25,7 +25,7 @@ from twisted.internet import task
 
 from . import scrapy_compat
 from .config import log_interval_seconds
-from .crawl import deprecated_scheduler_attribute, frontier_store
+from .crawl import frontier_store
 
 if TYPE_CHECKING:
     from scrapy import Spider
@@ -50,8 +50,6 @@ class IdempotentLogStats:
     Does nothing when the crawl's scheduler is not :class:`~.IdempotentScheduler`. Never
     raises into the crawl: a frontier that cannot be read skips one line (logged at DEBUG).
     """
-
-    scheduler = deprecated_scheduler_attribute()
 
     def __init__(self, crawler: Crawler, interval_seconds: float) -> None:
         self.crawler = crawler

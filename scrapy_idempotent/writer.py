@@ -20,7 +20,7 @@ ONE transaction: several pages may share a transaction, a page is never split ov
 "done is the last write" and the lease fence hold per page as before.
 
 Errors: a busy database (:class:`~.StoreBusy`) is tried again with back-off on the writer's
-thread (:func:`~.commits.retry_busy`); any other error, or busy past the last attempt, fails
+thread (:func:`retry_busy`); any other error, or busy past the last attempt, fails
 the batch: the ``failed`` callback gets the error (the scheduler closes the spider), waiters
 are released, and nothing more is written. At close, :meth:`WriterThread.drain` waits until
 everything submitted is written, then :meth:`WriterThread.stop` ends the thread and the store
@@ -43,11 +43,17 @@ from typing import Any, TypeVar
 from twisted.internet.defer import Deferred, succeed
 from twisted.python.failure import Failure
 
-from .commits import COMMIT_ATTEMPTS, retry_busy
-from .exceptions import StoreError
+from .exceptions import StoreBusy, StoreError
 from .store.base import CommitResult, FrontierStore, UnitOfWork
 
-__all__ = ["LINGER_SECONDS", "STALL_SECONDS", "WriterThread", "merge_work"]
+__all__ = [
+    "COMMIT_ATTEMPTS",
+    "LINGER_SECONDS",
+    "STALL_SECONDS",
+    "WriterThread",
+    "merge_work",
+    "retry_busy",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +67,32 @@ STALL_SECONDS = 0.5
 #: is then written with the completion of another page rather than in a transaction of
 #: its own.
 LINGER_SECONDS = 0.003
+
+
+#: Attempts at a write transaction before the crawl is closed (database locked by another
+#: process).
+COMMIT_ATTEMPTS = 5
+
+
+def retry_busy(what: str, action: Callable[[], _T], *, attempts: int = COMMIT_ATTEMPTS,
+               sleep: Callable[[float], object] = time.sleep) -> _T:
+    """``action()``, tried again with back-off while another process holds the database
+    locked (:class:`~.StoreBusy`), at most ``attempts`` times (back-off 0.05 s, doubling,
+    through ``sleep``); any other store error (disk full, read-only, not our schema, an I/O
+    error) is raised at once, as retrying cannot cure it. Blocks the calling thread: each
+    attempt waits up to IDEMPOTENT_BUSY_TIMEOUT_SECONDS for the lock (the writer's thread
+    while a crawl runs; the reactor's only when the store is opened and closed). ``what``:
+    the action, for the log (``"committing"``)."""
+    delay = 0.05
+    for attempt in range(1, attempts):
+        try:
+            return action()
+        except StoreBusy as exc:
+            logger.warning("scrapy_idempotent: database busy while %s (%s), "
+                           "retrying (%d/%d)", what, exc, attempt, attempts)
+            sleep(delay)
+            delay *= 2
+    return action()
 
 
 def merge_work(into: UnitOfWork, work: UnitOfWork) -> None:

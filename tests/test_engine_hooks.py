@@ -4,7 +4,6 @@ to an observer through the ``EngineObserver`` interface, and removed again."""
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,7 +12,6 @@ from scrapy.core.engine import _Slot
 from scrapy.utils.reactor import CallLaterOnce
 from scrapy.utils.test import get_crawler
 
-from scrapy_idempotent import engine_hooks, scrapy_compat
 from scrapy_idempotent.engine_hooks import EngineHooks
 
 HOOKED = [("_slot", "remove_request"), (None, "_handle_downloader_output"),
@@ -76,11 +74,3 @@ def test_install_reports_to_the_observer_and_remove_restores_the_engine() -> Non
     engine._slot.add_request(request)
     engine._slot.remove_request(request)
     assert len(observer.calls) == 1  # not reported any more
-
-
-def test_the_release_helpers_former_home_warns() -> None:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert engine_hooks.failure_name is scrapy_compat.failure_name
-    assert [w.category for w in caught] == [DeprecationWarning]
-    assert "scrapy_compat.failure_name" in str(caught[0].message)

@@ -68,7 +68,7 @@ async def test_a_lost_lease_drops_its_memory_requests_and_a_new_lease_fetches_th
         with closing(sqlite3.connect(db_path)) as conn, conn:
             conn.execute("UPDATE requests SET state = 'pending', worker = NULL,"
                          " leased_until = NULL WHERE url = ?", (site.url + "/ok/owner",))
-        scrapy_compat.engine_scheduler(crawler)._renew()
+        scrapy_compat.engine_scheduler(crawler).leases.renew()
 
     def on_sent(request: Any, spider: Any) -> None:
         events.append(f"sent {path_of(request.url)}")

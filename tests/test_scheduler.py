@@ -240,7 +240,7 @@ def test_store_failure_never_raises_into_scrapy(harness: Harness) -> None:
     assert scheduler.enqueue_request(scrapy.Request(URLS[1])) in (True, False)
     assert scheduler.has_pending_requests() is False
     assert scheduler.stats.get_value("idempotent/error")
-    scheduler._closing = True
+    scheduler.health.closing = True
     harness.open.remove(scheduler)
 
 
@@ -263,7 +263,7 @@ def test_two_workers_never_share_a_lease_and_dead_workers_are_reclaimed(
     conn.execute("UPDATE requests SET worker = ? WHERE state = 'leased'", (str(dead),))
     conn.commit()
     conn.close()
-    second._dead_check_at = 0
+    second.leases._dead_check_at = 0
     assert second.has_pending_requests()
     # they were in flight at one death of their worker: replayed at full concurrency (only
     # what was in flight at two deaths runs alone)
@@ -272,7 +272,7 @@ def test_two_workers_never_share_a_lease_and_dead_workers_are_reclaimed(
         finish(second, request)
     assert sorted(r.url for r in reclaimed) == sorted(r.url for r in held)
     assert second.stats.get_value("idempotent/requests/reclaimed") == len(URLS)
-    first._closing = True
+    first.health.closing = True
     first.store.close()
     harness.open.remove(first)
 

@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-import warnings
 
 import pytest
 
@@ -58,13 +57,3 @@ def test_a_worker_whose_process_exited_is_dead() -> None:
     worker = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                             text=True).stdout.strip()
     assert worker_state(worker) == "dead"
-
-
-def test_the_schedulers_former_names_warn() -> None:
-    from scrapy_idempotent import scheduler
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert scheduler.worker_is_dead is workers.worker_is_dead
-        assert scheduler.worker_id is workers.new_worker_id
-    assert [w.category for w in caught] == [DeprecationWarning, DeprecationWarning]

@@ -1,0 +1,170 @@
+"""The enqueue decision: whether a request enqueued by Scrapy enters the frontier, and how.
+
+:class:`Admission` is the scheduler's ``enqueue_request`` without the contract around it.
+A request the fingerprinter fails on is refused; a known request (rediscovered link, a start
+request a restarted ``start()`` yields again) is answered from one read, without encoding it
+or writing a transaction for it; a retry continues the frontier entry of the request it
+retries; a request that cannot be stored is held in memory by the tracker (see
+:mod:`.inflight`); every other one is encoded and buffered for the transaction of the request
+it came from (the tracker's unit of work).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from . import signals
+from .codec import describe
+from .exceptions import StoreBusy, UnstorableRequest
+from .store.base import NewRequest
+
+if TYPE_CHECKING:
+    from scrapy import Request
+    from scrapy.statscollectors import StatsCollector
+
+    from ._dupes import DuplicateFilter
+    from .codec import RequestCodec
+    from .commits import CommitOutcomes
+    from .inflight import InflightRequest, InflightTracker, RequestOrigin
+    from .keys import RequestFingerprints, RequestKeys
+    from .store.base import FrontierStore
+
+__all__ = ["Admission"]
+
+logger = logging.getLogger(__name__)
+
+
+def _retry_times(request: Request) -> int:
+    """How many times ``request`` is a retry (RetryMiddleware's ``retry_times`` meta key)."""
+    value = request.meta.get("retry_times", 0)
+    return value if isinstance(value, int) else 0
+
+
+class Admission:
+    """The enqueue decision of one worker (see the module docstring). ``codec`` is set when
+    the spider opens."""
+
+    def __init__(self, store: FrontierStore, *, tracker: InflightTracker,
+                 fingerprints: RequestFingerprints, keys: RequestKeys, dupes: DuplicateFilter,
+                 outcomes: CommitOutcomes, stats: StatsCollector) -> None:
+        self.store = store
+        self.tracker = tracker
+        self.fingerprints = fingerprints
+        self.keys = keys
+        self.dupes = dupes
+        self.outcomes = outcomes
+        self.stats = stats
+        self.codec: RequestCodec | None = None
+
+    def enqueue(self, request: Request) -> bool:
+        """Whether ``request`` is accepted (False: a duplicate, or unidentifiable)."""
+        assert self.codec is not None
+        self.stats.inc_value("idempotent/requests/enqueued")
+        origin = self.tracker.origin_of(request)
+        fingerprint = self.fingerprints(request)
+        if fingerprint is None:
+            self.tracker.refuse_unidentified(request, origin)
+            return False
+        filtered = self.dupes.enabled and not request.dont_filter
+        retry_of = self._retry_of(request, origin, fingerprint)
+        if filtered and retry_of is None and self._known_duplicate(request, fingerprint):
+            return False
+        key: str | None = None
+        if origin.parent is None and not origin.from_downloader and not filtered:
+            # A start request replayed by a restarted start() (Scrapy runs it from the top
+            # on every crawl): when its key is known, one read decides, without encoding it
+            # or writing a transaction for it (a resume over a long start list that is
+            # mostly done starts downloading at once). The commit would count it the same.
+            key = self._key(fingerprint, filtered, origin)
+            known = self._known(fingerprint, key)
+            if known is not None:
+                self.stats.inc_value(f"idempotent/requests/{known}")
+                if known == signals.ALREADY_DONE:
+                    self.outcomes.already_done(request, key, fingerprint)
+                return True
+        try:
+            if retry_of is not None and retry_of.memory:
+                raise UnstorableRequest(describe(request), "request",
+                                        "a retry of a request fetched from memory")
+            data = self.codec.encode(request)
+        except UnstorableRequest as exc:
+            return self.tracker.hold_in_memory(
+                request, exc,
+                key=key if key is not None else self._key(fingerprint, False, origin),
+                fingerprint=fingerprint, origin=origin, filtered=filtered,
+                continues=origin.from_downloader or retry_of is not None)
+        if retry_of is not None:
+            retry_of.continuation = (data, request.priority)
+            self.stats.inc_value("idempotent/requests/retried")
+            return True
+        self._buffer(request, data, fingerprint, filtered, origin, key)
+        return True
+
+    @staticmethod
+    def _retry_of(request: Request, origin: RequestOrigin,
+                  fingerprint: str) -> InflightRequest | None:
+        """The in-flight request ``request`` retries (it continues the same frontier entry),
+        or None: from the downloader (RetryMiddleware, a redirect to the same request) or
+        ``get_retry_request()`` yielded by the callback (one more ``retry_times`` than its
+        request). Other requests, even dont_filter ones to the page's own URL, are new
+        entries."""
+        parent = origin.parent
+        if parent is None or fingerprint != parent.fingerprint:
+            return None
+        if origin.from_downloader or (
+                request.dont_filter and parent.continuation is None
+                and _retry_times(request) == _retry_times(parent.request) + 1):
+            return parent
+        return None
+
+    def _known_duplicate(self, request: Request, fingerprint: str) -> bool:
+        """Most enqueued requests are rediscovered links: known ones (in the frontier, or
+        buffered for the next transaction) are refused like Scrapy's dupefilter does,
+        without being encoded or written."""
+        known = "duplicate" if self.tracker.is_buffered(fingerprint) \
+            else self._known(fingerprint)
+        if known is None:
+            return False
+        self.stats.inc_value(f"idempotent/requests/{known}")
+        self.dupes.filtered(request)
+        if known == signals.ALREADY_DONE:
+            self.outcomes.already_done(request, fingerprint, fingerprint)
+        return True
+
+    def _known(self, fingerprint: str, key: str | None = None) -> str | None:
+        """The store's :meth:`~.FrontierStore.known_request`, or None (unknown) while the
+        store cannot be read at once (a lost connection being re-established on another
+        thread): the request is then buffered, and the commit decides (a duplicate is
+        counted there and not added twice)."""
+        try:
+            return self.store.known_request(fingerprint, key=key)
+        except StoreBusy as exc:
+            self.stats.inc_value("idempotent/requests/unchecked")
+            logger.debug("scrapy_idempotent: duplicate check left to the commit (%s)", exc)
+            return None
+
+    def _key(self, fingerprint: str, filtered: bool, origin: RequestOrigin) -> str:
+        parent = origin.parent
+        return self.keys.key(
+            fingerprint, filtered=filtered,
+            parent_key=parent.key if parent is not None else None,
+            parent_counts=parent.dont_filter_counts if parent is not None else None,
+            is_start=origin.is_start)
+
+    def _buffer(self, request: Request, data: str, fingerprint: str, filtered: bool,
+                origin: RequestOrigin, key: str | None) -> None:
+        """Queue the encoded ``request`` for the transaction of the request it came from."""
+        is_start, fifo = self.tracker.order.place(request)
+        parent = origin.parent
+        self.tracker.buffer_request(NewRequest(
+            key=key if key is not None else self._key(fingerprint, filtered, origin),
+            fingerprint=fingerprint,
+            url=request.url,
+            priority=request.priority,
+            data=data,
+            parent_key=parent.key if parent is not None else None,
+            is_start=is_start,
+            fifo=fifo,
+            filter_fingerprint=filtered,
+        ), parent)
