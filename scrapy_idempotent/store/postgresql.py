@@ -66,7 +66,6 @@ from .base import (
     FrontierStatus,
     FrontierStore,
     IntegrityReport,
-    LeasedRequest,
     LeaseHolder,
     NewRequest,
     OutboxEntry,
@@ -92,6 +91,19 @@ from .base import (
     url_glob_matches,
 )
 from .registry import redacted
+from .rules import (
+    CLAIMED_COLUMNS,
+    QUEUE_ORDER,
+    Enqueue,
+    anomaly_checks,
+    enqueue_decision,
+    isolate_after,
+    known_request_answer,
+    quarantine_message,
+    split_claim,
+    starts_new_run,
+    window_start,
+)
 
 if TYPE_CHECKING:
     import psycopg
@@ -276,10 +288,6 @@ _TABLES[4] = _TABLES[3]
 _TABLES[5] = _TABLES[4]
 assert set(_TABLES) == set(range(1, SCHEMA_VERSION + 1))
 
-#: The claim order (see the SQLite store): written exactly as in the ``requests_pending``
-#: index, so the claim reads the head of the index.
-_QUEUE_ORDER = "priority DESC, is_start, (CASE WHEN fifo THEN id ELSE -id END)"
-_TERMINAL = tuple(s.value for s in RequestState if s.terminal)
 _COUNTERS = ("leased", "done", "failed", "redirected", "records_inserted", "records_updated",
              "records_unchanged")
 #: The columns :meth:`PostgreSQLStore.load` copies, per table (as the SQLite store names them).
@@ -469,7 +477,7 @@ class PostgreSQLStore(FrontierStore):
         self.schema = self.requested_schema or schema_for(None)
         self.lease_seconds = lease_seconds
         self.max_attempts = max_attempts
-        self.isolate_after = max(1, min(2, max_attempts - 1))
+        self.isolate_after = isolate_after(max_attempts)
         self._fixed_clock = clock
         self._offset = 0.0  #: the database server's clock minus this host's, in seconds
         self.synchronous = synchronous
@@ -989,9 +997,7 @@ class PostgreSQLStore(FrontierStore):
             self._lock_schema(cur)  # two workers starting at once start one run
             last = cur.execute(
                 "SELECT run_id, finished_at FROM runs ORDER BY run_id DESC LIMIT 1").fetchone()
-            mode = RunMode(run_mode)
-            new = last is None or mode is RunMode.FRESH or (
-                mode is RunMode.AUTO and last[1] is not None)
+            new = starts_new_run(run_mode, None if last is None else last[1] is not None)
             if new or last is None:
                 cur.execute("UPDATE runs SET finished_at = %s, reason = 'superseded'"
                             " WHERE finished_at IS NULL", (now,))
@@ -1001,7 +1007,8 @@ class PostgreSQLStore(FrontierStore):
                 else:
                     cur.execute(
                         "DELETE FROM requests WHERE state NOT IN ('done', 'failed',"
-                        " 'redirected') OR finished_at < %s", (self._window_start(now),))
+                        " 'redirected') OR finished_at < %s",
+                        (window_start(self.recrawl_seconds, now),))
                     cur.execute("TRUNCATE responses")
                 (run_id,) = cur.execute("INSERT INTO runs (started_at) VALUES (%s)"
                                         " RETURNING run_id", (now,)).fetchone() or (0,)
@@ -1259,7 +1266,7 @@ class PostgreSQLStore(FrontierStore):
         """The requests to insert (in the order given) and the finished entries due again
         (entry id -> the request that brings it back); counts duplicates and the already
         done. A request seen earlier in ``requests`` counts as known."""
-        window_start = self._window_start(now)
+        window = window_start(self.recrawl_seconds, now)
         new: list[NewRequest] = []
         due: dict[int, NewRequest] = {}
         for req in requests:
@@ -1272,9 +1279,11 @@ class PostgreSQLStore(FrontierStore):
                 by_key[req.key] = placeholder
                 if req.key != req.fingerprint:
                     by_fingerprint.setdefault(req.fingerprint, placeholder)
-            elif known[1] not in _TERMINAL:
+                continue
+            decision = enqueue_decision(known[1], known[2], window)
+            if decision is Enqueue.DUPLICATE:
                 result.requests_duplicate += 1
-            elif window_start is not None and known[2] < window_start:
+            elif decision is Enqueue.DUE_AGAIN:
                 due[known[0]] = req
                 by_key[req.key] = (known[0], "pending", None)
                 result.requests_due_again += 1
@@ -1537,38 +1546,25 @@ class PostgreSQLStore(FrontierStore):
             + ", last_commit = %s WHERE session_id = %s",
             (*deltas, number, self.session_id))
 
-    def _window_start(self, now: float) -> float | None:
-        if self.recrawl_seconds is None:
-            return None
-        return (now // self.recrawl_seconds) * self.recrawl_seconds
-
     def _claim(self, cur: psycopg.Cursor[Any], worker: str, count: int, now: float,
                result: CommitResult) -> None:
         until = now + self.lease_seconds
         rows = cur.execute(
             "WITH head AS (SELECT id FROM requests WHERE state = 'pending'"
-            f" ORDER BY {_QUEUE_ORDER} LIMIT %s FOR UPDATE SKIP LOCKED)"
+            f" ORDER BY {QUEUE_ORDER} LIMIT %s FOR UPDATE SKIP LOCKED)"
             " UPDATE requests r SET state = 'leased', worker = %s, leased_until = %s"
-            " FROM head WHERE r.id = head.id"
-            " RETURNING r.id, r.key, r.fingerprint, r.data, r.priority, r.is_start,"
-            " r.attempts, r.unfinished, r.url, r.replays, r.fifo",
+            " FROM head WHERE r.id = head.id RETURNING "
+            + ", ".join(f"r.{column}" for column in CLAIMED_COLUMNS),
             (count, worker, until)).fetchall()
-        rows.sort(key=lambda r: (-r[4], r[5], r[0] if r[10] else -r[0]))
-        over = [r for r in rows if r[7] >= self.max_attempts]
+        leased, over = split_claim(rows, self.max_attempts, until)
         if over:
             cur.executemany(
                 "UPDATE requests SET state = 'failed', worker = NULL, leased_until = NULL,"
                 " unfinished = 0, finished_at = %s, error_kind = 'quarantined',"
                 " error_message = %s WHERE key = %s",
-                [(now, f"started {r[7]} times without finishing; it may kill the crawl "
-                       "(IDEMPOTENT_MAX_ATTEMPTS)", r[1]) for r in over])
-            result.quarantined.extend(r[8] for r in over)
-        result.leased.extend(
-            LeasedRequest(key=r[1], fingerprint=r[2], data=r[3], priority=r[4],
-                          attempts=r[6] + 1, suspect=r[7] >= self.isolate_after,
-                          downloads=r[6] - r[9], leased_until=until, is_start=bool(r[5]),
-                          rank=r[0] if r[10] else -r[0])
-            for r in rows if r[7] < self.max_attempts)
+                [(now, quarantine_message(r.unfinished), r.key) for r in over])
+            result.quarantined.extend(r.url for r in over)
+        result.leased.extend(leased)
 
     # -- the response journal ---------------------------------------------------------------
 
@@ -1586,12 +1582,8 @@ class PostgreSQLStore(FrontierStore):
                 "  AND key <> fingerprint LIMIT 1) LIMIT 1", (fingerprint, fingerprint))
         if row is None:
             return None
-        if row[0] not in _TERMINAL:
-            return "duplicate"
-        window_start = self._window_start(self.clock())
-        if window_start is not None and row[1] < window_start:
-            return None
-        return "already_done"
+        return known_request_answer(row[0], row[1],
+                                    window_start(self.recrawl_seconds, self.clock()))
 
     # -- leases -----------------------------------------------------------------------------
 
@@ -2174,25 +2166,4 @@ class PostgreSQLStore(FrontierStore):
         return IntegrityReport(method="tables and index validity", problems=tuple(problems))
 
     def anomalies(self) -> dict[str, int]:
-        terminal = ", ".join(f"'{state}'" for state in _TERMINAL)
-        known = ", ".join(f"'{state.value}'" for state in RequestState)
-        checks = {
-            "unknown_state": f"SELECT count(*) FROM requests WHERE state NOT IN ({known})",
-            "leased_without_owner": "SELECT count(*) FROM requests WHERE state = 'leased'"
-                                    " AND (worker IS NULL OR leased_until IS NULL)",
-            "owner_without_lease": "SELECT count(*) FROM requests WHERE state <> 'leased'"
-                                   " AND (worker IS NOT NULL OR leased_until IS NOT NULL)",
-            "finished_without_time": "SELECT count(*) FROM requests"
-                                     f" WHERE state IN ({terminal}) AND finished_at IS NULL",
-            "unfinished_with_time": "SELECT count(*) FROM requests WHERE state IN"
-                                    " ('pending', 'leased') AND finished_at IS NOT NULL",
-            "failed_without_kind": "SELECT count(*) FROM requests WHERE state = 'failed'"
-                                   " AND coalesce(error_kind, '') = ''",
-            "finished_never_leased": "SELECT count(*) FROM requests"
-                                     f" WHERE state IN ({terminal}) AND attempts < 1",
-            "orphan_journal": "SELECT count(*) FROM responses WHERE key NOT IN"
-                              " (SELECT key FROM requests WHERE state IN ('pending', 'leased'))",
-            "record_times": "SELECT count(*) FROM records WHERE last_changed < first_seen"
-                            " OR changed_run_id < first_run_id",
-        }
-        return {name: int(self._one(sql)[0]) for name, sql in checks.items()}
+        return {name: int(self._one(sql)[0]) for name, sql in anomaly_checks().items()}

@@ -27,7 +27,6 @@ from .base import (
     FrontierStatus,
     FrontierStore,
     IntegrityReport,
-    LeasedRequest,
     LeaseHolder,
     NewRequest,
     OutboxEntry,
@@ -51,6 +50,19 @@ from .base import (
     UnitOfWork,
     change_key,
     url_glob_matches,
+)
+from .rules import (
+    CLAIMED_COLUMNS,
+    QUEUE_ORDER,
+    Enqueue,
+    anomaly_checks,
+    enqueue_decision,
+    isolate_after,
+    known_request_answer,
+    quarantine_message,
+    split_claim,
+    starts_new_run,
+    window_start,
 )
 
 __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
@@ -168,7 +180,7 @@ _MIGRATIONS: list[list[str]] = [
     [
         # Scrapy's queue order: a request is taken first-in-first-out (start requests by
         # default) or last-in-first-out (other requests by default) within its priority and
-        # queue; the pending index follows that order (_QUEUE_ORDER).
+        # queue; the pending index follows that order (rules.QUEUE_ORDER).
         """ALTER TABLE requests ADD COLUMN fifo INTEGER NOT NULL DEFAULT 0""",
         """DROP INDEX requests_pending""",
         """CREATE INDEX requests_pending ON requests
@@ -223,11 +235,6 @@ _MIGRATIONS: list[list[str]] = [
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
-#: The claim order, as in Scrapy's default scheduler (scrapy/pqueues.py,
-#: ScrapyPriorityQueue.pop): highest priority first; at equal priority other requests
-#: before start requests; within a queue by insertion, first-in-first-out for ``fifo``
-#: rows, else last-in-first-out. Written exactly as in the ``requests_pending`` index.
-_QUEUE_ORDER = "priority DESC, is_start, (CASE WHEN fifo THEN id ELSE -id END)"
 #: ``PRAGMA application_id`` of the package's databases ("SIDP"): a file with another one is
 #: not ours, whatever its tables.
 APPLICATION_ID = 0x53494450
@@ -258,7 +265,6 @@ _CONVERSION_DEFERRED: set[str] = set()
 #: transactions, such as journaled responses of big pages, and would otherwise keep its peak).
 WAL_SIZE_LIMIT_BYTES = 16 * 1024 * 1024
 
-_TERMINAL = tuple(s.value for s in RequestState if s.terminal)
 _BY_KEY = "SELECT id, state, finished_at FROM requests WHERE key = ?"
 _BY_OTHER_KEY = ("SELECT id, state, finished_at FROM requests"
                  " WHERE fingerprint = ? AND key != fingerprint LIMIT 1")
@@ -310,10 +316,7 @@ class SQLiteStore(FrontierStore):
         self.recrawl_seconds = recrawl_seconds
         self.lease_seconds = lease_seconds
         self.max_attempts = max_attempts
-        #: A request in flight at this many deaths runs alone (see :class:`LeasedRequest`):
-        #: two, so that the first replay after a kill runs at full concurrency, and one less
-        #: than ``max_attempts`` so that its neighbours are cleared before it is quarantined.
-        self.isolate_after = max(1, min(2, max_attempts - 1))
+        self.isolate_after = isolate_after(max_attempts)
         self.clock = clock
         self.synchronous = synchronous
         self.busy_timeout_seconds = busy_timeout_seconds
@@ -674,11 +677,7 @@ class SQLiteStore(FrontierStore):
             last = cur.execute(
                 "SELECT run_id, finished_at FROM runs ORDER BY run_id DESC LIMIT 1"
             ).fetchone()
-            new = (
-                last is None
-                or RunMode(run_mode) is RunMode.FRESH
-                or (RunMode(run_mode) is RunMode.AUTO and last[1] is not None)
-            )
+            new = starts_new_run(run_mode, None if last is None else last[1] is not None)
             if new:
                 # an earlier run left unfinished (IDEMPOTENT_RUN_MODE = fresh) ends here
                 cur.execute(
@@ -692,7 +691,7 @@ class SQLiteStore(FrontierStore):
                     cur.execute(
                         "DELETE FROM requests WHERE state NOT IN"
                         " ('done', 'failed', 'redirected') OR finished_at < ?",
-                        (self._window_start(now),),
+                        (window_start(self.recrawl_seconds, now),),
                     )
                 cur.execute("DELETE FROM responses")
                 run_id = cur.execute(
@@ -817,7 +816,7 @@ class SQLiteStore(FrontierStore):
 
     def _insert_requests(self, cur: sqlite3.Cursor, requests: list[NewRequest], now: float,
                          run_id: int, result: CommitResult) -> None:
-        window_start = self._window_start(now)
+        window = window_start(self.recrawl_seconds, now)
         for req in requests:
             known = self._find(cur, req.key, req.fingerprint, req.filter_fingerprint)
             if known is None:
@@ -829,10 +828,11 @@ class SQLiteStore(FrontierStore):
                      int(req.fifo), req.data, req.parent_key, now, run_id),
                 )
                 result.requests_added += 1
-            elif known[1] not in _TERMINAL:
+                continue
+            decision = enqueue_decision(known[1], known[2], window)
+            if decision is Enqueue.DUPLICATE:
                 result.requests_duplicate += 1
-            elif window_start is not None and known[2] < window_start:
-                # done in an earlier recrawl window: due again
+            elif decision is Enqueue.DUE_AGAIN:
                 cur.execute(
                     "UPDATE requests SET state = 'pending', data = ?, priority = ?,"
                     " is_start = ?, fifo = ?, attempts = 0, finished_at = NULL,"
@@ -1002,42 +1002,26 @@ class SQLiteStore(FrontierStore):
                 (*deltas, run_id),
             )
 
-    def _window_start(self, now: float) -> float | None:
-        """Start of the recrawl window ``now`` falls in (unix seconds), or None."""
-        if self.recrawl_seconds is None:
-            return None
-        return (now // self.recrawl_seconds) * self.recrawl_seconds
-
     def _claim(self, cur: sqlite3.Cursor, worker: str, count: int, now: float,
                result: CommitResult) -> None:
+        until = now + self.lease_seconds
         rows = cur.execute(
             "UPDATE requests SET state = 'leased', worker = ?, leased_until = ?"
             " WHERE id IN (SELECT id FROM requests INDEXED BY requests_pending"
             "  WHERE state = 'pending'"
-            f"  ORDER BY {_QUEUE_ORDER} LIMIT ?)"
-            " RETURNING id, key, fingerprint, data, priority, is_start, attempts, unfinished,"
-            " url, replays, fifo",
-            (worker, now + self.lease_seconds, count),
+            f"  ORDER BY {QUEUE_ORDER} LIMIT ?) RETURNING {', '.join(CLAIMED_COLUMNS)}",
+            (worker, until, count),
         ).fetchall()
-        # RETURNING gives no order: restore the claim order (_QUEUE_ORDER).
-        rows.sort(key=lambda r: (-r[4], r[5], r[0] if r[10] else -r[0]))
-        over = [r for r in rows if r[7] >= self.max_attempts]
+        leased, over = split_claim(rows, self.max_attempts, until)
         if over:
             cur.executemany(
                 "UPDATE requests SET state = 'failed', worker = NULL, leased_until = NULL,"
                 " unfinished = 0, finished_at = ?, error_kind = 'quarantined',"
                 " error_message = ? WHERE key = ?",
-                [(now, f"started {r[7]} times without finishing; it may kill the crawl "
-                       "(IDEMPOTENT_MAX_ATTEMPTS)", r[1]) for r in over],
+                [(now, quarantine_message(r.unfinished), r.key) for r in over],
             )
-            result.quarantined.extend(r[8] for r in over)
-        result.leased.extend(
-            LeasedRequest(key=r[1], fingerprint=r[2], data=r[3], priority=r[4],
-                          attempts=r[6] + 1, suspect=r[7] >= self.isolate_after,
-                          downloads=r[6] - r[9], leased_until=now + self.lease_seconds,
-                          is_start=bool(r[5]), rank=r[0] if r[10] else -r[0])
-            for r in rows if r[7] < self.max_attempts
-        )
+            result.quarantined.extend(r.url for r in over)
+        result.leased.extend(leased)
 
     # -- the outbox --------------------------------------------------------------------------
 
@@ -1143,12 +1127,8 @@ class SQLiteStore(FrontierStore):
             row = self._find(self.reader, fingerprint, fingerprint, True)
         if row is None:
             return None
-        if row[1] not in _TERMINAL:
-            return "duplicate"
-        window_start = self._window_start(self.clock())
-        if window_start is not None and row[2] < window_start:
-            return None  # due again: the commit does it
-        return "already_done"
+        return known_request_answer(row[1], row[2],
+                                    window_start(self.recrawl_seconds, self.clock()))
 
     # -- leases -----------------------------------------------------------------------------
 
@@ -1516,28 +1496,8 @@ class SQLiteStore(FrontierStore):
                                problems=() if found == ["ok"] else tuple(found))
 
     def anomalies(self) -> dict[str, int]:
-        terminal = ", ".join(f"'{state}'" for state in _TERMINAL)
-        known = ", ".join(f"'{state.value}'" for state in RequestState)
-        checks = {
-            "unknown_state": f"SELECT count(*) FROM requests WHERE state NOT IN ({known})",
-            "leased_without_owner": "SELECT count(*) FROM requests WHERE state = 'leased'"
-                                    " AND (worker IS NULL OR leased_until IS NULL)",
-            "owner_without_lease": "SELECT count(*) FROM requests WHERE state != 'leased'"
-                                   " AND (worker IS NOT NULL OR leased_until IS NOT NULL)",
-            "finished_without_time": "SELECT count(*) FROM requests"
-                                     f" WHERE state IN ({terminal}) AND finished_at IS NULL",
-            "unfinished_with_time": "SELECT count(*) FROM requests WHERE state IN"
-                                    " ('pending', 'leased') AND finished_at IS NOT NULL",
-            "failed_without_kind": "SELECT count(*) FROM requests WHERE state = 'failed'"
-                                   " AND coalesce(error_kind, '') = ''",
-            "finished_never_leased": "SELECT count(*) FROM requests"
-                                     f" WHERE state IN ({terminal}) AND attempts < 1",
-            "orphan_journal": "SELECT count(*) FROM responses WHERE key NOT IN"
-                              " (SELECT key FROM requests WHERE state IN ('pending', 'leased'))",
-            "record_times": "SELECT count(*) FROM records WHERE last_changed < first_seen"
-                            " OR changed_run_id < first_run_id",
-        }
-        return {name: self.conn.execute(sql).fetchone()[0] for name, sql in checks.items()}
+        return {name: self.conn.execute(sql).fetchone()[0]
+                for name, sql in anomaly_checks().items()}
 
     def _failed_filter(self, kinds: list[str] | None, url_glob: str | None,
                        url_regex: str | None) -> tuple[str, list[Any]]:

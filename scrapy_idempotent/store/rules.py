@@ -1,0 +1,256 @@
+"""The store's rules, written once for every backend: plain functions of plain values.
+
+What a backend decides is the same whatever database holds the rows: which new run a session
+starts, when a finished request is due again (the recrawl window), how a claim is split into
+leases and quarantined requests, how a record write is decided (insert, update, unchanged,
+stale), and which states of the rows are anomalies. A backend reads the rows, asks these
+functions, and writes what they decided; nothing here touches a database.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from .base import LeasedRequest, RequestState, RunMode
+
+__all__ = [
+    "CLAIMED_COLUMNS",
+    "QUEUE_ORDER",
+    "TERMINAL",
+    "ClaimedRow",
+    "Enqueue",
+    "RecordWrite",
+    "StoredState",
+    "after_write",
+    "anomaly_checks",
+    "claim_order",
+    "enqueue_decision",
+    "isolate_after",
+    "known_request_answer",
+    "quarantine_message",
+    "record_write",
+    "split_claim",
+    "starts_new_run",
+    "window_start",
+]
+
+#: The states a request ends in (``done``, ``failed``, ``redirected``).
+TERMINAL = tuple(s.value for s in RequestState if s.terminal)
+
+#: The claim order, as in Scrapy's default scheduler (scrapy/pqueues.py,
+#: ScrapyPriorityQueue.pop): highest priority first; at equal priority other requests
+#: before start requests; within a queue by insertion, first-in-first-out for ``fifo``
+#: rows, else last-in-first-out. Every backend writes its ``requests_pending`` index exactly
+#: so, so that a claim reads the head of the index.
+QUEUE_ORDER = "priority DESC, is_start, (CASE WHEN fifo THEN id ELSE -id END)"
+
+
+# -- runs and the recrawl window ----------------------------------------------------------
+
+
+def starts_new_run(run_mode: RunMode | str, last_finished: bool | None) -> bool:
+    """Whether a session joining with ``run_mode`` starts a new run: always when there is no
+    run yet (``last_finished`` None), for ``fresh``, and for ``auto`` when the last run is
+    finished; ``resume`` continues the last run, finished or not."""
+    mode = RunMode(run_mode)
+    return last_finished is None or mode is RunMode.FRESH or (
+        mode is RunMode.AUTO and last_finished)
+
+
+def window_start(recrawl_seconds: float | None, now: float) -> float | None:
+    """The start of the recrawl window ``now`` falls in (``floor(now / W) * W``, unix
+    seconds), or None without a recrawl window: a request finished before it is due again
+    when it is enqueued again."""
+    if recrawl_seconds is None:
+        return None
+    return (now // recrawl_seconds) * recrawl_seconds
+
+
+class Enqueue(str, enum.Enum):
+    """What enqueueing a request whose key (or fingerprint) is known comes to."""
+
+    DUPLICATE = "duplicate"  #: pending or leased
+    ALREADY_DONE = "already_done"  #: finished in the current recrawl window (or without one)
+    DUE_AGAIN = "due_again"  #: finished in an earlier recrawl window: pending again
+
+
+def enqueue_decision(state: str, finished_at: float | None,
+                     window: float | None) -> Enqueue:
+    """The fate of a request enqueued again whose known entry is in ``state``, finished at
+    ``finished_at``; ``window`` is :func:`window_start` of now."""
+    if state not in TERMINAL:
+        return Enqueue.DUPLICATE
+    if window is not None and finished_at is not None and finished_at < window:
+        return Enqueue.DUE_AGAIN
+    return Enqueue.ALREADY_DONE
+
+
+def known_request_answer(state: str, finished_at: float | None,
+                         window: float | None) -> str | None:
+    """:meth:`.FrontierStore.known_request`'s answer for a known entry: ``duplicate``,
+    ``already_done``, or None when it is due again (the commit puts it back)."""
+    decision = enqueue_decision(state, finished_at, window)
+    return None if decision is Enqueue.DUE_AGAIN else decision.value
+
+
+# -- claims -------------------------------------------------------------------------------
+
+
+class ClaimedRow(NamedTuple):
+    """A frontier row a claim took, as the claim statement returns it (in this order)."""
+
+    id: int
+    key: str
+    fingerprint: str
+    data: str
+    priority: int
+    is_start: Any  #: a boolean (SQLite gives 0 or 1)
+    attempts: int
+    unfinished: int
+    url: str
+    replays: int
+    fifo: Any  #: a boolean (SQLite gives 0 or 1)
+
+
+#: The columns a claim returns, in :class:`ClaimedRow`'s order.
+CLAIMED_COLUMNS = ("id", "key", "fingerprint", "data", "priority", "is_start", "attempts",
+                   "unfinished", "url", "replays", "fifo")
+
+
+def claim_order(row: ClaimedRow) -> tuple[int, bool, int]:
+    """The sort key of :data:`QUEUE_ORDER` (a claim's ``RETURNING`` gives no order)."""
+    return -row.priority, bool(row.is_start), row.id if row.fifo else -row.id
+
+
+def isolate_after(max_attempts: int) -> int:
+    """A request in flight at this many deaths runs alone (see :class:`.LeasedRequest`):
+    two, so that the first replay after a kill runs at full concurrency, and one less than
+    ``max_attempts`` so that its neighbours are cleared before it is quarantined."""
+    return max(1, min(2, max_attempts - 1))
+
+
+def quarantine_message(unfinished: int) -> str:
+    """The error message of a request failed as ``quarantined``."""
+    return (f"started {unfinished} times without finishing; it may kill the crawl "
+            "(IDEMPOTENT_MAX_ATTEMPTS)")
+
+
+def split_claim(rows: Sequence[Sequence[Any]], max_attempts: int, leased_until: float
+                ) -> tuple[list[LeasedRequest], list[ClaimedRow]]:
+    """Split the rows a claim took (:data:`CLAIMED_COLUMNS`) into the leases handed out, in
+    the claim order, and the rows to fail as ``quarantined``: those started
+    ``max_attempts`` times in a row without finishing (a page that kills the worker)."""
+    claimed = sorted((ClaimedRow(*row) for row in rows), key=claim_order)
+    suspect_at = isolate_after(max_attempts)
+    leased = [
+        LeasedRequest(key=r.key, fingerprint=r.fingerprint, data=r.data, priority=r.priority,
+                      attempts=r.attempts + 1, suspect=r.unfinished >= suspect_at,
+                      downloads=r.attempts - r.replays, leased_until=leased_until,
+                      is_start=bool(r.is_start), rank=r.id if r.fifo else -r.id)
+        for r in claimed if r.unfinished < max_attempts]
+    return leased, [r for r in claimed if r.unfinished >= max_attempts]
+
+
+# -- records ------------------------------------------------------------------------------
+
+
+class StoredState(NamedTuple):
+    """What a record write reads (and on a database of many writers, locks) of a stored
+    record before deciding."""
+
+    content_hash: str
+    seen_run_id: int
+    observed_at: float
+    version: int
+
+
+class RecordWrite(enum.Enum):
+    """How one record write is decided (:func:`record_write`)."""
+
+    INSERT = "inserted"  #: a new record ID
+    UPDATE = "updated"  #: the content changed: a new version
+    #: same content, first seen by this run: marked seen (and its observation moved on)
+    SEEN = "seen"
+    #: same content, seen by this run already, observed later: the observation moves on
+    OBSERVED = "observed"
+    UNCHANGED = "unchanged"  #: same content, nothing to write
+    #: observed before the stored data: refused, only marked seen by this run
+    STALE_SEEN = "stale_seen"
+    STALE = "stale"  #: observed before the stored data, seen by this run already: nothing
+
+    @property
+    def change(self) -> bool:
+        """A stored change (announced in the outbox, adding a version)."""
+        return self in (RecordWrite.INSERT, RecordWrite.UPDATE)
+
+    @property
+    def stale(self) -> bool:
+        return self in (RecordWrite.STALE, RecordWrite.STALE_SEEN)
+
+    @property
+    def first_sight(self) -> bool:
+        """The write marks the record seen by its run for the first time (takes its place
+        in the run's feeds)."""
+        return self in (RecordWrite.INSERT, RecordWrite.SEEN, RecordWrite.STALE_SEEN)
+
+
+def record_write(stored: StoredState | None, content_hash: str, observed: float,
+                 run_id: int) -> RecordWrite:
+    """The decision for a record with ``content_hash`` observed at ``observed`` (the store's
+    clock) written by run ``run_id``, where ``stored`` is the stored record (None: none).
+
+    Data observed before the stored data is never stored (equal times: the later commit
+    wins); a record is written only when its content changed, or, unchanged, to mark it seen
+    by a run or observed later."""
+    if stored is None:
+        return RecordWrite.INSERT
+    first_sight = stored.seen_run_id != run_id
+    if observed < stored.observed_at:
+        return RecordWrite.STALE_SEEN if first_sight else RecordWrite.STALE
+    if stored.content_hash != content_hash:
+        return RecordWrite.UPDATE
+    if first_sight:
+        return RecordWrite.SEEN
+    return RecordWrite.OBSERVED if observed > stored.observed_at else RecordWrite.UNCHANGED
+
+
+def after_write(stored: StoredState | None, decision: RecordWrite, content_hash: str,
+                observed: float, run_id: int) -> StoredState:
+    """The stored state once ``decision`` is written (a record ID twice in one unit of work
+    is decided against the first write)."""
+    if decision.stale:
+        assert stored is not None
+        return stored._replace(seen_run_id=run_id)
+    version = 1 if stored is None else stored.version + (1 if decision.change else 0)
+    return StoredState(content_hash, run_id, observed, version)
+
+
+# -- integrity ----------------------------------------------------------------------------
+
+
+def anomaly_checks() -> dict[str, str]:
+    """The anomalies :meth:`.FrontierStore.anomalies` counts: name -> a ``SELECT count(*)``
+    every backend runs as written (no parameters)."""
+    terminal = ", ".join(f"'{state}'" for state in TERMINAL)
+    known = ", ".join(f"'{state.value}'" for state in RequestState)
+    return {
+        "unknown_state": f"SELECT count(*) FROM requests WHERE state NOT IN ({known})",
+        "leased_without_owner": "SELECT count(*) FROM requests WHERE state = 'leased'"
+                                " AND (worker IS NULL OR leased_until IS NULL)",
+        "owner_without_lease": "SELECT count(*) FROM requests WHERE state <> 'leased'"
+                               " AND (worker IS NOT NULL OR leased_until IS NOT NULL)",
+        "finished_without_time": "SELECT count(*) FROM requests"
+                                 f" WHERE state IN ({terminal}) AND finished_at IS NULL",
+        "unfinished_with_time": "SELECT count(*) FROM requests WHERE state IN"
+                                " ('pending', 'leased') AND finished_at IS NOT NULL",
+        "failed_without_kind": "SELECT count(*) FROM requests WHERE state = 'failed'"
+                               " AND coalesce(error_kind, '') = ''",
+        "finished_never_leased": "SELECT count(*) FROM requests"
+                                 f" WHERE state IN ({terminal}) AND attempts < 1",
+        "orphan_journal": "SELECT count(*) FROM responses WHERE key NOT IN"
+                          " (SELECT key FROM requests WHERE state IN ('pending', 'leased'))",
+        "record_times": "SELECT count(*) FROM records WHERE last_changed < first_seen"
+                        " OR changed_run_id < first_run_id",
+    }
