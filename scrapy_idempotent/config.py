@@ -11,6 +11,7 @@ import difflib
 import json
 import logging
 import os
+import re
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,7 @@ from scrapy.utils.project import data_path
 from ._order import QueueOrder
 from .exceptions import ConfigError
 from .store.base import RunMode
-from .store.registry import sqlite_path
+from .store.registry import check_driver, sqlite_path
 
 if TYPE_CHECKING:
     from scrapy import Spider
@@ -212,9 +213,10 @@ class IdempotentConfig:
             database=_database(_get(settings, "IDEMPOTENT_DATABASE"), spider.name),
             **store_options(settings),
             **identity,
-            lease_batch=int(_number(settings, "IDEMPOTENT_LEASE_BATCH", minimum=1, integer=True)),
+            lease_batch=int(_number(settings, "IDEMPOTENT_LEASE_BATCH", minimum=1,
+                                    maximum=_MAX_BATCH, integer=True)),
             run_mode=run_mode,
-            request_classes=tuple(_names(settings, "IDEMPOTENT_REQUEST_CLASSES")),
+            request_classes=_request_classes(settings),
             log_interval_seconds=log_interval_seconds(settings),
             response_journal=_boolean(settings, "IDEMPOTENT_RESPONSE_JOURNAL"),
             **_outbox(settings),
@@ -277,15 +279,15 @@ def _outbox(settings: BaseSettings) -> dict[str, Any]:
         "outbox_targets": _outbox_targets(settings),
         "outbox_headers": _headers(settings, "IDEMPOTENT_OUTBOX_HEADERS"),
         "outbox_concurrency": int(_number(settings, "IDEMPOTENT_OUTBOX_CONCURRENCY",
-                                          minimum=1, integer=True)),
+                                          minimum=1, maximum=_MAX_BATCH, integer=True)),
         "outbox_timeout_seconds": _number(settings, "IDEMPOTENT_OUTBOX_TIMEOUT_SECONDS",
-                                          minimum=0.1),
+                                          minimum=0.1, maximum=_HOUR),
         "outbox_retry_seconds": _number(settings, "IDEMPOTENT_OUTBOX_RETRY_SECONDS",
-                                        minimum=0.0),
+                                        minimum=0.0, maximum=_DAY),
         "outbox_retry_max_seconds": _number(settings, "IDEMPOTENT_OUTBOX_RETRY_MAX_SECONDS",
-                                            minimum=0.0),
+                                            minimum=0.0, maximum=_WEEK),
         "outbox_drain_seconds": _number(settings, "IDEMPOTENT_OUTBOX_DRAIN_SECONDS",
-                                        minimum=0.0),
+                                        minimum=0.0, maximum=_DAY),
     }
 
 
@@ -314,11 +316,13 @@ def _queue(settings: BaseSettings, spider_name: str) -> QueueConfig | None:
         key=key.replace("{spider}", spider_name),
         group=group,
         idle_timeout_seconds=None if idle_timeout in (None, "") else _number(
-            settings, "IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS", minimum=0.0),
+            settings, "IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS", minimum=0.0, maximum=_YEAR),
         claim_idle_seconds=_number(settings, "IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS",
-                                   minimum=1.0),
-        prefetch=int(_number(settings, "IDEMPOTENT_QUEUE_PREFETCH", minimum=1, integer=True)),
-        poll_seconds=_number(settings, "IDEMPOTENT_QUEUE_POLL_SECONDS", minimum=0.01),
+                                   minimum=1.0, maximum=_WEEK),
+        prefetch=int(_number(settings, "IDEMPOTENT_QUEUE_PREFETCH", minimum=1,
+                             maximum=_MAX_BATCH, integer=True)),
+        poll_seconds=_number(settings, "IDEMPOTENT_QUEUE_POLL_SECONDS", minimum=0.01,
+                             maximum=60.0),
     )
 
 
@@ -354,7 +358,12 @@ def _scrapy_rules(settings: BaseSettings) -> dict[str, Any]:
 def log_interval_seconds(settings: BaseSettings) -> float:
     """``IDEMPOTENT_LOG_INTERVAL_SECONDS`` (validated): read without a spider, as the progress
     extension is built for any crawler."""
-    return _number(settings, "IDEMPOTENT_LOG_INTERVAL_SECONDS", minimum=0.0)
+    name = "IDEMPOTENT_LOG_INTERVAL_SECONDS"
+    interval = _number(settings, name, minimum=0.0, maximum=_DAY)
+    if 0 < interval < 0.1:
+        raise ConfigError(name, _get(settings, name),
+                          "0 (no progress line) or a number of seconds >= 0.1 and <= 86400")
+    return interval
 
 
 #: The fields of :class:`IdempotentConfig` that are options of the store.
@@ -377,15 +386,17 @@ def store_options(settings: BaseSettings) -> dict[str, Any]:
         raise ConfigError("IDEMPOTENT_SYNCHRONOUS", settings.get("IDEMPOTENT_SYNCHRONOUS"),
                           "'NORMAL' (survives a process kill) or 'FULL' (also power loss)")
     return {
-        "lease_seconds": _number(settings, "IDEMPOTENT_LEASE_SECONDS", minimum=1.0),
+        "lease_seconds": _number(settings, "IDEMPOTENT_LEASE_SECONDS", minimum=1.0,
+                                 maximum=_WEEK),
         "max_attempts": int(_number(settings, "IDEMPOTENT_MAX_ATTEMPTS", minimum=1,
-                                    integer=True)),
+                                    maximum=_MAX_BATCH, integer=True)),
         "synchronous": synchronous.upper(),
         "busy_timeout_seconds": _number(settings, "IDEMPOTENT_BUSY_TIMEOUT_SECONDS",
-                                        minimum=0.0),
+                                        minimum=0.0, maximum=_HOUR),
         "recrawl_seconds": (
             None if settings.get("IDEMPOTENT_RECRAWL_SECONDS") in (None, "")
-            else _number(settings, "IDEMPOTENT_RECRAWL_SECONDS", minimum=1.0)
+            else _number(settings, "IDEMPOTENT_RECRAWL_SECONDS", minimum=1.0,
+                         maximum=10 * _YEAR)
         ),
     }
 
@@ -455,16 +466,19 @@ def _quiet_task_exception() -> None:
 
 def unknown_settings(settings: BaseSettings) -> dict[str, str | None]:
     """Setting names that look like this package's but are not (``IDEMPOTENT_NATURAL_KEY``,
-    ``IDEMPOTNET_LEASE_SECONDS``), each with the nearest known name (None if none is near)."""
+    ``IDEMPOTNET_LEASE_SECONDS``, ``idempotent_lease_seconds``), each with the nearest known
+    name (None if none is near)."""
     unknown: dict[str, str | None] = {}
     for name in settings:
         if not isinstance(name, str) or name in SETTINGS:
             continue
-        prefix = name.split("_", 1)[0]
-        if not (name.startswith("IDEMPOTENT_")
+        # Scrapy's setting names are upper case: idempotent_lease_seconds is not read either
+        upper = name.upper()
+        prefix = upper.split("_", 1)[0]
+        if not (upper.startswith("IDEMPOTENT_")
                 or difflib.SequenceMatcher(None, prefix, "IDEMPOTENT").ratio() >= 0.8):
             continue
-        nearest = difflib.get_close_matches(name, SETTINGS, n=1, cutoff=0.6)
+        nearest = difflib.get_close_matches(upper, SETTINGS, n=1, cutoff=0.6)
         unknown[name] = nearest[0] if nearest else None
     return unknown
 
@@ -487,15 +501,30 @@ def _boolean(settings: BaseSettings, name: str) -> bool:
     raise ConfigError(name, raw, "a boolean: True or False (1 or 0, 'true' or 'false')")
 
 
-def _number(settings: BaseSettings, name: str, *, minimum: float, integer: bool = False) -> float:
+#: Upper bounds of the number settings: each is far above any sensible value, and keeps what
+#: the databases store (lease times, SQLite's busy timeout in milliseconds, batch sizes in one
+#: statement) finite and within range.
+_HOUR = 3600.0
+_DAY = 86400.0
+_WEEK = 7 * _DAY
+_YEAR = 365 * _DAY
+_MAX_BATCH = 10_000
+
+
+def _number(settings: BaseSettings, name: str, *, minimum: float, maximum: float,
+            integer: bool = False) -> float:
+    """The number setting ``name``, in ``[minimum, maximum]`` (so never NaN or infinite), an
+    integer with ``integer``; :class:`~.ConfigError` naming the setting and the range
+    otherwise."""
     raw = _get(settings, name)
     try:
         value = float(raw)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int past a float
         value = float("nan")
     kind = "an integer" if integer else "a number"
-    if isinstance(raw, bool) or not value >= minimum or (integer and value != int(value)):
-        raise ConfigError(name, raw, f"{kind} >= {minimum:g}")
+    if (isinstance(raw, bool) or not minimum <= value <= maximum
+            or (integer and value != int(value))):
+        raise ConfigError(name, raw, f"{kind} >= {minimum:g} and <= {maximum:g}")
     return value
 
 
@@ -513,6 +542,27 @@ def _names(settings: BaseSettings, name: str) -> list[str]:
     ):
         raise ConfigError(name, raw, "a list of non-empty strings (or a comma-separated string)")
     return list(raw)
+
+
+def _request_classes(settings: BaseSettings) -> tuple[str, ...]:
+    """``IDEMPOTENT_REQUEST_CLASSES``: import paths of ``scrapy.Request`` subclasses, each
+    imported and checked now (a typo, or a path naming something else, is refused at start
+    rather than when a request of that class is first stored)."""
+    from scrapy import Request
+    from scrapy.utils.misc import load_object
+
+    name = "IDEMPOTENT_REQUEST_CLASSES"
+    paths = _names(settings, name)
+    for path in paths:
+        try:
+            loaded = load_object(path)
+        except (ImportError, AttributeError, NameError, ValueError) as exc:
+            raise ConfigError(name, path, f"the import path of a scrapy.Request subclass "
+                                          f"({exc})") from None
+        if not (isinstance(loaded, type) and issubclass(loaded, Request)):
+            raise ConfigError(name, path, f"the import path of a scrapy.Request subclass, "
+                                          f"not {loaded!r}")
+    return tuple(paths)
 
 
 def _outbox_targets(settings: BaseSettings) -> tuple[str, ...]:
@@ -613,12 +663,22 @@ def _check_declared_fields(name: str, natural_keys: dict[str, tuple[str, ...]]) 
                               f"); not {', '.join(missing)}")
 
 
+def file_name_part(name: str) -> str:
+    """``name`` (a spider's) made safe to put into a file name: path separators and NUL
+    become ``_``, and so do leading dots (no ``..``, no hidden file). A usual spider name
+    (letters, digits, ``_-.``) is left as it is."""
+    safe = re.sub(r"[/\\\x00]", "_", name)
+    safe = re.sub(r"^\.+", lambda dots: "_" * len(dots.group()), safe)
+    return safe or "_"
+
+
 def _database(raw: Any, spider_name: str) -> str:
     """The database string of ``IDEMPOTENT_DATABASE``: a path (or ``sqlite:///PATH``) as an
     absolute path, another backend's URL as given; ``{spider}`` replaced in either."""
     if raw is None or raw == "":
         try:
-            return data_path(os.path.join("idempotent", f"{spider_name}.sqlite3"))
+            return data_path(os.path.join("idempotent",
+                                          f"{file_name_part(spider_name)}.sqlite3"))
         except NotConfigured:
             # Scrapy knows a project (SCRAPY_SETTINGS_MODULE) but finds no scrapy.cfg to put
             # its .scrapy data dir next to: the usual case of a job run by scrapyd.
@@ -631,12 +691,15 @@ def _database(raw: Any, spider_name: str) -> str:
     if not isinstance(raw, (str, os.PathLike)):
         raise ConfigError("IDEMPOTENT_DATABASE", raw,
                           "a file path (may contain {spider}) or a database URL")
-    database = os.fspath(raw)
-    if "{spider}" in database:
-        database = database.replace("{spider}", spider_name)
+    given = os.fspath(raw)
+    database = given.replace("{spider}", spider_name)
     path = sqlite_path(database)  # raises for a scheme no backend is registered for
     if path is None:
+        check_driver(database)  # a missing driver: one line naming the extra to install
         return database  # another backend's URL
+    # in a file path, the spider name is one file name: it cannot climb out of the folder
+    path = sqlite_path(given.replace("{spider}", file_name_part(spider_name)))
+    assert path is not None
     path = os.path.expanduser(path)
     if not os.path.isabs(path):
         # like Scrapy's .scrapy paths: relative to the project (where scrapy.cfg is), so a

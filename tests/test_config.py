@@ -140,9 +140,9 @@ def test_bad_value_raises_config_error_naming_setting_and_value(name, value):
 @pytest.mark.parametrize(
     ("name", "value", "allowed"),
     [
-        ("IDEMPOTENT_LEASE_SECONDS", 0, "a number >= 1"),
-        ("IDEMPOTENT_LEASE_BATCH", 1.5, "an integer >= 1"),
-        ("IDEMPOTENT_MAX_ATTEMPTS", 0, "an integer >= 1"),
+        ("IDEMPOTENT_LEASE_SECONDS", 0, "a number >= 1 and <= 604800"),
+        ("IDEMPOTENT_LEASE_BATCH", 1.5, "an integer >= 1 and <= 10000"),
+        ("IDEMPOTENT_MAX_ATTEMPTS", 0, "an integer >= 1 and <= 10000"),
         ("IDEMPOTENT_RUN_MODE", "bogus", "one of auto, resume, fresh"),
     ],
 )

@@ -31,9 +31,9 @@ async def test_the_progress_line_is_logged_every_interval(
     caplog.set_level(logging.INFO, logger="scrapy_idempotent.progress")
     settings = crawl_settings(
         db_path, IDEMPOTENT_NATURAL_KEYS={"shop.items.ProductItem": "sku"},
-        IDEMPOTENT_LOG_INTERVAL_SECONDS=0.05, CONCURRENT_REQUESTS=2,
+        IDEMPOTENT_LOG_INTERVAL_SECONDS=0.1, CONCURRENT_REQUESTS=2,
         CONCURRENT_REQUESTS_PER_DOMAIN=2)
-    with LocalSite(listing_pages=4, products_per_page=5, delay=0.02) as site:
+    with LocalSite(listing_pages=4, products_per_page=5, delay=0.05) as site:
         await run_crawl(ShopSpider, settings, url=site.url)
     lines = [r.getMessage() for r in caplog.records if r.name == "scrapy_idempotent.progress"]
     matches = [LINE.fullmatch(line) for line in lines]

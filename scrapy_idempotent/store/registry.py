@@ -27,8 +27,8 @@ from urllib.parse import unquote
 from ..exceptions import ConfigError
 from .base import FrontierStore
 
-__all__ = ["BACKENDS", "StoreFactory", "database_scheme", "open_store", "redacted",
-           "register_backend", "sqlite_path"]
+__all__ = ["BACKENDS", "DRIVERS", "StoreFactory", "check_driver", "database_scheme",
+           "open_store", "redacted", "register_backend", "sqlite_path"]
 
 #: ``factory(database, **options) -> FrontierStore``
 StoreFactory = Callable[..., FrontierStore]
@@ -39,6 +39,14 @@ BACKENDS: dict[str, StoreFactory | str] = {
     # psycopg is imported only when such a database is opened (the postgresql extra)
     "postgresql": "scrapy_idempotent.store.postgresql:PostgreSQLStore",
     "postgres": "scrapy_idempotent.store.postgresql:PostgreSQLStore",
+}
+
+#: URL scheme -> (the driver module its backend imports, the extra of this package that
+#: installs it): checked when the settings are read (:func:`check_driver`), so a missing
+#: driver is one line naming the extra, before the crawl starts.
+DRIVERS: dict[str, tuple[str, str]] = {
+    "postgresql": ("psycopg", "postgresql"),
+    "postgres": ("psycopg", "postgresql"),
 }
 
 #: ``scheme://`` at the start of a database string (RFC 3986 scheme characters).
@@ -67,6 +75,22 @@ def database_scheme(database: str) -> str | None:
                           f"a file path, or a URL of a known database ({known}); no backend "
                           f"is registered for {scheme}://")
     return scheme
+
+
+def check_driver(database: str) -> None:
+    """Raise :class:`~.ConfigError` (naming ``IDEMPOTENT_DATABASE`` and the extra to install)
+    when the database driver of ``database``'s backend cannot be imported."""
+    scheme = database_scheme(database)
+    driver = DRIVERS.get(scheme or "")
+    if driver is None:
+        return
+    module, extra = driver
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(SETTING, redacted(database),
+                          f"a {scheme}:// database needs {module}, which cannot be imported "
+                          f"({exc}): pip install 'scrapy-idempotent[{extra}]'") from None
 
 
 def sqlite_path(database: str) -> str | None:
@@ -120,9 +144,10 @@ def open_store(database: str, **options: Any) -> FrontierStore:
     (a crawl) or :meth:`~.FrontierStore.open_existing` (the commands).
 
     Raises :class:`~.ConfigError` naming ``IDEMPOTENT_DATABASE`` for a scheme no backend is
-    registered for, or a backend that cannot be loaded."""
+    registered for, or a backend (or its driver, :data:`DRIVERS`) that cannot be loaded."""
     scheme = database_scheme(database)
     path = sqlite_path(database)
+    check_driver(database)
     factory = _factory(scheme or "sqlite", database)
     return factory(path if path is not None else database, **options)
 

@@ -1,0 +1,225 @@
+"""Bad input gets one clear line before the first request: every number setting has a range,
+``IDEMPOTENT_REQUEST_CLASSES`` is imported and checked at start, a spider name cannot place the
+database outside its folder, a missing database driver names the extra that installs it, and
+setting names in lower case are warned about. What a user sees is checked through a real
+``scrapy crawl`` of the example project: one line naming the setting or the package, exit code
+1, no traceback, nothing created."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import scrapy
+from scrapy.settings import Settings
+
+from crawling import EXAMPLE_PROJECT
+from scrapy_idempotent.config import (
+    SETTINGS,
+    IdempotentConfig,
+    config_for,
+    file_name_part,
+    store_options,
+    unknown_settings,
+)
+from scrapy_idempotent.exceptions import ConfigError
+from scrapy_idempotent.store import open_store
+
+
+class XSpider(scrapy.Spider):
+    name = "x"
+
+
+def config(values: dict[str, Any], name: str = "x") -> IdempotentConfig:
+    spider: Any = type("S", (scrapy.Spider,), {"name": name})()
+    return IdempotentConfig.from_settings(Settings(values), spider)
+
+
+#: Every number setting (the queue's are read only with a queue URL).
+NUMBER_SETTINGS = sorted(
+    name for name, default in SETTINGS.items()
+    if (isinstance(default, (int, float)) and not isinstance(default, bool))
+    or name in ("IDEMPOTENT_RECRAWL_SECONDS", "IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS"))
+WITH_QUEUE = {"IDEMPOTENT_QUEUE_URL": "redis://127.0.0.1:9/0"}
+
+
+@pytest.mark.parametrize("name", NUMBER_SETTINGS)
+@pytest.mark.parametrize("value", [math.inf, 1e308, 10**20, math.nan, "inf", -math.inf])
+def test_every_number_setting_has_a_range(name: str, value: Any) -> None:
+    assert len(NUMBER_SETTINGS) == 15
+    with pytest.raises(ConfigError) as caught:
+        config({**WITH_QUEUE, name: value})
+    assert caught.value.setting == name
+    assert " and <= " in caught.value.allowed or name == "IDEMPOTENT_LOG_INTERVAL_SECONDS"
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("IDEMPOTENT_LEASE_SECONDS", 604800), ("IDEMPOTENT_LEASE_BATCH", 10000),
+    ("IDEMPOTENT_BUSY_TIMEOUT_SECONDS", 3600), ("IDEMPOTENT_MAX_ATTEMPTS", 10000),
+    ("IDEMPOTENT_LOG_INTERVAL_SECONDS", 0), ("IDEMPOTENT_LOG_INTERVAL_SECONDS", 0.1),
+    ("IDEMPOTENT_LOG_INTERVAL_SECONDS", 86400), ("IDEMPOTENT_RECRAWL_SECONDS", 86400 * 3650),
+])
+def test_the_bounds_themselves_are_accepted(name: str, value: float) -> None:
+    config({name: value})
+
+
+def test_a_log_interval_below_a_tenth_of_a_second_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"IDEMPOTENT_LOG_INTERVAL_SECONDS=1e-09 .*0 \(no "):
+        config({"IDEMPOTENT_LOG_INTERVAL_SECONDS": 1e-9})
+
+
+def test_the_commands_refuse_the_same_numbers() -> None:
+    with pytest.raises(ConfigError, match="IDEMPOTENT_BUSY_TIMEOUT_SECONDS"):
+        store_options(Settings({"IDEMPOTENT_BUSY_TIMEOUT_SECONDS": "inf"}))
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("nosuch.Req", "No module named 'nosuch'"),
+    ("os.system", "not <built-in function system>"),
+    ("scrapy.Spider", "not <class 'scrapy.spiders.Spider'>"),
+    (["scrapy.http.JsonRequest", "scrapy.Item"], "scrapy.Item"),
+])
+def test_request_classes_are_imported_and_checked_at_start(value: Any, message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        config({"IDEMPOTENT_REQUEST_CLASSES": value})
+    assert caught.value.setting == "IDEMPOTENT_REQUEST_CLASSES"
+    assert "scrapy.Request subclass" in str(caught.value) and message in str(caught.value)
+
+
+def test_request_subclasses_are_accepted() -> None:
+    classes = ("scrapy.http.JsonRequest", "scrapy.FormRequest")
+    assert config({"IDEMPOTENT_REQUEST_CLASSES": list(classes)}).request_classes == classes
+
+
+@pytest.mark.parametrize(("spider", "file"), [
+    ("../../x", "___.._x.sqlite3"), ("a/b", "a_b.sqlite3"), ("..", "__.sqlite3"),
+    (".hidden", "_hidden.sqlite3"), ("a\\b", "a_b.sqlite3"), ("shop-2.v1", "shop-2.v1.sqlite3"),
+])
+def test_a_spider_name_stays_one_file_name_in_the_database_path(
+    tmp_path: Path, spider: str, file: str
+) -> None:
+    folder = tmp_path / "data"
+    database = config({"IDEMPOTENT_DATABASE": f"{folder}/{{spider}}.sqlite3"}, spider).database
+    assert database == str(folder / file)
+    assert file_name_part(spider) + ".sqlite3" == file
+
+
+def test_a_spider_name_in_a_url_is_left_as_it_is() -> None:
+    database = "postgresql://crawler@127.0.0.1:9/shop?options=-csearch_path%3D{spider}"
+    assert config({"IDEMPOTENT_DATABASE": database}, "a-b").database == database.replace(
+        "{spider}", "a-b")
+
+
+def test_setting_names_in_lower_case_are_warned_about(caplog: pytest.LogCaptureFixture,
+                                                      ) -> None:
+    assert unknown_settings(Settings({"idempotent_lease_seconds": 5,
+                                      "Idempotent_Natural_Keys": {}, "other": 1})) == {
+        "idempotent_lease_seconds": "IDEMPOTENT_LEASE_SECONDS",
+        "Idempotent_Natural_Keys": "IDEMPOTENT_NATURAL_KEYS"}
+    from scrapy.utils.test import get_crawler
+
+    crawler = get_crawler(XSpider, {"idempotent_lease_seconds": 5})
+    with caplog.at_level(logging.WARNING, logger="scrapy_idempotent.config"):
+        config_for(crawler)
+    assert [r.getMessage() for r in caplog.records] == [
+        "Unknown setting idempotent_lease_seconds ignored: did you mean "
+        "IDEMPOTENT_LEASE_SECONDS?"]
+
+
+# -- a database driver that is not installed ------------------------------------------------
+
+
+def without_psycopg(tmp_path: Path) -> dict[str, str]:
+    """An environment in which ``import psycopg`` fails as it does when the package is not
+    installed: a module of that name that raises ModuleNotFoundError, first on the path."""
+    stub = tmp_path / "no_psycopg" / "psycopg"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'psycopg'\", name='psycopg')\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(stub.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def test_a_missing_driver_names_the_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # import psycopg: ImportError
+    for database in ("postgresql://crawler@127.0.0.1:9/shop", "postgres://127.0.0.1:9/x"):
+        with pytest.raises(ConfigError) as caught:
+            config({"IDEMPOTENT_DATABASE": database})
+        assert caught.value.setting == "IDEMPOTENT_DATABASE"
+        assert "pip install 'scrapy-idempotent[postgresql]'" in str(caught.value)
+        with pytest.raises(ConfigError, match=r"scrapy-idempotent\[postgresql\]"):
+            open_store(database)
+
+
+# -- what a user sees ------------------------------------------------------------------------
+
+
+def crawl(*settings: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "scrapy", "crawl", "shop", "-a", "url=http://127.0.0.1:9",
+               "-s", "LOG_LEVEL=INFO"]
+    for setting in settings:
+        command += ["-s", setting]
+    return subprocess.run(command, cwd=EXAMPLE_PROJECT, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def assert_one_line(result: subprocess.CompletedProcess[str], *words: str) -> str:
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    bad = [line for line in output.splitlines() if " CRITICAL: " in line or " ERROR: " in line]
+    assert len(bad) == 1, output
+    assert all(word in bad[0] for word in words), bad[0]
+    assert "Traceback" not in output and "never retrieved" not in output, output
+    assert "Spider opened" not in output, output  # stopped before the first request
+    return bad[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("setting", "allowed"), [
+    ("IDEMPOTENT_BUSY_TIMEOUT_SECONDS=inf", "a number >= 0 and <= 3600"),
+    ("IDEMPOTENT_BUSY_TIMEOUT_SECONDS=1e308", "a number >= 0 and <= 3600"),
+    ("IDEMPOTENT_LEASE_BATCH=100000000000000000000", "an integer >= 1 and <= 10000"),
+    ("IDEMPOTENT_LOG_INTERVAL_SECONDS=1e-9", "0 (no progress line) or"),
+    ("IDEMPOTENT_LEASE_SECONDS=inf", "a number >= 1 and <= 604800"),
+    ("IDEMPOTENT_REQUEST_CLASSES=nosuch.Req", "scrapy.Request subclass"),
+    ("IDEMPOTENT_REQUEST_CLASSES=os.system", "scrapy.Request subclass"),
+])
+def test_a_bad_number_or_request_class_is_one_line_naming_the_setting(
+    tmp_path: Path, setting: str, allowed: str
+) -> None:
+    db = tmp_path / "db.sqlite3"
+    result = crawl(setting, f"IDEMPOTENT_DATABASE={db}")
+    assert_one_line(result, setting.split("=", 1)[0] + "=", allowed)
+    assert not db.exists()
+
+
+@pytest.mark.slow
+def test_a_postgresql_url_without_psycopg_names_the_extra(tmp_path: Path) -> None:
+    env = without_psycopg(tmp_path)
+    result = crawl("IDEMPOTENT_DATABASE=postgresql://crawler:secret@127.0.0.1:9/shop", env=env)
+    line = assert_one_line(result, "IDEMPOTENT_DATABASE=",
+                           "pip install 'scrapy-idempotent[postgresql]'")
+    assert "secret" not in line
+    # and migrate, to such a URL
+    db = tmp_path / "crawl.sqlite3"
+    from scrapy_idempotent.store import CrawlIdentity, SQLiteStore
+
+    store = SQLiteStore(str(db))
+    store.open(fingerprinter="x", identity=CrawlIdentity(project="shop", spider="shop",
+                                                         source="shop"))
+    store.close()
+    migrate = subprocess.run(
+        [sys.executable, "-m", "scrapy", "idempotent", "migrate", "--db", str(db), "--to",
+         "postgresql://crawler@127.0.0.1:9/shop"], cwd=tmp_path, env=env,
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    output = migrate.stdout + migrate.stderr
+    assert migrate.returncode == 1, output
+    assert "Traceback" not in output, output
+    assert output.strip().splitlines() == [output.strip()], output
+    assert "pip install 'scrapy-idempotent[postgresql]'" in output
