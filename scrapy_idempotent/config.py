@@ -327,12 +327,8 @@ def _queue(settings: BaseSettings, spider_name: str) -> QueueConfig | None:
 
 
 def _queue_wait(settings: BaseSettings) -> float:
-    wait = _number(settings, "IDEMPOTENT_QUEUE_WAIT_SECONDS", minimum=0.0)
-    if wait > _SQS_LONGEST_WAIT:
-        raise ConfigError("IDEMPOTENT_QUEUE_WAIT_SECONDS", _get(
-            settings, "IDEMPOTENT_QUEUE_WAIT_SECONDS"),
-            f"a number from 0 to {_SQS_LONGEST_WAIT:g}")
-    return wait
+    return _number(settings, "IDEMPOTENT_QUEUE_WAIT_SECONDS", minimum=0.0,
+                   maximum=_SQS_LONGEST_WAIT)
 
 
 def _scrapy_rules(settings: BaseSettings) -> dict[str, Any]:
