@@ -34,9 +34,12 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_URL_IGNORE_PARAMS",
     "SETTINGS",
+    "SETTING_DEFINITIONS",
+    "SETTING_SECTIONS",
     "IdempotentConfig",
     "QueueConfig",
     "RunMode",
+    "Setting",
     "config_for",
     "log_interval_seconds",
     "store_options",
@@ -64,40 +67,302 @@ DEFAULT_URL_IGNORE_PARAMS: tuple[str, ...] = (
 )
 
 
-#: Every setting with its default; the docs test checks each one is documented in the README.
-SETTINGS: dict[str, Any] = {
-    "IDEMPOTENT_DATABASE": None,
-    "IDEMPOTENT_LEASE_SECONDS": 60.0,
-    "IDEMPOTENT_LEASE_BATCH": 8,
-    "IDEMPOTENT_RUN_MODE": RunMode.AUTO.value,
-    "IDEMPOTENT_NATURAL_KEYS": {},
-    "IDEMPOTENT_SOURCE": None,
-    "IDEMPOTENT_RECORD_ID_FIELD": "record_id",
-    "IDEMPOTENT_VOLATILE_FIELDS": [],
-    "IDEMPOTENT_URL_IGNORE_PARAMS": list(DEFAULT_URL_IGNORE_PARAMS),
-    "IDEMPOTENT_MAX_ATTEMPTS": 10,
-    "IDEMPOTENT_SYNCHRONOUS": "NORMAL",
-    "IDEMPOTENT_BUSY_TIMEOUT_SECONDS": 10.0,
-    "IDEMPOTENT_REQUEST_CLASSES": [],
-    "IDEMPOTENT_LOG_INTERVAL_SECONDS": 60.0,
-    "IDEMPOTENT_RESPONSE_JOURNAL": True,
-    "IDEMPOTENT_RECRAWL_SECONDS": None,
-    # queue input (queue_input.py)
-    "IDEMPOTENT_QUEUE_URL": None,
-    "IDEMPOTENT_QUEUE_KEY": None,
-    "IDEMPOTENT_QUEUE_GROUP": "scrapy_idempotent",
-    "IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS": None,
-    "IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS": 300.0,
-    "IDEMPOTENT_QUEUE_PREFETCH": 100,
-    "IDEMPOTENT_QUEUE_POLL_SECONDS": 0.2,
-    "IDEMPOTENT_OUTBOX_TARGETS": [],
-    "IDEMPOTENT_OUTBOX_HEADERS": {},
-    "IDEMPOTENT_OUTBOX_CONCURRENCY": 8,
-    "IDEMPOTENT_OUTBOX_TIMEOUT_SECONDS": 30.0,
-    "IDEMPOTENT_OUTBOX_RETRY_SECONDS": 1.0,
-    "IDEMPOTENT_OUTBOX_RETRY_MAX_SECONDS": 300.0,
-    "IDEMPOTENT_OUTBOX_DRAIN_SECONDS": 30.0,
-}
+@dataclass(frozen=True)
+class Setting:
+    """One setting's definition: its default and its documentation.
+
+    The docs' settings reference is generated from :data:`SETTING_DEFINITIONS` (``docs/_ext``),
+    so a setting exists exactly when it is documented. ``doc`` is reStructuredText (it may use
+    the ``:setting:`` and ``:ref:`` roles of the docs); ``example`` is a Python literal, the
+    value of a one-line example as written in ``settings.py``; ``default_text``, when given,
+    says in words what the default (shown as ``repr(default)`` otherwise) means.
+    """
+
+    name: str
+    default: Any
+    type: str
+    section: str
+    example: str
+    doc: str
+    default_text: str = ""
+
+
+#: The sections of the settings reference, in order.
+SETTING_SECTIONS: tuple[str, ...] = (
+    "Database",
+    "Record identity",
+    "Frontier, leases and runs",
+    "Queue input",
+    "Outbox",
+    "Logging",
+)
+
+#: Every setting: default, type and documentation (the one source of the settings reference).
+SETTING_DEFINITIONS: tuple[Setting, ...] = (
+    Setting(
+        "IDEMPOTENT_DATABASE", None, "str or None", "Database",
+        '"/var/lib/crawls/{spider}.sqlite3"',
+        default_text="``.scrapy/idempotent/<spider>.sqlite3`` in the project data directory",
+        doc="""
+Where the frontier and the records live: a path of a SQLite file, or a database URL.
+``{spider}`` is replaced by the spider name.
+
+A relative path is relative to the project directory (where ``scrapy.cfg`` is, found from the
+current directory upwards, as for Scrapy's ``.scrapy`` paths), so a crawl started from a
+subdirectory uses the same frontier; with no ``scrapy.cfg``, to the current directory. The
+log line at open shows the absolute path. Its directory is created; a new file is created
+readable by its owner only. One database per crawl: a file made by another spider or project
+is refused (see :ref:`identity`).
+
+A URL: ``sqlite:///PATH`` is the same SQLite file (three slashes and a relative path,
+``sqlite:///data/{spider}.sqlite3``, or four for an absolute one,
+``sqlite:////var/lib/crawls/{spider}.sqlite3``, as in SQLAlchemy's URLs);
+``postgresql://user:password@host:port/dbname`` (or ``postgres://``) is the PostgreSQL store
+(see :doc:`/postgresql`). A scheme no backend is registered for stops the crawl before the
+first request, with an error naming ``IDEMPOTENT_DATABASE`` and the known schemes. A URL's
+password is shown as ``***`` in logs and command output.""",
+    ),
+    Setting(
+        "IDEMPOTENT_SYNCHRONOUS", "NORMAL", "str", "Database", '"FULL"',
+        default_text=("``\"NORMAL\"``, or ``\"FULL\"`` when :setting:`IDEMPOTENT_OUTBOX_TARGETS` "
+                      "or :setting:`IDEMPOTENT_QUEUE_URL` is set"),
+        doc="""
+SQLite's ``synchronous`` in WAL mode. ``NORMAL`` survives the death of the process (the
+promise); ``FULL`` also survives power loss or an operating system crash, at one fsync per
+commit. With outbox targets or a queue input a commit is announced to another system right
+after it returns (a webhook, a queue acknowledgement), so it must not be lost afterwards:
+``FULL`` is the default then; set ``"NORMAL"`` explicitly to trade that for speed. On
+PostgreSQL, ``FULL`` turns a ``synchronous_commit = off`` configured for the database or role
+into ``on`` for the crawl's connections (``NORMAL`` leaves it as configured).""",
+    ),
+    Setting(
+        "IDEMPOTENT_BUSY_TIMEOUT_SECONDS", 10.0, "float, seconds", "Database", "30",
+        doc="""
+How long a statement waits for another process's write lock (or, on PostgreSQL, a lock wait
+or a restarting server) before the write is retried: five attempts in all, then the spider
+closes with reason ``idempotent_store_error``. The wait is on the writer's thread: downloads
+of requests claimed ahead go on meanwhile.""",
+    ),
+    Setting(
+        "IDEMPOTENT_NATURAL_KEYS", {}, "dict", "Record identity",
+        '{"myproject.items.ProductItem": "sku", "ReviewItem": ["sku", "author"]}',
+        doc="""
+Maps an item class (``"module.Class"``, ``"Class"``, or ``"*"`` for any type) to the field
+or list of fields that identify the item on its site. Types without an entry use the page URL
+(or, for an item of ``start()``, its content: see :ref:`record-ids`). A spider attribute
+``idempotent_natural_keys`` of the same shape overrides entries. A ``module.Class`` entry must
+import, and its key fields must be declared by the class when the class declares fields
+(``scrapy.Item``, dataclasses, attrs).""",
+    ),
+    Setting(
+        "IDEMPOTENT_SOURCE", None, "str or None", "Record identity", '"shop-eu"',
+        default_text="the spider name",
+        doc="""
+The namespace of record IDs: two spiders with the same source and natural key write the same
+record. Part of the database's identity (see :ref:`identity`).""",
+    ),
+    Setting(
+        "IDEMPOTENT_RECORD_ID_FIELD", "record_id", "str or None", "Record identity", '"id"',
+        doc="""
+The item field the record ID is stamped into, when the item type has room for it (dicts
+always; ``scrapy.Item`` and dataclasses only if they declare it). ``None`` or ``""`` leaves
+items unchanged (no field is stamped).""",
+    ),
+    Setting(
+        "IDEMPOTENT_VOLATILE_FIELDS", [], "list[str]", "Record identity",
+        '["url", "scraped_at"]',
+        doc="""
+Fields stored but left out of the content hash, so that a field that varies while the item
+does not (the URL it was found at, a scrape timestamp) does not count as a change.""",
+    ),
+    Setting(
+        "IDEMPOTENT_URL_IGNORE_PARAMS", list(DEFAULT_URL_IGNORE_PARAMS), "list[str]",
+        "Record identity", '["utm_*", "ref", "sort"]',
+        default_text="analytics and session parameters: " + ", ".join(
+            f"``{name}``" for name in DEFAULT_URL_IGNORE_PARAMS),
+        doc="""
+Query and ``;path`` parameters removed from a page URL used as a natural key, and from a
+file URL before it is named (:doc:`/files`); a trailing ``*`` matches a prefix.""",
+    ),
+    Setting(
+        "IDEMPOTENT_LEASE_SECONDS", 60.0, "float, seconds", "Frontier, leases and runs", "300",
+        doc="""
+How long a claim lasts unless renewed; at least 1. Leases are renewed every third of it while
+the worker lives. A worker stopped for longer (SIGSTOP, a suspended VM) loses its leases to
+other workers, and its late completions write nothing (see :ref:`fencing`).""",
+    ),
+    Setting(
+        "IDEMPOTENT_LEASE_BATCH", 8, "int", "Frontier, leases and runs", "16",
+        doc="""
+How many requests a worker claims ahead (per transaction, once fewer than half of them are
+left), so that ``next_request`` is answered from memory; claims ride on the completion
+transactions, so a steady crawl writes at most one transaction per page.""",
+    ),
+    Setting(
+        "IDEMPOTENT_RUN_MODE", RunMode.AUTO.value, "str", "Frontier, leases and runs",
+        '"fresh"',
+        doc="""
+``auto``: resume an unfinished run, else start a new run. ``resume``: always continue the
+last run (a finished run stays finished). ``fresh``: always start a new run (the frontier is
+emptied; records are kept). See :doc:`/runs`.""",
+    ),
+    Setting(
+        "IDEMPOTENT_RECRAWL_SECONDS", None, "float, seconds, or None",
+        "Frontier, leases and runs", "86400",
+        doc="""
+The recrawl window. ``None``: a new run starts from an empty frontier (every page is fetched
+again, once). A number W: a new run keeps the frontier, and a request done in an earlier
+window than the current one (windows are ``floor(unix time / W)``) is due again when it is
+discovered again; within the window it is not fetched again. The decision is one state change
+in the database, so workers whose clocks differ near a window boundary still fetch a page
+once.""",
+    ),
+    Setting(
+        "IDEMPOTENT_RESPONSE_JOURNAL", True, "bool", "Frontier, leases and runs", "False",
+        doc="""
+Keep each raw response of a leased request in the database until its request is done
+(``ResponseJournalMiddleware``, priority 950), so a kill after the response arrived does not
+download it again: a kill then repeats only what was on the wire. The response goes on to its
+callback once it is written (with the transaction of another page's completion, usually);
+``False`` saves the write of the response's body, and a kill then also repeats the pages
+being processed. Accepts ``True``/``False``, ``1``/``0``, ``'true'``/``'false'``.""",
+    ),
+    Setting(
+        "IDEMPOTENT_MAX_ATTEMPTS", 10, "int", "Frontier, leases and runs", "5",
+        doc="""
+A request whose lease ended this many times in a row without the request finishing (its
+worker died, or its lease expired) is failed as ``quarantined`` instead of being handed out
+again: a page that kills the crawl every time stops doing so. Retries (``RETRY_TIMES``)
+finish their lease and do not count; requests claimed but never started when a crawl stops
+gracefully do not count either.
+
+Suspects are isolated without slowing a resume: after a kill, the requests that were in
+flight are replayed at full concurrency (most kills are not a page's fault: a redeploy, the
+OOM killer, a Ctrl+C twice). A request that was in flight at two deaths is a suspect and runs
+alone, with nothing else in flight; if it is the cause, every later death has it alone in
+flight, and only it reaches the limit. With a limit of 2, suspects run alone from their first
+death.""",
+    ),
+    Setting(
+        "IDEMPOTENT_REQUEST_CLASSES", [], "list[str]", "Frontier, leases and runs",
+        '["myproject.requests.SignedRequest"]',
+        doc="""
+Request classes (``"module.Class"``) allowed in the frontier besides Scrapy's ``Request``,
+``FormRequest``, ``JsonRequest`` and ``XmlRpcRequest``.""",
+    ),
+    Setting(
+        "IDEMPOTENT_QUEUE_URL", None, "str or None", "Queue input",
+        '"redis://localhost:6379/0"',
+        doc="""
+A Redis URL (``redis://host:port/db``, ``rediss://...``, ``unix://...``): the crawl also reads
+requests from a Redis stream (see :doc:`/queue`). Needs the ``redis`` extra.""",
+    ),
+    Setting(
+        "IDEMPOTENT_QUEUE_KEY", None, "str or None", "Queue input", '"{spider}:urls"',
+        default_text="``\"<spider name>:requests\"``",
+        doc="""
+The stream to read (``{spider}`` is replaced by the spider name). Bad messages are parked in
+``<key>:parked``.""",
+    ),
+    Setting(
+        "IDEMPOTENT_QUEUE_GROUP", "scrapy_idempotent", "str", "Queue input", '"shop-workers"',
+        doc="""
+The consumer group the workers share (created with the stream if missing, reading from the
+stream's start).""",
+    ),
+    Setting(
+        "IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS", None, "float, seconds, or None",
+        "Queue input", "600",
+        doc="""
+``None``: a queue-fed crawl waits for work while the queue is empty until a stop message (or
+Ctrl+C / SIGTERM, which stops it as ``shutdown``, to be resumed). A number T: the crawl ends
+``finished`` once the queue has had nothing for it and nothing was in progress for T seconds
+(checked at Scrapy's idle heartbeat, every 5 seconds).""",
+    ),
+    Setting(
+        "IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS", 300.0, "float, seconds", "Queue input", "900",
+        doc="""
+At least 1. A message delivered to a consumer and not acknowledged for this long is
+delivered again to another worker (``XAUTOCLAIM``): the recovery for a worker on another host
+that died. A dead worker of the same host is noticed at once (its process is gone) and its
+messages are taken over at the next poll. Set it above the time a page takes, including its
+queue wait: taking over a live worker's message is harmless (its request is one frontier
+entry), only wasted work.""",
+    ),
+    Setting(
+        "IDEMPOTENT_QUEUE_PREFETCH", 100, "int", "Queue input", "20",
+        doc="""
+At least 1. At most this many messages are held, not yet acknowledged, at once per worker,
+whatever brought them: read from the stream, or taken over from a dead worker or once idle
+(:setting:`IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS`); a dead worker's longer pending list is taken
+over by the next polls, and by other workers meanwhile.""",
+    ),
+    Setting(
+        "IDEMPOTENT_QUEUE_POLL_SECONDS", 0.2, "float, seconds", "Queue input", "1.0",
+        doc="""
+At least 0.01. How often the stream is read for new messages. Redis is called on a thread of
+the queue input's own, never on the reactor: a Redis server that stops answering delays the
+queue's reads and acknowledgements (a poll starts when the one before it is back), not the
+downloads and page commits.""",
+    ),
+    Setting(
+        "IDEMPOTENT_OUTBOX_TARGETS", [], "list[str] (or a comma-separated str)", "Outbox",
+        '["https://hooks.example.com/products", "myproject.outbox.SearchIndex"]',
+        doc="""
+Where record changes are announced (see :doc:`/outbox`): webhook URLs (``http://``,
+``https://``) and import paths of ``OutboxTarget`` classes. Empty: no outbox entries are
+written and ``OutboxDelivery`` is off. Entries are kept per target as written here.""",
+    ),
+    Setting(
+        "IDEMPOTENT_OUTBOX_HEADERS", {}, "dict[str, str]", "Outbox",
+        '{"Authorization": "Bearer s3cr3t"}',
+        doc="Headers added to every webhook POST (authentication).",
+    ),
+    Setting(
+        "IDEMPOTENT_OUTBOX_CONCURRENCY", 8, "int", "Outbox", "4",
+        doc="At least 1. Deliveries in flight at once, per target.",
+    ),
+    Setting(
+        "IDEMPOTENT_OUTBOX_TIMEOUT_SECONDS", 30.0, "float, seconds", "Outbox", "10",
+        doc="""
+At least 0.1. How long one delivery attempt may take in all, for webhooks (connecting,
+sending, the whole answer) and target classes alike; an attempt still running then is
+cancelled and tried again later. A claimed announcement is held that long plus 5 s: no other
+delivery of it starts meanwhile, and one taken by a crawl that dies is sent again once the
+hold has passed.""",
+    ),
+    Setting(
+        "IDEMPOTENT_OUTBOX_RETRY_SECONDS", 1.0, "float, seconds", "Outbox", "5",
+        doc="""
+The wait before the first retry of a delivery; it doubles with every further attempt (with
+jitter, and at least the receiver's ``Retry-After``).""",
+    ),
+    Setting(
+        "IDEMPOTENT_OUTBOX_RETRY_MAX_SECONDS", 300.0, "float, seconds", "Outbox", "3600",
+        doc="""
+The longest wait between two attempts (a longer ``Retry-After``, up to a day, is still
+honoured).""",
+    ),
+    Setting(
+        "IDEMPOTENT_OUTBOX_DRAIN_SECONDS", 30.0, "float, seconds", "Outbox", "120",
+        doc="""
+At least 0. How long a closing crawl (and ``scrapy idempotent deliver``) goes on delivering
+what is left: the close ends as soon as nothing is due, and at the latest after this time,
+when no delivery starts any more and those still in flight are cut off (left pending, due at
+once). What is still pending is sent by the next crawl or ``scrapy idempotent deliver``.
+``0``: nothing more is delivered at close; the deliveries in flight when the spider closes are
+cut off.""",
+    ),
+    Setting(
+        "IDEMPOTENT_LOG_INTERVAL_SECONDS", 60.0, "float, seconds", "Logging", "30",
+        doc="""
+At least 0. How often the progress line (see :ref:`progress-line`) is logged; ``0`` turns it
+off.""",
+    ),
+)
+
+#: Every setting's default, by name (built from :data:`SETTING_DEFINITIONS`).
+SETTINGS: dict[str, Any] = {setting.name: setting.default for setting in SETTING_DEFINITIONS}
 
 
 #: Scrapy's default queue order (``SCHEDULER_MEMORY_QUEUE`` LIFO, start requests in a FIFO

@@ -1,26 +1,37 @@
-"""The README documents every setting (a ``### NAME`` heading with a one-line example) and
-every stat the package can set (a row of the stats table)."""
+"""The docs site (``docs/``) documents every setting and every stat, and only those: the
+settings reference is generated from the configuration's own definitions
+(``SETTING_DEFINITIONS``), the stats reference is checked against the stats the package's
+modules can set, and no page names a setting or a stat that does not exist."""
 
 from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
-from scrapy_idempotent.config import SETTINGS
+import pytest
+
+from scrapy_idempotent import exceptions
+from scrapy_idempotent.config import SETTING_DEFINITIONS, SETTING_SECTIONS, SETTINGS
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "scrapy_idempotent"
+DOCS = ROOT / "docs"
+PAGES = {path.name: path.read_text(encoding="utf-8") for path in sorted(DOCS.glob("*.rst"))}
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+sys.path.insert(0, str(DOCS / "_ext"))
+from idempotent_docs import settings_reference  # noqa: E402
+
 PREFIX = "idempotent/"
 #: A constant that reads like the tail of a stat name (``requests/added``).
 STAT_TAIL = re.compile(r"^[a-z_]+(/[a-z_]+)+$")
 
 
 def documented_stats() -> set[str]:
-    """The first column of the table under ``## Stats``."""
-    section = README.split("\n## Stats\n", 1)[1].split("\n## ", 1)[0]
-    return set(re.findall(r"^\|\s*`(idempotent/[^`]+)`\s*\|", section, re.MULTILINE))
+    """The first column of the stats reference's table (``docs/stats.rst``: rows
+    ``* - ``idempotent/...````)."""
+    return set(re.findall(r"^   \* - ``(idempotent/[^`]+)``$", PAGES["stats.rst"], re.MULTILINE))
 
 
 def source_stats() -> tuple[dict[str, str], dict[str, str]]:
@@ -70,37 +81,57 @@ def source_stats() -> tuple[dict[str, str], dict[str, str]]:
     return names, patterns
 
 
-def test_every_setting_has_a_heading() -> None:
-    headings = set(re.findall(r"^### (\w+)\s*$", README, re.MULTILINE))
-    missing = sorted(set(SETTINGS) - headings)
-    assert not missing, f"settings without a '### NAME' heading in README.md: {missing}"
+#: Names that look like settings on purpose: the misspellings shown by the unknown-setting
+#: warning's example.
+NOT_SETTINGS = {"IDEMPOTENT_NATURAL_KEY"}
+#: A setting's name in any text (``IDEMPOTENT_QUEUE_*``, a family, is not one).
+SETTING_NAME = re.compile(r"\bIDEMPOTENT_[A-Z0-9_]*[A-Z0-9]\b(?!_?\*)")
 
 
-def setting_section(name: str) -> str:
-    """The text under ``### NAME``, up to the next heading."""
-    found = re.search(rf"^### {name}\s*$\n(.*?)(?=^#{{1,3}} |\Z)", README,
-                      re.MULTILINE | re.DOTALL)
-    assert found is not None, f"no '### {name}' heading in README.md"
-    return found.group(1)
+def test_every_setting_is_in_the_reference() -> None:
+    """The reference page renders the definitions, and the definitions are every setting."""
+    assert ".. idempotent-settings::" in PAGES["settings.rst"]
+    reference = "\n".join(settings_reference())
+    targets = re.findall(r"^\.\. setting:: (\S+)$", reference, re.MULTILINE)
+    assert sorted(targets) == sorted(SETTINGS), "settings missing from the reference"
+    assert len(targets) == len(set(targets)) == len(SETTING_DEFINITIONS)
 
 
-def test_every_setting_has_a_one_line_example() -> None:
-    """Each setting's section starts with ``Example: `NAME = value` `` (a Python literal, as
-    written in ``settings.py``)."""
+def test_every_setting_definition_is_complete() -> None:
     bad: dict[str, str] = {}
-    for name in sorted(SETTINGS):
-        example = re.search(rf"^Example: `{name} = (.+)`$", setting_section(name), re.MULTILINE)
-        if example is None:
-            bad[name] = "no 'Example: `NAME = value`' line"
-            continue
-        try:
-            ast.literal_eval(example.group(1))
-        except (ValueError, SyntaxError) as exc:
-            bad[name] = f"{example.group(1)!r} is not a Python literal ({exc})"
-    assert not bad, f"settings without a valid one-line example in README.md: {bad}"
+    for setting in SETTING_DEFINITIONS:
+        if not setting.name.startswith("IDEMPOTENT_"):
+            bad[setting.name] = "not an IDEMPOTENT_* name"
+        elif setting.section not in SETTING_SECTIONS:
+            bad[setting.name] = f"unknown section {setting.section!r}"
+        elif not (setting.type.strip() and setting.doc.strip()):
+            bad[setting.name] = "no type or no description"
+        elif SETTINGS[setting.name] != setting.default:
+            bad[setting.name] = "SETTINGS holds another default"
+        else:
+            try:
+                ast.literal_eval(setting.example)
+            except (ValueError, SyntaxError) as exc:
+                bad[setting.name] = f"example {setting.example!r} is not a Python literal ({exc})"
+    assert not bad, f"incomplete setting definitions in config.py: {bad}"
 
 
-def test_every_stat_is_in_the_stats_table() -> None:
+def named_settings() -> dict[str, str]:
+    """Every setting name the docs, the README and the definitions' texts mention, with where."""
+    texts = {f"docs/{name}": text for name, text in PAGES.items()}
+    texts["README.md"] = README
+    texts.update({f"{s.name} (config.py)": s.doc + s.default_text for s in SETTING_DEFINITIONS})
+    return {name: where for where, text in texts.items() for name in SETTING_NAME.findall(text)}
+
+
+def test_the_docs_name_only_settings_that_exist() -> None:
+    unknown = {name: where for name, where in named_settings().items()
+               if name not in SETTINGS and name not in NOT_SETTINGS}
+    assert not unknown, f"documented but not defined (config.py SETTING_DEFINITIONS): {unknown}"
+    assert "IDEMPOTENT_LEASE_SECONDS" in named_settings()  # the scan sees the pages
+
+
+def test_every_stat_is_in_the_stats_reference() -> None:
     table = documented_stats()
     names, patterns = source_stats()
     assert "idempotent/requests/added" in names  # the collector sees through f"idempotent/{x}"
@@ -110,4 +141,34 @@ def test_every_stat_is_in_the_stats_table() -> None:
         pattern: where for pattern, where in patterns.items()
         if not any(re.fullmatch(pattern, stat) for stat in table)
     })
-    assert not missing, f"stats missing from the README's stats table: {missing}"
+    assert not missing, f"stats missing from docs/stats.rst: {missing}"
+
+
+def test_every_documented_stat_exists() -> None:
+    """A row of the stats table names a stat the package sets (``<kind>`` stands for the
+    placeholder of an f-string)."""
+    names, patterns = source_stats()
+    unknown = sorted(
+        stat for stat in documented_stats() if stat not in names
+        and not any(re.fullmatch(pattern, stat) for pattern in patterns))
+    assert not unknown, f"stats in docs/stats.rst that no module sets: {unknown}"
+
+
+@pytest.mark.parametrize("name", sorted(exceptions.__all__))
+def test_troubleshooting_names_every_error(name: str) -> None:
+    assert re.search(rf"``(scrapy_idempotent\.)?{name}``", PAGES["troubleshooting.rst"]), (
+        f"{name} is not explained in docs/troubleshooting.rst")
+
+
+def test_every_setting_the_package_names_is_defined() -> None:
+    """A setting read anywhere in the package (a string constant ``IDEMPOTENT_*``) is defined,
+    and so documented."""
+    read: dict[str, str] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and re.fullmatch(r"IDEMPOTENT_[A-Z0-9_]+", node.value)):
+                read[node.value] = f"{path.relative_to(PACKAGE)}:{node.lineno}"
+    assert "IDEMPOTENT_DATABASE" in read
+    undefined = {name: where for name, where in read.items() if name not in SETTINGS}
+    assert not undefined, f"settings without a definition in SETTING_DEFINITIONS: {undefined}"

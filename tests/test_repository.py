@@ -10,10 +10,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
 #: Where the repository's text lives (generated and downloaded folders are left out).
-TEXT_ROOTS = ("scrapy_idempotent", "tests", "benchmarks", "example_project", "compat", ".ci")
+TEXT_ROOTS = ("scrapy_idempotent", "tests", "benchmarks", "example_project", "compat", ".ci",
+              "docs")
 TEXT_FILES = ("README.md", "CHANGELOG.md", "setup.cfg", "pyproject.toml")
-SUFFIXES = {".py", ".md", ".txt", ".cfg", ".toml", ".sh", ""}
-SKIPPED_PARTS = {".cache", "__pycache__", ".matrix", ".hypothesis"}
+SUFFIXES = {".py", ".md", ".rst", ".txt", ".cfg", ".toml", ".sh", ""}
+SKIPPED_PARTS = {".cache", "__pycache__", ".matrix", ".hypothesis", "_build"}
 
 #: A tracker reference (a repository or project name, a hash sign and a number), the words
 #: issue or pull request followed by a number, and the team's own notes documents, which are not

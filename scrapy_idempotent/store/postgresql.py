@@ -531,8 +531,8 @@ class PostgreSQLStore(FrontierStore):
             import psycopg
         except ImportError as exc:  # pragma: no cover - the extra is not installed
             raise StoreError(
-                "the PostgreSQL store needs psycopg 3: pip install "
-                "'scrapy-idempotent[postgresql]'") from exc
+                "the PostgreSQL store needs psycopg 3 (the package's postgresql extra): pip "
+                "install 'psycopg[binary]>=3.2'") from exc
         try:
             # keepalives: a connection whose network went away is noticed in about a minute
             # (the URL may set other values: its parameters win)
