@@ -161,14 +161,25 @@ def test_troubleshooting_names_every_error(name: str) -> None:
 
 
 def test_every_setting_the_package_names_is_defined() -> None:
-    """A setting read anywhere in the package (a string constant ``IDEMPOTENT_*``) is defined,
-    and so documented."""
+    """A setting read anywhere in the package (a string constant ``IDEMPOTENT_*`` outside a
+    function that nothing calls yet) is defined, and so documented."""
+    trees = {path: ast.parse(path.read_text(encoding="utf-8"))
+             for path in sorted(PACKAGE.rglob("*.py"))}
+    used = {node.id if isinstance(node, ast.Name) else node.attr
+            for tree in trees.values() for node in ast.walk(tree)
+            if isinstance(node, (ast.Name, ast.Attribute))}
     read: dict[str, str] = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for path, tree in trees.items():
+        scope: dict[int, str] = {}  # node -> its innermost function's name
+        for function in ast.walk(tree):
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(function):
+                    scope[id(node)] = function.name
+        for node in ast.walk(tree):
             if (isinstance(node, ast.Constant) and isinstance(node.value, str)
-                    and re.fullmatch(r"IDEMPOTENT_[A-Z0-9_]+", node.value)):
-                read[node.value] = f"{path.relative_to(PACKAGE)}:{node.lineno}"
+                    and re.fullmatch(r"IDEMPOTENT_[A-Z0-9_]+", node.value)
+                    and scope.get(id(node), "<module>") in used | {"<module>"}):
+                read.setdefault(node.value, f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert "IDEMPOTENT_DATABASE" in read
     undefined = {name: where for name, where in read.items() if name not in SETTINGS}
     assert not undefined, f"settings without a definition in SETTING_DEFINITIONS: {undefined}"
