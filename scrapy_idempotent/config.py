@@ -75,7 +75,9 @@ class Setting:
     so a setting exists exactly when it is documented. ``doc`` is reStructuredText (it may use
     the ``:setting:`` and ``:ref:`` roles of the docs); ``example`` is a Python literal, the
     value of a one-line example as written in ``settings.py``; ``default_text``, when given,
-    says in words what the default (shown as ``repr(default)`` otherwise) means.
+    says in words what the default (shown as ``repr(default)`` otherwise) means; ``allowed``
+    states the values accepted (the range that the validation below enforces: the docs test
+    checks that it names the same bounds).
     """
 
     name: str
@@ -85,6 +87,7 @@ class Setting:
     example: str
     doc: str
     default_text: str = ""
+    allowed: str = ""
 
 
 #: The sections of the settings reference, in order.
@@ -105,7 +108,8 @@ SETTING_DEFINITIONS: tuple[Setting, ...] = (
         default_text="``.scrapy/idempotent/<spider>.sqlite3`` in the project data directory",
         doc="""
 Where the frontier and the records live: a path of a SQLite file, or a database URL.
-``{spider}`` is replaced by the spider name.
+``{spider}`` is replaced by the spider name, made one file name (path separators, NUL and
+leading dots become ``_``, so ``../../x`` is ``___.._x``).
 
 A relative path is relative to the project directory (where ``scrapy.cfg`` is, found from the
 current directory upwards, as for Scrapy's ``.scrapy`` paths), so a crawl started from a
@@ -118,14 +122,17 @@ A URL: ``sqlite:///PATH`` is the same SQLite file (three slashes and a relative 
 ``sqlite:///data/{spider}.sqlite3``, or four for an absolute one,
 ``sqlite:////var/lib/crawls/{spider}.sqlite3``, as in SQLAlchemy's URLs);
 ``postgresql://user:password@host:port/dbname`` (or ``postgres://``) is the PostgreSQL store
-(see :doc:`/postgresql`). A scheme no backend is registered for stops the crawl before the
-first request, with an error naming ``IDEMPOTENT_DATABASE`` and the known schemes. A URL's
+(see :doc:`/postgresql`; without psycopg installed the crawl stops before the first request
+with one line naming the extra to install). A scheme no backend is registered for stops the
+crawl before the first request, with an error naming ``IDEMPOTENT_DATABASE`` and the known
+schemes. A URL's
 password is shown as ``***`` in logs and command output.""",
     ),
     Setting(
         "IDEMPOTENT_SYNCHRONOUS", "NORMAL", "str", "Database", '"FULL"',
         default_text=("``\"NORMAL\"``, or ``\"FULL\"`` when :setting:`IDEMPOTENT_OUTBOX_TARGETS` "
                       "or :setting:`IDEMPOTENT_QUEUE_URL` is set"),
+        allowed='``NORMAL`` or ``FULL``',
         doc="""
 SQLite's ``synchronous`` in WAL mode. ``NORMAL`` survives the death of the process (the
 promise); ``FULL`` also survives power loss or an operating system crash, at one fsync per
@@ -137,6 +144,7 @@ into ``on`` for the crawl's connections (``NORMAL`` leaves it as configured)."""
     ),
     Setting(
         "IDEMPOTENT_BUSY_TIMEOUT_SECONDS", 10.0, "float, seconds", "Database", "30",
+        allowed='0 to 3600',
         doc="""
 How long a statement waits for another process's write lock (or, on PostgreSQL, a lock wait
 or a restarting server) before the write is retried: five attempts in all, then the spider
@@ -186,13 +194,15 @@ file URL before it is named (:doc:`/files`); a trailing ``*`` matches a prefix."
     ),
     Setting(
         "IDEMPOTENT_LEASE_SECONDS", 60.0, "float, seconds", "Frontier, leases and runs", "300",
+        allowed='1 to 604800 (a week)',
         doc="""
-How long a claim lasts unless renewed; at least 1. Leases are renewed every third of it while
+How long a claim lasts unless renewed. Leases are renewed every third of it while
 the worker lives. A worker stopped for longer (SIGSTOP, a suspended VM) loses its leases to
 other workers, and its late completions write nothing (see :ref:`fencing`).""",
     ),
     Setting(
         "IDEMPOTENT_LEASE_BATCH", 8, "int", "Frontier, leases and runs", "16",
+        allowed='1 to 10000',
         doc="""
 How many requests a worker claims ahead (per transaction, once fewer than half of them are
 left), so that ``next_request`` is answered from memory; claims ride on the completion
@@ -201,6 +211,7 @@ transactions, so a steady crawl writes at most one transaction per page.""",
     Setting(
         "IDEMPOTENT_RUN_MODE", RunMode.AUTO.value, "str", "Frontier, leases and runs",
         '"fresh"',
+        allowed='``auto``, ``resume`` or ``fresh``',
         doc="""
 ``auto``: resume an unfinished run, else start a new run. ``resume``: always continue the
 last run (a finished run stays finished). ``fresh``: always start a new run (the frontier is
@@ -209,6 +220,7 @@ emptied; records are kept). See :doc:`/runs`.""",
     Setting(
         "IDEMPOTENT_RECRAWL_SECONDS", None, "float, seconds, or None",
         "Frontier, leases and runs", "86400",
+        allowed='``None``, or 1 to 315360000 (ten years)',
         doc="""
 The recrawl window. ``None``: a new run starts from an empty frontier (every page is fetched
 again, once). A number W: a new run keeps the frontier, and a request done in an earlier
@@ -219,16 +231,18 @@ once.""",
     ),
     Setting(
         "IDEMPOTENT_RESPONSE_JOURNAL", True, "bool", "Frontier, leases and runs", "False",
+        allowed="``True``/``False``, ``1``/``0``, ``'true'``/``'false'``",
         doc="""
 Keep each raw response of a leased request in the database until its request is done
 (``ResponseJournalMiddleware``, priority 950), so a kill after the response arrived does not
 download it again: a kill then repeats only what was on the wire. The response goes on to its
 callback once it is written (with the transaction of another page's completion, usually);
 ``False`` saves the write of the response's body, and a kill then also repeats the pages
-being processed. Accepts ``True``/``False``, ``1``/``0``, ``'true'``/``'false'``.""",
+being processed.""",
     ),
     Setting(
         "IDEMPOTENT_MAX_ATTEMPTS", 10, "int", "Frontier, leases and runs", "5",
+        allowed='1 to 10000',
         doc="""
 A request whose lease ended this many times in a row without the request finishing (its
 worker died, or its lease expired) is failed as ``quarantined`` instead of being handed out
@@ -246,6 +260,8 @@ death.""",
     Setting(
         "IDEMPOTENT_REQUEST_CLASSES", [], "list[str]", "Frontier, leases and runs",
         '["myproject.requests.SignedRequest"]',
+        allowed=("import paths of ``scrapy.Request`` subclasses (each imported and checked at "
+                 "start)"),
         doc="""
 Request classes (``"module.Class"``) allowed in the frontier besides Scrapy's ``Request``,
 ``FormRequest``, ``JsonRequest`` and ``XmlRpcRequest``.""",
@@ -273,16 +289,21 @@ stream's start).""",
     Setting(
         "IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS", None, "float, seconds, or None",
         "Queue input", "600",
+        allowed='``None``, or 0 to 31536000 (a year)',
         doc="""
 ``None``: a queue-fed crawl waits for work while the queue is empty until a stop message (or
 Ctrl+C / SIGTERM, which stops it as ``shutdown``, to be resumed). A number T: the crawl ends
 ``finished`` once the queue has had nothing for it and nothing was in progress for T seconds
-(checked at Scrapy's idle heartbeat, every 5 seconds).""",
+(checked at Scrapy's idle heartbeat, every 5 seconds). A queue that cannot be reached has
+nothing for the crawl: if it is still unreachable at the end of those T seconds, the crawl
+closes as ``idempotent_queue_unreachable`` instead (an ERROR line, exit code 1), never waiting
+for ever on a wrong URL or a lost server.""",
     ),
     Setting(
         "IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS", 300.0, "float, seconds", "Queue input", "900",
+        allowed='1 to 604800 (a week)',
         doc="""
-At least 1. A message delivered to a consumer and not acknowledged for this long is
+A message delivered to a consumer and not acknowledged for this long is
 delivered again to another worker (``XAUTOCLAIM``): the recovery for a worker on another host
 that died. A dead worker of the same host is noticed at once (its process is gone) and its
 messages are taken over at the next poll. Set it above the time a page takes, including its
@@ -291,16 +312,18 @@ entry), only wasted work.""",
     ),
     Setting(
         "IDEMPOTENT_QUEUE_PREFETCH", 100, "int", "Queue input", "20",
+        allowed='1 to 10000',
         doc="""
-At least 1. At most this many messages are held, not yet acknowledged, at once per worker,
+At most this many messages are held, not yet acknowledged, at once per worker,
 whatever brought them: read from the stream, or taken over from a dead worker or once idle
 (:setting:`IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS`); a dead worker's longer pending list is taken
 over by the next polls, and by other workers meanwhile.""",
     ),
     Setting(
         "IDEMPOTENT_QUEUE_POLL_SECONDS", 0.2, "float, seconds", "Queue input", "1.0",
+        allowed='0.01 to 60',
         doc="""
-At least 0.01. How often the stream is read for new messages. Redis is called on a thread of
+How often the stream is read for new messages. Redis is called on a thread of
 the queue input's own, never on the reactor: a Redis server that stops answering delays the
 queue's reads and acknowledgements (a poll starts when the one before it is back), not the
 downloads and page commits.""",
@@ -320,12 +343,14 @@ written and ``OutboxDelivery`` is off. Entries are kept per target as written he
     ),
     Setting(
         "IDEMPOTENT_OUTBOX_CONCURRENCY", 8, "int", "Outbox", "4",
-        doc="At least 1. Deliveries in flight at once, per target.",
+        allowed='1 to 10000',
+        doc="Deliveries in flight at once, per target.",
     ),
     Setting(
         "IDEMPOTENT_OUTBOX_TIMEOUT_SECONDS", 30.0, "float, seconds", "Outbox", "10",
+        allowed='0.1 to 3600',
         doc="""
-At least 0.1. How long one delivery attempt may take in all, for webhooks (connecting,
+How long one delivery attempt may take in all, for webhooks (connecting,
 sending, the whole answer) and target classes alike; an attempt still running then is
 cancelled and tried again later. A claimed announcement is held that long plus 5 s: no other
 delivery of it starts meanwhile, and one taken by a crawl that dies is sent again once the
@@ -333,20 +358,23 @@ hold has passed.""",
     ),
     Setting(
         "IDEMPOTENT_OUTBOX_RETRY_SECONDS", 1.0, "float, seconds", "Outbox", "5",
+        allowed='0 to 86400',
         doc="""
 The wait before the first retry of a delivery; it doubles with every further attempt (with
 jitter, and at least the receiver's ``Retry-After``).""",
     ),
     Setting(
         "IDEMPOTENT_OUTBOX_RETRY_MAX_SECONDS", 300.0, "float, seconds", "Outbox", "3600",
+        allowed='0 to 604800 (a week)',
         doc="""
 The longest wait between two attempts (a longer ``Retry-After``, up to a day, is still
 honoured).""",
     ),
     Setting(
         "IDEMPOTENT_OUTBOX_DRAIN_SECONDS", 30.0, "float, seconds", "Outbox", "120",
+        allowed='0 to 86400',
         doc="""
-At least 0. How long a closing crawl (and ``scrapy idempotent deliver``) goes on delivering
+How long a closing crawl (and ``scrapy idempotent deliver``) goes on delivering
 what is left: the close ends as soon as nothing is due, and at the latest after this time,
 when no delivery starts any more and those still in flight are cut off (left pending, due at
 once). What is still pending is sent by the next crawl or ``scrapy idempotent deliver``.
@@ -355,8 +383,9 @@ cut off.""",
     ),
     Setting(
         "IDEMPOTENT_LOG_INTERVAL_SECONDS", 60.0, "float, seconds", "Logging", "30",
+        allowed='0 (no progress line), or 0.1 to 86400',
         doc="""
-At least 0. How often the progress line (see :ref:`progress-line`) is logged; ``0`` turns it
+How often the progress line (see :ref:`progress-line`) is logged; ``0`` turns it
 off.""",
     ),
 )

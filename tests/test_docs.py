@@ -160,26 +160,75 @@ def test_troubleshooting_names_every_error(name: str) -> None:
         f"{name} is not explained in docs/troubleshooting.rst")
 
 
-def test_every_setting_the_package_names_is_defined() -> None:
-    """A setting read anywhere in the package (a string constant ``IDEMPOTENT_*`` outside a
-    function that nothing calls yet) is defined, and so documented."""
-    trees = {path: ast.parse(path.read_text(encoding="utf-8"))
-             for path in sorted(PACKAGE.rglob("*.py"))}
+def package_trees() -> dict[Path, ast.Module]:
+    return {path: ast.parse(path.read_text(encoding="utf-8"))
+            for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def live_nodes(trees: dict[Path, ast.Module]) -> dict[int, ast.AST]:
+    """The nodes of ``trees`` (by id) outside functions that nothing names yet (a function
+    defined ahead of the change that calls it reads nothing)."""
     used = {node.id if isinstance(node, ast.Name) else node.attr
             for tree in trees.values() for node in ast.walk(tree)
             if isinstance(node, (ast.Name, ast.Attribute))}
-    read: dict[str, str] = {}
-    for path, tree in trees.items():
-        scope: dict[int, str] = {}  # node -> its innermost function's name
+    live: dict[int, ast.AST] = {}
+    for tree in trees.values():
+        scope: dict[int, str] = {}  # node -> the name of its innermost function
         for function in ast.walk(tree):
             if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for node in ast.walk(function):
                     scope[id(node)] = function.name
+        live.update({id(node): node for node in ast.walk(tree)
+                     if id(node) not in scope or scope[id(node)] in used})
+    return live
+
+
+def test_every_setting_the_package_names_is_defined() -> None:
+    """A setting read anywhere in the package (a string constant ``IDEMPOTENT_*`` outside a
+    function that nothing calls yet) is defined, and so documented."""
+    trees = package_trees()
+    live = live_nodes(trees)
+    read: dict[str, str] = {}
+    for path, tree in trees.items():
         for node in ast.walk(tree):
             if (isinstance(node, ast.Constant) and isinstance(node.value, str)
-                    and re.fullmatch(r"IDEMPOTENT_[A-Z0-9_]+", node.value)
-                    and scope.get(id(node), "<module>") in used | {"<module>"}):
+                    and re.fullmatch(r"IDEMPOTENT_[A-Z0-9_]+", node.value) and id(node) in live):
                 read.setdefault(node.value, f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert "IDEMPOTENT_DATABASE" in read
     undefined = {name: where for name, where in read.items() if name not in SETTINGS}
     assert not undefined, f"settings without a definition in SETTING_DEFINITIONS: {undefined}"
+
+
+def _bound(node: ast.expr, names: dict[str, float]) -> float:
+    """A ``minimum=``/``maximum=`` argument of a range check: a number, a constant of
+    config.py (``_WEEK``) or arithmetic of those (``10 * _YEAR``)."""
+    return float(eval(compile(ast.Expression(node), "config.py", "eval"), {}, dict(names)))
+
+
+def test_the_documented_ranges_are_the_checked_ones() -> None:
+    """Each range check of config.py (``_number(settings, "NAME", minimum=..., maximum=...)``)
+    names bounds that the setting's ``allowed`` text states."""
+    from scrapy_idempotent import config
+
+    names = {name: value for name, value in vars(config).items()
+             if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    trees = package_trees()
+    live = live_nodes(trees)
+    tree = trees[PACKAGE / "config.py"]
+    allowed = {setting.name: setting.allowed for setting in SETTING_DEFINITIONS}
+    checked, bad = 0, {}
+    for call in ast.walk(tree):
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+                and call.func.id == "_number" and len(call.args) >= 2
+                and isinstance(call.args[1], ast.Constant) and id(call) in live):
+            continue
+        name = call.args[1].value
+        for keyword in call.keywords:
+            if keyword.arg in ("minimum", "maximum"):
+                value = _bound(keyword.value, names)
+                shown = f"{value:.15g}"
+                checked += 1
+                if not re.search(rf"(?<![\d.]){re.escape(shown)}(?![\d.])", allowed.get(name, "")):
+                    bad[f"{name} {keyword.arg}"] = f"{shown} not in {allowed.get(name)!r}"
+    assert checked > 20
+    assert not bad, f"ranges checked in config.py but not in the settings' allowed text: {bad}"

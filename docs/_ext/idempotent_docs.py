@@ -35,7 +35,8 @@ def setting_rst(setting: Setting) -> list[str]:
         "",
         f"Example: ``{setting.name} = {setting.example}``",
         "",
-        f"Type: {setting.type}. Default: {_default(setting)}.",
+        f"Type: {setting.type}. Default: {_default(setting)}."
+        + (f" Allowed: {setting.allowed}." if setting.allowed else ""),
         "",
         *textwrap.dedent(setting.doc).strip("\n").splitlines(),
         "",
