@@ -15,7 +15,8 @@ store and prints:
 * ``rejects``: items that could not become records (type, reason, page, time);
 * ``export``: records to JSON Lines, CSV or JSON through Scrapy's item exporters;
 * ``check``: integrity, schema version, WAL mode, leases of dead workers, impossible states;
-  exit code 1 when something is wrong;
+  exit code 1 for a problem that needs a person (what heals itself, such as the leases of a
+  killed crawl, is reported and exits 0);
 * ``deliver``: sends the outbox's pending announcements to the configured targets (what a
   killed crawl, or a receiver that was down, left), for at most
   ``IDEMPOTENT_OUTBOX_DRAIN_SECONDS``; exit code 1 when some are left;

@@ -162,6 +162,12 @@ def all_records(store: FrontierStore, filters: dict[str, Any]) -> Iterator[Store
         after = page[-1].record_id
 
 
+def plural(count: int, word: str, words: str | None = None) -> str:
+    """``count`` and the word for it: ``1 run``, ``2 runs`` (``words`` when the plural is not
+    ``word`` + ``s``)."""
+    return f"{count} {word if count == 1 else (words or word + 's')}"
+
+
 def tally(values: Sequence[str]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for value in values:

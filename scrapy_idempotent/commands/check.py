@@ -1,6 +1,10 @@
 """``scrapy idempotent check``: integrity, schema version, the engine's settings (WAL mode),
-leases of dead workers, rows in impossible states, orphan files of the local files stores;
-exit code 1 when something is wrong."""
+leases of dead workers, rows in impossible states, orphan files of the local files stores.
+
+Each check is ``ok``, or a state that heals itself (``heals``: the leases of a killed crawl,
+or expired ones, which the next crawl takes back; reported, exit code 0), or a problem that
+needs a person (exit code 1), so monitoring built on the exit code does not alert after
+every kill."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..workers import worker_state
-from ._common import WORKER_STATES, all_records, iso, print_report, table
+from ._common import WORKER_STATES, all_records, iso, plural, print_report, table
 
 if TYPE_CHECKING:
     import argparse
@@ -18,7 +22,8 @@ if TYPE_CHECKING:
     from ..store.base import FrontierStore
     from ._common import Opened
 
-DESCRIPTION = "integrity, schema, WAL, dead workers' leases, impossible rows; exit 1 if wrong"
+DESCRIPTION = ("integrity, schema, WAL, dead workers' leases, impossible rows; exit 1 for a "
+               "problem that needs a person")
 
 _ANOMALIES = {
     "unknown_state": "requests in an unknown state",
@@ -37,8 +42,8 @@ def run(opened: Opened, opts: argparse.Namespace) -> int:
     store, info = opened.store, opened.info
     checks: list[dict[str, Any]] = []
 
-    def add(name: str, ok: bool, detail: str) -> None:
-        checks.append({"check": name, "ok": ok, "detail": detail})
+    def add(name: str, ok: bool, detail: str, *, heals: bool = False) -> None:
+        checks.append({"check": name, "ok": ok, "heals": not ok and heals, "detail": detail})
 
     integrity = store.integrity_check()
     add("integrity", integrity.ok,
@@ -56,20 +61,20 @@ def run(opened: Opened, opts: argparse.Namespace) -> int:
             add("leases", True, "no leases held")
         for holder in holders:
             state = worker_state(holder.worker)
-            plural = "s" * (holder.leases != 1)
+            leases_s = "s" * (holder.leases != 1)
             if state == "dead":
                 add("leases", False,
-                    f"{holder.leases} lease{plural} held by {holder.worker}, a process of "
+                    f"{holder.leases} lease{leases_s} held by {holder.worker}, a process of "
                     "this host that no longer exists (the next crawl on this host takes "
-                    "them back at once)")
+                    "them back at once)", heals=True)
             elif holder.leased_until < now:
                 add("leases", False,
-                    f"{holder.leases} lease{plural} of {holder.worker} expired "
+                    f"{holder.leases} lease{leases_s} of {holder.worker} expired "
                     f"{now - holder.leased_until:.0f} s ago ({WORKER_STATES[state]}; the "
-                    "next crawl takes them back)")
+                    "next crawl takes them back)", heals=True)
             else:
                 add("leases", True,
-                    f"{holder.leases} lease{plural} held by {holder.worker} "
+                    f"{holder.leases} lease{leases_s} held by {holder.worker} "
                     f"({WORKER_STATES[state]}) until {iso(holder.leased_until)}")
         anomalies = store.anomalies()
         wrong = {name: n for name, n in anomalies.items() if n}
@@ -77,16 +82,21 @@ def run(opened: Opened, opts: argparse.Namespace) -> int:
             "; ".join(f"{n} {_ANOMALIES[name]}" for name, n in wrong.items())
             if wrong else "no rows in impossible states")
         for check in _file_checks(store, opened.settings):
-            checks.append(check)
-    problems = sum(1 for c in checks if not c["ok"])
+            checks.append({**check, "heals": False})
+    problems = sum(1 for c in checks if not c["ok"] and not c["heals"])
+    healing = sum(1 for c in checks if c["heals"])
     report = {"database": opened.path, "ok": not problems, "problems": problems,
-              "checks": checks}
+              "heals": healing, "checks": checks}
     lines = [f"Checking {opened.path}"]
     lines += table(["", "check", "detail"],
-                   [["ok" if c["ok"] else "PROBLEM", c["check"], c["detail"]]
-                    for c in checks], header=False)
-    lines.append(f"{problems} problem{'s' * (problems != 1)} found" if problems
-                 else "No problem found")
+                   [["ok" if c["ok"] else "heals" if c["heals"] else "PROBLEM", c["check"],
+                     c["detail"]] for c in checks], header=False)
+    found = f"{plural(problems, 'problem')} found" if problems else "No problem found"
+    if healing:
+        found += (f"; {healing} state{'s' * (healing != 1)} that "
+                  f"heal{'s' * (healing == 1)} by {'itself' if healing == 1 else 'themselves'}"
+                  " (the next crawl takes the leases back)")
+    lines.append(found)
     print_report(opts, report, lines)
     return 1 if problems else 0
 

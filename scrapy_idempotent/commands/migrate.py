@@ -10,7 +10,7 @@ from ..config import store_options
 from ..exceptions import StoreError
 from ..store import CrawlIdentity, open_store
 from ..store.registry import redacted
-from ._common import iso, print_report
+from ._common import iso, plural, print_report
 
 if TYPE_CHECKING:
     import argparse
@@ -19,6 +19,11 @@ if TYPE_CHECKING:
 
 DESCRIPTION = ("copy the crawl (frontier, records, runs, rejects) into another, empty database "
                "(--to URL), e.g. from SQLite to PostgreSQL, to continue it there")
+
+#: The tables copied -> how the summary counts their rows (singular, plural).
+_ROW_WORDS = {"runs": ("run", "runs"), "requests": ("request", "requests"),
+              "records": ("record", "records"), "rejects": ("reject", "rejects"),
+              "responses": ("response", "responses")}
 
 
 def run(opened: Opened, opts: argparse.Namespace) -> int:
@@ -59,6 +64,7 @@ def run(opened: Opened, opts: argparse.Namespace) -> int:
     report = {"database": path, "to": redacted(opts.to), "rows": moved}
     print_report(opts, report, [
         f"Migrated {path} to {redacted(opts.to)}: "
-        + ", ".join(f"{n} {table}" for table, n in moved.items())
+        + ", ".join(plural(n, _ROW_WORDS[table][0], _ROW_WORDS[table][1])
+                    for table, n in moved.items())
         + "; set IDEMPOTENT_DATABASE to it to continue the crawl there"])
     return 0

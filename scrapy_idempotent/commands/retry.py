@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from ._common import describe_filters, print_report, request_filters
+from ._common import describe_filters, plural, print_report, request_filters
 
 if TYPE_CHECKING:
     import argparse
@@ -32,8 +32,9 @@ def run(opened: Opened, opts: argparse.Namespace) -> int:
         run_id = result.run_id
         how = (f"run {run_id} reopened: the next crawl resumes it" if result.reopened
                else f"run {run_id} is unfinished: the next crawl resumes it")
-        lines = [f"Put {retried} failed request{'s' * (retried != 1)}{described} back to "
-                 f"pending; {how} and fetches them (unless IDEMPOTENT_RUN_MODE is fresh)."]
+        lines = [f"Put {plural(retried, 'failed request')}{described} back to pending; "
+                 f"{how} and fetches {'it' if retried == 1 else 'them'} (unless "
+                 "IDEMPOTENT_RUN_MODE is fresh)."]
     print_report(opts, report, lines)
     return 0
 
@@ -49,11 +50,11 @@ def _retry_rejects(opened: Opened, opts: argparse.Namespace) -> None:
     else:
         how = (f"run {run_id} reopened: the next crawl resumes it" if result.reopened
                else f"run {run_id} is unfinished: the next crawl resumes it")
-        lines = [f"Put {pages} page{'s' * (pages != 1)} of {result.rejects} rejected "
-                 f"item{'s' * (result.rejects != 1)} back to pending; {how} and fetches "
-                 "them again (unless IDEMPOTENT_RUN_MODE is fresh)."]
+        lines = [f"Put {plural(pages, 'page')} of {plural(result.rejects, 'rejected item')} "
+                 f"back to pending; {how} and fetches {'it' if pages == 1 else 'them'} again "
+                 "(unless IDEMPOTENT_RUN_MODE is fresh)."]
     if without:
-        lines.append(f"{without} rejected item{'s' * (without != 1)} of run {run_id} "
+        lines.append(f"{plural(without, 'rejected item')} of run {run_id} "
                      f"{'have' if without != 1 else 'has'} no page in the frontier (from "
                      "start(), or the page is still pending): nothing to put back.")
     print_report(opts, report, lines)
