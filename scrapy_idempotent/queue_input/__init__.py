@@ -42,6 +42,7 @@ next polls (or by other workers).
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import time
@@ -189,7 +190,7 @@ def broker_for(config: QueueConfig, consumer: str) -> QueueBroker:
     module, extra = {"redis": ("redis", "redis"), "sqs": ("boto3", "sqs"),
                      "amqp": ("pika", "amqp")}[kind]
     try:
-        __import__(module)
+        importlib.import_module(module)
     except ImportError:
         raise ConfigError(
             "IDEMPOTENT_QUEUE_URL", config.url,
