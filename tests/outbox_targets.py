@@ -1,5 +1,5 @@
-"""Outbox targets for the tests: the README's broker example (Redis Streams), as written
-there, a target that refuses or defers some announcements, and one that hangs."""
+"""Outbox targets for the tests: the docs' broker example (Redis Streams, docs/outbox.rst), as
+written there, a target that refuses or defers some announcements, and one that hangs."""
 
 from __future__ import annotations
 

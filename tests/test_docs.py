@@ -232,3 +232,41 @@ def test_the_documented_ranges_are_the_checked_ones() -> None:
                     bad[f"{name} {keyword.arg}"] = f"{shown} not in {allowed.get(name)!r}"
     assert checked > 20
     assert not bad, f"ranges checked in config.py but not in the settings' allowed text: {bad}"
+
+
+def test_the_broker_example_is_the_tested_target() -> None:
+    """The outbox page's Redis Streams target is the class the outbox tests deliver through
+    (``tests/outbox_targets.py``), as written there."""
+    tested = (ROOT / "tests" / "outbox_targets.py").read_text(encoding="utf-8")
+    node = next(node for node in ast.parse(tested).body
+                if isinstance(node, ast.ClassDef) and node.name == "RedisStreamTarget")
+    source = ast.get_source_segment(tested, node)
+    assert source is not None
+    page = PAGES["outbox.rst"]
+    block = page.split("   # myproject/targets.py\n", 1)[1].split("\n\n.. ", 1)[0]
+    shown = "\n".join(line[3:] for line in block.splitlines())
+    assert source in shown, "docs/outbox.rst's RedisStreamTarget differs from the tested one"
+
+
+#: The README's two commands, which work from a fresh clone (CI runs both).
+README_COMMANDS = (
+    "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/python "
+    "example_project/demo.py",
+    "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest",
+)
+
+
+def test_the_readme_is_short_and_links_into_the_docs() -> None:
+    assert len(README.splitlines()) <= 250
+    for command in README_COMMANDS:
+        assert f"\n{command}\n" in README
+        assert f"\n   {command}\n" in PAGES["getting-started.rst"]
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README)
+    assert any(link.startswith("docs/") for link in links)
+    missing = [link for link in links if "://" not in link and not (ROOT / link).exists()]
+    assert not missing, f"README links to files that do not exist: {missing}"
+    toctree = PAGES["index.rst"]
+    unlinked = [name for name in PAGES if name != "index.rst"
+                and f"docs/{name}" not in links]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"
+    assert all(name[:-4] in toctree for name in PAGES if name != "index.rst")

@@ -1,5 +1,5 @@
 """Kill-and-resume with real processes: ``scrapy crawl`` of the example project, SIGKILLed
-at random moments, then run to completion (the README's demo, smaller)."""
+at random moments, then run to completion (the docs' demo, smaller)."""
 
 from __future__ import annotations
 

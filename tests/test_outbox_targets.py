@@ -1,4 +1,4 @@
-"""The target interface for brokers: the README's Redis Streams example against a real
+"""The target interface for brokers: the docs' Redis Streams example against a real
 redis-server, in a crawl and in ``scrapy idempotent deliver``; a target's refusals and
 retries through the interface."""
 
