@@ -270,3 +270,11 @@ def test_the_readme_is_short_and_links_into_the_docs() -> None:
                 and f"docs/{name}" not in links]
     assert not unlinked, f"docs pages the README does not link: {unlinked}"
     assert all(name[:-4] in toctree for name in PAGES if name != "index.rst")
+
+
+def test_the_page_flow_picture_is_one() -> None:
+    """The README's picture of a page's flow is the docs' (how-it-works.rst)."""
+    readme = README.split("## How a page flows\n\n```text\n", 1)[1].split("\n```", 1)[0]
+    page = PAGES["how-it-works.rst"].split(".. _page-flow:", 1)[1]
+    block = page.split(".. code-block:: text\n\n", 1)[1].split("\n\n.. ", 1)[0]
+    assert "\n".join(line[3:] for line in block.rstrip().splitlines()) == readme.rstrip()

@@ -1,4 +1,4 @@
-"""The docs' own Sphinx extension: the ``setting`` object type (targets and
+"""The docs' own Sphinx extension: the ``setting`` cross-reference type (targets and
 cross-reference roles, as in Scrapy's docs), and the ``idempotent-settings`` directive, which
 renders the settings reference from ``scrapy_idempotent.config.SETTING_DEFINITIONS``: a setting
 is documented exactly when it is defined.
@@ -82,6 +82,6 @@ def setup(app: Sphinx) -> dict[str, Any]:
             self.env.note_dependency("../scrapy_idempotent/config.py")
             return list(container.children)
 
-    app.add_object_type("setting", "setting", indextemplate="pair: %s; setting")
+    app.add_crossref_type("setting", "setting", indextemplate="pair: %s; setting")
     app.add_directive("idempotent-settings", SettingsDirective)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
