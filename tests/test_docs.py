@@ -278,3 +278,41 @@ def test_the_page_flow_picture_is_one() -> None:
     page = PAGES["how-it-works.rst"].split(".. _page-flow:", 1)[1]
     block = page.split(".. code-block:: text\n\n", 1)[1].split("\n\n.. ", 1)[0]
     assert "\n".join(line[3:] for line in block.rstrip().splitlines()) == readme.rstrip()
+
+
+#: Store messages that only a programming error produces (an API misused), not a user.
+INTERNAL_MESSAGES = {"is already open", "cannot load rows of an unknown table",
+                     "the store writer is not running"}
+ERROR_CALLS = {"StoreError", "StoreBusy"}
+LOG_CALLS = {"warning", "error", "critical"}
+
+
+def message_key(call: ast.Call) -> str:
+    """The words that identify a message: the start of its longest fixed part (between the
+    placeholders of an f-string or a %-format), without punctuation at its ends."""
+    parts = [re.sub(r"\s+", " ", part).strip(" ;:)(,.")
+             for node in call.args for constant in ast.walk(node)
+             if isinstance(constant, ast.Constant) and isinstance(constant.value, str)
+             for part in re.split(r"%[-.\d]*[sdrgf]|scrapy_idempotent: ", constant.value)]
+    return max(parts, key=len, default="")[:30]
+
+
+def test_troubleshooting_explains_every_database_message() -> None:
+    """Each message the store can raise or log (``scrapy_idempotent/store/``, the writer) is
+    quoted in docs/troubleshooting.rst, so a user who meets it finds what it means."""
+    page = re.sub(r"\s+", " ", PAGES["troubleshooting.rst"]).replace("``", "")
+    paths = [*sorted((PACKAGE / "store").rglob("*.py")), PACKAGE / "writer.py"]
+    missing: dict[str, str] = {}
+    for path in paths:
+        for call in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(call, ast.Call):
+                continue
+            func = call.func
+            raised = isinstance(func, ast.Name) and func.id in ERROR_CALLS
+            logged = (isinstance(func, ast.Attribute) and func.attr in LOG_CALLS
+                      and isinstance(func.value, ast.Name) and func.value.id == "logger")
+            key = message_key(call) if raised or logged else ""
+            if (len(key) >= 12 and key not in page
+                    and key not in {message[:30] for message in INTERNAL_MESSAGES}):
+                missing[f"{path.relative_to(PACKAGE)}:{call.lineno}"] = key
+    assert not missing, f"database messages not in docs/troubleshooting.rst: {missing}"
