@@ -270,8 +270,12 @@ Request classes (``"module.Class"``) allowed in the frontier besides Scrapy's ``
         "IDEMPOTENT_QUEUE_URL", None, "str or None", "Queue input",
         '"redis://localhost:6379/0"',
         doc="""
-A Redis URL (``redis://host:port/db``, ``rediss://...``, ``unix://...``): the crawl also reads
-requests from a Redis stream (see :doc:`/queue`). Needs the ``redis`` extra.""",
+The queue the crawl also reads requests from (see :doc:`/queue`), its broker told by the URL:
+a Redis URL (``redis://host:port/db``, ``rediss://...``, ``unix://...``) reads a Redis stream
+(needs the ``redis`` extra); ``sqs://name`` (``?region=...`` and ``&endpoint_url=...``
+optional) or a queue's URL (``https://sqs.<region>.amazonaws.com/<account>/<name>``; another
+host is taken as the endpoint, as LocalStack's) reads an SQS queue (needs the ``sqs``
+extra).""",
     ),
     Setting(
         "IDEMPOTENT_QUEUE_KEY", None, "str or None", "Queue input", '"{spider}:urls"',
@@ -308,7 +312,11 @@ delivered again to another worker (``XAUTOCLAIM``): the recovery for a worker on
 that died. A dead worker of the same host is noticed at once (its process is gone) and its
 messages are taken over at the next poll. Set it above the time a page takes, including its
 queue wait: taking over a live worker's message is harmless (its request is one frontier
-entry), only wasted work.""",
+entry), only wasted work.
+
+On SQS this is the visibility timeout asked for (whole seconds, at most 12 hours): a held
+message's is extended every third of it while its request is in progress, and a dead worker's
+messages are received again once it runs out.""",
     ),
     Setting(
         "IDEMPOTENT_QUEUE_PREFETCH", 100, "int", "Queue input", "20",
@@ -327,6 +335,15 @@ How often the stream is read for new messages. Redis is called on a thread of
 the queue input's own, never on the reactor: a Redis server that stops answering delays the
 queue's reads and acknowledgements (a poll starts when the one before it is back), not the
 downloads and page commits.""",
+    ),
+    Setting(
+        "IDEMPOTENT_QUEUE_WAIT_SECONDS", 1.0, "float, seconds", "Queue input", "5",
+        allowed='0 to 20',
+        doc="""
+SQS: how long a receive waits for a message when the queue is empty (long polling,
+``WaitTimeSeconds``, whole seconds; 0 is short polling). The queue input's deletes and
+extensions wait behind a receive, so a longer wait means fewer empty receives, acknowledged up
+to that much later. Not used by Redis.""",
     ),
     Setting(
         "IDEMPOTENT_OUTBOX_TARGETS", [], "list[str] (or a comma-separated str)", "Outbox",
@@ -400,7 +417,7 @@ _SCRAPY_QUEUE_ORDER = QueueOrder(start_queue=True, start_fifo=True, other_fifo=F
 #: The URL schemes of ``IDEMPOTENT_QUEUE_URL``, by broker: a Redis stream (redis-py's
 #: ``Redis.from_url``), an SQS queue (``sqs://name``; its ``https://`` queue URL is told by its
 #: path, ``/<account>/<name>``), a RabbitMQ queue (pika's ``URLParameters``).
-_QUEUE_SCHEMES = {"redis": "redis", "rediss": "redis", "unix": "redis"}
+_QUEUE_SCHEMES = {"redis": "redis", "rediss": "redis", "unix": "redis", "sqs": "sqs"}
 _BROKER_NAMES = {"redis": "Redis", "sqs": "SQS", "amqp": "RabbitMQ (AMQP)"}
 #: The most an SQS long poll may wait (ReceiveMessage's WaitTimeSeconds).
 _SQS_LONGEST_WAIT = 20.0
@@ -412,6 +429,9 @@ def queue_broker(url: str) -> str | None:
     parts = urlsplit(url)
     if parts.scheme in _QUEUE_SCHEMES:
         return _QUEUE_SCHEMES[parts.scheme]
+    if parts.scheme in ("https", "http") and parts.netloc \
+            and len([p for p in parts.path.split("/") if p]) == 2:
+        return "sqs"  # an SQS queue URL: https://sqs.<region>.amazonaws.com/<account>/<name>
     return None
 
 
@@ -593,7 +613,8 @@ def _queue(settings: BaseSettings, spider_name: str) -> QueueConfig | None:
         return None
     if not isinstance(url, str) or queue_broker(url) is None:
         raise ConfigError("IDEMPOTENT_QUEUE_URL", url,
-                          "a Redis URL (redis://host:port/db, rediss://... or unix://...)")
+                          "a Redis URL (redis://host:port/db, rediss://... or unix://...) or "
+                          "an SQS queue (sqs://name, or the queue's https:// URL)")
     key = _get(settings, "IDEMPOTENT_QUEUE_KEY")
     if key in (None, ""):
         key = "{spider}:requests"
@@ -617,6 +638,7 @@ def _queue(settings: BaseSettings, spider_name: str) -> QueueConfig | None:
                              maximum=_MAX_BATCH, integer=True)),
         poll_seconds=_number(settings, "IDEMPOTENT_QUEUE_POLL_SECONDS", minimum=0.01,
                              maximum=60.0),
+        wait_seconds=_queue_wait(settings),
     )
 
 

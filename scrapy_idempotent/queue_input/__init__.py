@@ -196,6 +196,10 @@ def broker_for(config: QueueConfig, consumer: str) -> QueueBroker:
             "IDEMPOTENT_QUEUE_URL", config.url,
             f"a {config.broker_name} URL, with its client installed: pip install "
             f"'scrapy-idempotent[{extra}]' (or pip install {module})") from None
+    if kind == "sqs":
+        from .sqs import SqsBroker
+
+        return SqsBroker.from_config(config, consumer)
     from .redis_stream import RedisStreamBroker
 
     return RedisStreamBroker.from_config(config, consumer)
@@ -350,7 +354,7 @@ class QueueInput:
         known = frozenset(self._messages) | (
             {self._stop_id} if self._stop_id is not None else frozenset())
         return _PollPlan(
-            acks=acks, extend=list(self._messages), take=not self._finishing,
+            acks=acks, extend=list(known), take=not self._finishing,
             room=self.config.prefetch - len(self._messages) if not self._finishing else 0,
             read=not self._finishing and self._stop_id is None, known=known)
 

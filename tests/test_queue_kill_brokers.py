@@ -1,0 +1,232 @@
+"""The queue kill tests on every broker beside Redis (tests/test_queue_kill.py): real worker
+processes fed from an SQS queue (moto's server mode) or a RabbitMQ queue (Debian's
+rabbitmq-server), SIGKILLed. A message is acknowledged only once its page is committed (checked
+at the broker after every kill), delivered again after a kill, and a repeated delivery is
+harmless (one frontier entry, one record); a broker restarted mid-crawl is ridden out."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import pytest
+from local_site import LocalSite
+from sqs_server import SqsQueue, SqsServer, sqs_server  # noqa: F401  (the fixture)
+
+from crawling import (
+    EXAMPLE_PROJECT,
+    close_reason,
+    db_rows,
+    frontier_counts,
+    stored_products,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow
+
+SPIDER_FILE = Path(__file__).resolve().parent / "queue_spiders.py"
+
+
+class BrokerQueue(Protocol):
+    """What the tests ask of a broker's queue, each answered by the broker itself."""
+
+    url: str
+
+    def push(self, body: str | dict[str, Any]) -> Any: ...
+    def in_flight(self) -> int: ...  # delivered, not acknowledged
+    def remaining(self) -> int: ...  # not acknowledged (ready or delivered)
+    def all_acknowledged(self) -> bool: ...
+    def settings(self) -> tuple[str, ...]: ...  # the worker's broker settings
+    def stop(self) -> None: ...  # the broker stopped (its clients' connections refused)
+    def start(self) -> None: ...  # and started again, its queues kept
+
+
+class SqsKillQueue:
+    def __init__(self, server: SqsServer, fifo: bool) -> None:
+        self.server = server
+        self.queue = SqsQueue(server, fifo=fifo)
+        self.url = self.queue.url
+
+    def push(self, body: str | dict[str, Any]) -> Any:
+        return self.queue.push(body)
+
+    def in_flight(self) -> int:
+        return self.queue.counts()[1]
+
+    def remaining(self) -> int:
+        return self.queue.remaining()
+
+    def all_acknowledged(self) -> bool:
+        return self.queue.all_acknowledged()
+
+    def settings(self) -> tuple[str, ...]:
+        # a killed worker's messages are received again 2 s later (their visibility timeout)
+        return ("IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS=2",)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def start(self) -> None:
+        self.server.start_again()
+
+
+@pytest.fixture(params=["sqs", "sqs-fifo"])
+def broker_queue(request: pytest.FixtureRequest) -> Iterator[BrokerQueue]:
+    if request.param.startswith("sqs"):
+        server = request.getfixturevalue("sqs_server")
+        yield SqsKillQueue(server, fifo=request.param == "sqs-fifo")
+    else:
+        from rabbitmq_server import AmqpKillQueue
+
+        server = request.getfixturevalue("rabbitmq_server")
+        yield AmqpKillQueue(server)
+
+
+def start_worker(queue: BrokerQueue, db: Path, log: Path, *settings: str) -> Any:
+    """``scrapy runspider`` of the queue spider in the example project, fed from ``queue``."""
+    command = [sys.executable, "-m", "scrapy", "runspider", str(SPIDER_FILE),
+               "-s", f"IDEMPOTENT_DATABASE={db}", "-s", f"LOG_FILE={log}",
+               "-s", f"IDEMPOTENT_QUEUE_URL={queue.url}",
+               "-s", "IDEMPOTENT_QUEUE_POLL_SECONDS=0.05", "-s", "LOG_LEVEL=INFO"]
+    for setting in (*queue.settings(), *settings):
+        command += ["-s", setting]
+    return subprocess.Popen(command, cwd=EXAMPLE_PROJECT, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            env=dict(os.environ))
+
+
+def kill(process: Any) -> None:
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+
+def product_body(shop: LocalSite, number: int) -> dict[str, Any]:
+    return {"url": f"{shop.url}/product/SKU-{number:05d}", "callback": "parse_product"}
+
+
+def committed(db: Path) -> set[str]:
+    """URLs whose page is committed in a final state."""
+    if not db.exists():
+        return set()
+    return {url for url, state in db_rows(db, "SELECT url, state FROM requests")
+            if state in ("done", "failed")}
+
+
+def test_same_url_three_times_worker_killed_during_the_second_delivery(
+        broker_queue: BrokerQueue, tmp_path: Path) -> None:
+    db = tmp_path / "frontier.sqlite3"
+    # the page answers after 60 s while the first worker lives: it is killed in the middle
+    with LocalSite(delay=60) as shop:
+        message = product_body(shop, 1)
+        broker_queue.push(message)
+        worker = start_worker(broker_queue, db, tmp_path / "run1.log")
+        try:
+            wait_for(lambda: shop.in_flight >= 1, 120, "the page requested")
+            broker_queue.push(message)
+            wait_for(lambda: broker_queue.in_flight() == 2, 120,
+                     "the second delivery read by the worker", tmp_path / "run1.log")
+            assert broker_queue.remaining() == 2  # nothing acknowledged: nothing committed
+        finally:
+            kill(worker)
+        assert frontier_counts(db) == {"leased": 1}  # in flight, nothing committed
+        assert broker_queue.remaining() == 2
+        shop.delay = 0  # the next fetch of the page answers at once
+        broker_queue.push(message)
+        worker = start_worker(broker_queue, db, tmp_path / "run2.log",
+                              "IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=4")
+        assert worker.wait(timeout=240) == 0
+        assert close_reason(tmp_path / "run2.log") == "finished"
+        assert shop.counts_by_path() == {"/product/SKU-00001": 2}  # once per worker
+    assert db_rows(db, "SELECT count(*), min(state) FROM requests") == [(1, "done")]
+    assert [p["sku"] for p in stored_products(db)] == ["SKU-00001"]
+    assert broker_queue.all_acknowledged()
+
+
+def test_queue_fed_crawl_killed_ten_times(broker_queue: BrokerQueue, tmp_path: Path) -> None:
+    """25 listings and 500 products pushed (the listings also link the products); the worker
+    is SIGKILLed 10 times after a random number of pages, then runs to the end. After every
+    kill, the messages the broker still holds unacknowledged are at least those whose page
+    is not committed (each message asks for a URL of its own)."""
+    db = tmp_path / "frontier.sqlite3"
+    rng = random.Random(7)
+    concurrency = 4
+    kills = 10
+    settings = (f"CONCURRENT_REQUESTS={concurrency}",
+                f"CONCURRENT_REQUESTS_PER_DOMAIN={concurrency}",
+                "IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=4")
+    with LocalSite(delay=0.01) as shop:
+        bodies: list[Any] = [f"{shop.url}/list/{n}" for n in range(1, 26)] + [
+            product_body(shop, n) for n in range(1, 501)]
+        rng.shuffle(bodies)
+        urls = {b if isinstance(b, str) else b["url"] for b in bodies}
+        for body in bodies:
+            broker_queue.push(body)
+        problems: list[str] = []
+        for run in range(kills):
+            before = shop.request_count
+            pages = rng.randint(5, 60)
+            log = tmp_path / f"run{run}.log"
+            worker = start_worker(broker_queue, db, log, *settings)
+            try:
+                wait_for(lambda b=before, n=pages: shop.request_count - b >= n, 240,
+                         f"{pages} pages in run {run}", log)
+            finally:
+                kill(worker)
+            uncommitted = len(urls - committed(db))
+            remaining = broker_queue.remaining()
+            if remaining < uncommitted:
+                problems.append(f"run {run}: {remaining} messages left for {uncommitted} "
+                                "pages not committed")
+        worker = start_worker(broker_queue, db, tmp_path / "final.log", *settings)
+        assert worker.wait(timeout=600) == 0
+        assert close_reason(tmp_path / "final.log") == "finished"
+        requests = shop.request_count
+        expected = shop.expected_products()
+    assert problems == []
+    rows = stored_products(db)
+    assert len(rows) == 500
+    assert all((r["sku"], r["name"], r["price"]) == tuple(expected[r["sku"]][f] for f in (
+        "sku", "name", "price")) for r in rows)
+    assert frontier_counts(db) == {"done": 525}
+    assert broker_queue.all_acknowledged()
+    assert requests <= 525 + kills * concurrency, requests
+    print(f"\nqueue kill test ({broker_queue.url.split(':')[0]}): {kills} kills, {requests} "
+          f"requests (bound {525 + kills * concurrency}), {len(rows)} records")
+
+
+def test_a_broker_restarted_mid_crawl(broker_queue: BrokerQueue, tmp_path: Path) -> None:
+    """The broker is stopped and started again while a worker crawls 200 queued products:
+    the crawl goes on once it is back; nothing lost, nothing left unacknowledged."""
+    db = tmp_path / "frontier.sqlite3"
+    log = tmp_path / "run.log"
+    with LocalSite(delay=0.02) as shop:
+        for n in range(1, 201):
+            broker_queue.push(product_body(shop, n))
+        worker = start_worker(broker_queue, db, log, "CONCURRENT_REQUESTS=4",
+                              "IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=4")
+        try:
+            wait_for(lambda: shop.request_count >= 40, 240, "40 pages", log)
+            broker_queue.stop()
+            try:
+                wait_for(lambda: "(retried every" in log.read_text(), 120,
+                         "the worker meeting the stopped broker", log)
+            finally:
+                broker_queue.start()
+            assert worker.wait(timeout=300) == 0
+        finally:
+            if worker.poll() is None:
+                kill(worker)
+        assert close_reason(log) == "finished"
+        requests = shop.request_count
+    assert len(stored_products(db)) == 200
+    assert frontier_counts(db) == {"done": 200}
+    assert broker_queue.all_acknowledged()
+    assert requests <= 200 + 4, requests
+    text = log.read_text()
+    assert "reachable again" in text, text[-3000:]

@@ -1,0 +1,242 @@
+"""Feeding a crawl from an SQS queue (moto's server mode, real crawls of the local shop):
+messages become requests, are deleted only after their page is committed, a slow request
+keeps its message invisible, bad messages are parked (a parked queue, or the queue's redrive
+policy), FIFO queues alike, and an SQS endpoint that goes away and comes back is ridden out."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+from local_site import LocalSite
+from scrapy import signals as scrapy_signals
+from scrapy.utils.defer import deferred_f_from_coro_f, maybe_deferred_to_future
+from scrapy.utils.test import get_crawler
+from sqs_server import SqsQueue, SqsServer, sqs_server  # noqa: F401  (the fixture)
+from test_queue_input import NATURAL_KEYS, QueueSpider, product, reactor_wait_for
+
+from crawling import crawl_settings, crawl_to_end, db_rows, frontier_counts, stored_products
+from scrapy_idempotent.queue_input import QueueInput
+
+
+def sqs_settings(db_path: Path, queue: SqsQueue, **extra: Any) -> dict[str, Any]:
+    extra = {"CLOSESPIDER_TIMEOUT": 150, **extra}
+    return crawl_settings(db_path, IDEMPOTENT_QUEUE_URL=queue.url,
+                          IDEMPOTENT_QUEUE_POLL_SECONDS=0.05, **NATURAL_KEYS, **extra)
+
+
+def product_body(shop: LocalSite, number: int) -> dict[str, Any]:
+    return {"url": product(shop, number), "callback": "parse_product"}
+
+
+def body_url(body: str) -> str | None:
+    text = body.strip()
+    if not text.startswith("{"):
+        return text
+    data = json.loads(text)
+    return data.get("url") if isinstance(data, dict) else None
+
+
+class DeleteProbe:
+    """Wraps the SQS input's boto3 client (the real one) and checks at every delete that the
+    page each deleted message asked for is committed in a final state."""
+
+    def __init__(self, crawler: Any, db_path: Path) -> None:
+        self.crawler, self.db_path = crawler, db_path
+        self.problems: list[str] = []
+        self.deleted = 0
+        crawler.signals.connect(self.spider_opened, signal=scrapy_signals.spider_opened)
+
+    def spider_opened(self) -> None:
+        (queue_input,) = [ext for ext in self.crawler.extensions.middlewares
+                          if isinstance(ext, QueueInput)]
+        broker: Any = queue_input.broker
+        client, probe = broker.client, self
+
+        class CheckedClient:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(client, name)
+
+            def delete_message_batch(self, QueueUrl: str, Entries: Any) -> Any:
+                bodies = {h: broker._bodies.get(i, "") for i, h in broker._handles.items()}
+                for entry in Entries:
+                    probe.check(bodies.get(entry["ReceiptHandle"], ""))
+                return client.delete_message_batch(QueueUrl=QueueUrl, Entries=Entries)
+
+        broker.client = CheckedClient()
+
+    def check(self, body: str) -> None:
+        self.deleted += 1
+        url = body_url(body) if body else None
+        if url is None:
+            return  # the stop message
+        states = {s for (s,) in db_rows(self.db_path, "SELECT state FROM requests WHERE url = ?",
+                                        (url,))}
+        if not states or not states <= {"done", "failed"}:
+            self.problems.append(f"{url} deleted in state {states}")
+
+
+@pytest.mark.parametrize("fifo", [False, True], ids=["standard", "fifo"])
+@deferred_f_from_coro_f
+async def test_messages_become_requests_deleted_after_their_commit(
+        sqs_server: SqsServer, db_path: Path, fifo: bool) -> None:  # noqa: F811
+    queue = SqsQueue(sqs_server, fifo=fifo)
+    with LocalSite(listing_pages=2, products_per_page=3, products_failing=[3]) as shop:
+        for _ in range(3):  # the same URL three times: one entry, one record
+            queue.push(product_body(shop, 1))
+        queue.push({**product_body(shop, 2), "meta": {"source": "q"}, "priority": 5})
+        queue.push(product_body(shop, 3))  # answers 503: failed, then deleted
+        queue.push(f"{shop.url}/list/2")  # a plain URL: links products 4..6 and list 1
+        crawler = get_crawler(QueueSpider, sqs_settings(
+            db_path, queue, IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=1))
+        probe = DeleteProbe(crawler, db_path)
+        await crawl_to_end(crawler)
+        requests = shop.counts_by_path()
+    stats = crawler.stats.get_stats()
+    assert stats["finish_reason"] == "finished"
+    assert probe.problems == []
+    assert probe.deleted == 6
+    assert requests["/product/SKU-00001"] == 1
+    assert frontier_counts(db_path) == {"done": 7, "failed": 1}
+    assert sorted(p["sku"] for p in stored_products(db_path)) == [
+        f"SKU-{n:05d}" for n in (1, 2, 4, 5, 6)]
+    assert queue.all_acknowledged()
+    assert stats["idempotent/queue/received"] == 6
+    assert stats["idempotent/queue/acknowledged"] == 6
+
+
+@deferred_f_from_coro_f
+async def test_a_stop_message_finishes_the_crawl(
+        sqs_server: SqsServer, db_path: Path) -> None:  # noqa: F811
+    queue = SqsQueue(sqs_server, fifo=True)
+    with LocalSite() as shop:
+        queue.push(product_body(shop, 1), group="g")
+        queue.push({"stop": True}, group="g")  # a FIFO group: read after the product
+        crawler = get_crawler(QueueSpider, sqs_settings(db_path, queue))
+        await crawl_to_end(crawler)
+    assert crawler.stats.get_value("finish_reason") == "finished"
+    assert [p["sku"] for p in stored_products(db_path)] == ["SKU-00001"]
+    assert queue.all_acknowledged()
+
+
+@deferred_f_from_coro_f
+async def test_a_slow_request_keeps_its_message_invisible(
+        sqs_server: SqsServer, db_path: Path) -> None:  # noqa: F811
+    """The visibility timeout is 2 s, the page takes 8 s: the heartbeat extends it, so another
+    consumer polling the queue all along never receives the message."""
+    queue = SqsQueue(sqs_server)
+    other = sqs_server.client()
+    received_elsewhere: list[Any] = []
+    with LocalSite(delay=8) as shop:
+        queue.push(product_body(shop, 1))
+        crawler = get_crawler(QueueSpider, sqs_settings(
+            db_path, queue, IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS=2,
+            IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=0.5))
+        crawling = crawler.crawl()
+        await reactor_wait_for(lambda: shop.in_flight >= 1, "the page requested")
+
+        def nobody_else_gets_it() -> bool:
+            received_elsewhere.extend(other.receive_message(
+                QueueUrl=queue.url, WaitTimeSeconds=0, VisibilityTimeout=0).get("Messages", []))
+            return shop.in_flight == 0
+
+        await reactor_wait_for(nobody_else_gets_it, "the slow page answered")
+        await maybe_deferred_to_future(crawling)
+    assert received_elsewhere == []
+    assert crawler.stats.get_value("finish_reason") == "finished"
+    assert crawler.stats.get_value("idempotent/queue/received") == 1
+    assert queue.all_acknowledged()
+
+
+@deferred_f_from_coro_f
+async def test_bad_messages_go_to_the_parked_queue_with_their_error(
+        sqs_server: SqsServer, db_path: Path) -> None:  # noqa: F811
+    queue = SqsQueue(sqs_server)
+    with LocalSite() as shop:
+        bad = ['{"url": ', json.dumps({"url": product(shop, 1), "callback": "nope"}),
+               "ftp://example.com/file"]
+        ids = {queue.push(body): body for body in bad}
+        queue.push(product_body(shop, 7))
+        crawler = get_crawler(QueueSpider, sqs_settings(
+            db_path, queue, IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=1))
+        await crawl_to_end(crawler)
+    stats = crawler.stats.get_stats()
+    assert stats["finish_reason"] == "finished"
+    assert stats["idempotent/queue/parked"] == 3
+    parked_url = queue.client.get_queue_url(QueueName=f"{queue.name}-parked")["QueueUrl"]
+    parked = {m["id"]: m for m in (json.loads(p["Body"]) for p in queue.receive_all(parked_url))}
+    assert {i: p["body"] for i, p in parked.items()} == ids
+    errors = sorted(p["error"] for p in parked.values())
+    assert any("not JSON" in e for e in errors)
+    assert any("method of the spider" in e for e in errors)
+    assert any("http(s) URL" in e for e in errors)
+    assert [p["sku"] for p in stored_products(db_path)] == ["SKU-00007"]
+    assert queue.all_acknowledged()
+
+
+@deferred_f_from_coro_f
+async def test_a_bad_message_is_left_to_the_redrive_policy(
+        sqs_server: SqsServer, db_path: Path) -> None:  # noqa: F811
+    queue = SqsQueue(sqs_server, redrive=True)
+    assert queue.dead_letter_url is not None
+    with LocalSite() as shop:
+        bad = queue.push(json.dumps({"url": product(shop, 1), "dont_filter": True}))
+        queue.push(product_body(shop, 7))
+        crawler = get_crawler(QueueSpider, sqs_settings(
+            db_path, queue, IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=1))
+        await crawl_to_end(crawler)
+    assert crawler.stats.get_value("finish_reason") == "finished"
+    assert [p["sku"] for p in stored_products(db_path)] == ["SKU-00007"]
+    assert queue.all_acknowledged()  # the bad one moved on to the dead-letter queue
+    (dead,) = queue.receive_all(queue.dead_letter_url)
+    assert dead["MessageId"] == bad
+
+
+@deferred_f_from_coro_f
+async def test_the_crawl_goes_on_when_sqs_comes_back(
+        sqs_server: SqsServer, db_path: Path, caplog: pytest.LogCaptureFixture  # noqa: F811
+) -> None:
+    """The SQS endpoint goes away mid-crawl (its server stopped: connections refused) and
+    comes back: the deletes owed are sent again, the messages pushed meanwhile are read."""
+    queue = SqsQueue(sqs_server)
+    with LocalSite(delay=0.05) as shop:
+        for n in range(1, 21):
+            queue.push(product_body(shop, n))
+        crawler = get_crawler(QueueSpider, sqs_settings(db_path, queue,
+                                                        CONCURRENT_REQUESTS=2))
+        crawling = crawler.crawl()
+        await reactor_wait_for(lambda: shop.request_count >= 5, "the crawl going")
+        sqs_server.stop()
+        try:
+            await reactor_wait_for(
+                lambda: crawler.stats.get_value("idempotent/queue/sqs_errors"), "an error")
+        finally:
+            sqs_server.start_again()
+        for n in range(21, 31):
+            queue.push(product_body(shop, n))
+        queue.push({"stop": True})
+        with caplog.at_level(logging.INFO, logger="scrapy_idempotent.queue_input"):
+            await maybe_deferred_to_future(crawling)
+    assert crawler.stats.get_value("finish_reason") == "finished"
+    assert len(stored_products(db_path)) == 30
+    assert frontier_counts(db_path) == {"done": 30}
+    assert queue.all_acknowledged()
+    assert any("reachable again" in r.getMessage() for r in caplog.records)
+
+
+def test_sqs_queue_urls() -> None:
+    from scrapy_idempotent.config import queue_broker
+    from scrapy_idempotent.queue_input.sqs import sqs_queue_location
+
+    assert sqs_queue_location("sqs://jobs") == ("jobs", None, None, None)
+    assert sqs_queue_location("sqs://jobs.fifo?region=eu-west-1") == (
+        "jobs.fifo", None, "eu-west-1", None)
+    assert sqs_queue_location("https://sqs.eu-west-1.amazonaws.com/123456789012/jobs") == (
+        "jobs", "https://sqs.eu-west-1.amazonaws.com/123456789012/jobs", "eu-west-1", None)
+    assert sqs_queue_location("http://127.0.0.1:4566/000000000000/jobs") == (
+        "jobs", "http://127.0.0.1:4566/000000000000/jobs", None, "http://127.0.0.1:4566")
+    assert queue_broker("https://sqs.eu-west-1.amazonaws.com/123456789012/jobs") == "sqs"
+    assert queue_broker("http://localhost") is None
