@@ -5,7 +5,8 @@ middlewares, the item pipelines and the extensions; it is handed the crawl's in-
 tracker and store (``IdempotentScheduler.from_crawler``). The other components find them
 here, once the spider is open: :func:`inflight_tracker` (``RecordIdMiddleware``,
 ``UpsertPipeline``, ``ResponseJournalMiddleware``) and :func:`frontier_store` (the journal's
-replays, the progress line's counts).
+replays, the progress line's counts). The feed exporter gets what it needs of the crawl as
+a :class:`FeedSession` (:func:`feed_session`), never the scheduler itself.
 
 Both answer None for a crawler without an engine: the component is used outside a crawl
 (Scrapy's own tests drive middleware managers on a bare crawler), where there is nothing to
@@ -17,7 +18,9 @@ nothing, silently).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 from . import scrapy_compat
 from .exceptions import IdempotentError
@@ -30,6 +33,8 @@ if TYPE_CHECKING:
     from .store.base import FrontierStore
 
 __all__ = [
+    "FeedSession",
+    "feed_session",
     "frontier_store",
     "idempotent_scheduler",
     "inflight_tracker",
@@ -73,3 +78,42 @@ def frontier_store(crawler: Crawler, component: str) -> FrontierStore | None:
     scheduler = idempotent_scheduler(crawler, component)
     return scheduler.store if scheduler is not None else None
 
+
+
+@dataclass(frozen=True)
+class FeedSession:
+    """What the feed exporter needs of its crawl (see :func:`feed_session`)."""
+
+    #: the crawl's open store (the run's records are read from it)
+    store: FrontierStore
+    #: the run this process works on
+    run_id: int
+    #: this process's worker id (see :mod:`.workers`): the owner of its temporary files
+    worker: str
+    #: IDEMPOTENT_RECORD_ID_FIELD (None: the record ID is not stamped into items)
+    record_id_field: str | None
+    #: ``before_session_end(hook)``: ``await hook(store, run_id, finishing)`` at the close,
+    #: once every write of the crawl is committed and before the run can be marked finished
+    #: (an exception it raises leaves the run unfinished)
+    before_session_end: Callable[[Callable[[FrontierStore, int, bool], Any]], None]
+
+
+def feed_session(crawler: Crawler) -> FeedSession | None:
+    """The crawl's :class:`FeedSession` once the spider is open; None when the crawl's
+    scheduler is not the package's (or there is no engine): the feed exporter then behaves
+    as Scrapy's own."""
+    from .scheduler import is_idempotent_scheduler
+
+    try:
+        scheduler = scrapy_compat.engine_scheduler(crawler) if crawler.engine else None
+    except RuntimeError:  # Scrapy 2.19's Crawler.engine before the crawl built it
+        return None
+    if scheduler is None or not is_idempotent_scheduler(scheduler):
+        return None
+    scheduler = cast("IdempotentScheduler", scheduler)
+    if scheduler.run_id is None:
+        return None
+    return FeedSession(store=scheduler.store, run_id=scheduler.run_id,
+                       worker=scheduler.worker,
+                       record_id_field=scheduler.config.record_id_field,
+                       before_session_end=scheduler.before_session_end)

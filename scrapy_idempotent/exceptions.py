@@ -11,6 +11,7 @@ __all__ = [
     "ConfigError",
     "DeliveryRefused",
     "DeliveryRetry",
+    "FeedNotStored",
     "IdempotentError",
     "MissingNaturalKey",
     "StoreBusy",
@@ -97,3 +98,17 @@ class DeliveryRetry(IdempotentError):
     def __init__(self, message: str, retry_after_seconds: float | None = None) -> None:
         super().__init__(message)
         self.retry_after_seconds = retry_after_seconds
+
+
+class FeedNotStored(IdempotentError):
+    """Feeds of the run could not be stored (each cause was logged once, with its traceback,
+    when it happened): the run is left unfinished, so the next crawl writes them again."""
+
+    reported = True
+
+    def __init__(self, failed: list[str]) -> None:
+        super().__init__(
+            f"{len(failed)} feed(s) not stored: {'; '.join(failed)}; the run is left "
+            "unfinished, and the next `scrapy crawl` (nothing left to fetch) writes the feeds "
+            "again")
+        self.failed = failed

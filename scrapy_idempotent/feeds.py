@@ -59,6 +59,8 @@ from twisted.internet.defer import Deferred
 
 from . import scrapy_compat
 from .codec import loads
+from .crawl import feed_session
+from .exceptions import FeedNotStored
 from .workers import worker_is_dead
 
 if TYPE_CHECKING:
@@ -68,7 +70,7 @@ if TYPE_CHECKING:
 
     from .store.base import FrontierStore, RunRecord
 
-__all__ = ["IdempotentFeedExporter"]
+__all__ = ["FeedNotStored", "IdempotentFeedExporter"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,19 +98,17 @@ class IdempotentFeedExporter(FeedExporter):
         self._failed: list[str] = []  # the feeds of this close that could not be stored
 
     def open_spider(self, spider: Spider) -> None:
-        from .scheduler import is_idempotent_scheduler
-
         self._spider = spider
-        scheduler = scrapy_compat.engine_scheduler(self.crawler)
-        if scheduler is None or not is_idempotent_scheduler(scheduler):
+        session = feed_session(self.crawler)
+        if session is None:
             # No run to read the records from: Scrapy's own behaviour, item by item.
             self.crawler.signals.connect(self.item_scraped, signals.item_scraped)
             super().open_spider(spider)
             return
         self._from_run = True
-        self._record_id_field = scheduler.config.record_id_field
-        self._worker = scheduler.worker
-        scheduler.before_session_end(self.export_run)
+        self._record_id_field = session.record_id_field
+        self._worker = session.worker
+        session.before_session_end(self.export_run)
 
     async def close_spider(self, spider: Spider) -> None:
         if not self._from_run:
@@ -143,12 +143,8 @@ class IdempotentFeedExporter(FeedExporter):
             # run_records holds no read transaction between its pages: the base of an
             # appended feed (a write) never meets a stale snapshot.
             for row in store.run_records(run_id):
-                item = self._item(row)
-                try:
-                    await self._export_item(item, slots, store, run_id, run_start)
-                except Exception:  # as Scrapy: logged, the item skips the remaining feeds
-                    logger.error("Error exporting record %s to the feeds", row.record_id,
-                                 exc_info=True, extra={"spider": spider})
+                await self._export_item(self._item(row), row.record_id, slots, store, run_id,
+                                        run_start)
             for slot in slots:
                 await self._store_slot(slot, store, run_id)
         finally:
@@ -157,19 +153,29 @@ class IdempotentFeedExporter(FeedExporter):
         if self._failed:
             raise FeedNotStored(self._failed)
 
-    async def _export_item(self, item: Any, slots: list[_RunSlot], store: FrontierStore,
-                           run_id: int, run_start: datetime) -> None:
+    async def _export_item(self, item: Any, record_id: str, slots: list[_RunSlot],
+                           store: FrontierStore, run_id: int, run_start: datetime) -> None:
         """One item into every feed that accepts it (what Scrapy's ``item_scraped`` does),
-        a batch stored and the next one started when it is full."""
+        a batch stored and the next one started when it is full. A feed whose filter or
+        exporter fails (a full disk, an item it cannot serialise) is given up for this close,
+        its cause logged once: the other feeds get every item all the same."""
         for index, slot in enumerate(slots):
             feed = slot.slot
-            if slot.error is not None or not feed.filter.accepts(item):
+            if slot.error is not None:
                 continue
-            if not slot.prepare(store, run_id):
+            try:
+                if not feed.filter.accepts(item) or not slot.prepare(store, run_id):
+                    continue
+                feed.start_exporting()
+                assert feed.exporter is not None
+                feed.exporter.export_item(item)
+            except Exception as exc:
+                logger.error("Error exporting record %s to the feed %s: this feed is not "
+                             "stored by this process (the other feeds are)", record_id,
+                             feed.uri, exc_info=True, extra={"spider": self._spider})
+                slot.error = exc
+                slot.error_reported = True
                 continue
-            feed.start_exporting()
-            assert feed.exporter is not None
-            feed.exporter.export_item(item)
             feed.itemcount += 1
             options = self.feeds[feed.uri_template]
             if options["batch_item_count"] and feed.itemcount >= options["batch_item_count"]:
@@ -244,7 +250,12 @@ class IdempotentFeedExporter(FeedExporter):
             run_slot.commit()
         except Exception as exc:
             run_slot.discard()
-            logger.error("Error storing %s", what, exc_info=True, extra={"spider": spider})
+            # a cause logged already (preparing or exporting) is named, not logged again
+            if run_slot.error_reported:
+                logger.error("Error storing %s: %r (logged above)", what, exc,
+                             extra={"spider": spider})
+            else:
+                logger.error("Error storing %s", what, exc_info=True, extra={"spider": spider})
             self.crawler.stats.inc_value(f"feedexport/failed_count/{storage_name}")
             self._failed.append(f"{slot.uri} ({type(exc).__name__}: {exc})")
         else:
@@ -270,18 +281,6 @@ class IdempotentFeedExporter(FeedExporter):
         return item
 
 
-class FeedNotStored(Exception):
-    """Feeds of the run could not be stored: the run is left unfinished, so the next crawl
-    writes them again."""
-
-    def __init__(self, failed: list[str]) -> None:
-        super().__init__(
-            f"{len(failed)} feed(s) not stored: {'; '.join(failed)}; the run is left "
-            "unfinished, and the next `scrapy crawl` (nothing left to fetch) writes the feeds "
-            "again")
-        self.failed = failed
-
-
 #: Temporary files of a feed: ``.NAME.<worker id, ':' as '+'>.<token>.partial``.
 _PARTIAL = ".partial"
 _COLON = "+"
@@ -299,9 +298,11 @@ class _RunSlot:
         self.append_only_remote = False
         self._prepared = False
         self._done = False
-        #: Why the slot cannot be stored (its preparation failed): nothing more is written
-        #: to it, and storing it reports this error.
+        #: Why the slot cannot be stored (its preparation or an export failed): nothing
+        #: more is written to it, and storing it reports this error.
         self.error: Exception | None = None
+        #: ``error`` was logged with its traceback when it happened
+        self.error_reported = False
 
     def prepare(self, store: FrontierStore, run_id: int) -> bool:
         """Before the first write: the directory, and for an appended file (``-o``) the part
@@ -319,6 +320,7 @@ class _RunSlot:
             logger.error("Error preparing the feed %s: it is not written by this process",
                          self.slot.uri, exc_info=True)
             self.error = exc
+            self.error_reported = True
             self.discard()
             return False
         self._prepared = True

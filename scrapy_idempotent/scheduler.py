@@ -67,13 +67,6 @@ __all__ = ["STORE_ERROR_REASON", "IdempotentScheduler", "is_idempotent_scheduler
 logger = logging.getLogger(__name__)
 
 
-def _is_feed_not_stored(exc: BaseException) -> bool:
-    """Feeds not stored: each cause was logged with its traceback already."""
-    from .feeds import FeedNotStored
-
-    return isinstance(exc, FeedNotStored)
-
-
 def is_idempotent_scheduler(obj: object) -> bool:
     """Whether ``obj`` (a scheduler or a scheduler class) is an :class:`IdempotentScheduler`.
 
@@ -274,8 +267,9 @@ class IdempotentScheduler(BaseScheduler):
                 await hook(self.store, run_id, finishing)
             except Exception as exc:
                 hook_failed = True
+                # an error already reported (feeds not stored) is one line, not a traceback
                 logger.error("scrapy_idempotent: %s", exc,
-                             exc_info=not _is_feed_not_stored(exc))
+                             exc_info=not getattr(exc, "reported", False))
         return hook_failed
 
     def _end_session(self, reason: str, finish_run: bool = True) -> None:

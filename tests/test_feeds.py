@@ -538,3 +538,90 @@ async def test_a_feed_that_cannot_be_stored_leaves_the_run_unfinished_and_is_wri
         assert site.request_count <= 1
     assert len(json.loads(feed.read_text())) == 10
     assert db_rows(db, "SELECT reason FROM runs") == [("finished",)]
+
+
+FULL_DISK_EXPORTER = '''
+import errno
+
+from scrapy.exporters import JsonLinesItemExporter
+
+
+class FullDiskExporter(JsonLinesItemExporter):
+    """Its disk is full after 20 items: every later write fails with ENOSPC."""
+
+    def export_item(self, item):
+        self.count = getattr(self, "count", 0) + 1
+        if self.count > 20:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        super().export_item(item)
+'''
+
+
+@deferred_f_from_coro_f
+async def test_a_feed_on_a_full_disk_changes_no_other_feed_and_logs_its_cause_once(
+    shop: LocalSite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "full_disk.py").write_text(FULL_DISK_EXPORTER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    db, full, other = tmp_path / "db.sqlite3", tmp_path / "full.jsonl", tmp_path / "other.json"
+    # the failing feed first: today its error made every later item skip the other feeds
+    feeds = {str(full): {"format": "full"}, str(other): {"format": "json"}}
+    settings = crawl_settings(db, FEEDS=feeds, **NATURAL_KEYS,
+                              FEED_EXPORTERS={"full": "full_disk.FullDiskExporter"})
+    crawler = await run_crawl(ShopSpider, settings, url=shop.url)
+    stats = crawler.stats.get_stats()
+    assert product_rows(json.loads(other.read_text())) == stored_rows(db)  # all 500
+    assert stats["feedexport/success_count/FileFeedStorage"] == 1
+    assert stats["feedexport/failed_count/FileFeedStorage"] == 1
+    assert not full.exists()
+    assert db_rows(db, "SELECT finished_at FROM runs") == [(None,)]  # written next time
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    with_traceback = [r for r in errors if r.exc_info]
+    assert len(with_traceback) == 1, [r.getMessage() for r in errors]
+    assert "No space left on device" in str(with_traceback[0].exc_info[1])
+    assert len(errors) <= 3, [r.getMessage() for r in errors]  # not one line per item
+    sys.modules.pop("full_disk", None)
+
+
+class OutOfOrderSpider(ShopSpider):
+    """Products filled in another order than ProductItem declares its fields, and a dict
+    item per product whose keys are not in name order."""
+
+    name = "out_of_order"
+
+    def parse_product(self, response: Any) -> Any:
+        for item in super().parse_product(response):
+            product = type(item)()
+            for field in ("url", "price", "sku", "name"):
+                product[field] = item[field]
+            yield product
+            yield {"zone": "eu", "sku": f"d-{item['sku']}", "alpha": 1}
+
+
+@deferred_f_from_coro_f
+@pytest.mark.parametrize("fields", [None, ["price", "sku"]])
+async def test_csv_columns_are_in_scrapys_order(tmp_path: Path, fields: Any) -> None:
+    """CSV columns as Scrapy's own exporter writes them: an item's declared fields, a dict's
+    keys in their order (the first item decides), FEED_EXPORT_FIELDS when set."""
+    options = {"format": "csv", **({"fields": fields} if fields else {})}
+    headers = {}
+    with LocalSite(listing_pages=1, products_per_page=3) as site:
+        for mode in ("plain", "idempotent"):
+            feed = tmp_path / f"{mode}-%(name)s-%(batch_id)d.csv"
+            settings = crawl_settings(
+                tmp_path / "db.sqlite3", FEEDS={str(feed): options},
+                IDEMPOTENT_NATURAL_KEYS={"shop.items.ProductItem": "sku", "dict": "sku"},
+                IDEMPOTENT_RECORD_ID_FIELD=None, FEED_EXPORT_BATCH_ITEM_COUNT=1)
+            if mode == "plain":
+                settings["ADDONS"] = {}
+            await run_crawl(OutOfOrderSpider, settings, url=site.url)
+            headers[mode] = sorted(
+                path.read_text().splitlines()[0]
+                for path in tmp_path.glob(f"{mode}-out_of_order-*.csv"))
+    assert len(headers["plain"]) == 6
+    assert headers["idempotent"] == headers["plain"]
+    if fields:
+        assert set(headers["plain"]) == {"price,sku"}
+    else:
+        assert set(headers["plain"]) == {"sku,name,price,url", "zone,sku,alpha"}
