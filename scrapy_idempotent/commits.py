@@ -66,6 +66,7 @@ class CrawlHealth:
         self._stats = stats
         self.closing = False
         self.failed = False
+        self._refused = False  #: the store was refused at open; the spider not closed yet
 
     @property
     def stopped(self) -> bool:
@@ -80,6 +81,25 @@ class CrawlHealth:
         self._stats.set_value("idempotent/error", reason)
         logger.error("scrapy_idempotent: closing the spider: %s", reason)
         engine_hooks.close_spider_failed(self._crawler, STORE_ERROR_REASON)
+
+    def fail_at_open(self, reason: str) -> None:
+        """:meth:`fail` for a store refused while the spider opens: from now on nothing is
+        taken or handed out, and the spider is closed with :data:`STORE_ERROR_REASON` when
+        the running engine first asks for a request (:meth:`close_if_refused`): closing it
+        while the engine still opens it would leave Scrapy's scraper and stats half open
+        (four tracebacks, reason ``shutdown``)."""
+        if self.failed:
+            return
+        self.failed = True
+        self._refused = True
+        self._stats.set_value("idempotent/error", reason)
+        logger.error("scrapy_idempotent: closing the spider: %s", reason)
+
+    def close_if_refused(self) -> None:
+        """Close the spider (once) after :meth:`fail_at_open`; nothing otherwise."""
+        if self._refused:
+            self._refused = False
+            engine_hooks.close_spider_failed(self._crawler, STORE_ERROR_REASON)
 
 
 def _adds_pending(work: UnitOfWork) -> bool:

@@ -1004,6 +1004,10 @@ def _database(raw: Any, spider_name: str) -> str:
         raise ConfigError("IDEMPOTENT_DATABASE", raw,
                           "a file path (may contain {spider}) or a database URL")
     given = os.fspath(raw)
+    if "\x00" in given:
+        raise ConfigError("IDEMPOTENT_DATABASE", raw,
+                          "a file path (may contain {spider}) or a database URL, without a NUL "
+                          "character")
     database = given.replace("{spider}", spider_name)
     path = sqlite_path(database)  # raises for a scheme no backend is registered for
     if path is None:

@@ -46,7 +46,7 @@ from .admission import Admission
 from .codec import RequestCodec, describe
 from .commits import STORE_ERROR_REASON, CommitOutcomes, CommitPath, CrawlHealth, retry_busy
 from .config import IdempotentConfig, config_for
-from .exceptions import StoreBusy
+from .exceptions import IdempotentError, StoreBusy
 from .inflight import HttpStatusRule, InflightTracker
 from .keys import RequestFingerprints, RequestKeys
 from .leases import ClaimedRequests, LeaseKeeper
@@ -167,9 +167,10 @@ class IdempotentScheduler(BaseScheduler):
 
     def open(self, spider: Spider) -> None:
         """Open the store, join or start a run, reclaim the leases of this host's dead
-        workers (of its PID namespace), and hook into the engine. Raises :class:`~.StoreError` or
-        :class:`~.UnsupportedScrapy` before anything is fetched (and ``scrapy crawl`` then
-        exits non-zero)."""
+        workers (of its PID namespace), and hook into the engine. A store refused at open
+        (:class:`~.StoreError`) closes the spider with ``idempotent_store_error`` once the
+        engine has started, before anything is fetched (one ERROR line); an unsupported Scrapy
+        raises :class:`~.UnsupportedScrapy`. Either way ``scrapy crawl`` exits non-zero."""
         with scrapy_compat.start_failure_exits_nonzero(self.crawler):
             self._open(spider)
 
@@ -178,10 +179,17 @@ class IdempotentScheduler(BaseScheduler):
         self.codec = self.admission.codec = RequestCodec(spider, self.config.request_classes)
         identity = CrawlIdentity(project=str(self.crawler.settings.get("BOT_NAME") or ""),
                                  spider=spider.name, source=self.config.source)
-        changed = retry_busy("opening", lambda: self.store.open(
-            fingerprinter=self.fingerprints.name, identity=identity))
-        run = retry_busy("starting", lambda: self.store.begin_session(
-            self.worker, self.config.run_mode))
+        try:
+            changed = retry_busy("opening", lambda: self.store.open(
+                fingerprinter=self.fingerprints.name, identity=identity))
+            run = retry_busy("starting", lambda: self.store.begin_session(
+                self.worker, self.config.run_mode))
+        except IdempotentError as exc:
+            # the database was refused (not ours, another crawl's, disk full, a path that
+            # cannot be created...): one ERROR line, nothing fetched, the spider closed as
+            # idempotent_store_error (exit code 1)
+            self.health.fail_at_open(f"cannot open the frontier database: {exc}")
+            return
         workers.declare_live(self.worker)
         self._session = True
         if changed is not None:
@@ -312,6 +320,7 @@ class IdempotentScheduler(BaseScheduler):
         pending entries, or entries other workers hold (their lease may come back). Never
         raises; on a store error it answers True and lets the close take its course."""
         if self.health.failed:
+            self.health.close_if_refused()
             return False
         if (self.claimed or self.tracker.unattributed.requests or self.tracker.memory_requests
                 or self.writer.busy):  # (a batch being written may claim requests)
@@ -337,6 +346,8 @@ class IdempotentScheduler(BaseScheduler):
         """Add ``request`` to the frontier (buffered until the transaction that completes the
         request it came from), or keep it in memory when it cannot be stored. Returns False
         for a duplicate and for a request the fingerprinter fails on. Never raises."""
+        if self.health.failed:  # nothing is taken once the store failed (or was refused)
+            return False
         try:
             return self.admission.enqueue(request)
         except Exception:
@@ -348,6 +359,7 @@ class IdempotentScheduler(BaseScheduler):
         """The next request under lease, or None when nothing can be claimed now. Never
         raises."""
         if self.health.stopped:
+            self.health.close_if_refused()
             return None
         try:
             request = self._next_request()
@@ -374,8 +386,9 @@ class IdempotentScheduler(BaseScheduler):
     def __len__(self) -> int:
         """Pending and leased entries in the frontier (all workers), plus buffered ones
         (the frontier's figures of the last count while the store cannot be read at once)."""
-        with contextlib.suppress(StoreBusy):
-            self._last_counts = self.store.counts()
+        if self._session:  # (not when the store was refused at open)
+            with contextlib.suppress(StoreBusy):
+                self._last_counts = self.store.counts()
         counts = self._last_counts
         return (counts.get("pending", 0) + counts.get("leased", 0)
                 + len(self.tracker.unattributed.requests) + self.tracker.memory_requests)

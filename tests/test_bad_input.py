@@ -169,14 +169,23 @@ def crawl(*settings: str, env: dict[str, str] | None = None) -> subprocess.Compl
                           capture_output=True, text=True, timeout=120, env=env)
 
 
-def assert_one_line(result: subprocess.CompletedProcess[str], *words: str) -> str:
+def assert_one_line(result: subprocess.CompletedProcess[str], *words: str,
+                    opened: bool = False) -> str:
+    """Exit code 1, one CRITICAL or ERROR line with ``words``, no traceback; the spider not
+    opened (a setting), or opened and closed as ``idempotent_store_error`` (a database refused
+    at open). Either way no request was made: one to the closed port would be another ERROR
+    line (the retry middleware giving up)."""
     output = result.stdout + result.stderr
     assert result.returncode == 1, output
     bad = [line for line in output.splitlines() if " CRITICAL: " in line or " ERROR: " in line]
     assert len(bad) == 1, output
     assert all(word in bad[0] for word in words), bad[0]
     assert "Traceback" not in output and "never retrieved" not in output, output
-    assert "Spider opened" not in output, output  # stopped before the first request
+    if opened:
+        assert "Spider closed (idempotent_store_error)" in output, output
+        assert "'downloader/request_count'" not in output, output
+    else:
+        assert "Spider opened" not in output, output  # stopped before the first request
     return bad[0]
 
 
@@ -223,3 +232,29 @@ def test_a_postgresql_url_without_psycopg_names_the_extra(tmp_path: Path) -> Non
     assert "Traceback" not in output, output
     assert output.strip().splitlines() == [output.strip()], output
     assert "pip install 'scrapy-idempotent[postgresql]'" in output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["another application's file", "a path too long"])
+def test_a_database_refused_at_open_closes_the_spider_with_one_error_line(
+    tmp_path: Path, case: str
+) -> None:
+    if case == "a path too long":
+        db = tmp_path / ("x" * 300 + ".sqlite3")
+        words = ["cannot open the frontier database", "cannot create the database"]
+    else:
+        db = tmp_path / "notes.db"
+        db.write_text("someone else's notes\n")
+        words = ["cannot open the frontier database", "is not a scrapy_idempotent database",
+                 "left untouched"]
+    before = db.read_bytes() if db.name == "notes.db" else None
+    result = crawl(f"IDEMPOTENT_DATABASE={db}")
+    assert_one_line(result, *words, opened=True)
+    assert "'finish_reason': 'idempotent_store_error'" in result.stdout + result.stderr
+    if before is not None:
+        assert db.read_bytes() == before
+
+
+def test_a_database_path_with_a_nul_is_refused_naming_the_setting() -> None:
+    with pytest.raises(ConfigError, match=r"IDEMPOTENT_DATABASE.*without a NUL"):
+        config({"IDEMPOTENT_DATABASE": "/tmp/a\x00b.sqlite3"})

@@ -182,15 +182,15 @@ async def test_corrupt_or_newer_database_stops_the_crawl_and_is_left_untouched(
     make(db_path)
     before = file_digest(db_path)
     names = sorted(os.listdir(db_path.parent))
-    from scrapy_idempotent.exceptions import StoreError
-
-    with pytest.raises(StoreError) as caught:
-        await run_crawl(PagesSpider, crawl_settings(db_path, **KEYS), url=site.url,
-                        paths=pages(site, 2), make_output=lambda r: [{"sku": r.url}])
+    # refused at open: the spider closes as idempotent_store_error, nothing fetched
+    crawler = await run_crawl(PagesSpider, crawl_settings(db_path, **KEYS), url=site.url,
+                              paths=pages(site, 2), make_output=lambda r: [{"sku": r.url}])
+    assert crawler.stats.get_value("finish_reason") == "idempotent_store_error"
     assert file_digest(db_path) == before  # no WAL switch, no table, no user_version
     assert sorted(os.listdir(db_path.parent)) == names  # no -wal/-shm/-journal either
     assert site.request_count == 0
-    message = str(caught.value)
+    message = crawler.stats.get_value("idempotent/error")
+    assert message.startswith("cannot open the frontier database: ")
     assert str(db_path) in message
     assert hint in message, message
     assert not [m for m in package_messages(caplog, logging.ERROR)
