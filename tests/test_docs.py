@@ -81,9 +81,9 @@ def source_stats() -> tuple[dict[str, str], dict[str, str]]:
     return names, patterns
 
 
-#: Names that look like settings on purpose: the misspellings shown by the unknown-setting
-#: warning's example.
-NOT_SETTINGS = {"IDEMPOTENT_NATURAL_KEY"}
+#: Names that look like settings and are not: the misspelling of the unknown-setting
+#: warning's example, and the environment variable that rewrites the docs' samples.
+NOT_SETTINGS = {"IDEMPOTENT_NATURAL_KEY", "IDEMPOTENT_UPDATE_SAMPLES"}
 #: A setting's name in any text (``IDEMPOTENT_QUEUE_*``, a family, is not one).
 SETTING_NAME = re.compile(r"\bIDEMPOTENT_[A-Z0-9_]*[A-Z0-9]\b(?!_?\*)")
 
