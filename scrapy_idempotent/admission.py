@@ -7,11 +7,22 @@ or writing a transaction for it; a retry continues the frontier entry of the req
 retries; a request that cannot be stored is held in memory by the tracker (see
 :mod:`.inflight`); every other one is encoded and buffered for the transaction of the request
 it came from (the tracker's unit of work).
+
+:class:`StartIntake` paces ``Spider.start()``. Scrapy's engine takes the next start request
+as soon as the previous one is enqueued, without a turn of the reactor in between while the
+downloader is full (``ExecutionEngine._start_request_processing``): a ``start()`` that never
+awaits is then consumed to its end before anything else runs, no download, no write (the
+writer's batches are sent from the reactor), every request buffered in memory. The spider
+middleware asks the intake after each start request (:meth:`StartIntake.pause`): every
+:data:`START_SLICE_SECONDS` the reactor gets a turn (downloads go on), and once
+:data:`START_WINDOW` start requests wait to be written, the intake waits until the writer has
+stored them (memory holds a window of the list, taken in at the writer's speed).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from . import signals
@@ -22,6 +33,7 @@ from .store.base import NewRequest
 if TYPE_CHECKING:
     from scrapy import Request
     from scrapy.statscollectors import StatsCollector
+    from twisted.internet.defer import Deferred
 
     from ._dupes import DuplicateFilter
     from .codec import RequestCodec
@@ -29,10 +41,52 @@ if TYPE_CHECKING:
     from .inflight import InflightRequest, InflightTracker, RequestOrigin
     from .keys import RequestFingerprints, RequestKeys
     from .store.base import FrontierStore
+    from .writer import WriterThread
 
-__all__ = ["Admission"]
+__all__ = ["START_SLICE_SECONDS", "START_WINDOW", "Admission", "StartIntake"]
 
 logger = logging.getLogger(__name__)
+
+#: Start requests at most buffered for the writer: once as many wait, start() waits for them
+#: to be written.
+START_WINDOW = 2000
+#: start() is taken in for at most this long (seconds) between two turns of the reactor.
+START_SLICE_SECONDS = 0.02
+
+
+class StartIntake:
+    """How fast ``start()`` is taken in (see the module docstring)."""
+
+    def __init__(self, tracker: InflightTracker, writer: WriterThread, *,
+                 window: int = START_WINDOW, slice_seconds: float = START_SLICE_SECONDS) -> None:
+        self.tracker = tracker
+        self.writer = writer
+        self.window = window
+        self.slice_seconds = slice_seconds
+        self._slice_began = time.monotonic()
+
+    def pause(self) -> Deferred[None] | None:
+        """After a start request was enqueued: None to take the next one at once, else a
+        Deferred to wait for first (the next reactor turn, or the window's writes)."""
+        if not self.writer.running:  # a scheduler driven by hand, or closing
+            return None
+        waiting: Deferred[None] | None = None
+        if len(self.tracker.unattributed.requests) >= self.window:
+            seq = self.writer.open_seq  # the batch that takes the buffered requests
+            self.writer.commit()
+            waiting = self.writer.durable(seq)
+        if waiting is None and time.monotonic() - self._slice_began >= self.slice_seconds:
+            from twisted.internet import reactor
+            from twisted.internet.task import deferLater
+
+            waiting = deferLater(reactor, 0, lambda: None)
+        if waiting is not None:
+            waiting.addBoth(self._resumed)
+        return waiting
+
+    def _resumed(self, result: object) -> object:
+        self._slice_began = time.monotonic()
+        return result
 
 
 def _retry_times(request: Request) -> int:

@@ -4,13 +4,14 @@ The scheduler is built by the engine when the spider opens, after the spider and
 middlewares, the item pipelines and the extensions; it is handed the crawl's in-flight
 tracker and store (``IdempotentScheduler.from_crawler``). The other components find them
 here, once the spider is open: :func:`inflight_tracker` (``RecordIdMiddleware``,
-``UpsertPipeline``, ``ResponseJournalMiddleware``) and :func:`frontier_store` (the journal's
-replays, the progress line's counts). The feed exporter gets what it needs of the crawl as
-a :class:`FeedSession` (:func:`feed_session`), never the scheduler itself.
+``UpsertPipeline``, ``ResponseJournalMiddleware``), :func:`frontier_store` (the journal's
+replays, the progress line's counts) and :func:`start_intake` (``RecordIdMiddleware`` paces
+``start()`` with it). The feed exporter gets what it needs of the crawl as a
+:class:`FeedSession` (:func:`feed_session`), never the scheduler itself.
 
-Both answer None for a crawler without an engine: the component is used outside a crawl
+They answer None for a crawler without an engine: the component is used outside a crawl
 (Scrapy's own tests drive middleware managers on a bare crawler), where there is nothing to
-attribute or store and output passes unchanged. Both raise :class:`~.IdempotentError` when
+attribute or store and output passes unchanged. They raise :class:`~.IdempotentError` when
 the engine's scheduler is another one (the component was wired by hand without it), or when
 the crawl has an engine whose scheduler cannot be found (the component would otherwise store
 nothing, silently).
@@ -28,6 +29,7 @@ from .exceptions import IdempotentError
 if TYPE_CHECKING:
     from scrapy.crawler import Crawler
 
+    from .admission import StartIntake
     from .inflight import InflightTracker
     from .scheduler import IdempotentScheduler
     from .store.base import FrontierStore
@@ -38,6 +40,7 @@ __all__ = [
     "frontier_store",
     "idempotent_scheduler",
     "inflight_tracker",
+    "start_intake",
 ]
 
 
@@ -79,6 +82,10 @@ def frontier_store(crawler: Crawler, component: str) -> FrontierStore | None:
     return scheduler.store if scheduler is not None else None
 
 
+def start_intake(crawler: Crawler, component: str) -> StartIntake | None:
+    """The crawl's :class:`~.StartIntake`: how fast ``start()`` is taken in."""
+    scheduler = idempotent_scheduler(crawler, component)
+    return scheduler.start_intake if scheduler is not None else None
 
 @dataclass(frozen=True)
 class FeedSession:

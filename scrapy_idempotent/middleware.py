@@ -19,12 +19,13 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from scrapy import Request, signals
+from scrapy.utils.defer import maybe_deferred_to_future
 from scrapy.utils.misc import load_object
 
 from . import scrapy_compat
 from ._dupes import DuplicateFilter
 from .config import config_for
-from .crawl import inflight_tracker
+from .crawl import inflight_tracker, start_intake
 from .exceptions import ConfigError
 
 if TYPE_CHECKING:
@@ -79,8 +80,9 @@ class RecordIdMiddleware:
         return self._tracker
 
     async def process_start(self, start: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        """Start requests are marked so ``dont_filter`` ones get stable keys; start items
-        get their record IDs."""
+        """Start requests are marked so ``dont_filter`` ones get stable keys, and taken in at
+        the pace of the crawl's :class:`~.StartIntake`; start items get their record IDs."""
+        intake = start_intake(self.crawler, type(self).__name__)
         async for output in start:
             tracker = self.tracker
             if tracker is not None:
@@ -88,7 +90,10 @@ class RecordIdMiddleware:
                     tracker.mark_start(output)
                 else:
                     tracker.track(output, None, None)
-            yield output
+            yield output  # (the engine has enqueued it when the next one is asked for)
+            waiting = intake.pause() if intake is not None else None
+            if waiting is not None:
+                await maybe_deferred_to_future(waiting)
 
     # ``spider``: Scrapy 2.13 passes it; later releases do not (see :mod:`.scrapy_compat`).
     async def process_spider_output(

@@ -13,7 +13,8 @@ handed only the others it uses:
 * the store (:class:`~.FrontierStore`): the durable frontier;
 * :class:`~.InflightTracker` (:mod:`.inflight`): what each handed-out request produced and
   how it went; the engine hooks report to it, the spider middleware and the pipeline use it;
-* :class:`~.Admission` (:mod:`.admission`): the enqueue decision;
+* :class:`~.Admission` (:mod:`.admission`): the enqueue decision; :class:`~.StartIntake`:
+  how fast ``start()`` is taken in;
 * :class:`~.CommitPath` (:mod:`.commits`): every write, through the
   :class:`~.WriterThread` (:mod:`.writer`), and what follows a durable commit
   (:class:`~.CommitOutcomes`: stats, warnings, the ``request_done`` signal);
@@ -42,7 +43,7 @@ from scrapy.core.scheduler import BaseScheduler
 
 from . import __version__, engine_hooks, scrapy_compat, workers
 from ._dupes import DuplicateFilter
-from .admission import Admission
+from .admission import Admission, StartIntake
 from .codec import RequestCodec, describe
 from .commits import STORE_ERROR_REASON, CommitOutcomes, CommitPath, CrawlHealth, retry_busy
 from .config import IdempotentConfig, config_for
@@ -138,6 +139,7 @@ class IdempotentScheduler(BaseScheduler):
             self.store, tracker=self.tracker, fingerprints=self.fingerprints,
             keys=RequestKeys(), dupes=DuplicateFilter.from_settings(crawler.settings, stats),
             outcomes=self.outcomes, stats=stats)
+        self.start_intake = StartIntake(self.tracker, self.writer)
         self.spider: Spider | None = None
         self.codec: RequestCodec | None = None
         self.run_id: int | None = None

@@ -1,0 +1,158 @@
+"""A long ``start()`` is taken in while downloads go on: Scrapy's engine asks for the next
+start request without a reactor turn while the downloader is full, so a ``start()`` that
+never awaits would be consumed to its end before any download, write or callback; the
+add-on's spider middleware gives the reactor turns and waits for the writer once a window of
+start requests is buffered."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import scrapy
+from local_site import LocalSite
+from scrapy.exceptions import CloseSpider
+from scrapy.utils.defer import deferred_f_from_coro_f
+
+from crawling import crawl_settings, frontier_counts, run_crawl
+from scrapy_idempotent import scrapy_compat
+from scrapy_idempotent.admission import START_WINDOW
+
+#: Start requests yielded before the test looks for downloads: several windows.
+MIDPOINT = 3 * START_WINDOW
+#: Where start() gives up waiting for a download (a start() consumed without reactor turns
+#: gets there, and the test fails instead of hanging).
+LIMIT = 40_000
+
+
+class LongStart(scrapy.Spider):
+    """``start()`` never awaits: it yields until a response comes in after its
+    :data:`MIDPOINT` (state, not time), noting the largest buffer of start requests seen."""
+
+    name = "long_start"
+    site_url = ""
+    dont_filter = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.responses = 0
+        self.yielded = 0
+        self.at_midpoint: int | None = None
+        self.max_buffered = 0
+        self.start_done = False
+
+    async def start(self) -> Any:
+        tracker = scrapy_compat.engine_scheduler(self.crawler).tracker
+        while self.yielded < LIMIT:
+            if self.yielded == MIDPOINT:
+                self.at_midpoint = self.responses
+            elif self.at_midpoint is not None and self.responses > self.at_midpoint:
+                break
+            self.max_buffered = max(self.max_buffered, len(tracker.unattributed.requests))
+            yield scrapy.Request(f"{self.site_url}/ok/start-{self.yielded}",
+                                 dont_filter=self.dont_filter)
+            self.yielded += 1
+        self.start_done = True
+
+    def parse(self, response: Any) -> None:
+        self.responses += 1
+        if self.start_done:
+            raise CloseSpider("enough")
+
+
+@pytest.mark.parametrize("dont_filter", [False, True])
+@deferred_f_from_coro_f
+async def test_downloads_go_on_while_a_long_start_is_taken_in(
+        site: LocalSite, db_path: Path, dont_filter: bool) -> None:
+    spider = type("Spider", (LongStart,), {"site_url": site.url, "dont_filter": dont_filter})
+    crawler = await run_crawl(spider, crawl_settings(db_path))
+    spider_instance = crawler.spider or crawler.engine.spider
+    # responses came in after the midpoint, while start() was still being consumed
+    assert spider_instance.at_midpoint is not None
+    assert spider_instance.yielded < LIMIT
+    # memory held a window of the start list, not the list
+    assert spider_instance.max_buffered <= START_WINDOW
+    # and nothing yielded was lost: every start request is in the frontier
+    assert sum(frontier_counts(db_path).values()) == spider_instance.yielded
+    assert crawler.stats.get_value("finish_reason") == "enough"
+
+
+#: Start requests of the kill test: ``HALF`` of them, then (once the release file exists)
+#: the rest; every other one with dont_filter=True.
+HALF, TOTAL = 2_500, 3_000
+HALF_CONSUMED_SPIDER = f'''
+import asyncio, os
+import scrapy
+
+
+class HalfConsumed(scrapy.Spider):
+    name = "half_consumed"
+    custom_settings = {{"ADDONS": {{"scrapy_idempotent.Addon": 0}}, "ROBOTSTXT_OBEY": False,
+                       "CONCURRENT_REQUESTS": 16, "CONCURRENT_REQUESTS_PER_DOMAIN": 16,
+                       "TELNETCONSOLE_ENABLED": False, "RETRY_ENABLED": False}}
+
+    def __init__(self, url, release, **kwargs):
+        super().__init__(**kwargs)
+        self.url, self.release = url, release
+
+    async def start(self):
+        for i in range({TOTAL}):
+            if i == {HALF}:
+                while not os.path.exists(self.release):  # the first crawl waits here
+                    await asyncio.sleep(0.05)
+            yield scrapy.Request(f"{{self.url}}/ok/k-{{i}}", dont_filter=i % 2 == 0)
+
+    def parse(self, response):
+        return None
+'''
+
+
+@pytest.mark.slow
+def test_a_kill_while_start_is_half_consumed_loses_and_duplicates_nothing(
+        tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from crawling import close_reason, db_rows, wait_for
+
+    spider = tmp_path / "half_consumed.py"
+    spider.write_text(HALF_CONSUMED_SPIDER)
+    db = tmp_path / "half.sqlite3"
+    release = tmp_path / "release"
+
+    def stored() -> int:
+        try:
+            return int(db_rows(db, "SELECT count(*) FROM requests")[0][0])
+        except Exception:  # not created yet
+            return 0
+
+    with LocalSite() as site:
+        def run(log: str) -> subprocess.Popen[bytes]:
+            return subprocess.Popen(
+                [sys.executable, "-m", "scrapy", "runspider", str(spider), "-a",
+                 f"url={site.url}", "-a", f"release={release}",
+                 "-s", f"IDEMPOTENT_DATABASE={db}", "-s", f"LOG_FILE={tmp_path / log}"],
+                cwd=tmp_path, stdin=subprocess.DEVNULL)
+
+        first = run("first.log")
+        try:
+            # killed with a window of the start list written, the rest of start() not
+            # consumed yet, downloads under way
+            wait_for(lambda: stored() >= START_WINDOW and site.request_count > 0, 120,
+                     "the first window of start requests", tmp_path / "first.log")
+        finally:
+            first.kill()
+            first.wait()
+        assert stored() <= HALF
+        release.touch()
+        second = run("second.log")
+        assert second.wait(timeout=600) == 0
+        counts = site.counts_by_path()
+    assert close_reason(tmp_path / "second.log") == "finished"
+    # every start request once in the frontier, done; each page fetched, and again only
+    # if it was on the wire at the kill
+    assert db_rows(db, "SELECT state, count(*) FROM requests GROUP BY state") == [
+        ("done", TOTAL)]
+    assert sorted(counts) == sorted(f"/ok/k-{i}" for i in range(TOTAL))
+    assert sum(counts.values()) <= TOTAL + 16
