@@ -1,7 +1,7 @@
 """Long start list benchmark: does a spider whose ``start()`` yields N URLs crawl at once?
 
     python benchmarks/start_list.py [--urls N] [--seconds S] [--only NAME ...] [--profile]
-                                    [--trace SECONDS]
+                                    [--trace SECONDS] [--package PATH]
 
 Serves the tests' local site (``tests/local_site.py``, instant answers, keep-alive) from a
 subprocess on 127.0.0.1, then runs one crawl per configuration, each a ``CrawlerProcess`` in
@@ -21,8 +21,10 @@ most own and most cumulative time on the reactor thread (``cProfile``, dumped by
 a few seconds before the end: a reactor that never gets a turn leaves no profile).
 ``--trace`` prints the crawl's counters as it goes (start requests enqueued, requests added
 to the frontier, downloads, write transactions, start requests buffered for the writer, RSS).
-The machine's load average before and after is printed too: on a shared machine the figures
-of one run are comparable with each other, not with another run's.
+``--package PATH`` crawls with the copy of the package in ``PATH`` (``git archive`` of an
+earlier commit) instead of the installed one. The machine's load average before and after is
+printed too: on a shared machine the figures of one run are comparable with each other, not
+with another run's.
 """
 
 from __future__ import annotations
@@ -93,9 +95,13 @@ def top_functions(profiler: cProfile.Profile, top: int = 25) -> dict[str, Any]:
 
 
 def crawl(config: str, url: str, urls: int, seconds: float, out: str, db: str,
-          profile: bool, trace_every: float) -> None:
+          profile: bool, trace_every: float, package: str | None) -> None:
     """In the crawl's subprocess: crawl until killed; just before ``seconds`` have passed,
     write the peak RSS (and the profile) to ``out``."""
+    if package:  # before anything imports the package: that copy, not the installed one
+        sys.path.insert(0, package)
+        sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__name__.lower()
+                            and "editable" not in getattr(f, "__name__", "").lower()]
     import scrapy
     from scrapy.crawler import CrawlerProcess
 
@@ -172,6 +178,7 @@ def run(config: str, url: str, args: argparse.Namespace, tmp: Path) -> dict[str,
                "--urls", str(args.urls), "--seconds", str(args.seconds),
                "--out", str(out), "--db", str(db), "--trace", str(args.trace)]
     command += ["--profile"] if args.profile else []
+    command += ["--package", args.package] if args.package else []
     started = time.monotonic()
     child = subprocess.Popen(command)
     try:
@@ -195,6 +202,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--only", nargs="*", choices=sorted(CONFIGS), default=None)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--package", metavar="PATH",
+                        help="crawl with the package found in PATH (a checkout of an earlier "
+                             "commit) instead of the installed one")
     parser.add_argument("--trace", type=float, default=0.0, metavar="SECONDS",
                         help="print the crawl's counters every SECONDS")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
@@ -208,14 +218,15 @@ def main() -> None:
         return
     if args.crawl:
         crawl(args.crawl, args.url, args.urls, args.seconds, args.out, args.db, args.profile,
-              args.trace)
+              args.trace, args.package)
         return
     site = subprocess.Popen([sys.executable, str(HERE), "--serve"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:
         assert site.stdout is not None
         url = site.stdout.readline().strip()
-        print(f"{args.urls:,} start URLs, {args.seconds:g} s per crawl; "
+        print(f"{args.urls:,} start URLs, {args.seconds:g} s per crawl, package "
+              f"{args.package or 'installed'}; "
               f"load before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         results: dict[str, dict[str, Any]] = {}
         with tempfile.TemporaryDirectory(prefix="start_list-") as tmp:
