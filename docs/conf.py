@@ -26,4 +26,3 @@ highlight_language = "python"
 
 html_theme = "furo"
 html_title = f"scrapy_idempotent {release}"
-html_static_path = ["_static"]
