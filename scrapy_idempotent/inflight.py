@@ -65,6 +65,8 @@ if TYPE_CHECKING:
     from scrapy.statscollectors import StatsCollector
     from twisted.internet.defer import Deferred
 
+    from .config import IdempotentConfig
+
 __all__ = [
     "HttpStatusRule",
     "InflightRequest",
@@ -72,6 +74,7 @@ __all__ = [
     "ItemOrigin",
     "RequestOrigin",
     "UnattributedWrites",
+    "tracker_for",
 ]
 
 logger = logging.getLogger(__name__)
@@ -887,3 +890,21 @@ def _stamped_id(item: Any, field_name: str | None) -> str | None:
     value = ItemAdapter(item).get(field_name)
     return value if isinstance(value, str) and len(value) == 32 else None
 
+
+def tracker_for(config: IdempotentConfig, stats: StatsCollector,
+                fingerprints: RequestFingerprints) -> InflightTracker:
+    """The in-flight tracker of a crawl with ``config``."""
+    return InflightTracker(
+        stats=stats,
+        identity=RecordIdentity(
+            source=config.source,
+            natural_keys=config.natural_keys,
+            url_ignore_params=config.url_ignore_params,
+            record_id_field=config.record_id_field,
+            volatile_fields=config.volatile_fields,
+        ),
+        fingerprints=fingerprints,
+        order=config.queue_order,
+        http_status=HttpStatusRule(allow_all=config.httperror_allow_all,
+                                   allowed=config.httperror_allowed_codes),
+    )

@@ -48,10 +48,9 @@ from .codec import RequestCodec, describe
 from .commits import STORE_ERROR_REASON, CommitOutcomes, CommitPath, CrawlHealth, retry_busy
 from .config import IdempotentConfig, config_for
 from .exceptions import IdempotentError, StoreBusy
-from .inflight import HttpStatusRule, InflightTracker
+from .inflight import InflightTracker, tracker_for
 from .keys import RequestFingerprints, RequestKeys
 from .leases import ClaimedRequests, LeaseKeeper
-from .records import RecordIdentity
 from .store.base import CrawlIdentity, FrontierStore, UnitOfWork
 from .store.registry import open_store, redacted
 
@@ -78,26 +77,6 @@ def is_idempotent_scheduler(obj: object) -> bool:
     return IdempotentScheduler in cls.__mro__
 
 
-def _build_tracker(crawler: Crawler, config: IdempotentConfig,
-                   fingerprints: RequestFingerprints) -> InflightTracker:
-    assert crawler.stats is not None
-    return InflightTracker(
-        stats=crawler.stats,
-        identity=RecordIdentity(
-            source=config.source,
-            natural_keys=config.natural_keys,
-            url_ignore_params=config.url_ignore_params,
-            record_id_field=config.record_id_field,
-            volatile_fields=config.volatile_fields,
-        ),
-        fingerprints=fingerprints,
-        order=config.queue_order,
-        http_status=HttpStatusRule(allow_all=config.httperror_allow_all,
-                                   allowed=config.httperror_allowed_codes),
-    )
-
-
-
 class IdempotentScheduler(BaseScheduler):
     """A durable, leased frontier as Scrapy's scheduler.
 
@@ -121,7 +100,7 @@ class IdempotentScheduler(BaseScheduler):
         self.store: FrontierStore = store or open_store(config.database,
                                                         **config.store_options())
         self.fingerprints = RequestFingerprints(crawler.request_fingerprinter)
-        self.tracker = tracker or _build_tracker(crawler, config, self.fingerprints)
+        self.tracker = tracker or tracker_for(config, stats, self.fingerprints)
         self.health = CrawlHealth(crawler, stats)
         self.wakeup = engine_hooks.EngineWakeup(crawler)
         self.outcomes = CommitOutcomes(crawler, stats, config.max_attempts)
