@@ -42,6 +42,7 @@ __all__ = [
     "Setting",
     "config_for",
     "log_interval_seconds",
+    "resolve_database",
     "store_options",
     "unknown_settings",
 ]
@@ -111,12 +112,13 @@ Where the frontier and the records live: a path of a SQLite file, or a database 
 ``{spider}`` is replaced by the spider name, made one file name (path separators, NUL and
 leading dots become ``_``, so ``../../x`` is ``___.._x``).
 
-A relative path is relative to the project directory (where ``scrapy.cfg`` is, found from the
-current directory upwards, as for Scrapy's ``.scrapy`` paths), so a crawl started from a
-subdirectory uses the same frontier; with no ``scrapy.cfg``, to the current directory. The
-log line at open shows the absolute path. Its directory is created; a new file is created
-readable by its owner only. One database per crawl: a file made by another spider or project
-is refused (see :ref:`identity`).
+A relative path (here and in the commands' ``--db``: one rule) is relative to the project
+directory (where ``scrapy.cfg`` is, found from the current directory upwards, as for Scrapy's
+``.scrapy`` paths), so a crawl or a command started from a subdirectory uses the same
+frontier; with no ``scrapy.cfg``, to the current directory. The log line at open and the
+commands' output show the absolute path. Its directory is created; a new file is created
+readable by its owner only, also at the target of a symbolic link that does not exist yet.
+One database per crawl: a file made by another spider or project is refused (see :ref:`identity`).
 
 A URL: ``sqlite:///PATH`` is the same SQLite file (three slashes and a relative path,
 ``sqlite:///data/{spider}.sqlite3``, or four for an absolute one,
@@ -984,9 +986,17 @@ def file_name_part(name: str) -> str:
     return safe or "_"
 
 
+def resolve_database(raw: Any, spider_name: str) -> str:
+    """The database string of ``IDEMPOTENT_DATABASE`` or of the commands' ``--db``, by one
+    rule: a path (or ``sqlite:///PATH``) as an absolute path, a relative one taken from the
+    project directory (where ``scrapy.cfg`` is, found from the current directory upwards),
+    else from the current directory; another backend's URL as given; ``{spider}`` replaced
+    in either. Raises :class:`~.ConfigError` naming ``IDEMPOTENT_DATABASE``."""
+    return _database(raw, spider_name)
+
+
 def _database(raw: Any, spider_name: str) -> str:
-    """The database string of ``IDEMPOTENT_DATABASE``: a path (or ``sqlite:///PATH``) as an
-    absolute path, another backend's URL as given; ``{spider}`` replaced in either."""
+    """See :func:`resolve_database` (``raw`` None or empty: the default path)."""
     if raw is None or raw == "":
         try:
             return data_path(os.path.join("idempotent",

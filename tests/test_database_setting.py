@@ -158,7 +158,8 @@ async def test_the_commands_take_a_sqlite_url_and_refuse_an_unknown_scheme(
     url = f"sqlite:///{db_path}"
     by_path, by_url = idempotent("status", "--db", str(db_path)), idempotent("status", "--db", url)
     assert by_path.returncode == by_url.returncode == 0, by_url.stderr
-    assert by_url.stdout == by_path.stdout.replace(f"Database  {db_path}", f"Database  {url}")
+    # the same file, shown as its absolute path either way (as the crawl's log shows it)
+    assert by_url.stdout == by_path.stdout
 
     unknown = idempotent("check", "--db", "mysql://crawler:secret@db/shop")
     assert unknown.returncode == 1

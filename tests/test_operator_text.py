@@ -50,3 +50,32 @@ def test_migrate_counts_one_run_in_the_singular(tmp_path: Path, postgres_url: st
     code, out, err = idempotent("migrate", "--db", str(source), "--to", postgres_url)
     assert code == 0, err
     assert ": 1 run, 1 request, 0 records, 0 rejects, 0 responses;" in out
+
+
+def test_a_relative_db_is_taken_from_the_project_as_the_setting_is(tmp_path: Path) -> None:
+    """One rule for relative paths: ``--db data/x.sqlite3`` from a subdirectory of the project
+    names the file IDEMPOTENT_DATABASE = "data/x.sqlite3" names, and it is shown absolute."""
+    import shutil
+    import subprocess
+    import sys
+
+    from crawling import EXAMPLE_PROJECT
+
+    project = tmp_path / "project"
+    shutil.copytree(EXAMPLE_PROJECT, project,
+                    ignore=shutil.ignore_patterns(".scrapy", "__pycache__", "*.sqlite3*"))
+    (project / "data").mkdir()
+    (project / "logs").mkdir()
+    crawled_with_one_failure(project / "data" / "shop.sqlite3")
+    result = subprocess.run(
+        [sys.executable, "-m", "scrapy", "idempotent", "failed", "--db", "data/shop.sqlite3"],
+        cwd=project / "logs", stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        timeout=120, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("1 failed request\n"), result.stdout
+    status = subprocess.run(
+        [sys.executable, "-m", "scrapy", "idempotent", "status", "--db", "data/shop.sqlite3"],
+        cwd=project / "logs", stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        timeout=120, check=False)
+    assert status.stdout.startswith(f"Database  {project / 'data' / 'shop.sqlite3'}\n"), (
+        status.stdout + status.stderr)

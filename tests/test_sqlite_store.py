@@ -80,6 +80,25 @@ def test_sqlite_new_file_is_private_to_its_owner(tmp_path):
         store.close()
 
 
+def test_sqlite_dangling_symlink_creates_its_target_private_to_its_owner(tmp_path):
+    (tmp_path / "volume").mkdir()
+    target = tmp_path / "volume" / "f.sqlite3"
+    link = tmp_path / "f.sqlite3"
+    link.symlink_to(target)  # dangling: the target does not exist yet
+    store = SQLiteStore(str(link))
+    try:
+        store.open(fingerprinter="x")
+        store.begin_session("w1", "auto")
+        assert link.is_symlink() and target.is_file()
+        made = [p for p in (tmp_path, tmp_path / "volume") for p in p.iterdir()
+                if p.is_file() and not p.is_symlink()]
+        assert {p.name for p in made} >= {"f.sqlite3", "f.sqlite3-wal", "f.sqlite3-shm"}
+        for path in made:
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+    finally:
+        store.close()
+
+
 def test_sqlite_missing_directory_is_created(tmp_path):
     path = tmp_path / "deep" / "er" / "f.sqlite3"
     store = SQLiteStore(str(path))

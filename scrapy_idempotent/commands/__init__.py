@@ -104,7 +104,8 @@ class Command(ScrapyCommand):
         group = parser.add_argument_group("Database and output")
         group.add_argument("--db", metavar="PATH",
                            help="the frontier database, a path or a database URL (instead of a "
-                                "spider name)")
+                                "spider name); a relative path is from the project directory, "
+                                "as in IDEMPOTENT_DATABASE")
         group.add_argument("--json", action="store_true",
                            help="print one JSON document instead of tables")
         group = parser.add_argument_group("failed and retry")

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from .. import scrapy_compat
-from ..config import IdempotentConfig, store_options
+from ..config import IdempotentConfig, resolve_database, store_options
 from ..exceptions import IdempotentError
 from ..store import CrawlIdentity, open_store
 from ..store.registry import redacted, sqlite_path
@@ -78,8 +78,11 @@ def open_crawl_store(command_settings: Any, spider: str | None, db: str | None) 
     if db is not None:
         config = IdempotentConfig.from_settings(
             settings, SimpleNamespace(name=spider or "spider"))  # type: ignore[arg-type]
-        return Located(open_store(db, **store_options(settings)), redacted(db), None, config,
-                       settings)
+        # a relative --db is taken as a relative IDEMPOTENT_DATABASE is: from the project
+        # directory (else the current one), and shown absolute
+        database = resolve_database(db, spider or "spider")
+        return Located(open_store(database, **store_options(settings)), redacted(database),
+                       None, config, settings)
     from scrapy.utils.project import inside_project
 
     if not inside_project():

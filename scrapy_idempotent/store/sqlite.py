@@ -356,7 +356,12 @@ class SQLiteStore(FrontierStore):
             raise StoreError(f"cannot create the directory of {self.path}: "
                              f"{_os_cause(exc)}{fix}") from exc
         try:
-            os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600))
+            # a dangling symbolic link (O_EXCL refuses to follow it) is created at its target,
+            # readable by its owner only like any new database (SQLite would follow the link
+            # and create the file with the umask's mode)
+            created = (os.path.realpath(self.path) if os.path.islink(self.path)
+                       and not os.path.exists(self.path) else self.path)
+            os.close(os.open(created, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600))
         except FileExistsError:
             pass  # an existing database
         except OSError as exc:
