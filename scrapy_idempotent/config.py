@@ -277,14 +277,16 @@ a Redis URL (``redis://host:port/db``, ``rediss://...``, ``unix://...``) reads a
 (needs the ``redis`` extra); ``sqs://name`` (``?region=...`` and ``&endpoint_url=...``
 optional) or a queue's URL (``https://sqs.<region>.amazonaws.com/<account>/<name>``; another
 host is taken as the endpoint, as LocalStack's) reads an SQS queue (needs the ``sqs``
-extra).""",
+extra); ``amqp://user:password@host:port/vhost`` (or ``amqps://``, pika's URL parameters
+accepted) reads a RabbitMQ queue (needs the ``amqp`` extra).""",
     ),
     Setting(
         "IDEMPOTENT_QUEUE_KEY", None, "str or None", "Queue input", '"{spider}:urls"',
         default_text="``\"<spider name>:requests\"``",
         doc="""
-The stream to read (``{spider}`` is replaced by the spider name). Bad messages are parked in
-``<key>:parked``.""",
+The stream to read, or on RabbitMQ the queue to consume (``{spider}`` is replaced by the
+spider name). Bad messages are parked in ``<key>:parked`` (RabbitMQ: the dead-letter exchange
+and queue of that name). Not used by SQS (the URL names the queue).""",
     ),
     Setting(
         "IDEMPOTENT_QUEUE_GROUP", "scrapy_idempotent", "str", "Queue input", '"shop-workers"',
@@ -419,7 +421,8 @@ _SCRAPY_QUEUE_ORDER = QueueOrder(start_queue=True, start_fifo=True, other_fifo=F
 #: The URL schemes of ``IDEMPOTENT_QUEUE_URL``, by broker: a Redis stream (redis-py's
 #: ``Redis.from_url``), an SQS queue (``sqs://name``; its ``https://`` queue URL is told by its
 #: path, ``/<account>/<name>``), a RabbitMQ queue (pika's ``URLParameters``).
-_QUEUE_SCHEMES = {"redis": "redis", "rediss": "redis", "unix": "redis", "sqs": "sqs"}
+_QUEUE_SCHEMES = {"redis": "redis", "rediss": "redis", "unix": "redis", "sqs": "sqs",
+                  "amqp": "amqp", "amqps": "amqp"}
 _BROKER_NAMES = {"redis": "Redis", "sqs": "SQS", "amqp": "RabbitMQ (AMQP)"}
 #: The most an SQS long poll may wait (ReceiveMessage's WaitTimeSeconds).
 _SQS_LONGEST_WAIT = 20.0
@@ -615,8 +618,9 @@ def _queue(settings: BaseSettings, spider_name: str) -> QueueConfig | None:
         return None
     if not isinstance(url, str) or queue_broker(url) is None:
         raise ConfigError("IDEMPOTENT_QUEUE_URL", url,
-                          "a Redis URL (redis://host:port/db, rediss://... or unix://...) or "
-                          "an SQS queue (sqs://name, or the queue's https:// URL)")
+                          "a Redis URL (redis://host:port/db, rediss://... or unix://...), "
+                          "an SQS queue (sqs://name, or the queue's https:// URL) or a "
+                          "RabbitMQ URL (amqp://user:password@host:port/vhost, amqps://...)")
     key = _get(settings, "IDEMPOTENT_QUEUE_KEY")
     if key in (None, ""):
         key = "{spider}:requests"

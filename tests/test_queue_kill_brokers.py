@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import pytest
 from local_site import LocalSite
+from rabbitmq_server import rabbitmq_server  # noqa: F401  (the fixture)
 from sqs_server import SqsQueue, SqsServer, sqs_server  # noqa: F401  (the fixture)
 
 from crawling import (
@@ -76,7 +77,7 @@ class SqsKillQueue:
         self.server.start_again()
 
 
-@pytest.fixture(params=["sqs", "sqs-fifo"])
+@pytest.fixture(params=["sqs", "sqs-fifo", "amqp"])
 def broker_queue(request: pytest.FixtureRequest) -> Iterator[BrokerQueue]:
     if request.param.startswith("sqs"):
         server = request.getfixturevalue("sqs_server")
@@ -84,6 +85,8 @@ def broker_queue(request: pytest.FixtureRequest) -> Iterator[BrokerQueue]:
     else:
         from rabbitmq_server import AmqpKillQueue
 
+        pytest.importorskip("pika", reason="pika for the RabbitMQ queue input: "
+                            "pip install -e '.[test]'")
         server = request.getfixturevalue("rabbitmq_server")
         yield AmqpKillQueue(server)
 
@@ -208,8 +211,9 @@ def test_a_broker_restarted_mid_crawl(broker_queue: BrokerQueue, tmp_path: Path)
     with LocalSite(delay=0.02) as shop:
         for n in range(1, 201):
             broker_queue.push(product_body(shop, n))
+        # the idle timeout longer than the outage: the crawl waits for the broker
         worker = start_worker(broker_queue, db, log, "CONCURRENT_REQUESTS=4",
-                              "IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=4")
+                              "IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=30")
         try:
             wait_for(lambda: shop.request_count >= 40, 240, "40 pages", log)
             broker_queue.stop()

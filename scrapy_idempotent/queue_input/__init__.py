@@ -200,6 +200,10 @@ def broker_for(config: QueueConfig, consumer: str) -> QueueBroker:
         from .sqs import SqsBroker
 
         return SqsBroker.from_config(config, consumer)
+    if kind == "amqp":
+        from .amqp import AmqpBroker
+
+        return AmqpBroker.from_config(config, consumer)
     from .redis_stream import RedisStreamBroker
 
     return RedisStreamBroker.from_config(config, consumer)
