@@ -39,6 +39,7 @@ import logging
 import os
 import secrets
 import sys
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,6 +52,7 @@ from scrapy.extensions.feedexport import (
     FeedExporter,
     FeedSlot,
     FileFeedStorage,
+    StdoutFeedStorage,
 )
 from scrapy.extensions.postprocessing import PostProcessingManager
 from scrapy.utils.defer import maybe_deferred_to_future
@@ -96,6 +98,7 @@ class IdempotentFeedExporter(FeedExporter):
         self._from_run = False  # the scheduler calls export_run before the run is closed
         self._worker = ""  # the scheduler's worker id: the owner of our temporary files
         self._failed: list[str] = []  # the feeds of this close that could not be stored
+        self._finishing = False  # this close ends the run: its feeds are complete
 
     def open_spider(self, spider: Spider) -> None:
         self._spider = spider
@@ -139,6 +142,7 @@ class IdempotentFeedExporter(FeedExporter):
         if not slots:
             return
         self._failed = []
+        self._finishing = finishing
         try:
             # run_records holds no read transaction between its pages: the base of an
             # appended feed (a write) never meets a stale snapshot.
@@ -246,8 +250,21 @@ class IdempotentFeedExporter(FeedExporter):
             else:
                 run_slot.discard()
                 return
+            # a version of the run's feed at least this new, or the complete one, may have
+            # been stored by another crawl process meanwhile: an older one never replaces it
+            level = _COMPLETE if self._finishing else slot.itemcount
+            # a remote storage: fenced before its upload (a slower upload of an older version
+            # started earlier can still end last)
+            remote = run_slot.target is None and not isinstance(slot.storage, StdoutFeedStorage)
+            if remote and not store.store_feed(run_id, slot.uri, level, lambda: None):
+                run_slot.discard()
+                self._log_newer(slot.uri)
+                return
             await _wait(slot.storage.store(_file_of(slot)))
-            run_slot.commit()
+            if not run_slot.commit(lambda replace: store.store_feed(run_id, slot.uri, level,
+                                                                    replace)):
+                self._log_newer(slot.uri)
+                return
         except Exception as exc:
             run_slot.discard()
             # a cause logged already (preparing or exporting) is named, not logged again
@@ -262,6 +279,11 @@ class IdempotentFeedExporter(FeedExporter):
             logger.info("Stored %s", what, extra={"spider": spider})
             self.crawler.stats.inc_value(f"feedexport/success_count/{storage_name}")
         await scrapy_compat.send_signal(self.crawler, signals.feed_slot_closed, slot=slot)
+
+    def _log_newer(self, uri: str) -> None:
+        logger.info("Feed %s not replaced: a newer version of the run's feed (more items, or "
+                    "the finished run's) was stored by another crawl process meanwhile", uri,
+                    extra={"spider": self._spider})
 
     def _item(self, row: RunRecord) -> Any:
         """The item a record was stored from, as far as it can be rebuilt: an instance of its
@@ -284,6 +306,9 @@ class IdempotentFeedExporter(FeedExporter):
 #: Temporary files of a feed: ``.NAME.<worker id, ':' as '+'>.<token>.partial``.
 _PARTIAL = ".partial"
 _COLON = "+"
+#: The level (see :meth:`~.FrontierStore.store_feed`) of a feed written by the close that
+#: ends the run: above any snapshot's item count.
+_COMPLETE = 1 << 62
 
 
 class _RunSlot:
@@ -338,19 +363,31 @@ class _RunSlot:
                     with target.open("rb") as source:
                         _copy_bytes(source, copy, base)
 
-    def commit(self) -> None:
-        """Rename the complete temporary file over the target; an error when it is gone
-        (the feed was not written, whatever the storage said)."""
+    def commit(self, fence: Callable[[Callable[[], object]], bool]) -> bool:
+        """Rename the complete temporary file over the target, through ``fence`` (the
+        store's :meth:`~.FrontierStore.store_feed`: the rename happens inside its
+        transaction, unless a newer version was stored); an error when the file is gone (the
+        feed was not written, whatever the storage said). False: not renamed (a newer
+        version is in place), the temporary file removed."""
         self._done = True
-        partial, self.partial = self.partial, None
-        if partial is None or self.target is None:
-            return
+        partial, target = self.partial, self.target
+        if partial is None or target is None:
+            return True
         if not partial.exists():
+            self.partial = None
             raise FileNotFoundError(
-                f"the temporary file {partial} of the feed {self.target} is gone before its "
+                f"the temporary file {partial} of the feed {target} is gone before its "
                 "rename: removed by another process?")
-        _copy_mode(self.target, partial)
-        os.replace(partial, self.target)
+
+        def replace() -> None:
+            _copy_mode(target, partial)
+            os.replace(partial, target)
+
+        if fence(replace):
+            self.partial = None
+            return True
+        self.discard()
+        return False
 
     def discard(self) -> None:
         """After an error or with nothing to store: close the file the slot opened (never a

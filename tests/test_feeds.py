@@ -625,3 +625,88 @@ async def test_csv_columns_are_in_scrapys_order(tmp_path: Path, fields: Any) -> 
         assert set(headers["plain"]) == {"price,sku"}
     else:
         assert set(headers["plain"]) == {"sku,name,price,url", "zone,sku,alpha"}
+
+
+SLOW_STORAGE = '''
+from scrapy.extensions.feedexport import FileFeedStorage
+from twisted.internet.defer import Deferred
+
+HOLD = {"on": False}
+HELD = []
+
+
+class SlowFileStorage(FileFeedStorage):
+    """A local storage whose store waits (a slow disk) while HOLD is on."""
+
+    def store(self, file):
+        super().store(file)
+        if HOLD["on"]:
+            HOLD["on"] = False
+            held = Deferred()
+            HELD.append(held)
+            return held
+        return None
+'''
+
+
+@deferred_f_from_coro_f
+async def test_a_stopped_workers_late_snapshot_never_replaces_the_finished_runs_feed(
+    shop: LocalSite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Worker B writes its snapshot of the run at a graceful stop (100 records so far), its
+    storage slow; worker A finishes the run and stores the complete feeds; B's store ends
+    last. The complete feeds stay."""
+    from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
+    from scrapy.utils.test import get_crawler
+
+    from scrapy_idempotent import IdempotentFeedExporter
+    from scrapy_idempotent.store import open_store
+
+    (tmp_path / "slow_storage.py").write_text(SLOW_STORAGE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import slow_storage  # type: ignore[import-not-found]
+
+    db, replaced, appended = (tmp_path / "db.sqlite3", tmp_path / "out.json",
+                              tmp_path / "out.jsonl")
+    appended.write_text('{"before": "the run"}\n')
+    feeds = {str(replaced): {"format": "json", "overwrite": True},
+             str(appended): {"format": "jsonlines"}}
+    storages = {"": "slow_storage.SlowFileStorage", "file": "slow_storage.SlowFileStorage"}
+    crawler = get_crawler(ShopSpider, crawl_settings(db, FEEDS=feeds, FEED_STORAGES=storages,
+                                                     **NATURAL_KEYS))
+    late: list[Any] = []
+
+    def item_scraped(item: Any) -> None:
+        if len(late) or crawler.stats.get_value("item_scraped_count", 0) < 100:
+            return
+        other = open_store(str(db))
+        other.open_existing(readonly=False)
+        worker_b = IdempotentFeedExporter(crawler)
+        worker_b._spider = crawler.spider
+        worker_b._from_run = True
+        slow_storage.HOLD["on"] = True  # its first store waits
+        late.append((other, deferred_from_coro(worker_b.export_run(other, 1, False))))
+
+    from scrapy import signals
+
+    crawler.signals.connect(item_scraped, signals.item_scraped)
+    try:
+        from crawling import crawl_to_end
+
+        await crawl_to_end(crawler, url=shop.url)
+        assert crawler.stats.get_value("finish_reason") == "finished"
+        everything = stored_rows(db)
+        assert len(everything) == 500
+        assert product_rows(json.loads(replaced.read_text())) == everything  # A's
+        assert late and slow_storage.HELD, "worker B's store was not held"
+        other, b_done = late[0]
+        slow_storage.HELD[0].callback(None)  # B's slow store ends last
+        await maybe_deferred_to_future(b_done)
+        other.close()
+    finally:
+        sys.modules.pop("slow_storage", None)
+    assert product_rows(json.loads(replaced.read_text())) == everything
+    lines = read_jsonlines(appended)
+    assert lines[0] == {"before": "the run"}
+    assert product_rows(lines[1:]) == everything
+    assert not list(tmp_path.glob(".*partial"))

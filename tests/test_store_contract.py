@@ -1121,3 +1121,26 @@ def test_status_counts_the_workers_own_expired_leases_as_reclaimable(store, cloc
     assert store.status("w1") == FrontierStatus(claimable=False, leased_elsewhere=False)
     clock.advance(LEASE_SECONDS + 1)
     assert store.status("w1") == FrontierStatus(claimable=False, leased_elsewhere=True)
+
+
+def test_a_feed_store_is_fenced_an_older_version_never_replaces_a_newer(store: Any) -> None:
+    """store_feed: a version at a lower level than the one stored is refused (nothing done);
+    equal or higher levels are stored, ``replace`` called inside the transaction; an error in
+    ``replace`` rolls the level back; feeds of another run or URI are fenced apart."""
+    done: list[str] = []
+    assert store.store_feed(1, "/out.json", 100, lambda: done.append("a")) is True
+    assert store.store_feed(1, "/out.json", 500, lambda: done.append("b")) is True
+    assert store.store_feed(1, "/out.json", 100, lambda: done.append("late")) is False
+    assert store.store_feed(1, "/out.json", 500, lambda: done.append("again")) is True
+
+    def failing() -> None:
+        raise OSError("rename failed")
+
+    with pytest.raises(OSError):
+        store.store_feed(1, "/out.json", 900, failing)
+    assert store.store_feed(1, "/out.json", 600, lambda: done.append("c")) is True
+    assert store.store_feed(1, "/other.json", 1, lambda: done.append("other")) is True
+    assert store.store_feed(2, "/out.json", 1, lambda: done.append("run 2")) is True
+    assert done == ["a", "b", "again", "c", "other", "run 2"]
+    # the append base of the same URI is another row
+    assert store.feed_base(1, "/out.json", 42) == 42

@@ -812,6 +812,18 @@ class FrontierStore(ABC):
         and feed, and the recorded size is returned then and later."""
 
     @abstractmethod
+    def store_feed(self, run_id: int, uri: str, level: int,
+                   replace: Callable[[], object]) -> bool:
+        """Fence of a feed's stores: in one transaction, unless a version of feed ``uri`` of
+        run ``run_id`` at a higher ``level`` was stored already (a newer snapshot: more
+        items, or the complete feed of the finished run), record ``level`` as the stored one
+        and call ``replace()`` (which puts this version in place, a rename) inside the
+        transaction, so that stores of several crawl processes are applied one at a time
+        and an older version never replaces a newer one. True when stored; False (nothing
+        done) when a newer version was stored. An exception from ``replace`` rolls back.
+        The level is kept in the ``feeds`` table, under the key ``"stored " + uri``."""
+
+    @abstractmethod
     def rejects(self, *, run_id: int | None = None, pending_only: bool = False,
                 limit: int | None = None) -> list[RejectedItem]:
         """Rejected items, latest first (of run ``run_id``; with ``pending_only`` those not

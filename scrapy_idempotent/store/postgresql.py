@@ -2037,6 +2037,21 @@ class PostgreSQLStore(FrontierStore):
                                   (run_id, uri)).fetchone() or (size,)
         return int(base)
 
+    def store_feed(self, run_id: int, uri: str, level: int,
+                   replace: Callable[[], object]) -> bool:
+        key = f"stored {uri}"
+        with self._write("storing a feed") as cur:
+            cur.execute("INSERT INTO feeds (run_id, uri, base_size) VALUES (%s, %s, -1)"
+                        " ON CONFLICT DO NOTHING", (run_id, key))
+            (stored,) = cur.execute("SELECT base_size FROM feeds WHERE run_id = %s AND uri = %s"
+                                    " FOR UPDATE", (run_id, key)).fetchone() or (-1,)
+            if stored > level:
+                return False
+            cur.execute("UPDATE feeds SET base_size = %s WHERE run_id = %s AND uri = %s",
+                        (level, run_id, key))
+            replace()
+        return True
+
     @staticmethod
     def _rejects_filter(run_id: int | None, pending_only: bool) -> tuple[str, list[Any]]:
         where, params = ["true"], []

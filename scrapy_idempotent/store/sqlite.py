@@ -1390,6 +1390,20 @@ class SQLiteStore(FrontierStore):
                                     (run_id, uri)).fetchone()[0]
         return base
 
+    def store_feed(self, run_id: int, uri: str, level: int,
+                   replace: Callable[[], object]) -> bool:
+        key = f"stored {uri}"
+        with self._write() as cur:
+            row = cur.execute("SELECT base_size FROM feeds WHERE run_id = ? AND uri = ?",
+                              (run_id, key)).fetchone()
+            if row is not None and row[0] > level:
+                return False
+            cur.execute("INSERT INTO feeds (run_id, uri, base_size) VALUES (?, ?, ?)"
+                        " ON CONFLICT (run_id, uri) DO UPDATE SET base_size = excluded.base_size",
+                        (run_id, key, level))
+            replace()
+        return True
+
     @staticmethod
     def _rejects_filter(run_id: int | None, pending_only: bool) -> tuple[str, list[Any]]:
         where, params = ["1"], []
