@@ -48,6 +48,8 @@ DRIVERS: dict[str, tuple[str, str]] = {
     "postgresql": ("psycopg", "postgresql"),
     "postgres": ("psycopg", "postgresql"),
 }
+#: What to install for a driver module by itself (its extra's requirement in setup.cfg).
+_REQUIREMENTS = {"psycopg": "psycopg[binary]>=3.2"}
 
 #: ``scheme://`` at the start of a database string (RFC 3986 scheme characters).
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -90,7 +92,9 @@ def check_driver(database: str) -> None:
     except ImportError as exc:
         raise ConfigError(SETTING, redacted(database),
                           f"a {scheme}:// database needs {module}, which cannot be imported "
-                          f"({exc}): pip install 'scrapy-idempotent[{extra}]'") from None
+                          f"({exc}): pip install 'scrapy-idempotent[{extra}]' (from a clone: "
+                          f"pip install './scrapy_idempotent[{extra}]'; or pip install "
+                          f"'{_REQUIREMENTS.get(module, module)}')") from None
 
 
 def sqlite_path(database: str) -> str | None:
