@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from . import scrapy_compat
 from .exceptions import IdempotentError
 
 if TYPE_CHECKING:
     from scrapy.crawler import Crawler
+    from twisted.internet.defer import Deferred
 
     from .admission import StartIntake
     from .inflight import InflightTracker
@@ -40,8 +41,12 @@ __all__ = [
     "frontier_store",
     "idempotent_scheduler",
     "inflight_tracker",
+    "read_after_writes",
     "start_intake",
 ]
+
+
+_T = TypeVar("_T")
 
 
 def idempotent_scheduler(crawler: Crawler, component: str) -> IdempotentScheduler | None:
@@ -80,6 +85,23 @@ def frontier_store(crawler: Crawler, component: str) -> FrontierStore | None:
     """The crawl's store, for reads (see the module docstring)."""
     scheduler = idempotent_scheduler(crawler, component)
     return scheduler.store if scheduler is not None else None
+
+
+def read_after_writes(crawler: Crawler, component: str,
+                      read: Callable[[FrontierStore], _T]) -> Deferred[_T] | None:
+    """``read(store)`` run on the crawl's writer thread after every write submitted before it;
+    the Deferred fires on the reactor thread after the callbacks of those writes (they are
+    delivered in order), so what the read sees and what their callbacks counted in the stats
+    agree. None outside a crawl; a failed Deferred when the store cannot be read."""
+    scheduler = idempotent_scheduler(crawler, component)
+    if scheduler is None:
+        return None
+    try:
+        return scheduler.writer.call("reading the frontier", read)
+    except IdempotentError as exc:  # the writer is not running (yet, or any more)
+        from twisted.internet.defer import fail
+
+        return fail(exc)
 
 
 def start_intake(crawler: Crawler, component: str) -> StartIntake | None:

@@ -25,11 +25,13 @@ from twisted.internet import task
 
 from . import scrapy_compat
 from .config import log_interval_seconds
-from .crawl import frontier_store
+from .crawl import frontier_store, read_after_writes
 
 if TYPE_CHECKING:
     from scrapy import Spider
     from scrapy.crawler import Crawler
+    from twisted.internet.defer import Deferred
+    from twisted.python.failure import Failure
     from typing_extensions import Self
 
     from .store.base import FrontierStore
@@ -95,15 +97,25 @@ class IdempotentLogStats:
         return (sum(stats.get_value(name, 0) for name in _PAGE_STATS),
                 sum(stats.get_value(name, 0) for name in _RECORD_STATS))
 
-    def log(self) -> None:
-        """Log one progress line."""
+    def log(self) -> Deferred[None] | None:
+        """Log one progress line. The frontier is counted on the writer's thread after the
+        writes submitted before (:func:`~.crawl.read_after_writes`) and the line logged once
+        their results are in the stats: on a fresh database ``N inserted (N stored)``, never
+        more stored than inserted by commits whose results were on their way."""
         if self.store is None:
-            return
-        try:
-            counts = self.store.counts()
-        except Exception as exc:
-            logger.debug("scrapy_idempotent: no progress line: cannot read the frontier: %s",
-                         exc)
+            return None
+        counting = read_after_writes(self.crawler, type(self).__name__,
+                                     lambda store: store.counts())
+        if counting is None:
+            return None
+        return counting.addCallbacks(self._log_counts, self._no_line)
+
+    def _no_line(self, failure: Failure) -> None:
+        logger.debug("scrapy_idempotent: no progress line: cannot read the frontier: %s",
+                     failure.value)
+
+    def _log_counts(self, counts: dict[str, int]) -> None:
+        if self.store is None:  # the spider closed meanwhile
             return
         stats = self.crawler.stats
         assert stats is not None

@@ -56,3 +56,48 @@ def test_interval_zero_disables_it_and_a_bad_interval_is_refused() -> None:
     crawler = get_crawler(ShopSpider, {"IDEMPOTENT_LOG_INTERVAL_SECONDS": "soon"})
     with pytest.raises(ConfigError, match="IDEMPOTENT_LOG_INTERVAL_SECONDS='soon'"):
         IdempotentLogStats.from_crawler(crawler)
+
+
+@deferred_f_from_coro_f
+async def test_a_line_logged_while_a_commit_is_on_its_way_counts_it_on_both_sides(
+    caplog: pytest.LogCaptureFixture, db_path: Path
+) -> None:
+    """A fresh database, one crawl: every line says as many inserted as stored, even one
+    asked for when a batch is committed but its result has not reached the stats yet (the
+    moment the writer hands it back to the reactor)."""
+    from scrapy import signals
+
+    from scrapy_idempotent import scrapy_compat
+
+    caplog.set_level(logging.INFO, logger="scrapy_idempotent.progress")
+    settings = crawl_settings(
+        db_path, IDEMPOTENT_NATURAL_KEYS={"shop.items.ProductItem": "sku"},
+        IDEMPOTENT_LOG_INTERVAL_SECONDS=86400, CONCURRENT_REQUESTS=2,
+        CONCURRENT_REQUESTS_PER_DOMAIN=2)
+    from scrapy.utils.test import get_crawler
+
+    from crawling import crawl_to_end
+
+    crawler = get_crawler(ShopSpider, settings)
+
+    def opened() -> None:
+        progress = next(m for m in crawler.extensions.middlewares
+                        if isinstance(m, IdempotentLogStats))
+        writer = scrapy_compat.engine_scheduler(crawler).writer
+        committed = writer._committed
+
+        def log_then_count(work: object, result: object) -> None:
+            progress.log()  # asked for before the commit's result is counted
+            committed(work, result)
+
+        writer._committed = log_then_count
+
+    crawler.signals.connect(opened, signal=signals.spider_opened)
+    with LocalSite(listing_pages=2, products_per_page=5) as site:
+        await crawl_to_end(crawler, url=site.url)
+    lines = [r.getMessage() for r in caplog.records if r.name == "scrapy_idempotent.progress"]
+    matches = [LINE.fullmatch(line) for line in lines]
+    assert len(matches) >= 3 and all(matches), lines
+    assert [(int(m[5]), int(m[6])) for m in matches if m] == [
+        (int(m[6]), int(m[6])) for m in matches if m], lines
+    assert max(int(m[6]) for m in matches if m) > 0

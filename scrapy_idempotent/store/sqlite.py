@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, cast
@@ -325,6 +326,7 @@ class SQLiteStore(FrontierStore):
         self._conn: sqlite3.Connection | None = None
         #: the read connection of an open crawl (see :attr:`reader`)
         self._read: sqlite3.Connection | None = None
+        self._read_thread: int | None = None  #: the thread that opened the reader
         self._wal: int | None = None  #: inode of the -wal file this connection writes
 
     # -- connection and schema --------------------------------------------------------------
@@ -341,8 +343,11 @@ class SQLiteStore(FrontierStore):
         (:mod:`scrapy_idempotent.writer`): a second connection, opened by :meth:`open` in the
         thread that opens the store and used only by it. In WAL mode its reads never wait
         for a writer (this process's or another's) and see every committed transaction.
-        Without one (the commands' :meth:`open_existing`), the write connection."""
-        return self._read if self._read is not None else self.conn
+        Without one (the commands' :meth:`open_existing`), or on another thread (the
+        writer's: a read it runs in order with its writes), the write connection."""
+        if self._read is not None and threading.get_ident() == self._read_thread:
+            return self._read
+        return self.conn
 
     def open(self, *, fingerprinter: str = "",
              identity: CrawlIdentity | None = None) -> str | None:
@@ -424,6 +429,7 @@ class SQLiteStore(FrontierStore):
                 if identity is not None:
                     self._claim_identity(cur, identity)
             self._read = self._open_reader()
+            self._read_thread = threading.get_ident()
         except StoreError:
             self.close()
             raise
