@@ -160,9 +160,10 @@ class IdempotentFeedExporter(FeedExporter):
     async def _export_item(self, item: Any, record_id: str, slots: list[_RunSlot],
                            store: FrontierStore, run_id: int, run_start: datetime) -> None:
         """One item into every feed that accepts it (what Scrapy's ``item_scraped`` does),
-        a batch stored and the next one started when it is full. A feed whose filter or
-        exporter fails (a full disk, an item it cannot serialise) is given up for this close,
-        its cause logged once: the other feeds get every item all the same."""
+        a batch stored and the next one started when it is full. An item that a feed's
+        filter or exporter fails on is logged and left out of that feed, as in Scrapy; a feed
+        whose file cannot be written (an ``OSError``: a full disk) is given up for this
+        close, its cause logged once. Either way the other feeds get every item."""
         for index, slot in enumerate(slots):
             feed = slot.slot
             if slot.error is not None:
@@ -173,12 +174,16 @@ class IdempotentFeedExporter(FeedExporter):
                 feed.start_exporting()
                 assert feed.exporter is not None
                 feed.exporter.export_item(item)
-            except Exception as exc:
+            except OSError as exc:  # the file cannot be written (a full disk): given up
                 logger.error("Error exporting record %s to the feed %s: this feed is not "
                              "stored by this process (the other feeds are)", record_id,
                              feed.uri, exc_info=True, extra={"spider": self._spider})
                 slot.error = exc
                 slot.error_reported = True
+                continue
+            except Exception:  # as Scrapy: this item is not in this feed, the feed goes on
+                logger.error("Error exporting record %s to the feed %s", record_id, feed.uri,
+                             exc_info=True, extra={"spider": self._spider})
                 continue
             feed.itemcount += 1
             options = self.feeds[feed.uri_template]
