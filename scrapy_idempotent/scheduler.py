@@ -196,6 +196,7 @@ class IdempotentScheduler(BaseScheduler):
         )
         self._hooks = engine_hooks.EngineHooks(self.crawler.engine, self.tracker)
         self._hooks.install()
+        scrapy_compat.forced_stop_exits_nonzero()  # a second Ctrl+C: exit code 1
         self.commits.start()
         self.leases.start()
 

@@ -408,3 +408,60 @@ def feed_uri(uri_template: str, params: dict[str, Any]) -> str:
         uri: str = apply(uri_template, params)
         return uri
     return uri_template % params
+
+
+# -- a forced stop --------------------------------------------------------------------------
+
+
+def forced_stop_exits_nonzero() -> None:
+    """Make a forced stop (a second Ctrl+C or SIGTERM while the graceful close runs: Scrapy's
+    "forcing unclean shutdown") end ``scrapy crawl`` with exit code 1, not 0: the crawl did not
+    close (its leases are taken back by the next crawl as a dead worker's).
+
+    Scrapy's ``CrawlerProcess`` installs its ``_signal_shutdown`` as the handler of the
+    shutdown signals once the reactor runs; the first signal installs ``_signal_kill`` for the
+    next, which stops the reactor. ``scrapy crawl`` sets its exit code from the process's
+    ``bootstrap_failed`` only, which a forced stop leaves false (scrapy/crawler.py,
+    scrapy/commands/crawl.py). So the handlers found are wrapped: the kill handler sets
+    ``bootstrap_failed`` first. Nothing is done when the handlers are not Scrapy's (a crawl
+    run by a script's own ``CrawlerRunner``, a test)."""
+    from twisted.internet import reactor as installed
+
+    reactor: Any = installed
+
+    def wrap(attempts: int = 2) -> None:
+        import signal
+
+        handler = signal.getsignal(signal.SIGINT)
+        process = getattr(handler, "__self__", None)
+        name = getattr(handler, "__name__", "")
+        if name in ("_forced_stop_shutdown", "_forced_stop_kill"):
+            return  # wrapped already (another crawl of this process)
+        if process is None or not hasattr(process, "bootstrap_failed") or name not in (
+                "_signal_shutdown", "_signal_shutdown_reactorless"):
+            if attempts:  # Scrapy may install them later in the same startup
+                reactor.callLater(0, wrap, attempts - 1)
+            return
+        _install_forced_stop_handlers(process, handler)
+
+    reactor.callWhenRunning(wrap)
+
+
+def _install_forced_stop_handlers(process: Any, shutdown: Any) -> None:
+    from scrapy.utils.ossignal import install_shutdown_handlers
+
+    def _forced_stop_shutdown(signum: int, frame: Any) -> None:
+        import signal
+
+        shutdown(signum, frame)  # Scrapy's: a graceful stop, its kill handler for the next
+        kill = signal.getsignal(signum)
+        if not callable(kill):
+            return
+
+        def _forced_stop_kill(signum: int, frame: Any) -> None:
+            process.bootstrap_failed = True
+            kill(signum, frame)
+
+        install_shutdown_handlers(_forced_stop_kill)
+
+    install_shutdown_handlers(_forced_stop_shutdown)

@@ -258,3 +258,31 @@ def test_a_database_refused_at_open_closes_the_spider_with_one_error_line(
 def test_a_database_path_with_a_nul_is_refused_naming_the_setting() -> None:
     with pytest.raises(ConfigError, match=r"IDEMPOTENT_DATABASE.*without a NUL"):
         config({"IDEMPOTENT_DATABASE": "/tmp/a\x00b.sqlite3"})
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_exits_1(tmp_path: Path) -> None:
+    """The first SIGINT starts the graceful close, which waits for the downloads in flight
+    (slow pages); the second forces Scrapy's unclean shutdown: the crawl did not close, so
+    ``scrapy crawl`` exits 1 (it exited 0)."""
+    import signal
+
+    from local_site import LocalSite
+
+    from crawling import start_shop_crawl, wait_for
+
+    log = tmp_path / "crawl.log"
+    with LocalSite(delay=30) as site:
+        crawl = start_shop_crawl(site.url, tmp_path / "db.sqlite3", log, "LOG_LEVEL=INFO")
+        try:
+            wait_for(lambda: site.in_flight >= 1, 120, "a download in flight", log)
+            crawl.send_signal(signal.SIGINT)
+            wait_for(lambda: "shutting down gracefully" in log.read_text(), 60,
+                     "the graceful stop", log)
+            crawl.send_signal(signal.SIGINT)
+            assert crawl.wait(timeout=60) == 1, log.read_text()
+        finally:
+            if crawl.poll() is None:
+                crawl.kill()
+                crawl.wait()
+    assert "forcing unclean shutdown" in log.read_text()
