@@ -52,58 +52,31 @@ import re
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from ..exceptions import StoreBusy, StoreError
 from .base import (
     CommitResult,
-    Completion,
     CrawlIdentity,
     EngineSetting,
-    FailedRequest,
-    FrontierEntry,
-    FrontierStatus,
-    FrontierStore,
     IntegrityReport,
-    LeaseHolder,
     NewRequest,
-    OutboxEntry,
-    OutboxOutcome,
-    OutboxRow,
-    OutboxState,
-    Record,
-    RejectedItem,
-    RejectsRetried,
-    RepeatedRequest,
-    RequestState,
-    RequestSummary,
-    RetriedFailed,
     RunInfo,
     RunMode,
-    RunRecord,
     RunSummary,
     SchemaInfo,
-    SessionInfo,
-    StoredRecord,
     UnitOfWork,
-    change_key,
-    url_glob_matches,
 )
 from .registry import redacted
 from .rules import (
     CLAIMED_COLUMNS,
     QUEUE_ORDER,
-    Enqueue,
-    anomaly_checks,
-    enqueue_decision,
     isolate_after,
-    known_request_answer,
-    quarantine_message,
-    split_claim,
     starts_new_run,
     window_start,
 )
+from .sql import SqlStore
 
 if TYPE_CHECKING:
     import psycopg
@@ -322,22 +295,6 @@ _DEAD_WORKERS = ("SELECT worker FROM sessions WHERE ended_at IS NULL GROUP BY wo
 #: The URL query parameter naming the schema (removed before the URL reaches libpq).
 SCHEMA_PARAMETER = "schema"
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
-#: A frontier entry already there: (id, state, finished_at); id None for one added by the
-#: same page commit.
-_Known = tuple[Any, str, Any]
-#: The cursors of the lookups of known entries (by key, by fingerprint), answers not read yet.
-_Lookups = tuple["psycopg.Cursor[Any] | None", "psycopg.Cursor[Any] | None"]
-#: An insert of new requests sent, answer not read yet: its cursor, the number of rows sent.
-_Inserting = tuple["psycopg.Cursor[Any]", int]
-
-
-class _StoredState(NamedTuple):
-    """What a page commit reads (and locks) of a stored record before writing it."""
-
-    content_hash: str
-    seen_run_id: int
-    observed_at: float
-    version: int
 
 
 def schema_for(identity: CrawlIdentity | None) -> str:
@@ -425,7 +382,7 @@ class _Reconnecting:
         self._stopped.set()
 
 
-class PostgreSQLStore(FrontierStore):
+class PostgreSQLStore(SqlStore):
     """The :class:`~.FrontierStore` on a PostgreSQL database (see the module docstring).
 
     :param url: ``postgresql://`` or ``postgres://`` URL (libpq's URI syntax), optionally with
@@ -1134,181 +1091,54 @@ class PostgreSQLStore(FrontierStore):
                 result: CommitResult, number: int) -> None:
         """The page commit: one transaction, pipelined (see :meth:`_pipelined`). The client
         waits for the server only where a decision needs an answer: the fence and the
-        known entries (one wait), the records (see :meth:`_upsert_records`), the results of
-        every write and the claim (one wait), COMMIT."""
+        known entries (one wait), the records, the results of every write and the claim (one
+        wait), COMMIT."""
         with self._pipelined("committing") as cur:
-            fence = self._send_fence(cur, work, worker)  # first: the completions' rows
-            lookups = self._send_lookups(cur, work.requests)
-            lost = self._fence(fence)
-            requests = [r for r in work.requests if r.parent_key not in lost] if lost \
-                else work.requests
-            inserted = self._insert_requests(cur, requests, now, run_id, result, lookups)
-            records = [r for r in work.records if r[1] not in lost] if lost else work.records
-            changes = self._upsert_records(cur, records, now, run_id, result)
-            if work.outbox_targets and changes:
-                self._write_outbox(cur, changes, work.outbox_targets, now, run_id, result)
-            rejects = [r for r in work.rejects if r.request_key not in lost]
-            if rejects:
-                cur.executemany(
-                    "INSERT INTO rejects (item_type, reason, data, request_key, page_url,"
-                    " created_at, run_id) VALUES (%s, %s, %s, %s, %s, %s, %s)",
-                    [(r.item_type, r.reason, r.data, r.request_key, r.page_url, now, run_id)
-                     for r in rejects])
-                result.rejects += len(rejects)
-            responses = [r for r in work.responses if r[0] not in lost]
-            if responses:
-                self._journal(cur, responses, now)
-            started = [key for key in work.started if key not in lost]
-            if started:
-                cur.execute(
-                    "UPDATE requests SET attempts = attempts + 1, unfinished = unfinished + 1"
-                    " WHERE key = ANY(%s) AND state = 'leased' AND worker = %s",
-                    (started, worker))
-            replayed = [key for key in work.replayed if key not in lost]
-            if replayed:
-                cur.execute("UPDATE requests SET replays = replays + 1"
-                            " WHERE key = ANY(%s) AND state = 'leased' AND worker = %s",
-                            (replayed, worker))
-            completing = self._complete(cur, work.completions, lost, worker, now)
-            if work.give_back:
-                cur.execute(
-                    "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL"
-                    " WHERE key = ANY(%s) AND state = 'leased' AND worker = %s",
-                    (list(work.give_back), worker))
-            if work.claim:
-                self._claim(cur, worker, work.claim, now, result)  # waits for every answer
-            self._inserted(inserted, result)
-            self._completed(completing, result)
-            self._count(cur, result, len(started), number)
-            if (result.requests_added or result.requests_due_again
-                    or result.completed.get(RequestState.PENDING.value)):
-                self._notify(cur)
+            self._write_unit(cur, work, worker, run_id, now, result, number)
 
-    @staticmethod
-    def _send_fence(cur: psycopg.Cursor[Any], work: UnitOfWork,
-                    worker: str) -> tuple[set[str], psycopg.Cursor[Any] | None]:
-        """Lock the rows of ``work``'s requests that ``worker`` leases now (until the
-        commit: no other worker can take or release them meanwhile); the answer is read
-        by :meth:`_fence`."""
-        keys = {c.key for c in work.completions}
-        keys.update(key for key, _, _ in work.responses)
-        keys.update(work.started)
-        if not keys:
-            return keys, None
-        held = cur.connection.cursor()
-        held.execute("SELECT key FROM requests WHERE key = ANY(%s) AND state = 'leased'"
-                     " AND worker = %s ORDER BY key FOR UPDATE", (sorted(keys), worker))
-        return keys, held
+    # -- the dialect (see SqlStore) ---------------------------------------------------------
 
-    @staticmethod
-    def _fence(sent: tuple[set[str], psycopg.Cursor[Any] | None]) -> set[str]:
-        """The keys of the unit whose request is not leased by the worker now."""
-        keys, held = sent
-        if held is None:
-            return set()
-        return keys - {key for (key,) in held.fetchall()}
+    LOCK_ROWS = " FOR UPDATE"
+    SKIP_LOCKED = " FOR UPDATE SKIP LOCKED"
+    TEXT_ORDER = ' COLLATE "C"'
+    NO_LIMIT = None
 
-    def _insert_requests(self, cur: psycopg.Cursor[Any], requests: list[NewRequest],
-                         now: float, run_id: int, result: CommitResult,
-                         lookups: _Lookups) -> _Inserting | None:
-        """Add ``requests`` to the frontier: a new key is inserted, a known one is a
-        duplicate, already done, or (recrawl window) due again. ``lookups``: the known
-        entries (:meth:`_send_lookups` of these requests or more). Returns the insert sent,
-        whose answer :meth:`_inserted` counts."""
-        if not requests:
-            return None
-        by_key, by_fingerprint = self._known_entries(lookups)
-        new, due = self._sort_out(requests, by_key, by_fingerprint, now, result)
-        if due:
-            self._due_again(cur, due, now, run_id)
-        if not new:
-            return None
-        return self._insert_new(cur, new, now, run_id)
+    def _q(self, sql: str) -> str:
+        return sql.replace("?", "%s")
 
-    @staticmethod
-    def _send_lookups(cur: psycopg.Cursor[Any], requests: list[NewRequest]) -> _Lookups:
-        """Ask for the entries already there: by key (the keys of ``requests``, and the
-        fingerprints of those filtered by fingerprint), and by fingerprint (entries whose
-        key is not their fingerprint: ``dont_filter`` requests); read by
-        :meth:`_known_entries`."""
-        if not requests:
-            return None, None
-        lookup = {r.key for r in requests} | {r.fingerprint for r in requests
-                                              if r.filter_fingerprint}
-        by_key = cur.connection.cursor()
-        by_key.execute("SELECT id, key, state, finished_at FROM requests WHERE key = ANY(%b)",
-                       (sorted(lookup),))
-        fingerprints = sorted({r.fingerprint for r in requests if r.filter_fingerprint})
-        if not fingerprints:
-            return by_key, None
-        by_fingerprint = cur.connection.cursor()
-        by_fingerprint.execute(
-            "SELECT id, fingerprint, state, finished_at FROM requests"
-            " WHERE fingerprint = ANY(%b) AND key <> fingerprint", (fingerprints,))
-        return by_key, by_fingerprint
+    def _select(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        return self._read(self._q(sql), params)
 
-    @staticmethod
-    def _known_entries(lookups: _Lookups) -> tuple[dict[str, _Known], dict[str, _Known]]:
-        """The answers of :meth:`_send_lookups`: entries by key, and by fingerprint."""
-        sent_by_key, sent_by_fingerprint = lookups
-        by_key: dict[str, _Known] = {} if sent_by_key is None else {
-            key: (id_, state, finished)
-            for id_, key, state, finished in sent_by_key.fetchall()}
-        by_fingerprint: dict[str, _Known] = {}
-        if sent_by_fingerprint is not None:
-            for id_, fingerprint, state, finished in sent_by_fingerprint.fetchall():
-                by_fingerprint.setdefault(fingerprint, (id_, state, finished))
-        return by_key, by_fingerprint
+    def _any(self, column: str, values: Collection[Any], *,
+             sql_type: str = "text") -> tuple[str, Any]:
+        # binary parameters: text arrays are not quoted element by element
+        mark = "%b" if sql_type == "text" and values else "?"
+        return f"{column} = ANY({mark}::{sql_type}[])", list(values)
 
-    def _sort_out(self, requests: list[NewRequest], by_key: dict[str, _Known],
-                  by_fingerprint: dict[str, _Known], now: float, result: CommitResult
-                  ) -> tuple[list[NewRequest], dict[int, NewRequest]]:
-        """The requests to insert (in the order given) and the finished entries due again
-        (entry id -> the request that brings it back); counts duplicates and the already
-        done. A request seen earlier in ``requests`` counts as known."""
-        window = window_start(self.recrawl_seconds, now)
-        new: list[NewRequest] = []
-        due: dict[int, NewRequest] = {}
-        for req in requests:
-            known = by_key.get(req.key)
-            if known is None and req.filter_fingerprint:
-                known = by_key.get(req.fingerprint) or by_fingerprint.get(req.fingerprint)
-            if known is None:
-                new.append(req)
-                placeholder: _Known = (None, "pending", None)
-                by_key[req.key] = placeholder
-                if req.key != req.fingerprint:
-                    by_fingerprint.setdefault(req.fingerprint, placeholder)
-                continue
-            decision = enqueue_decision(known[1], known[2], window)
-            if decision is Enqueue.DUPLICATE:
-                result.requests_duplicate += 1
-            elif decision is Enqueue.DUE_AGAIN:
-                due[known[0]] = req
-                by_key[req.key] = (known[0], "pending", None)
-                result.requests_due_again += 1
-            else:
-                result.requests_already_done += 1
-        return new, due
+    def _send(self, cur: Any, sql: str, params: Sequence[Any] = ()) -> Callable[[], list[Any]]:
+        sent = cur.connection.cursor()
+        sent.execute(self._q(sql), params)
+        return sent.fetchall  # type: ignore[no-any-return]
 
-    @staticmethod
-    def _due_again(cur: psycopg.Cursor[Any], due: dict[int, NewRequest], now: float,
-                   run_id: int) -> None:
-        """Put finished entries back to pending (the recrawl window), in id order: page
-        commits locking the same rows lock them in one order, so they never deadlock."""
-        cur.executemany(
-            "UPDATE requests SET state = 'pending', data = %s, priority = %s,"
-            " is_start = %s, fifo = %s, attempts = 0, finished_at = NULL,"
-            " error_kind = NULL, error_message = NULL, enqueued_at = %s, run_id = %s"
-            " WHERE id = %s",
-            [(req.data, req.priority, req.is_start, req.fifo, now, run_id, id_)
-             for id_, req in sorted(due.items())])
+    def _observation_offset(self) -> float:
+        # a worker's observation is put on the server's clock, as every other time of this
+        # store, so hosts whose clocks disagree still order their observations rightly
+        return self._offset
 
-    @staticmethod
-    def _insert_new(cur: psycopg.Cursor[Any], new: list[NewRequest], now: float,
-                    run_id: int) -> _Inserting:
+    def _claim_rows(self, cur: Any, worker: str, count: int, until: float) -> list[Any]:
+        rows: list[Any] = cur.execute(
+            "WITH head AS (SELECT id FROM requests WHERE state = 'pending'"
+            f" ORDER BY {QUEUE_ORDER} LIMIT %s FOR UPDATE SKIP LOCKED)"
+            " UPDATE requests r SET state = 'leased', worker = %s, leased_until = %s"
+            " FROM head WHERE r.id = head.id RETURNING "
+            + ", ".join(f"r.{column}" for column in CLAIMED_COLUMNS),
+            (count, worker, until)).fetchall()
+        return rows
+
+    def _send_insert(self, cur: Any, new: list[NewRequest], now: float,
+                     run_id: int) -> Callable[[], int]:
         """Insert ``new`` in one statement; a key another worker inserted meanwhile is a
-        duplicate (the unique index decides: see :meth:`_inserted`).
+        duplicate (the unique index decides).
 
         The ids (the claim order depends on them) are taken in the order given, but the rows
         go into the table in key order: two page commits inserting the same keys take the
@@ -1330,207 +1160,19 @@ class PostgreSQLStore(FrontierStore):
             ([r.key for r in new], [r.fingerprint for r in new], [r.url for r in new],
              [r.priority for r in new], [r.is_start for r in new], [r.fifo for r in new],
              [r.data for r in new], [r.parent_key for r in new], now, run_id))
-        return inserting, len(new)
+        return lambda: len(inserting.fetchall())
 
-    @staticmethod
-    def _inserted(inserting: _Inserting | None, result: CommitResult) -> None:
-        """Count the answer of :meth:`_insert_new`: the keys inserted are added, the others
-        duplicates."""
-        if inserting is None:
-            return
-        sent, count = inserting
-        added = len(sent.fetchall())
-        result.requests_added += added
-        result.requests_duplicate += count - added
-
-    def _upsert_records(self, cur: psycopg.Cursor[Any],
-                        records: list[tuple[Record, str | None]], now: float, run_id: int,
-                        result: CommitResult) -> list[tuple[str, Record, int]]:
-        """Upsert ``records``; returns the changes written: ``(kind, record, version)`` with
-        kind ``inserted`` or ``updated`` (an unchanged or stale record is no change)."""
-        changes: list[tuple[str, Record, int]] = []
-        if not records:
-            return changes
-        # times users read never go backwards (see the SQLite store); and the numbers of
-        # the records' first sight in this run, taken in item order (the feeds' order)
+    def _records_prelude(self, cur: Any, run_id: int, count: int
+                         ) -> tuple[float | None, list[int]]:
+        # the numbers of first sight from a sequence (no counter row to wait on), taken in
+        # item order (the feeds' order); and the newest change, in the same round trip
         newest, seqs = cur.execute(
             "SELECT (SELECT max(last_changed) FROM records), ARRAY(SELECT"
             " nextval('records_seen_seq') FROM generate_series(1, %s) ORDER BY 1)",
-            (len(records),)).fetchone() or (None, [])
-        if newest is not None and newest > now:
-            now = newest
-        ids = sorted({record.record_id for record, _ in records})
-        known: dict[str, _StoredState] = {
-            row[0]: _StoredState(*row[1:]) for row in cur.execute(
-                "SELECT record_id, content_hash, seen_run_id, observed_at, version"
-                " FROM records WHERE record_id = ANY(%s) ORDER BY record_id FOR UPDATE",
-                (ids,))}
-        # written in record ID order (a record ID twice keeps its item order: the last
-        # wins): page commits inserting the same new records take the unique index's locks
-        # in one order, so one waits for the other instead of both deadlocking
-        written: list[tuple[int, str, Record, int]] = []
-        for n in sorted(range(len(records)), key=lambda n: records[n][0].record_id):
-            record, request_key = records[n]
-            # a record without its observation time was observed at its commit; a worker's
-            # observation is put on the server's clock, as every other time of this store,
-            # so hosts whose clocks disagree still order their observations rightly
-            observed = (record.observed_at + self._offset if record.observed_at is not None
-                        else now)
-            change = self._upsert_record(cur, record, request_key, run_id, now, observed,
-                                         seqs[n], known, result)
-            if change is not None:
-                written.append((n, change[0], record, change[1]))
-        return [(kind, record, version)
-                for _, kind, record, version in sorted(written, key=lambda w: w[0])]
+            (count,)).fetchone() or (None, [])
+        return newest, list(seqs)
 
-    @staticmethod
-    def _write_outbox(cur: psycopg.Cursor[Any], changes: list[tuple[str, Record, int]],
-                      targets: tuple[str, ...], now: float, run_id: int,
-                      result: CommitResult) -> None:
-        """One outbox entry per change and target, in the transaction of the change."""
-        cur.executemany(
-            "INSERT INTO outbox (target, idempotency_key, kind, record_id, content_hash,"
-            " item_type, source, natural_key, data, run_id, created_at, due_at)"
-            " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-            [(target, change_key(record, version), kind, record.record_id,
-              record.content_hash, record.item_type, record.source, record.natural_key,
-              record.data, run_id, now, now)
-             for kind, record, version in changes for target in targets])
-        result.outbox_entries += len(changes) * len(targets)
-
-    @staticmethod
-    def _upsert_record(cur: psycopg.Cursor[Any], record: Record, request_key: str | None,
-                       run_id: int, now: float, observed: float, seq: int,
-                       known: dict[str, _StoredState],
-                       result: CommitResult) -> tuple[str, int] | None:
-        """Insert, update (content changed) or leave alone (same content) one record, and
-        mark it seen in ``run_id`` as its ``seq``-th record (unless seen there before);
-        ``known`` holds the rows read (and locked) so far. Data ``observed`` before the
-        stored data's observation is refused: nothing is written. Returns the change
-        stored (kind, version), if any."""
-        current = known.get(record.record_id)
-        if current is None:
-            row = cur.execute(
-                "INSERT INTO records (record_id, source, natural_key, item_type, data,"
-                " content_hash, first_seen, last_changed, first_run_id, changed_run_id,"
-                " request_key, seen_run_id, seen_at, seen_seq, observed_at, version)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, 1)"
-                " ON CONFLICT (record_id) DO NOTHING RETURNING record_id",
-                (record.record_id, record.source, record.natural_key, record.item_type,
-                 record.data, record.content_hash, now, now, run_id, run_id, request_key,
-                 run_id, now, seq, observed)).fetchone()
-            if row is not None:
-                known[record.record_id] = _StoredState(record.content_hash, run_id, observed, 1)
-                result.records_inserted += 1
-                return "inserted", 1
-            # another worker inserted this record ID since the read: the unique index was
-            # the backstop; this write becomes an update (or nothing) of that row
-            result.records_conflicts += 1
-            fetched = cur.execute(
-                "SELECT content_hash, seen_run_id, observed_at, version FROM records"
-                " WHERE record_id = %s FOR UPDATE", (record.record_id,)).fetchone()
-            assert fetched is not None
-            current = _StoredState(*fetched)
-        first_sight = current.seen_run_id != run_id
-        if observed < current.observed_at:
-            # older than what is stored (a page downloaded earlier, committed later): the
-            # data stays; the record is still one this run saw (its feeds list it)
-            result.records_stale += 1
-            if first_sight:
-                cur.execute("UPDATE records SET seen_run_id = %s, seen_at = %s,"
-                            " seen_seq = %s WHERE record_id = %s",
-                            (run_id, now, seq, record.record_id))
-                known[record.record_id] = current._replace(seen_run_id=run_id)
-            return None
-        change: tuple[str, int] | None = None
-        if current.content_hash != record.content_hash:
-            cur.execute(
-                "UPDATE records SET data = %s, content_hash = %s, item_type = %s,"
-                " last_changed = %s, changed_run_id = %s, request_key = %s,"
-                " observed_at = %s, version = version + 1,"
-                " seen_at = CASE WHEN seen_run_id = %s THEN seen_at ELSE %s END,"
-                " seen_seq = CASE WHEN seen_run_id = %s THEN seen_seq"
-                "  ELSE %s END,"
-                " seen_run_id = %s WHERE record_id = %s",
-                (record.data, record.content_hash, record.item_type, now, run_id, request_key,
-                 observed, run_id, now, run_id, seq, run_id, record.record_id))
-            result.records_updated += 1
-            change = ("updated", current.version + 1)
-        else:
-            if first_sight:
-                cur.execute("UPDATE records SET seen_run_id = %s, seen_at = %s,"
-                            " seen_seq = %s, observed_at = %s WHERE record_id = %s",
-                            (run_id, now, seq, observed, record.record_id))
-            elif observed > current.observed_at:
-                # the same data observed later: an older observation must not replace it
-                cur.execute("UPDATE records SET observed_at = %s WHERE record_id = %s",
-                            (observed, record.record_id))
-            result.records_unchanged += 1
-        known[record.record_id] = _StoredState(
-            record.content_hash, run_id, observed,
-            current.version + (1 if change is not None else 0))
-        return change
-
-    @staticmethod
-    def _journal(cur: psycopg.Cursor[Any], responses: list[tuple[str, str, bytes]],
-                 now: float) -> None:
-        cur.executemany(
-            "INSERT INTO responses (key, data, body, stored_at) VALUES (%s, %s, %s, %s)"
-            " ON CONFLICT (key) DO UPDATE SET data = EXCLUDED.data, body = EXCLUDED.body,"
-            " stored_at = EXCLUDED.stored_at",
-            [(key, data, body, now) for key, data, body in responses])
-
-    @staticmethod
-    def _complete(cur: psycopg.Cursor[Any], completions: list[Completion], lost: set[str],
-                  worker: str, now: float) -> list[tuple[Completion, psycopg.Cursor[Any] | None]]:
-        """Send the completions (each its own statement, whose answer :meth:`_completed`
-        reads: None for a completion of a lease not the worker's) and end the journal entry
-        of each completion that ended its lease."""
-        sent: list[tuple[Completion, psycopg.Cursor[Any] | None]] = []
-        for done in completions:
-            if done.key in lost:
-                sent.append((done, None))
-                continue
-            update = cur.connection.cursor()
-            if done.state is RequestState.PENDING:
-                update.execute(
-                    "UPDATE requests SET state = 'pending', worker = NULL,"
-                    " leased_until = NULL, unfinished = 0, data = COALESCE(%s, data),"
-                    " priority = COALESCE(%s, priority), error_kind = %s, error_message = %s"
-                    " WHERE key = %s AND state = 'leased' AND worker = %s RETURNING key",
-                    (done.data, done.priority, done.error_kind, done.error_message, done.key,
-                     worker))
-            else:
-                update.execute(
-                    "UPDATE requests SET state = %s, worker = NULL, leased_until = NULL,"
-                    " unfinished = 0, finished_at = %s, error_kind = %s, error_message = %s"
-                    " WHERE key = %s AND state = 'leased' AND worker = %s RETURNING key",
-                    (done.state.value, now, done.error_kind, done.error_message, done.key,
-                     worker))
-            sent.append((done, update))
-        ending = sorted({done.key for done, update in sent if update is not None})
-        if ending:
-            # only the lease holder's completion ends the journal entry: the rows were
-            # fenced (this worker's leases, locked), so each key the updates above reached
-            # is no longer leased to it now
-            cur.execute("DELETE FROM responses WHERE key = ANY(%s) AND NOT EXISTS"
-                        " (SELECT 1 FROM requests q WHERE q.key = responses.key"
-                        "  AND q.state = 'leased' AND q.worker = %s)", (ending, worker))
-        return sent
-
-    @staticmethod
-    def _completed(sent: list[tuple[Completion, psycopg.Cursor[Any] | None]],
-                   result: CommitResult) -> None:
-        """Count the answers of :meth:`_complete`, in the order of the completions."""
-        for done, update in sent:
-            if update is not None and update.fetchone() is not None:
-                result.completed[done.state.value] = (
-                    result.completed.get(done.state.value, 0) + 1)
-            else:  # not this worker's lease, or the same key completed twice in one unit
-                result.leases_lost += 1
-                result.lost.append(done.key)
-
-    def _count(self, cur: psycopg.Cursor[Any], result: CommitResult, started: int,
+    def _count(self, cur: Any, result: CommitResult, run_id: int, started: int,
                number: int) -> None:
         """Add this transaction's work to this session's counters, and record its number
         (same transaction, one statement: one row per worker, so workers never wait on
@@ -1546,53 +1188,9 @@ class PostgreSQLStore(FrontierStore):
             + ", last_commit = %s WHERE session_id = %s",
             (*deltas, number, self.session_id))
 
-    def _claim(self, cur: psycopg.Cursor[Any], worker: str, count: int, now: float,
-               result: CommitResult) -> None:
-        until = now + self.lease_seconds
-        rows = cur.execute(
-            "WITH head AS (SELECT id FROM requests WHERE state = 'pending'"
-            f" ORDER BY {QUEUE_ORDER} LIMIT %s FOR UPDATE SKIP LOCKED)"
-            " UPDATE requests r SET state = 'leased', worker = %s, leased_until = %s"
-            " FROM head WHERE r.id = head.id RETURNING "
-            + ", ".join(f"r.{column}" for column in CLAIMED_COLUMNS),
-            (count, worker, until)).fetchall()
-        leased, over = split_claim(rows, self.max_attempts, until)
-        if over:
-            cur.executemany(
-                "UPDATE requests SET state = 'failed', worker = NULL, leased_until = NULL,"
-                " unfinished = 0, finished_at = %s, error_kind = 'quarantined',"
-                " error_message = %s WHERE key = %s",
-                [(now, quarantine_message(r.unfinished), r.key) for r in over])
-            result.quarantined.extend(r.url for r in over)
-        result.leased.extend(leased)
-
     # -- the response journal ---------------------------------------------------------------
 
-    def journaled_response(self, key: str) -> tuple[str, bytes] | None:
-        row = self._one("SELECT data, body FROM responses WHERE key = %s", (key,))
-        return (row[0], bytes(row[1])) if row is not None else None
-
-    def known_request(self, fingerprint: str, *, key: str | None = None) -> str | None:
-        if key is not None:
-            row = self._one("SELECT state, finished_at FROM requests WHERE key = %s", (key,))
-        else:
-            row = self._one(
-                "SELECT state, finished_at FROM requests WHERE key = %s UNION ALL"
-                " (SELECT state, finished_at FROM requests WHERE fingerprint = %s"
-                "  AND key <> fingerprint LIMIT 1) LIMIT 1", (fingerprint, fingerprint))
-        if row is None:
-            return None
-        return known_request_answer(row[0], row[1],
-                                    window_start(self.recrawl_seconds, self.clock()))
-
     # -- leases -----------------------------------------------------------------------------
-
-    def status(self, worker: str) -> FrontierStatus:
-        row = self._one(
-            "SELECT EXISTS (SELECT 1 FROM requests WHERE state = 'pending'),"
-            " EXISTS (SELECT 1 FROM requests WHERE state = 'leased'"
-            "  AND (worker <> %s OR leased_until < %s))", (worker, self.clock()))
-        return FrontierStatus(claimable=bool(row[0]), leased_elsewhere=bool(row[1]))
 
     def renew_leases(self, worker: str) -> list[str]:
         now = self.clock()
@@ -1606,20 +1204,6 @@ class PostgreSQLStore(FrontierStore):
                 " AND worker = %s AND leased_until >= %s RETURNING key",
                 (now, worker, now + self.lease_seconds, worker, now)).fetchall()
         return [key for (key,) in rows]
-
-    def release_leases(self, workers: list[str]) -> int:
-        if not workers:
-            return 0
-        with self._write("releasing leases") as cur:
-            return self._release(cur, workers)
-
-    def _release(self, cur: psycopg.Cursor[Any], workers: list[str]) -> int:
-        cur.execute("UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL"
-                    " WHERE state = 'leased' AND worker = ANY(%s)", (list(workers),))
-        released = cur.rowcount
-        if released:
-            self._notify(cur, force=True)
-        return released
 
     # -- waking idle workers (LISTEN/NOTIFY) ------------------------------------------------
 
@@ -1730,76 +1314,6 @@ class PostgreSQLStore(FrontierStore):
 
     # -- the outbox --------------------------------------------------------------------------
 
-    def claim_outbox(self, targets: Sequence[str], limit: int, hold_seconds: float, *,
-                     exclude: Collection[int] = ()) -> list[OutboxEntry]:
-        if not targets or limit <= 0:
-            return []
-        now = self.clock()
-        with self._write("claiming outbox entries") as cur:
-            rows = cur.execute(
-                "UPDATE outbox SET due_at = %s WHERE id IN (SELECT id FROM outbox"
-                "  WHERE state = 'pending' AND target = ANY(%s) AND due_at <= %s"
-                "  AND NOT (id = ANY(%s::bigint[]))"
-                "  ORDER BY due_at, id LIMIT %s FOR UPDATE SKIP LOCKED)"
-                " RETURNING id, target, idempotency_key, kind, record_id, content_hash,"
-                " item_type, source, natural_key, data, run_id, created_at, attempts, due_at",
-                (now + hold_seconds, list(targets), now, list(exclude), limit)).fetchall()
-        rows.sort(key=lambda r: r[0])  # RETURNING gives no order
-        return [OutboxEntry(entry_id=r[0], target=r[1], key=r[2], kind=r[3], record_id=r[4],
-                            content_hash=r[5], item_type=r[6], source=r[7],
-                            natural_key=r[8], data=r[9] or "{}", run_id=r[10],
-                            created_at=r[11], attempts=r[12], held_until=r[13])
-                for r in rows]
-
-    def settle_outbox(self, outcomes: Sequence[OutboxOutcome]) -> list[OutboxOutcome]:
-        if not outcomes:
-            return []
-        now = self.clock()
-        settled: list[OutboxOutcome] = []
-        with self._write("recording deliveries") as cur:
-            for outcome in outcomes:
-                # only a pending entry, and only while the claim that sent it holds it
-                held = (" WHERE id = %s AND state = 'pending'"
-                        " AND (%s::float8 IS NULL OR due_at = %s::float8)")
-                token = (outcome.entry_id, outcome.held_until, outcome.held_until)
-                if outcome.state is OutboxState.PENDING:
-                    cur.execute(
-                        "UPDATE outbox SET attempts = attempts + 1, due_at = %s, detail = %s"
-                        + held,
-                        (outcome.retry_at if outcome.retry_at is not None else now,
-                         outcome.detail, *token))
-                else:
-                    cur.execute(
-                        "UPDATE outbox SET state = %s, attempts = attempts + 1,"
-                        " settled_at = %s, detail = %s,"
-                        " data = CASE WHEN %s THEN NULL ELSE data END" + held,
-                        (outcome.state.value, now, outcome.detail,
-                         outcome.state is OutboxState.DELIVERED, *token))
-                if cur.rowcount:
-                    settled.append(outcome)
-        return settled
-
-    def outbox_next_due(self, targets: Sequence[str]) -> float | None:
-        if not targets:
-            return None
-        (due,) = self._one("SELECT min(due_at) FROM outbox WHERE state = 'pending'"
-                           " AND target = ANY(%s)", (list(targets),))
-        return float(due) if due is not None else None
-
-    def outbox_entries(self, *, after: int | None = None, limit: int = 1000) -> list[OutboxRow]:
-        return [OutboxRow(*row) for row in self._read(
-            "SELECT id, target, idempotency_key, kind, record_id, state, attempts, detail, data"
-            " FROM outbox WHERE id > %s ORDER BY id LIMIT %s", (after or 0, limit))]
-
-    def outbox_counts(self) -> dict[str, dict[str, int]]:
-        counts: dict[str, dict[str, int]] = {}
-        for target, state, n in self._read(
-                "SELECT target, state, count(*) FROM outbox GROUP BY target, state"
-                " ORDER BY target"):
-            by_state = counts.setdefault(target, {s.value: 0 for s in OutboxState})
-            by_state[state] = n
-        return counts
-
     def reclaim_space(self, *, everything: bool = False) -> int:
         """PostgreSQL's autovacuum gives the space of dead rows back for reuse (tuned on the
         high-churn tables at creation); nothing to do here: 0."""
@@ -1814,19 +1328,6 @@ class PostgreSQLStore(FrontierStore):
             "SELECT DISTINCT worker FROM sessions WHERE ended_at IS NULL"
             " AND heartbeat_at >= %s ORDER BY worker",
             (self.clock() - self.dead_after_seconds,))]
-
-    def lease_holders(self) -> list[LeaseHolder]:
-        rows = self._read(
-            "SELECT worker, count(*), max(leased_until) FROM requests WHERE state = 'leased'"
-            " GROUP BY worker ORDER BY worker")
-        return [LeaseHolder(worker=w, leases=n, leased_until=u) for w, n, u in rows]
-
-    def counts(self) -> dict[str, int]:
-        counts = {state.value: 0 for state in RequestState}
-        for state, n in self._read("SELECT state, count(*) FROM requests GROUP BY state"):
-            counts[state] = n
-        counts["records"] = self._one("SELECT count(*) FROM records")[0]
-        return counts
 
     # -- operator queries -------------------------------------------------------------------
 
@@ -1856,21 +1357,6 @@ class PostgreSQLStore(FrontierStore):
         has."""
         return []
 
-    def entry(self, key: str) -> FrontierEntry | None:
-        found = self._entries_where("key = %s", (key,), 1)
-        return found[0] if found else None
-
-    def entries(self, *, after: str | None = None, limit: int = 1000) -> list[FrontierEntry]:
-        return self._entries_where("key > %s", (after or "",), limit)
-
-    def _entries_where(self, where: str, params: tuple[Any, ...],
-                       limit: int) -> list[FrontierEntry]:
-        return [FrontierEntry(*row) for row in self._read(
-            "SELECT key, fingerprint, url, state, priority, is_start, data, parent_key, worker,"
-            " leased_until, attempts, unfinished, replays, enqueued_at, finished_at, error_kind,"
-            f" error_message, run_id FROM requests WHERE {where} ORDER BY key COLLATE \"C\""
-            " LIMIT %s", (*params, limit))]
-
     def _use_schema(self, schema: str) -> None:
         """Work in ``schema`` from now on (the connections open now included)."""
         self.schema = schema
@@ -1895,9 +1381,6 @@ class PostgreSQLStore(FrontierStore):
         raise StoreError(f"{self.shown_url} holds the frontiers of several crawls (schemas "
                          f"{', '.join(found)}): name one with ?schema=NAME")
 
-    def meta(self) -> dict[str, str]:
-        return dict(self._read("SELECT key, value FROM meta ORDER BY key"))
-
     def runs(self) -> list[RunSummary]:
         sums = ", ".join(f"coalesce(sum(s.{c}), 0)::bigint AS {c}" for c in _COUNTERS)
         return [RunSummary(*row) for row in self._read(
@@ -1905,202 +1388,6 @@ class PostgreSQLStore(FrontierStore):
             " (SELECT count(*) FROM rejects j WHERE j.run_id = r.run_id) AS rejects"
             " FROM runs r LEFT JOIN sessions s ON s.run_id = r.run_id"
             " GROUP BY r.run_id ORDER BY r.run_id")]
-
-    def sessions(self) -> list[SessionInfo]:
-        return [SessionInfo(*row) for row in self._read(
-            "SELECT session_id, run_id, worker, started_at, ended_at, reason FROM sessions"
-            " ORDER BY session_id")]
-
-    def request_summary(self) -> RequestSummary:
-        row = self._one(
-            "SELECT count(*), coalesce(sum(attempts), 0), count(*) FILTER (WHERE attempts > 1),"
-            " coalesce(max(attempts), 0),"
-            " count(*) FILTER (WHERE state = 'leased' AND leased_until < %s),"
-            " coalesce(sum(replays), 0), count(*) FILTER (WHERE attempts - replays > 1)"
-            " FROM requests", (self.clock(),))
-        requests, leases, repeated, most, expired, replays, again = (int(v) for v in row)
-        (journaled,) = self._one("SELECT count(*) FROM responses")
-        return RequestSummary(requests=requests, leases=leases, repeated=repeated,
-                              most_attempts=most, expired_leases=expired,
-                              journaled_responses=int(journaled), replays=replays,
-                              downloads=leases - replays, downloaded_again=again)
-
-    def failure_counts(self) -> dict[str, int]:
-        return dict(self._read(
-            "SELECT coalesce(error_kind, ''), count(*) FROM requests WHERE state = 'failed'"
-            " GROUP BY 1 ORDER BY 2 DESC, 1"))
-
-    def repeated_requests(self, limit: int) -> list[RepeatedRequest]:
-        return [RepeatedRequest(*row) for row in self._read(
-            "SELECT key, url, state, attempts, worker, error_kind FROM requests"
-            " WHERE attempts > 1 ORDER BY attempts DESC, id LIMIT %s", (limit,))]
-
-    def _failed_filter(self, kinds: list[str] | None, url_glob: str | None,
-                       url_regex: str | None) -> tuple[str, list[Any]]:
-        where, params = ["state = 'failed'"], []
-        if kinds:
-            where.append("(" + " OR ".join(
-                "error_kind = %s OR left(error_kind, %s) = %s" for _ in kinds) + ")")
-            for kind in kinds:
-                params += [kind, len(kind) + 1, f"{kind}/"]
-        if url_glob is not None or url_regex is not None:
-            # matched here, in Python: the interface's glob, Python regular expressions
-            glob = url_glob
-            pattern = re.compile(url_regex) if url_regex is not None else None
-            keys = [key for key, url in self._read(
-                        "SELECT key, url FROM requests WHERE " + " AND ".join(where), params)
-                    if (glob is None or url_glob_matches(glob, url))
-                    and (pattern is None or pattern.search(url) is not None)]
-            where.append("key = ANY(%s)")
-            params.append(keys)
-        return " AND ".join(where), params
-
-    def failed_requests(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
-                        url_regex: str | None = None,
-                        limit: int | None = None) -> list[FailedRequest]:
-        where, params = self._failed_filter(kinds, url_glob, url_regex)
-        return [FailedRequest(*row) for row in self._read(
-            "SELECT key, url, error_kind, error_message, attempts, finished_at, parent_key,"
-            f" run_id FROM requests WHERE {where} ORDER BY finished_at DESC, id DESC LIMIT %s",
-            (*params, limit))]
-
-    def count_failed(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
-                     url_regex: str | None = None) -> int:
-        where, params = self._failed_filter(kinds, url_glob, url_regex)
-        return int(self._one(f"SELECT count(*) FROM requests WHERE {where}", params)[0])
-
-    def retry_failed(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
-                     url_regex: str | None = None) -> RetriedFailed:
-        where, params = self._failed_filter(kinds, url_glob, url_regex)
-        with self._write("putting failed requests back") as cur:
-            cur.execute(
-                "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL,"
-                " attempts = 0, finished_at = NULL, error_kind = NULL, error_message = NULL"
-                f" WHERE {where}", params)
-            retried = cur.rowcount
-            if retried:
-                self._notify(cur, force=True)
-            last = self._reopen(cur, bool(retried))
-        return RetriedFailed(retried=retried, run_id=last[0] if last else None,
-                             reopened=bool(retried and last and last[1] is not None))
-
-    @staticmethod
-    def _reopen(cur: psycopg.Cursor[Any], changed: bool) -> tuple[Any, ...] | None:
-        """The last run ``(run_id, finished_at)``, reopened when ``changed`` and finished."""
-        last = cur.execute(
-            "SELECT run_id, finished_at FROM runs ORDER BY run_id DESC LIMIT 1").fetchone()
-        if changed and last is not None and last[1] is not None:
-            cur.execute("UPDATE runs SET finished_at = NULL, reason = NULL WHERE run_id = %s",
-                        (last[0],))
-        return tuple(last) if last is not None else None
-
-    def records_page(self, *, after: str | None = None, limit: int = 1000,
-                     changed_since: float | None = None,
-                     changed_since_run: int | None = None) -> list[StoredRecord]:
-        where: list[str] = ["record_id > %s"]
-        params: list[Any] = [after or ""]
-        if changed_since is not None:
-            where.append("last_changed >= %s")
-            params.append(changed_since)
-        if changed_since_run is not None:
-            where.append("changed_run_id >= %s")
-            params.append(changed_since_run)
-        return [StoredRecord(*row) for row in self._read(
-            "SELECT record_id, source, natural_key, item_type, data, first_seen, last_changed,"
-            " first_run_id, changed_run_id, content_hash, request_key, version, observed_at"
-            f" FROM records WHERE {' AND '.join(where)} ORDER BY record_id LIMIT %s",
-            (*params, limit))]
-
-    def run_records(self, run_id: int) -> Iterator[RunRecord]:
-        columns = ("SELECT record_id, item_type, data, first_seen, last_changed, seen_seq,"
-                   " seen_at FROM records WHERE seen_run_id = %s")
-        order = " ORDER BY seen_seq, seen_at, record_id LIMIT 500"
-        after: tuple[Any, ...] | None = None
-        while True:
-            if after is None:
-                rows = self._read(columns + order, (run_id,))
-            else:
-                rows = self._read(columns + " AND (seen_seq, seen_at, record_id) >"
-                                  " (%s, %s, %s)" + order, (run_id, *after))
-            if not rows:
-                return
-            last = rows[-1]
-            after = (last[5], last[6], last[0])
-            for row in rows:
-                yield RunRecord(*row[:5])
-
-    def feed_base(self, run_id: int, uri: str, size: int) -> int:
-        with self._write("recording a feed") as cur:
-            cur.execute("INSERT INTO feeds (run_id, uri, base_size) VALUES (%s, %s, %s)"
-                        " ON CONFLICT DO NOTHING", (run_id, uri, size))
-            (base,) = cur.execute("SELECT base_size FROM feeds WHERE run_id = %s AND uri = %s",
-                                  (run_id, uri)).fetchone() or (size,)
-        return int(base)
-
-    def store_feed(self, run_id: int, uri: str, level: int,
-                   replace: Callable[[], object]) -> bool:
-        key = f"stored {uri}"
-        with self._write("storing a feed") as cur:
-            cur.execute("INSERT INTO feeds (run_id, uri, base_size) VALUES (%s, %s, -1)"
-                        " ON CONFLICT DO NOTHING", (run_id, key))
-            (stored,) = cur.execute("SELECT base_size FROM feeds WHERE run_id = %s AND uri = %s"
-                                    " FOR UPDATE", (run_id, key)).fetchone() or (-1,)
-            if stored > level:
-                return False
-            cur.execute("UPDATE feeds SET base_size = %s WHERE run_id = %s AND uri = %s",
-                        (level, run_id, key))
-            replace()
-        return True
-
-    @staticmethod
-    def _rejects_filter(run_id: int | None, pending_only: bool) -> tuple[str, list[Any]]:
-        where, params = ["true"], []
-        if run_id is not None:
-            where.append("j.run_id = %s")
-            params.append(run_id)
-        if pending_only:
-            where.append("j.retried_at IS NULL")
-        return " AND ".join(where), params
-
-    def rejects(self, *, run_id: int | None = None, pending_only: bool = False,
-                limit: int | None = None) -> list[RejectedItem]:
-        where, params = self._rejects_filter(run_id, pending_only)
-        return [RejectedItem(*row) for row in self._read(
-            "SELECT j.id, j.item_type, j.reason, j.data, j.request_key,"
-            " coalesce(j.page_url, r.url) AS page_url, j.created_at, j.run_id, j.retried_at,"
-            " r.state AS page_state FROM rejects j LEFT JOIN requests r ON r.key = j.request_key"
-            f" WHERE {where} ORDER BY j.created_at DESC, j.id DESC LIMIT %s", (*params, limit))]
-
-    def count_rejects(self, *, run_id: int | None = None, pending_only: bool = False) -> int:
-        where, params = self._rejects_filter(run_id, pending_only)
-        return int(self._one(f"SELECT count(*) FROM rejects j WHERE {where}", params)[0])
-
-    def retry_rejects(self) -> RejectsRetried:
-        now = self.clock()
-        with self._write("putting rejected pages back") as cur:
-            last = cur.execute(
-                "SELECT run_id, finished_at FROM runs ORDER BY run_id DESC LIMIT 1").fetchone()
-            if last is None:
-                return RejectsRetried(pages=0, rejects=0, without_page=0, run_id=None,
-                                      reopened=False)
-            cur.execute(
-                "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL,"
-                " attempts = 0, replays = 0, unfinished = 0, finished_at = NULL,"
-                " error_kind = NULL, error_message = NULL WHERE key IN"
-                " (SELECT request_key FROM rejects WHERE run_id = %s AND retried_at IS NULL)"
-                " AND state IN ('done', 'failed', 'redirected')", (last[0],))
-            pages = cur.rowcount
-            cur.execute("UPDATE rejects SET retried_at = %s WHERE run_id = %s"
-                        " AND retried_at IS NULL AND request_key IN"
-                        " (SELECT key FROM requests WHERE state IN ('pending', 'leased'))",
-                        (now, last[0]))
-            marked = cur.rowcount
-            (without,) = cur.execute(
-                "SELECT count(*) FROM rejects WHERE run_id = %s AND retried_at IS NULL",
-                (last[0],)).fetchone() or (0,)
-            self._reopen(cur, bool(pages))
-        return RejectsRetried(pages=pages, rejects=marked, without_page=int(without),
-                              run_id=last[0], reopened=bool(pages and last[1] is not None))
 
     # -- migration --------------------------------------------------------------------------
 
@@ -2179,6 +1466,3 @@ class PostgreSQLStore(FrontierStore):
                          " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s"
                          " AND NOT (i.indisvalid AND i.indisready)", (self.schema,))]
         return IntegrityReport(method="tables and index validity", problems=tuple(problems))
-
-    def anomalies(self) -> dict[str, int]:
-        return {name: int(self._one(sql)[0]) for name, sql in anomaly_checks().items()}

@@ -8,63 +8,37 @@ of the process (SIGKILL, OOM) but the last transactions may be lost on power fai
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 from ..exceptions import StoreBusy, StoreError
 from ..workers import worker_state
 from .base import (
     CommitResult,
-    Completion,
     CrawlIdentity,
     EngineSetting,
-    FailedRequest,
-    FrontierEntry,
-    FrontierStatus,
-    FrontierStore,
     IntegrityReport,
-    LeaseHolder,
     NewRequest,
-    OutboxEntry,
-    OutboxOutcome,
-    OutboxRow,
-    OutboxState,
-    Record,
-    RejectedItem,
-    RejectsRetried,
-    RepeatedRequest,
-    RequestState,
-    RequestSummary,
-    RetriedFailed,
     RunInfo,
     RunMode,
-    RunRecord,
     RunSummary,
     SchemaInfo,
-    SessionInfo,
-    StoredRecord,
     UnitOfWork,
-    change_key,
-    url_glob_matches,
 )
 from .rules import (
     CLAIMED_COLUMNS,
     QUEUE_ORDER,
-    Enqueue,
-    anomaly_checks,
-    enqueue_decision,
     isolate_after,
-    known_request_answer,
-    quarantine_message,
-    split_claim,
     starts_new_run,
     window_start,
 )
+from .sql import SqlStore
 
 __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
 
@@ -282,7 +256,7 @@ def _os_cause(exc: OSError) -> str:
     return str(exc)
 
 
-class SQLiteStore(FrontierStore):
+class SQLiteStore(SqlStore):
     """The :class:`~.FrontierStore` on one SQLite file.
 
     :param path: database file; its directory is created if missing; a new file is created
@@ -636,7 +610,7 @@ class SQLiteStore(FrontierStore):
             self._wal = None
 
     @contextlib.contextmanager
-    def _write(self) -> Iterator[sqlite3.Cursor]:
+    def _write(self, doing: str = "writing") -> Iterator[sqlite3.Cursor]:
         """The one write-transaction primitive: ``BEGIN IMMEDIATE`` ... ``COMMIT``, rolled
         back on any exception, so a transaction is all or nothing."""
         conn = self.conn
@@ -656,7 +630,7 @@ class SQLiteStore(FrontierStore):
                 with contextlib.suppress(sqlite3.Error):
                     conn.execute("ROLLBACK")
             if isinstance(exc, sqlite3.Error):
-                raise self._error(exc, "writing") from exc
+                raise self._error(exc, doing) from exc
             raise
         self.transactions += 1
         if self._wal is None:
@@ -751,252 +725,53 @@ class SQLiteStore(FrontierStore):
         if not work:
             return result
         run_id = self.run_id if self.run_id is not None else 0
-        now = self.clock()
-        with self._write() as cur:
-            lost = self._fence(cur, work, worker)
-            requests = [r for r in work.requests if r.parent_key not in lost] if lost \
-                else work.requests
-            self._insert_requests(cur, requests, now, run_id, result)
-            records = [r for r in work.records if r[1] not in lost] if lost else work.records
-            changes = self._upsert_records(cur, records, now, run_id, result)
-            if work.outbox_targets and changes:
-                self._write_outbox(cur, changes, work.outbox_targets, now, run_id, result)
-            for reject in work.rejects:
-                if reject.request_key in lost:
-                    continue
-                cur.execute(
-                    "INSERT INTO rejects (item_type, reason, data, request_key, page_url,"
-                    " created_at, run_id) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (reject.item_type, reject.reason, reject.data, reject.request_key,
-                     reject.page_url, now, run_id),
-                )
-                result.rejects += 1
-            responses = [r for r in work.responses if r[0] not in lost]
-            if responses:
-                cur.executemany(
-                    "INSERT OR REPLACE INTO responses (key, data, body, stored_at)"
-                    " VALUES (?, ?, ?, ?)",
-                    [(key, data, body, now) for key, data, body in responses],
-                )
-            started = [key for key in work.started if key not in lost]
-            if started:
-                cur.executemany(
-                    "UPDATE requests SET attempts = attempts + 1, unfinished = unfinished + 1"
-                    " WHERE key = ? AND state = 'leased' AND worker = ?",
-                    [(key, worker) for key in started],
-                )
-            replayed = [key for key in work.replayed if key not in lost]
-            if replayed:
-                cur.executemany(
-                    "UPDATE requests SET replays = replays + 1"
-                    " WHERE key = ? AND state = 'leased' AND worker = ?",
-                    [(key, worker) for key in replayed],
-                )
-            self._complete(cur, work.completions, lost, worker, now, result)
-            if work.give_back:
-                cur.executemany(
-                    "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL"
-                    " WHERE key = ? AND state = 'leased' AND worker = ?",
-                    [(key, worker) for key in work.give_back],
-                )
-            if work.claim:
-                self._claim(cur, worker, work.claim, now, result)
-            self._count(cur, result, run_id, len(started))
+        with self._write("committing") as cur:
+            self._write_unit(cur, work, worker, run_id, self.clock(), result)
         return result
 
-    def _fence(self, cur: sqlite3.Cursor, work: UnitOfWork, worker: str) -> set[str]:
-        """The keys of ``work`` (completions, journaled responses, starts) whose request is
-        not leased by ``worker`` any more: another worker took it after the lease expired,
-        or it was finished or released meanwhile. Nothing of their unit of work is written:
-        not the completion, nor the records, rejects and child requests it produced, nor a
-        journaled response (the lease is the fence of the whole unit of work)."""
-        keys = {c.key for c in work.completions}
-        keys.update(key for key, _, _ in work.responses)
-        keys.update(work.started)
-        if not keys:
-            return set()
-        held: set[str] = set()
-        ordered = sorted(keys)
-        for i in range(0, len(ordered), 500):
-            chunk = ordered[i:i + 500]
-            marks = ", ".join("?" * len(chunk))
-            held.update(key for (key,) in cur.execute(
-                f"SELECT key FROM requests WHERE key IN ({marks})"
-                " AND state = 'leased' AND worker = ?", (*chunk, worker)))
-        return keys - held
+    # -- the dialect (see SqlStore) ----------------------------------------------------------
 
-    def _insert_requests(self, cur: sqlite3.Cursor, requests: list[NewRequest], now: float,
-                         run_id: int, result: CommitResult) -> None:
-        window = window_start(self.recrawl_seconds, now)
-        for req in requests:
-            known = self._find(cur, req.key, req.fingerprint, req.filter_fingerprint)
-            if known is None:
-                cur.execute(
-                    "INSERT INTO requests (key, fingerprint, url, priority, is_start, fifo,"
-                    " state, data, parent_key, enqueued_at, run_id)"
-                    " VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?, ?)",
-                    (req.key, req.fingerprint, req.url, req.priority, int(req.is_start),
-                     int(req.fifo), req.data, req.parent_key, now, run_id),
-                )
-                result.requests_added += 1
-                continue
-            decision = enqueue_decision(known[1], known[2], window)
-            if decision is Enqueue.DUPLICATE:
-                result.requests_duplicate += 1
-            elif decision is Enqueue.DUE_AGAIN:
-                cur.execute(
-                    "UPDATE requests SET state = 'pending', data = ?, priority = ?,"
-                    " is_start = ?, fifo = ?, attempts = 0, finished_at = NULL,"
-                    " error_kind = NULL, error_message = NULL, enqueued_at = ?, run_id = ?"
-                    " WHERE id = ?",
-                    (req.data, req.priority, int(req.is_start), int(req.fifo), now, run_id,
-                     known[0]),
-                )
-                result.requests_due_again += 1
-            else:
-                result.requests_already_done += 1
+    def _select(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        return self.conn.execute(sql, params).fetchall()
 
-    def _upsert_records(self, cur: sqlite3.Cursor, records: list[tuple[Record, str | None]],
-                        now: float, run_id: int,
-                        result: CommitResult) -> list[tuple[str, Record, int]]:
-        """Upsert ``records``; returns the changes written: ``(kind, record, version)`` with
-        kind ``inserted`` or ``updated`` (an unchanged or stale record is no change)."""
-        changes: list[tuple[str, Record, int]] = []
-        if not records:
-            return changes
-        # The times users read never go backwards, whatever the wall clock does (a
-        # backward step, a worker whose clock lags): a record written now gets a time no
-        # earlier than any record's last change (one read at the end of the index), so
-        # first_seen <= last_changed always, and `export --since` with a time the data
-        # showed finds every change made after it.
-        newest = cur.execute("SELECT max(last_changed) FROM records").fetchone()[0]
-        if newest is not None and newest > now:
-            now = newest
-        row = cur.execute("SELECT seen_seq FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-        first = seq = row[0] if row is not None else 0
-        for record, request_key in records:
-            # a record without its observation time was observed at its commit
-            observed = record.observed_at if record.observed_at is not None else now
-            taken, change = self._upsert_record(cur, record, request_key, run_id, now,
-                                                observed, seq + 1, result)
-            if taken:
-                seq += 1
-            if change is not None:
-                changes.append((change[0], record, change[1]))
-        if seq != first:
-            cur.execute("UPDATE runs SET seen_seq = ? WHERE run_id = ?", (seq, run_id))
-        return changes
+    def _crawl_select(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        return self.reader.execute(sql, params).fetchall()
 
-    @staticmethod
-    def _write_outbox(cur: sqlite3.Cursor, changes: list[tuple[str, Record, int]],
-                      targets: tuple[str, ...], now: float, run_id: int,
-                      result: CommitResult) -> None:
-        """One outbox entry per change and target, in the transaction of the change."""
+    def _any(self, column: str, values: Collection[Any], *,
+             sql_type: str = "text") -> tuple[str, Any]:
+        # one parameter whatever the number of values (no limit on host parameters)
+        return f"{column} IN (SELECT value FROM json_each(?))", json.dumps(list(values))
+
+    def _claim_rows(self, cur: Any, worker: str, count: int, until: float) -> list[Any]:
+        rows: list[Any] = cur.execute(
+            "UPDATE requests SET state = 'leased', worker = ?, leased_until = ?"
+            " WHERE id IN (SELECT id FROM requests INDEXED BY requests_pending"
+            f"  WHERE state = 'pending' ORDER BY {QUEUE_ORDER} LIMIT ?)"
+            f" RETURNING {', '.join(CLAIMED_COLUMNS)}", (worker, until, count)).fetchall()
+        return rows
+
+    def _send_insert(self, cur: Any, new: list[NewRequest], now: float,
+                     run_id: int) -> Callable[[], int]:
         cur.executemany(
-            "INSERT INTO outbox (target, idempotency_key, kind, record_id, content_hash,"
-            " item_type, source, natural_key, data, run_id, created_at, due_at)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [(target, change_key(record, version), kind, record.record_id,
-              record.content_hash, record.item_type, record.source, record.natural_key,
-              record.data, run_id, now, now)
-             for kind, record, version in changes for target in targets])
-        result.outbox_entries += len(changes) * len(targets)
+            "INSERT INTO requests (key, fingerprint, url, priority, is_start, fifo, state, data,"
+            " parent_key, enqueued_at, run_id) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?, ?)"
+            " ON CONFLICT (key) DO NOTHING",
+            [(r.key, r.fingerprint, r.url, r.priority, r.is_start, r.fifo, r.data,
+              r.parent_key, now, run_id) for r in new])
+        added: int = cur.rowcount
+        return lambda: added
 
-    @staticmethod
-    def _complete(cur: sqlite3.Cursor, completions: list[Completion], lost: set[str],
-                  worker: str, now: float, result: CommitResult) -> None:
-        for done in completions:
-            if done.key in lost:
-                result.leases_lost += 1
-                result.lost.append(done.key)
-                continue
-            if done.state is RequestState.PENDING:
-                cur.execute(
-                    "UPDATE requests SET state = 'pending', worker = NULL,"
-                    " leased_until = NULL, unfinished = 0, data = COALESCE(?, data),"
-                    " priority = COALESCE(?, priority), error_kind = ?, error_message = ?"
-                    " WHERE key = ? AND state = 'leased' AND worker = ?",
-                    (done.data, done.priority, done.error_kind, done.error_message,
-                     done.key, worker),
-                )
-            else:
-                cur.execute(
-                    "UPDATE requests SET state = ?, worker = NULL, leased_until = NULL,"
-                    " unfinished = 0, finished_at = ?, error_kind = ?, error_message = ?"
-                    " WHERE key = ? AND state = 'leased' AND worker = ?",
-                    (done.state.value, now, done.error_kind, done.error_message, done.key,
-                     worker),
-                )
-            if cur.rowcount:  # only the lease holder's completion ends the journal entry
-                cur.execute("DELETE FROM responses WHERE key = ?", (done.key,))
-                result.completed[done.state.value] = (
-                    result.completed.get(done.state.value, 0) + 1)
-            else:  # the same key completed twice in one unit
-                result.leases_lost += 1
-                result.lost.append(done.key)
+    def _records_prelude(self, cur: Any, run_id: int, count: int
+                         ) -> tuple[float | None, list[int]]:
+        # one read at the end of the index; the run's counter of first sights
+        newest = cur.execute("SELECT max(last_changed) FROM records").fetchone()[0]
+        row = cur.execute("SELECT seen_seq FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        first = row[0] if row is not None else 0
+        cur.execute("UPDATE runs SET seen_seq = ? WHERE run_id = ?", (first + count, run_id))
+        return newest, list(range(first + 1, first + count + 1))
 
-    @staticmethod
-    def _upsert_record(cur: sqlite3.Cursor, record: Record, request_key: str | None,
-                       run_id: int, now: float, observed: float, seq: int,
-                       result: CommitResult) -> tuple[bool, tuple[str, int] | None]:
-        """Insert, update (content changed) or leave the record alone (same content), and
-        mark it seen in ``run_id`` as the run's ``seq``-th record: an unchanged record is
-        written only the first time a run sees it, or to move its observation time forward.
-        Data ``observed`` before the stored data's observation is refused: nothing is
-        written. Returns whether ``seq`` was taken, and the change stored (kind, version)."""
-        row = cur.execute(
-            "SELECT content_hash, seen_run_id, observed_at, version FROM records"
-            " WHERE record_id = ?", (record.record_id,),
-        ).fetchone()
-        if row is None:
-            cur.execute(
-                "INSERT INTO records (record_id, source, natural_key, item_type, data,"
-                " content_hash, first_seen, last_changed, first_run_id, changed_run_id,"
-                " request_key, seen_run_id, seen_at, seen_seq, observed_at, version)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1)",
-                (record.record_id, record.source, record.natural_key, record.item_type,
-                 record.data, record.content_hash, now, now, run_id, run_id,
-                 request_key, run_id, now, seq, observed),
-            )
-            result.records_inserted += 1
-            return True, ("inserted", 1)
-        content_hash, seen_run_id, stored_observed, version = row
-        first_sight = bool(seen_run_id != run_id)
-        if observed < stored_observed:
-            # older than what is stored (a page downloaded earlier, committed later): the
-            # data stays; the record is still one this run saw (its feeds list it)
-            result.records_stale += 1
-            if first_sight:
-                cur.execute("UPDATE records SET seen_run_id = ?, seen_at = ?, seen_seq = ?"
-                            " WHERE record_id = ?", (run_id, now, seq, record.record_id))
-            return first_sight, None
-        if content_hash != record.content_hash:
-            cur.execute(
-                "UPDATE records SET data = ?, content_hash = ?, item_type = ?,"
-                " last_changed = ?, changed_run_id = ?, request_key = ?, observed_at = ?,"
-                " version = version + 1,"
-                " seen_at = CASE WHEN seen_run_id = ? THEN seen_at ELSE ? END,"
-                " seen_seq = CASE WHEN seen_run_id = ? THEN seen_seq ELSE ? END,"
-                " seen_run_id = ? WHERE record_id = ?",
-                (record.data, record.content_hash, record.item_type, now, run_id,
-                 request_key, observed, run_id, now, run_id, seq, run_id, record.record_id),
-            )
-            result.records_updated += 1
-            return first_sight, ("updated", version + 1)
-        if first_sight:
-            cur.execute(
-                "UPDATE records SET seen_run_id = ?, seen_at = ?, seen_seq = ?,"
-                " observed_at = ? WHERE record_id = ?",
-                (run_id, now, seq, observed, record.record_id))
-        elif observed > stored_observed:
-            # the same data observed later: an older observation must not replace it
-            cur.execute("UPDATE records SET observed_at = ? WHERE record_id = ?",
-                        (observed, record.record_id))
-        result.records_unchanged += 1
-        return first_sight, None
-
-    @staticmethod
-    def _count(cur: sqlite3.Cursor, result: CommitResult, run_id: int, started: int) -> None:
+    def _count(self, cur: Any, result: CommitResult, run_id: int, started: int,
+               number: int) -> None:
         """Add this transaction's work to the run's cumulative counters (same transaction)."""
         done = result.completed
         deltas = (
@@ -1013,144 +788,7 @@ class SQLiteStore(FrontierStore):
                 (*deltas, run_id),
             )
 
-    def _claim(self, cur: sqlite3.Cursor, worker: str, count: int, now: float,
-               result: CommitResult) -> None:
-        until = now + self.lease_seconds
-        rows = cur.execute(
-            "UPDATE requests SET state = 'leased', worker = ?, leased_until = ?"
-            " WHERE id IN (SELECT id FROM requests INDEXED BY requests_pending"
-            "  WHERE state = 'pending'"
-            f"  ORDER BY {QUEUE_ORDER} LIMIT ?) RETURNING {', '.join(CLAIMED_COLUMNS)}",
-            (worker, until, count),
-        ).fetchall()
-        leased, over = split_claim(rows, self.max_attempts, until)
-        if over:
-            cur.executemany(
-                "UPDATE requests SET state = 'failed', worker = NULL, leased_until = NULL,"
-                " unfinished = 0, finished_at = ?, error_kind = 'quarantined',"
-                " error_message = ? WHERE key = ?",
-                [(now, quarantine_message(r.unfinished), r.key) for r in over],
-            )
-            result.quarantined.extend(r.url for r in over)
-        result.leased.extend(leased)
-
-    # -- the outbox --------------------------------------------------------------------------
-
-    def claim_outbox(self, targets: Sequence[str], limit: int, hold_seconds: float, *,
-                     exclude: Collection[int] = ()) -> list[OutboxEntry]:
-        if not targets or limit <= 0:
-            return []
-        now = self.clock()
-        marks = ", ".join("?" * len(targets))
-        skip = ", ".join("?" * len(exclude))
-        with self._write() as cur:
-            rows = cur.execute(
-                "UPDATE outbox SET due_at = ? WHERE id IN (SELECT id FROM outbox"
-                f"  WHERE state = 'pending' AND target IN ({marks}) AND due_at <= ?"
-                + (f" AND id NOT IN ({skip})" if exclude else "")
-                + "  ORDER BY due_at, id LIMIT ?)"
-                " RETURNING id, target, idempotency_key, kind, record_id, content_hash,"
-                " item_type, source, natural_key, data, run_id, created_at, attempts, due_at",
-                (now + hold_seconds, *targets, now, *exclude, limit),
-            ).fetchall()
-        rows.sort(key=lambda r: r[0])  # RETURNING gives no order
-        return [OutboxEntry(entry_id=r[0], target=r[1], key=r[2], kind=r[3], record_id=r[4],
-                            content_hash=r[5], item_type=r[6], source=r[7],
-                            natural_key=r[8], data=r[9] or "{}", run_id=r[10],
-                            created_at=r[11], attempts=r[12], held_until=r[13])
-                for r in rows]
-
-    def settle_outbox(self, outcomes: Sequence[OutboxOutcome]) -> list[OutboxOutcome]:
-        if not outcomes:
-            return []
-        now = self.clock()
-        settled: list[OutboxOutcome] = []
-        with self._write() as cur:
-            for outcome in outcomes:
-                # only a pending entry, and only while the claim that sent it holds it
-                held = " WHERE id = ? AND state = 'pending' AND (? IS NULL OR due_at = ?)"
-                token = (outcome.entry_id, outcome.held_until, outcome.held_until)
-                if outcome.state is OutboxState.PENDING:
-                    cur.execute(
-                        "UPDATE outbox SET attempts = attempts + 1, due_at = ?, detail = ?"
-                        + held,
-                        (outcome.retry_at if outcome.retry_at is not None else now,
-                         outcome.detail, *token))
-                else:
-                    cur.execute(
-                        "UPDATE outbox SET state = ?, attempts = attempts + 1,"
-                        " settled_at = ?, detail = ?,"
-                        " data = CASE WHEN ? THEN NULL ELSE data END" + held,
-                        (outcome.state.value, now, outcome.detail,
-                         outcome.state is OutboxState.DELIVERED, *token))
-                if cur.rowcount:
-                    settled.append(outcome)
-        return settled
-
-    def outbox_next_due(self, targets: Sequence[str]) -> float | None:
-        if not targets:
-            return None
-        marks = ", ".join("?" * len(targets))
-        due = self.conn.execute(
-            f"SELECT min(due_at) FROM outbox WHERE state = 'pending' AND target IN ({marks})",
-            tuple(targets)).fetchone()[0]
-        return float(due) if due is not None else None
-
-    def outbox_entries(self, *, after: int | None = None, limit: int = 1000) -> list[OutboxRow]:
-        return [OutboxRow(*row) for row in self.conn.execute(
-            "SELECT id, target, idempotency_key, kind, record_id, state, attempts, detail, data"
-            " FROM outbox WHERE id > ? ORDER BY id LIMIT ?", (after or 0, limit)).fetchall()]
-
-    def outbox_counts(self) -> dict[str, dict[str, int]]:
-        counts: dict[str, dict[str, int]] = {}
-        for target, state, n in self.conn.execute(
-                "SELECT target, state, count(*) FROM outbox GROUP BY target, state"
-                " ORDER BY target"):
-            by_state = counts.setdefault(target, {s.value: 0 for s in OutboxState})
-            by_state[state] = n
-        return counts
-
-    # -- the response journal --------------------------------------------------------------
-
-    def journaled_response(self, key: str) -> tuple[str, bytes] | None:
-        row = self.reader.execute(
-            "SELECT data, body FROM responses WHERE key = ?", (key,)).fetchone()
-        return (row[0], bytes(row[1])) if row is not None else None
-
-    @staticmethod
-    def _find(cur: sqlite3.Cursor | sqlite3.Connection, key: str, fingerprint: str,
-              by_fingerprint: bool) -> tuple[Any, ...] | None:
-        """``(id, state, finished_at)`` of the entry with ``key``, or with ``by_fingerprint``
-        of any entry with that fingerprint (by key when its key is its fingerprint, else by
-        the partial fingerprint index)."""
-        row = cur.execute(_BY_KEY, (key,)).fetchone()
-        if row is None and by_fingerprint:
-            if key != fingerprint:
-                row = cur.execute(_BY_KEY, (fingerprint,)).fetchone()
-            if row is None:
-                row = cur.execute(_BY_OTHER_KEY, (fingerprint,)).fetchone()
-        return cast("tuple[Any, ...] | None", row)
-
-    def known_request(self, fingerprint: str, *, key: str | None = None) -> str | None:
-        if key is not None:
-            row = self._find(self.reader, key, fingerprint, False)
-        else:
-            row = self._find(self.reader, fingerprint, fingerprint, True)
-        if row is None:
-            return None
-        return known_request_answer(row[1], row[2],
-                                    window_start(self.recrawl_seconds, self.clock()))
-
     # -- leases -----------------------------------------------------------------------------
-
-    def status(self, worker: str) -> FrontierStatus:
-        claimable, elsewhere = self.reader.execute(
-            "SELECT EXISTS (SELECT 1 FROM requests WHERE state = 'pending'),"
-            " EXISTS (SELECT 1 FROM requests WHERE state = 'leased'"
-            "  AND (worker != ? OR leased_until < ?))",
-            (worker, self.clock()),
-        ).fetchone()
-        return FrontierStatus(claimable=bool(claimable), leased_elsewhere=bool(elsewhere))
 
     def renew_leases(self, worker: str) -> list[str]:
         now = self.clock()
@@ -1164,22 +802,6 @@ class SQLiteStore(FrontierStore):
             ).fetchall()
         return [key for (key,) in rows]
 
-    def release_leases(self, workers: list[str]) -> int:
-        if not workers:
-            return 0
-        with self._write() as cur:
-            return self._release(cur, workers)
-
-    @staticmethod
-    def _release(cur: sqlite3.Cursor, workers: list[str]) -> int:
-        marks = ", ".join("?" * len(workers))
-        cur.execute(
-            "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL"
-            f" WHERE state = 'leased' AND worker IN ({marks})",
-            workers,
-        )
-        return cur.rowcount
-
     def reclaim_expired(self) -> int:
         with self._write() as cur:
             cur.execute(
@@ -1188,23 +810,6 @@ class SQLiteStore(FrontierStore):
                 (self.clock(),),
             )
             return cur.rowcount
-
-    def lease_holders(self) -> list[LeaseHolder]:
-        rows = self.reader.execute(
-            "SELECT worker, count(*), max(leased_until) FROM requests"
-            " WHERE state = 'leased' GROUP BY worker ORDER BY worker"
-        ).fetchall()
-        return [LeaseHolder(worker=w, leases=n, leased_until=u) for w, n, u in rows]
-
-    def counts(self) -> dict[str, int]:
-        counts = {state.value: 0 for state in RequestState}
-        reader = self.reader
-        for state, n in reader.execute(
-            "SELECT state, count(*) FROM requests GROUP BY state"
-        ):
-            counts[state] = n
-        counts["records"] = reader.execute("SELECT count(*) FROM records").fetchone()[0]
-        return counts
 
     # -- operator queries -------------------------------------------------------------------
     # For the ``scrapy idempotent`` commands; see the section of the same name in base.py.
@@ -1237,21 +842,6 @@ class SQLiteStore(FrontierStore):
         self._conn = conn
         return SchemaInfo(version=int(version), supported=SCHEMA_VERSION)
 
-    def entry(self, key: str) -> FrontierEntry | None:
-        found = self._entries_where("key = ?", (key,), 1)
-        return found[0] if found else None
-
-    def entries(self, *, after: str | None = None, limit: int = 1000) -> list[FrontierEntry]:
-        return self._entries_where("key > ?", (after or "",), limit)
-
-    def _entries_where(self, where: str, params: tuple[Any, ...],
-                      limit: int) -> list[FrontierEntry]:
-        return [FrontierEntry(*(*row[:5], bool(row[5]), *row[6:])) for row in self.conn.execute(
-            "SELECT key, fingerprint, url, state, priority, is_start, data, parent_key, worker,"
-            " leased_until, attempts, unfinished, replays, enqueued_at, finished_at, error_kind,"
-            f" error_message, run_id FROM requests WHERE {where} ORDER BY key LIMIT ?",
-            (*params, limit))]
-
     def engine_settings(self) -> list[EngineSetting]:
         mode = self.conn.execute("PRAGMA journal_mode").fetchone()[0]
         return [EngineSetting(name="journal_mode", label="journal mode",
@@ -1270,206 +860,12 @@ class SQLiteStore(FrontierStore):
             raise self._error(exc, "opening") from exc
         return conn
 
-    def meta(self) -> dict[str, str]:
-        return dict(self.conn.execute("SELECT key, value FROM meta ORDER BY key").fetchall())
-
     def runs(self) -> list[RunSummary]:
         return [RunSummary(*row) for row in self.conn.execute(
             "SELECT run_id, started_at, finished_at, reason, leased, done, failed, redirected,"
             " records_inserted, records_updated, records_unchanged, coalesce(j.rejects, 0)"
             " FROM runs LEFT JOIN (SELECT run_id, count(*) AS rejects FROM rejects"
             " GROUP BY run_id) AS j USING (run_id) ORDER BY run_id")]
-
-    def sessions(self) -> list[SessionInfo]:
-        return [SessionInfo(*row) for row in self.conn.execute(
-            "SELECT session_id, run_id, worker, started_at, ended_at, reason FROM sessions"
-            " ORDER BY session_id")]
-
-    def request_summary(self) -> RequestSummary:
-        requests, leases, repeated, most, expired, replays, again = self.conn.execute(
-            "SELECT count(*), coalesce(sum(attempts), 0), coalesce(sum(attempts > 1), 0),"
-            " coalesce(max(attempts), 0),"
-            " coalesce(sum(state = 'leased' AND leased_until < ?), 0),"
-            " coalesce(sum(replays), 0), coalesce(sum(attempts - replays > 1), 0)"
-            " FROM requests",
-            (self.clock(),),
-        ).fetchone()
-        journaled = self.conn.execute("SELECT count(*) FROM responses").fetchone()[0]
-        return RequestSummary(requests=requests, leases=leases, repeated=repeated,
-                              most_attempts=most, expired_leases=expired,
-                              journaled_responses=journaled, replays=replays,
-                              downloads=leases - replays, downloaded_again=again)
-
-    def failure_counts(self) -> dict[str, int]:
-        return dict(self.conn.execute(
-            "SELECT coalesce(error_kind, ''), count(*) FROM requests WHERE state = 'failed'"
-            " GROUP BY 1 ORDER BY 2 DESC, 1").fetchall())
-
-    def repeated_requests(self, limit: int) -> list[RepeatedRequest]:
-        return [RepeatedRequest(*row) for row in self.conn.execute(
-            "SELECT key, url, state, attempts, worker, error_kind FROM requests"
-            " WHERE attempts > 1 ORDER BY attempts DESC, id LIMIT ?", (limit,))]
-
-    def failed_requests(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
-                        url_regex: str | None = None,
-                        limit: int | None = None) -> list[FailedRequest]:
-        where, params = self._failed_filter(kinds, url_glob, url_regex)
-        return [FailedRequest(*row) for row in self.conn.execute(
-            "SELECT key, url, error_kind, error_message, attempts, finished_at, parent_key,"
-            f" run_id FROM requests WHERE {where} ORDER BY finished_at DESC, id DESC LIMIT ?",
-            (*params, -1 if limit is None else limit),
-        )]
-
-    def count_failed(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
-                     url_regex: str | None = None) -> int:
-        where, params = self._failed_filter(kinds, url_glob, url_regex)
-        count: int = self.conn.execute(
-            f"SELECT count(*) FROM requests WHERE {where}", params).fetchone()[0]
-        return count
-
-    def retry_failed(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
-                     url_regex: str | None = None) -> RetriedFailed:
-        where, params = self._failed_filter(kinds, url_glob, url_regex)
-        with self._write() as cur:
-            cur.execute(
-                "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL,"
-                " attempts = 0, finished_at = NULL, error_kind = NULL, error_message = NULL"
-                f" WHERE {where}",
-                params,
-            )
-            retried = cur.rowcount
-            last = cur.execute(
-                "SELECT run_id, finished_at FROM runs ORDER BY run_id DESC LIMIT 1").fetchone()
-            reopened = bool(retried and last is not None and last[1] is not None)
-            if reopened:
-                cur.execute("UPDATE runs SET finished_at = NULL, reason = NULL WHERE run_id = ?",
-                            (last[0],))
-        return RetriedFailed(retried=retried, run_id=last[0] if last is not None else None,
-                             reopened=reopened)
-
-    def records_page(self, *, after: str | None = None, limit: int = 1000,
-                     changed_since: float | None = None,
-                     changed_since_run: int | None = None) -> list[StoredRecord]:
-        where: list[str] = ["record_id > ?"]
-        params: list[Any] = [after or ""]
-        if changed_since is not None:
-            where.append("last_changed >= ?")
-            params.append(changed_since)
-        if changed_since_run is not None:
-            where.append("changed_run_id >= ?")
-            params.append(changed_since_run)
-        return [StoredRecord(*row) for row in self.conn.execute(
-            "SELECT record_id, source, natural_key, item_type, data, first_seen, last_changed,"
-            " first_run_id, changed_run_id, content_hash, request_key, version, observed_at"
-            " FROM records"
-            f" WHERE {' AND '.join(where)} ORDER BY record_id LIMIT ?",
-            (*params, limit),
-        )]
-
-    def run_records(self, run_id: int) -> Iterator[RunRecord]:
-        # Keyset paging on the records_seen index: each page is one statement, read to the
-        # end before it is yielded, so no read transaction stays open while the caller
-        # writes (a write after another worker's commit would fail on a stale snapshot).
-        columns = ("SELECT record_id, item_type, data, first_seen, last_changed, seen_seq,"
-                   " seen_at FROM records WHERE seen_run_id = ?")
-        order = " ORDER BY seen_seq, seen_at, record_id LIMIT 500"
-        after: tuple[Any, ...] | None = None
-        while True:
-            if after is None:
-                rows = self.conn.execute(columns + order, (run_id,)).fetchall()
-            else:
-                rows = self.conn.execute(
-                    columns + " AND (seen_seq, seen_at, record_id) > (?, ?, ?)" + order,
-                    (run_id, *after)).fetchall()
-            if not rows:
-                return
-            last = rows[-1]
-            after = (last[5], last[6], last[0])
-            for row in rows:
-                yield RunRecord(*row[:5])
-
-    def feed_base(self, run_id: int, uri: str, size: int) -> int:
-        with self._write() as cur:
-            cur.execute("INSERT OR IGNORE INTO feeds (run_id, uri, base_size) VALUES (?, ?, ?)",
-                        (run_id, uri, size))
-            base: int = cur.execute("SELECT base_size FROM feeds WHERE run_id = ? AND uri = ?",
-                                    (run_id, uri)).fetchone()[0]
-        return base
-
-    def store_feed(self, run_id: int, uri: str, level: int,
-                   replace: Callable[[], object]) -> bool:
-        key = f"stored {uri}"
-        with self._write() as cur:
-            row = cur.execute("SELECT base_size FROM feeds WHERE run_id = ? AND uri = ?",
-                              (run_id, key)).fetchone()
-            if row is not None and row[0] > level:
-                return False
-            cur.execute("INSERT INTO feeds (run_id, uri, base_size) VALUES (?, ?, ?)"
-                        " ON CONFLICT (run_id, uri) DO UPDATE SET base_size = excluded.base_size",
-                        (run_id, key, level))
-            replace()
-        return True
-
-    @staticmethod
-    def _rejects_filter(run_id: int | None, pending_only: bool) -> tuple[str, list[Any]]:
-        where, params = ["1"], []
-        if run_id is not None:
-            where.append("j.run_id = ?")
-            params.append(run_id)
-        if pending_only:
-            where.append("j.retried_at IS NULL")
-        return " AND ".join(where), params
-
-    def rejects(self, *, run_id: int | None = None, pending_only: bool = False,
-                limit: int | None = None) -> list[RejectedItem]:
-        where, params = self._rejects_filter(run_id, pending_only)
-        return [RejectedItem(*row) for row in self.conn.execute(
-            "SELECT j.id, j.item_type, j.reason, j.data, j.request_key,"
-            " coalesce(j.page_url, r.url) AS page_url, j.created_at, j.run_id, j.retried_at,"
-            " r.state AS page_state FROM rejects j LEFT JOIN requests r ON r.key = j.request_key"
-            f" WHERE {where} ORDER BY j.created_at DESC, j.id DESC LIMIT ?",
-            (*params, -1 if limit is None else limit),
-        )]
-
-    def count_rejects(self, *, run_id: int | None = None, pending_only: bool = False) -> int:
-        where, params = self._rejects_filter(run_id, pending_only)
-        count: int = self.conn.execute(
-            f"SELECT count(*) FROM rejects j WHERE {where}", params).fetchone()[0]
-        return count
-
-    def retry_rejects(self) -> RejectsRetried:
-        now = self.clock()
-        with self._write() as cur:
-            last = cur.execute(
-                "SELECT run_id, finished_at FROM runs ORDER BY run_id DESC LIMIT 1").fetchone()
-            if last is None:
-                return RejectsRetried(pages=0, rejects=0, without_page=0, run_id=None,
-                                      reopened=False)
-            keys = {key for (key,) in cur.execute(
-                "SELECT DISTINCT request_key FROM rejects WHERE run_id = ?"
-                " AND retried_at IS NULL AND request_key IN"
-                " (SELECT key FROM requests WHERE state IN ('done', 'failed', 'redirected'))",
-                (last[0],))}
-            cur.executemany(
-                "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL,"
-                " attempts = 0, replays = 0, unfinished = 0, finished_at = NULL,"
-                " error_kind = NULL, error_message = NULL WHERE key = ?",
-                [(key,) for key in keys])
-            pages = len(keys)
-            cur.execute("UPDATE rejects SET retried_at = ? WHERE run_id = ?"
-                        " AND retried_at IS NULL AND request_key IN"
-                        " (SELECT key FROM requests WHERE state IN ('pending', 'leased'))",
-                        (now, last[0]))
-            marked = cur.rowcount
-            without = cur.execute(
-                "SELECT count(*) FROM rejects WHERE run_id = ? AND retried_at IS NULL",
-                (last[0],)).fetchone()[0]
-            reopened = bool(pages and last[1] is not None)
-            if reopened:
-                cur.execute("UPDATE runs SET finished_at = NULL, reason = NULL WHERE run_id = ?",
-                            (last[0],))
-        return RejectsRetried(pages=pages, rejects=marked, without_page=without,
-                              run_id=last[0], reopened=reopened)
 
     def dump(self, batch: int = 1000) -> Iterator[tuple[str, list[dict[str, object]]]]:
         # keyset paging on each table's key: one statement per batch
@@ -1519,39 +915,6 @@ class SQLiteStore(FrontierStore):
         found = [str(row[0]) for row in self.conn.execute("PRAGMA integrity_check")]
         return IntegrityReport(method="PRAGMA integrity_check",
                                problems=() if found == ["ok"] else tuple(found))
-
-    def anomalies(self) -> dict[str, int]:
-        return {name: self.conn.execute(sql).fetchone()[0]
-                for name, sql in anomaly_checks().items()}
-
-    def _failed_filter(self, kinds: list[str] | None, url_glob: str | None,
-                       url_regex: str | None) -> tuple[str, list[Any]]:
-        where, params = ["state = 'failed'"], []
-        if kinds:
-            where.append("(" + " OR ".join(
-                "error_kind = ? OR substr(error_kind, 1, ?) = ?" for _ in kinds) + ")")
-            for kind in kinds:
-                params += [kind, len(kind) + 1, f"{kind}/"]
-        if url_glob is not None:
-            # the interface's glob (url_glob_matches), not SQLite's GLOB, whose character
-            # sets are negated with [^...] where the interface's use [!...]
-            glob = url_glob
-            self.conn.create_function(
-                "idempotent_url_glob", 1,
-                lambda url: url is not None and url_glob_matches(glob, url),
-                deterministic=True)
-            where.append("idempotent_url_glob(url)")
-        if url_regex is not None:
-            import re
-
-            pattern = re.compile(url_regex)
-            self.conn.create_function(
-                "idempotent_url_matches", 1,
-                lambda url: url is not None and pattern.search(url) is not None,
-                deterministic=True)
-            where.append("idempotent_url_matches(url)")
-        return " AND ".join(where), params
-
 
 #: SQLite's message for each primary result code (sqlite3.c, ``sqlite3ErrStr``), to name an
 #: error where Python does not: ``sqlite3.Error.sqlite_errorname`` is new in Python 3.11.

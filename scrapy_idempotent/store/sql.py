@@ -1,0 +1,832 @@
+"""The SQL every backend shares, written once over a small dialect.
+
+:class:`SqlStore` implements the parts of :class:`~.FrontierStore` whose statements every
+supported database understands: the page commit (fence, new requests, records, outbox,
+rejects, journal, completions, claim), the outbox, the leases' reads and releases and the
+operator queries. A backend subclasses it and gives what is its own:
+
+* its connections: :meth:`SqlStore._write` (the one write-transaction primitive),
+  :meth:`SqlStore._select` (the operator queries' reads) and :meth:`SqlStore._crawl_select`
+  (the reads a crawl makes while its writer thread writes);
+* its dialect: :meth:`SqlStore._q` (placeholders: statements here are written with ``?``),
+  :meth:`SqlStore._any` (a column in a list of values given as one parameter),
+  :attr:`SqlStore.LOCK_ROWS` and :attr:`SqlStore.SKIP_LOCKED` (row locking clauses),
+  :attr:`SqlStore.TEXT_ORDER` (byte order of text keys) and :attr:`SqlStore.NO_LIMIT`;
+* the few statements that differ: the claim (:meth:`SqlStore._claim_rows`), the insert of
+  new requests (:meth:`SqlStore._send_insert`), the records' clock and feed order
+  (:meth:`SqlStore._records_prelude`), the run counters (:meth:`SqlStore._count`), and the
+  wake-up of idle workers (:meth:`SqlStore._notify`, nothing by default).
+
+Statements that need an answer go out through :meth:`SqlStore._send`, which returns a
+function giving the rows: a backend that pipelines (PostgreSQL) sends and reads later, one that
+does not (SQLite) answers at once; the commit reads each answer only where a decision needs it.
+The rules the statements carry out are :mod:`.rules`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from abc import abstractmethod
+from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import Any
+
+from .base import (
+    CommitResult,
+    Completion,
+    FailedRequest,
+    FrontierEntry,
+    FrontierStatus,
+    FrontierStore,
+    LeaseHolder,
+    NewRequest,
+    OutboxEntry,
+    OutboxOutcome,
+    OutboxRow,
+    OutboxState,
+    Record,
+    RejectedItem,
+    RejectsRetried,
+    RepeatedRequest,
+    RequestState,
+    RequestSummary,
+    RetriedFailed,
+    RunRecord,
+    SessionInfo,
+    StoredRecord,
+    UnitOfWork,
+    change_key,
+    url_glob_matches,
+)
+from .rules import (
+    Enqueue,
+    RecordWrite,
+    StoredState,
+    after_write,
+    anomaly_checks,
+    enqueue_decision,
+    known_request_answer,
+    quarantine_message,
+    record_write,
+    split_claim,
+    window_start,
+)
+
+__all__ = ["Answer", "SqlStore"]
+
+#: The rows of a statement sent, read when called (see :meth:`SqlStore._send`).
+Answer = Callable[[], list[Any]]
+#: A frontier entry already there: (id, state, finished_at); id None for one added by the
+#: same page commit.
+_Known = tuple[Any, str, Any]
+#: the columns of a frontier entry (:class:`~.FrontierEntry`)
+_ENTRY = ("SELECT key, fingerprint, url, state, priority, is_start, data, parent_key, worker,"
+          " leased_until, attempts, unfinished, replays, enqueued_at, finished_at, error_kind,"
+          " error_message, run_id FROM requests")
+_LAST_RUN = "SELECT run_id, finished_at FROM runs ORDER BY run_id DESC LIMIT 1"
+_PENDING_AGAIN = "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL"
+
+
+class SqlStore(FrontierStore):
+    """The :class:`~.FrontierStore` statements every SQL backend shares (see the module
+    docstring for what a backend gives)."""
+
+    lease_seconds: float
+    max_attempts: int
+    recrawl_seconds: float | None
+    run_id: int | None
+    clock: Callable[[], float]
+
+    #: appended to a ``SELECT`` whose rows the transaction then changes (``FOR UPDATE``)
+    LOCK_ROWS = ""
+    #: appended to a claim's ``SELECT``: rows other claims hold are skipped
+    SKIP_LOCKED = ""
+    #: appended to ``ORDER BY`` a text key, so that keyset paging follows byte order
+    TEXT_ORDER = ""
+    #: the ``LIMIT`` parameter meaning no limit
+    NO_LIMIT: Any = -1
+
+    # -- the dialect and the connections (each backend's own) -----------------------------
+
+    @abstractmethod
+    def _write(self, doing: str = "writing") -> contextlib.AbstractContextManager[Any]:
+        """The one write-transaction primitive: a cursor inside one transaction, committed
+        at the end of the block, rolled back on any exception (all or nothing)."""
+
+    @abstractmethod
+    def _select(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        """Every row of one statement (written with ``?`` placeholders), outside any
+        transaction: the operator queries' reads."""
+
+    def _crawl_select(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        """:meth:`_select` for the reads a crawl makes beside its writer thread."""
+        return self._select(sql, params)
+
+    def _q(self, sql: str) -> str:
+        """``sql`` (written with ``?`` placeholders) in the driver's placeholder style."""
+        return sql
+
+    @abstractmethod
+    def _any(self, column: str, values: Collection[Any], *,
+             sql_type: str = "text") -> tuple[str, Any]:
+        """A condition that ``column`` is one of ``values`` (of ``sql_type``), with its one
+        parameter: however many values, one placeholder."""
+
+    def _send(self, cur: Any, sql: str, params: Sequence[Any] = ()) -> Answer:
+        """Send one statement of the transaction of ``cur``; its rows are read when the
+        returned function is called (at once, unless the backend pipelines)."""
+        rows = cur.execute(self._q(sql), params).fetchall()
+        return lambda: rows
+
+    def _notify(self, cur: Any, *, force: bool = False) -> None:
+        """Tell idle workers that requests became claimable (when the transaction commits);
+        nothing by default (workers poll)."""
+
+    @abstractmethod
+    def _claim_rows(self, cur: Any, worker: str, count: int, until: float) -> list[Any]:
+        """Lease the head of the pending index (:data:`.rules.QUEUE_ORDER`) to ``worker``
+        until ``until``; the rows taken, :data:`.rules.CLAIMED_COLUMNS` (any order)."""
+
+    @abstractmethod
+    def _send_insert(self, cur: Any, new: list[NewRequest], now: float,
+                     run_id: int) -> Callable[[], int]:
+        """Insert ``new`` requests (their ids, the claim order, in the order given); a key
+        another worker inserted meanwhile is not inserted. Returns the number inserted,
+        when called."""
+
+    @abstractmethod
+    def _records_prelude(self, cur: Any, run_id: int, count: int
+                         ) -> tuple[float | None, list[int]]:
+        """Before ``count`` records are written by ``run_id``: the latest ``last_changed``
+        of any record (None: none), and ``count`` increasing numbers of first sight in the
+        run (the feeds' order), one per record in item order."""
+
+    @abstractmethod
+    def _count(self, cur: Any, result: CommitResult, run_id: int, started: int,
+               number: int) -> None:
+        """Add this transaction's work to the run's counters (same transaction); ``number``
+        is the page commit's (see the PostgreSQL store)."""
+
+    def _observation_offset(self) -> float:
+        """Seconds added to a worker's observation time to put it on the store's clock."""
+        return 0.0
+
+    # -- the page commit ------------------------------------------------------------------
+
+    def _write_unit(self, cur: Any, work: UnitOfWork, worker: str, run_id: int, now: float,
+                    result: CommitResult, number: int = 0) -> None:
+        """Write ``work`` in the transaction of ``cur``. The fence comes first: nothing of a
+        completion, journaled response or start whose lease is not ``worker``'s any more is
+        written, nor the records, rejects and requests its page produced."""
+        fence = self._send_fence(cur, work, worker)
+        lookups = self._send_lookups(cur, work.requests)
+        lost = fence()
+        requests = [r for r in work.requests if r.parent_key not in lost] if lost \
+            else work.requests
+        inserted = self._insert_requests(cur, requests, now, run_id, result, lookups)
+        records = [r for r in work.records if r[1] not in lost] if lost else work.records
+        changes = self._upsert_records(cur, records, now, run_id, result)
+        if work.outbox_targets and changes:
+            self._write_outbox(cur, changes, work.outbox_targets, now, run_id, result)
+        rejects = [r for r in work.rejects if r.request_key not in lost]
+        if rejects:
+            cur.executemany(self._q(
+                "INSERT INTO rejects (item_type, reason, data, request_key, page_url,"
+                " created_at, run_id) VALUES (?, ?, ?, ?, ?, ?, ?)"),
+                [(r.item_type, r.reason, r.data, r.request_key, r.page_url, now, run_id)
+                 for r in rejects])
+            result.rejects += len(rejects)
+        responses = [r for r in work.responses if r[0] not in lost]
+        if responses:
+            cur.executemany(self._q(
+                "INSERT INTO responses (key, data, body, stored_at) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (key) DO UPDATE SET data = excluded.data, body = excluded.body,"
+                " stored_at = excluded.stored_at"),
+                [(key, data, body, now) for key, data, body in responses])
+        started = [key for key in work.started if key not in lost]
+        self._leased_update(cur, "attempts = attempts + 1, unfinished = unfinished + 1",
+                            started, worker)
+        self._leased_update(cur, "replays = replays + 1",
+                            [key for key in work.replayed if key not in lost], worker)
+        completing = self._complete(cur, work.completions, lost, worker, now)
+        self._leased_update(cur, "state = 'pending', worker = NULL, leased_until = NULL",
+                            work.give_back, worker)
+        if work.claim:
+            self._claim(cur, worker, work.claim, now, result)
+        added = inserted[0]()  # the keys inserted; the others: inserted meanwhile elsewhere
+        result.requests_added += added
+        result.requests_duplicate += inserted[1] - added
+        self._completed(completing, result)
+        self._count(cur, result, run_id, len(started), number)
+        if (result.requests_added or result.requests_due_again
+                or result.completed.get(RequestState.PENDING.value)):
+            self._notify(cur)
+
+    def _leased_update(self, cur: Any, assignments: str, keys: Sequence[str],
+                       worker: str) -> None:
+        """``SET assignments`` on the requests of ``keys`` that ``worker`` leases."""
+        if keys:
+            where, param = self._any("key", list(keys))
+            cur.execute(self._q(f"UPDATE requests SET {assignments} WHERE {where}"
+                                " AND state = 'leased' AND worker = ?"), (param, worker))
+
+    def _send_fence(self, cur: Any, work: UnitOfWork, worker: str) -> Callable[[], set[str]]:
+        """Read (and lock) the rows of ``work``'s requests that ``worker`` leases now; the
+        answer: the keys of the unit whose request is not leased by the worker any more
+        (another worker took it after the lease expired, or it was finished or released)."""
+        keys = {c.key for c in work.completions}
+        keys.update(key for key, _, _ in work.responses)
+        keys.update(work.started)
+        if not keys:
+            return set
+        where, param = self._any("key", sorted(keys))
+        held = self._send(cur, f"SELECT key FROM requests WHERE {where} AND state = 'leased'"
+                          f" AND worker = ? ORDER BY key{self.LOCK_ROWS}", (param, worker))
+        return lambda: keys - {key for (key,) in held()}
+
+    def _send_lookups(self, cur: Any, requests: list[NewRequest]) -> tuple[Answer, Answer]:
+        """Ask for the entries already there: by key (the keys of ``requests``, and the
+        fingerprints of those filtered by fingerprint), and by fingerprint (entries whose key
+        is not their fingerprint: ``dont_filter`` requests)."""
+        if not requests:
+            return list, list
+        lookup = {r.key for r in requests} | {r.fingerprint for r in requests
+                                              if r.filter_fingerprint}
+        where, param = self._any("key", sorted(lookup))
+        by_key = self._send(cur, f"SELECT id, key, state, finished_at FROM requests WHERE {where}",
+                            (param,))
+        fingerprints = sorted({r.fingerprint for r in requests if r.filter_fingerprint})
+        if not fingerprints:
+            return by_key, list
+        where, param = self._any("fingerprint", fingerprints)
+        return by_key, self._send(cur, "SELECT id, fingerprint, state, finished_at FROM requests"
+                                  f" WHERE {where} AND key <> fingerprint", (param,))
+
+    def _insert_requests(self, cur: Any, requests: list[NewRequest], now: float, run_id: int,
+                         result: CommitResult, lookups: tuple[Answer, Answer]
+                         ) -> tuple[Callable[[], int], int]:
+        """Add ``requests`` to the frontier: a new key is inserted, a known one is a
+        duplicate, already done, or (recrawl window) due again. Returns the insert's answer
+        (the number inserted) and the number sent: the others were inserted meanwhile by
+        another worker (duplicates)."""
+        if not requests:
+            return (lambda: 0), 0
+        by_key: dict[str, _Known] = {key: (id_, state, finished)
+                                     for id_, key, state, finished in lookups[0]()}
+        by_fingerprint: dict[str, _Known] = {}
+        for id_, fingerprint, state, finished in lookups[1]():
+            by_fingerprint.setdefault(fingerprint, (id_, state, finished))
+        window = window_start(self.recrawl_seconds, now)
+        new: list[NewRequest] = []
+        due: dict[int, NewRequest] = {}
+        for req in requests:  # a request seen earlier in ``requests`` counts as known
+            known = by_key.get(req.key)
+            if known is None and req.filter_fingerprint:
+                known = by_key.get(req.fingerprint) or by_fingerprint.get(req.fingerprint)
+            if known is None:
+                new.append(req)
+                placeholder: _Known = (None, "pending", None)
+                by_key[req.key] = placeholder
+                if req.key != req.fingerprint:
+                    by_fingerprint.setdefault(req.fingerprint, placeholder)
+                continue
+            decision = enqueue_decision(known[1], known[2], window)
+            if decision is Enqueue.DUPLICATE:
+                result.requests_duplicate += 1
+            elif decision is Enqueue.DUE_AGAIN:
+                due[known[0]] = req
+                by_key[req.key] = (known[0], "pending", None)
+                result.requests_due_again += 1
+            else:
+                result.requests_already_done += 1
+        if due:
+            # in id order: page commits locking the same rows lock them in one order
+            cur.executemany(self._q(
+                "UPDATE requests SET state = 'pending', data = ?, priority = ?,"
+                " is_start = ?, fifo = ?, attempts = 0, finished_at = NULL,"
+                " error_kind = NULL, error_message = NULL, enqueued_at = ?, run_id = ?"
+                " WHERE id = ?"),
+                [(req.data, req.priority, req.is_start, req.fifo, now, run_id, id_)
+                 for id_, req in sorted(due.items())])
+        if not new:
+            return (lambda: 0), 0
+        return self._send_insert(cur, new, now, run_id), len(new)
+
+    def _upsert_records(self, cur: Any, records: list[tuple[Record, str | None]], now: float,
+                        run_id: int, result: CommitResult) -> list[tuple[str, Record, int]]:
+        """Upsert ``records``; returns the changes written: ``(kind, record, version)`` with
+        kind ``inserted`` or ``updated``, in item order (an unchanged or stale record is no
+        change)."""
+        if not records:
+            return []
+        # The times users read never go backwards, whatever the wall clock does (a backward
+        # step, a worker whose clock lags): a record written now gets a time no earlier than
+        # any record's last change, so first_seen <= last_changed always, and `export
+        # --since` with a time the data showed finds every change made after it.
+        newest, seqs = self._records_prelude(cur, run_id, len(records))
+        if newest is not None and newest > now:
+            now = newest
+        where, param = self._any("record_id", sorted({r.record_id for r, _ in records}))
+        known = {row[0]: StoredState(*row[1:]) for row in cur.execute(self._q(
+            "SELECT record_id, content_hash, seen_run_id, observed_at, version FROM records"
+            f" WHERE {where} ORDER BY record_id{self.LOCK_ROWS}"), (param,)).fetchall()}
+        # written in record ID order (a record ID twice keeps its item order: the last
+        # wins): page commits inserting the same new records take the unique index's locks
+        # in one order, so one waits for the other instead of both deadlocking
+        written: list[tuple[int, str, Record, int]] = []
+        for n in sorted(range(len(records)), key=lambda n: records[n][0].record_id):
+            record, request_key = records[n]
+            # a record without its observation time was observed at its commit
+            observed = (record.observed_at + self._observation_offset()
+                        if record.observed_at is not None else now)
+            change = self._upsert_record(cur, record, request_key, run_id, now, observed,
+                                         seqs[n], known, result)
+            if change is not None:
+                written.append((n, change[0], record, change[1]))
+        return [(kind, record, version) for _, kind, record, version in sorted(written)]
+
+    def _upsert_record(self, cur: Any, record: Record, request_key: str | None, run_id: int,
+                       now: float, observed: float, seq: int, known: dict[str, StoredState],
+                       result: CommitResult) -> tuple[str, int] | None:
+        """Write one record as :func:`.rules.record_write` decides, marking it seen in
+        ``run_id`` as its ``seq``-th record when the run sees it first; ``known`` holds the
+        rows read (and locked) so far. Returns the change stored (kind, version), if any."""
+        rid = record.record_id
+        current = known.get(rid)
+        if current is None:
+            inserted = cur.execute(self._q(
+                "INSERT INTO records (record_id, source, natural_key, item_type, data,"
+                " content_hash, first_seen, last_changed, first_run_id, changed_run_id,"
+                " request_key, seen_run_id, seen_at, seen_seq, observed_at, version)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1)"
+                " ON CONFLICT (record_id) DO NOTHING RETURNING record_id"),
+                (rid, record.source, record.natural_key, record.item_type, record.data,
+                 record.content_hash, now, now, run_id, run_id, request_key, run_id, now, seq,
+                 observed)).fetchone()
+            if inserted is not None:
+                known[rid] = after_write(None, RecordWrite.INSERT, record.content_hash,
+                                         observed, run_id)
+                result.records_inserted += 1
+                return RecordWrite.INSERT.value, 1
+            # another worker inserted this record ID since the read: the unique index was
+            # the backstop; this write becomes an update (or nothing) of that row
+            result.records_conflicts += 1
+            current = StoredState(*cur.execute(self._q(
+                "SELECT content_hash, seen_run_id, observed_at, version FROM records"
+                f" WHERE record_id = ?{self.LOCK_ROWS}"), (rid,)).fetchone())
+        decision = record_write(current, record.content_hash, observed, run_id)
+        seen = (run_id, now, seq, rid)
+        if decision is RecordWrite.STALE_SEEN:
+            # older than what is stored (a page downloaded earlier, committed later): the
+            # data stays; the record is still one this run saw (its feeds list it)
+            cur.execute(self._q("UPDATE records SET seen_run_id = ?, seen_at = ?,"
+                                " seen_seq = ? WHERE record_id = ?"), seen)
+        elif decision is RecordWrite.UPDATE:
+            cur.execute(self._q(
+                "UPDATE records SET data = ?, content_hash = ?, item_type = ?,"
+                " last_changed = ?, changed_run_id = ?, request_key = ?, observed_at = ?,"
+                " version = version + 1,"
+                " seen_at = CASE WHEN seen_run_id = ? THEN seen_at ELSE ? END,"
+                " seen_seq = CASE WHEN seen_run_id = ? THEN seen_seq ELSE ? END,"
+                " seen_run_id = ? WHERE record_id = ?"),
+                (record.data, record.content_hash, record.item_type, now, run_id, request_key,
+                 observed, run_id, now, run_id, seq, run_id, rid))
+        elif decision is RecordWrite.SEEN:
+            cur.execute(self._q("UPDATE records SET seen_run_id = ?, seen_at = ?,"
+                                " seen_seq = ?, observed_at = ? WHERE record_id = ?"),
+                        (run_id, now, seq, observed, rid))
+        elif decision is RecordWrite.OBSERVED:
+            # the same data observed later: an older observation must not replace it
+            cur.execute(self._q("UPDATE records SET observed_at = ? WHERE record_id = ?"),
+                        (observed, rid))
+        if decision.stale:
+            result.records_stale += 1
+        elif decision is RecordWrite.UPDATE:
+            result.records_updated += 1
+        else:
+            result.records_unchanged += 1
+        known[rid] = after_write(current, decision, record.content_hash, observed, run_id)
+        return (decision.value, current.version + 1) if decision.change else None
+
+    def _write_outbox(self, cur: Any, changes: list[tuple[str, Record, int]],
+                      targets: tuple[str, ...], now: float, run_id: int,
+                      result: CommitResult) -> None:
+        """One outbox entry per change and target, in the transaction of the change."""
+        cur.executemany(self._q(
+            "INSERT INTO outbox (target, idempotency_key, kind, record_id, content_hash,"
+            " item_type, source, natural_key, data, run_id, created_at, due_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"),
+            [(target, change_key(record, version), kind, record.record_id,
+              record.content_hash, record.item_type, record.source, record.natural_key,
+              record.data, run_id, now, now)
+             for kind, record, version in changes for target in targets])
+        result.outbox_entries += len(changes) * len(targets)
+
+    def _complete(self, cur: Any, completions: list[Completion], lost: set[str], worker: str,
+                  now: float) -> list[tuple[Completion, Answer | None]]:
+        """Send the completions (each its own statement, whose answer :meth:`_completed`
+        reads: None for a completion of a lease not the worker's) and end the journal entry
+        of each completion that ended its lease."""
+        sent: list[tuple[Completion, Answer | None]] = []
+        where = " WHERE key = ? AND state = 'leased' AND worker = ? RETURNING key"
+        for done in completions:
+            if done.key in lost:
+                sent.append((done, None))
+            elif done.state is RequestState.PENDING:
+                sent.append((done, self._send(
+                    cur, "UPDATE requests SET state = 'pending', worker = NULL,"
+                    " leased_until = NULL, unfinished = 0, data = COALESCE(?, data),"
+                    " priority = COALESCE(?, priority), error_kind = ?, error_message = ?"
+                    + where, (done.data, done.priority, done.error_kind, done.error_message,
+                              done.key, worker))))
+            else:
+                sent.append((done, self._send(
+                    cur, "UPDATE requests SET state = ?, worker = NULL, leased_until = NULL,"
+                    " unfinished = 0, finished_at = ?, error_kind = ?, error_message = ?"
+                    + where, (done.state.value, now, done.error_kind, done.error_message,
+                              done.key, worker))))
+        ending = sorted({done.key for done, update in sent if update is not None})
+        if ending:
+            # only the lease holder's completion ends the journal entry: the rows were
+            # fenced (this worker's leases), so each key the updates above reached is no
+            # longer leased to it now
+            where, param = self._any("key", ending)
+            cur.execute(self._q(f"DELETE FROM responses WHERE {where} AND NOT EXISTS"
+                                " (SELECT 1 FROM requests q WHERE q.key = responses.key"
+                                "  AND q.state = 'leased' AND q.worker = ?)"), (param, worker))
+        return sent
+
+    @staticmethod
+    def _completed(sent: list[tuple[Completion, Answer | None]], result: CommitResult) -> None:
+        """Count the answers of :meth:`_complete`, in the order of the completions."""
+        for done, update in sent:
+            if update is not None and update():
+                result.completed[done.state.value] = (
+                    result.completed.get(done.state.value, 0) + 1)
+            else:  # not this worker's lease, or the same key completed twice in one unit
+                result.leases_lost += 1
+                result.lost.append(done.key)
+
+    def _claim(self, cur: Any, worker: str, count: int, now: float,
+               result: CommitResult) -> None:
+        """Lease up to ``count`` requests; those started too often without finishing are
+        failed as ``quarantined`` instead (:func:`.rules.split_claim`)."""
+        until = now + self.lease_seconds
+        leased, over = split_claim(self._claim_rows(cur, worker, count, until),
+                                   self.max_attempts, until)
+        if over:
+            cur.executemany(self._q(
+                "UPDATE requests SET state = 'failed', worker = NULL, leased_until = NULL,"
+                " unfinished = 0, finished_at = ?, error_kind = 'quarantined',"
+                " error_message = ? WHERE key = ?"),
+                [(now, quarantine_message(r.unfinished), r.key) for r in over])
+            result.quarantined.extend(r.url for r in over)
+        result.leased.extend(leased)
+
+    # -- frontier reads and leases --------------------------------------------------------
+
+    def journaled_response(self, key: str) -> tuple[str, bytes] | None:
+        rows = self._crawl_select("SELECT data, body FROM responses WHERE key = ?", (key,))
+        return (rows[0][0], bytes(rows[0][1])) if rows else None
+
+    def known_request(self, fingerprint: str, *, key: str | None = None) -> str | None:
+        if key is not None:
+            rows = self._crawl_select("SELECT state, finished_at FROM requests WHERE key = ?",
+                                      (key,))
+        else:  # by key when its key is its fingerprint, else by the fingerprint index
+            rows = self._crawl_select(
+                "SELECT state, finished_at FROM requests WHERE key = ? UNION ALL"
+                " SELECT * FROM (SELECT state, finished_at FROM requests WHERE fingerprint = ?"
+                "  AND key <> fingerprint LIMIT 1) AS other LIMIT 1", (fingerprint, fingerprint))
+        if not rows:
+            return None
+        return known_request_answer(rows[0][0], rows[0][1],
+                                    window_start(self.recrawl_seconds, self.clock()))
+
+    def status(self, worker: str) -> FrontierStatus:
+        claimable, elsewhere = self._crawl_select(
+            "SELECT EXISTS (SELECT 1 FROM requests WHERE state = 'pending'),"
+            " EXISTS (SELECT 1 FROM requests WHERE state = 'leased'"
+            "  AND (worker <> ? OR leased_until < ?))", (worker, self.clock()))[0]
+        return FrontierStatus(claimable=bool(claimable), leased_elsewhere=bool(elsewhere))
+
+    def release_leases(self, workers: list[str]) -> int:
+        if not workers:
+            return 0
+        with self._write("releasing leases") as cur:
+            return self._release(cur, workers)
+
+    def _release(self, cur: Any, workers: list[str]) -> int:
+        where, param = self._any("worker", list(workers))
+        cur.execute(self._q(f"{_PENDING_AGAIN} WHERE state = 'leased' AND {where}"), (param,))
+        released: int = cur.rowcount
+        if released:
+            self._notify(cur, force=True)
+        return released
+
+    def lease_holders(self) -> list[LeaseHolder]:
+        return [LeaseHolder(worker=w, leases=int(n), leased_until=u) for w, n, u in
+                self._crawl_select("SELECT worker, count(*), max(leased_until) FROM requests"
+                                   " WHERE state = 'leased' GROUP BY worker ORDER BY worker")]
+
+    def counts(self) -> dict[str, int]:
+        counts = {state.value: 0 for state in RequestState}
+        for state, n in self._crawl_select(
+                "SELECT state, count(*) FROM requests GROUP BY state"):
+            counts[state] = int(n)
+        counts["records"] = int(self._crawl_select("SELECT count(*) FROM records")[0][0])
+        return counts
+
+    # -- the outbox -----------------------------------------------------------------------
+
+    def claim_outbox(self, targets: Sequence[str], limit: int, hold_seconds: float, *,
+                     exclude: Collection[int] = ()) -> list[OutboxEntry]:
+        if not targets or limit <= 0:
+            return []
+        now = self.clock()
+        where, param = self._any("target", list(targets))
+        skip, skipped = self._any("id", list(exclude), sql_type="bigint")
+        with self._write("claiming outbox entries") as cur:
+            rows = cur.execute(self._q(
+                "UPDATE outbox SET due_at = ? WHERE id IN (SELECT id FROM outbox"
+                f"  WHERE state = 'pending' AND {where} AND due_at <= ? AND NOT ({skip})"
+                f"  ORDER BY due_at, id LIMIT ?{self.SKIP_LOCKED})"
+                " RETURNING id, target, idempotency_key, kind, record_id, content_hash,"
+                " item_type, source, natural_key, data, run_id, created_at, attempts, due_at"),
+                (now + hold_seconds, param, now, skipped, limit)).fetchall()
+        rows.sort(key=lambda r: r[0])  # RETURNING gives no order
+        return [OutboxEntry(entry_id=r[0], target=r[1], key=r[2], kind=r[3], record_id=r[4],
+                            content_hash=r[5], item_type=r[6], source=r[7],
+                            natural_key=r[8], data=r[9] or "{}", run_id=r[10],
+                            created_at=r[11], attempts=r[12], held_until=r[13])
+                for r in rows]
+
+    def settle_outbox(self, outcomes: Sequence[OutboxOutcome]) -> list[OutboxOutcome]:
+        if not outcomes:
+            return []
+        now = self.clock()
+        settled: list[OutboxOutcome] = []
+        # only a pending entry, and only while the claim that sent it holds it
+        held = (" WHERE id = ? AND state = 'pending' AND (CAST(? AS DOUBLE PRECISION) IS NULL"
+                " OR due_at = CAST(? AS DOUBLE PRECISION))")
+        with self._write("recording deliveries") as cur:
+            for outcome in outcomes:
+                token = (outcome.entry_id, outcome.held_until, outcome.held_until)
+                if outcome.state is OutboxState.PENDING:
+                    cur.execute(self._q(
+                        "UPDATE outbox SET attempts = attempts + 1, due_at = ?, detail = ?"
+                        + held), (outcome.retry_at if outcome.retry_at is not None else now,
+                                  outcome.detail, *token))
+                else:
+                    cur.execute(self._q(
+                        "UPDATE outbox SET state = ?, attempts = attempts + 1,"
+                        " settled_at = ?, detail = ?,"
+                        " data = CASE WHEN ? THEN NULL ELSE data END" + held),
+                        (outcome.state.value, now, outcome.detail,
+                         outcome.state is OutboxState.DELIVERED, *token))
+                if cur.rowcount:
+                    settled.append(outcome)
+        return settled
+
+    def outbox_next_due(self, targets: Sequence[str]) -> float | None:
+        if not targets:
+            return None
+        where, param = self._any("target", list(targets))
+        due = self._select(f"SELECT min(due_at) FROM outbox WHERE state = 'pending' AND {where}",
+                           (param,))[0][0]
+        return float(due) if due is not None else None
+
+    def outbox_entries(self, *, after: int | None = None, limit: int = 1000) -> list[OutboxRow]:
+        return [OutboxRow(*row) for row in self._select(
+            "SELECT id, target, idempotency_key, kind, record_id, state, attempts, detail, data"
+            " FROM outbox WHERE id > ? ORDER BY id LIMIT ?", (after or 0, limit))]
+
+    def outbox_counts(self) -> dict[str, dict[str, int]]:
+        counts: dict[str, dict[str, int]] = {}
+        for target, state, n in self._select(
+                "SELECT target, state, count(*) FROM outbox GROUP BY target, state"
+                " ORDER BY target"):
+            by_state = counts.setdefault(target, {s.value: 0 for s in OutboxState})
+            by_state[state] = int(n)
+        return counts
+
+    # -- operator queries -----------------------------------------------------------------
+    # For the ``scrapy idempotent`` commands; see the section of the same name in base.py.
+
+    def entry(self, key: str) -> FrontierEntry | None:
+        found = self._entries_where("key = ?", (key,), 1)
+        return found[0] if found else None
+
+    def entries(self, *, after: str | None = None, limit: int = 1000) -> list[FrontierEntry]:
+        return self._entries_where("key > ?", (after or "",), limit)
+
+    def _entries_where(self, where: str, params: tuple[Any, ...],
+                       limit: int) -> list[FrontierEntry]:
+        return [FrontierEntry(*(*row[:5], bool(row[5]), *row[6:])) for row in self._select(
+            f"{_ENTRY} WHERE {where} ORDER BY key{self.TEXT_ORDER} LIMIT ?", (*params, limit))]
+
+    def meta(self) -> dict[str, str]:
+        return dict(self._select("SELECT key, value FROM meta ORDER BY key"))
+
+    def sessions(self) -> list[SessionInfo]:
+        return [SessionInfo(*row) for row in self._select(
+            "SELECT session_id, run_id, worker, started_at, ended_at, reason FROM sessions"
+            " ORDER BY session_id")]
+
+    def request_summary(self) -> RequestSummary:
+        row = self._select(
+            "SELECT count(*), coalesce(sum(attempts), 0),"
+            " coalesce(sum(CASE WHEN attempts > 1 THEN 1 ELSE 0 END), 0),"
+            " coalesce(max(attempts), 0),"
+            " coalesce(sum(CASE WHEN state = 'leased' AND leased_until < ? THEN 1 ELSE 0 END),"
+            "  0), coalesce(sum(replays), 0),"
+            " coalesce(sum(CASE WHEN attempts - replays > 1 THEN 1 ELSE 0 END), 0)"
+            " FROM requests", (self.clock(),))[0]
+        requests, leases, repeated, most, expired, replays, again = (int(v) for v in row)
+        journaled = int(self._select("SELECT count(*) FROM responses")[0][0])
+        return RequestSummary(requests=requests, leases=leases, repeated=repeated,
+                              most_attempts=most, expired_leases=expired,
+                              journaled_responses=journaled, replays=replays,
+                              downloads=leases - replays, downloaded_again=again)
+
+    def failure_counts(self) -> dict[str, int]:
+        return {kind: int(n) for kind, n in self._select(
+            "SELECT coalesce(error_kind, ''), count(*) FROM requests WHERE state = 'failed'"
+            " GROUP BY 1 ORDER BY 2 DESC, 1")}
+
+    def repeated_requests(self, limit: int) -> list[RepeatedRequest]:
+        return [RepeatedRequest(*row) for row in self._select(
+            "SELECT key, url, state, attempts, worker, error_kind FROM requests"
+            " WHERE attempts > 1 ORDER BY attempts DESC, id LIMIT ?", (limit,))]
+
+    def _failed_filter(self, kinds: list[str] | None, url_glob: str | None,
+                       url_regex: str | None) -> tuple[str, list[Any]]:
+        """The failed requests of ``kinds`` (a kind or any sub-kind ``kind/...``) whose URL
+        matches: URLs are matched here, in Python (the interface's glob, Python regular
+        expressions), whatever pattern language the database has."""
+        where, params = ["state = 'failed'"], []
+        if kinds:
+            where.append("(" + " OR ".join(
+                "error_kind = ? OR substr(error_kind, 1, ?) = ?" for _ in kinds) + ")")
+            for kind in kinds:
+                params += [kind, len(kind) + 1, f"{kind}/"]
+        if url_glob is not None or url_regex is not None:
+            glob = url_glob
+            pattern = re.compile(url_regex) if url_regex is not None else None
+            keys = [key for key, url in self._select(
+                        "SELECT key, url FROM requests WHERE " + " AND ".join(where), params)
+                    if (glob is None or url_glob_matches(glob, url))
+                    and (pattern is None or pattern.search(url) is not None)]
+            matching, param = self._any("key", keys)
+            where.append(matching)
+            params.append(param)
+        return " AND ".join(where), params
+
+    def failed_requests(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
+                        url_regex: str | None = None,
+                        limit: int | None = None) -> list[FailedRequest]:
+        where, params = self._failed_filter(kinds, url_glob, url_regex)
+        return [FailedRequest(*row) for row in self._select(
+            "SELECT key, url, error_kind, error_message, attempts, finished_at, parent_key,"
+            f" run_id FROM requests WHERE {where} ORDER BY finished_at DESC, id DESC LIMIT ?",
+            (*params, self.NO_LIMIT if limit is None else limit))]
+
+    def count_failed(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
+                     url_regex: str | None = None) -> int:
+        where, params = self._failed_filter(kinds, url_glob, url_regex)
+        return int(self._select(f"SELECT count(*) FROM requests WHERE {where}", params)[0][0])
+
+    def retry_failed(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
+                     url_regex: str | None = None) -> RetriedFailed:
+        where, params = self._failed_filter(kinds, url_glob, url_regex)
+        with self._write("putting failed requests back") as cur:
+            cur.execute(self._q(
+                f"{_PENDING_AGAIN}, attempts = 0, finished_at = NULL, error_kind = NULL,"
+                f" error_message = NULL WHERE {where}"), params)
+            retried: int = cur.rowcount
+            if retried:
+                self._notify(cur, force=True)
+            last = self._reopen(cur, bool(retried))
+        return RetriedFailed(retried=retried, run_id=last[0] if last else None,
+                             reopened=bool(retried and last and last[1] is not None))
+
+    def _reopen(self, cur: Any, changed: bool) -> tuple[Any, ...] | None:
+        """The last run ``(run_id, finished_at)``, reopened when ``changed`` and finished."""
+        last = cur.execute(_LAST_RUN).fetchone()
+        if changed and last is not None and last[1] is not None:
+            cur.execute(self._q("UPDATE runs SET finished_at = NULL, reason = NULL"
+                                " WHERE run_id = ?"), (last[0],))
+        return tuple(last) if last is not None else None
+
+    def records_page(self, *, after: str | None = None, limit: int = 1000,
+                     changed_since: float | None = None,
+                     changed_since_run: int | None = None) -> list[StoredRecord]:
+        where: list[str] = ["record_id > ?"]
+        params: list[Any] = [after or ""]
+        if changed_since is not None:
+            where.append("last_changed >= ?")
+            params.append(changed_since)
+        if changed_since_run is not None:
+            where.append("changed_run_id >= ?")
+            params.append(changed_since_run)
+        return [StoredRecord(*row) for row in self._select(
+            "SELECT record_id, source, natural_key, item_type, data, first_seen, last_changed,"
+            " first_run_id, changed_run_id, content_hash, request_key, version, observed_at"
+            f" FROM records WHERE {' AND '.join(where)} ORDER BY record_id LIMIT ?",
+            (*params, limit))]
+
+    def run_records(self, run_id: int) -> Iterator[RunRecord]:
+        # Keyset paging on the records_seen index: each page is one statement, read to the
+        # end before it is yielded, so no read transaction stays open while the caller
+        # writes (a write after another worker's commit would fail on a stale snapshot).
+        columns = ("SELECT record_id, item_type, data, first_seen, last_changed, seen_seq,"
+                   " seen_at FROM records WHERE seen_run_id = ?")
+        order = " ORDER BY seen_seq, seen_at, record_id LIMIT 500"
+        after: tuple[Any, ...] | None = None
+        while True:
+            if after is None:
+                rows = self._select(columns + order, (run_id,))
+            else:
+                rows = self._select(columns + " AND (seen_seq, seen_at, record_id) > (?, ?, ?)"
+                                    + order, (run_id, *after))
+            if not rows:
+                return
+            last = rows[-1]
+            after = (last[5], last[6], last[0])
+            for row in rows:
+                yield RunRecord(*row[:5])
+
+    def feed_base(self, run_id: int, uri: str, size: int) -> int:
+        with self._write("recording a feed") as cur:
+            cur.execute(self._q("INSERT INTO feeds (run_id, uri, base_size) VALUES (?, ?, ?)"
+                                " ON CONFLICT DO NOTHING"), (run_id, uri, size))
+            row = cur.execute(self._q("SELECT base_size FROM feeds WHERE run_id = ?"
+                                      " AND uri = ?"), (run_id, uri)).fetchone()
+        return int(row[0]) if row is not None else size
+
+    def store_feed(self, run_id: int, uri: str, level: int,
+                   replace: Callable[[], object]) -> bool:
+        key = f"stored {uri}"
+        with self._write("storing a feed") as cur:
+            cur.execute(self._q("INSERT INTO feeds (run_id, uri, base_size) VALUES (?, ?, -1)"
+                                " ON CONFLICT DO NOTHING"), (run_id, key))
+            row = cur.execute(self._q("SELECT base_size FROM feeds WHERE run_id = ? AND uri = ?"
+                                      + self.LOCK_ROWS), (run_id, key)).fetchone()
+            if row is not None and row[0] > level:
+                return False
+            cur.execute(self._q("UPDATE feeds SET base_size = ? WHERE run_id = ? AND uri = ?"),
+                        (level, run_id, key))
+            replace()
+        return True
+
+    @staticmethod
+    def _rejects_filter(run_id: int | None, pending_only: bool) -> tuple[str, list[Any]]:
+        where, params = ["1 = 1"], []
+        if run_id is not None:
+            where.append("j.run_id = ?")
+            params.append(run_id)
+        if pending_only:
+            where.append("j.retried_at IS NULL")
+        return " AND ".join(where), params
+
+    def rejects(self, *, run_id: int | None = None, pending_only: bool = False,
+                limit: int | None = None) -> list[RejectedItem]:
+        where, params = self._rejects_filter(run_id, pending_only)
+        return [RejectedItem(*row) for row in self._select(
+            "SELECT j.id, j.item_type, j.reason, j.data, j.request_key,"
+            " coalesce(j.page_url, r.url) AS page_url, j.created_at, j.run_id, j.retried_at,"
+            " r.state AS page_state FROM rejects j LEFT JOIN requests r ON r.key = j.request_key"
+            f" WHERE {where} ORDER BY j.created_at DESC, j.id DESC LIMIT ?",
+            (*params, self.NO_LIMIT if limit is None else limit))]
+
+    def count_rejects(self, *, run_id: int | None = None, pending_only: bool = False) -> int:
+        where, params = self._rejects_filter(run_id, pending_only)
+        return int(self._select(f"SELECT count(*) FROM rejects j WHERE {where}", params)[0][0])
+
+    def retry_rejects(self) -> RejectsRetried:
+        now = self.clock()
+        with self._write("putting rejected pages back") as cur:
+            last = cur.execute(_LAST_RUN).fetchone()
+            if last is None:
+                return RejectsRetried(pages=0, rejects=0, without_page=0, run_id=None,
+                                      reopened=False)
+            cur.execute(self._q(
+                f"{_PENDING_AGAIN}, attempts = 0, replays = 0, unfinished = 0,"
+                " finished_at = NULL, error_kind = NULL, error_message = NULL WHERE key IN"
+                " (SELECT request_key FROM rejects WHERE run_id = ? AND retried_at IS NULL)"
+                " AND state IN ('done', 'failed', 'redirected')"), (last[0],))
+            pages: int = cur.rowcount
+            cur.execute(self._q(
+                "UPDATE rejects SET retried_at = ? WHERE run_id = ? AND retried_at IS NULL"
+                " AND request_key IN (SELECT key FROM requests WHERE state IN"
+                " ('pending', 'leased'))"), (now, last[0]))
+            marked: int = cur.rowcount
+            (without,) = cur.execute(self._q(
+                "SELECT count(*) FROM rejects WHERE run_id = ? AND retried_at IS NULL"),
+                (last[0],)).fetchone()
+            self._reopen(cur, bool(pages))
+        return RejectsRetried(pages=pages, rejects=marked, without_page=int(without),
+                              run_id=last[0], reopened=bool(pages and last[1] is not None))
+
+    def anomalies(self) -> dict[str, int]:
+        return {name: int(self._select(sql)[0][0]) for name, sql in anomaly_checks().items()}
