@@ -21,7 +21,9 @@ store and prints:
   killed crawl, or a receiver that was down, left), for at most
   ``IDEMPOTENT_OUTBOX_DRAIN_SECONDS``; exit code 1 when some are left;
 * ``migrate``: copy the crawl into another, empty database (``--to``), e.g. from SQLite to
-  PostgreSQL, to continue it there.
+  PostgreSQL, to continue it there;
+* ``metrics``: serves the whole crawl's figures for Prometheus (``--listen HOST:PORT``),
+  read from the database at each scrape.
 
 The database is the one the scheduler uses for ``SPIDER`` in the current project
 (``IDEMPOTENT_DATABASE``, ``{spider}`` replaced, default ``.scrapy/idempotent/<spider>.sqlite3``
@@ -42,7 +44,7 @@ from scrapy.exceptions import UsageError
 
 from .. import scrapy_compat
 from ..exceptions import IdempotentError, StoreError
-from . import check, deliver, export, failed, migrate, rejects, retry, status
+from . import check, deliver, export, failed, metrics, migrate, rejects, retry, status
 from ._common import FAILED_LIMIT, Opened, UnknownSpider, open_crawl_store
 from .export import FORMATS
 
@@ -55,7 +57,7 @@ __all__ = ["SUBCOMMANDS", "Command"]
 #: Sub-command -> its module (``DESCRIPTION``, ``run(opened, opts) -> exit code``).
 _MODULES: dict[str, ModuleType] = {
     "status": status, "failed": failed, "retry": retry, "rejects": rejects, "export": export,
-    "check": check, "deliver": deliver, "migrate": migrate,
+    "check": check, "deliver": deliver, "migrate": migrate, "metrics": metrics,
 }
 
 #: Sub-command -> one-line description.
@@ -76,6 +78,7 @@ _OPTION_SCOPE: dict[str, tuple[str, ...]] = {
     "since": ("export",),
     "run": ("export",),
     "to": ("migrate",),
+    "listen": ("metrics",),
 }
 
 
@@ -139,6 +142,10 @@ class Command(ScrapyCommand):
         group.add_argument("--to", metavar="DATABASE",
                            help="the database to copy the crawl into (a postgresql:// URL); "
                                 "it must not hold this crawl yet")
+        group = parser.add_argument_group("metrics")
+        group.add_argument("--listen", metavar="HOST:PORT",
+                           help=f"where to serve /metrics (default {metrics.LISTEN}; port 0: "
+                                "any free port, printed at start)")
 
     def process_options(self, args: list[str], opts: argparse.Namespace) -> None:
         super().process_options(args, opts)
@@ -177,6 +184,9 @@ class Command(ScrapyCommand):
             else:
                 opts.url_glob = opts.url
         opts.since_time = export.parse_time(opts.since) if opts.since is not None else None
+        opts.spider = args[1] if len(args) > 1 else None
+        if subcommand == "metrics":
+            metrics.listen_address(opts.listen or metrics.LISTEN)
 
     def run(self, args: list[str], opts: argparse.Namespace) -> None:
         subcommand = args[0]

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import fnmatch
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ __all__ = [
     "CommitResult",
     "Completion",
     "CrawlIdentity",
+    "CrawlMetrics",
     "EngineSetting",
     "FailedRequest",
     "FrontierEntry",
@@ -569,6 +571,22 @@ class RejectedItem:
     page_state: str | None  #: of the page's frontier entry, None when not in the frontier
 
 
+@dataclass(frozen=True)
+class CrawlMetrics:
+    """The crawl-wide figures of :meth:`FrontierStore.crawl_metrics`: what every worker (live,
+    finished or killed) committed, read in one call. Times are unix seconds."""
+
+    read_at: float  #: the store's clock when read
+    requests: dict[str, int]  #: frontier entries by state (every state, 0 included)
+    records: int  #: records stored
+    runs: tuple[RunSummary, ...]  #: every run, oldest first (counters over all sessions)
+    failures: dict[str, int]  #: failed entries by error kind ('' when none was recorded)
+    summary: RequestSummary  #: attempts, repeats, downloads, expired leases
+    leases: tuple[LeaseHolder, ...]  #: leases held, by worker
+    live_workers: tuple[str, ...]  #: workers whose sessions still run
+    outbox: dict[str, dict[str, int]]  #: target -> state -> entries
+
+
 def url_glob_matches(glob: str, url: str) -> bool:
     """The operator queries' URL glob, the reference every backend follows (translating it
     into its own pattern language where it can): the whole URL matches, case-sensitively;
@@ -866,6 +884,19 @@ class FrontierStore(ABC):
         timeout, :class:`~.StoreError` for a backend that cannot be migrated from."""
         raise StoreError(f"{type(self).__name__} cannot be migrated from")
         yield  # pragma: no cover
+
+    def crawl_metrics(self) -> CrawlMetrics:
+        """The figures of the whole crawl as stored (all workers, whatever became of their
+        processes), for monitoring (``scrapy idempotent metrics``). Only reads; each part is
+        one of the operator reads, so it costs what they cost together (a few passes over
+        the frontier's indexes)."""
+        counts = self.counts()
+        records = counts.pop("records")
+        return CrawlMetrics(
+            read_at=time.time(), requests=counts, records=records, runs=tuple(self.runs()),
+            failures=self.failure_counts(), summary=self.request_summary(),
+            leases=tuple(self.lease_holders()), live_workers=tuple(self.live_workers()),
+            outbox=self.outbox_counts())
 
     def live_workers(self) -> list[str]:
         """The workers whose sessions still run (not ended, and not known dead): a crawl of

@@ -1,0 +1,73 @@
+"""``scrapy idempotent metrics --listen HOST:PORT``: the whole crawl's figures for Prometheus
+at ``http://HOST:PORT/metrics``, read from the database at each scrape
+(:class:`~scrapy_idempotent.metrics.StoreCollector`), so any host that reaches the database
+can serve them, and a killed worker's figures are not lost. Runs until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+from typing import TYPE_CHECKING
+
+from scrapy.exceptions import UsageError
+
+from ..exceptions import StoreError
+from ._common import open_crawl_store
+
+if TYPE_CHECKING:
+    import argparse
+
+    from ..store.base import FrontierStore
+    from ._common import Opened
+
+DESCRIPTION = ("serve the whole crawl's figures, read from the database at each scrape, for "
+               "Prometheus (--listen HOST:PORT, path /metrics)")
+
+#: Where ``--listen`` serves by default.
+LISTEN = "127.0.0.1:9810"
+
+
+def listen_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) as a host and a port number; raises
+    :class:`~scrapy.exceptions.UsageError` for anything else."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise UsageError(f"--listen {text!r}: give HOST:PORT, e.g. 0.0.0.0:9810")
+    return host, int(port)
+
+
+def run(opened: Opened, opts: argparse.Namespace) -> int:
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError:
+        raise StoreError("the metrics command needs prometheus_client: pip install "
+                         "'scrapy_idempotent[metrics]'") from None
+    from ..metrics import StoreCollector
+
+    command_settings, spider, db = opened.command_settings, opts.spider, opts.db
+
+    def open_store() -> FrontierStore:  # one per scrape, on the HTTP server's thread
+        located = open_crawl_store(command_settings, spider, db)
+        try:
+            located.store.open_existing(readonly=True, identity=located.identity)
+        except BaseException:
+            located.store.close()
+            raise
+        return located.store
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StoreCollector(open_store))
+    host, port = listen_address(opts.listen or LISTEN)
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise StoreError(f"cannot listen on {host}:{port}: {exc}") from None
+    print(f"scrapy idempotent metrics: serving {opened.path} at "
+          f"http://{host}:{server.server_port}/metrics", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: server.shutdown())
+    try:
+        thread.join()
+    except KeyboardInterrupt:
+        server.shutdown()
+    server.server_close()
+    return 0

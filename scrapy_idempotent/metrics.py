@@ -1,0 +1,168 @@
+"""Crawl-wide metrics read from the store, in the Prometheus text format.
+
+:class:`StoreCollector` is a ``prometheus_client`` collector that reads the frontier database
+at scrape time (:meth:`~.FrontierStore.crawl_metrics`): the figures are those every worker
+committed, on any host, so a worker killed with SIGKILL loses none of them and several
+workers are not several partial views. ``scrapy idempotent metrics --listen HOST:PORT``
+serves it (``prometheus_client`` is the ``metrics`` extra).
+
+Names follow Prometheus' conventions: the ``idempotent_`` prefix, counters end in
+``_total``, units in the name (``_seconds``); labels ``state``, ``run``, ``kind``,
+``worker``, ``target``. Counters are read from the database, not kept in a process, so a
+counter goes down only when an operator puts requests back (``scrapy idempotent retry``
+resets their attempts), which Prometheus takes as a counter reset.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .workers import worker_state
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+    from .store.base import CrawlMetrics, FrontierStore
+
+__all__ = ["StoreCollector", "metric_families"]
+
+logger = logging.getLogger(__name__)
+
+#: RunSummary field -> (metric name without ``_total``, help).
+_RUN_COUNTERS: dict[str, tuple[str, str]] = {
+    "leased": ("idempotent_run_requests_leased",
+               "Leases handed out in the run (a request leased again counts again)"),
+    "done": ("idempotent_run_pages_done", "Requests completed as done in the run"),
+    "failed": ("idempotent_run_pages_failed", "Requests completed as failed in the run"),
+    "redirected": ("idempotent_run_pages_redirected",
+                   "Requests completed by a redirect in the run"),
+    "records_inserted": ("idempotent_run_records_inserted",
+                         "Records stored for the first time in the run"),
+    "records_updated": ("idempotent_run_records_updated",
+                        "Stored records whose content changed in the run"),
+    "records_unchanged": ("idempotent_run_records_unchanged",
+                          "Records seen again with the same content in the run"),
+    "rejects": ("idempotent_run_items_rejected",
+                "Items that could not become records in the run (kept as rejects)"),
+}
+
+
+class StoreCollector(Collector):
+    """Reads the store on every scrape. ``open_store`` returns an opened, read-only store
+    (a new one per scrape, closed after it: a scrape may run on any of the HTTP server's
+    threads, and a database connection is not shared between them)."""
+
+    def __init__(self, open_store: Callable[[], FrontierStore]) -> None:
+        self._open_store = open_store
+
+    def collect(self) -> Iterator[Metric]:
+        started = time.perf_counter()
+        up = GaugeMetricFamily("idempotent_store_up",
+                               "1 when the last scrape could read the frontier database")
+        try:
+            store = self._open_store()
+            try:
+                metrics = store.crawl_metrics()
+            finally:
+                store.close()
+        except Exception as exc:  # the scrape answers; the failure is a figure and a line
+            logger.warning("scrapy_idempotent: metrics: cannot read the store: %s", exc)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        yield from metric_families(metrics)
+        read = GaugeMetricFamily("idempotent_store_read_seconds",
+                                 "Time this scrape took to read the frontier database")
+        read.add_metric([], time.perf_counter() - started)
+        yield read
+
+
+def metric_families(m: CrawlMetrics) -> Iterator[Metric]:
+    """The metric families of one :class:`~.CrawlMetrics` reading."""
+    yield from _frontier(m)
+    yield from _runs(m)
+    yield from _workers(m)
+    outbox = GaugeMetricFamily("idempotent_outbox_entries",
+                               "Outbox announcements by delivery target and state",
+                               labels=["target", "state"])
+    for target, states in sorted(m.outbox.items()):
+        for state, n in sorted(states.items()):
+            outbox.add_metric([target, state], n)
+    yield outbox
+
+
+def _frontier(m: CrawlMetrics) -> Iterator[Metric]:
+    requests = GaugeMetricFamily("idempotent_requests", "Frontier entries by state",
+                                 labels=["state"])
+    for state, n in sorted(m.requests.items()):
+        requests.add_metric([state], n)
+    yield requests
+    yield GaugeMetricFamily("idempotent_records", "Records stored", value=m.records)
+    failed = GaugeMetricFamily("idempotent_requests_failed",
+                               "Failed frontier entries by error kind", labels=["kind"])
+    for kind, n in sorted(m.failures.items()):
+        failed.add_metric([kind or "unknown"], n)
+    yield failed
+    s = m.summary
+    yield CounterMetricFamily("idempotent_leases", "Leases of the frontier's entries (attempts)",
+                              value=s.leases)
+    yield CounterMetricFamily("idempotent_downloads",
+                              "Attempts sent to the network (leases minus journal replays)",
+                              value=s.downloads)
+    yield CounterMetricFamily("idempotent_replays",
+                              "Attempts answered from the response journal", value=s.replays)
+    yield GaugeMetricFamily("idempotent_requests_downloaded_again",
+                            "Frontier entries sent to the network more than once (retries, "
+                            "requests in flight when a worker was killed)",
+                            value=s.downloaded_again)
+    yield GaugeMetricFamily("idempotent_requests_repeated",
+                            "Frontier entries leased more than once", value=s.repeated)
+    yield GaugeMetricFamily("idempotent_leases_expired",
+                            "Leased entries whose lease time is over (their worker stopped "
+                            "renewing: they are taken back)", value=s.expired_leases)
+
+
+def _runs(m: CrawlMetrics) -> Iterator[Metric]:
+    families = {field: CounterMetricFamily(name, text, labels=["run"])
+                for field, (name, text) in _RUN_COUNTERS.items()}
+    for run in m.runs:
+        for field, family in families.items():
+            family.add_metric([str(run.run_id)], getattr(run, field))
+    yield from families.values()
+    current = m.runs[-1] if m.runs else None
+    yield GaugeMetricFamily("idempotent_current_run", "The id of the latest run (0: none)",
+                            value=current.run_id if current else 0)
+    yield GaugeMetricFamily("idempotent_current_run_finished",
+                            "1 when the latest run has finished",
+                            value=int(current is not None and current.finished_at is not None))
+    yield GaugeMetricFamily("idempotent_current_run_start_time_seconds",
+                            "When the latest run started (unix seconds)",
+                            value=current.started_at if current else 0)
+    end = current.finished_at if current and current.finished_at is not None else m.read_at
+    yield GaugeMetricFamily("idempotent_current_run_age_seconds",
+                            "Seconds from the latest run's start to its end, or to now",
+                            value=max(0.0, end - current.started_at) if current else 0)
+
+
+def _workers(m: CrawlMetrics) -> Iterator[Metric]:
+    yield GaugeMetricFamily("idempotent_workers_alive",
+                            "Workers whose crawl sessions still run", value=len(m.live_workers))
+    leases = GaugeMetricFamily("idempotent_worker_leases", "Leases held, by worker",
+                               labels=["worker", "worker_state"])
+    expiry = GaugeMetricFamily("idempotent_worker_lease_expiry_seconds",
+                               "Seconds until the worker's latest lease expires (negative: "
+                               "expired, the worker stopped renewing)", labels=["worker"])
+    alive = set(m.live_workers)
+    for holder in m.leases:
+        state = "alive" if holder.worker in alive else worker_state(holder.worker)
+        leases.add_metric([holder.worker, state], holder.leases)
+        expiry.add_metric([holder.worker], holder.leased_until - m.read_at)
+    yield leases
+    yield expiry

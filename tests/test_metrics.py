@@ -1,0 +1,226 @@
+"""``scrapy idempotent metrics``: the crawl's figures read from the database for Prometheus.
+They equal what the store says (``status --json``), are scraped by a real Prometheus server
+while two workers crawl and one is killed with SIGKILL, and the killed worker's figures stay."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from local_site import LocalSite, free_port
+from scrapy.utils.defer import deferred_f_from_coro_f
+
+from crawling import (
+    EXAMPLE_PROJECT,
+    crawl_settings,
+    done_requests,
+    run_crawl,
+    start_shop_crawl,
+    wait_for,
+)
+from scrapy_idempotent.store import open_store
+from shop.spiders.shop import ShopSpider
+
+prometheus_client = pytest.importorskip("prometheus_client")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from scrapy_idempotent.metrics import StoreCollector  # noqa: E402
+
+NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a Prometheus text exposition: (name, sorted labels) -> value."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def exposition(db: Path) -> str:
+    def opened() -> Any:
+        store = open_store(str(db))
+        store.open_existing(readonly=True)
+        return store
+
+    registry = prometheus_client.CollectorRegistry(auto_describe=False)
+    registry.register(StoreCollector(opened))
+    return prometheus_client.generate_latest(registry).decode()
+
+
+def status(db: Path) -> Any:
+    result = subprocess.run([sys.executable, "-m", "scrapy", "idempotent", "status", "--db",
+                             str(db), "--json"], capture_output=True, text=True, timeout=60,
+                            check=True)
+    return json.loads(result.stdout)
+
+
+@deferred_f_from_coro_f
+async def test_the_metrics_are_what_the_store_says(db_path: Path) -> None:
+    with LocalSite(listing_pages=2, products_per_page=5, products_failing=[3]) as site:
+        await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS), url=site.url)
+    got = samples(exposition(db_path))
+    report = status(db_path)
+    run = report["run"]
+    assert got[("idempotent_store_up", ())] == 1
+    assert got[("idempotent_current_run", ())] == run["run_id"] == 1
+    assert got[("idempotent_current_run_finished", ())] == 1
+    for state, n in report["frontier"].items():
+        if state != "total":
+            assert got[("idempotent_requests", (("state", state),))] == n
+    assert got[("idempotent_records", ())] == report["records"]["stored"] == 9
+    labels = (("run", "1"),)
+    assert got[("idempotent_run_pages_done_total", labels)] == run["done"]
+    assert got[("idempotent_run_pages_failed_total", labels)] == run["failed"] == 1
+    assert got[("idempotent_run_records_inserted_total", labels)] == 9
+    assert got[("idempotent_run_records_unchanged_total", labels)] == 0
+    for kind, n in report["failures"].items():
+        assert got[("idempotent_requests_failed", (("kind", kind),))] == n
+    assert got[("idempotent_downloads_total", ())] == report["repeated"]["downloads"]
+    assert got[("idempotent_workers_alive", ())] == 0
+    assert not [key for key in got if key[0] == "idempotent_worker_leases"]
+
+
+def test_the_dashboard_and_the_alert_rules_use_only_metrics_that_exist(db_path: Path) -> None:
+    import re
+
+    from scrapy_idempotent.store import SQLiteStore
+
+    store = SQLiteStore(str(db_path))
+    store.open(fingerprinter="SHA1")
+    store.close()
+    served = {family.name for family in text_string_to_metric_families(exposition(db_path))}
+    served |= {f"{name}_total" for name in served}
+    monitoring = Path(__file__).resolve().parent.parent / "docs" / "monitoring"
+    dashboard = json.loads((monitoring / "grafana-dashboard.json").read_text())
+    queries = " ".join(t["expr"] for panel in dashboard["panels"] for t in panel["targets"])
+    used = set(re.findall(r"\bidempotent_[a-z_]+", queries))
+    used |= set(re.findall(r"\bidempotent_[a-z_]+", (monitoring / "alerts.yml").read_text()))
+    assert len(used) > 15
+    assert used <= served, used - served
+    page = (monitoring.parent / "monitoring.rst").read_text()
+    assert {name for name in served if not name.endswith("_total")} <= {
+        name.removesuffix("_total") for name in re.findall(r"idempotent_[a-z_]+", page)} | {
+        "idempotent_run_pages_failed", "idempotent_run_pages_redirected",
+        "idempotent_run_records_updated", "idempotent_run_records_unchanged"}
+
+
+def test_a_broken_database_is_a_figure_not_an_error(tmp_path: Path) -> None:
+    got = samples(exposition(tmp_path / "missing.sqlite3"))
+    assert got == {("idempotent_store_up", ()): 0}
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
+def _query(prometheus: str, expr: str) -> float | None:
+    """The value of an instant query of one sample, None when it has none (yet)."""
+    answer = json.loads(_get(f"{prometheus}/api/v1/query?"
+                             + urllib.parse.urlencode({"query": expr})))
+    result = answer["data"]["result"]
+    return float(result[0]["value"][1]) if result else None
+
+
+def _start_prometheus(tmp_path: Path, target: str) -> tuple[subprocess.Popen[bytes], str]:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("no prometheus binary: install Debian's prometheus package")
+    config = tmp_path / "prometheus.yml"
+    config.write_text("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+                      "scrape_configs:\n  - job_name: crawl\n"
+                      f"    static_configs:\n      - targets: ['{target}']\n")
+    port = free_port()
+    with (tmp_path / "prometheus.log").open("wb") as log:
+        server = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{port}"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
+    return server, f"http://127.0.0.1:{port}"
+
+
+def _up(url: str) -> bool:
+    try:
+        _get(url)
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_prometheus_scrapes_the_crawl_of_two_workers_one_killed(tmp_path: Path) -> None:
+    db = tmp_path / "crawl.sqlite3"
+    port = free_port()
+    processes: list[subprocess.Popen[Any]] = []
+    try:
+        # slow enough (about 16 pages a second) that the crawl outlasts Prometheus' start
+        with LocalSite(delay=0.25) as site:
+            workers = [start_shop_crawl(site.url, db, tmp_path / f"worker{n}.log",
+                                        "CONCURRENT_REQUESTS=2")
+                       for n in (1, 2)]
+            processes += workers
+            wait_for(lambda: done_requests(db) > 0, 60, "a first page done",
+                     tmp_path / "worker1.log")
+            with (tmp_path / "exporter.log").open("wb") as log:
+                exporter = subprocess.Popen(
+                    [sys.executable, "-m", "scrapy", "idempotent", "metrics", "--db", str(db),
+                     "--listen", f"127.0.0.1:{port}"], cwd=EXAMPLE_PROJECT,
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
+            processes.append(exporter)
+            endpoint = f"http://127.0.0.1:{port}/metrics"
+            wait_for(lambda: _up(endpoint), 60, "the metrics endpoint",
+                     tmp_path / "exporter.log")
+            prometheus, api = _start_prometheus(tmp_path, f"127.0.0.1:{port}")
+            processes.append(prometheus)
+            wait_for(lambda: _up(f"{api}/-/ready"), 60, "Prometheus ready",
+                     tmp_path / "prometheus.log")
+
+            done = 'idempotent_run_pages_done_total{run="1"}'
+            wait_for(lambda: _query(api, "idempotent_workers_alive") == 2, 60,
+                     "two live workers, scraped", tmp_path / "prometheus.log")
+            # the killed worker's commits: done by then, scraped by Prometheus
+            wait_for(lambda: (_query(api, done) or 0) >= 40, 120, "40 pages done, scraped",
+                     tmp_path / "worker1.log")
+            os.kill(workers[0].pid, signal.SIGKILL)
+            workers[0].wait()
+            killed_at = done_requests(db)
+            assert workers[1].wait(timeout=240) == 0
+            report = status(db)
+            run = report["run"]
+            assert run["done"] >= killed_at
+            # what Prometheus scraped after the crawl ended is what the store says
+            wait_for(lambda: _query(api, "idempotent_current_run_finished") == 1, 60,
+                     "the finished run, scraped")
+            wait_for(lambda: _query(api, done) == run["done"], 60, "the final count, scraped")
+            assert _query(api, 'idempotent_requests{state="done"}') == \
+                report["frontier"]["done"] == 525
+            assert _query(api, "idempotent_records") == report["records"]["stored"] == 500
+            assert _query(api, 'idempotent_run_records_inserted_total{run="1"}') == 500
+            assert _query(api, 'idempotent_run_requests_leased_total{run="1"}') == \
+                run["leased"]
+            assert _query(api, "idempotent_downloads_total") == \
+                report["repeated"]["downloads"]
+            assert _query(api, "idempotent_workers_alive") == 0
+            # the killed worker's part is counted: never lower after the kill than before
+            lowest_after = _query(api, f"min_over_time({done}[10m])")
+            assert lowest_after is not None and lowest_after > 0
+            assert _query(api, f"resets({done}[10m])") == 0
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    assert exporter.returncode == 0
