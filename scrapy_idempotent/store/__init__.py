@@ -1,6 +1,8 @@
 """Stores: the durable frontier, leases, runs and records behind one interface
-(:mod:`.base`), the backend a database string names (:func:`open_store`, :mod:`.registry`),
-and the SQLite backend (:mod:`.sqlite`)."""
+(:mod:`.base`, the write interface; :mod:`.reads`, what the operator queries return), the
+backend a database string names (:func:`open_store`, :mod:`.registry`), the rules every
+backend follows (:mod:`.rules`), the SQL they share (:mod:`.sql`), and the SQLite backend
+(:mod:`.sqlite`)."""
 
 from .base import (
     CommitResult,

@@ -40,6 +40,25 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ..exceptions import StoreError
+from .reads import (
+    CrawlMetrics,
+    EngineSetting,
+    FailedRequest,
+    FrontierEntry,
+    IntegrityReport,
+    LeaseHolder,
+    OutboxRow,
+    RejectedItem,
+    RejectsRetried,
+    RepeatedRequest,
+    RequestSummary,
+    RetriedFailed,
+    RunRecord,
+    RunSummary,
+    SchemaInfo,
+    SessionInfo,
+    StoredRecord,
+)
 
 __all__ = [
     "CommitResult",
@@ -246,21 +265,6 @@ class OutboxEntry:
 
 
 @dataclass(frozen=True)
-class OutboxRow:
-    """An outbox entry as stored (:meth:`FrontierStore.outbox_entries`)."""
-
-    entry_id: int
-    target: str
-    key: str  #: the idempotency key
-    kind: str
-    record_id: str
-    state: str  #: an :class:`OutboxState` value
-    attempts: int
-    detail: str | None  #: the last outcome's detail
-    data: str | None  #: None once delivered (the record data is dropped then)
-
-
-@dataclass(frozen=True)
 class OutboxOutcome:
     """What one delivery attempt of entry ``entry_id`` came to: ``DELIVERED``, ``FAILED``
     (refused for good), or ``PENDING`` with ``retry_at`` (unix seconds) for another try.
@@ -353,238 +357,12 @@ class FrontierStatus:
 
 
 @dataclass(frozen=True)
-class LeaseHolder:
-    worker: str
-    leases: int
-    leased_until: float  #: latest expiry among its leases, unix seconds
-
-
-@dataclass(frozen=True)
 class RunInfo:
     """The run a worker joined. ``new`` is True when this session started the run."""
 
     run_id: int
     new: bool
     counts: dict[str, int]
-
-
-# -- what the operator queries return --------------------------------------------------------
-# Times are unix seconds (float), None where there is none. States are text as stored
-# (``pending``, ``done``...): a damaged database may hold a state the package never writes,
-# and the operator commands must still show it.
-
-
-@dataclass(frozen=True)
-class SchemaInfo:
-    """The schema of a database opened with :meth:`FrontierStore.open_existing`."""
-
-    version: int  #: as found in the database
-    supported: int  #: the version this scrapy_idempotent reads and writes
-
-    @property
-    def current(self) -> bool:
-        return self.version == self.supported
-
-
-@dataclass(frozen=True)
-class EngineSetting:
-    """A setting of the database engine the store relies on, as found (SQLite's journal mode
-    must be ``wal``); ``expected`` None: shown, never a problem."""
-
-    name: str  #: ``journal_mode``
-    label: str  #: ``journal mode``, as shown to a user
-    value: str  #: as found, lower case
-    expected: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.expected is None or self.value == self.expected
-
-
-@dataclass(frozen=True)
-class IntegrityReport:
-    """The database engine's own consistency check."""
-
-    method: str  #: how it was checked (``PRAGMA integrity_check``)
-    problems: tuple[str, ...] = ()  #: what it found, empty when nothing
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-
-@dataclass(frozen=True)
-class RunSummary:
-    """A run, with counters cumulative over all its sessions."""
-
-    run_id: int
-    started_at: float
-    finished_at: float | None  #: None while unfinished
-    reason: str | None
-    leased: int
-    done: int
-    failed: int
-    redirected: int
-    records_inserted: int
-    records_updated: int
-    records_unchanged: int
-    rejects: int  #: items kept in the rejects table during the run
-
-
-@dataclass(frozen=True)
-class SessionInfo:
-    """A session: one crawl process's part of a run. ``ended_at`` and ``reason`` are None
-    when the process never closed (it is still running, or it was killed)."""
-
-    session_id: int
-    run_id: int
-    worker: str
-    started_at: float
-    ended_at: float | None
-    reason: str | None
-
-
-@dataclass(frozen=True)
-class RequestSummary:
-    """Over the whole frontier."""
-
-    requests: int
-    leases: int  #: sum of attempts
-    repeated: int  #: entries leased more than once
-    most_attempts: int
-    expired_leases: int  #: leased, lease time over
-    journaled_responses: int
-    replays: int  #: attempts answered from the response journal
-    downloads: int  #: attempts sent to the network: leases minus replays
-    downloaded_again: int  #: entries sent to the network more than once
-
-
-@dataclass(frozen=True)
-class RepeatedRequest:
-    key: str
-    url: str
-    state: str
-    attempts: int
-    worker: str | None
-    error_kind: str | None
-
-
-@dataclass(frozen=True)
-class FailedRequest:
-    key: str
-    url: str
-    error_kind: str | None
-    error_message: str | None
-    attempts: int
-    finished_at: float | None
-    parent_key: str | None
-    run_id: int
-
-
-@dataclass(frozen=True)
-class RetriedFailed:
-    """What :meth:`FrontierStore.retry_failed` did."""
-
-    retried: int  #: entries put back to pending
-    run_id: int | None  #: the last run, None when there is none
-    reopened: bool  #: the last run was finished and is open again
-
-
-@dataclass(frozen=True)
-class RejectsRetried:
-    """What :meth:`FrontierStore.retry_rejects` did."""
-
-    pages: int  #: entries put back to pending
-    rejects: int  #: rejects marked as put back
-    without_page: int  #: rejects whose page is not in the frontier, or unknown
-    run_id: int | None
-    reopened: bool
-
-
-@dataclass(frozen=True)
-class StoredRecord:
-    """A record as :meth:`FrontierStore.records_page` returns it; ``natural_key`` and
-    ``data`` are JSON text (the codec's tagged JSON)."""
-
-    record_id: str
-    source: str
-    natural_key: str
-    item_type: str
-    data: str
-    first_seen: float
-    last_changed: float
-    first_run_id: int
-    changed_run_id: int
-    content_hash: str = ""  #: sha256 hex of the data without volatile fields
-    request_key: str | None = None  #: of the request whose response last wrote it
-    version: int = 1  #: the record's change counter: 1 when inserted, +1 per change stored
-    observed_at: float | None = None  #: when the stored data was last observed
-
-
-@dataclass(frozen=True)
-class FrontierEntry:
-    """One request of the frontier, as stored (:meth:`FrontierStore.entry`)."""
-
-    key: str
-    fingerprint: str
-    url: str
-    state: str
-    priority: int
-    is_start: bool
-    data: str  #: the request as JSON text
-    parent_key: str | None
-    worker: str | None  #: the lease holder while leased
-    leased_until: float | None
-    attempts: int  #: times started since it was last (re)queued by an operator
-    #: times started in a row without finishing (the worker died, or the lease expired)
-    unfinished: int
-    replays: int  #: attempts answered from the response journal
-    enqueued_at: float
-    finished_at: float | None
-    error_kind: str | None
-    error_message: str | None
-    run_id: int
-
-
-@dataclass(frozen=True)
-class RunRecord:
-    """A record of a run's feeds (:meth:`FrontierStore.run_records`)."""
-
-    record_id: str
-    item_type: str
-    data: str  #: JSON text
-    first_seen: float
-    last_changed: float
-
-
-@dataclass(frozen=True)
-class RejectedItem:
-    id: int
-    item_type: str
-    reason: str
-    data: str  #: JSON text
-    request_key: str | None
-    page_url: str | None
-    created_at: float
-    run_id: int
-    retried_at: float | None  #: when its page was put back, None if not yet
-    page_state: str | None  #: of the page's frontier entry, None when not in the frontier
-
-
-@dataclass(frozen=True)
-class CrawlMetrics:
-    """The crawl-wide figures of :meth:`FrontierStore.crawl_metrics`: what every worker (live,
-    finished or killed) committed, read in one call. Times are unix seconds."""
-
-    read_at: float  #: the store's clock when read
-    requests: dict[str, int]  #: frontier entries by state (every state, 0 included)
-    records: int  #: records stored
-    runs: tuple[RunSummary, ...]  #: every run, oldest first (counters over all sessions)
-    failures: dict[str, int]  #: failed entries by error kind ('' when none was recorded)
-    summary: RequestSummary  #: attempts, repeats, downloads, expired leases
-    leases: tuple[LeaseHolder, ...]  #: leases held, by worker
-    live_workers: tuple[str, ...]  #: workers whose sessions still run
-    outbox: dict[str, dict[str, int]]  #: target -> state -> entries
 
 
 def url_glob_matches(glob: str, url: str) -> bool:
