@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -224,3 +225,53 @@ def test_prometheus_scrapes_the_crawl_of_two_workers_one_killed(tmp_path: Path) 
                 process.kill()
                 process.wait()
     assert exporter.returncode == 0
+
+
+@deferred_f_from_coro_f
+async def test_status_watch_redraws_in_place_with_rates_per_minute(db_path: Path) -> None:
+    """Through a pseudo-terminal, as a user sees it: frames redrawn in place (the screen
+    cleared before each), a rate per minute once the figures move, Ctrl+C ends it with 0."""
+    import pty
+    import re
+    import select
+    import sqlite3
+
+    with LocalSite(listing_pages=1, products_per_page=4) as site:
+        await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS), url=site.url)
+    leader, follower = pty.openpty()
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "scrapy", "idempotent", "status", "--db", str(db_path),
+         "--watch", "0.2"], stdin=follower, stdout=follower, stderr=follower)
+    os.close(follower)
+    output = b""
+
+    def frames() -> list[str]:
+        return output.decode(errors="replace").split("\x1b[H\x1b[2J")[1:]
+
+    def read_until(condition: Any) -> None:
+        nonlocal output
+        deadline = time.monotonic() + 60
+        while not condition() and time.monotonic() < deadline:
+            if select.select([leader], [], [], 1)[0]:
+                output += os.read(leader, 65536)
+        assert condition(), output.decode(errors="replace")
+
+    try:
+        read_until(lambda: len(frames()) >= 2)
+        first = frames()[0]
+        assert "run 1, finished (finished)" in first
+        assert re.search(r"pages done\s+5\s+-", first)
+        # the figures move (as another worker's commits would move them)
+        conn = sqlite3.connect(db_path)
+        with conn:
+            conn.execute("UPDATE runs SET done = done + 1000")
+        conn.close()
+        read_until(lambda: any(re.search(r"pages done\s+1005\s+[1-9]\d*/min", f)
+                               for f in frames()[:-1]))
+        watcher.send_signal(signal.SIGINT)
+        assert watcher.wait(timeout=30) == 0
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.wait()
+        os.close(leader)

@@ -79,6 +79,7 @@ _OPTION_SCOPE: dict[str, tuple[str, ...]] = {
     "run": ("export",),
     "to": ("migrate",),
     "listen": ("metrics",),
+    "watch": ("status",),
 }
 
 
@@ -142,6 +143,10 @@ class Command(ScrapyCommand):
         group.add_argument("--to", metavar="DATABASE",
                            help="the database to copy the crawl into (a postgresql:// URL); "
                                 "it must not hold this crawl yet")
+        group = parser.add_argument_group("status")
+        group.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
+                           help="a live view redrawn in place every SECONDS (default 2), with "
+                                "rates per minute, until Ctrl+C")
         group = parser.add_argument_group("metrics")
         group.add_argument("--listen", metavar="HOST:PORT",
                            help=f"where to serve /metrics (default {metrics.LISTEN}; port 0: "
@@ -185,6 +190,8 @@ class Command(ScrapyCommand):
                 opts.url_glob = opts.url
         opts.since_time = export.parse_time(opts.since) if opts.since is not None else None
         opts.spider = args[1] if len(args) > 1 else None
+        if opts.watch is not None and (opts.watch <= 0 or opts.json):
+            raise UsageError("--watch takes a number of seconds > 0, and no --json")
         if subcommand == "metrics":
             metrics.listen_address(opts.listen or metrics.LISTEN)
 

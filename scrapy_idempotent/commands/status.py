@@ -29,6 +29,10 @@ DESCRIPTION = "where the crawl stands: runs, frontier, leases, records, failures
 
 
 def run(opened: Opened, opts: argparse.Namespace) -> int:
+    if opts.watch is not None:
+        from .watch import watch
+
+        return watch(opened.store, opened.path, opts.watch)
     engine = opened.store.engine_settings()
     report = _status_report(opened.store, opened.path, opened.info, engine)
     print_report(opts, report, [] if opts.json else _status_lines(report, engine))
