@@ -56,23 +56,14 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from ..exceptions import StoreBusy, StoreError
-from .base import (
-    CommitResult,
-    CrawlIdentity,
-    EngineSetting,
-    IntegrityReport,
-    NewRequest,
-    RunInfo,
-    RunMode,
-    RunSummary,
-    SchemaInfo,
-    UnitOfWork,
-)
+from .base import CommitResult, CrawlIdentity, NewRequest, RunInfo, RunMode, UnitOfWork
+from .reads import EngineSetting, IntegrityReport, RunSummary, SchemaInfo
 from .registry import redacted
 from .rules import (
     CLAIMED_COLUMNS,
     QUEUE_ORDER,
     isolate_after,
+    other_owner,
     starts_new_run,
     window_start,
 )
@@ -932,11 +923,8 @@ class PostgreSQLStore(SqlStore):
         self._check_identity(stored, identity)
 
     def _check_identity(self, stored: dict[str, str], identity: CrawlIdentity) -> None:
-        if not stored:
-            return
-        owner = CrawlIdentity(project=stored.get("project", ""),
-                              spider=stored.get("spider", ""), source=stored.get("source", ""))
-        if owner == identity:
+        owner = other_owner(stored, identity)
+        if owner is None:
             return
         raise StoreError(
             f"schema {self.schema} of {self.shown_url} belongs to spider {owner.spider!r} of "
@@ -1054,12 +1042,8 @@ class PostgreSQLStore(SqlStore):
 
     # -- the unit of work -------------------------------------------------------------------
 
-    def commit(self, work: UnitOfWork, worker: str) -> CommitResult:
-        result = CommitResult()
-        if not work:
-            return result
-        run_id = self.run_id if self.run_id is not None else 0
-        now = self.clock()
+    def _commit_unit(self, work: UnitOfWork, worker: str, run_id: int, now: float,
+                     result: CommitResult) -> None:
         number = next(self._commit_numbers)
         try:
             self._commit(work, worker, run_id, now, result, number)
@@ -1067,7 +1051,6 @@ class PostgreSQLStore(SqlStore):
             if not self._committed(number):
                 raise StoreBusy(f"{exc}; it was not: it is retried") from exc
             logger.info("scrapy_idempotent: %s; it was, and is not repeated", exc)
-        return result
 
     def _committed(self, number: int) -> bool:
         """Whether this session's page commit ``number`` was committed (read back after a

@@ -13,7 +13,7 @@ import enum
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from .base import LeasedRequest, RequestState, RunMode
+from .base import CrawlIdentity, LeasedRequest, RequestState, RunMode
 
 __all__ = [
     "CLAIMED_COLUMNS",
@@ -29,6 +29,7 @@ __all__ = [
     "enqueue_decision",
     "isolate_after",
     "known_request_answer",
+    "other_owner",
     "quarantine_message",
     "record_write",
     "split_claim",
@@ -45,6 +46,20 @@ TERMINAL = tuple(s.value for s in RequestState if s.terminal)
 #: rows, else last-in-first-out. Every backend writes its ``requests_pending`` index exactly
 #: so, so that a claim reads the head of the index.
 QUEUE_ORDER = "priority DESC, is_start, (CASE WHEN fifo THEN id ELSE -id END)"
+
+
+# -- ownership ----------------------------------------------------------------------------
+
+
+def other_owner(stored: dict[str, str], identity: CrawlIdentity) -> CrawlIdentity | None:
+    """The crawl a database belongs to when it is not ``identity``'s, from the identity
+    recorded in it (``project``, ``spider``, ``source``); None when it is this crawl's, or
+    nobody's yet (nothing recorded: the first open records it)."""
+    if not stored:
+        return None
+    owner = CrawlIdentity(project=stored.get("project", ""), spider=stored.get("spider", ""),
+                          source=stored.get("source", ""))
+    return None if owner == identity else owner
 
 
 # -- runs and the recrawl window ----------------------------------------------------------

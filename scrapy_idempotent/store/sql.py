@@ -173,6 +173,19 @@ class SqlStore(FrontierStore):
 
     # -- the page commit ------------------------------------------------------------------
 
+    def commit(self, work: UnitOfWork, worker: str) -> CommitResult:
+        result = CommitResult()
+        if work:
+            self._commit_unit(work, worker, self.run_id if self.run_id is not None else 0,
+                              self.clock(), result)
+        return result
+
+    @abstractmethod
+    def _commit_unit(self, work: UnitOfWork, worker: str, run_id: int, now: float,
+                     result: CommitResult) -> None:
+        """Write ``work`` in one transaction (:meth:`_write_unit` in the backend's write
+        transaction), counting into ``result``."""
+
     def _write_unit(self, cur: Any, work: UnitOfWork, worker: str, run_id: int, now: float,
                     result: CommitResult, number: int = 0) -> None:
         """Write ``work`` in the transaction of ``cur``. The fence comes first: nothing of a

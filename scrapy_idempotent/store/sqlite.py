@@ -19,22 +19,13 @@ from typing import Any
 
 from ..exceptions import StoreBusy, StoreError
 from ..workers import worker_state
-from .base import (
-    CommitResult,
-    CrawlIdentity,
-    EngineSetting,
-    IntegrityReport,
-    NewRequest,
-    RunInfo,
-    RunMode,
-    RunSummary,
-    SchemaInfo,
-    UnitOfWork,
-)
+from .base import CommitResult, CrawlIdentity, NewRequest, RunInfo, RunMode, UnitOfWork
+from .reads import EngineSetting, IntegrityReport, RunSummary, SchemaInfo
 from .rules import (
     CLAIMED_COLUMNS,
     QUEUE_ORDER,
     isolate_after,
+    other_owner,
     starts_new_run,
     window_start,
 )
@@ -533,11 +524,8 @@ class SQLiteStore(SqlStore):
     def _check_identity(self, stored: dict[str, str], identity: CrawlIdentity) -> None:
         """Refuse the database whose recorded identity ``stored`` is another crawl's (an
         empty one is nobody's yet: the first open records it)."""
-        if not stored:
-            return
-        owner = CrawlIdentity(project=stored.get("project", ""),
-                              spider=stored.get("spider", ""), source=stored.get("source", ""))
-        if owner == identity:
+        owner = other_owner(stored, identity)
+        if owner is None:
             return
         whose = (f"{self.path} belongs to spider {owner.spider!r} of project "
                  f"{owner.project!r} (record source {owner.source!r})")
@@ -720,14 +708,10 @@ class SQLiteStore(SqlStore):
 
     # -- the unit of work -------------------------------------------------------------------
 
-    def commit(self, work: UnitOfWork, worker: str) -> CommitResult:
-        result = CommitResult()
-        if not work:
-            return result
-        run_id = self.run_id if self.run_id is not None else 0
+    def _commit_unit(self, work: UnitOfWork, worker: str, run_id: int, now: float,
+                     result: CommitResult) -> None:
         with self._write("committing") as cur:
-            self._write_unit(cur, work, worker, run_id, self.clock(), result)
-        return result
+            self._write_unit(cur, work, worker, run_id, now, result)
 
     # -- the dialect (see SqlStore) ----------------------------------------------------------
 
