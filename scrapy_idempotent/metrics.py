@@ -15,7 +15,9 @@ resets their attempts), which Prometheus takes as a counter reset.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -52,22 +54,46 @@ _RUN_COUNTERS: dict[str, tuple[str, str]] = {
 }
 
 
+#: The frontier-wide figures (counts by state, failures by kind, attempts: passes over the
+#: whole frontier) are read again at most once per this many times their last read took, so
+#: that they keep the database busy for at most a tenth of the time however big the
+#: frontier (a read of 40 ms is repeated at every scrape, one of 4 s every 40 s).
+FRONTIER_READ_SHARE = 10
+
+
 class StoreCollector(Collector):
     """Reads the store on every scrape. ``open_store`` returns an opened, read-only store
-    (a new one per scrape, closed after it: a scrape may run on any of the HTTP server's
-    threads, and a database connection is not shared between them)."""
+    (a new one per read, closed after it: a scrape may run on any of the HTTP server's
+    threads, and a database connection is not shared between them).
 
-    def __init__(self, open_store: Callable[[], FrontierStore]) -> None:
+    What each scrape reads: the runs' counters, the leases, the live workers and the outbox
+    (cheap at any frontier size). The frontier-wide figures (:meth:`~.FrontierStore.
+    crawl_metrics`) are read by the first scrape, then again on a thread of their own once
+    :data:`FRONTIER_READ_SHARE` times their read time has passed: a scrape never waits for
+    them, and ``idempotent_frontier_read_age_seconds`` says how old they are."""
+
+    def __init__(self, open_store: Callable[[], FrontierStore], *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._open_store = open_store
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._frontier: CrawlMetrics | None = None
+        self._read_at = 0.0  #: clock when the last frontier read started
+        self._read_seconds = 0.0
+        self._reading: threading.Thread | None = None
 
     def collect(self) -> Iterator[Metric]:
         started = time.perf_counter()
         up = GaugeMetricFamily("idempotent_store_up",
                                "1 when the last scrape could read the frontier database")
         try:
+            frontier = self._frontier_figures()
             store = self._open_store()
             try:
-                metrics = store.crawl_metrics()
+                metrics = dataclasses.replace(
+                    frontier, read_at=time.time(), runs=tuple(store.runs()),
+                    leases=tuple(store.lease_holders()),
+                    live_workers=tuple(store.live_workers()), outbox=store.outbox_counts())
             finally:
                 store.close()
         except Exception as exc:  # the scrape answers; the failure is a figure and a line
@@ -78,10 +104,54 @@ class StoreCollector(Collector):
         up.add_metric([], 1)
         yield up
         yield from metric_families(metrics)
-        read = GaugeMetricFamily("idempotent_store_read_seconds",
-                                 "Time this scrape took to read the frontier database")
-        read.add_metric([], time.perf_counter() - started)
-        yield read
+        yield GaugeMetricFamily("idempotent_frontier_read_age_seconds",
+                                "Age of the frontier-wide figures (requests by state, "
+                                "failures by kind, attempts): read again in the background",
+                                value=max(0.0, metrics.read_at - frontier.read_at))
+        yield GaugeMetricFamily("idempotent_frontier_read_seconds",
+                                "Time the last read of the frontier-wide figures took",
+                                value=self._read_seconds)
+        yield GaugeMetricFamily("idempotent_store_read_seconds",
+                                "Time this scrape took to read the frontier database",
+                                value=time.perf_counter() - started)
+
+    def _frontier_figures(self) -> CrawlMetrics:
+        """The last frontier-wide reading; the first one is read here, later ones are
+        started on a thread when due."""
+        with self._lock:
+            frontier = self._frontier
+            due = (self._clock() - self._read_at
+                   >= FRONTIER_READ_SHARE * self._read_seconds)
+            if frontier is not None and due and self._reading is None:
+                self._reading = threading.Thread(target=self._read_in_background,
+                                                 daemon=True,
+                                                 name="idempotent-metrics-frontier")
+                self._reading.start()
+        if frontier is None:
+            return self._read_frontier()
+        return frontier
+
+    def _read_in_background(self) -> None:
+        try:
+            self._read_frontier()
+        except Exception as exc:  # the last reading stays; the next scrape tries again
+            logger.warning("scrapy_idempotent: metrics: cannot read the store: %s", exc)
+
+    def _read_frontier(self) -> CrawlMetrics:
+        started = self._clock()
+        try:
+            store = self._open_store()
+            try:
+                metrics = store.crawl_metrics()
+            finally:
+                store.close()
+        finally:
+            with self._lock:
+                self._reading = None
+        with self._lock:
+            self._frontier, self._read_at = metrics, started
+            self._read_seconds = self._clock() - started
+        return metrics
 
 
 def metric_families(m: CrawlMetrics) -> Iterator[Metric]:

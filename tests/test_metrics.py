@@ -275,3 +275,48 @@ async def test_status_watch_redraws_in_place_with_rates_per_minute(db_path: Path
             watcher.kill()
             watcher.wait()
         os.close(leader)
+
+
+def test_the_frontier_wide_figures_are_read_again_in_the_background_when_due(
+        db_path: Path) -> None:
+    """Each scrape reads the runs, leases, workers and outbox; the passes over the whole
+    frontier only once ten times their read time has passed (injected clock), on a thread."""
+    from scrapy_idempotent.store import SQLiteStore
+
+    store = SQLiteStore(str(db_path))
+    store.open(fingerprinter="SHA1")
+    store.close()
+    reads: list[str] = []
+    now = [1000.0]
+
+    def opened() -> Any:
+        opened_store = open_store(str(db_path))
+        opened_store.open_existing(readonly=True)
+        real = opened_store.crawl_metrics
+
+        def counted() -> Any:
+            reads.append("frontier")
+            now[0] += 2.0  # the read takes 2 s on the injected clock
+            return real()
+
+        opened_store.crawl_metrics = counted  # type: ignore[method-assign]
+        return opened_store
+
+    collector = StoreCollector(opened, clock=lambda: now[0])
+    registry = prometheus_client.CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+
+    def scrape() -> dict[Any, float]:
+        return samples(prometheus_client.generate_latest(registry).decode())
+
+    got = scrape()
+    assert reads == ["frontier"]
+    assert got[("idempotent_frontier_read_seconds", ())] == 2.0
+    now[0] += 15.0  # 17 s after the read started: not due before 20 s
+    scrape()
+    assert reads == ["frontier"]
+    now[0] += 5.0
+    scrape()
+    wait_for(lambda: len(reads) == 2 and collector._reading is None, 30,
+             "the background read")
+    assert scrape()[("idempotent_store_up", ())] == 1
