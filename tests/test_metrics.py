@@ -45,7 +45,7 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def exposition(db: Path) -> str:
+def exposition(db: Path | str) -> str:
     def opened() -> Any:
         store = open_store(str(db))
         store.open_existing(readonly=True)
@@ -56,7 +56,7 @@ def exposition(db: Path) -> str:
     return prometheus_client.generate_latest(registry).decode()
 
 
-def status(db: Path) -> Any:
+def status(db: Path | str) -> Any:
     result = subprocess.run([sys.executable, "-m", "scrapy", "idempotent", "status", "--db",
                              str(db), "--json"], capture_output=True, text=True, timeout=60,
                             check=True)
@@ -67,6 +67,19 @@ def status(db: Path) -> Any:
 async def test_the_metrics_are_what_the_store_says(db_path: Path) -> None:
     with LocalSite(listing_pages=2, products_per_page=5, products_failing=[3]) as site:
         await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS), url=site.url)
+    _assert_as_stored(db_path)
+
+
+@deferred_f_from_coro_f
+async def test_the_metrics_of_a_postgresql_crawl_are_what_it_says(postgres_url: str) -> None:
+    pytest.importorskip("psycopg")
+    settings = crawl_settings(postgres_url, **NATURAL_KEYS)  # type: ignore[arg-type]
+    with LocalSite(listing_pages=2, products_per_page=5, products_failing=[3]) as site:
+        await run_crawl(ShopSpider, settings, url=site.url)
+    _assert_as_stored(postgres_url)
+
+
+def _assert_as_stored(db_path: Path | str) -> None:
     got = samples(exposition(db_path))
     report = status(db_path)
     run = report["run"]
