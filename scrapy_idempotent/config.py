@@ -561,10 +561,17 @@ def _identity(settings: BaseSettings, spider: Spider) -> dict[str, Any]:
     if not isinstance(source, str) or not source.strip():
         raise ConfigError("IDEMPOTENT_SOURCE", source,
                           "a non-empty string (default: the spider name)")
+    record_id_field = _record_id_field(settings)
+    for item_type, fields in natural_keys.items():
+        if record_id_field is not None and record_id_field in fields:
+            # the stamped record ID would replace the key field in the stored data and feeds
+            raise ConfigError("IDEMPOTENT_RECORD_ID_FIELD", record_id_field,
+                              f"a field that is no natural key field ({item_type} is keyed"
+                              f" by {', '.join(fields)}), or None/'' to keep items unchanged")
     return {
         "natural_keys": natural_keys,
         "source": source,
-        "record_id_field": _record_id_field(settings),
+        "record_id_field": record_id_field,
         "volatile_fields": frozenset(_names(settings, "IDEMPOTENT_VOLATILE_FIELDS")),
         "url_ignore_params": tuple(_names(settings, "IDEMPOTENT_URL_IGNORE_PARAMS")),
     }

@@ -320,3 +320,12 @@ def test_a_relative_database_path_is_resolved_against_the_project_directory(
         assert f"run {1 if cwd == project else 2} in {expected}:" in output, output
     assert expected.exists()
     assert not (project / "logs" / "data").exists()
+
+
+@pytest.mark.parametrize("keys", [{"dict": "sku"}, {"dict": ["shop", "sku"]}])
+def test_a_record_id_field_naming_a_natural_key_field_is_refused(keys):
+    """The record ID stamped into that field would erase the key in the stored data."""
+    with pytest.raises(ConfigError) as caught:
+        config({"IDEMPOTENT_NATURAL_KEYS": keys, "IDEMPOTENT_RECORD_ID_FIELD": "sku"})
+    assert (caught.value.setting, caught.value.value) == ("IDEMPOTENT_RECORD_ID_FIELD", "sku")
+    assert "no natural key field" in str(caught.value)
