@@ -176,7 +176,8 @@ record. Part of the database's identity (see :ref:`identity`).""",
         doc="""
 The item field the record ID is stamped into, when the item type has room for it (dicts
 always; ``scrapy.Item`` and dataclasses only if they declare it). ``None`` or ``""`` leaves
-items unchanged (no field is stamped).""",
+items unchanged (no field is stamped). A natural key field is refused at start (the record
+ID would replace the key in the stored data and feeds).""",
     ),
     Setting(
         "IDEMPOTENT_VOLATILE_FIELDS", [], "list[str]", "Record identity",

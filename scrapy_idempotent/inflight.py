@@ -32,7 +32,6 @@ import contextlib
 import dataclasses
 import heapq
 import logging
-import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextvars import ContextVar
@@ -59,6 +58,7 @@ from .store.base import (
     Reject,
     RequestState,
     UnitOfWork,
+    observation_clock,
 )
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ class InflightRequest:
     dont_filter_counts: Counter[str] = field(default_factory=Counter)
     page_keys: Counter[str] = field(default_factory=Counter)
     #: when it was handed to the engine (unix seconds)
-    handed_out_at: float = field(default_factory=time.time)
+    handed_out_at: float = field(default_factory=observation_clock)
     #: when its latest response reached the engine (unix seconds): what its items were
     #: observed at (see :attr:`~.store.base.Record.observed_at`)
     received_at: float | None = None
@@ -525,7 +525,7 @@ class InflightTracker:
                 entry.redirected = True
         elif isinstance(result, Response):
             if not (entry.replayed and entry.received_at is not None):
-                entry.received_at = time.time()
+                entry.received_at = observation_clock()
             entry.status = result.status
             entry.http_error = not self.http_status.handled(result, self.spider)
         elif isinstance(result, Failure):
@@ -673,7 +673,7 @@ class InflightTracker:
         of ``start()``), now."""
         target = self._target(origin)
         if target is None:
-            observed = time.time()
+            observed = observation_clock()
         elif target.received_at is not None:
             observed = target.received_at
         else:

@@ -20,7 +20,6 @@ written; a kill then also repeats the pages being processed).
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 from scrapy.exceptions import NotConfigured
@@ -29,6 +28,7 @@ from .codec import describe, dumps, loads
 from .config import config_for
 from .crawl import frontier_store, inflight_tracker
 from .scrapy_compat import response_from_dict, response_to_dict, start_failure_exits_nonzero
+from .store.base import observation_clock
 
 if TYPE_CHECKING:
     from scrapy import Request, Spider
@@ -141,7 +141,9 @@ class ResponseJournalMiddleware:
         if tracker is None or entry is None or entry.replayed:
             return response
         try:
-            tracker.keep_response(entry, *encode_response(response, time.time()))
+            tracker.keep_response(entry, *encode_response(
+                response, entry.received_at if entry.received_at is not None
+                else observation_clock()))
         except Exception as exc:
             logger.warning("scrapy_idempotent: cannot journal the response of %s: %s",
                            describe(request), exc)

@@ -4,7 +4,6 @@ the previous release, still running while the schema is upgraded, keeps committi
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,6 +19,7 @@ from scrapy_idempotent.store import (
 )
 
 psycopg = pytest.importorskip("psycopg")
+from scrapy_idempotent.store.base import observation_clock  # noqa: E402
 from scrapy_idempotent.store.postgresql import PostgreSQLStore, schema_for  # noqa: E402
 
 SHOP = CrawlIdentity(project="p", spider="shop", source="shop")
@@ -62,11 +62,12 @@ def test_a_worker_whose_clock_runs_ahead_does_not_hide_later_changes(
     newer on the server's clock and must be stored, not refused as stale."""
     fast = make()
     fast.begin_session("fast", "auto")
-    fast._offset -= 100.0  # what the offset measured on a host 100 s ahead would be
-    page(fast, "fast", "a", rec("old", time.time() + 100.0))
+    # what the offset measured on a host 100 s ahead would be
+    fast._observed_offset -= 100.0
+    page(fast, "fast", "a", rec("old", observation_clock() + 100.0))
     right = make()
     right.begin_session("right", "auto")
-    result = page(right, "right", "b", rec("new", time.time() + 1.0))
+    result = page(right, "right", "b", rec("new", observation_clock() + 1.0))
     assert (result.records_updated, result.records_stale) == (1, 0)
     [stored] = right.records_page(limit=10)
     assert stored.content_hash == "new"
@@ -86,5 +87,5 @@ def test_a_worker_of_the_previous_release_keeps_inserting_records(
             " 1, 1, 1, 0)")
     store.begin_session("w1", "auto")
     # the old worker's record counts as observed before anything: a new observation wins
-    result = page(store, "w1", "a", rec("h2", time.time()))
+    result = page(store, "w1", "a", rec("h2", observation_clock()))
     assert (result.records_updated, result.records_stale) == (1, 0)

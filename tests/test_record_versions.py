@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -21,6 +22,7 @@ from twisted.internet.defer import Deferred
 from crawling import crawl_settings, db_rows, run_crawl
 from scrapy_idempotent import OutboxTarget, signals
 from scrapy_idempotent.store import Record, SQLiteStore, UnitOfWork, open_store
+from scrapy_idempotent.store.base import observation_clock
 from scrapy_idempotent.store.sqlite import _MIGRATIONS, APPLICATION_ID, SCHEMA_VERSION
 
 HOOK = "https://hooks.example/records"
@@ -247,3 +249,83 @@ async def test_a_page_downloaded_earlier_but_committed_later_keeps_the_newer_rec
     # one announcement: the newer data, inserted; the stale data is never announced
     key = f"{record.record_id}:1:{record.content_hash}"
     assert [(key, "inserted", "12.00")] == RecordingTarget.RECEIVED
+
+
+# -- a wall clock set back ----------------------------------------------------------------------
+
+
+def test_a_run_resumed_after_the_clock_was_set_back_keeps_its_order(tmp_path: Path) -> None:
+    """SQLite: the host's clock is the database's. A crawl observed r1 at 1000 and was
+    killed; the clock was set back 120 s; the resumed crawl (same run) observes r1 changed
+    at 885 by the clock, later in fact: it is stored, not refused as stale. Within the
+    resumed session, an earlier observation committing later is still refused."""
+    now = [1000.0]
+    path = str(tmp_path / "crawl.sqlite3")
+    first = SQLiteStore(path, clock=lambda: now[0])
+    first.open()
+    run = first.begin_session("w1", "auto")
+    first.commit(UnitOfWork(records=[(rec("r1", "hA", 1000.0), None)]), "w1")
+    first.close()  # killed: the run stays open
+    now[0] = 880.0
+    second = SQLiteStore(path, clock=lambda: now[0])
+    second.open()
+    try:
+        assert second.begin_session("w2", "auto").run_id == run.run_id
+        result = second.commit(UnitOfWork(records=[(rec("r1", "hB", 885.0), None)],
+                                          outbox_targets=(HOOK,)), "w2")
+        assert (result.records_updated, result.records_stale) == (1, 0)
+        result = second.commit(UnitOfWork(records=[(rec("r1", "hC", 883.0), None)]), "w2")
+        assert (result.records_updated, result.records_stale) == (0, 1)
+        (stored,) = second.records_page()
+        assert (stored.content_hash, stored.version) == ("hB", 2)
+    finally:
+        second.close()
+
+
+def test_observation_times_do_not_follow_a_stepped_wall_clock(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    before = observation_clock()
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - 86_400)
+    after = observation_clock()
+    assert before <= after < before + 60
+
+
+class PricesSpider(Spider):
+    """Three product pages, each one record keyed by its SKU."""
+
+    name = "prices"
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.base_url = url
+
+    async def start(self) -> Any:
+        for n in range(3):
+            yield Request(f"{self.base_url}/p{n}")
+
+    def parse(self, response: Any) -> Any:
+        yield {"sku": response.url.rsplit("/", 1)[1], "price": response.css("b::text").get()}
+
+
+@deferred_f_from_coro_f
+async def test_a_run_after_the_clock_was_set_back_a_day_stores_every_change(
+        site: LocalSite, db_path: Path) -> None:
+    """Run 1 was observed by a clock a day ahead of run 2's (the clock was set back): every
+    price changed and run 2 stores every change, none refused as stale."""
+    settings = crawl_settings(db_path, IDEMPOTENT_NATURAL_KEYS={"dict": "sku"})
+    for n in range(3):
+        site.add(f"/p{n}", "<html><body><b>10.00</b></body></html>")
+    await run_crawl(PricesSpider, settings, url=site.url)
+    conn = sqlite3.connect(db_path)
+    with conn:
+        conn.execute("UPDATE records SET observed_at = observed_at + 86400")
+    conn.close()
+    for n in range(3):
+        site.add(f"/p{n}", "<html><body><b>12.00</b></body></html>")
+    crawler = await run_crawl(PricesSpider, settings, url=site.url)
+    stats = crawler.stats.get_stats()
+    assert stats["idempotent/records/updated"] == 3
+    assert "idempotent/records/stale" not in stats
+    assert sorted(db_rows(db_path, "SELECT json_extract(data, '$.price'), version,"
+                                   " seen_run_id FROM records")) == [("12.00", 2, 2)] * 3

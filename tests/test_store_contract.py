@@ -597,21 +597,43 @@ def test_stale_records_in_one_transaction_of_several_pages(store):
     assert (stored(store, "r1").content_hash, stored(store, "r1").version) == ("h2", 1)
 
 
-def test_a_run_seeing_a_record_only_through_stale_data_still_lists_it(make_store, clock):
-    """Run 2 meets record r1 only on a page observed before the stored data: nothing of r1
-    changes, but r1 is a record this run saw, so the run's feeds hold it (its stored data)."""
+@pytest.mark.parametrize("step_seconds", [120.0, 86_400.0])
+def test_a_later_run_s_data_is_never_older_whatever_the_clock_says(make_store, clock,
+                                                                    step_seconds):
+    """The wall clock was set back between run 1 and run 2 (by 2 minutes, by a day): run 2
+    observes r1 'before' run 1 did by the clock, but later in fact. The run comes first:
+    r1 is updated, announced with version 2, and listed by run 2's feeds."""
     store, _ = open_store(make_store, "w1")
-    commit_record(store, seen(rec("r1", "h2", '{"price":12}'), T0 + 50))
+    commit_record(store, seen(rec("r1", "h1", '{"price":10}'), T0 + 50))
     store.end_session("w1", "finished")
     store.close()
-    clock.advance(100)
+    clock.advance(-step_seconds)
     store, run = open_store(make_store, "w2")
     assert run.new
-    assert commit_record(store, seen(rec("r1", "h1", '{"price":10}'), T0 + 10)) == \
-        CommitResult(records_stale=1)
+    result = store.commit(UnitOfWork(records=[(seen(rec("r1", "h2", '{"price":12}'),
+                                                   clock() + 1), None)],
+                                     outbox_targets=(HOOK,)), "w2")
+    assert result == CommitResult(records_updated=1, outbox_entries=1)
     assert [(r.record_id, r.data) for r in store.run_records(run.run_id)] == [
         ("r1", '{"price":12}')]
-    assert stored(store, "r1").version == 1
+    assert (stored(store, "r1").version, announced(store)) == (2, [("r1:2:h2", "updated")])
+
+
+def test_a_worker_of_an_earlier_run_is_older_than_the_next_run(make_store, clock):
+    """w1 is still in run 1 (its clock ahead) when run 2 has stored r1: w1's data is of the
+    earlier run and is refused; r1 stays run 2's."""
+    late, _ = open_store(make_store, "w1")
+    closing, _ = open_store(make_store, "w0")
+    closing.end_session("w0", "finished")
+    closing.close()
+    late.end_session("w1", "shutdown", finish_run=False)
+    store, run = open_store(make_store, "w2")
+    assert run.new and late.run_id == run.run_id - 1
+    commit_record(store, seen(rec("r1", "h2"), T0))
+    assert late.commit(UnitOfWork(records=[(seen(rec("r1", "h1"), T0 + 100), None)]),
+                       "w1") == CommitResult(records_stale=1)
+    assert [r.record_id for r in store.run_records(run.run_id)] == ["r1"]
+    assert stored(store, "r1").content_hash == "h2"
 
 
 def test_records_observed_at_the_same_time_are_written_in_commit_order(store, clock):

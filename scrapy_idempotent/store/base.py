@@ -20,7 +20,12 @@ Transaction guarantees every implementation gives:
   mark it seen by a run or observed later). A record is never replaced by data observed
   before the stored data (:attr:`Record.observed_at`, compared with the stored one; equal
   times: the later commit wins): such a write is refused, changes nothing, announces
-  nothing and is counted (:attr:`CommitResult.records_stale`). Every stored change adds one
+  nothing and is counted (:attr:`CommitResult.records_stale`). Observations are ordered by
+  run first (data of a later run is never older than what an earlier run stored, whatever
+  any clock says), then by observation time within the run, on the store's time line
+  (workers stamp them with :func:`observation_clock`, which a stepped wall clock does not
+  move; a backend puts them on its own time line, see :meth:`FrontierStore.commit`). Every
+  stored change adds one
   to the record's ``version`` (1 when inserted), which is part of the outbox key.
 * A completion deletes the response journaled for its request in the same transaction.
 * Enqueue is idempotent by request key: a key already in the frontier is not inserted again,
@@ -95,8 +100,20 @@ __all__ = [
     "StoredRecord",
     "UnitOfWork",
     "change_key",
+    "observation_clock",
     "url_glob_matches",
 ]
+
+_CLOCK_BASE = time.time() - time.monotonic()
+
+
+def observation_clock() -> float:
+    """Unix seconds that never step: this process's wall clock at its start, carried forward
+    by the monotonic clock. Observation times (:attr:`Record.observed_at`) are taken on it,
+    so a wall clock stepped back (or forward) while a worker runs does not reorder what the
+    worker saw; a backend measures its offset to this clock, not to ``time.time()``."""
+    return _CLOCK_BASE + time.monotonic()
+
 
 
 class RequestState(str, enum.Enum):
@@ -216,8 +233,9 @@ class Record:
     was observed.
 
     ``observed_at`` is when the response the item came from was received (unix seconds, the
-    worker's clock); None: when the record is committed. A stored record is never replaced
-    by data observed before it (see :meth:`FrontierStore.commit`)."""
+    worker's :func:`observation_clock`); None: when the record is committed. A stored record
+    is never replaced by data observed before it in the same run, nor by data of an earlier
+    run (see :meth:`FrontierStore.commit`)."""
 
     record_id: str
     source: str

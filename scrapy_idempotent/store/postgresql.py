@@ -56,7 +56,15 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from ..exceptions import StoreBusy, StoreError
-from .base import CommitResult, CrawlIdentity, NewRequest, RunInfo, RunMode, UnitOfWork
+from .base import (
+    CommitResult,
+    CrawlIdentity,
+    NewRequest,
+    RunInfo,
+    RunMode,
+    UnitOfWork,
+    observation_clock,
+)
 from .reads import EngineSetting, IntegrityReport, RunSummary, SchemaInfo
 from .registry import redacted
 from .rules import (
@@ -428,6 +436,10 @@ class PostgreSQLStore(SqlStore):
         self.isolate_after = isolate_after(max_attempts)
         self._fixed_clock = clock
         self._offset = 0.0  #: the database server's clock minus this host's, in seconds
+        #: the server's clock minus this process's observation clock (which a stepped wall
+        #: clock does not move), in seconds: workers' observation times are put on the
+        #: server's clock with it
+        self._observed_offset = 0.0
         self.synchronous = synchronous
         self.busy_timeout_seconds = busy_timeout_seconds
         self.recrawl_seconds = recrawl_seconds
@@ -520,10 +532,12 @@ class PostgreSQLStore(SqlStore):
                              (f'"{self.schema}"',))
             self._connected_since = self.clock()  # (again) after a break: see reclaim_expired
             if self._fixed_clock is None:
-                before = time.time()
+                before, observed_before = time.time(), observation_clock()
                 (server,) = conn.execute(
                     "SELECT extract(epoch FROM clock_timestamp())::float8").fetchone() or (0,)
                 self._offset = float(server) - (before + time.time()) / 2
+                self._observed_offset = (
+                    float(server) - (observed_before + observation_clock()) / 2)
         except psycopg.Error as exc:
             conn.close()
             raise self._error(exc, "opening") from exc
@@ -1106,7 +1120,7 @@ class PostgreSQLStore(SqlStore):
     def _observation_offset(self) -> float:
         # a worker's observation is put on the server's clock, as every other time of this
         # store, so hosts whose clocks disagree still order their observations rightly
-        return self._offset
+        return self._observed_offset
 
     def _claim_rows(self, cur: Any, worker: str, count: int, until: float) -> list[Any]:
         rows: list[Any] = cur.execute(

@@ -27,6 +27,7 @@ __all__ = [
     "anomaly_checks",
     "claim_order",
     "enqueue_decision",
+    "is_older",
     "isolate_after",
     "known_request_answer",
     "other_owner",
@@ -191,9 +192,8 @@ class RecordWrite(enum.Enum):
     #: same content, seen by this run already, observed later: the observation moves on
     OBSERVED = "observed"
     UNCHANGED = "unchanged"  #: same content, nothing to write
-    #: observed before the stored data: refused, only marked seen by this run
-    STALE_SEEN = "stale_seen"
-    STALE = "stale"  #: observed before the stored data, seen by this run already: nothing
+    #: older than the stored data (see :func:`is_older`): refused, nothing written
+    STALE = "stale"
 
     @property
     def change(self) -> bool:
@@ -202,13 +202,26 @@ class RecordWrite(enum.Enum):
 
     @property
     def stale(self) -> bool:
-        return self in (RecordWrite.STALE, RecordWrite.STALE_SEEN)
+        return self is RecordWrite.STALE
 
     @property
     def first_sight(self) -> bool:
         """The write marks the record seen by its run for the first time (takes its place
         in the run's feeds)."""
-        return self in (RecordWrite.INSERT, RecordWrite.SEEN, RecordWrite.STALE_SEEN)
+        return self in (RecordWrite.INSERT, RecordWrite.SEEN)
+
+
+def is_older(run_id: int, observed_at: float, stored_run_id: int | None,
+             stored_observed_at: float) -> bool:
+    """Whether data observed at ``observed_at`` in run ``run_id`` is older than the stored
+    data, last observed at ``stored_observed_at`` in run ``stored_run_id`` (None: a row of
+    a schema that did not know its run): the run first, so that a wall clock set back
+    between two runs never makes the later run's data count as older; then the time within
+    the run (equal: not older, the later commit wins)."""
+    stored_run = stored_run_id or 0
+    if run_id != stored_run:
+        return run_id < stored_run
+    return observed_at < stored_observed_at
 
 
 def record_write(stored: StoredState | None, content_hash: str, observed: float,
@@ -216,14 +229,17 @@ def record_write(stored: StoredState | None, content_hash: str, observed: float,
     """The decision for a record with ``content_hash`` observed at ``observed`` (the store's
     clock) written by run ``run_id``, where ``stored`` is the stored record (None: none).
 
-    Data observed before the stored data is never stored (equal times: the later commit
-    wins); a record is written only when its content changed, or, unchanged, to mark it seen
-    by a run or observed later."""
+    Data older than the stored data (:func:`is_older`) is never stored; a record is written
+    only when its content changed, or, unchanged, to mark it seen by a run or observed
+    later."""
     if stored is None:
         return RecordWrite.INSERT
+    if is_older(run_id, observed, stored.seen_run_id, stored.observed_at):
+        # a page downloaded earlier, committed later; a worker of an earlier run: the data
+        # stays, and so does the run that saw it (in the same run, this one: its feeds
+        # list the record)
+        return RecordWrite.STALE
     first_sight = stored.seen_run_id != run_id
-    if observed < stored.observed_at:
-        return RecordWrite.STALE_SEEN if first_sight else RecordWrite.STALE
     if stored.content_hash != content_hash:
         return RecordWrite.UPDATE
     if first_sight:
@@ -237,7 +253,7 @@ def after_write(stored: StoredState | None, decision: RecordWrite, content_hash:
     is decided against the first write)."""
     if decision.stale:
         assert stored is not None
-        return stored._replace(seen_run_id=run_id)
+        return stored
     version = 1 if stored is None else stored.version + (1 if decision.change else 0)
     return StoredState(content_hash, run_id, observed, version)
 

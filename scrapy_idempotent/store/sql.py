@@ -388,13 +388,7 @@ class SqlStore(FrontierStore):
                 "SELECT content_hash, seen_run_id, observed_at, version FROM records"
                 f" WHERE record_id = ?{self.LOCK_ROWS}"), (rid,)).fetchone())
         decision = record_write(current, record.content_hash, observed, run_id)
-        seen = (run_id, now, seq, rid)
-        if decision is RecordWrite.STALE_SEEN:
-            # older than what is stored (a page downloaded earlier, committed later): the
-            # data stays; the record is still one this run saw (its feeds list it)
-            cur.execute(self._q("UPDATE records SET seen_run_id = ?, seen_at = ?,"
-                                " seen_seq = ? WHERE record_id = ?"), seen)
-        elif decision is RecordWrite.UPDATE:
+        if decision is RecordWrite.UPDATE:
             cur.execute(self._q(
                 "UPDATE records SET data = ?, content_hash = ?, item_type = ?,"
                 " last_changed = ?, changed_run_id = ?, request_key = ?, observed_at = ?,"

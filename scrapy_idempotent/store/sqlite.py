@@ -19,7 +19,15 @@ from typing import Any
 
 from ..exceptions import StoreBusy, StoreError
 from ..workers import worker_state
-from .base import CommitResult, CrawlIdentity, NewRequest, RunInfo, RunMode, UnitOfWork
+from .base import (
+    CommitResult,
+    CrawlIdentity,
+    NewRequest,
+    RunInfo,
+    RunMode,
+    UnitOfWork,
+    observation_clock,
+)
 from .reads import EngineSetting, IntegrityReport, RunSummary, SchemaInfo
 from .rules import (
     CLAIMED_COLUMNS,
@@ -284,6 +292,12 @@ class SQLiteStore(SqlStore):
         self.max_attempts = max_attempts
         self.isolate_after = isolate_after(max_attempts)
         self.clock = clock
+        #: the clock workers' observation times are on (an injected clock stands for both)
+        self._observation_clock = observation_clock if clock is time.time else clock
+        #: added to workers' observation times: the run's observations stored before this
+        #: session began stay before this session's, even if the wall clock was set back
+        #: between them (see begin_session)
+        self._observed_offset = 0.0
         self.synchronous = synchronous
         self.busy_timeout_seconds = busy_timeout_seconds
         self.run_id: int | None = None
@@ -676,8 +690,16 @@ class SQLiteStore(SqlStore):
                 "INSERT INTO sessions (run_id, worker, started_at) VALUES (?, ?, ?)",
                 (run_id, worker, now),
             )
+            # the run's latest observation so far (a resumed run: its records seen in it)
+            latest = None if new else cur.execute(
+                "SELECT max(observed_at) FROM records WHERE seen_run_id = ?",
+                (run_id,)).fetchone()[0]
+        self._observed_offset = max(0.0, (latest or 0.0) - self._observation_clock())
         self.run_id = run_id
         return RunInfo(run_id=run_id, new=new, counts=self.counts())
+
+    def _observation_offset(self) -> float:
+        return self._observed_offset
 
     def end_session(self, worker: str, reason: str, inflight: Sequence[str] = (), *,
                     finish_run: bool = True) -> int:
