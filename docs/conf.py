@@ -22,7 +22,8 @@ exclude_patterns = ["_build"]
 # the CI build turns warnings into errors)
 nitpicky = True
 default_role = "literal"
-highlight_language = "python"
+# a bare :: literal block is shown as written (commands, log lines); code-block names its language
+highlight_language = "none"
 
 html_theme = "furo"
 html_title = f"scrapy_idempotent {release}"

@@ -321,3 +321,11 @@ def test_troubleshooting_explains_every_message() -> None:
                     and key not in {message[:30] for message in INTERNAL_MESSAGES}):
                 missing[f"{path.relative_to(PACKAGE)}:{call.lineno}"] = key
     assert len(missing) == 0, f"messages not explained in docs/troubleshooting.rst: {missing}"
+
+
+def test_the_docs_use_no_api_roles() -> None:
+    """The site has no API pages (no autodoc), so a Python-domain role (``:meth:``,
+    ``:class:``...) cannot resolve and fails the ``-W`` build: name code as a literal."""
+    found = {f"docs/{name}": role for name, text in PAGES.items()
+             for role in re.findall(r":(?:py:)?(?:meth|class|func|mod|attr|exc|data):`", text)}
+    assert not found, f"Python-domain roles in the docs (use ``literals``): {found}"
