@@ -333,3 +333,41 @@ def test_the_frontier_wide_figures_are_read_again_in_the_background_when_due(
     wait_for(lambda: len(reads) == 2 and collector._reading is None, 30,
              "the background read")
     assert scrape()[("idempotent_store_up", ())] == 1
+
+
+@pytest.mark.slow
+@deferred_f_from_coro_f
+async def test_status_chart_draws_the_run_as_headless_chromium_shows_it(
+        db_path: Path, tmp_path: Path) -> None:
+    """The page is self-contained (no script, nothing fetched) and Chromium draws its lines:
+    the screenshot has the colours of the series."""
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("no chromium binary: install Debian's chromium package")
+    from PIL import Image
+
+    with LocalSite(listing_pages=2, products_per_page=5, products_failing=[3]) as site:
+        await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS), url=site.url)
+    page = tmp_path / "run.html"
+    result = subprocess.run([sys.executable, "-m", "scrapy", "idempotent", "status", "--db",
+                             str(db_path), "--chart", str(page)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    text = page.read_text()
+    assert "<svg" in text and "<script" not in text
+    assert "src=" not in text and "href=" not in text and "url(" not in text
+    assert "pages done: 11" in text and "pages failed: 1" in text
+    assert "records changed: 9" in text
+    shot = tmp_path / "run.png"
+    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu",
+                    "--disable-background-networking", "--no-first-run",
+                    f"--user-data-dir={tmp_path / 'chromium'}", "--window-size=1000,560",
+                    f"--screenshot={shot}", page.as_uri()],
+                   capture_output=True, timeout=120, check=True)
+    with Image.open(shot) as image:
+        rgb_image = image.convert("RGB")
+        colours = {rgb_image.getpixel((x, y)) for x in range(rgb_image.width)
+                   for y in range(rgb_image.height)}
+    for colour in ("#2b7bb9", "#d62728", "#2ca02c"):
+        rgb = tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5))
+        assert rgb in colours, colour

@@ -80,6 +80,7 @@ _OPTION_SCOPE: dict[str, tuple[str, ...]] = {
     "to": ("migrate",),
     "listen": ("metrics",),
     "watch": ("status",),
+    "chart": ("status",),
 }
 
 
@@ -147,6 +148,9 @@ class Command(ScrapyCommand):
         group.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
                            help="a live view redrawn in place every SECONDS (default 2), with "
                                 "rates per minute, until Ctrl+C")
+        group.add_argument("--chart", metavar="OUT.html",
+                           help="draw the latest run's pages done, failed, repeats and records "
+                                "changed per minute into a self-contained HTML page")
         group = parser.add_argument_group("metrics")
         group.add_argument("--listen", metavar="HOST:PORT",
                            help=f"where to serve /metrics (default {metrics.LISTEN}; port 0: "

@@ -33,6 +33,10 @@ def run(opened: Opened, opts: argparse.Namespace) -> int:
         from .watch import watch
 
         return watch(opened.store, opened.path, opts.watch)
+    if opts.chart is not None:
+        from .chart import write_chart
+
+        return write_chart(opened.store, opened.path, opts.chart)
     engine = opened.store.engine_settings()
     report = _status_report(opened.store, opened.path, opened.info, engine)
     print_report(opts, report, [] if opts.json else _status_lines(report, engine))
