@@ -356,7 +356,9 @@ to that much later. Not used by Redis.""",
         doc="""
 Where record changes are announced (see :doc:`/outbox`): webhook URLs (``http://``,
 ``https://``) and import paths of ``OutboxTarget`` classes. Empty: no outbox entries are
-written and ``OutboxDelivery`` is off. Entries are kept per target as written here.""",
+written and ``OutboxDelivery`` is off. Entries are kept per target as written here, a
+password replaced by ``***``: a webhook URL's ``user:password@`` is sent as HTTP Basic auth
+(never in the URL) and shown as ``user:***@`` in logs, the outbox and ``status``.""",
     ),
     Setting(
         "IDEMPOTENT_OUTBOX_HEADERS", {}, "dict[str, str]", "Outbox",

@@ -23,6 +23,7 @@ apply to it, and delivery also runs after the downloader closed), or the import 
 
 from __future__ import annotations
 
+import base64
 import email.utils
 import functools
 import json
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from io import BytesIO
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from scrapy import signals
 from scrapy.exceptions import NotConfigured
@@ -48,6 +50,7 @@ from .store.base import (
     OutboxOutcome,
     OutboxState,
 )
+from .store.registry import redacted
 
 if TYPE_CHECKING:
     from scrapy.crawler import Crawler
@@ -159,9 +162,18 @@ class WebhookTarget(OutboxTarget):
         from twisted.internet import reactor
         from twisted.web.client import Agent, HTTPConnectionPool
 
-        self.url = url
-        self.name = url
+        parts = urlsplit(url)
         self.headers = tuple(headers)
+        if parts.username is not None or parts.password is not None:
+            # credentials in the URL go as HTTP Basic auth, as HTTP clients send them; the
+            # URL sent (and shown) has none
+            secret = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
+            token = base64.b64encode(secret.encode()).decode("ascii")
+            self.headers = (("Authorization", f"Basic {token}"), *self.headers)
+            host = parts.netloc.rpartition("@")[2]
+            url = urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+        self.url = url
+        self.name = target_name(url)
         self.timeout_seconds = timeout_seconds
         self._pool = HTTPConnectionPool(reactor, persistent=True)  # type: ignore[no-untyped-call]
         self._agent = Agent(reactor, pool=self._pool,  # type: ignore[no-untyped-call]
@@ -261,6 +273,12 @@ def retry_after_seconds(value: str, now: float | None = None) -> float | None:
     return min(max(seconds, 0.0), MAX_RETRY_AFTER_SECONDS)
 
 
+def target_name(spec: str) -> str:
+    """How target ``spec`` of ``IDEMPOTENT_OUTBOX_TARGETS`` is named in the outbox, logs and
+    reports: a URL's password replaced by ``***``."""
+    return redacted(spec)
+
+
 def build_targets(config: IdempotentConfig, crawler: Crawler) -> list[OutboxTarget]:
     """The targets of ``IDEMPOTENT_OUTBOX_TARGETS``, in order."""
     from scrapy.utils.misc import build_from_crawler, load_object
@@ -278,7 +296,7 @@ def build_targets(config: IdempotentConfig, crawler: Crawler) -> list[OutboxTarg
                 raise ConfigError("IDEMPOTENT_OUTBOX_TARGETS", spec,
                                   "a class with an async deliver(announcement) method "
                                   "(see scrapy_idempotent.outbox.OutboxTarget)")
-        target.name = spec
+        target.name = target_name(spec)
         targets.append(target)
     return targets
 

@@ -51,6 +51,7 @@ from .exceptions import IdempotentError, StoreBusy
 from .inflight import InflightTracker, tracker_for
 from .keys import RequestFingerprints, RequestKeys
 from .leases import ClaimedRequests, LeaseKeeper
+from .outbox import target_name
 from .store.base import CrawlIdentity, FrontierStore, UnitOfWork
 from .store.registry import open_store, redacted
 
@@ -108,7 +109,8 @@ class IdempotentScheduler(BaseScheduler):
         self.commits = CommitPath(
             self.store, workers.new_worker_id(), tracker=self.tracker, claimed=self.claimed,
             outcomes=self.outcomes, health=self.health, wakeup=self.wakeup,
-            outbox_targets=config.outbox_targets, threaded=threaded_writes)
+            outbox_targets=tuple(target_name(spec) for spec in config.outbox_targets),
+            threaded=threaded_writes)
         self.writer = self.commits.writer
         self.leases = LeaseKeeper(
             self.store, self.writer, tracker=self.tracker, claimed=self.claimed, stats=stats,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import sqlite3
 from collections import Counter
 from pathlib import Path
@@ -293,3 +294,25 @@ async def test_two_crawls_sharing_a_postgresql_database_each_announce_their_reco
     sources = Counter(d.body["source"] for d in hook.acknowledged())
     assert sources == {"first": 50, "second": 50}
     assert len(hook.keys_acknowledged()) == 100
+
+
+@deferred_f_from_coro_f
+async def test_credentials_in_a_webhook_url_are_sent_as_basic_auth_and_never_shown(
+        small_shop: LocalSite, db_path: Path, hook: WebhookReceiver,
+        caplog: pytest.LogCaptureFixture) -> None:
+    import base64
+
+    from test_commands import idempotent_json
+
+    host = hook.url.split("://", 1)[1]
+    url = f"http://crawler:s%40cret@{host}"
+    shown = f"http://crawler:***@{host}"
+    caplog.set_level(logging.DEBUG)
+    crawler = await run_crawl(ShopSpider, outbox_settings(db_path, url), url=small_shop.url)
+    assert crawler.stats.get_value("idempotent/outbox/delivered") == 50
+    token = base64.b64encode(b"crawler:s@cret").decode()
+    assert {d.headers.get("Authorization") for d in hook.acknowledged()} == {f"Basic {token}"}
+    assert "s%40cret" not in caplog.text and "s@cret" not in caplog.text
+    assert db_rows(db_path, "SELECT DISTINCT target FROM outbox") == [(shown,)]
+    status = idempotent_json("status", "--db", str(db_path))
+    assert status["outbox"] == {shown: {"pending": 0, "delivered": 50, "failed": 0}}
