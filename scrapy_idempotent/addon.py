@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 __all__ = [
-    "DEVELOPMENT_COMMANDS",
+    "CRAWL_COMMANDS",
     "JOURNAL_PRIORITY",
     "MIDDLEWARE_PRIORITY",
     "PIPELINE_PRIORITY",
@@ -37,19 +37,21 @@ JOURNAL_PRIORITY = 950
 PIPELINE_PRIORITY = 1000
 
 
-#: Scrapy commands that fetch pages for a developer to look at. With the frontier wired in,
-#: they would store their one-off requests (with callbacks of the command, not the spider),
-#: and resume or finish the spider's real run.
-DEVELOPMENT_COMMANDS = frozenset({"shell", "fetch", "view", "parse", "check", "bench"})
+#: The commands of the ``scrapy`` tool that run the crawls users run. Every other command
+#: (``shell``, ``fetch``, ``parse``, ``check``, ``bench``, a plugin's such as scrapy-poet's
+#: ``savefixture``) runs its spider for a developer: with the frontier wired in, it would
+#: store its one-off requests and items, and resume or finish the spider's real run.
+#: Crawls started outside the tool (scripts, scrapyd's jobs) always get the add-on.
+CRAWL_COMMANDS = frozenset({"crawl", "runspider"})
 
 
 def development_command(argv: list[str] | None = None) -> str | None:
-    """The Scrapy command being run if it is one of :data:`DEVELOPMENT_COMMANDS`, read from
-    the command line of the ``scrapy`` tool (``scrapy shell ...``, ``python -m scrapy ...``,
-    ``python -m scrapy.cmdline ...``);
-    None for crawls and for scripts that run crawlers themselves. Scrapy removes the command
-    name from ``sys.argv``, so the process's original command line is read where the system
-    keeps it (``/proc/self/cmdline``)."""
+    """The command of the ``scrapy`` tool being run if it is not one of
+    :data:`CRAWL_COMMANDS`, read from the tool's command line (``scrapy shell ...``,
+    ``python -m scrapy ...``, ``python -m scrapy.cmdline ...``); None for crawls and for
+    processes that are not the tool (scripts running crawlers, scrapyd's runner). Scrapy
+    removes the command name from ``sys.argv``, so the process's original command line is
+    read where the system keeps it (``/proc/self/cmdline``)."""
     if argv is None:
         argv = _process_argv()
     if not argv:
@@ -58,7 +60,7 @@ def development_command(argv: list[str] | None = None) -> str | None:
     if program.name not in {"scrapy", "scrapy.cmdline"} and program.parent.name != "scrapy":
         return None
     command = next((arg for arg in argv[1:] if not arg.startswith("-")), None)
-    return command if command in DEVELOPMENT_COMMANDS else None
+    return command if command is not None and command not in CRAWL_COMMANDS else None
 
 
 def _process_argv() -> list[str]:
@@ -106,8 +108,8 @@ class Addon:
         before anything is fetched, and exits non-zero)."""
         command = development_command()
         if command is not None:
-            logger.info("scrapy_idempotent is off for `scrapy %s`: a development command "
-                        "neither resumes nor writes the crawl's database", command)
+            logger.info("scrapy_idempotent is off for `scrapy %s`: only crawl and runspider "
+                        "resume and write the crawl's database", command)
             return
         if self.crawler is not None:
             with scrapy_compat.start_failure_exits_nonzero(self.crawler):

@@ -12,6 +12,8 @@ import pytest
 from conftest import EXAMPLE_PROJECT
 from local_site import LocalSite
 
+from scrapy_idempotent.addon import development_command
+
 
 @pytest.mark.parametrize("module", ["scrapy", "scrapy.cmdline"])
 def test_fetch_runs_without_the_addon(module: str, shop: LocalSite, tmp_path: Path) -> None:
@@ -24,3 +26,20 @@ def test_fetch_runs_without_the_addon(module: str, shop: LocalSite, tmp_path: Pa
     assert "scrapy_idempotent is off for `scrapy fetch`" in done.stderr
     assert "<html" in done.stdout.lower()  # the page was fetched and printed
     assert not db_path.exists()  # the crawl's database was neither created nor written
+
+
+@pytest.mark.parametrize(("argv", "command"), [
+    (["scrapy", "crawl", "shop"], None),
+    (["/usr/bin/scrapy", "runspider", "spider.py"], None),
+    (["scrapy", "crawl", "-s", "X=1", "shop"], None),
+    (["scrapy", "savefixture", "shop.pages.ProductPage", "https://shop.example/p/1"],
+     "savefixture"),
+    (["scrapy.cmdline", "shell", "https://shop.example/"], "shell"),
+    (["scrapy", "bench"], "bench"),
+    (["scrapyd.runner", "crawl", "shop"], None),
+    (["myscript.py"], None),
+])
+def test_only_crawl_commands_of_the_scrapy_tool_get_the_addon(argv, command):
+    """A plugin's command running spiders for a developer (scrapy-poet's savefixture) is
+    not a crawl: what a command is decides, not a list of Scrapy's own commands."""
+    assert development_command(argv) == command
