@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
+import scrapy
 from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 from test_commands import NATURAL_KEYS, PartlyBrokenSpider, idempotent
@@ -98,6 +99,10 @@ async def test_the_command_samples(tmp_path: Path, request: pytest.FixtureReques
     check_sample("check", "scrapy idempotent check shop", run("check"))
 
 
+@pytest.mark.skipif(
+    scrapy.version_info < (2, 19),
+    reason="the sample is of Scrapy 2.19's crawl order; older releases hand the products out "
+           "in another order, so other pages are the latest rejected")
 @deferred_f_from_coro_f
 async def test_the_rejects_samples(tmp_path: Path) -> None:
     db = tmp_path / "shop.sqlite3"
