@@ -214,6 +214,10 @@ def test_prometheus_scrapes_the_crawl_of_two_workers_one_killed(tmp_path: Path) 
             wait_for(lambda: _query(api, "idempotent_current_run_finished") == 1, 60,
                      "the finished run, scraped")
             wait_for(lambda: _query(api, done) == run["done"], 60, "the final count, scraped")
+            # the frontier-wide counts of a scrape are those read in the background after the
+            # scrape before it: wait for a reading taken after the end
+            wait_for(lambda: _query(api, 'idempotent_requests{state="done"}') == 525, 60,
+                     "the frontier's final count, scraped")
             assert _query(api, 'idempotent_requests{state="done"}') == \
                 report["frontier"]["done"] == 525
             assert _query(api, "idempotent_records") == report["records"]["stored"] == 500
