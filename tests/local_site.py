@@ -41,8 +41,12 @@ Pages (a test's own routes first, then the shop, then the route families, else 4
 Every other request is counted by path (``hits("/ok/a")``), by path with query
 (``hits("/ok/a?x=1")``) and by method (``hits("/ok/a", "POST")``); the site also keeps the
 headers of every request, the arrival order with the number of requests in flight at each
-arrival, and the traceback of any failure of its own (:attr:`LocalSite.errors`, which the
-fixtures check is empty). ``delay`` makes every counted request wait before it is answered.
+arrival, the arrival times and the most requests in flight at once (what a site's politeness
+is measured by: :meth:`LocalSite.intervals`, :attr:`LocalSite.most_in_flight`), and the
+traceback of any failure of its own (:attr:`LocalSite.errors`, which the fixtures check is
+empty). Several sites of one test bind ``host`` addresses of their own (``127.0.0.2``,
+``127.0.0.3``, ...: all of 127/8 is loopback on Linux), so each is its own host name, as
+Scrapy's download slots see them. ``delay`` makes every counted request wait before it is answered.
 
 Connections: ``keep_alive=True`` (the default) speaks HTTP/1.1 with keep-alive, as a real
 site does; ``keep_alive=False`` speaks HTTP/1.0 with ``Connection: close``, one connection per
@@ -55,6 +59,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import itertools
 import json
 import re
 import socket
@@ -376,7 +381,9 @@ class LocalSite:
         self._by_full_path: Counter[str] = Counter()
         self._by_method: Counter[str] = Counter()
         self._arrivals: list[tuple[str, int]] = []
+        self._arrival_times: list[float] = []  #: time.monotonic() of each counted arrival
         self._in_flight = 0
+        self._most_in_flight = 0
         self._released = threading.Event()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -509,7 +516,9 @@ class LocalSite:
             self._by_method[f"{method} {path}"] += 1
             self.headers_seen.append(headers)
             self._arrivals.append((path, self._in_flight))
+            self._arrival_times.append(time.monotonic())
             self._in_flight += 1
+            self._most_in_flight = max(self._most_in_flight, self._in_flight)
             return self._by_path[path]
 
     def _answered(self) -> None:
@@ -549,6 +558,26 @@ class LocalSite:
         with self._lock:
             return list(self._arrivals)
 
+    @property
+    def most_in_flight(self) -> int:
+        """The most requests in flight at once (received, not yet answered) since the last
+        reset."""
+        with self._lock:
+            return self._most_in_flight
+
+    def arrival_times(self) -> list[float]:
+        """``time.monotonic()`` of every counted arrival, in arrival order (since the last
+        reset): the site's own clock, comparable across the sites of one test process."""
+        with self._lock:
+            return list(self._arrival_times)
+
+    def intervals(self) -> list[float]:
+        """Seconds between two consecutive arrivals (the starts of two requests as the site
+        saw them), in arrival order; the site's resolution is its accept loop's, about a
+        millisecond."""
+        times = self.arrival_times()
+        return [later - earlier for earlier, later in itertools.pairwise(times)]
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"requests": sum(self._by_path.values()), "by_path": dict(self._by_path),
@@ -562,6 +591,8 @@ class LocalSite:
             self._by_full_path.clear()
             self._by_method.clear()
             self._arrivals.clear()
+            self._arrival_times.clear()
+            self._most_in_flight = self._in_flight
             self.headers_seen.clear()
 
     def __repr__(self) -> str:

@@ -104,3 +104,28 @@ def test_routes_added_by_a_test_and_a_responder(site: LocalSite) -> None:
     assert [(r.method, r.json(), r.headers["Idempotency-Key"]) for r in received] == [
         ("POST", {"id": 7}, "k1")] * 2
     assert fetch(f"{site.url}/nothing/here")[0] == 404
+
+
+def test_sites_on_host_names_of_their_own_record_in_flight_and_intervals() -> None:
+    """Each site binds its own loopback address (its own host name for Scrapy's download
+    slots) and records the most requests in flight at once and the gaps between starts."""
+    with LocalSite(host="127.0.0.2") as slow, LocalSite(host="127.0.0.3") as quick:
+        assert slow.url.startswith("http://127.0.0.2:")
+        slow.add("/held", "held", held=True)
+        threads = [threading.Thread(target=fetch, args=(f"{slow.url}/held",))
+                   for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: slow.in_flight == 3, 30, "three requests held")
+        slow.release()
+        for thread in threads:
+            thread.join()
+        assert slow.most_in_flight == 3 and slow.in_flight == 0
+        assert len(slow.intervals()) == 2 and all(gap >= 0 for gap in slow.intervals())
+        fetch(f"{quick.url}/ok/a")
+        fetch(f"{quick.url}/ok/b")
+        assert quick.most_in_flight == 1 and quick.request_count == 2
+        (gap,) = quick.intervals()
+        assert gap > 0
+        slow.reset_counts()
+        assert slow.most_in_flight == 0 and slow.intervals() == []
