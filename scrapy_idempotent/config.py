@@ -412,6 +412,15 @@ cut off.""",
 How often the progress line (see :ref:`progress-line`) is logged; ``0`` turns it
 off.""",
     ),
+    Setting(
+        "IDEMPOTENT_SAMPLE_SECONDS", 60.0, "float, seconds", "Logging", "300",
+        allowed='0 (no samples), or 1 to 86400',
+        doc="""
+How often the run's counters are stored as a progress sample (the picture of the run that
+``scrapy idempotent status --chart`` draws, see :ref:`run-chart`): one row per interval for the
+whole crawl, written by the first worker to reach it, and one more at each worker's close.
+``0`` stores none (the chart is then counted from the frontier's rows).""",
+    ),
 )
 
 #: Every setting's default, by name (built from :data:`SETTING_DEFINITIONS`).
@@ -497,6 +506,7 @@ class IdempotentConfig:
     busy_timeout_seconds: float
     request_classes: tuple[str, ...]
     log_interval_seconds: float
+    sample_seconds: float = 60.0
     recrawl_seconds: float | None = None
     response_journal: bool = True
     #: delivery targets of record changes: webhook URLs and import paths of target classes
@@ -540,6 +550,7 @@ class IdempotentConfig:
             run_mode=run_mode,
             request_classes=_request_classes(settings),
             log_interval_seconds=log_interval_seconds(settings),
+            sample_seconds=_sample_seconds(settings),
             response_journal=_boolean(settings, "IDEMPOTENT_RESPONSE_JOURNAL"),
             **_outbox(settings),
             queue=_queue(settings, spider.name),
@@ -691,6 +702,15 @@ def log_interval_seconds(settings: BaseSettings) -> float:
     if 0 < interval < 0.1:
         raise ConfigError(name, _get(settings, name),
                           "0 (no progress line) or a number of seconds >= 0.1 and <= 86400")
+    return interval
+
+
+def _sample_seconds(settings: BaseSettings) -> float:
+    name = "IDEMPOTENT_SAMPLE_SECONDS"
+    interval = _number(settings, name, minimum=0.0, maximum=_DAY)
+    if 0 < interval < 1:
+        raise ConfigError(name, _get(settings, name),
+                          "0 (no samples) or a number of seconds >= 1 and <= 86400")
     return interval
 
 

@@ -188,7 +188,7 @@ class LeaseKeeper:
     def __init__(self, store: FrontierStore, writer: WriterThread, *,
                  tracker: InflightTracker, claimed: ClaimedRequests, stats: StatsCollector,
                  health: CrawlHealth, wakeup: EngineWakeup, lease_seconds: float,
-                 flush: Callable[[], None]) -> None:
+                 flush: Callable[[], None], sample_seconds: float = 0.0) -> None:
         self.store = store
         self.writer = writer
         self.tracker = tracker
@@ -198,6 +198,8 @@ class LeaseKeeper:
         self.wakeup = wakeup
         self.lease_seconds = lease_seconds
         self.flush = flush
+        self.sample_seconds = sample_seconds
+        self._sampling: task.LoopingCall | None = None
         #: which leases are still this worker's is being asked (nothing is handed out)
         self.renewing = False
         self._loop: task.LoopingCall | None = None
@@ -208,11 +210,37 @@ class LeaseKeeper:
         """Begin the periodic work, and listen for the store's signal of new work."""
         self._loop = task.LoopingCall(self._tick)
         self._loop.start(self.lease_seconds / 3, now=False)
+        if self.sample_seconds > 0:
+            self._sampling = task.LoopingCall(self.sample)
+            self._sampling.start(self.sample_seconds, now=True)
         self.store.watch_for_work(self._work_may_be_claimable)
 
     def stop(self) -> None:
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
+        for loop in (self._loop, self._sampling):
+            if loop is not None and loop.running:
+                loop.stop()
+
+    # -- progress samples -------------------------------------------------------------------
+
+    def sample(self) -> None:
+        """Every IDEMPOTENT_SAMPLE_SECONDS: store the run's counters as the sample of this
+        slot, unless another worker did (one statement, on the writer's thread)."""
+        if self.health.stopped:
+            return
+        interval = self.sample_seconds
+        sampling = self.writer.call("storing a progress sample",
+                                    lambda store: store.record_sample(interval))
+        sampling.addErrback(lambda failure: logger.warning(
+            "scrapy_idempotent: cannot store a progress sample: %s", failure.value))
+
+    def final_sample(self) -> None:
+        """At close, on the calling thread: the run's figures as this worker leaves them."""
+        if self.sample_seconds <= 0:
+            return
+        try:
+            self.store.record_sample(self.sample_seconds, final=True)
+        except Exception as exc:  # a picture of the run, not its work: never fails a close
+            logger.warning("scrapy_idempotent: cannot store a progress sample: %s", exc)
 
     def _tick(self) -> None:
         """Every lease_seconds / 3: renew this worker's leases (one statement for all),

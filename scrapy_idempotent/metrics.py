@@ -51,6 +51,14 @@ _RUN_COUNTERS: dict[str, tuple[str, str]] = {
                           "Records seen again with the same content in the run"),
     "rejects": ("idempotent_run_items_rejected",
                 "Items that could not become records in the run (kept as rejects)"),
+    "records_stale": ("idempotent_run_records_stale",
+                      "Records refused in the run: the stored one was observed later"),
+    "leases_reclaimed": ("idempotent_run_leases_reclaimed",
+                         "Leases taken back in the run from workers whose lease expired or "
+                         "who died"),
+    "leases_lost": ("idempotent_run_leases_lost",
+                    "Completions refused in the run: their lease was another worker's by "
+                    "then (their work was not written)"),
 }
 
 
@@ -66,9 +74,10 @@ class StoreCollector(Collector):
     (a new one per read, closed after it: a scrape may run on any of the HTTP server's
     threads, and a database connection is not shared between them).
 
-    What each scrape reads: the runs' counters, the leases, the live workers and the outbox
-    (cheap at any frontier size). The frontier-wide figures (:meth:`~.FrontierStore.
-    crawl_metrics`) are read by the first scrape, then again on a thread of their own once
+    What each scrape reads: the runs' counters, the leases, the live workers and their
+    heartbeats (cheap at any frontier size). The frontier-wide figures
+    (:meth:`~.FrontierStore.crawl_metrics`: requests by state, failures by kind, attempts,
+    the outbox) are read by the first scrape, then again on a thread of their own once
     :data:`FRONTIER_READ_SHARE` times their read time has passed: a scrape never waits for
     them, and ``idempotent_frontier_read_age_seconds`` says how old they are."""
 
@@ -93,7 +102,7 @@ class StoreCollector(Collector):
                 metrics = dataclasses.replace(
                     frontier, read_at=time.time(), runs=tuple(store.runs()),
                     leases=tuple(store.lease_holders()),
-                    live_workers=tuple(store.live_workers()), outbox=store.outbox_counts())
+                    live_workers=tuple(store.live_workers()), heartbeats=store.heartbeats())
             finally:
                 store.close()
         except Exception as exc:  # the scrape answers; the failure is a figure and a line
@@ -166,6 +175,18 @@ def metric_families(m: CrawlMetrics) -> Iterator[Metric]:
         for state, n in sorted(states.items()):
             outbox.add_metric([target, state], n)
     yield outbox
+    backlog = GaugeMetricFamily("idempotent_outbox_backlog",
+                                "Outbox announcements waiting for delivery, by target",
+                                labels=["target"])
+    oldest = GaugeMetricFamily("idempotent_outbox_oldest_age_seconds",
+                               "Age of the oldest announcement waiting for delivery, by "
+                               "target (0: none waits)", labels=["target"])
+    for target in sorted(m.outbox):
+        waiting = m.outbox_backlog.get(target)
+        backlog.add_metric([target], waiting.entries if waiting else 0)
+        oldest.add_metric([target], max(0.0, m.read_at - waiting.oldest_at) if waiting else 0)
+    yield backlog
+    yield oldest
 
 
 def _frontier(m: CrawlMetrics) -> Iterator[Metric]:
@@ -236,3 +257,11 @@ def _workers(m: CrawlMetrics) -> Iterator[Metric]:
         expiry.add_metric([holder.worker], holder.leased_until - m.read_at)
     yield leases
     yield expiry
+    beat = GaugeMetricFamily("idempotent_worker_heartbeat_age_seconds",
+                             "Seconds since the live worker's latest heartbeat (PostgreSQL "
+                             "stores; past the liveness bound the worker is dead and its "
+                             "leases are taken back)", labels=["worker"])
+    for worker, at in sorted(m.heartbeats.items()):
+        if worker in alive:
+            beat.add_metric([worker], max(0.0, m.read_at - at))
+    yield beat

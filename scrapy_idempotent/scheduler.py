@@ -115,7 +115,7 @@ class IdempotentScheduler(BaseScheduler):
         self.leases = LeaseKeeper(
             self.store, self.writer, tracker=self.tracker, claimed=self.claimed, stats=stats,
             health=self.health, wakeup=self.wakeup, lease_seconds=config.lease_seconds,
-            flush=self.commits.flush_buffered)
+            flush=self.commits.flush_buffered, sample_seconds=config.sample_seconds)
         self.admission = Admission(
             self.store, tracker=self.tracker, fingerprints=self.fingerprints,
             keys=RequestKeys(), dupes=DuplicateFilter.from_settings(crawler.settings, stats),
@@ -273,6 +273,8 @@ class IdempotentScheduler(BaseScheduler):
                 self.worker, reason, inflight, finish_run=finish_run))
             if released:
                 self.stats.inc_value("idempotent/requests/released", released)
+            if not self.health.failed:
+                self.leases.final_sample()
             self.leases.reclaim_space(everything=True)
             self.claimed.clear()
             self._log_close(reason, released)

@@ -1,8 +1,14 @@
-"""``scrapy idempotent status --chart OUT.html``: a picture of the latest run, drawn from the
-rows the crawl stored (when each request finished, when each record was first stored or last
-changed), so it holds every worker's part, a killed worker's too: pages done, pages failed,
-repeats (pages fetched more than once) and records inserted or changed, per minute. One
-self-contained HTML page (inline SVG, no script, nothing fetched)."""
+"""``scrapy idempotent status --chart OUT.html``: a picture of the latest run: pages done,
+pages failed, repeats and records inserted or changed, per minute, one self-contained HTML page
+(inline SVG, no script, nothing fetched).
+
+Drawn from the run's progress samples (:meth:`~.FrontierStore.samples`: the run's counters,
+cumulative over every worker, stored every ``IDEMPOTENT_SAMPLE_SECONDS`` by the first worker to
+reach the interval and at each worker's close), so every worker's part is in it, a killed
+worker's too, at a cost that does not grow with the frontier. A run without samples (stored
+by an older release, or with ``IDEMPOTENT_SAMPLE_SECONDS = 0``) is counted from the stored rows
+instead (when each request finished, when each record last changed): a pass over the
+frontier and the records."""
 
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..store.base import FrontierStore
+    from ..store.base import FrontierStore, RunSummary, Sample
 
 #: Series -> colour.
 SERIES = {"pages done": "#2b7bb9", "pages failed": "#d62728", "repeats": "#ff7f0e",
@@ -21,14 +27,62 @@ SERIES = {"pages done": "#2b7bb9", "pages failed": "#d62728", "repeats": "#ff7f0
 _PAGE = 1000
 _WIDTH, _HEIGHT, _LEFT, _BOTTOM, _TOP, _RIGHT = 900, 360, 60, 40, 20, 20
 
+#: Per series: minute (unix seconds // 60) -> events in that minute.
+Series = dict[str, Counter[int]]
 
-def per_minute(store: FrontierStore) -> tuple[int | None, dict[str, Counter[int]]]:
-    """The latest run's id and, per series, events per minute (minute: unix seconds // 60)."""
+
+def per_minute(store: FrontierStore) -> tuple[int | None, Series]:
+    """The latest run's id and, per series, events per minute (minute: unix seconds // 60):
+    from the run's samples when it has any, else counted from the stored rows."""
     runs = store.runs()
-    run_id = runs[-1].run_id if runs else None
-    series: dict[str, Counter[int]] = {name: Counter() for name in SERIES}
+    if not runs:
+        return None, {name: Counter() for name in SERIES}
+    run = runs[-1]
+    samples = store.samples(run.run_id)
+    if samples:
+        return run.run_id, from_samples(run, samples)
+    return run.run_id, from_rows(store, run.run_id)
+
+
+def _repeats(s: Sample | None) -> int:
+    """Leases started and neither completed nor in flight (reclaimed from expired or dead
+    workers, given back at a close): each is started again, a repeat."""
+    if s is None:
+        return 0
+    return s.leased - s.done - s.failed - s.redirected - s.in_flight
+
+
+def from_samples(run: RunSummary, samples: list[Sample]) -> Series:
+    """Each interval's growth of the counters, spread evenly over the minutes the interval
+    ends in (the run's counters are 0 when the run starts)."""
+    series: Series = {name: Counter() for name in SERIES}
+    before: Sample | None = None
+    since = run.started_at
+    for name in SERIES:
+        series[name][int(since // 60)] += 0
+    for sample in samples:
+        first, last = int(since // 60), int(sample.at // 60)
+        minutes = range(first + 1, last + 1) if last > first else range(last, last + 1)
+        growth = {
+            "pages done": sample.done - (before.done if before else 0),
+            "pages failed": sample.failed - (before.failed if before else 0),
+            "records changed": sample.records_inserted + sample.records_updated
+            - (before.records_inserted + before.records_updated if before else 0),
+            "repeats": max(0, _repeats(sample) - _repeats(before)),
+        }
+        for name, n in growth.items():
+            share, rest = divmod(max(0, n), len(minutes))
+            for i, minute in enumerate(minutes):
+                series[name][minute] += share + (1 if i < rest else 0)
+        before, since = sample, max(since, sample.at)
+    return series
+
+
+def from_rows(store: FrontierStore, run_id: int) -> Series:
+    """Counted from when each request of the run finished and each record last changed."""
+    series: Series = {name: Counter() for name in SERIES}
     after: str | None = None
-    while run_id is not None:
+    while True:
         entries = store.entries(after=after, limit=_PAGE)
         if not entries:
             break
@@ -44,17 +98,17 @@ def per_minute(store: FrontierStore) -> tuple[int | None, dict[str, Counter[int]
                 series["repeats"][minute] += 1
         after = entries[-1].key
     after = None
-    while run_id is not None:
+    while True:
         records = store.records_page(after=after, limit=_PAGE, changed_since_run=run_id)
         if not records:
             break
         for record in records:
             series["records changed"][int(record.last_changed // 60)] += 1
         after = records[-1].record_id
-    return run_id, series
+    return series
 
 
-def render(run_id: int | None, series: dict[str, Counter[int]], title: str) -> str:
+def render(run_id: int | None, series: Series, title: str) -> str:
     """The HTML page of :func:`per_minute`'s figures."""
     minutes = [m for counts in series.values() for m in counts]
     first, last = (min(minutes), max(minutes)) if minutes else (0, 0)

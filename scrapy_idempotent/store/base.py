@@ -52,6 +52,7 @@ from .reads import (
     FrontierEntry,
     IntegrityReport,
     LeaseHolder,
+    OutboxBacklog,
     OutboxRow,
     RejectedItem,
     RejectsRetried,
@@ -60,6 +61,7 @@ from .reads import (
     RetriedFailed,
     RunRecord,
     RunSummary,
+    Sample,
     SchemaInfo,
     SessionInfo,
     StoredRecord,
@@ -79,6 +81,7 @@ __all__ = [
     "LeaseHolder",
     "LeasedRequest",
     "NewRequest",
+    "OutboxBacklog",
     "OutboxEntry",
     "OutboxOutcome",
     "OutboxRow",
@@ -95,6 +98,7 @@ __all__ = [
     "RunMode",
     "RunRecord",
     "RunSummary",
+    "Sample",
     "SchemaInfo",
     "SessionInfo",
     "StoredRecord",
@@ -522,6 +526,11 @@ class FrontierStore(ABC):
     def outbox_counts(self) -> dict[str, dict[str, int]]:
         """Outbox entries by target, then by state value (every state, zero included)."""
 
+    def outbox_backlog(self) -> dict[str, OutboxBacklog]:
+        """Pending outbox entries by target: how many, and when the oldest was written
+        (targets with none are left out)."""
+        return {}
+
     @abstractmethod
     def outbox_entries(self, *, after: int | None = None, limit: int = 1000) -> list[OutboxRow]:
         """Outbox entries in the order they were written, the first ``limit`` after entry
@@ -657,7 +666,7 @@ class FrontierStore(ABC):
     # -- moving a crawl to another database (``scrapy idempotent migrate``) -----------------
     #: The tables :meth:`dump` yields, in the order :meth:`load` takes them.
     DUMP_TABLES = ("meta", "runs", "sessions", "requests", "records", "rejects", "feeds",
-                   "responses", "outbox")
+                   "responses", "outbox", "samples")
 
     def dump(self, batch: int = 1000) -> Iterator[tuple[str, list[dict[str, object]]]]:
         """Every row of the crawl, as ``(table, rows)`` batches of at most ``batch`` rows in
@@ -692,7 +701,23 @@ class FrontierStore(ABC):
             read_at=time.time(), requests=counts, records=records, runs=tuple(self.runs()),
             failures=self.failure_counts(), summary=self.request_summary(),
             leases=tuple(self.lease_holders()), live_workers=tuple(self.live_workers()),
-            outbox=self.outbox_counts())
+            outbox=self.outbox_counts(), outbox_backlog=self.outbox_backlog(),
+            heartbeats=self.heartbeats())
+
+    def heartbeats(self) -> dict[str, float]:
+        """Each live worker's latest heartbeat (unix seconds), for a store whose sessions
+        beat one (PostgreSQL); empty for one without (SQLite: liveness is the pid)."""
+        return {}
+
+    def record_sample(self, interval: float, *, final: bool = False) -> bool:
+        """Store the current run's counters as its sample of the slot of ``interval``
+        seconds that now falls in, unless a worker stored that slot's already (with
+        ``final``, replace it: the run's last figures). True when written."""
+        return False
+
+    def samples(self, run_id: int) -> list[Sample]:
+        """The samples of run ``run_id`` (:meth:`record_sample`), oldest first."""
+        return []
 
     def live_workers(self) -> list[str]:
         """The workers whose sessions still run (not ended, and not known dead): a crawl of

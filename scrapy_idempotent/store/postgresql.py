@@ -85,7 +85,7 @@ __all__ = ["MIN_SERVER_VERSION", "SCHEMA_VERSION", "PostgreSQLStore", "check_ser
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 #: The oldest PostgreSQL server the store works with (``server_version_num``).
 MIN_SERVER_VERSION = 140000
 APPLICATION = "scrapy_idempotent"
@@ -246,6 +246,33 @@ _MIGRATIONS: list[list[str]] = [
         # outbox key: every change has its own key, a change back to earlier content too.
         "ALTER TABLE records ADD COLUMN version bigint NOT NULL DEFAULT 1",
     ],
+    [
+        # Session counters for monitoring, in the transactions that do the work: records
+        # refused as stale, leases taken back from expired or dead workers, completions
+        # refused because their lease was lost.
+        "ALTER TABLE sessions ADD COLUMN records_stale bigint NOT NULL DEFAULT 0",
+        "ALTER TABLE sessions ADD COLUMN leases_reclaimed bigint NOT NULL DEFAULT 0",
+        "ALTER TABLE sessions ADD COLUMN leases_lost bigint NOT NULL DEFAULT 0",
+        # The run's progress over time: its counters as they were, one row per slot of
+        # IDEMPOTENT_SAMPLE_SECONDS, written by the first worker to reach the slot.
+        """CREATE TABLE samples (
+            run_id bigint NOT NULL,
+            slot bigint NOT NULL,
+            at double precision NOT NULL,
+            leased bigint NOT NULL,
+            done bigint NOT NULL,
+            failed bigint NOT NULL,
+            redirected bigint NOT NULL,
+            records_inserted bigint NOT NULL,
+            records_updated bigint NOT NULL,
+            records_unchanged bigint NOT NULL,
+            records_stale bigint NOT NULL,
+            leases_reclaimed bigint NOT NULL,
+            leases_lost bigint NOT NULL,
+            in_flight bigint NOT NULL,
+            PRIMARY KEY (run_id, slot)
+        )""",
+    ],
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -258,10 +285,13 @@ _TABLES[2] = _TABLES[1]
 _TABLES[3] = _TABLES[2] | {"outbox"}
 _TABLES[4] = _TABLES[3]
 _TABLES[5] = _TABLES[4]
+_TABLES[6] = _TABLES[5] | {"samples"}
 assert set(_TABLES) == set(range(1, SCHEMA_VERSION + 1))
 
 _COUNTERS = ("leased", "done", "failed", "redirected", "records_inserted", "records_updated",
-             "records_unchanged")
+             "records_unchanged", "records_stale", "leases_lost")
+#: every counter of a session (the leases it reclaimed are counted apart from page commits)
+_ALL_COUNTERS = (*_COUNTERS, "leases_reclaimed")
 #: The columns :meth:`PostgreSQLStore.load` copies, per table (as the SQLite store names them).
 _LOADED: dict[str, tuple[str, ...]] = {
     "requests": ("id", "key", "fingerprint", "url", "priority", "is_start", "fifo", "state",
@@ -278,6 +308,9 @@ _LOADED: dict[str, tuple[str, ...]] = {
     "outbox": ("id", "target", "idempotency_key", "kind", "record_id", "content_hash",
                "item_type", "source", "natural_key", "data", "run_id", "created_at", "state",
                "attempts", "due_at", "settled_at", "detail"),
+    "samples": ("run_id", "slot", "at", "leased", "done", "failed", "redirected",
+                "records_inserted", "records_updated", "records_unchanged", "records_stale",
+                "leases_reclaimed", "leases_lost", "in_flight"),
 }
 #: Page commits that add requests send at most one notification per this many seconds.
 NOTIFY_INTERVAL_SECONDS = 0.25
@@ -1179,7 +1212,8 @@ class PostgreSQLStore(SqlStore):
         done = result.completed
         deltas = (started, done.get("done", 0),
                   done.get("failed", 0) + len(result.quarantined), done.get("redirected", 0),
-                  result.records_inserted, result.records_updated, result.records_unchanged)
+                  result.records_inserted, result.records_updated, result.records_unchanged,
+                  result.records_stale, result.leases_lost)
         cur.execute(
             "UPDATE sessions SET " + ", ".join(f"{c} = {c} + %s" for c in _COUNTERS)
             + ", last_commit = %s WHERE session_id = %s",
@@ -1304,10 +1338,16 @@ class PostgreSQLStore(SqlStore):
                 " WHERE state = 'leased' AND (leased_until < %s OR"
                 f" (worker IN ({_DEAD_WORKERS}) AND worker IS DISTINCT FROM %s))",
                 (now, dead_before, self._worker))
-            reclaimed = cur.rowcount
+            reclaimed: int = cur.rowcount
             if reclaimed:
                 self._notify(cur, force=True)
+                self._count_reclaimed(cur, reclaimed)
             return reclaimed
+
+    def _count_reclaimed(self, cur: Any, reclaimed: int) -> None:
+        if reclaimed and self.session_id is not None:
+            cur.execute("UPDATE sessions SET leases_reclaimed = leases_reclaimed + %s"
+                        " WHERE session_id = %s", (reclaimed, self.session_id))
 
     # -- the outbox --------------------------------------------------------------------------
 
@@ -1315,6 +1355,13 @@ class PostgreSQLStore(SqlStore):
         """PostgreSQL's autovacuum gives the space of dead rows back for reuse (tuned on the
         high-churn tables at creation); nothing to do here: 0."""
         return 0
+
+    COUNTER_TABLE = "sessions"
+
+    def heartbeats(self) -> dict[str, float]:
+        return {w: float(at) for w, at in self._read(
+            "SELECT worker, max(heartbeat_at) FROM sessions WHERE ended_at IS NULL"
+            " GROUP BY worker ORDER BY worker")}
 
     def live_workers(self) -> list[str]:
         """Sessions not ended whose heartbeat is within the liveness bound (any host)."""
@@ -1379,8 +1426,9 @@ class PostgreSQLStore(SqlStore):
                          f"{', '.join(found)}): name one with ?schema=NAME")
 
     def runs(self) -> list[RunSummary]:
-        sums = ", ".join(f"coalesce(sum(s.{c}), 0)::bigint AS {c}" for c in _COUNTERS)
-        return [RunSummary(*row) for row in self._read(
+        sums = ", ".join(f"coalesce(sum(s.{c}), 0)::bigint AS {c}" for c in _ALL_COUNTERS)
+        names = ("run_id", "started_at", "finished_at", "reason", *_ALL_COUNTERS, "rejects")
+        return [RunSummary(**dict(zip(names, row, strict=True))) for row in self._read(
             f"SELECT r.run_id, r.started_at, r.finished_at, r.reason, {sums},"
             " (SELECT count(*) FROM rejects j WHERE j.run_id = r.run_id) AS rejects"
             " FROM runs r LEFT JOIN sessions s ON s.run_id = r.run_id"
@@ -1437,10 +1485,10 @@ class PostgreSQLStore(SqlStore):
                         " greatest((SELECT max(seen_seq) FROM records), 1))")
             cur.executemany(
                 "INSERT INTO sessions (run_id, worker, started_at, ended_at, reason,"
-                " heartbeat_at, " + ", ".join(_COUNTERS) + ") VALUES (%s, 'migrated', %s, %s,"
-                " 'migrated', %s, " + ", ".join("%s" for _ in _COUNTERS) + ")",
+                " heartbeat_at, " + ", ".join(_ALL_COUNTERS) + ") VALUES (%s, 'migrated', %s,"
+                " %s, 'migrated', %s, " + ", ".join("%s" for _ in _ALL_COUNTERS) + ")",
                 [(r["run_id"], r["started_at"], r["finished_at"] or r["started_at"],
-                  r["started_at"], *(r.get(c) or 0 for c in _COUNTERS)) for r in runs])
+                  r["started_at"], *(r.get(c) or 0 for c in _ALL_COUNTERS)) for r in runs])
         return written
 
     @staticmethod

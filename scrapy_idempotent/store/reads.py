@@ -9,7 +9,7 @@ the operator commands must still show it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = [
     "CrawlMetrics",
@@ -18,6 +18,7 @@ __all__ = [
     "FrontierEntry",
     "IntegrityReport",
     "LeaseHolder",
+    "OutboxBacklog",
     "OutboxRow",
     "RejectedItem",
     "RejectsRetried",
@@ -26,6 +27,7 @@ __all__ = [
     "RetriedFailed",
     "RunRecord",
     "RunSummary",
+    "Sample",
     "SchemaInfo",
     "SessionInfo",
     "StoredRecord",
@@ -102,6 +104,9 @@ class RunSummary:
     records_updated: int
     records_unchanged: int
     rejects: int  #: items kept in the rejects table during the run
+    records_stale: int = 0  #: records refused: the stored one was observed later
+    leases_reclaimed: int = 0  #: leases taken back from expired or dead workers
+    leases_lost: int = 0  #: completions refused: their lease was another worker's by then
 
 
 @dataclass(frozen=True)
@@ -252,6 +257,34 @@ class LeaseHolder:
 
 
 @dataclass(frozen=True)
+class Sample:
+    """A run's counters as they were at ``at`` (:meth:`~.FrontierStore.samples`), one per
+    slot of ``IDEMPOTENT_SAMPLE_SECONDS``: cumulative over every worker of the run."""
+
+    run_id: int
+    at: float
+    leased: int
+    done: int
+    failed: int
+    redirected: int
+    records_inserted: int
+    records_updated: int
+    records_unchanged: int
+    records_stale: int
+    leases_reclaimed: int
+    leases_lost: int
+    in_flight: int  #: requests leased and started, not completed yet
+
+
+@dataclass(frozen=True)
+class OutboxBacklog:
+    """Outbox entries of one target waiting for delivery."""
+
+    entries: int  #: pending entries
+    oldest_at: float  #: when the oldest of them was written (unix seconds)
+
+
+@dataclass(frozen=True)
 class CrawlMetrics:
     """The crawl-wide figures of :meth:`~.FrontierStore.crawl_metrics`: what every worker
     (live, finished or killed) committed, read in one call. Times are unix seconds."""
@@ -265,3 +298,7 @@ class CrawlMetrics:
     leases: tuple[LeaseHolder, ...]  #: leases held, by worker
     live_workers: tuple[str, ...]  #: workers whose sessions still run
     outbox: dict[str, dict[str, int]]  #: target -> state -> entries
+    #: target -> its pending entries (targets with none are left out)
+    outbox_backlog: dict[str, OutboxBacklog] = field(default_factory=dict)
+    #: worker -> its latest heartbeat (unix seconds), for stores with heartbeats
+    heartbeats: dict[str, float] = field(default_factory=dict)

@@ -40,6 +40,7 @@ from .base import (
     FrontierStore,
     LeaseHolder,
     NewRequest,
+    OutboxBacklog,
     OutboxEntry,
     OutboxOutcome,
     OutboxRow,
@@ -52,6 +53,7 @@ from .base import (
     RequestSummary,
     RetriedFailed,
     RunRecord,
+    Sample,
     SessionInfo,
     StoredRecord,
     UnitOfWork,
@@ -84,6 +86,10 @@ _ENTRY = ("SELECT key, fingerprint, url, state, priority, is_start, data, parent
           " leased_until, attempts, unfinished, replays, enqueued_at, finished_at, error_kind,"
           " error_message, run_id FROM requests")
 _LAST_RUN = "SELECT run_id, finished_at FROM runs ORDER BY run_id DESC LIMIT 1"
+#: the run counters a progress sample keeps (:class:`~.Sample`)
+_SAMPLE_COUNTERS = ("leased", "done", "failed", "redirected", "records_inserted",
+                    "records_updated", "records_unchanged", "records_stale",
+                    "leases_reclaimed", "leases_lost")
 _PENDING_AGAIN = "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL"
 
 
@@ -166,6 +172,11 @@ class SqlStore(FrontierStore):
                number: int) -> None:
         """Add this transaction's work to the run's counters (same transaction); ``number``
         is the page commit's (see the PostgreSQL store)."""
+
+    @abstractmethod
+    def _count_reclaimed(self, cur: Any, reclaimed: int) -> None:
+        """Add ``reclaimed`` leases taken back from expired or dead workers to the run's
+        counters (same transaction)."""
 
     def _observation_offset(self) -> float:
         """Seconds added to a worker's observation time to put it on the store's clock."""
@@ -521,7 +532,9 @@ class SqlStore(FrontierStore):
         if not workers:
             return 0
         with self._write("releasing leases") as cur:
-            return self._release(cur, workers)
+            released = self._release(cur, workers)
+            self._count_reclaimed(cur, released)
+            return released
 
     def _release(self, cur: Any, workers: list[str]) -> int:
         where, param = self._any("worker", list(workers))
@@ -616,6 +629,50 @@ class SqlStore(FrontierStore):
             by_state = counts.setdefault(target, {s.value: 0 for s in OutboxState})
             by_state[state] = int(n)
         return counts
+
+    def outbox_backlog(self) -> dict[str, OutboxBacklog]:
+        # the pending entries only (the partial index's rows), whatever was delivered
+        return {target: OutboxBacklog(entries=int(n), oldest_at=float(oldest))
+                for target, n, oldest in self._crawl_select(
+                    "SELECT target, count(*), min(created_at) FROM outbox"
+                    " WHERE state = 'pending' GROUP BY target ORDER BY target")}
+
+    # -- progress samples -----------------------------------------------------------------
+
+    #: The table holding the run counters (SQLite: ``runs``; PostgreSQL: one row per session,
+    #: added up)
+    COUNTER_TABLE = "runs"
+
+    def record_sample(self, interval: float, *, final: bool = False) -> bool:
+        run_id = self.run_id
+        if run_id is None or interval <= 0:
+            return False
+        now = self.clock()
+        slot = int(now // interval)
+        columns = ", ".join(_SAMPLE_COUNTERS)
+        sums = ", ".join(f"coalesce(sum({c}), 0)" for c in _SAMPLE_COUNTERS)
+        conflict = ("DO UPDATE SET at = excluded.at, "
+                    + ", ".join(f"{c} = excluded.{c}" for c in (*_SAMPLE_COUNTERS, "in_flight"))
+                    if final else "DO NOTHING")
+        with self._write("storing a progress sample") as cur:
+            if not final and cur.execute(self._q(
+                    "SELECT 1 FROM samples WHERE run_id = ? AND slot = ?"),
+                    (run_id, slot)).fetchone():
+                return False  # another worker took this slot's sample
+            # one statement: the counters and the leases in flight as this transaction sees
+            cur.execute(self._q(
+                f"INSERT INTO samples (run_id, slot, at, {columns}, in_flight)"
+                f" SELECT ?, ?, ?, {sums}, (SELECT count(*) FROM requests"
+                "  WHERE state = 'leased' AND unfinished > 0)"
+                f" FROM {self.COUNTER_TABLE} WHERE run_id = ?"
+                f" ON CONFLICT (run_id, slot) {conflict}"), (run_id, slot, now, run_id))
+            written: int = cur.rowcount
+        return written > 0
+
+    def samples(self, run_id: int) -> list[Sample]:
+        return [Sample(run_id, *row) for row in self._select(
+            f"SELECT at, {', '.join(_SAMPLE_COUNTERS)}, in_flight FROM samples"
+            " WHERE run_id = ? ORDER BY slot", (run_id,))]
 
     # -- operator queries -----------------------------------------------------------------
     # For the ``scrapy idempotent`` commands; see the section of the same name in base.py.

@@ -43,7 +43,7 @@ __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 #: Schema migrations: ``_MIGRATIONS[n]`` brings version n to n + 1, one transaction each.
 _MIGRATIONS: list[list[str]] = [
@@ -206,6 +206,33 @@ _MIGRATIONS: list[list[str]] = [
         # outbox key: every change has its own key, a change back to earlier content too.
         """ALTER TABLE records ADD COLUMN version INTEGER NOT NULL DEFAULT 1""",
     ],
+    [
+        # Run counters for monitoring, in the transactions that do the work: records refused
+        # as stale, leases taken back from expired or dead workers, completions refused
+        # because their lease was lost.
+        """ALTER TABLE runs ADD COLUMN records_stale INTEGER NOT NULL DEFAULT 0""",
+        """ALTER TABLE runs ADD COLUMN leases_reclaimed INTEGER NOT NULL DEFAULT 0""",
+        """ALTER TABLE runs ADD COLUMN leases_lost INTEGER NOT NULL DEFAULT 0""",
+        # The run's progress over time: its counters as they were, one row per slot of
+        # IDEMPOTENT_SAMPLE_SECONDS, written by the first worker to reach the slot.
+        """CREATE TABLE samples (
+            run_id INTEGER NOT NULL,
+            slot INTEGER NOT NULL,
+            at REAL NOT NULL,
+            leased INTEGER NOT NULL,
+            done INTEGER NOT NULL,
+            failed INTEGER NOT NULL,
+            redirected INTEGER NOT NULL,
+            records_inserted INTEGER NOT NULL,
+            records_updated INTEGER NOT NULL,
+            records_unchanged INTEGER NOT NULL,
+            records_stale INTEGER NOT NULL,
+            leases_reclaimed INTEGER NOT NULL,
+            leases_lost INTEGER NOT NULL,
+            in_flight INTEGER NOT NULL,
+            PRIMARY KEY (run_id, slot)
+        )""",
+    ],
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -219,7 +246,8 @@ _TABLES: dict[int, frozenset[str]] = {1: _TABLES_1, 2: _TABLES_1 | {"feeds"},
                                       3: _TABLES_1 | {"feeds"}, 4: _TABLES_1 | {"feeds"},
                                       5: _TABLES_1 | {"feeds"},
                                       6: _TABLES_1 | {"feeds", "outbox"},
-                                      7: _TABLES_1 | {"feeds", "outbox"}}
+                                      7: _TABLES_1 | {"feeds", "outbox"},
+                                      8: _TABLES_1 | {"feeds", "outbox", "samples"}}
 assert set(_TABLES) == set(range(1, SCHEMA_VERSION + 1))
 #: Schema versions written before the application id was (files of those have none).
 _BEFORE_APPLICATION_ID = frozenset({1, 2, 3})
@@ -784,15 +812,23 @@ class SQLiteStore(SqlStore):
             started, done.get("done", 0),
             done.get("failed", 0) + len(result.quarantined), done.get("redirected", 0),
             result.records_inserted, result.records_updated, result.records_unchanged,
+            result.records_stale, result.leases_lost,
         )
         if any(deltas):
             cur.execute(
                 "UPDATE runs SET leased = leased + ?, done = done + ?, failed = failed + ?,"
                 " redirected = redirected + ?, records_inserted = records_inserted + ?,"
                 " records_updated = records_updated + ?,"
-                " records_unchanged = records_unchanged + ? WHERE run_id = ?",
+                " records_unchanged = records_unchanged + ?,"
+                " records_stale = records_stale + ?, leases_lost = leases_lost + ?"
+                " WHERE run_id = ?",
                 (*deltas, run_id),
             )
+
+    def _count_reclaimed(self, cur: Any, reclaimed: int) -> None:
+        if reclaimed and self.run_id is not None:
+            cur.execute("UPDATE runs SET leases_reclaimed = leases_reclaimed + ?"
+                        " WHERE run_id = ?", (reclaimed, self.run_id))
 
     # -- leases -----------------------------------------------------------------------------
 
@@ -815,7 +851,9 @@ class SQLiteStore(SqlStore):
                 " WHERE state = 'leased' AND leased_until < ?",
                 (self.clock(),),
             )
-            return cur.rowcount
+            reclaimed: int = cur.rowcount
+            self._count_reclaimed(cur, reclaimed)
+            return reclaimed
 
     # -- operator queries -------------------------------------------------------------------
     # For the ``scrapy idempotent`` commands; see the section of the same name in base.py.
@@ -869,7 +907,8 @@ class SQLiteStore(SqlStore):
     def runs(self) -> list[RunSummary]:
         return [RunSummary(*row) for row in self.conn.execute(
             "SELECT run_id, started_at, finished_at, reason, leased, done, failed, redirected,"
-            " records_inserted, records_updated, records_unchanged, coalesce(j.rejects, 0)"
+            " records_inserted, records_updated, records_unchanged, coalesce(j.rejects, 0),"
+            " records_stale, leases_reclaimed, leases_lost"
             " FROM runs LEFT JOIN (SELECT run_id, count(*) AS rejects FROM rejects"
             " GROUP BY run_id) AS j USING (run_id) ORDER BY run_id")]
 
@@ -877,7 +916,7 @@ class SQLiteStore(SqlStore):
         # keyset paging on each table's key: one statement per batch
         keys = {"meta": "key", "runs": "run_id", "sessions": "session_id", "requests": "id",
                 "records": "record_id", "rejects": "id", "feeds": "rowid",
-                "responses": "key", "outbox": "id"}
+                "responses": "key", "outbox": "id", "samples": "rowid"}
         for table in self.DUMP_TABLES:
             key = keys[table]
             after: object = None
