@@ -361,9 +361,9 @@ class InflightTracker:
         (parent.children if parent is not None else self.unattributed.requests).append(new)
 
     def handed_out(self, leased: LeasedRequest, request: Request) -> InflightRequest:
-        """``request`` (loaded from ``leased``) goes to the engine. The attempt counts from
-        now: it is written with the next transaction, before its response goes on to its
-        callback (see ``writes_durable``)."""
+        """``request`` (loaded from ``leased``) goes to the engine. Its claim counted the
+        attempt; the start (an unfinished lease) is written with the next transaction,
+        before its response goes on to its callback (see ``writes_durable``)."""
         entry = InflightRequest(key=leased.key, fingerprint=leased.fingerprint,
                                 priority=leased.priority, attempts=leased.attempts,
                                 request=request, suspect=leased.suspect,

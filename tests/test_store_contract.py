@@ -896,7 +896,8 @@ def test_quarantine_leaves_other_requests_claimable(make_store):
 
 def test_claimed_but_never_started_leases_do_not_count_towards_quarantine(make_store):
     """A worker that dies with a batch of claimed requests it had not started yet: only what
-    it started is a suspect."""
+    it started is a suspect. Each claim still counts an attempt (the store cannot tell a
+    request claimed ahead from one whose download was under way)."""
     store, _ = open_store(make_store, "w1", max_attempts=2)
     enqueue(store, req("bystander"), req("poison", priority=9))
     for _ in range(2):
@@ -905,9 +906,41 @@ def test_claimed_but_never_started_leases_do_not_count_towards_quarantine(make_s
         store.commit(UnitOfWork(started=["poison"]), "w1")  # started poison, then died
         store.release_leases(["w1"])
     result = store.commit(UnitOfWork(claim=2), "w1")
-    assert [(r.key, r.attempts) for r in result.leased] == [("bystander", 1)]
+    assert [(r.key, r.attempts, r.suspect) for r in result.leased] == [("bystander", 3, False)]
     assert [(e.key, e.state, e.attempts, e.unfinished) for e in entries(store)] == [
-        ("bystander", "leased", 0, 0), ("poison", "failed", 2, 0)]
+        ("bystander", "leased", 3, 0), ("poison", "failed", 2, 0)]
+
+
+def test_a_lease_lost_before_its_start_was_written_counts_as_an_attempt(make_store):
+    """A worker killed while downloading, before the transaction writing the attempt's start:
+    the claim counted the attempt, so the download its successor makes again is a repeat
+    (attempts and repeats are upper bounds of what the site saw)."""
+    store, _ = open_store(make_store, "w1")
+    enqueue(store, req("a"))
+    (leased,) = store.commit(UnitOfWork(claim=1), "w1").leased  # handed out, then killed
+    assert leased.attempts == 1
+    assert store.release_leases(["w1"]) == 1  # its dead worker's leases taken back
+    (again,) = claim(store, 1, worker="w2")
+    assert (again.attempts, again.downloads, again.suspect) == (2, 1, False)
+    complete(store, "a", worker="w2")
+    summary = store.request_summary()
+    assert (summary.leases, summary.repeated, summary.downloads,
+            summary.downloaded_again) == (2, 1, 2, 1)
+    assert [r.key for r in store.repeated_requests(10)] == ["a"]
+    assert [r.leased for r in store.runs()] == [2]
+
+
+def test_leases_put_back_never_started_count_no_attempt(make_store):
+    """Claimed ahead and given back, or released unstarted at a clean stop: not on the wire."""
+    store, _ = open_store(make_store, "w1")
+    enqueue(store, req("a"), req("b"), req("c"))
+    assert [r.key for r in store.commit(UnitOfWork(claim=3), "w1").leased] == ["c", "b", "a"]
+    store.commit(UnitOfWork(started=["c"], give_back=["b"]), "w1")
+    assert store.end_session("w1", "shutdown", ["c"]) == 2  # c in flight, a claimed ahead
+    assert [(e.key, e.state, e.attempts, e.unfinished) for e in entries(store)] == [
+        ("a", "pending", 0, 0), ("b", "pending", 0, 0), ("c", "pending", 1, 0)]
+    assert store.request_summary().leases == 1
+    assert [r.leased for r in store.runs()] == [1]
 
 
 def test_a_completed_attempt_resets_the_unfinished_count(make_store):

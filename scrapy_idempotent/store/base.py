@@ -187,8 +187,10 @@ class NewRequest:
 
 @dataclass(frozen=True)
 class LeasedRequest:
-    """A request claimed by a worker. ``attempts`` counts the times it was started, this
-    lease included (1 for a first attempt)."""
+    """A request claimed by a worker. ``attempts`` counts the times it was claimed, this
+    lease included (1 for a first attempt): the claim is written before the request goes to
+    the downloader, so a download under way when a worker died counts; a claim given back
+    unstarted is taken back."""
 
     key: str
     fingerprint: str
@@ -316,7 +318,8 @@ class Reject:
 class UnitOfWork:
     """Everything one transaction writes. ``claim`` asks for that many new leases;
     ``started`` lists leased requests the worker has handed to the engine since the last
-    transaction (each counts one attempt, and one unfinished lease until it completes)."""
+    transaction (each counts one unfinished lease until it completes; its claim counted the
+    attempt)."""
 
     requests: list[NewRequest] = field(default_factory=list)
     #: (record, key of the request that produced it)

@@ -1020,17 +1020,16 @@ class PostgreSQLStore(SqlStore):
         self._stop_heartbeat()
         now = self.clock()
         with self._write("closing") as cur:
-            if inflight:
-                cur.execute(
-                    "UPDATE requests SET unfinished = unfinished - 1 WHERE key = ANY(%s)"
-                    " AND state = 'leased' AND worker = %s AND unfinished > 0",
-                    (list(inflight), worker))
             finishing = reason == "finished" and finish_run and self.run_id is not None
             if finishing:
                 # first, before any row lock: waits for the page commits in progress (they
                 # hold ROW EXCLUSIVE), so a child request another worker is inserting right
                 # now is seen; and closes of other workers wait for this one
                 cur.execute("LOCK TABLE requests IN SHARE ROW EXCLUSIVE MODE")
+            unstarted = self._stopping(cur, worker, inflight)
+            if unstarted and self.session_id is not None:
+                cur.execute("UPDATE sessions SET leased = leased - %s WHERE session_id = %s",
+                            (unstarted, self.session_id))
             released = self._release(cur, [worker])
             cur.execute("UPDATE sessions SET ended_at = %s, reason = %s"
                         " WHERE worker = %s AND ended_at IS NULL", (now, reason, worker))
@@ -1159,7 +1158,8 @@ class PostgreSQLStore(SqlStore):
         rows: list[Any] = cur.execute(
             "WITH head AS (SELECT id FROM requests WHERE state = 'pending'"
             f" ORDER BY {QUEUE_ORDER} LIMIT %s FOR UPDATE SKIP LOCKED)"
-            " UPDATE requests r SET state = 'leased', worker = %s, leased_until = %s"
+            " UPDATE requests r SET state = 'leased', worker = %s, leased_until = %s,"
+            " attempts = r.attempts + 1"
             " FROM head WHERE r.id = head.id RETURNING "
             + ", ".join(f"r.{column}" for column in CLAIMED_COLUMNS),
             (count, worker, until)).fetchall()
@@ -1202,7 +1202,7 @@ class PostgreSQLStore(SqlStore):
             (count,)).fetchone() or (None, [])
         return newest, list(seqs)
 
-    def _count(self, cur: Any, result: CommitResult, run_id: int, started: int,
+    def _count(self, cur: Any, result: CommitResult, run_id: int, leased: int,
                number: int) -> None:
         """Add this transaction's work to this session's counters, and record its number
         (same transaction, one statement: one row per worker, so workers never wait on
@@ -1210,7 +1210,7 @@ class PostgreSQLStore(SqlStore):
         if self.session_id is None:
             return
         done = result.completed
-        deltas = (started, done.get("done", 0),
+        deltas = (leased, done.get("done", 0),
                   done.get("failed", 0) + len(result.quarantined), done.get("redirected", 0),
                   result.records_inserted, result.records_updated, result.records_unchanged,
                   result.records_stale, result.leases_lost)

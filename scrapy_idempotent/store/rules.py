@@ -123,7 +123,7 @@ class ClaimedRow(NamedTuple):
     data: str
     priority: int
     is_start: Any  #: a boolean (SQLite gives 0 or 1)
-    attempts: int
+    attempts: int  #: this claim's included (a claim counts the attempt)
     unfinished: int
     url: str
     replays: int
@@ -162,8 +162,8 @@ def split_claim(rows: Sequence[Sequence[Any]], max_attempts: int, leased_until: 
     suspect_at = isolate_after(max_attempts)
     leased = [
         LeasedRequest(key=r.key, fingerprint=r.fingerprint, data=r.data, priority=r.priority,
-                      attempts=r.attempts + 1, suspect=r.unfinished >= suspect_at,
-                      downloads=r.attempts - r.replays, leased_until=leased_until,
+                      attempts=r.attempts, suspect=r.unfinished >= suspect_at,
+                      downloads=r.attempts - 1 - r.replays, leased_until=leased_until,
                       is_start=bool(r.is_start), rank=r.id if r.fifo else -r.id)
         for r in claimed if r.unfinished < max_attempts]
     return leased, [r for r in claimed if r.unfinished >= max_attempts]

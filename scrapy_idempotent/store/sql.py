@@ -168,10 +168,11 @@ class SqlStore(FrontierStore):
         run (the feeds' order), one per record in item order."""
 
     @abstractmethod
-    def _count(self, cur: Any, result: CommitResult, run_id: int, started: int,
+    def _count(self, cur: Any, result: CommitResult, run_id: int, leased: int,
                number: int) -> None:
-        """Add this transaction's work to the run's counters (same transaction); ``number``
-        is the page commit's (see the PostgreSQL store)."""
+        """Add this transaction's work to the run's counters (same transaction): ``leased``
+        the leases it took less those it gave back; ``number`` is the page commit's (see
+        the PostgreSQL store)."""
 
     @abstractmethod
     def _count_reclaimed(self, cur: Any, reclaimed: int) -> None:
@@ -228,20 +229,20 @@ class SqlStore(FrontierStore):
                 " stored_at = excluded.stored_at"),
                 [(key, data, body, now) for key, data, body in responses])
         started = [key for key in work.started if key not in lost]
-        self._leased_update(cur, "attempts = attempts + 1, unfinished = unfinished + 1",
-                            started, worker)
+        self._leased_update(cur, "unfinished = unfinished + 1", started, worker)
         self._leased_update(cur, "replays = replays + 1",
                             [key for key in work.replayed if key not in lost], worker)
         completing = self._complete(cur, work.completions, lost, worker, now)
-        self._leased_update(cur, "state = 'pending', worker = NULL, leased_until = NULL",
-                            work.give_back, worker)
+        # claimed ahead, never handed out: their claim's attempt is taken back
+        self._leased_update(cur, "state = 'pending', worker = NULL, leased_until = NULL,"
+                            " attempts = attempts - 1", work.give_back, worker)
         if work.claim:
             self._claim(cur, worker, work.claim, now, result)
         added = inserted[0]()  # the keys inserted; the others: inserted meanwhile elsewhere
         result.requests_added += added
         result.requests_duplicate += inserted[1] - added
         self._completed(completing, result)
-        self._count(cur, result, run_id, len(started), number)
+        self._count(cur, result, run_id, len(result.leased) - len(work.give_back), number)
         if (result.requests_added or result.requests_due_again
                 or result.completed.get(RequestState.PENDING.value)):
             self._notify(cur)
@@ -495,7 +496,8 @@ class SqlStore(FrontierStore):
         if over:
             cur.executemany(self._q(
                 "UPDATE requests SET state = 'failed', worker = NULL, leased_until = NULL,"
-                " unfinished = 0, finished_at = ?, error_kind = 'quarantined',"
+                " attempts = attempts - 1, unfinished = 0, finished_at = ?,"
+                " error_kind = 'quarantined',"
                 " error_message = ? WHERE key = ?"),
                 [(now, quarantine_message(r.unfinished), r.key) for r in over])
             result.quarantined.extend(r.url for r in over)
@@ -535,6 +537,21 @@ class SqlStore(FrontierStore):
             released = self._release(cur, workers)
             self._count_reclaimed(cur, released)
             return released
+
+    def _stopping(self, cur: Any, worker: str, inflight: Sequence[str]) -> int:
+        """Before a clean stop releases ``worker``'s leases: those in ``inflight`` (handed
+        out, unfinished) did not kill it, their unfinished count is taken back; the others
+        were claimed ahead and never handed out, their claim's attempt is taken back.
+        Returns how many were claimed ahead."""
+        where, param = self._any("key", list(inflight))
+        owned = " AND state = 'leased' AND worker = ?"
+        if inflight:
+            cur.execute(self._q(f"UPDATE requests SET unfinished = unfinished - 1 WHERE {where}"
+                                f"{owned} AND unfinished > 0"), (param, worker))
+        cur.execute(self._q(f"UPDATE requests SET attempts = attempts - 1 WHERE NOT ({where})"
+                            f"{owned} AND attempts > 0"), (param, worker))
+        unstarted: int = cur.rowcount
+        return unstarted
 
     def _release(self, cur: Any, workers: list[str]) -> int:
         where, param = self._any("worker", list(workers))

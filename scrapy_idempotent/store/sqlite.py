@@ -733,11 +733,10 @@ class SQLiteStore(SqlStore):
                     finish_run: bool = True) -> int:
         now = self.clock()
         with self._write() as cur:
-            cur.executemany(
-                "UPDATE requests SET unfinished = unfinished - 1"
-                " WHERE key = ? AND state = 'leased' AND worker = ? AND unfinished > 0",
-                [(key, worker) for key in inflight],
-            )
+            unstarted = self._stopping(cur, worker, inflight)
+            if unstarted and self.run_id is not None:
+                cur.execute("UPDATE runs SET leased = leased - ? WHERE run_id = ?",
+                            (unstarted, self.run_id))
             released = self._release(cur, [worker])
             cur.execute(
                 "UPDATE sessions SET ended_at = ?, reason = ? "
@@ -778,7 +777,8 @@ class SQLiteStore(SqlStore):
 
     def _claim_rows(self, cur: Any, worker: str, count: int, until: float) -> list[Any]:
         rows: list[Any] = cur.execute(
-            "UPDATE requests SET state = 'leased', worker = ?, leased_until = ?"
+            "UPDATE requests SET state = 'leased', worker = ?, leased_until = ?,"
+            " attempts = attempts + 1"
             " WHERE id IN (SELECT id FROM requests INDEXED BY requests_pending"
             f"  WHERE state = 'pending' ORDER BY {QUEUE_ORDER} LIMIT ?)"
             f" RETURNING {', '.join(CLAIMED_COLUMNS)}", (worker, until, count)).fetchall()
@@ -804,12 +804,12 @@ class SQLiteStore(SqlStore):
         cur.execute("UPDATE runs SET seen_seq = ? WHERE run_id = ?", (first + count, run_id))
         return newest, list(range(first + 1, first + count + 1))
 
-    def _count(self, cur: Any, result: CommitResult, run_id: int, started: int,
+    def _count(self, cur: Any, result: CommitResult, run_id: int, leased: int,
                number: int) -> None:
         """Add this transaction's work to the run's cumulative counters (same transaction)."""
         done = result.completed
         deltas = (
-            started, done.get("done", 0),
+            leased, done.get("done", 0),
             done.get("failed", 0) + len(result.quarantined), done.get("redirected", 0),
             result.records_inserted, result.records_updated, result.records_unchanged,
             result.records_stale, result.leases_lost,
