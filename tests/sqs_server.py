@@ -83,18 +83,30 @@ class SqsQueue:
                                             **extra)["MessageId"])
 
     def counts(self) -> tuple[int, int]:
-        """(visible, in flight) messages of the queue: those not deleted."""
+        """(visible, in flight) messages of the queue, as moto counts them at this moment:
+        exact only while no message's visibility timeout runs out (see :meth:`remaining`)."""
         attributes = self.client.get_queue_attributes(QueueUrl=self.url, AttributeNames=[
             "ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"])["Attributes"]
         return (int(attributes["ApproximateNumberOfMessages"]),
                 int(attributes["ApproximateNumberOfMessagesNotVisible"]))
 
-    def remaining(self) -> int:
-        """Messages not deleted (not acknowledged)."""
-        return sum(self.counts())
+    def remaining(self, timeout: float = 120) -> int:
+        """Messages not deleted (not acknowledged), with no consumer running (after a kill,
+        after a crawl). moto counts the visible messages, then those in flight, reading the
+        clock again for each message: a message whose visibility timeout runs out in
+        between is in neither count (a killed worker's messages all do, in the timeout
+        after the kill). So the count is taken once no message is in flight: then every
+        message is visible and stays so, and the count is exact."""
+        from crawling import wait_for
+
+        wait_for(lambda: self.counts()[1] == 0, timeout,
+                 "the messages in flight visible again (their visibility timeout run out)")
+        return self.counts()[0]
 
     def all_acknowledged(self) -> bool:
-        return self.remaining() == 0
+        """Every message deleted (no consumer running): none counted now, nor once none is
+        in flight (:meth:`remaining`)."""
+        return self.counts() == (0, 0) and self.remaining() == 0
 
     def receive_all(self, url: str) -> list[dict[str, Any]]:
         """Every message of another queue (the parked one, the dead-letter one)."""

@@ -44,10 +44,14 @@ class DeleteProbe:
     """Wraps the SQS input's boto3 client (the real one) and checks at every delete that the
     page each deleted message asked for is committed in a final state."""
 
-    def __init__(self, crawler: Any, db_path: Path) -> None:
+    def __init__(self, crawler: Any, db_path: Path, redeliver: bool = False) -> None:
         self.crawler, self.db_path = crawler, db_path
         self.problems: list[str] = []
         self.deleted = 0
+        #: make each message visible again at its first receipt (its timeout run out before
+        #: any extension): it is received a second time while its request is in progress
+        self.redeliver = redeliver
+        self.receipts: dict[str, int] = {}  #: message id -> times received
         crawler.signals.connect(self.spider_opened, signal=scrapy_signals.spider_opened)
 
     def spider_opened(self) -> None:
@@ -59,6 +63,17 @@ class DeleteProbe:
         class CheckedClient:
             def __getattr__(self, name: str) -> Any:
                 return getattr(client, name)
+
+            def receive_message(self, **kwargs: Any) -> Any:
+                reply = client.receive_message(**kwargs)
+                for message in reply.get("Messages", []):
+                    message_id = message["MessageId"]
+                    probe.receipts[message_id] = probe.receipts.get(message_id, 0) + 1
+                    if probe.redeliver and probe.receipts[message_id] == 1:
+                        client.change_message_visibility(
+                            QueueUrl=kwargs["QueueUrl"], ReceiptHandle=message["ReceiptHandle"],
+                            VisibilityTimeout=0)
+                return reply
 
             def delete_message_batch(self, QueueUrl: str, Entries: Any) -> Any:
                 bodies = {h: broker._bodies.get(i, "") for i, h in broker._handles.items()}
@@ -106,6 +121,72 @@ async def test_messages_become_requests_deleted_after_their_commit(
     assert queue.all_acknowledged()
     assert stats["idempotent/queue/received"] == 6
     assert stats["idempotent/queue/acknowledged"] == 6
+
+
+@deferred_f_from_coro_f
+async def test_a_message_received_again_while_held_is_taken_once_and_deleted_after_commit(
+        sqs_server: SqsServer, db_path: Path) -> None:  # noqa: F811
+    """Every message is made visible again at its first receipt, as when its visibility
+    timeout runs out before the worker extends it: it is received a second time (in the same
+    take, or at the next poll) while its request is only buffered or in progress. The second
+    receipt is the same held message: taken once, not counted as taken over from another
+    consumer, and deleted (with its latest receipt handle) only after its page's commit."""
+    queue = SqsQueue(sqs_server)
+    with LocalSite() as shop:
+        for number in range(1, 26):
+            queue.push(product_body(shop, number))
+        crawler = get_crawler(QueueSpider, sqs_settings(
+            db_path, queue, IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=1))
+        probe = DeleteProbe(crawler, db_path, redeliver=True)
+        await crawl_to_end(crawler)
+        requests = shop.counts_by_path()
+    stats = crawler.stats.get_stats()
+    assert stats["finish_reason"] == "finished"
+    assert min(probe.receipts.values()) >= 2, probe.receipts  # each received again
+    assert probe.problems == []
+    assert probe.deleted == 25
+    assert stats["idempotent/queue/received"] == 25
+    assert stats.get("idempotent/queue/claimed", 0) == 0  # nobody else's
+    assert stats["idempotent/queue/acknowledged"] == 25
+    assert set(requests.values()) == {1}
+    assert frontier_counts(db_path) == {"done": 25}
+    assert len(stored_products(db_path)) == 25
+    assert queue.all_acknowledged()
+
+
+def test_the_broker_count_is_exact_while_a_visibility_timeout_runs_out(
+        sqs_server: SqsServer, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """How the kill tests count at the broker. moto counts the visible messages, then those
+    in flight, reading the clock anew for each message: a message whose visibility timeout
+    runs out between the two readings is in neither count, so right after a kill (the
+    killed worker's timeouts running out) a queue may show one message fewer than it holds,
+    with none deleted. Here moto's clock passes the message's timeout just after the first
+    reading of every count: the count of :meth:`SqsQueue.remaining` is still exact."""
+    import moto.sqs.models
+    from moto.core import DEFAULT_ACCOUNT_ID
+
+    queue = SqsQueue(sqs_server)
+    queue.push("https://example.com/1")
+    client = sqs_server.client()
+    (received,) = client.receive_message(QueueUrl=queue.url, VisibilityTimeout=30)["Messages"]
+    (held,) = [m for m in moto.sqs.models.sqs_backends[DEFAULT_ACCOUNT_ID]["us-east-1"]
+               .queues[queue.name]._messages if m.id == received["MessageId"]]
+    now = [0.0]
+
+    def clock() -> float:  # moto's clock (milliseconds): a millisecond later at each reading
+        now[0] += 1.0
+        return now[0]
+
+    monkeypatch.setattr(moto.sqs.models, "unix_time_millis", clock)
+    missed = []  # the instants (before the timeout) at which moto's counts miss the message
+    for before in range(60):
+        now[0] = held.visible_at - before
+        if sum(queue.counts()) == 0:
+            missed.append(before)
+    assert missed  # moto's own counts: at some instant, the message is in neither
+    for before in missed:
+        now[0] = held.visible_at - before
+        assert queue.remaining() == 1
 
 
 @deferred_f_from_coro_f

@@ -122,19 +122,28 @@ class SqsBroker(QueueBroker):
         try:
             self._open()
             wait = int(self.config.wait_seconds)
+            held = set(known)  # held already, or taken by this call
             while read and room > 0:
+                if wait == 0:
+                    # the receives before may have taken longer than a third of the timeout
+                    self.extend(sorted(held))
                 reply = self.client.receive_message(
                     QueueUrl=self.queue_url, MaxNumberOfMessages=min(_BATCH, room),
                     WaitTimeSeconds=wait, VisibilityTimeout=self.visibility,
                     MessageSystemAttributeNames=["ApproximateReceiveCount", "MessageGroupId"])
                 messages = reply.get("Messages", [])
                 now = time.monotonic()
+                new = 0
                 for message in messages:
                     message_id = message["MessageId"]
+                    # the latest receipt's handle: the one that deletes it
                     self._handles[message_id] = message["ReceiptHandle"]
                     self._extended_at[message_id] = now
-                    if message_id in known:
-                        continue  # received again while held (its timeout ran out): held
+                    if message_id in held:
+                        # received again while this worker holds it (its timeout ran out
+                        # before an extension): still this worker's, taken once
+                        continue
+                    held.add(message_id)
                     body = message.get("Body", "")
                     self._bodies[message_id] = body
                     attributes = message.get("Attributes", {})
@@ -144,8 +153,9 @@ class SqsBroker(QueueBroker):
                         taken.claimed += 1  # a dead (or too slow) consumer's, delivered again
                     taken.entries.append((message_id, fields_from_body(body)))
                     room -= 1
-                if len(messages) < _BATCH:
-                    break
+                    new += 1
+                if len(messages) < _BATCH or not new:
+                    break  # no more for now (or only those held again)
                 wait = 0  # more at once: no waiting for the rest
         except Exception as exc:
             taken.error = exc
