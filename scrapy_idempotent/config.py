@@ -312,12 +312,14 @@ for ever on a wrong URL or a lost server.""",
         "IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS", 300.0, "float, seconds", "Queue input", "900",
         allowed='1 to 604800 (a week)',
         doc="""
-A message delivered to a consumer and not acknowledged for this long is
+A message pending this long with a consumer that no longer keeps it is
 delivered again to another worker (``XAUTOCLAIM``): the recovery for a worker on another host
-that died. A dead worker of the same host is noticed at once (its process is gone) and its
-messages are taken over at the next poll. Set it above the time a page takes, including its
-queue wait: taking over a live worker's message is harmless (its request is one frontier
-entry), only wasted work.
+that died. A live worker keeps the messages whose requests are in progress, however long
+their pages or their wait in the frontier take: it resets their idle time (``XCLAIM`` to
+itself) once they reach a third of this. A dead worker of the same host is noticed at once
+(its process is gone) and its messages are taken over at the next poll. Set it above the
+longest a worker may stall (its process stopped, Redis unreachable from it): taking over a
+live worker's message is harmless (its request is one frontier entry), only wasted work.
 
 On SQS this is the visibility timeout asked for (whole seconds, at most 12 hours): a held
 message's is extended every third of it while its request is in progress, and a dead worker's

@@ -419,3 +419,47 @@ def test_queue_settings_are_validated(redis_server: RedisServer) -> None:  # noq
         "IDEMPOTENT_QUEUE_URL": redis_server.url}))
     assert config is not None and config.key == "queue_shop:requests"
     assert QueueConfig.from_crawler(get_crawler(QueueSpider, {})) is None
+
+
+def test_a_held_message_is_kept_from_a_peer_while_its_request_is_in_progress(
+        redis_server: RedisServer) -> None:  # noqa: F811
+    """A peer's XAUTOCLAIM takes any message pending IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS. A
+    worker's extension resets the idle time of the messages whose requests are in progress
+    there (a slow page, a long wait in the frontier), so the peer does not take them; a
+    message the worker no longer holds is left to the peer, and one the peer took over stays
+    the peer's. Idle times are set at the server (XCLAIM IDLE), not waited for."""
+    from scrapy_idempotent.config import QueueConfig
+    from scrapy_idempotent.queue_input.redis_stream import RedisStreamBroker
+
+    key = f"q-{uuid.uuid4().hex}"
+    client = redis_server.client()
+    config = QueueConfig(url=redis_server.url, key=key, group=GROUP, idle_timeout_seconds=None,
+                         claim_idle_seconds=30, prefetch=10, poll_seconds=0.05)
+    here_name, peer_name = "host-a:101:1:aaaa:ns", "host-b:202:1:bbbb:ns"  # other hosts
+    here = RedisStreamBroker.from_config(config, here_name)
+    peer = RedisStreamBroker.from_config(config, peer_name)
+    in_progress, let_go = (client.xadd(key, {"url": f"https://example.com/{n}"})
+                           for n in (1, 2))
+    assert [i for i, _ in here.take(10, True, frozenset()).entries] == [in_progress, let_go]
+
+    def idle_for(consumer: str, *ids: str) -> None:  # pending that long, as after a stall
+        client.xclaim(key, GROUP, consumer, 0, list(ids), idle=50_000, justid=True)
+
+    def owners() -> dict[str, tuple[str, int]]:
+        return {p["message_id"]: (p["consumer"], p["times_delivered"])
+                for p in client.xpending_range(key, GROUP, "-", "+", 10)}
+
+    idle_for(here_name, in_progress, let_go)
+    here.extend([in_progress])  # its request in progress here; the other one not held
+    taken = peer.take(10, True, frozenset())
+    assert [i for i, _ in taken.entries] == [let_go]
+    assert owners() == {in_progress: (here_name, 1), let_go: (peer_name, 2)}
+
+    idle_for(peer_name, let_go)  # the peer's now, however idle: not taken back
+    idle_for(here_name, in_progress)
+    RedisStreamBroker.from_config(config, here_name).extend([in_progress, let_go])
+    assert owners() == {in_progress: (here_name, 1), let_go: (peer_name, 2)}
+    assert peer.take(10, True, frozenset({let_go})).entries == []
+    for broker in (here, peer):
+        broker.close()
+    client.close()

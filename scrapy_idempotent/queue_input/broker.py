@@ -10,8 +10,10 @@ the other in the order they were made, never on the reactor; its calls block. It
   out a message again once its visibility timeout expires, RabbitMQ once its consumer's
   connection is gone);
 * **extends** (:meth:`~QueueBroker.extend`) the invisibility of the messages whose requests are
-  still in progress, so a slow request keeps its message (SQS: the visibility timeout; a no-op
-  where a held message never expires: Redis, RabbitMQ);
+  still in progress, so a slow request (or one waiting long in the frontier) keeps its
+  message: SQS, the visibility timeout; Redis, the pending entry's idle time, by which
+  another consumer's ``XAUTOCLAIM`` takes messages over; a no-op for RabbitMQ, where a held
+  message is handed out again only once its consumer's connection is gone;
 * **acknowledges** (:meth:`~QueueBroker.ack`) a message once its request is done, that is
   after the :data:`~scrapy_idempotent.signals.request_done` signal, so after the commit, never
   before;

@@ -5,7 +5,9 @@ Each worker reads the stream ``IDEMPOTENT_QUEUE_KEY`` as a consumer of the group
 that consumer in the stream's pending entries list until it is acknowledged (``XACK``). A
 message of a dead consumer is taken over at once from a consumer of the same host whose
 process is gone (``XCLAIM``), or with ``XAUTOCLAIM`` once it has been idle
-``IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS``. A bad message is added to the stream
+``IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS``; so that a message held here is never idle that long
+while its request is in progress, its idle time is reset (``XCLAIM`` to this consumer,
+``JUSTID``) once it reaches a third of that time. A bad message is added to the stream
 ``<IDEMPOTENT_QUEUE_KEY>:parked`` with its id, fields and error, and acknowledged, in one
 ``MULTI``.
 
@@ -38,6 +40,8 @@ logger = logging.getLogger("scrapy_idempotent.queue_input")
 
 #: How often the consumers of the group are checked for dead ones of this host.
 _DEAD_CHECK_SECONDS = 5.0
+#: Pending entries read (XPENDING) or claimed again (XCLAIM) per call when extending.
+_EXTEND_BATCH = 500
 
 
 def _is_nogroup(exc: BaseException) -> bool:
@@ -60,6 +64,7 @@ class RedisStreamBroker(QueueBroker):
         self._claimed_dead_at = 0.0
         self._autoclaimed_at = 0.0
         self._autoclaim_cursor = "0-0"  #: where XAUTOCLAIM goes on (kept between polls)
+        self._extend_at = 0.0  #: no extension before (monotonic)
 
     @classmethod
     def from_config(cls, config: QueueConfig, consumer: str) -> RedisStreamBroker:
@@ -117,6 +122,44 @@ class RedisStreamBroker(QueueBroker):
                                            {self.config.key: ">"}, count=room)
             for _, stream_entries in reply or []:
                 taken.entries += stream_entries
+
+    def extend(self, ids: list[str]) -> None:
+        """Reset the idle time of the held messages ``ids`` once they have been pending a
+        third of ``IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS`` (checked every sixth of it): each is
+        claimed again by this consumer (``XCLAIM ... JUSTID``: its delivery count unchanged),
+        so a peer's ``XAUTOCLAIM`` by that idle time never takes the message of a request in
+        progress here, however long it waits in the frontier or its page takes. Only the
+        entries still pending for this consumer (``XPENDING ... IDLE ... <consumer>``) are
+        claimed, each only if still that idle: one a peer took over stays the peer's."""
+        now = time.monotonic()
+        if not ids or now < self._extend_at:
+            return
+        claim_idle = self.config.claim_idle_seconds
+        self._extend_at = now + claim_idle / 6
+        due_ms = max(1, int(claim_idle * 1000 / 3))
+        held = set(ids)
+        try:
+            due = self._pending_here(due_ms, held)
+            for start in range(0, len(due), _EXTEND_BATCH):
+                self.client.xclaim(self.config.key, self.config.group, self.consumer, due_ms,
+                                   due[start:start + _EXTEND_BATCH], justid=True)
+        except Exception as exc:
+            if not _is_nogroup(exc):
+                raise
+            self._group_lost()  # nothing held any more: the group is new
+
+    def _pending_here(self, min_idle_ms: int, held: set[str]) -> list[str]:
+        """The ids of ``held`` pending for this consumer, idle ``min_idle_ms`` or more."""
+        due: list[str] = []
+        start = "-"
+        while True:
+            page = self.client.xpending_range(
+                self.config.key, self.config.group, min=start, max="+", count=_EXTEND_BATCH,
+                consumername=self.consumer, idle=min_idle_ms)
+            due += [p["message_id"] for p in page if p["message_id"] in held]
+            if len(page) < _EXTEND_BATCH:
+                return due
+            start = f"({page[-1]['message_id']}"  # after the last one
 
     def ack(self, ids: list[str]) -> int:
         if not ids:
