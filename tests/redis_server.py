@@ -42,9 +42,11 @@ def _free_port() -> int:
 class RedisServer:
     """One ``redis-server`` process; ``url`` is its ``redis://`` URL."""
 
-    def __init__(self, binary: str, directory: Path) -> None:
+    def __init__(self, binary: str, directory: Path, persistent: bool = False) -> None:
         self.binary = binary
         self.directory = directory
+        #: an append-only file written at every command: a restart keeps the streams
+        self.persistent = persistent
         self.process: subprocess.Popen[bytes] | None = None
         self.port = 0
 
@@ -71,6 +73,10 @@ class RedisServer:
         """Stop the server and start a new one on the same port: without persistence, it
         starts empty (no streams, no consumer groups)."""
         self.stop()
+        self.start_again()
+
+    def start_again(self) -> None:
+        """Start the stopped server again on its port (with its data when persistent)."""
         if not self._launch():
             self.stop()
             raise RuntimeError(f"redis-server did not start again; see {self.directory}")
@@ -79,7 +85,9 @@ class RedisServer:
         log = self.directory / f"redis-{self.port}.log"
         self.process = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-             "--dir", str(self.directory), "--save", "", "--appendonly", "no",
+             "--dir", str(self.directory), "--save", "",
+             *(("--appendonly", "yes", "--appendfsync", "always") if self.persistent
+               else ("--appendonly", "no")),
              "--logfile", str(log), "--daemonize", "no"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         return self._wait_ready()

@@ -2,15 +2,18 @@
 processes fed from an SQS queue (moto's server mode) or a RabbitMQ queue (Debian's
 rabbitmq-server), SIGKILLed. A message is acknowledged only once its page is committed (checked
 at the broker after every kill), delivered again after a kill, and a repeated delivery is
-harmless (one frontier entry, one record); a broker restarted mid-crawl is ridden out."""
+harmless (one frontier entry, one record); a broker restarted mid-crawl is ridden out (there
+on Redis too, a persistent server of the test's own)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,8 +31,12 @@ from crawling import (
     stored_products,
     wait_for,
 )
+from redis_server import INSTALL as REDIS_INSTALL
+from redis_server import RedisServer, redis_server_binary
 
 pytestmark = pytest.mark.slow
+
+GROUP = "scrapy_idempotent"  #: the queue input's default consumer group
 
 SPIDER_FILE = Path(__file__).resolve().parent / "queue_spiders.py"
 
@@ -79,9 +86,59 @@ class SqsKillQueue:
         self.server.start_again()
 
 
+class RedisKillQueue:
+    """A stream of a Redis server of the test's own, persistent (its append-only file written
+    at every command), so a restart keeps the stream, the group and its pending entries."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self.key = f"q-{uuid.uuid4().hex[:12]}"
+        self.url = server.url
+        self.client = server.client()
+        self.client.xgroup_create(self.key, GROUP, id="0", mkstream=True)
+
+    def push(self, body: str | dict[str, Any]) -> Any:
+        fields = {"url": body} if isinstance(body, str) else {"request": json.dumps(body)}
+        return self.client.xadd(self.key, fields)
+
+    def in_flight(self) -> int:
+        return int(self.client.xpending(self.key, GROUP)["pending"])
+
+    def remaining(self) -> int:
+        (group,) = self.client.xinfo_groups(self.key)
+        undelivered = len(self.client.xrange(self.key, f"({group['last-delivered-id']}", "+"))
+        return undelivered + int(group["pending"])
+
+    def all_acknowledged(self) -> bool:
+        return self.remaining() == 0
+
+    def settings(self) -> tuple[str, ...]:
+        return (f"IDEMPOTENT_QUEUE_KEY={self.key}",)
+
+    def stop(self) -> None:
+        self.client.close()
+        self.server.stop()
+
+    def start(self) -> None:
+        self.server.start_again()
+        self.client = self.server.client()
+
+
 @pytest.fixture(params=["sqs", "sqs-fifo", "amqp"])
-def broker_queue(request: pytest.FixtureRequest) -> Iterator[BrokerQueue]:
-    if request.param.startswith("sqs"):
+def broker_queue(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BrokerQueue]:
+    if request.param == "redis":
+        pytest.importorskip("redis", reason="the redis client: pip install -e '.[test]'")
+        binary = redis_server_binary()
+        if binary is None:
+            pytest.skip(REDIS_INSTALL)
+        directory = tmp_path / "redis"
+        directory.mkdir()
+        redis = RedisServer(binary, directory, persistent=True).start()
+        try:
+            yield RedisKillQueue(redis)
+        finally:
+            redis.stop()
+    elif request.param.startswith("sqs"):
         server = request.getfixturevalue("sqs_server")
         yield SqsKillQueue(server, fifo=request.param == "sqs-fifo")
     else:
@@ -216,9 +273,11 @@ def test_queue_fed_crawl_killed_ten_times(broker_queue: BrokerQueue, tmp_path: P
           f"requests (bound {525 + kills * concurrency}), {len(rows)} records")
 
 
+@pytest.mark.parametrize("broker_queue", ["sqs", "sqs-fifo", "amqp", "redis"], indirect=True)
 def test_a_broker_restarted_mid_crawl(broker_queue: BrokerQueue, tmp_path: Path) -> None:
-    """The broker is stopped and started again while a worker crawls 200 queued products:
-    the crawl goes on once it is back; nothing lost, nothing left unacknowledged."""
+    """The broker is stopped and started again while a worker crawls 200 queued products
+    (Redis: persistent, so its pending entries are kept): the crawl goes on once it is back;
+    nothing lost, nothing left unacknowledged."""
     db = tmp_path / "frontier.sqlite3"
     log = tmp_path / "run.log"
     with LocalSite(delay=0.02) as shop:
