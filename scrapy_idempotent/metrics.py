@@ -29,9 +29,10 @@ from .workers import worker_state
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
+    from .queue_input.broker import QueueBroker, QueueDepth
     from .store.base import CrawlMetrics, FrontierStore
 
-__all__ = ["StoreCollector", "metric_families"]
+__all__ = ["QueueProbe", "StoreCollector", "metric_families"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,71 @@ _RUN_COUNTERS: dict[str, tuple[str, str]] = {
 FRONTIER_READ_SHARE = 10
 
 
+#: The queue input's broker is asked for its depth at most once per this many seconds.
+QUEUE_READ_SECONDS = 10.0
+
+
+class QueueProbe:
+    """The queue input's depth (:meth:`~.QueueBroker.depth`: messages waiting, held, parked),
+    read on a thread of its own at most once per :data:`QUEUE_READ_SECONDS`: a scrape takes
+    the last reading and never waits for the broker, so a broker that is slow or unreachable
+    costs a scrape nothing (``idempotent_queue_up 0``, the reading's age grows)."""
+
+    def __init__(self, open_broker: Callable[[], QueueBroker], *,
+                 every: float = QUEUE_READ_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._open_broker = open_broker
+        self._every = every
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._broker: QueueBroker | None = None
+        self._depth: QueueDepth | None = None
+        self._name = ""
+        self._up = False
+        self._read_at: float | None = None  #: clock of the last reading that answered
+        self._started_at: float | None = None  #: clock when the last reading started
+        self._reading: threading.Thread | None = None
+        self._reported = False  #: a failure was logged (once until the broker answers)
+
+    def reading(self) -> tuple[str, QueueDepth | None, bool, float | None]:
+        """(queue name, the last depth read, whether the last read answered, seconds since
+        that reading), starting a read in the background when due."""
+        with self._lock:
+            now = self._clock()
+            due = self._started_at is None or now - self._started_at >= self._every
+            if due and self._reading is None:
+                self._started_at = now
+                self._reading = threading.Thread(target=self._read, daemon=True,
+                                                 name="idempotent-metrics-queue")
+                self._reading.start()
+            age = None if self._read_at is None else now - self._read_at
+            return self._name, self._depth, self._up, age
+
+    def _read(self) -> None:
+        try:
+            if self._broker is None:
+                self._broker = self._open_broker()
+            depth = self._broker.depth()
+        except Exception as exc:  # the scrape answers; the failure is a figure and a line
+            if not self._reported:
+                logger.warning("scrapy_idempotent: metrics: cannot read the queue: %s", exc)
+                self._reported = True
+            broker, self._broker = self._broker, None
+            if broker is not None:
+                broker.close()
+            with self._lock:
+                self._up, self._reading = False, None
+            return
+        with self._lock:
+            self._name = self._broker.name
+            self._depth, self._up, self._read_at = depth, True, self._clock()
+            self._reported, self._reading = False, None
+
+    def close(self) -> None:
+        if self._broker is not None:
+            self._broker.close()
+
+
 class StoreCollector(Collector):
     """Reads the store on every scrape. ``open_store`` returns an opened, read-only store
     (a new one per read, closed after it: a scrape may run on any of the HTTP server's
@@ -82,8 +148,10 @@ class StoreCollector(Collector):
     them, and ``idempotent_frontier_read_age_seconds`` says how old they are."""
 
     def __init__(self, open_store: Callable[[], FrontierStore], *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 queue: QueueProbe | None = None) -> None:
         self._open_store = open_store
+        self._queue = queue
         self._clock = clock
         self._lock = threading.Lock()
         self._frontier: CrawlMetrics | None = None
@@ -92,6 +160,8 @@ class StoreCollector(Collector):
         self._reading: threading.Thread | None = None
 
     def collect(self) -> Iterator[Metric]:
+        if self._queue is not None:  # first: the broker is not asked while a store is read
+            yield from _queue(*self._queue.reading())
         started = time.perf_counter()
         up = GaugeMetricFamily("idempotent_store_up",
                                "1 when the last scrape could read the frontier database")
@@ -240,6 +310,27 @@ def _runs(m: CrawlMetrics) -> Iterator[Metric]:
     yield GaugeMetricFamily("idempotent_current_run_age_seconds",
                             "Seconds from the latest run's start to its end, or to now",
                             value=max(0.0, end - current.started_at) if current else 0)
+
+
+def _queue(name: str, depth: QueueDepth | None, up: bool,
+           age: float | None) -> Iterator[Metric]:
+    yield GaugeMetricFamily("idempotent_queue_up",
+                            "1 when the last read of the queue input's broker answered",
+                            value=int(up))
+    messages = GaugeMetricFamily("idempotent_queue_messages",
+                                 "The queue input's messages by state: waiting (no consumer "
+                                 "took them yet), held (taken, not acknowledged), parked; "
+                                 "only the states the broker tells", labels=["queue", "state"])
+    if depth is not None:
+        for state in ("waiting", "held", "parked"):
+            n = getattr(depth, state)
+            if n is not None:
+                messages.add_metric([name, state], n)
+    yield messages
+    if age is not None:
+        yield GaugeMetricFamily("idempotent_queue_read_age_seconds",
+                                "Age of the queue's figures (read in the background)",
+                                value=age)
 
 
 def _workers(m: CrawlMetrics) -> Iterator[Metric]:

@@ -111,6 +111,11 @@ def test_the_dashboard_and_the_alert_rules_use_only_metrics_that_exist(db_path: 
     store.open(fingerprinter="SHA1")
     store.close()
     served = {family.name for family in text_string_to_metric_families(exposition(db_path))}
+    # and those of a queue input's broker, once read
+    from scrapy_idempotent.metrics import _queue
+    from scrapy_idempotent.queue_input.broker import QueueDepth
+
+    served |= {family.name for family in _queue("requests", QueueDepth(1, 1, 1), True, 0.0)}
     served |= {f"{name}_total" for name in served}
     monitoring = Path(__file__).resolve().parent.parent / "docs" / "monitoring"
     dashboard = json.loads((monitoring / "grafana-dashboard.json").read_text())
@@ -227,6 +232,9 @@ def test_prometheus_scrapes_the_crawl_of_two_workers_one_killed(tmp_path: Path) 
             assert _query(api, "idempotent_downloads_total") == \
                 report["repeated"]["downloads"]
             assert _query(api, "idempotent_workers_alive") == 0
+            # the killed worker's leases, taken back by the other one: counted in the store
+            assert _query(api, 'idempotent_run_leases_reclaimed_total{run="1"}') == \
+                run["leases_reclaimed"] >= 1
             # the killed worker's part is counted: never lower after the kill than before
             lowest_after = _query(api, f"min_over_time({done}[10m])")
             assert lowest_after is not None and lowest_after > 0

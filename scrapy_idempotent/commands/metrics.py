@@ -55,8 +55,15 @@ def run(opened: Opened, opts: argparse.Namespace) -> int:
             raise
         return located.store
 
+    probe = None
+    queue = opened.config.queue
+    if queue is not None:  # the queue input's depth, read in the background
+        from ..metrics import QueueProbe
+        from ..queue_input import broker_for
+
+        probe = QueueProbe(lambda: broker_for(queue, "scrapy-idempotent-metrics"))
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StoreCollector(open_store))
+    registry.register(StoreCollector(open_store, queue=probe))
     host, port = listen_address(opts.listen or LISTEN)
     try:
         server, thread = start_http_server(port, addr=host, registry=registry)
@@ -70,4 +77,6 @@ def run(opened: Opened, opts: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         server.shutdown()
     server.server_close()
+    if probe is not None:
+        probe.close()
     return 0

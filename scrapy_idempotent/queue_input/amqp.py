@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from ..config import QueueConfig
-from .broker import Fields, QueueBroker, Taken, fields_from_body
+from .broker import Fields, QueueBroker, QueueDepth, Taken, fields_from_body
 
 __all__ = ["AmqpBroker"]
 
@@ -155,6 +155,30 @@ class AmqpBroker(QueueBroker):
             if self._connection is not None and self._connection.is_open:
                 self._connection.close()
         self._connection = self._channel = None
+
+    def depth(self) -> QueueDepth:
+        """The ready messages of the queue and of the parked queue (passive declares on a
+        connection of its own, closed after; a queue not declared yet holds none). RabbitMQ
+        tells unacknowledged messages only through its management API: not read."""
+        import pika
+
+        connection = pika.BlockingConnection(self.parameters)
+        try:
+            counts = []
+            channel = connection.channel()
+            for queue in (self.queue, self.parked_queue):
+                try:
+                    counts.append(int(channel.queue_declare(
+                        queue, passive=True).method.message_count))
+                except pika.exceptions.ChannelClosedByBroker as exc:
+                    if exc.reply_code != 404:  # NOT_FOUND: not declared yet
+                        raise
+                    counts.append(0)
+                    channel = connection.channel()
+        finally:
+            with contextlib.suppress(Exception):  # closing only
+                connection.close()
+        return QueueDepth(waiting=counts[0], parked=counts[1])
 
     # -- RabbitMQ ---------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-__all__ = ["Fields", "QueueBroker", "Taken", "fields_from_body"]
+__all__ = ["Fields", "QueueBroker", "QueueDepth", "Taken", "fields_from_body"]
 
 #: A message as fields (a Redis stream entry's, or a body's: :func:`fields_from_body`).
 Fields = Mapping[str, str]
@@ -50,6 +50,15 @@ class Taken:
     #: delivers them again); never acknowledged
     lost: list[str] = field(default_factory=list)
     error: BaseException | None = None  #: the broker error that ended the take early
+
+
+@dataclass(frozen=True)
+class QueueDepth:
+    """What a broker tells of its queue (:meth:`QueueBroker.depth`); None: it cannot tell."""
+
+    waiting: int | None = None  #: messages no consumer has taken yet
+    held: int | None = None  #: taken by a consumer, not acknowledged yet
+    parked: int | None = None  #: messages parked (the parked stream or queue, the DLQ)
 
 
 class QueueBroker(abc.ABC):
@@ -99,6 +108,12 @@ class QueueBroker(abc.ABC):
 
     def close(self) -> None:  # noqa: B027  (nothing to close unless overridden)
         """Close the connection (after the last acknowledgements)."""
+
+    def depth(self) -> QueueDepth:
+        """How many messages wait, are held and are parked, as far as the broker tells, read
+        with a few cheap calls (for monitoring: ``scrapy idempotent metrics``). Raises the
+        broker's error when it cannot be reached."""
+        return QueueDepth()
 
 
 def fields_from_body(body: bytes | str) -> dict[str, str]:

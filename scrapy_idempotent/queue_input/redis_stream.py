@@ -32,7 +32,7 @@ from typing import Any
 
 from ..config import QueueConfig
 from ..workers import worker_is_dead
-from .broker import Fields, QueueBroker, Taken
+from .broker import Fields, QueueBroker, QueueDepth, Taken
 
 __all__ = ["RedisStreamBroker"]
 
@@ -85,6 +85,27 @@ class RedisStreamBroker(QueueBroker):
     def describe(self) -> str:
         return (f"the Redis stream {self.config.key!r} (group {self.config.group!r}, "
                 f"consumer {self.consumer})")
+
+    def depth(self) -> QueueDepth:
+        """The group's lag (entries not delivered to it yet: Redis 7) and pending entries
+        (``XINFO GROUPS``), and the parked stream's length: three O(1) commands."""
+        import redis
+
+        key = self.config.key
+        try:
+            groups = self.client.xinfo_groups(key)
+        except redis.ResponseError:  # no such stream yet: nothing waits
+            groups = []
+        group = next((g for g in groups if g.get("name") == self.config.group), None)
+        if group is None:
+            waiting: int | None = int(self.client.xlen(key))
+            held: int | None = 0
+        else:
+            lag = group.get("lag")
+            waiting = None if lag is None else int(lag)
+            held = int(group.get("pending", 0))
+        return QueueDepth(waiting=waiting, held=held,
+                          parked=int(self.client.xlen(self.config.parked_key)))
 
     # -- the contract -----------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from ..config import QueueConfig
-from .broker import Fields, QueueBroker, Taken, fields_from_body
+from .broker import Fields, QueueBroker, QueueDepth, Taken, fields_from_body
 
 __all__ = ["SqsBroker", "sqs_queue_location"]
 
@@ -236,6 +236,33 @@ class SqsBroker(QueueBroker):
     def close(self) -> None:
         with contextlib.suppress(Exception):  # closing only
             self.client.close()
+
+    def depth(self) -> QueueDepth:
+        """The queue's approximate counts (visible: waiting; in flight: held), and those of
+        the parked queue or of the redrive policy's dead-letter queue (0 while it does not
+        exist): at most three calls."""
+        self._open()
+        attributes = self.client.get_queue_attributes(
+            QueueUrl=self.queue_url, AttributeNames=[
+                "ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible",
+                "RedrivePolicy"]).get("Attributes", {})
+        policy = attributes.get("RedrivePolicy")
+        parked_name = (str(json.loads(policy).get("deadLetterTargetArn", "")).rpartition(":")[2]
+                       if policy else self._parked_queue_name())
+        try:
+            parked_url = self.client.get_queue_url(QueueName=parked_name)["QueueUrl"]
+        except self.client.exceptions.QueueDoesNotExist:
+            parked = 0
+        else:
+            counts = self.client.get_queue_attributes(
+                QueueUrl=parked_url, AttributeNames=[
+                    "ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"]
+            ).get("Attributes", {})
+            parked = sum(int(counts.get(name, 0)) for name in (
+                "ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"))
+        return QueueDepth(waiting=int(attributes.get("ApproximateNumberOfMessages", 0)),
+                          held=int(attributes.get("ApproximateNumberOfMessagesNotVisible", 0)),
+                          parked=parked)
 
     # -- SQS --------------------------------------------------------------------------------
 
