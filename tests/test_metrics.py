@@ -383,3 +383,40 @@ async def test_status_chart_draws_the_run_as_headless_chromium_shows_it(
     for colour in ("#2b7bb9", "#d62728", "#2ca02c"):
         rgb = tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5))
         assert rgb in colours, colour
+
+
+@deferred_f_from_coro_f
+async def test_the_chart_from_samples_counts_what_the_stored_rows_say(
+        db_path: Path, tmp_path: Path) -> None:
+    """The run's samples (one at the start, one at the close) give the chart the totals that
+    counting the stored rows gives; without samples (IDEMPOTENT_SAMPLE_SECONDS = 0) the chart
+    is counted from the rows."""
+    from scrapy_idempotent.commands import chart
+
+    with LocalSite(listing_pages=2, products_per_page=5, products_failing=[3]) as site:
+        await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS), url=site.url)
+        unsampled = tmp_path / "unsampled.sqlite3"
+        await run_crawl(ShopSpider, crawl_settings(unsampled, IDEMPOTENT_SAMPLE_SECONDS=0,
+                                                   **NATURAL_KEYS), url=site.url)
+
+    def totals(series: dict[str, Any]) -> dict[str, int]:
+        return {name: sum(counts.values()) for name, counts in series.items()}
+
+    store = open_store(str(db_path))
+    store.open_existing(readonly=True)
+    try:
+        (run,) = store.runs()
+        samples = store.samples(1)
+        assert samples and samples[-1].done == run.done == 11
+        from_samples = totals(chart.from_samples(run, samples))
+        assert from_samples == totals(chart.from_rows(store, 1)) == {
+            "pages done": 11, "pages failed": 1, "repeats": 0, "records changed": 9}
+    finally:
+        store.close()
+    store = open_store(str(unsampled))
+    store.open_existing(readonly=True)
+    try:
+        assert store.samples(1) == []
+        assert totals(chart.per_minute(store)[1]) == from_samples
+    finally:
+        store.close()
