@@ -14,9 +14,9 @@ configurations alternating, R repetitions:
     c  scrapy_idempotent through its add-on
     d  scrapy_idempotent with IDEMPOTENT_RESPONSE_JOURNAL = False
 
-Every crawl: CONCURRENT_REQUESTS = CONCURRENT_REQUESTS_PER_DOMAIN = 32, no download delay,
-LOG_LEVEL = WARNING, no telnet console, robots.txt not fetched. The spider follows every link
-and yields one item per product page, with its SKU as the natural key.
+Every crawl: CONCURRENT_REQUESTS = CONCURRENT_REQUESTS_PER_DOMAIN = 32 (``--concurrency``),
+no download delay, LOG_LEVEL = WARNING, no telnet console, robots.txt not fetched. The spider
+follows every link and yields one item per product page, with its SKU as the natural key.
 
 Reported per configuration (medians over the repetitions): pages/s over the crawl (Scrapy's
 ``elapsed_time_seconds``), the ratio to (a), CPU seconds of the crawl process (user + sys,
@@ -242,7 +242,7 @@ async def _serve_async(root: Path, port: int) -> None:
 
 # -- one crawl (in a child process) -----------------------------------------------------------
 
-def _crawl_child(config: str, url: str, workdir: Path, out: Path) -> None:
+def _crawl_child(config: str, url: str, workdir: Path, out: Path, concurrency: int) -> None:
     import scrapy
     from scrapy.crawler import CrawlerProcess
 
@@ -267,8 +267,8 @@ def _crawl_child(config: str, url: str, workdir: Path, out: Path) -> None:
                 yield response.follow(href, callback=self.parse)
 
     settings: dict[str, Any] = {
-        "CONCURRENT_REQUESTS": 32,
-        "CONCURRENT_REQUESTS_PER_DOMAIN": 32,
+        "CONCURRENT_REQUESTS": concurrency,
+        "CONCURRENT_REQUESTS_PER_DOMAIN": concurrency,
         "DOWNLOAD_DELAY": 0,
         "LOG_LEVEL": "WARNING",
         "TELNETCONSOLE_ENABLED": False,
@@ -324,7 +324,7 @@ def _disk_bytes(path: Path) -> int:
 
 
 def run_one(name: str, config: str, pythonpath: str | None, url: str, tmp: Path,
-            shape: dict[str, int], index: int) -> dict[str, Any]:
+            shape: dict[str, int], index: int, concurrency: int = 32) -> dict[str, Any]:
     """One crawl in a subprocess: its stats, resources and checks."""
     workdir = tmp / "runs" / f"{index:03d}-{name}"
     workdir.mkdir(parents=True)
@@ -337,7 +337,8 @@ def run_one(name: str, config: str, pythonpath: str | None, url: str, tmp: Path,
     with open(workdir / "log.txt", "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, str(HERE), "--child", config, "--url", url,
-             "--workdir", str(workdir), "--out", str(out)],
+             "--workdir", str(workdir), "--out", str(out),
+             "--concurrency", str(concurrency)],
             stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             _, status, usage = os.wait4(proc.pid, 0)
@@ -475,6 +476,8 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=PATH",
                         help="also run (c) (or (d) with NAME=PATH@d) with PATH first on "
                         "PYTHONPATH, reported as NAME")
+    parser.add_argument("--concurrency", type=int, default=32,
+                        help="CONCURRENT_REQUESTS and CONCURRENT_REQUESTS_PER_DOMAIN (default 32)")
     parser.add_argument("--site-dir", type=Path, default=None,
                         help="keep the generated site here and reuse it on later runs")
     parser.add_argument("--json", type=Path, default=None, help="write every run here")
@@ -491,7 +494,7 @@ def main() -> None:
         asyncio.run(_serve_async(Path(args.serve[0]).resolve(), int(args.serve[1])))
         return
     if args.child:
-        _crawl_child(args.child, args.url, args.workdir, args.out)
+        _crawl_child(args.child, args.url, args.workdir, args.out, args.concurrency)
         return
 
     pages = args.pages or (2000 if args.quick else 20000)
@@ -541,7 +544,8 @@ def main() -> None:
             order = runs[rep % len(runs):] + runs[:rep % len(runs)]  # rotate the order
             for name, config, pythonpath in order:
                 index += 1
-                row = run_one(name, config, pythonpath, url, tmp, shape, index)
+                row = run_one(name, config, pythonpath, url, tmp, shape, index,
+                              args.concurrency)
                 rows.append(row)
                 print(f"rep {rep + 1}/{repeat} {name:>6}: {row['pages_per_s']:7.1f} pages/s, "
                       f"{row['elapsed_s']:6.1f}s, cpu {row['cpu_s']:6.1f}s, rss "
