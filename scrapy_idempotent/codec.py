@@ -32,18 +32,15 @@ import decimal
 import inspect
 import json
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from itemadapter import ItemAdapter
-from scrapy import Spider
+from scrapy import Request, Spider
 from scrapy.utils.misc import load_object
 from scrapy.utils.request import request_from_dict
 from scrapy.utils.url import strip_url
 
 from .exceptions import UnstorableRequest
-
-if TYPE_CHECKING:
-    from scrapy import Request
 
 __all__ = [
     "BUILTIN_REQUEST_CLASSES",
@@ -248,7 +245,8 @@ def canonical_json(encoded: Any) -> str:
 class RequestCodec:
     """Turns requests into JSON text and back, for one spider.
 
-    Built on :meth:`scrapy.Request.to_dict` and :func:`scrapy.utils.request.request_from_dict`.
+    Built on :meth:`scrapy.Request.to_dict` (its dict, the callback names taken from the checked
+    methods) and :func:`scrapy.utils.request.request_from_dict`.
     Stored callbacks and errbacks are method *names* of the spider; on loading they must name
     a callable attribute of the spider that is not a dunder (no attribute chains, no imports);
     the request class must be allow-listed (the built-in request classes plus
@@ -276,7 +274,7 @@ class RequestCodec:
                     "data through cb_kwargs",
                 )
         try:
-            data = request.to_dict(spider=self.spider)
+            data = _request_dict(request, self.spider)
         except ValueError as exc:  # callback not found on the spider
             raise UnstorableRequest(describe(request), "callback", str(exc)) from None
         cls_path = data.get("_class")
@@ -315,6 +313,29 @@ class RequestCodec:
         if cls_path is not None:
             load_object(cls_path)  # only allow-listed paths reach this point
         return request_from_dict(data, spider=self.spider)
+
+
+_REQUEST_TO_DICT = Request.to_dict
+
+
+def _request_dict(request: Request, spider: Spider) -> dict[str, Any]:
+    """``request.to_dict(spider=spider)`` for a request whose callback and errback are known
+    to be methods of ``spider`` under their own names (:func:`_is_spider_method`): the same
+    dict, without ``to_dict``'s search of the spider's members for each (``inspect.getmembers``
+    on every request stored). A request class with a ``to_dict`` of its own keeps it."""
+    if type(request).to_dict is not _REQUEST_TO_DICT:
+        return request.to_dict(spider=spider)
+    data: dict[str, Any] = {
+        "url": request.url,
+        "callback": None if request.callback is None else request.callback.__name__,
+        "errback": None if request.errback is None else request.errback.__name__,
+        "headers": dict(request.headers),
+    }
+    for attr in request.attributes:
+        data.setdefault(attr, getattr(request, attr))
+    if type(request) is not Request:
+        data["_class"] = f"{type(request).__module__}.{type(request).__name__}"
+    return data
 
 
 def describe(request: Request) -> str:

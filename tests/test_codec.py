@@ -474,6 +474,49 @@ def test_request_subclass_allowed_by_extra_classes(spider):
     assert_bound_to(decoded.callback, spider, ShopSpider.parse)
 
 
+class InheritingSpider(ShopSpider):
+    name = "inheriting"
+
+
+class DictRequest(scrapy.Request):
+    """A request class with a ``to_dict`` of its own."""
+
+    def to_dict(self, *, spider=None):
+        data = super().to_dict(spider=spider)
+        data["meta"] = {**data["meta"], "own_to_dict": True}
+        return data
+
+
+DICT_REQUEST_PATH = f"{DictRequest.__module__}.DictRequest"
+
+
+@pytest.mark.parametrize("make", [
+    lambda s: scrapy.Request("https://shop.example/"),
+    lambda s: scrapy.Request("https://shop.example/p", callback=s.parse_product,
+                             errback=s.on_error, meta={"a": 1}, cb_kwargs={"b": 2},
+                             headers={"X": ["1", "2"]}, cookies={"c": "d"}, priority=3,
+                             dont_filter=True, flags=["f"]),
+    lambda s: FormRequest("https://shop.example/s", formdata={"q": "x"}, callback=s.parse),
+    lambda s: JsonRequest("https://shop.example/api", data={"k": 1}, errback=s.on_error),
+    lambda s: TrackedRequest("https://shop.example/", callback=s.parse),
+], ids=["bare", "everything", "form", "json", "subclass"])
+@pytest.mark.parametrize("spider_cls", [ShopSpider, InheritingSpider])
+def test_stored_dict_is_scrapys_to_dict(make, spider_cls):
+    # the codec names the (checked) callbacks itself instead of searching the spider's
+    # members for every request: what it stores is still what Request.to_dict gives
+    spider = spider_cls()
+    request = make(spider)
+    codec = RequestCodec(spider, extra_classes=[TRACKED_PATH])
+    assert json.loads(codec.encode(request)) == json.loads(dumps(request.to_dict(spider=spider)))
+
+
+def test_request_class_with_its_own_to_dict_keeps_it(spider):
+    codec = RequestCodec(spider, extra_classes=[DICT_REQUEST_PATH])
+    decoded = request_roundtrip(codec, DictRequest("https://shop.example/", callback=spider.parse))
+    assert type(decoded) is DictRequest
+    assert decoded.meta == {"own_to_dict": True}
+
+
 # -- refused at decode ----------------------------------------------------------------------
 
 
