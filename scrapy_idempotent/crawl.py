@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from . import scrapy_compat
+from ._scheduler_kind import is_idempotent_scheduler
 from .exceptions import IdempotentError
 
 if TYPE_CHECKING:
@@ -52,8 +53,6 @@ _T = TypeVar("_T")
 def idempotent_scheduler(crawler: Crawler, component: str) -> IdempotentScheduler | None:
     """The crawl's :class:`~.IdempotentScheduler` (see the module docstring);
     ``component`` names the caller in the error."""
-    from .scheduler import is_idempotent_scheduler
-
     try:
         if crawler.engine is None:
             return None
@@ -131,8 +130,6 @@ def feed_session(crawler: Crawler) -> FeedSession | None:
     """The crawl's :class:`FeedSession` once the spider is open; None when the crawl's
     scheduler is not the package's (or there is no engine): the feed exporter then behaves
     as Scrapy's own."""
-    from .scheduler import is_idempotent_scheduler
-
     try:
         scheduler = scrapy_compat.engine_scheduler(crawler) if crawler.engine else None
     except RuntimeError:  # Scrapy 2.19's Crawler.engine before the crawl built it

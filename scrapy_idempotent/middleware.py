@@ -24,6 +24,7 @@ from scrapy.utils.misc import load_object
 
 from . import scrapy_compat
 from ._dupes import DuplicateFilter
+from ._scheduler_kind import is_idempotent_scheduler
 from .config import config_for
 from .crawl import inflight_tracker, start_intake
 from .exceptions import ConfigError
@@ -56,8 +57,6 @@ class RecordIdMiddleware:
             if crawler.spider is not None:
                 config_for(crawler)
             DuplicateFilter.check(crawler.settings)  # DUPEFILTER_CLASS
-            from .scheduler import is_idempotent_scheduler
-
             scheduler = crawler.settings["SCHEDULER"]
             scheduler_cls = load_object(scheduler) if isinstance(scheduler, str) else scheduler
             if not (isinstance(scheduler_cls, type) and is_idempotent_scheduler(scheduler_cls)):

@@ -24,6 +24,7 @@ from scrapy.exceptions import NotConfigured
 from twisted.internet import task
 
 from . import scrapy_compat
+from ._scheduler_kind import is_idempotent_scheduler
 from .config import log_interval_seconds
 from .crawl import frontier_store, read_after_writes
 
@@ -74,8 +75,6 @@ class IdempotentLogStats:
         return extension
 
     def spider_opened(self, spider: Spider) -> None:
-        from .scheduler import is_idempotent_scheduler
-
         scheduler = scrapy_compat.engine_scheduler(self.crawler)
         if not is_idempotent_scheduler(scheduler):
             logger.debug("scrapy_idempotent: no progress line, the scheduler is %r", scheduler)

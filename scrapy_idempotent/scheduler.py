@@ -43,6 +43,7 @@ from scrapy.core.scheduler import BaseScheduler
 
 from . import __version__, engine_hooks, scrapy_compat, workers
 from ._dupes import DuplicateFilter
+from ._scheduler_kind import IdempotentSchedulerMark, is_idempotent_scheduler
 from .admission import Admission, StartIntake
 from .codec import RequestCodec, describe
 from .commits import STORE_ERROR_REASON, CommitOutcomes, CommitPath, CrawlHealth, retry_busy
@@ -68,17 +69,7 @@ __all__ = ["STORE_ERROR_REASON", "IdempotentScheduler", "is_idempotent_scheduler
 logger = logging.getLogger(__name__)
 
 
-def is_idempotent_scheduler(obj: object) -> bool:
-    """Whether ``obj`` (a scheduler or a scheduler class) is an :class:`IdempotentScheduler`.
-
-    ``isinstance``/``issubclass`` cannot tell: Scrapy's ``BaseScheduler`` metaclass answers
-    True for any class with the scheduler methods (scrapy/core/scheduler.py).
-    """
-    cls = obj if isinstance(obj, type) else type(obj)
-    return IdempotentScheduler in cls.__mro__
-
-
-class IdempotentScheduler(BaseScheduler):
+class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
     """A durable, leased frontier as Scrapy's scheduler.
 
     Enqueue is idempotent by request key (see :mod:`.keys`). Leasing order: Scrapy's default

@@ -58,6 +58,7 @@ from scrapy.utils.defer import maybe_deferred_to_future
 from twisted.internet import task
 
 from .. import scrapy_compat, signals
+from .._scheduler_kind import is_idempotent_scheduler
 from .._serial_thread import SerialThread
 from ..config import QueueConfig, config_for
 from ..exceptions import ConfigError, StoreBusy
@@ -265,8 +266,6 @@ class QueueInput:
     # -- lifecycle --------------------------------------------------------------------------
 
     def spider_opened(self, spider: Spider) -> None:
-        from ..scheduler import is_idempotent_scheduler
-
         scheduler = scrapy_compat.engine_scheduler(self.crawler)
         if not is_idempotent_scheduler(scheduler):
             raise ConfigError("IDEMPOTENT_QUEUE_URL", self.config.url,
