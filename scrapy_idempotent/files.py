@@ -41,7 +41,6 @@ every later run look like a change of the record.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import secrets
@@ -51,7 +50,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from scrapy.pipelines.files import FilesPipeline, FSFilesStore
 from scrapy.pipelines.images import ImagesPipeline
 
-from .records import page_key
+from .records import url_key
 from .workers import declare_live, forget_live, new_worker_id, worker_is_dead, worker_state
 
 if TYPE_CHECKING:
@@ -73,11 +72,6 @@ logger = logging.getLogger(__name__)
 
 #: The directory of a files store holding files being written (renamed into place when done).
 PARTIAL_DIR = ".partial"
-
-
-def url_key(url: str, ignore_params: tuple[str, ...]) -> str:
-    """16 hex digits naming ``url`` without its ignored query parameters and fragment."""
-    return hashlib.sha1(page_key(url, ignore_params).encode()).hexdigest()[:16]
 
 
 class AtomicFSFilesStore(FSFilesStore):

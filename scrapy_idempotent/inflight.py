@@ -48,7 +48,7 @@ from ._order import QueueOrder, queue_position
 from .codec import describe
 from .exceptions import MissingNaturalKey, UnstorableRequest
 from .keys import RequestFingerprints
-from .records import RecordIdentity, item_type_name
+from .records import RecordIdentity, is_record_id, item_type_name, page_position
 from .scrapy_compat import failure_name
 from .store.base import (
     Completion,
@@ -549,16 +549,16 @@ class InflightTracker:
         origin = ItemOrigin(item=output, producer=entry, record_id=None, key_values=None,
                             page_url=page_url)
         try:
-            origin.key_values = self.identity.natural_key(output, page_url)
-            origin.record_id = self.identity.record_id(origin.key_values)
+            key_values = self.identity.natural_key(output, page_url)
         except MissingNaturalKey as exc:
             origin.error = exc
         else:
             if entry is not None and self.identity.key_fields(output) is None:
-                position = self._page_position(entry, origin.key_values[0], output)
+                position = self._page_position(entry, key_values[0], output)
                 if position is not None:
-                    origin.key_values = [*origin.key_values, *position]
-                    origin.record_id = self.identity.record_id(origin.key_values)
+                    key_values = [*key_values, *position]
+            origin.key_values = key_values
+            origin.record_id = self.identity.record_id(key_values)
             self._stamp(output, origin.record_id)
         self._items[id(output)] = origin
         if entry is not None:
@@ -595,15 +595,12 @@ class InflightTracker:
 
     def _page_position(self, entry: InflightRequest, key: str, item: Any) -> list[str] | None:
         """What tells ``item`` apart from the other items of ``entry``'s page keyed by the
-        page URL: None for the page's first such item (its key is the page URL alone), else
-        its type and its rank among such items of its type on the page (``#1`` for the
-        first). Several items of a page without a configured key are then several records,
-        never one that overwrites the others; their identity is their position, stable while
-        the page yields them in the same order."""
-        type_name = item_type_name(item)
-        first = not entry.page_keys
-        entry.page_keys[f"{key}|{type_name}"] += 1
-        if first:
+        page URL (:func:`~.records.page_position`), counted in a stat and warned about once.
+        Several items of a page without a configured key are then several records, never
+        one that overwrites the others; their identity is their position, stable while the
+        page yields them in the same order."""
+        position = page_position(entry.page_keys, key, item_type_name(item))
+        if position is None:
             return None
         self.stats.inc_value("idempotent/items/keyed_by_rank")
         if not self._warned_page_key:
@@ -616,7 +613,7 @@ class InflightTracker:
                 "counted in the stat idempotent/items/keyed_by_rank)",
                 key, type(item).__name__, type(item).__name__,
             )
-        return [type_name, f"#{entry.page_keys[f'{key}|{type_name}']}"]
+        return position
 
     # -- the pipeline's side ----------------------------------------------------------------
 
@@ -888,7 +885,7 @@ def _stamped_id(item: Any, field_name: str | None) -> str | None:
     if field_name is None:
         return None
     value = ItemAdapter(item).get(field_name)
-    return value if isinstance(value, str) and len(value) == 32 else None
+    return value if is_record_id(value) else None
 
 
 def tracker_for(config: IdempotentConfig, stats: StatsCollector,

@@ -1,12 +1,23 @@
-"""Record identity: natural keys, record IDs and content hashes, all derived from item data.
+"""Record identity: natural keys, record IDs, content hashes and file names, all derived
+from item data.
 
 ``record_id = sha256(canonical JSON of [source, natural key values])[:32]`` (128 bits, hex).
 The source defaults to the spider name; the natural key is a field (or fields) configured per
 item type, or, when none is configured, the canonical URL of the page the item came from with
-tracking and session parameters removed. Nothing here depends on time, position on the page,
-or the Python process, so the same data always gets the same ID.
-"""
+tracking and session parameters removed (with the item's type and rank on the page after the
+page's first such item: :func:`page_position`), or the item's content for an item of no page.
+A stored file is named by its record ID and :func:`url_key`. Nothing here depends on time, or
+the Python process, so the same data always gets the same ID.
 
+These rules are scheme :data:`RECORD_ID_SCHEME`. A database records the scheme its records
+were identified with (``record_id_scheme`` in its ``meta`` table, a key-value table: no
+schema change): a crawl of another scheme is refused at open, before it stores a record
+under an ID the stored ones cannot match. A database made before the scheme was recorded
+holds scheme 1 records (the rules have not changed since) and is marked at its next open. On
+PostgreSQL, workers of a release that does not know the scheme ignore the mark, and derive
+IDs as scheme 1 does: they can keep working beside newer workers during a rolling upgrade;
+a release with another scheme will refuse the database until it is migrated.
+"""
 from __future__ import annotations
 
 import hashlib
@@ -21,9 +32,27 @@ from .exceptions import MissingNaturalKey
 from .store.base import Record
 
 if TYPE_CHECKING:
+    from collections import Counter
     from collections.abc import Iterable
 
-__all__ = ["CONTENT_KEY", "URL_KEY", "Record", "RecordIdentity", "item_type_name", "page_key"]
+__all__ = [
+    "CONTENT_KEY",
+    "RECORD_ID_SCHEME",
+    "URL_KEY",
+    "Record",
+    "RecordIdentity",
+    "is_record_id",
+    "item_type_name",
+    "page_key",
+    "page_position",
+    "url_key",
+]
+
+#: The scheme of the rules here (see the module docstring): changed with any change to how a
+#: natural key, a record ID or a content hash is derived from an item.
+RECORD_ID_SCHEME = "1"
+#: The length of a record ID (hex digits of SHA-256).
+RECORD_ID_LENGTH = 32
 
 #: Pseudo field name reported when the page URL is the natural key.
 URL_KEY = "<page url>"
@@ -72,6 +101,29 @@ def page_key(url: str, ignore_params: Iterable[str]) -> str:
         if len(kept) != len(pairs):
             url = parts._replace(query="&".join(kept)).geturl()
     return url
+
+
+def url_key(url: str, ignore_params: Iterable[str]) -> str:
+    """16 hex digits naming ``url`` without its ignored query parameters and fragment (the
+    SHA-1 of :func:`page_key`): a stored file's name beside its record ID."""
+    return hashlib.sha1(page_key(url, ignore_params).encode()).hexdigest()[:16]
+
+
+def page_position(seen: Counter[str], key: str, type_name: str) -> list[str] | None:
+    """What tells an item keyed by its page URL ``key`` apart from the page's other such
+    items, counted in ``seen`` (one counter per page, updated here): None for the page's
+    first such item (its key is the page URL alone), else its type and its rank among such
+    items of its type on the page (``#1`` for the first), appended to its natural key."""
+    first = not seen
+    seen[f"{key}|{type_name}"] += 1
+    if first:
+        return None
+    return [type_name, f"#{seen[f'{key}|{type_name}']}"]
+
+
+def is_record_id(value: object) -> bool:
+    """Whether ``value`` has the form of a record ID (a stamped one read back from an item)."""
+    return isinstance(value, str) and len(value) == RECORD_ID_LENGTH
 
 
 class RecordIdentity:
@@ -183,7 +235,7 @@ class RecordIdentity:
     def record_id(self, key_values: list[Any]) -> str:
         """128-bit hex record ID of a natural key within this source."""
         digest = hashlib.sha256(canonical_json([self.source, key_values]).encode("utf-8"))
-        return digest.hexdigest()[:32]
+        return digest.hexdigest()[:RECORD_ID_LENGTH]
 
     def record(self, item: Any, record_id: str, key_values: list[Any]) -> Record:
         """The stored form of ``item``. Raises :class:`~.codec.EncodeError` for a field

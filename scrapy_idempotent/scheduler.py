@@ -53,6 +53,7 @@ from .inflight import InflightTracker, tracker_for
 from .keys import RequestFingerprints, RequestKeys
 from .leases import ClaimedRequests, LeaseKeeper
 from .outbox import target_name
+from .records import RECORD_ID_SCHEME
 from .store.base import CrawlIdentity, FrontierStore, UnitOfWork
 from .store.registry import open_store, redacted
 
@@ -155,7 +156,8 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
                                  spider=spider.name, source=self.config.source)
         try:
             changed = retry_busy("opening", lambda: self.store.open(
-                fingerprinter=self.fingerprints.name, identity=identity))
+                fingerprinter=self.fingerprints.name, identity=identity,
+                record_id_scheme=RECORD_ID_SCHEME))
             run = retry_busy("starting", lambda: self.store.begin_session(
                 self.worker, self.config.run_mode))
         except IdempotentError as exc:

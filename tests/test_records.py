@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -23,9 +24,13 @@ from scrapy_idempotent.config import DEFAULT_URL_IGNORE_PARAMS
 from scrapy_idempotent.exceptions import MissingNaturalKey
 from scrapy_idempotent.records import (
     CONTENT_KEY,
+    RECORD_ID_SCHEME,
     RecordIdentity,
+    is_record_id,
     item_type_name,
     page_key,
+    page_position,
+    url_key,
 )
 
 try:
@@ -470,6 +475,30 @@ def test_a_boolean_or_list_key_is_not_the_string_that_looks_like_it() -> None:
     assert rid(False) != rid("false")
     assert rid([1, "a"]) != rid('[1,"a"]')
     assert rid({"a": 1}) != rid('{"a":1}')
+
+
+
+def test_the_record_id_scheme_pins_every_derivation() -> None:
+    """Record IDs, content hashes, content keys, file URL keys and page ranks of scheme 1:
+    a change to any of them changes what stored databases hold, so it comes with a new
+    RECORD_ID_SCHEME (databases of the old one are then refused, not silently doubled)."""
+    assert RECORD_ID_SCHEME == "1"
+    identity = RecordIdentity(source="shop", natural_keys={"dict": ("sku",)})
+    item = {"sku": "A1", "name": "x"}
+    key = identity.natural_key(item, None)
+    record = identity.record(item, identity.record_id(key), key)
+    assert (record.record_id, record.natural_key) == ("9c4e6419c52d17e8e7756d4a7bd9abb5",
+                                                      '["A1"]')
+    assert record.content_hash == (
+        "9460bf7a3eeeb2647c4b03035670ac050d2c8ca97f7d05e042f66b0dbf2a92af")
+    assert is_record_id(record.record_id) and not is_record_id(record.content_hash)
+    unkeyed = RecordIdentity(source="shop", natural_keys={})
+    assert unkeyed.natural_key({"name": "x"}, None) == [
+        "content:sha256:14264daac3c0b955bbc0123efb69314de3b4c8105cd115b6773378d9135349de"]
+    assert url_key("https://shop.example/p?utm_source=a&id=1", ("utm_*",)) == "11ec3d880248d6db"
+    seen: Counter[str] = Counter()
+    assert [page_position(seen, "k", "dict"), page_position(seen, "k", "dict"),
+            page_position(seen, "k", "Other")] == [None, ["dict", "#2"], ["Other", "#1"]]
 
 
 # -- property: record IDs are stable across processes and item types -------------------------

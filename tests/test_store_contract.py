@@ -1199,3 +1199,48 @@ def test_a_feed_store_is_fenced_an_older_version_never_replaces_a_newer(store: A
     assert done == ["a", "b", "again", "c", "other", "run 2"]
     # the append base of the same URI is another row
     assert store.feed_base(1, "/out.json", 42) == 42
+
+
+# -- the record ID scheme -------------------------------------------------------------------
+
+
+def test_a_new_database_records_the_record_id_scheme_of_its_first_open(make_store):
+    store = make_store()
+    store.open(fingerprinter="x", record_id_scheme="7")
+    assert store.meta()["record_id_scheme"] == "7"
+    store.close()
+    again = make_store()
+    assert again.open(fingerprinter="x", record_id_scheme="7") is None
+    again.close()
+
+
+def test_a_database_of_another_record_id_scheme_is_refused_untouched(make_store):
+    store = make_store()
+    store.open(fingerprinter="x", record_id_scheme="1")
+    store.begin_session("w1", "auto")
+    store.commit(UnitOfWork(records=[(rec("r1", "h1"), None)]), "w1")
+    store.close()
+    newer = make_store()
+    with pytest.raises(StoreError, match=r"record ID scheme 1; .* by scheme 2") as refused:
+        newer.open(fingerprinter="x", record_id_scheme="2")
+    assert "left untouched" in str(refused.value)
+    same = make_store()
+    same.open(fingerprinter="x", record_id_scheme="1")
+    assert same.meta()["record_id_scheme"] == "1"
+    assert [r.record_id for r in same.records_page()] == ["r1"]
+    same.close()
+
+
+def test_records_stored_before_the_scheme_was_recorded_are_of_the_first_scheme(make_store):
+    store = make_store()
+    store.open(fingerprinter="x")  # a release that did not record the scheme
+    store.begin_session("w1", "auto")
+    store.commit(UnitOfWork(records=[(rec("r1", "h1"), None)]), "w1")
+    assert "record_id_scheme" not in store.meta()
+    store.close()
+    with pytest.raises(StoreError, match="record ID scheme 1"):
+        make_store().open(fingerprinter="x", record_id_scheme="2")
+    current = make_store()
+    current.open(fingerprinter="x", record_id_scheme="1")
+    assert current.meta()["record_id_scheme"] == "1"
+    current.close()

@@ -403,12 +403,17 @@ class FrontierStore(ABC):
     """A durable frontier with leases, plus the records table. See the module docstring."""
 
     @abstractmethod
-    def open(self, *, fingerprinter: str, identity: CrawlIdentity | None = None) -> str | None:
+    def open(self, *, fingerprinter: str, identity: CrawlIdentity | None = None,
+             record_id_scheme: str | None = None) -> str | None:
         """Create or migrate the schema. Returns the fingerprinter recorded at creation when
         it differs from ``fingerprinter`` (request keys may not match), else None.
 
         ``identity`` is recorded at creation (or at the first open of a database made before
-        identities existed); a database of another identity is refused. Raises
+        identities existed); a database of another identity is refused. So is
+        ``record_id_scheme`` (how the caller derives record IDs, as ``meta`` key
+        ``record_id_scheme``; a database made before it was recorded holds the first
+        scheme's records): a database whose records have another scheme is refused (None:
+        not checked). Raises
         :class:`~.StoreError` for a corrupt, unreadable, newer-schema or foreign database,
         or another crawl's, before anything in it is changed; :class:`~.StoreBusy` when
         another process holds it locked too long (worth retrying)."""

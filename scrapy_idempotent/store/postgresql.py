@@ -866,19 +866,20 @@ class PostgreSQLStore(SqlStore):
 
     # -- schema and ownership ---------------------------------------------------------------
 
-    def open(self, *, fingerprinter: str = "",
-             identity: CrawlIdentity | None = None) -> str | None:
+    def open(self, *, fingerprinter: str = "", identity: CrawlIdentity | None = None,
+             record_id_scheme: str | None = None) -> str | None:
         if self.requested_schema is None:
             self.schema = schema_for(identity)
         self._opened = True
         try:
-            stored = self._open(fingerprinter, identity)
+            stored = self._open(fingerprinter, identity, record_id_scheme)
         except BaseException:
             self.close()
             raise
         return stored if stored != fingerprinter else None
 
-    def _open(self, fingerprinter: str, identity: CrawlIdentity | None) -> str:
+    def _open(self, fingerprinter: str, identity: CrawlIdentity | None,
+              record_id_scheme: str | None) -> str:
         version, new = self._check_ownership()
         if identity is not None and not new:
             self._check_identity(self._stored_identity(), identity)
@@ -904,6 +905,8 @@ class PostgreSQLStore(SqlStore):
                 "SELECT value FROM meta WHERE key = 'fingerprinter'").fetchone() or ("",)
             if identity is not None:
                 self._claim_identity(cur, identity)
+            self._claim_record_id_scheme(cur, record_id_scheme,
+                                         f"schema {self.schema} of {self.shown_url}")
         return str(stored)
 
     def _lock_schema(self, cur: psycopg.Cursor[Any]) -> None:

@@ -17,6 +17,7 @@ from .base import CrawlIdentity, LeasedRequest, RequestState, RunMode
 
 __all__ = [
     "CLAIMED_COLUMNS",
+    "FIRST_RECORD_ID_SCHEME",
     "QUEUE_ORDER",
     "TERMINAL",
     "ClaimedRow",
@@ -32,9 +33,11 @@ __all__ = [
     "known_request_answer",
     "other_owner",
     "quarantine_message",
+    "record_id_scheme_refusal",
     "record_write",
     "split_claim",
     "starts_new_run",
+    "stored_record_id_scheme",
     "window_start",
 ]
 
@@ -61,6 +64,30 @@ def other_owner(stored: dict[str, str], identity: CrawlIdentity) -> CrawlIdentit
     owner = CrawlIdentity(project=stored.get("project", ""), spider=stored.get("spider", ""),
                           source=stored.get("source", ""))
     return None if owner == identity else owner
+
+
+
+#: The record ID scheme of the records of a database made before it recorded one.
+FIRST_RECORD_ID_SCHEME = "1"
+
+
+def stored_record_id_scheme(recorded: str | None, has_records: bool, scheme: str) -> str:
+    """The record ID scheme of a database's records: the one ``recorded`` in it; for a
+    database that recorded none, :data:`FIRST_RECORD_ID_SCHEME` when it holds records, else
+    ``scheme`` (the opener's: nothing stored can disagree with it)."""
+    if recorded is not None:
+        return recorded
+    return FIRST_RECORD_ID_SCHEME if has_records else scheme
+
+
+def record_id_scheme_refusal(where: str, stored: str, scheme: str) -> str:
+    """Why a crawl deriving record IDs with ``scheme`` is refused a database whose records
+    were identified with ``stored``: the same item would get another record ID."""
+    return (f"{where} holds records identified by record ID scheme {stored}; this "
+            f"scrapy_idempotent derives record IDs by scheme {scheme}, so the same item would "
+            "get a second record under another ID; it was left untouched: use the "
+            "scrapy_idempotent release that stored them, or set IDEMPOTENT_DATABASE to "
+            "another database")
 
 
 # -- runs and the recrawl window ----------------------------------------------------------

@@ -31,6 +31,7 @@ from abc import abstractmethod
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
+from ..exceptions import StoreError
 from .base import (
     CommitResult,
     Completion,
@@ -69,8 +70,10 @@ from .rules import (
     enqueue_decision,
     known_request_answer,
     quarantine_message,
+    record_id_scheme_refusal,
     record_write,
     split_claim,
+    stored_record_id_scheme,
     window_start,
 )
 
@@ -182,6 +185,27 @@ class SqlStore(FrontierStore):
     def _observation_offset(self) -> float:
         """Seconds added to a worker's observation time to put it on the store's clock."""
         return 0.0
+
+    # -- the database's metadata ----------------------------------------------------------
+
+    def _claim_record_id_scheme(self, cur: Any, scheme: str | None, where: str) -> None:
+        """Record ``scheme`` as the record ID scheme of this database's records, unless it
+        has one already (:func:`.rules.stored_record_id_scheme`); raise
+        :class:`~.StoreError` (the transaction of ``cur`` rolled back) when it has another.
+        None: neither recorded nor checked (the commands, a migration's target)."""
+        if scheme is None:
+            return
+        rows = cur.execute("SELECT value FROM meta WHERE key = 'record_id_scheme'").fetchall()
+        if rows:
+            stored = str(rows[0][0])
+        else:
+            (has_records,) = cur.execute(
+                "SELECT EXISTS (SELECT 1 FROM records)").fetchall()[0]
+            stored = stored_record_id_scheme(None, bool(has_records), scheme)
+            cur.execute(self._q("INSERT INTO meta VALUES ('record_id_scheme', ?)"
+                                " ON CONFLICT (key) DO NOTHING"), (stored,))
+        if stored != scheme:
+            raise StoreError(record_id_scheme_refusal(where, stored, scheme))
 
     # -- the page commit ------------------------------------------------------------------
 

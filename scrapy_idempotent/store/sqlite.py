@@ -356,8 +356,8 @@ class SQLiteStore(SqlStore):
             return self._read
         return self.conn
 
-    def open(self, *, fingerprinter: str = "",
-             identity: CrawlIdentity | None = None) -> str | None:
+    def open(self, *, fingerprinter: str = "", identity: CrawlIdentity | None = None,
+             record_id_scheme: str | None = None) -> str | None:
         fix = "; set IDEMPOTENT_DATABASE to a writable file path"
         if os.path.isdir(self.path):
             raise StoreError(f"{self.path} is a directory, not a database file{fix}")
@@ -435,6 +435,7 @@ class SQLiteStore(SqlStore):
                     "SELECT value FROM meta WHERE key = 'fingerprinter'").fetchone()[0]
                 if identity is not None:
                     self._claim_identity(cur, identity)
+                self._claim_record_id_scheme(cur, record_id_scheme, self.path)
             self._read = self._open_reader()
             self._read_thread = threading.get_ident()
         except StoreError:
