@@ -91,6 +91,8 @@ class Addon:
         EXTENSIONS = {"scrapy_idempotent.progress.IdempotentLogStats": 0,
                       "scrapy_idempotent.queue_input.QueueInput": 0,  # IDEMPOTENT_QUEUE_URL
                       "scrapy_idempotent.OutboxDelivery": 0,  # IDEMPOTENT_OUTBOX_TARGETS
+                      # IDEMPOTENT_METRICS_LISTEN:
+                      "scrapy_idempotent.worker_metrics.WorkerMetrics": 0,
                       "scrapy.extensions.feedexport.FeedExporter": None,
                       "scrapy_idempotent.IdempotentFeedExporter": 0}
     """
@@ -134,6 +136,10 @@ class Addon:
             from .outbox import OutboxDelivery
 
             settings.set_in_component_priority_dict("EXTENSIONS", OutboxDelivery, 0)
+        if settings.get("IDEMPOTENT_METRICS_LISTEN"):  # this process's own endpoint
+            from .worker_metrics import WorkerMetrics
+
+            settings.set_in_component_priority_dict("EXTENSIONS", WorkerMetrics, 0)
         _replace_feed_exporter(settings)
         _replace_media_pipelines(settings)
         if self.crawler is not None and self.crawler.spider is not None:

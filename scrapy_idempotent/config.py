@@ -42,6 +42,7 @@ __all__ = [
     "Setting",
     "config_for",
     "log_interval_seconds",
+    "metrics_listen",
     "resolve_database",
     "store_options",
     "unknown_settings",
@@ -415,6 +416,16 @@ How often the progress line (see :ref:`progress-line`) is logged; ``0`` turns it
 off.""",
     ),
     Setting(
+        "IDEMPOTENT_METRICS_LISTEN", None, "str or None", "Logging", '"127.0.0.1:9811"',
+        doc="""
+``HOST:PORT`` where each crawl process serves its own figures for Prometheus while its spider
+runs (``http://HOST:PORT/metrics``, ``prometheus_client``: the ``metrics`` extra): the
+process's CPU time, memory and open files, and its Scrapy stats. Several workers of one host
+each need a port of their own (``-s IDEMPOTENT_METRICS_LISTEN=...`` per process; port ``0``
+takes a free one, named in the log). The whole crawl's figures come from the database:
+``scrapy idempotent metrics`` (see :ref:`monitoring`). ``None``: no endpoint.""",
+    ),
+    Setting(
         "IDEMPOTENT_SAMPLE_SECONDS", 60.0, "float, seconds", "Logging", "300",
         allowed='0 (no samples), or 1 to 86400',
         doc="""
@@ -509,6 +520,8 @@ class IdempotentConfig:
     request_classes: tuple[str, ...]
     log_interval_seconds: float
     sample_seconds: float = 60.0
+    #: where the process serves its own figures (IDEMPOTENT_METRICS_LISTEN); None: nowhere
+    metrics_listen: tuple[str, int] | None = None
     recrawl_seconds: float | None = None
     response_journal: bool = True
     #: delivery targets of record changes: webhook URLs and import paths of target classes
@@ -553,6 +566,7 @@ class IdempotentConfig:
             request_classes=_request_classes(settings),
             log_interval_seconds=log_interval_seconds(settings),
             sample_seconds=_sample_seconds(settings),
+            metrics_listen=metrics_listen(settings),
             response_journal=_boolean(settings, "IDEMPOTENT_RESPONSE_JOURNAL"),
             **_outbox(settings),
             queue=_queue(settings, spider.name),
@@ -705,6 +719,20 @@ def log_interval_seconds(settings: BaseSettings) -> float:
         raise ConfigError(name, _get(settings, name),
                           "0 (no progress line) or a number of seconds >= 0.1 and <= 86400")
     return interval
+
+
+def metrics_listen(settings: BaseSettings) -> tuple[str, int] | None:
+    """``IDEMPOTENT_METRICS_LISTEN`` (validated) as a host and a port; None when not set."""
+    name = "IDEMPOTENT_METRICS_LISTEN"
+    value = _get(settings, name)
+    if value in (None, ""):
+        return None
+    host, sep, port = str(value).rpartition(":")
+    host = host.strip("[]")
+    if not isinstance(value, str) or not sep or not host or not port.isdigit() \
+            or int(port) > 65535:
+        raise ConfigError(name, value, "HOST:PORT, e.g. 127.0.0.1:9811 (port 0: any free one)")
+    return host, int(port)
 
 
 def _sample_seconds(settings: BaseSettings) -> float:

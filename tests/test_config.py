@@ -126,6 +126,11 @@ def test_values_given_as_strings_on_the_command_line():
         ("IDEMPOTENT_DATABASE", 3),
         ("IDEMPOTENT_BUSY_TIMEOUT_SECONDS", -1),
         ("IDEMPOTENT_LOG_INTERVAL_SECONDS", "often"),
+        ("IDEMPOTENT_SAMPLE_SECONDS", 0.5),
+        ("IDEMPOTENT_SAMPLE_SECONDS", -1),
+        ("IDEMPOTENT_METRICS_LISTEN", "9811"),
+        ("IDEMPOTENT_METRICS_LISTEN", "localhost:http"),
+        ("IDEMPOTENT_METRICS_LISTEN", 9811),
     ],
 )
 def test_bad_value_raises_config_error_naming_setting_and_value(name, value):

@@ -420,3 +420,40 @@ async def test_the_chart_from_samples_counts_what_the_stored_rows_say(
         assert totals(chart.per_minute(store)[1]) == from_samples
     finally:
         store.close()
+
+
+@pytest.mark.slow
+def test_each_worker_serves_its_own_process_figures(tmp_path: Path) -> None:
+    """IDEMPOTENT_METRICS_LISTEN: a crawl process serves its process figures and its Scrapy
+    stats while its spider runs, and stops serving at its close."""
+    db = tmp_path / "crawl.sqlite3"
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}/metrics"
+    leased = 'idempotent_process_stat{stat="idempotent/requests/leased"}'
+
+    def figures() -> dict[Any, float]:
+        try:
+            with urllib.request.urlopen(endpoint, timeout=10) as response:
+                return samples(response.read().decode())
+        except OSError:
+            return {}
+
+    with LocalSite(delay=0.25) as site:
+        worker = start_shop_crawl(site.url, db, tmp_path / "worker.log", "CONCURRENT_REQUESTS=2",
+                                  f"IDEMPOTENT_METRICS_LISTEN=127.0.0.1:{port}")
+        try:
+            wait_for(lambda: figures().get(
+                ("idempotent_process_stat", (("stat", "idempotent/requests/leased"),)), 0) > 0,
+                120, f"{leased} served", tmp_path / "worker.log")
+            got = figures()
+            assert got[("process_resident_memory_bytes", ())] > 0
+            assert got[("process_cpu_seconds_total", ())] > 0
+            (info,) = [labels for name, labels in got if name == "idempotent_process_info"]
+            assert dict(info)["spider"] == "shop" and dict(info)["worker"].count(":") == 4
+            worker.send_signal(signal.SIGINT)  # a graceful stop: the spider closes
+            assert worker.wait(timeout=240) == 0
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+    assert figures() == {}
