@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from scrapy.utils.url import strip_url
@@ -328,6 +328,8 @@ class CommitOutcomes:
         self.stats = stats
         self.max_attempts = max_attempts  #: IDEMPOTENT_MAX_ATTEMPTS, for the log
         self.spider: Spider | None = None
+        #: ``next_run(run_id)``: this worker moved to a newer run (see CommitResult.run_id)
+        self.next_run: Callable[[int], None] = lambda run_id: None
         #: key -> (request, fingerprint) of final states on their way to the database: the
         #: request_done signal is sent for each once the transaction writing it committed
         self._announce: dict[str, tuple[Request | None, str]] = {}
@@ -339,6 +341,12 @@ class CommitOutcomes:
 
     def committed(self, result: CommitResult, work: UnitOfWork) -> None:
         """``work`` is durable: count it and announce its final states."""
+        if result.run_id is not None:
+            self.stats.set_value("idempotent/run_id", result.run_id)
+            logger.info("scrapy_idempotent: the run this crawl joined was finished by another "
+                        "crawl and run %d started since: this crawl goes on in run %d",
+                        result.run_id, result.run_id)
+            self.next_run(result.run_id)
         self._record_stats(result, work)
         self._announce_completions(result, work)
 

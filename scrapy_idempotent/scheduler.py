@@ -182,6 +182,7 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         counts["leased"] -= reclaimed
         self.run_id = run.run_id
         self.stats.set_value("idempotent/run_id", run.run_id)
+        self.outcomes.next_run = self._next_run
         logger.info(
             "scrapy_idempotent %s: %s run %d in %s: %d pending, %d leased (%d reclaimed from "
             "dead workers), %d done, %d failed, %d records",
@@ -202,6 +203,11 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         crawl calls it again. ``finishing``: this close ends the run. The feed exporter writes
         the feeds here."""
         self._before_end.append(hook)
+
+    def _next_run(self, run_id: int) -> None:
+        """The run this worker joined was finished by another and it goes on in ``run_id``
+        (its close, feeds included, is that run's)."""
+        self.run_id = run_id
 
     def close(self, reason: str) -> Deferred[None] | None:
         """Flush what is buffered, run the :meth:`before_session_end` hooks, release this

@@ -296,3 +296,27 @@ def test_duplicate_of_a_buffered_child_is_refused_at_once(harness: Harness) -> N
     rows = dict(db_rows(harness.db_path, "SELECT url, key FROM requests"))
     assert db_rows(harness.db_path, "SELECT parent_key FROM requests WHERE url = ?",
                    ("https://example.com/child",)) == [(rows[first.url],)]
+
+
+def test_a_crawl_open_across_the_run_boundary_goes_on_in_the_next_run(
+        harness: Harness, db_path: Path) -> None:
+    """a joined run 1 and is idle when b finishes that run and c starts run 2: a takes run
+    2's work as run 2's (its session, its stats, its close: the feeds it writes then)."""
+    a = harness.scheduler()
+    b = harness.scheduler()
+    assert b.enqueue_request(scrapy.Request("https://shop.example/1"))
+    finish(b, b.next_request())
+    harness.close(b, "finished")
+    c = harness.scheduler()
+    assert (a.run_id, c.run_id) == (1, 2)
+    assert c.enqueue_request(scrapy.Request("https://shop.example/2"))
+    harness.close(c)  # its claim of the request given back
+    request = a.next_request()
+    assert request is not None and request.url == "https://shop.example/2"
+    assert (a.run_id, a.stats.get_value("idempotent/run_id")) == (2, 2)
+    finish(a, request)
+    assert db_rows(db_path, "SELECT run_id, count(*) FROM sessions WHERE ended_at IS NULL"
+                            " GROUP BY run_id") == [(2, 1)]
+    harness.close(a, "finished")
+    assert db_rows(db_path, "SELECT run_id, leased, done, reason FROM runs") == [
+        (1, 1, 1, "finished"), (2, 1, 1, "finished")]

@@ -983,6 +983,31 @@ def test_finished_run_then_auto_starts_a_new_run_keeping_records(make_store, clo
     assert record_times(store, "r1") == ('{"sku":"A1"}', "h1", T0, T0)
 
 
+def test_a_worker_open_across_the_run_boundary_writes_in_the_next_run(make_store):
+    """w1 joined run 1 and is still open (idle) when w2 finishes that run and w3 starts run
+    2: what w1 writes from then on is run 2's (its records are in run 2's feeds, its work in
+    run 2's counters), not run 1's."""
+    w1, _ = open_store(make_store, "w1")
+    w2, _ = open_store(make_store, "w2")
+    enqueue(w2, req("a"), worker="w2")
+    claim(w2, 1, worker="w2")
+    complete(w2, "a", worker="w2")
+    assert w2.end_session("w2", "finished") == 0
+    w3, run = open_store(make_store, "w3")
+    assert (run.run_id, run.new) == (2, True)
+    enqueue(w3, req("b"), worker="w3")
+    assert claim_keys(w1, 1, worker="w1") == ["b"]
+    result = w1.commit(UnitOfWork(records=[(rec("r1", "h1"), "b")], requests=[req("c")],
+                                  completions=[Completion("b", RequestState.DONE)]), "w1")
+    assert result.records_inserted == 1
+    assert [r.record_id for r in w1.run_records(2)] == ["r1"]
+    assert list(w1.run_records(1)) == []
+    assert [(r.run_id, r.leased, r.done, r.records_inserted) for r in w1.runs()] == [
+        (1, 1, 1, 0), (2, 1, 1, 1)]
+    open_runs = {s.run_id for s in w1.sessions() if s.worker == "w1" and s.ended_at is None}
+    assert open_runs == {2}
+
+
 def test_end_session_finished_with_pending_requests_keeps_the_run_open(make_store):
     store, _ = open_store(make_store, "w1")
     enqueue(store, req("a"), req("b"))

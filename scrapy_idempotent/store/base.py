@@ -370,6 +370,9 @@ class CommitResult:
     leased: list[LeasedRequest] = field(default_factory=list)
     quarantined: list[str] = field(default_factory=list)  #: URLs failed as quarantined
     outbox_entries: int = 0  #: outbox entries written (changes x targets)
+    #: the run this worker moved to with this transaction: its own run was finished by
+    #: another worker and a newer one started meanwhile (None: it stays in its run)
+    run_id: int | None = None
 
 
 @dataclass(frozen=True)

@@ -1091,6 +1091,17 @@ class PostgreSQLStore(SqlStore):
 
     # -- the unit of work -------------------------------------------------------------------
 
+    _SESSION_STATE = ("run_id", "session_id")
+
+    def _join_run(self, cur: Any, worker: str, run_id: int, now: float) -> None:
+        cur.execute("UPDATE sessions SET ended_at = %s, reason = 'next run'"
+                    " WHERE session_id = %s", (now, self.session_id))
+        (self.session_id,) = cur.execute(
+            "INSERT INTO sessions (run_id, worker, started_at, heartbeat_at)"
+            " VALUES (%s, %s, %s, %s) RETURNING session_id",
+            (run_id, worker, now, now)).fetchone() or (None,)
+        self.run_id = run_id
+
     def _commit_unit(self, work: UnitOfWork, worker: str, run_id: int, now: float,
                      result: CommitResult) -> None:
         number = next(self._commit_numbers)

@@ -171,6 +171,12 @@ class SqlStore(FrontierStore):
         run (the feeds' order), one per record in item order."""
 
     @abstractmethod
+    def _join_run(self, cur: Any, worker: str, run_id: int, now: float) -> None:
+        """In the transaction of ``cur``: end ``worker``'s session and start one of its own
+        in run ``run_id`` (newer than its own); :attr:`run_id` and the other attributes of
+        :attr:`_SESSION_STATE` say so from now on."""
+
+    @abstractmethod
     def _count(self, cur: Any, result: CommitResult, run_id: int, leased: int,
                number: int) -> None:
         """Add this transaction's work to the run's counters (same transaction): ``leased``
@@ -209,11 +215,21 @@ class SqlStore(FrontierStore):
 
     # -- the page commit ------------------------------------------------------------------
 
+    #: the attributes of this worker's session that moving to the next run changes
+    #: (:meth:`_join_run`): put back when the transaction that moved it is not committed
+    _SESSION_STATE: tuple[str, ...] = ("run_id",)
+
     def commit(self, work: UnitOfWork, worker: str) -> CommitResult:
         result = CommitResult()
         if work:
-            self._commit_unit(work, worker, self.run_id if self.run_id is not None else 0,
-                              self.clock(), result)
+            session = {name: getattr(self, name) for name in self._SESSION_STATE}
+            try:
+                self._commit_unit(work, worker, self.run_id if self.run_id is not None else 0,
+                                  self.clock(), result)
+            except BaseException:
+                for name, value in session.items():
+                    setattr(self, name, value)
+                raise
         return result
 
     @abstractmethod
@@ -227,9 +243,21 @@ class SqlStore(FrontierStore):
         """Write ``work`` in the transaction of ``cur``. The fence comes first: nothing of a
         completion, journaled response or start whose lease is not ``worker``'s any more is
         written, nor the records, rejects and requests its page produced."""
+        # a claim takes the work of the current run: of a newer one than this worker's if
+        # its own was finished by another worker while it was open (records of the pages it
+        # leased before are its own run's, and fenced if that frontier is gone)
+        latest = (self._send(cur, "SELECT max(run_id) FROM runs")
+                  if self.run_id is not None and work.claim else None)
         fence = self._send_fence(cur, work, worker)
         lookups = self._send_lookups(cur, work.requests)
         lost = fence()
+        if latest is not None:
+            newest = latest()[0][0]
+            if newest is not None and int(newest) > run_id:
+                # what this worker writes from now on is that run's
+                run_id = int(newest)
+                self._join_run(cur, worker, run_id, now)
+                result.run_id = run_id
         requests = [r for r in work.requests if r.parent_key not in lost] if lost \
             else work.requests
         inserted = self._insert_requests(cur, requests, now, run_id, result, lookups)

@@ -730,6 +730,18 @@ class SQLiteStore(SqlStore):
     def _observation_offset(self) -> float:
         return self._observed_offset
 
+    _SESSION_STATE = ("run_id", "_observed_offset")
+
+    def _join_run(self, cur: Any, worker: str, run_id: int, now: float) -> None:
+        cur.execute("UPDATE sessions SET ended_at = ?, reason = 'next run'"
+                    " WHERE worker = ? AND ended_at IS NULL", (now, worker))
+        cur.execute("INSERT INTO sessions (run_id, worker, started_at) VALUES (?, ?, ?)",
+                    (run_id, worker, now))
+        latest = cur.execute("SELECT max(observed_at) FROM records WHERE seen_run_id = ?",
+                             (run_id,)).fetchone()[0]
+        self._observed_offset = max(0.0, (latest or 0.0) - self._observation_clock())
+        self.run_id = run_id
+
     def end_session(self, worker: str, reason: str, inflight: Sequence[str] = (), *,
                     finish_run: bool = True) -> int:
         now = self.clock()
