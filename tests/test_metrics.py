@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -457,3 +458,30 @@ def test_each_worker_serves_its_own_process_figures(tmp_path: Path) -> None:
                 worker.kill()
                 worker.wait()
     assert figures() == {}
+
+
+def test_status_watch_shows_reclaims_heartbeats_and_the_outbox_backlog() -> None:
+    from scrapy_idempotent.commands.watch import _figures, view
+    from scrapy_idempotent.store.reads import (
+        CrawlMetrics,
+        LeaseHolder,
+        OutboxBacklog,
+        RequestSummary,
+        RunSummary,
+    )
+
+    run = RunSummary(run_id=2, started_at=1000.0, finished_at=None, reason=None, leased=30,
+                     done=20, failed=1, redirected=0, records_inserted=15, records_updated=2,
+                     records_unchanged=0, rejects=0, records_stale=3, leases_reclaimed=7,
+                     leases_lost=2)
+    m = CrawlMetrics(
+        read_at=1600.0, requests={"pending": 5, "leased": 4, "done": 20}, records=17,
+        runs=(run,), failures={}, summary=RequestSummary(30, 30, 2, 2, 0, 0, 0, 30, 2),
+        leases=(LeaseHolder("w1", 4, 1630.0),), live_workers=("w1",),
+        outbox={"hook": {"pending": 6}}, outbox_backlog={"hook": OutboxBacklog(6, 1300.0)},
+        heartbeats={"w1": 1590.0, "gone": 1000.0})
+    text = "\n".join(view(m, "db", _figures(m), None, 0.0))
+    for line in (r"leases reclaimed\s+7", r"leases lost\s+2", r"records stale\s+3",
+                 r"w1\s+10 s ago", r"hook\s+6\s+5m00s"):
+        assert re.search(line, text), (line, text)
+    assert "gone" not in text

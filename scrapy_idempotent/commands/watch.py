@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 CLEAR = "\x1b[H\x1b[2J"
 #: The current run's counters shown with a rate per minute.
 _RATED = ("done", "failed", "redirected", "records_inserted", "records_updated",
-          "records_unchanged", "rejects")
+          "records_unchanged", "records_stale", "rejects", "leases_reclaimed", "leases_lost")
 
 
 def watch(store: FrontierStore, path: str, seconds: float) -> int:
@@ -70,17 +70,24 @@ def view(m: CrawlMetrics, path: str, figures: dict[str, float],
         [[label, int(figures[name]), rate(name)] for name, label in (
             ("done", "pages done"), ("failed", "pages failed"), ("redirected", "redirected"),
             ("records_inserted", "records inserted"), ("records_updated", "records updated"),
-            ("records_unchanged", "records unchanged"), ("rejects", "items rejected"),
-            ("downloads", "downloads (all runs)"),
+            ("records_unchanged", "records unchanged"), ("records_stale", "records stale"),
+            ("rejects", "items rejected"), ("leases_reclaimed", "leases reclaimed"),
+            ("leases_lost", "leases lost"), ("downloads", "downloads (all runs)"),
             ("downloaded_again", "downloaded again (all runs)"))])]
     lines += ["", f"Workers  {len(m.live_workers)} alive, {m.summary.expired_leases} "
                   f"expired lease{'s' * (m.summary.expired_leases != 1)}"]
     lines += table(["worker", "leases", "lease expires in"],
                    [[h.worker, h.leases, f"{h.leased_until - m.read_at:.0f} s"]
                     for h in m.leases]) if m.leases else ["  no leases held"]
-    pending = {t: s.get("pending", 0) for t, s in m.outbox.items() if s.get("pending")}
-    if pending:
-        lines += ["", "Outbox pending", *pairs(sorted(pending.items()))]
+    beats = {w: at for w, at in m.heartbeats.items() if w in m.live_workers}
+    if beats:
+        lines += ["", "Heartbeats", *pairs([(w, f"{max(0.0, m.read_at - at):.0f} s ago")
+                                            for w, at in sorted(beats.items())])]
+    if m.outbox_backlog:
+        lines += ["", "Outbox pending", *table(
+            ["target", "entries", "oldest"],
+            [[target, b.entries, _duration(m.read_at - b.oldest_at)]
+             for target, b in sorted(m.outbox_backlog.items())])]
     return lines
 
 
