@@ -204,3 +204,35 @@ def test_sqlite_check_results_are_typed(tmp_path):
         assert (setting.value, setting.ok) == ("delete", False)
     finally:
         store.close()
+
+
+def test_sqlite_known_done_fingerprint_is_read_once(tmp_path, clock, monkeypatch):
+    # rediscovered links to a done page (most of a crawl's links) are answered from memory
+    from scrapy_idempotent.store import Completion, RequestState
+
+    store = SQLiteStore(str(tmp_path / "f.sqlite3"), clock=clock)
+    store.open(fingerprinter="x")
+    store.begin_session("w1", "auto")
+    try:
+        new = [NewRequest(key=k, fingerprint=k, url=f"https://a/{k}", priority=0, data="{}")
+               for k in ("a", "b")]
+        store.commit(UnitOfWork(requests=new), "w1")
+        leased = store.commit(UnitOfWork(claim=1), "w1").leased
+        store.commit(UnitOfWork(started=[leased[0].key]), "w1")
+        store.commit(UnitOfWork(completions=[Completion(leased[0].key, RequestState.DONE)]),
+                     "w1")
+        done, pending = leased[0].key, ({"a", "b"} - {leased[0].key}).pop()
+        reads: list[str] = []
+        select = store._crawl_select
+
+        def counted(sql, params=()):
+            reads.append(sql)
+            return select(sql, params)
+
+        monkeypatch.setattr(store, "_crawl_select", counted)
+        assert [store.known_request(done) for _ in range(5)] == ["already_done"] * 5
+        assert len(reads) == 1
+        assert [store.known_request(pending) for _ in range(2)] == ["duplicate"] * 2
+        assert len(reads) == 3  # a pending entry can change: read each time
+    finally:
+        store.close()

@@ -1175,6 +1175,34 @@ def test_recrawl_new_run_keeps_what_was_done_in_the_current_window(make_store, c
     assert run == RunInfo(run_id=3, new=True, counts=counts(records=1))
 
 
+def test_known_request_of_a_done_fingerprint_asked_again(make_store, clock):
+    # a rediscovered link to a done page is answered as the frontier says, each time: within
+    # the window, once due again (None: the commit puts it back), then while pending again
+    store, _ = open_store(make_store, "w1", recrawl_seconds=RECRAWL_SECONDS)
+    finish_one(store, "a")
+    for _ in range(3):
+        assert store.known_request("a") == "already_done"
+    assert store.known_request("fp-a") == "already_done"  # its fingerprint, not its key
+    clock.advance(NEXT_WINDOW)
+    assert store.known_request("a") is None
+    assert enqueue(store, req("a")) == CommitResult(requests_due_again=1)
+    assert store.known_request("a") == "duplicate"
+    claim(store, 1)
+    assert store.known_request("a") == "duplicate"
+    complete(store, "a")
+    assert store.known_request("a") == "already_done"
+
+
+def test_known_request_of_a_done_fingerprint_in_a_new_run(store):
+    finish_one(store, "a")
+    assert store.known_request("a") == "already_done"
+    store.end_session("w1", "finished")
+    store.begin_session("w1", "auto")  # a new run from an empty frontier
+    assert store.known_request("a") is None
+    assert enqueue(store, req("a")) == CommitResult(requests_added=1)
+    assert store.known_request("a") == "duplicate"
+
+
 # -- status ---------------------------------------------------------------------------------
 
 

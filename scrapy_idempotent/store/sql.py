@@ -29,7 +29,7 @@ import contextlib
 import re
 from abc import abstractmethod
 from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 from ..exceptions import StoreError
 from .base import (
@@ -78,6 +78,11 @@ from .rules import (
 )
 
 __all__ = ["Answer", "SqlStore"]
+
+#: How many finished entries :meth:`SqlStore.known_request` keeps in memory (about 150 bytes
+#: each): most links a crawl rediscovers lead to pages already done, answered without a read.
+KNOWN_DONE_ENTRIES = 50_000
+_UNKNOWN = object()
 
 #: The rows of a statement sent, read when called (see :meth:`SqlStore._send`).
 Answer = Callable[[], list[Any]]
@@ -562,18 +567,48 @@ class SqlStore(FrontierStore):
         return (rows[0][0], bytes(rows[0][1])) if rows else None
 
     def known_request(self, fingerprint: str, *, key: str | None = None) -> str | None:
-        if key is not None:
-            rows = self._crawl_select("SELECT state, finished_at FROM requests WHERE key = ?",
-                                      (key,))
-        else:  # by key when its key is its fingerprint, else by the fingerprint index
+        # A fingerprint found done stays done in this run (the crawl moves no entry out of
+        # done but one due again, which the window check below sees), so its later lookups
+        # are answered from memory: the answer the read would give, a window later None
+        # (the commit puts it back). Operators' retries (done pages of rejected items put
+        # back) are fetched all the same: a stale answer only refuses a known link.
+        done = self._known_done_entries()
+        if key is None:
+            remembered = done.get(fingerprint, _UNKNOWN)
+            if remembered is not _UNKNOWN:
+                answer = known_request_answer(
+                    RequestState.DONE.value, cast("float | None", remembered),
+                    window_start(self.recrawl_seconds, self.clock()))
+                if answer is not None:
+                    return answer
+                done.pop(fingerprint, None)
+            # by key when its key is its fingerprint, else by the fingerprint index
             rows = self._crawl_select(
                 "SELECT state, finished_at FROM requests WHERE key = ? UNION ALL"
                 " SELECT * FROM (SELECT state, finished_at FROM requests WHERE fingerprint = ?"
                 "  AND key <> fingerprint LIMIT 1) AS other LIMIT 1", (fingerprint, fingerprint))
+        else:
+            rows = self._crawl_select("SELECT state, finished_at FROM requests WHERE key = ?",
+                                      (key,))
         if not rows:
             return None
-        return known_request_answer(rows[0][0], rows[0][1],
+        state, finished_at = rows[0][0], rows[0][1]
+        if key is None and state == RequestState.DONE.value:
+            if len(done) >= KNOWN_DONE_ENTRIES:
+                done.pop(next(iter(done)), None)  # the oldest
+            done[fingerprint] = finished_at
+        return known_request_answer(state, finished_at,
                                     window_start(self.recrawl_seconds, self.clock()))
+
+    def _known_done_entries(self) -> dict[str, float | None]:
+        """The finished entries :meth:`known_request` remembers (fingerprint ->
+        finished_at), of the current run only (a new run starts from another frontier)."""
+        run_id = self.run_id
+        held = self.__dict__.get("_known_done")
+        if held is None or held[0] != run_id:
+            held = self.__dict__["_known_done"] = (run_id, {})
+        done: dict[str, float | None] = held[1]
+        return done
 
     def status(self, worker: str) -> FrontierStatus:
         claimable, elsewhere = self._crawl_select(
