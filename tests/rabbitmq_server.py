@@ -154,6 +154,9 @@ class AmqpKillQueue:
     def all_acknowledged(self) -> bool:
         return self.remaining() == 0
 
+    def held_urls(self) -> set[str] | None:
+        return None  # RabbitMQ shows a queue's messages only to a consumer
+
     def settings(self) -> tuple[str, ...]:
         return (f"IDEMPOTENT_QUEUE_KEY={self.name}",)
 

@@ -103,6 +103,15 @@ class SqsQueue:
                  "the messages in flight visible again (their visibility timeout run out)")
         return self.counts()[0]
 
+    def held_bodies(self) -> list[str]:
+        """The bodies of the messages not deleted, from moto's own list (its server runs in
+        this process): what the queue holds, without a receive that would change it."""
+        from moto.core import DEFAULT_ACCOUNT_ID
+        from moto.sqs.models import sqs_backends
+
+        queue = sqs_backends[DEFAULT_ACCOUNT_ID][self.client.meta.region_name].queues[self.name]
+        return [message.body for message in list(queue._messages)]
+
     def all_acknowledged(self) -> bool:
         """Every message deleted (no consumer running): none counted now, nor once none is
         in flight (:meth:`remaining`)."""
