@@ -170,3 +170,23 @@ def test_a_schema_7_sqlite_database_gets_the_counters_and_the_samples(tmp_path: 
         assert [(s.at, s.done) for s in store.samples(1)] == [(300.0, 5)]
     finally:
         store.close()
+
+
+def test_the_leases_of_a_killed_worker_are_the_charts_repeats(
+        make_store: Callable[[str], Any], clock: Any) -> None:
+    from scrapy_idempotent.commands import chart
+
+    w1 = make_store("w1")
+    w1.commit(UnitOfWork(requests=[req("a"), req("b"), req("c")]), "w1")
+    assert w1.record_sample(60) is True
+    first = claim(w1, 2, "w1")  # w1 is killed holding two leases
+    clock.advance(LEASE_SECONDS + 1)
+    w2 = make_store("w2")
+    assert w2.reclaim_expired() == 2
+    for key in claim(w2, 3, "w2"):
+        page(w2, key, "w2")
+    assert w2.record_sample(60, final=True) is True
+    (run,) = w2.runs()
+    series = chart.from_samples(run, w2.samples(run.run_id))
+    assert {name: sum(counts.values()) for name, counts in series.items()} == {
+        "pages done": 3, "pages failed": 0, "repeats": len(first), "records changed": 0}

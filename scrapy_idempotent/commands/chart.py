@@ -45,8 +45,8 @@ def per_minute(store: FrontierStore) -> tuple[int | None, Series]:
 
 
 def _repeats(s: Sample | None) -> int:
-    """Leases started and neither completed nor in flight (reclaimed from expired or dead
-    workers, given back at a close): each is started again, a repeat."""
+    """Leases counted (claims, less those given back unstarted) and neither completed nor
+    held any more: taken back from expired or dead workers, each is leased again, a repeat."""
     if s is None:
         return 0
     return s.leased - s.done - s.failed - s.redirected - s.in_flight

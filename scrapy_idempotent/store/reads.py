@@ -273,7 +273,7 @@ class Sample:
     records_stale: int
     leases_reclaimed: int
     leases_lost: int
-    in_flight: int  #: requests leased and started, not completed yet
+    in_flight: int  #: requests leased (their claims counted in ``leased``), not completed yet
 
 
 @dataclass(frozen=True)

@@ -767,7 +767,7 @@ class SqlStore(FrontierStore):
             cur.execute(self._q(
                 f"INSERT INTO samples (run_id, slot, at, {columns}, in_flight)"
                 f" SELECT ?, ?, ?, {sums}, (SELECT count(*) FROM requests"
-                "  WHERE state = 'leased' AND unfinished > 0)"
+                "  WHERE state = 'leased')"
                 f" FROM {self.COUNTER_TABLE} WHERE run_id = ?"
                 f" ON CONFLICT (run_id, slot) {conflict}"), (run_id, slot, now, run_id))
             written: int = cur.rowcount
