@@ -5,12 +5,14 @@ the copy: no outbox entry without its record)."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_commands import idempotent
+from test_commands import idempotent, idempotent_json
 
 from scrapy_idempotent import workers
 from scrapy_idempotent.exceptions import StoreBusy
@@ -134,3 +136,29 @@ def test_migrate_is_refused_while_a_crawl_of_the_source_runs_without_a_lease(
     code, _, err = idempotent("migrate", "--db", str(db_path), "--to", postgres_url)
     assert code == 0, err
     assert copied(postgres_url) == (["r5"], ["r5"])
+
+
+def test_migrate_takes_back_the_leases_of_a_killed_crawl_at_once(
+        db_path: Path, postgres_url: str) -> None:
+    """A crawl of this host killed while it held leases (its process is gone): migrate does
+    not wait for the leases to expire, nor says to stop a crawl that does not run; the copy's
+    requests are pending again, as the next crawl would take them back."""
+    process = subprocess.Popen(["sleep", "60"])
+    start = workers.process_start_ticks(process.pid)
+    process.kill()
+    process.wait()
+    assert start is not None
+    dead = str(workers.WorkerId(socket.gethostname(), process.pid, start, "0000",
+                                workers.pid_namespace()))
+    assert workers.worker_state(dead) == "dead"
+    killed = SQLiteStore(str(db_path), lease_seconds=3600)
+    killed.open(fingerprinter="f")
+    killed.begin_session(dead, "auto")
+    killed.commit(UnitOfWork(requests=[req("k1"), req("k2")]), dead)
+    assert len(killed.commit(UnitOfWork(claim=2), dead).leased) == 2
+    killed.close()  # no end_session: the process was killed
+    code, out, err = idempotent("migrate", "--db", str(db_path), "--to", postgres_url)
+    assert code == 0, err
+    assert "2 requests" in out
+    status = idempotent_json("status", "--db", postgres_url)
+    assert (status["frontier"]["pending"], status["frontier"]["leased"]) == (2, 0)

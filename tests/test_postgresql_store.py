@@ -174,6 +174,53 @@ def test_a_worker_whose_heartbeat_is_stale_is_dead_and_its_leases_come_back(
     assert a.counts()["records"] == 0
 
 
+def test_a_new_worker_takes_a_killed_peers_leases_once_the_peers_heartbeat_is_stale(
+        make: Callable[..., PostgreSQLStore]) -> None:
+    """The judge's own liveness is the outage safeguard, not its connection's age: a worker
+    started after its peer was killed takes the peer's leases once the peer's heartbeat is
+    older than the bound and the judge itself has beaten for two heartbeat periods (a live
+    peer beats within one period of the server being reachable again)."""
+    clock = FakeClock()
+    options = {"clock": clock, "lease_seconds": 600.0, "dead_after_seconds": 15.0,
+               "heartbeat_seconds": 5.0}
+    a, b = make(**options), make(**options)
+    a.open(fingerprinter="f", identity=SHOP)
+    a.begin_session("host-a:1:1:x", "auto")
+    a._stop_heartbeat()  # driven by hand below: a is killed after its claim
+    a.commit(UnitOfWork(requests=[req("p1"), req("p2")]), "host-a:1:1:x")
+    assert len(a.commit(UnitOfWork(claim=2), "host-a:1:1:x").leased) == 2
+    clock.now += 11
+    b.open(fingerprinter="f", identity=SHOP)
+    b.begin_session("host-b:1:1:y", "auto")  # b starts 11 s after a's last beat
+    b._stop_heartbeat()
+    clock.now += 5  # a's heartbeat is 16 s old
+    b.heartbeat()
+    assert b.dead_workers() == ["host-a:1:1:x"]
+    assert b.reclaim_expired() == 0  # b has beaten for 5 s only: a live peer may not have yet
+    clock.now += 5
+    b.heartbeat()
+    assert b.reclaim_expired() == 2  # 21 s after a's last beat, 10 s after b's start
+    # a judge whose own heartbeat stopped (its network, its server) judges nobody until it
+    # has beaten again for two periods
+    c = make(**options)
+    c.open(fingerprinter="f", identity=SHOP)
+    c.begin_session("host-c:1:1:z", "auto")
+    c._stop_heartbeat()
+    b.commit(UnitOfWork(requests=[req("p3")]), "host-b:1:1:y")
+    assert len(b.commit(UnitOfWork(claim=3), "host-b:1:1:y").leased) == 3
+    for _ in range(3):
+        clock.now += 5
+        c.heartbeat()
+    b._stop_heartbeat()
+    clock.now += 20  # neither b nor c could beat (c's outage), b's beat is 20 s old
+    c.heartbeat()
+    assert c.reclaim_expired() == 0
+    for _ in range(2):
+        clock.now += 5
+        c.heartbeat()
+    assert c.reclaim_expired() == 3
+
+
 def test_the_heartbeat_thread_keeps_a_worker_alive(make: Callable[..., PostgreSQLStore],
                                                    postgres_url: str) -> None:
     store = make(heartbeat_seconds=0.05, dead_after_seconds=15.0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from .. import workers
 from ..config import store_options
 from ..exceptions import StoreError
 from ..store import CrawlIdentity, open_store
@@ -32,8 +33,10 @@ def run(opened: Opened, opts: argparse.Namespace) -> int:
     one transaction there. The source is only read, under its write lock from the check
     until the target has committed (:meth:`~.FrontierStore.frozen`): one consistent
     state is copied, and nothing lands in the source meanwhile. Refused while a crawl of
-    the source runs (a session not ended of a live worker, or an unexpired lease): stop
-    every crawl of it first."""
+    the source runs (a session not ended of a live worker, or an unexpired lease of a worker
+    not known dead): stop every crawl of it first. The leases of a killed crawl of this host
+    (its process gone) do not wait for their expiry: they arrive pending, as the next crawl
+    would take them back."""
     store, path = opened.store, opened.path
     with store.frozen():
         now = time.time()
@@ -43,7 +46,8 @@ def run(opened: Opened, opts: argparse.Namespace) -> int:
                 f"{path} is in use by the crawl of {', '.join(running[:3])}"
                 f"{' and others' if len(running) > 3 else ''} (a session that has not "
                 "ended, of a process that runs): stop every crawl of it before migrating")
-        live = [h for h in store.lease_holders() if h.leased_until >= now]
+        live = [h for h in store.lease_holders()
+                if h.leased_until >= now and not workers.worker_is_dead(h.worker)]
         if live:
             raise StoreError(
                 f"{path} has leases held by {', '.join(h.worker for h in live[:3])} until "

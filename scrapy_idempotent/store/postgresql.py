@@ -507,6 +507,9 @@ class PostgreSQLStore(SqlStore):
         #: when this store last (re)connected, store clock: heartbeats are judged only after
         #: a bound from then (see reclaim_expired)
         self._connected_since = float("inf")
+        #: (first, latest) end time of this session's series of heartbeats written with no
+        #: gap longer than two heartbeat periods (see _judges); None: none since a failure
+        self._beats: tuple[float, float] | None = None
         self._beat_thread: threading.Thread | None = None
         #: the thread reopening the connection of a thread that never waits, if any
         self._reconnecting: _Reconnecting | None = None
@@ -1015,6 +1018,8 @@ class PostgreSQLStore(SqlStore):
                 (run_id, worker, now, now)).fetchone() or (None,)
         self.run_id = int(run_id)
         self._worker = worker
+        self._beats = None
+        self._beaten(now)  # the session's first heartbeat
         self._start_heartbeat()
         return RunInfo(run_id=self.run_id, new=new, counts=self.counts())
 
@@ -1052,9 +1057,44 @@ class PostgreSQLStore(SqlStore):
         """Write this session's heartbeat now (one statement)."""
         if self.session_id is None:
             return
-        with self._write("writing the heartbeat") as cur:
-            cur.execute("UPDATE sessions SET heartbeat_at = %s WHERE session_id = %s",
-                        (self.clock(), self.session_id))
+        now = self.clock()
+        try:
+            with self._write("writing the heartbeat") as cur:
+                cur.execute("UPDATE sessions SET heartbeat_at = %s WHERE session_id = %s",
+                            (now, self.session_id))
+        except BaseException:
+            self._beats = None  # no judging of others until this worker beats again
+            raise
+        self._beaten(now)
+
+    def _beaten(self, written: float) -> None:
+        """A heartbeat stamped ``written`` is in the database now: the series of this
+        worker's beats goes on, or starts again after a gap (or a beat that took long: it
+        waited for the server) of more than two heartbeat periods."""
+        done = self.clock()
+        period = 2 * (self.heartbeat_seconds or 0.0)
+        first, latest = self._beats or (done, done)
+        if done - latest > period or done - written > period:
+            first = done
+        self._beats = (first, done)
+
+    def _judges(self, now: float) -> bool:
+        """Whether this worker may judge others by their heartbeats now. After an outage of
+        the server (or of this worker's network) no worker could beat, so stale heartbeats
+        say nothing until the live ones have had the time to beat again: a worker judges once
+        its own heartbeats have been written for two heartbeat periods without a gap (a live
+        peer beats within one period of the server being reachable again), and only while
+        they go on. Its own liveness, not its connection's age: a worker started just after
+        a peer was killed takes the peer's leases once the peer's heartbeat is
+        :attr:`dead_after_seconds` old, or two periods after its own start if that is later.
+        Without a heartbeat thread (beats written by hand) it judges once connected for
+        :attr:`dead_after_seconds`."""
+        if self.dead_after_seconds is None:
+            return False
+        if self.heartbeat_seconds is None:
+            return now - self._connected_since >= self.dead_after_seconds
+        beats, period = self._beats, 2 * self.heartbeat_seconds
+        return beats is not None and now - beats[1] <= period and beats[1] - beats[0] >= period
 
     def _start_heartbeat(self) -> None:
         if self.heartbeat_seconds is None or self._beat_thread is not None:
@@ -1332,19 +1372,13 @@ class PostgreSQLStore(SqlStore):
     def reclaim_expired(self) -> int:
         """Put back leases whose time is up, and every lease of another worker whose
         heartbeat is older than :attr:`dead_after_seconds` (dead, on whatever host), in one
-        statement.
-
-        Heartbeats are judged only once this store has been connected without a break for
-        longer than the liveness bound plus a heartbeat period: after an outage of the
-        server (or of this worker's network) no worker could beat, so stale heartbeats say
-        nothing until the live workers have had the time to beat again."""
+        statement; heartbeats are judged only while this worker's own go on (see
+        :meth:`_judges`)."""
         with self._write("reclaiming leases") as cur:
             # judged once the connection of this transaction is there (it may have been
             # reopened just now)
             now = self.clock()
-            judged = self.dead_after_seconds is not None and (
-                now - self._connected_since
-                >= self.dead_after_seconds + (self.heartbeat_seconds or 0.0))
+            judged = self._judges(now)
             dead_before = now - self.dead_after_seconds if judged and self.dead_after_seconds \
                 else float("-inf")
             cur.execute(
