@@ -44,6 +44,7 @@ __all__ = [
     "inflight_tracker",
     "read_after_writes",
     "start_intake",
+    "store_refused",
 ]
 
 
@@ -72,6 +73,17 @@ def idempotent_scheduler(crawler: Crawler, component: str) -> IdempotentSchedule
             "ADDONS = {'scrapy_idempotent.Addon': 0} to the settings"
         )
     return cast("IdempotentScheduler", scheduler)
+
+
+def store_refused(crawler: Crawler) -> bool:
+    """Whether the crawl's scheduler could not use its frontier database (refused at open,
+    or failed since): its cause is logged once, by the scheduler, so a component that would
+    open the same database says nothing more."""
+    try:
+        scheduler = idempotent_scheduler(crawler, "the check for a refused database")
+    except IdempotentError:
+        return False
+    return scheduler is not None and scheduler.health.failed
 
 
 def inflight_tracker(crawler: Crawler, component: str) -> InflightTracker | None:

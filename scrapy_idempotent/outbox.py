@@ -743,7 +743,11 @@ class OutboxDelivery:
         from scrapy.utils.defer import maybe_deferred_to_future
         from twisted.internet import task
 
+        from .crawl import store_refused
+
         assert self.crawler.spider is not None
+        if store_refused(self.crawler):
+            return  # the same database, refused: the scheduler said why, once
         identity = CrawlIdentity(project=str(self.crawler.settings.get("BOT_NAME") or ""),
                                  spider=self.crawler.spider.name, source=self.config.source)
         thread = self._thread = StoreThread()

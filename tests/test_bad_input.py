@@ -7,9 +7,11 @@ setting names in lower case are warned about. What a user sees is checked throug
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -286,3 +288,53 @@ def test_a_second_ctrl_c_exits_1(tmp_path: Path) -> None:
                 crawl.kill()
                 crawl.wait()
     assert "forcing unclean shutdown" in log.read_text()
+
+
+@pytest.mark.slow
+def test_a_refused_database_with_outbox_targets_is_still_one_error_line(tmp_path: Path) -> None:
+    """The outbox opens the crawl's database too: its refusal is the same cause, said once."""
+    db = tmp_path / "notes.db"
+    db.write_text("someone else's notes\n")
+    result = crawl(f"IDEMPOTENT_DATABASE={db}", "IDEMPOTENT_OUTBOX_TARGETS=http://127.0.0.1:9/x")
+    assert_one_line(result, "cannot open the frontier database",
+                    "is not a scrapy_idempotent database", opened=True)
+    assert db.read_text() == "someone else's notes\n"
+
+
+@pytest.mark.slow
+def test_a_full_disk_at_open_is_one_error_line_naming_it_and_loses_nothing(
+        tmp_path: Path) -> None:
+    """The disk of a stopped crawl's database filled up: the next crawl says so in one line
+    (SQLite's own code is an I/O error of its -shm file) and the database keeps its requests."""
+    from scrapy_idempotent.store import CrawlIdentity, NewRequest, SQLiteStore, UnitOfWork
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        db = mount / "crawl.sqlite3"
+        store = SQLiteStore(str(db))
+        store.open(fingerprinter="x", identity=CrawlIdentity("shop", "shop", "shop"))
+        store.begin_session("w1", "auto")
+        store.commit(UnitOfWork(requests=[
+            NewRequest(key=f"k{n}", fingerprint=f"k{n}", url=f"http://127.0.0.1:9/{n}",
+                       priority=0, data="{}") for n in range(50)]), "w1")
+        store.end_session("w1", "shutdown")
+        store.close()
+        fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)
+        with contextlib.suppress(OSError):
+            while os.write(fd, b"\0" * 4096):
+                pass
+        os.close(fd)
+        result = crawl(f"IDEMPOTENT_DATABASE={db}")
+        assert_one_line(result, "cannot open the frontier database",
+                        f"the disk holding the database {db} is full", opened=True)
+        (mount / "filler").unlink()
+        conn = sqlite3.connect(db)
+        assert conn.execute("SELECT count(*) FROM requests WHERE state = 'pending'"
+                            ).fetchone() == (50,)
+        conn.close()
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)

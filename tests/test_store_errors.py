@@ -215,3 +215,44 @@ def test_a_full_disk_at_open_is_named(full_disk: Path) -> None:
     assert not isinstance(caught.value, StoreBusy)
     assert "full" in str(caught.value), caught.value
     assert "locked" not in str(caught.value)
+
+
+def test_a_full_disk_at_the_open_of_a_crawl_s_database_is_named_and_loses_nothing(
+        tmp_path: Path) -> None:
+    """The disk of an existing crawl's database filled up while no crawl ran: the next open
+    says the disk is full (SQLite's own code is an I/O error of its -shm file), and the
+    database keeps what it held."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        path = mount / "db.sqlite3"
+        store = SQLiteStore(str(path))
+        store.open(fingerprinter="x", identity=SHOP)
+        store.begin_session("w1", "auto")
+        store.commit(UnitOfWork(requests=[
+            NewRequest(key=f"k{n}", fingerprint=f"k{n}", url=f"https://shop.example/{n}",
+                       priority=0, data="{}") for n in range(50)]), "w1")
+        store.end_session("w1", "shutdown")
+        store.close()
+        fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        with pytest.raises(StoreError) as caught:
+            SQLiteStore(str(path)).open(fingerprinter="x", identity=SHOP)
+        assert not isinstance(caught.value, StoreBusy)
+        assert f"the disk holding the database {path} is full" in str(caught.value)
+        assert "deleted or truncated" not in str(caught.value)
+        os.unlink(mount / "filler")
+        conn = sqlite3.connect(path)
+        assert conn.execute("SELECT count(*) FROM requests").fetchone() == (50,)
+        conn.close()
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)

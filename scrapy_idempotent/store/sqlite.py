@@ -594,7 +594,9 @@ class SQLiteStore(SqlStore):
                 f"{where} is locked by another process longer than "
                 f"IDEMPOTENT_BUSY_TIMEOUT_SECONDS ({self.busy_timeout_seconds:g} s) allows "
                 f"while {doing} ({exc})")
-        if name == "SQLITE_FULL":
+        if name == "SQLITE_FULL" or (name.startswith("SQLITE_IOERR")
+                                     and _disk_full(self.path)):
+            # an I/O error of the -shm or -wal file on a full disk says nothing of the disk
             return StoreError(f"the disk holding {where} is full while {doing} ({exc}): "
                               "free some space")
         if name == "SQLITE_READONLY_DBMOVED":
@@ -986,6 +988,20 @@ _MESSAGE_NAMES = (
     ("file is not a database", "SQLITE_NOTADB"),
     ("database disk image is malformed", "SQLITE_CORRUPT"),
 )
+
+
+#: Free bytes under which an I/O error is put down to a full disk: less than SQLite needs to
+#: grow its -shm file (32 KiB at a time) and a few pages of its -wal file.
+_FULL_BELOW_BYTES = 256 * 1024
+
+
+def _disk_full(path: str) -> bool:
+    """Whether the file system holding ``path`` has (almost) no space left for this user."""
+    try:
+        found = os.statvfs(os.path.dirname(os.path.abspath(path)) or ".")
+    except OSError:
+        return False
+    return found.f_bavail * found.f_frsize < _FULL_BELOW_BYTES
 
 
 def _error_name(exc: sqlite3.Error) -> str:
