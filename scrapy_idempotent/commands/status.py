@@ -152,11 +152,13 @@ def _status_head(report: dict[str, Any], engine: Sequence[EngineSetting]) -> lis
 def _runs_section(run_rows: list[dict[str, Any]]) -> list[str]:
     return ["Runs", *table(
         ["run", "started", "finished", "state", "crawls", "leased", "done", "failed",
-         "redirected", "inserted", "updated", "unchanged", "rejects"],
+         "redirected", "inserted", "updated", "unchanged", "stale", "rejects", "reclaimed",
+         "lost"],
         [[r["run_id"], r["started_at"], r["finished_at"] or "-", r["state"],
           r["crawls"], r["leased"], r["done"], r["failed"], r["redirected"],
           r["records_inserted"], r["records_updated"], r["records_unchanged"],
-          r["rejects"]] for r in run_rows])]
+          r["records_stale"], r["rejects"], r["leases_reclaimed"], r["leases_lost"]]
+         for r in run_rows])]
 
 
 def _frontier_section(frontier: dict[str, int]) -> list[str]:
