@@ -17,12 +17,23 @@ middleware asks the intake after each start request (:meth:`StartIntake.pause`):
 :data:`START_SLICE_SECONDS` the reactor gets a turn (downloads go on), and once
 :data:`START_WINDOW` start requests wait to be written, the intake waits until the writer has
 stored them (memory holds a window of the list, taken in at the writer's speed).
+
+A restarted ``start()`` yields every start request again (Scrapy runs it from the top on every
+crawl). The ``dont_filter`` ones, Scrapy's default for start requests, are checked against
+the frontier in batches before they reach the engine (:meth:`StartIntake.hold`, one read per
+:data:`START_CHECK_BATCH`): a known one (pending, leased or done) is counted as the commit
+would count it and goes no further, without the engine's work for a request (its scheduling,
+a turn of the reactor each, the scheduler's enqueue); only the new ones are handed on. So a
+resume over a long start list that is mostly known downloads its pending requests at once and
+reaches the new start requests at the speed of that read.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import weakref
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from . import signals
@@ -43,7 +54,8 @@ if TYPE_CHECKING:
     from .store.base import FrontierStore
     from .writer import WriterThread
 
-__all__ = ["START_SLICE_SECONDS", "START_WINDOW", "Admission", "StartIntake"]
+__all__ = ["START_CHECK_BATCH", "START_SLICE_SECONDS", "START_WINDOW", "Admission",
+           "StartIntake"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,18 +64,62 @@ logger = logging.getLogger(__name__)
 START_WINDOW = 2000
 #: start() is taken in for at most this long (seconds) between two turns of the reactor.
 START_SLICE_SECONDS = 0.02
+#: ``dont_filter`` start requests checked against the frontier in one read.
+START_CHECK_BATCH = 500
 
 
 class StartIntake:
     """How fast ``start()`` is taken in (see the module docstring)."""
 
-    def __init__(self, tracker: InflightTracker, writer: WriterThread, *,
-                 window: int = START_WINDOW, slice_seconds: float = START_SLICE_SECONDS) -> None:
+    def __init__(self, tracker: InflightTracker, writer: WriterThread,
+                 admission: Admission | None = None, *, window: int = START_WINDOW,
+                 slice_seconds: float = START_SLICE_SECONDS,
+                 check_batch: int = START_CHECK_BATCH) -> None:
         self.tracker = tracker
         self.writer = writer
+        self.admission = admission
         self.window = window
         self.slice_seconds = slice_seconds
+        self.check_batch = check_batch
         self._slice_began = time.monotonic()
+        self._held: list[Request] = []  #: start requests waiting for their check
+        #: ``ExecutionEngine.crawl``, set once the engine runs (None: nothing is held)
+        self.hand_on: Callable[[Request], object] | None = None
+        if admission is not None:
+            admission.before_enqueue = self.flush
+
+    def hold(self, request: Request) -> bool:
+        """Whether ``request`` (a start request, marked as such) is held for the check of
+        its batch (see the module docstring) instead of going to the engine now: a
+        ``dont_filter`` one (whose key its rank among the start requests makes), while the
+        writer runs. The batch is checked once full or when the reactor's turn is due; its
+        unknown requests then go to the engine (``ExecutionEngine.crawl``, as the engine
+        does with a start request)."""
+        if (self.admission is None or self.hand_on is None or not self.writer.running
+                or not self.admission.unfiltered(request)):
+            return False
+        self._held.append(request)
+        if len(self._held) >= self.check_batch or (
+                time.monotonic() - self._slice_began >= self.slice_seconds):
+            self.flush()
+        return True
+
+    def flush(self) -> None:
+        """Check the held start requests; hand the unknown ones to the engine, in the
+        order yielded. Before anything else reaches the scheduler (an item or another
+        request of ``start()``, a request put into the scheduler directly), so that Scrapy's
+        order holds."""
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        assert self.admission is not None and self.hand_on is not None
+        for request in self.admission.check_starts(held):
+            self.hand_on(request)
+
+    def drop_held(self) -> None:
+        """Forget the held start requests (the crawl closes: they are not taken in, as the
+        rest of ``start()``; the next crawl's ``start()`` yields them again)."""
+        self._held = []
 
     def pause(self) -> Deferred[None] | None:
         """After a start request was enqueued: None to take the next one at once, else a
@@ -110,10 +166,58 @@ class Admission:
         self.outcomes = outcomes
         self.stats = stats
         self.codec: RequestCodec | None = None
+        #: start requests checked by :meth:`check_starts` and handed on: their key
+        self._checked: weakref.WeakKeyDictionary[Request, str] = weakref.WeakKeyDictionary()
+        #: called before each enqueue decision (the start intake's flush of held requests)
+        self.before_enqueue: Callable[[], None] | None = None
+
+    def unfiltered(self, request: Request) -> bool:
+        """Whether the duplicate filter leaves ``request`` alone (its key is derived)."""
+        return not (self.dupes.enabled and not request.dont_filter)
+
+    def check_starts(self, requests: Sequence[Request]) -> list[Request]:
+        """Of ``requests`` (unfiltered start requests, in the order yielded), the unknown
+        ones; the known ones are counted (and ``request_done`` sent for those already done)
+        as :meth:`enqueue` would. One read for the batch."""
+        keyed: list[tuple[Request, str]] = []
+        unidentified: list[Request] = []
+        for request in requests:
+            fingerprint = self.fingerprints(request)
+            if fingerprint is None:
+                unidentified.append(request)  # refused by enqueue, which logs it
+            else:
+                keyed.append((request, fingerprint))
+        keys = self.keys.root_keys([fingerprint for _, fingerprint in keyed], is_start=True)
+        try:
+            known = self.store.known_keys(keys)
+        except StoreBusy as exc:
+            # the commit decides (a known one is counted there and not added twice)
+            self.stats.inc_value("idempotent/requests/unchecked", len(keys))
+            logger.debug("scrapy_idempotent: start requests' check left to the commit (%s)",
+                         exc)
+            known = {}
+        onward: list[Request] = []
+        for (request, fingerprint), key in zip(keyed, keys, strict=True):
+            answer = known.get(key)
+            if answer is None:
+                self._checked[request] = key
+                onward.append(request)
+                continue
+            self.tracker.origin_of(request)  # (forgets it was marked a start request)
+            self.stats.inc_value("idempotent/requests/enqueued")
+            self.stats.inc_value(f"idempotent/requests/{answer}")
+            if answer == signals.ALREADY_DONE:
+                self.outcomes.already_done(request, key, fingerprint)
+        if unidentified:  # (rare: in the order yielded, among the others)
+            order = {id(request): n for n, request in enumerate(requests)}
+            onward = sorted([*onward, *unidentified], key=lambda r: order[id(r)])
+        return onward
 
     def enqueue(self, request: Request) -> bool:
         """Whether ``request`` is accepted (False: a duplicate, or unidentifiable)."""
         assert self.codec is not None
+        if self.before_enqueue is not None:
+            self.before_enqueue()  # held start requests go first (Scrapy's order)
         self.stats.inc_value("idempotent/requests/enqueued")
         origin = self.tracker.origin_of(request)
         fingerprint = self.fingerprints(request)
@@ -124,8 +228,10 @@ class Admission:
         retry_of = self._retry_of(request, origin, fingerprint)
         if filtered and retry_of is None and self._known_duplicate(request, fingerprint):
             return False
-        key: str | None = None
-        if origin.parent is None and not origin.from_downloader and not filtered:
+        key: str | None = self._checked.pop(request, None) if origin.is_start else None
+        if key is not None:
+            pass  # a start request checked with its batch: unknown then, the commit decides
+        elif origin.parent is None and not origin.from_downloader and not filtered:
             # A start request replayed by a restarted start() (Scrapy runs it from the top
             # on every crawl): when its key is known, one read decides, without encoding it
             # or writing a transaction for it (a resume over a long start list that is

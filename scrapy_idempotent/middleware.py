@@ -79,20 +79,32 @@ class RecordIdMiddleware:
         return self._tracker
 
     async def process_start(self, start: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        """Start requests are marked so ``dont_filter`` ones get stable keys, and taken in at
-        the pace of the crawl's :class:`~.StartIntake`; start items get their record IDs."""
+        """Start requests are marked so ``dont_filter`` ones get stable keys, checked against
+        the frontier in batches (the known ones of a restarted ``start()`` go no further) and
+        taken in at the pace of the crawl's :class:`~.StartIntake`; start items get their
+        record IDs."""
         intake = start_intake(self.crawler, type(self).__name__)
-        async for output in start:
-            tracker = self.tracker
-            if tracker is not None:
-                if isinstance(output, Request):
-                    tracker.mark_start(output)
-                else:
-                    tracker.track(output, None, None)
-            yield output  # (the engine has enqueued it when the next one is asked for)
-            waiting = intake.pause() if intake is not None else None
-            if waiting is not None:
-                await maybe_deferred_to_future(waiting)
+        try:
+            async for output in start:
+                tracker = self.tracker
+                held = False
+                if tracker is not None:
+                    if isinstance(output, Request):
+                        tracker.mark_start(output)
+                        # (the intake hands a held request to the engine if it is unknown)
+                        held = intake is not None and intake.hold(output)
+                    else:
+                        tracker.track(output, None, None)
+                if not held:
+                    if intake is not None:
+                        intake.flush()  # (held start requests first: the order yielded)
+                    yield output  # (the engine has enqueued it when the next one is asked)
+                waiting = intake.pause() if intake is not None else None
+                if waiting is not None:
+                    await maybe_deferred_to_future(waiting)
+        finally:
+            if intake is not None:
+                intake.flush()  # what start() yielded before it ended or raised
 
     # ``spider``: Scrapy 2.13 passes it; later releases do not (see :mod:`.scrapy_compat`).
     async def process_spider_output(

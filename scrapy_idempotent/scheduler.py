@@ -112,7 +112,7 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             self.store, tracker=self.tracker, fingerprints=self.fingerprints,
             keys=RequestKeys(), dupes=DuplicateFilter.from_settings(crawler.settings, stats),
             outcomes=self.outcomes, stats=stats)
-        self.start_intake = StartIntake(self.tracker, self.writer)
+        self.start_intake = StartIntake(self.tracker, self.writer, self.admission)
         self.spider: Spider | None = None
         self.codec: RequestCodec | None = None
         self.run_id: int | None = None
@@ -192,9 +192,17 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         )
         self._hooks = engine_hooks.EngineHooks(self.crawler.engine, self.tracker)
         self._hooks.install()
+        self.start_intake.hand_on = self._crawl_start_request
         scrapy_compat.forced_stop_exits_nonzero()  # a second Ctrl+C: exit code 1
         self.commits.start()
         self.leases.start()
+
+    def _crawl_start_request(self, request: Request) -> None:
+        """A held start request found unknown goes to the engine as the engine sends its
+        start requests (``ExecutionEngine.crawl``)."""
+        engine = self.crawler.engine
+        if engine is not None and engine.spider is not None and not self.health.closing:
+            engine.crawl(request)
 
     def before_session_end(self, hook: Callable[[FrontierStore, int, bool], Any]) -> None:
         """Call ``hook(store, run_id, finishing)`` (a coroutine function) at close, once every
@@ -214,10 +222,13 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         worker's remaining leases (a graceful stop frees them at once), and record the end of
         this session; on ``finished`` with an empty frontier the run is marked finished."""
         self.health.closing = True
+        self.start_intake.drop_held()
+        self.start_intake.hand_on = None
         self.leases.stop()
         if self._hooks is not None:
             self._hooks.remove()
         if not self._session:  # open() failed before the store was usable: nothing to close
+            self.admission.keys.close()
             self.store.close()
             return None
         # everything buffered is written, then the writer's thread ends and the rest of the
@@ -281,6 +292,7 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             logger.exception("scrapy_idempotent: error while closing the frontier")
         finally:
             workers.forget_live(self.worker)
+            self.admission.keys.close()
             self.store.close()
 
     def _log_close(self, reason: str, released: int) -> None:

@@ -17,7 +17,7 @@ from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import crawl_settings, frontier_counts, run_crawl
 from scrapy_idempotent import scrapy_compat
-from scrapy_idempotent.admission import START_WINDOW
+from scrapy_idempotent.admission import START_CHECK_BATCH, START_WINDOW
 
 #: Start requests yielded before the test looks for downloads: several windows.
 MIDPOINT = 3 * START_WINDOW
@@ -156,3 +156,102 @@ def test_a_kill_while_start_is_half_consumed_loses_and_duplicates_nothing(
         ("done", TOTAL)]
     assert sorted(counts) == sorted(f"/ok/k-{i}" for i in range(TOTAL))
     assert sum(counts.values()) <= TOTAL + 16
+
+
+#: Start requests of the resume test, and how many of them the resumed crawl yields before
+#: it looks for downloads (several batches of the check).
+RESUMED_TOTAL = 30_000
+RESUMED_MIDPOINT = 6 * START_CHECK_BATCH
+
+
+class ReplayedStart(scrapy.Spider):
+    """The same ``RESUMED_TOTAL`` ``dont_filter`` start requests on every crawl (Scrapy's
+    default for start requests). The first crawl stores them all and closes at its first
+    response after that; the resumed one yields them again, and once past
+    ``RESUMED_MIDPOINT`` stops as soon as a response has come in (state, not time)."""
+
+    name = "replayed_start"
+    site_url = ""
+    resumed = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.responses = 0
+        self.yielded = 0
+        self.responses_while_checking = 0
+        self.start_done = False
+        self.scheduled = 0
+
+    @classmethod
+    def from_crawler(cls, crawler: Any, *args: Any, **kwargs: Any) -> Any:
+        spider = super().from_crawler(crawler, *args, **kwargs)
+        crawler.signals.connect(spider._scheduled, signal=scrapy.signals.request_scheduled)
+        return spider
+
+    def _scheduled(self) -> None:
+        self.scheduled += 1
+
+    async def start(self) -> Any:
+        for i in range(RESUMED_TOTAL):
+            if self.resumed and i >= RESUMED_MIDPOINT and self.responses:
+                self.responses_while_checking = self.responses
+                break
+            yield scrapy.Request(f"{self.site_url}/ok/resumed-{i}", dont_filter=True)
+            self.yielded += 1
+        self.start_done = True
+
+    def parse(self, response: Any) -> None:
+        self.responses += 1
+        if self.start_done:
+            raise CloseSpider("enough")
+
+
+@deferred_f_from_coro_f
+async def test_a_resumed_long_start_is_checked_in_batches_while_pending_requests_download(
+        site: LocalSite, db_path: Path) -> None:
+    first = type("First", (ReplayedStart,), {"site_url": site.url})
+    await run_crawl(first, crawl_settings(db_path, CONCURRENT_REQUESTS=1,
+                                          CONCURRENT_REQUESTS_PER_DOMAIN=1))
+    stored = frontier_counts(db_path)
+    assert sum(stored.values()) == RESUMED_TOTAL
+    assert stored.get("pending", 0) > RESUMED_TOTAL // 2  # the resumed crawl has work at once
+
+    resumed = type("Resumed", (ReplayedStart,), {"site_url": site.url, "resumed": True})
+    crawler = await run_crawl(resumed, crawl_settings(db_path))
+    spider = crawler.spider or crawler.engine.spider
+    # pending requests were downloaded while start() was still being checked: responses came
+    # in before the replayed start() reached its end
+    assert spider.responses_while_checking > 0
+    assert RESUMED_MIDPOINT <= spider.yielded < RESUMED_TOTAL
+    # the known start requests were checked before the engine: none of them was scheduled
+    # (only the pending requests claimed from the frontier were)
+    assert spider.scheduled <= spider.responses + 64
+    stats = crawler.stats
+    assert (stats.get_value("idempotent/requests/duplicate", 0)
+            + stats.get_value("idempotent/requests/already_done", 0)) == spider.yielded
+    # and nothing was stored twice: the replayed start requests found their own keys
+    assert sum(frontier_counts(db_path).values()) == RESUMED_TOTAL
+
+
+def test_start_request_ranks_past_the_memory_bound_give_the_same_keys() -> None:
+    """The ranks of ``dont_filter`` start requests move to a temporary file past a bound
+    (memory does not grow with the start list); the keys are those counted in memory, one by
+    one or in batches, repeated fingerprints included, and the file is removed at close."""
+    from scrapy_idempotent.keys import RequestKeys
+
+    fingerprints = [f"{n % 7:040x}" if n % 3 == 0 else f"{n:040x}" for n in range(60)]
+    in_memory, bounded = RequestKeys(), RequestKeys(in_memory=5)
+    expected = [in_memory.key(fp, filtered=False, parent_key=None, parent_counts=None,
+                              is_start=True) for fp in fingerprints]
+    got = bounded.root_keys(fingerprints[:3], is_start=True) + [
+        bounded.key(fp, filtered=False, parent_key=None, parent_counts=None, is_start=True)
+        for fp in fingerprints[3:20]] + bounded.root_keys(fingerprints[20:], is_start=True)
+    assert got == expected
+    assert len(set(got)) == len(got)
+    counts = bounded._root_counts
+    assert len(counts) == 0 and counts._path is not None  # nothing in memory: in the file
+    path = Path(counts._path)
+    assert path.exists()
+    bounded.close()
+    in_memory.close()
+    assert not path.exists()

@@ -457,6 +457,14 @@ class FrontierStore(ABC):
         With ``key``, the entry of exactly that key (a ``dont_filter`` request, which the
         fingerprint does not filter)."""
 
+    def known_keys(self, keys: Collection[str]) -> dict[str, str]:
+        """:meth:`known_request` by key for each of ``keys`` (the ``dont_filter`` start
+        requests a restarted ``start()`` yields again, checked in batches): each known key's
+        answer; a key absent from the result is unknown. One read for the batch where the
+        store can (this default asks key by key)."""
+        answers = {key: self.known_request(key, key=key) for key in keys}
+        return {key: answer for key, answer in answers.items() if answer is not None}
+
     @abstractmethod
     def status(self, worker: str) -> FrontierStatus: ...
 

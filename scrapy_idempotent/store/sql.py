@@ -610,6 +610,16 @@ class SqlStore(FrontierStore):
         done: dict[str, float | None] = held[1]
         return done
 
+    def known_keys(self, keys: Collection[str]) -> dict[str, str]:
+        if not keys:
+            return {}
+        where, param = self._any("key", list(keys))
+        window = window_start(self.recrawl_seconds, self.clock())
+        answers = {key: known_request_answer(state, finished_at, window)
+                   for key, state, finished_at in self._crawl_select(
+                       f"SELECT key, state, finished_at FROM requests WHERE {where}", (param,))}
+        return {key: answer for key, answer in answers.items() if answer is not None}
+
     def status(self, worker: str) -> FrontierStatus:
         claimable, elsewhere = self._crawl_select(
             "SELECT EXISTS (SELECT 1 FROM requests WHERE state = 'pending'),"
