@@ -128,7 +128,10 @@ def wait_for(condition: Any, timeout: float, what: str, log: Path | None = None)
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            shown = f"; log:\n{log.read_text(errors='replace')}" if log is not None else ""
+            shown = ""
+            if log is not None:
+                shown = (f"; log:\n{log.read_text(errors='replace')}" if log.exists()
+                         else f"; no log written at {log}")
             raise AssertionError(f"timed out waiting for {what}{shown}")
         time.sleep(0.01)
 

@@ -177,6 +177,16 @@ def kill(process: Any) -> None:
     process.wait()
 
 
+def running(worker: Any, condition: Any) -> Any:
+    """``condition``, failing at once if ``worker`` exited (a worker that could not start
+    would otherwise be waited for until the timeout)."""
+    def check() -> bool:
+        if worker.poll() is not None:
+            raise AssertionError(f"the worker exited with {worker.returncode}")
+        return bool(condition())
+    return check
+
+
 def product_body(shop: LocalSite, number: int) -> dict[str, Any]:
     return {"url": f"{shop.url}/product/SKU-{number:05d}", "callback": "parse_product"}
 
@@ -261,8 +271,8 @@ def test_queue_fed_crawl_killed_ten_times(broker_queue: BrokerQueue, tmp_path: P
             log = tmp_path / f"run{run}.log"
             worker = start_worker(broker_queue, db, log, *settings)
             try:
-                wait_for(lambda b=before, n=pages: shop.request_count - b >= n, 240,
-                         f"{pages} pages in run {run}", log)
+                wait_for(running(worker, lambda b=before, n=pages: shop.request_count - b >= n),
+                         240, f"{pages} pages in run {run}", log)
             finally:
                 kill(worker)
             uncommitted = urls - committed(db)
