@@ -64,3 +64,40 @@ async def test_a_crawl_stopped_on_sqlite_continues_on_postgresql(
         if row["record_id"] in seen:  # migrated records keep their history
             assert row["first_seen"] == datetime.fromtimestamp(
                 seen[row["record_id"]], timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@deferred_f_from_coro_f
+async def test_a_migrated_sqlite_crawl_is_refused_naming_where_it_went_until_undone(
+        shop: LocalSite, db_path: Path, postgres_url: str) -> None:
+    """After migrate, a crawl still pointed at the SQLite file would make a second copy of
+    the crawl that diverges: it is refused naming the database the crawl went to, nothing
+    fetched or changed, until ``migrate --undo`` makes the file a crawl's again."""
+    first = await run_crawl(ShopSpider, crawl_settings(
+        db_path, CLOSESPIDER_ITEMCOUNT=30, **NATURAL_KEYS), url=shop.url)
+    assert first.stats.get_value("finish_reason") == "closespider_itemcount"
+    code, _, err = idempotent("migrate", "--db", str(db_path), "--to", postgres_url)
+    assert code == 0, err
+    fetched = shop.request_count
+    before = db_rows(db_path, "SELECT state, count(*) FROM requests GROUP BY state")
+    sessions = db_rows(db_path, "SELECT count(*) FROM sessions")
+
+    refused = await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS), url=shop.url)
+    assert refused.stats.get_value("finish_reason") == "idempotent_store_error"
+    error = refused.stats.get_value("idempotent/error")
+    assert f"{db_path} was migrated to postgresql://postgres:***@" in error, error
+    assert "IDEMPOTENT_DATABASE" in error and "migrate --undo" in error, error
+    assert shop.request_count == fetched
+    assert db_rows(db_path, "SELECT state, count(*) FROM requests GROUP BY state") == before
+    assert db_rows(db_path, "SELECT count(*) FROM sessions") == sessions
+    status = idempotent_json("status", "--db", str(db_path))  # still readable
+    assert status["run"]["run_id"] == 1
+
+    code, out, err = idempotent("migrate", "--undo", "--db", str(db_path))
+    assert code == 0, err
+    assert "postgresql://postgres:***@" in out and "no longer marked" in out, out
+    again = await run_crawl(ShopSpider, crawl_settings(
+        db_path, CLOSESPIDER_ITEMCOUNT=10, **NATURAL_KEYS), url=shop.url)
+    assert again.stats.get_value("finish_reason") == "closespider_itemcount"
+    assert again.stats.get_value("idempotent/run_id") == 1  # resumed on SQLite
+    code, _, err = idempotent("migrate", "--undo", "--db", str(db_path))
+    assert code == 1 and "was not migrated" in err, err

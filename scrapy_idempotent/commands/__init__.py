@@ -78,6 +78,7 @@ _OPTION_SCOPE: dict[str, tuple[str, ...]] = {
     "since": ("export",),
     "run": ("export",),
     "to": ("migrate",),
+    "undo": ("migrate",),
     "listen": ("metrics",),
     "watch": ("status",),
     "chart": ("status",),
@@ -144,6 +145,9 @@ class Command(ScrapyCommand):
         group.add_argument("--to", metavar="DATABASE",
                            help="the database to copy the crawl into (a postgresql:// URL); "
                                 "it must not hold this crawl yet")
+        group.add_argument("--undo", action="store_true", default=None,
+                           help="forget that the database was migrated: crawls of it are "
+                                "allowed again")
         group = parser.add_argument_group("status")
         group.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
                            help="a live view redrawn in place every SECONDS (default 2), with "
@@ -179,7 +183,10 @@ class Command(ScrapyCommand):
                              "select failed requests: use one or the other")
         if opts.limit is not None and opts.limit < 0:
             raise UsageError("--limit must be 0 (all) or more")
-        if subcommand == "migrate" and not opts.to:
+        if subcommand == "migrate" and opts.undo and opts.to:
+            raise UsageError("migrate --undo takes no --to (it forgets the mark of a "
+                             "migration in --db)")
+        if subcommand == "migrate" and not opts.to and not opts.undo:
             raise UsageError("migrate needs --to DATABASE (where to copy the crawl)")
         opts.url_glob = opts.url_regex = None
         if opts.url is not None:

@@ -37,6 +37,8 @@ def run(opened: Opened, opts: argparse.Namespace) -> int:
     not known dead): stop every crawl of it first. The leases of a killed crawl of this host
     (its process gone) do not wait for their expiry: they arrive pending, as the next crawl
     would take them back."""
+    if opts.undo:
+        return undo(opened, opts)
     store, path = opened.store, opened.path
     with store.frozen():
         now = time.time()
@@ -63,12 +65,28 @@ def run(opened: Opened, opts: argparse.Namespace) -> int:
             written = target.load(store.dump())
         finally:
             target.close()
+        marked = store.mark_migrated(redacted(opts.to))
     moved = {table: written.get(table, 0) for table in
              ("runs", "requests", "records", "rejects", "responses")}
-    report = {"database": path, "to": redacted(opts.to), "rows": moved}
+    report = {"database": path, "to": redacted(opts.to), "rows": moved, "marked": marked}
     print_report(opts, report, [
         f"Migrated {path} to {redacted(opts.to)}: "
         + ", ".join(plural(n, _ROW_WORDS[table][0], _ROW_WORDS[table][1])
                     for table, n in moved.items())
-        + "; set IDEMPOTENT_DATABASE to it to continue the crawl there"])
+        + "; set IDEMPOTENT_DATABASE to it to continue the crawl there"
+        + (f" (a crawl of {path} is refused from now on; `migrate --undo` allows it again)"
+           if marked else "")])
+    return 0
+
+
+def undo(opened: Opened, opts: argparse.Namespace) -> int:
+    """``migrate --undo``: forget that the database was migrated, so crawls of it are
+    allowed again (the copy is left as it is)."""
+    to = opened.store.unmark_migrated()
+    if to is None:
+        raise StoreError(f"{opened.path} was not migrated (no mark of `scrapy idempotent "
+                         "migrate` in it): nothing to undo")
+    print_report(opts, {"database": opened.path, "was_migrated_to": to}, [
+        f"{opened.path} is no longer marked migrated to {to}: crawls of it are allowed again "
+        f"(the copy in {to} is left as it is; crawling both makes two copies that diverge)"])
     return 0

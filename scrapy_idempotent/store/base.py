@@ -709,6 +709,18 @@ class FrontierStore(ABC):
         raise StoreError(f"{type(self).__name__} cannot be migrated from")
         yield  # pragma: no cover
 
+    def mark_migrated(self, to: str) -> bool:
+        """Inside :meth:`frozen`, once the copy is in ``to`` (shown as in logs, no password):
+        mark this database migrated there, committed when the block ends, so that nothing
+        lands here after the copy; :meth:`open` refuses a crawl of it from then on, naming
+        ``to``, until :meth:`unmark_migrated`. False: this backend keeps no such mark."""
+        return False
+
+    def unmark_migrated(self) -> str | None:
+        """Forget the mark of :meth:`mark_migrated` (crawls of this database are allowed
+        again); returns where it was migrated to, None when it was not marked."""
+        return None
+
     def crawl_metrics(self) -> CrawlMetrics:
         """The figures of the whole crawl as stored (all workers, whatever became of their
         processes), for monitoring (``scrapy idempotent metrics``). Only reads; each part is

@@ -335,6 +335,7 @@ class SQLiteStore(SqlStore):
         self._read: sqlite3.Connection | None = None
         self._read_thread: int | None = None  #: the thread that opened the reader
         self._wal: int | None = None  #: inode of the -wal file this connection writes
+        self._migrated_mark = False  #: mark_migrated was called in the frozen block
 
     # -- connection and schema --------------------------------------------------------------
 
@@ -394,6 +395,8 @@ class SQLiteStore(SqlStore):
                 # another crawl's database is refused here, read-only: before any pragma
                 # write, migration or vacuum changes a byte of it
                 self._check_identity(self._stored_identity(conn), identity)
+            if not new:
+                self._check_not_migrated(conn)
             if new:
                 # Freed pages (journaled responses are deleted as their requests complete)
                 # go back to the file system: set before the first table exists.
@@ -956,11 +959,45 @@ class SQLiteStore(SqlStore):
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
             raise self._error(exc, "locking the database for a consistent copy") from exc
+        self._migrated_mark = False
         try:
             yield
+            if self._migrated_mark:
+                conn.execute("COMMIT")  # the mark only: the copy is in its target
+        except sqlite3.Error as exc:
+            raise self._error(exc, "marking the database migrated") from exc
         finally:
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")  # nothing was written: the lock is let go
+            self._migrated_mark = False
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")  # nothing was written: the lock is let go
+
+    def mark_migrated(self, to: str) -> bool:
+        self.conn.execute("INSERT INTO meta (key, value) VALUES ('migrated_to', ?)"
+                          " ON CONFLICT (key) DO UPDATE SET value = excluded.value", (to,))
+        self._migrated_mark = True
+        return True
+
+    def unmark_migrated(self) -> str | None:
+        with self._write("forgetting the migration") as cur:
+            row = cur.execute("SELECT value FROM meta WHERE key = 'migrated_to'").fetchone()
+            cur.execute("DELETE FROM meta WHERE key = 'migrated_to'")
+        return None if row is None else str(row[0])
+
+    def _check_not_migrated(self, conn: sqlite3.Connection) -> None:
+        """Refuse a crawl of a database ``migrate`` copied elsewhere (read-only, before any
+        write): two copies of the crawl would diverge."""
+        try:
+            row = conn.execute("SELECT value FROM meta WHERE key = 'migrated_to'").fetchone()
+        except sqlite3.OperationalError:  # no meta table yet (schema 0)
+            return
+        if row is not None:
+            raise StoreError(
+                f"{self.path} was migrated to {row[0]} by `scrapy idempotent migrate`: a "
+                "crawl here would make a second copy of the crawl that diverges from it; it "
+                f"was left untouched: set IDEMPOTENT_DATABASE to {row[0]} to continue the "
+                f"crawl there, or run `scrapy idempotent migrate --undo --db {self.path}` to "
+                "crawl this file again")
 
     def live_workers(self) -> list[str]:
         return self._live_sessions(self.conn)
