@@ -2,15 +2,48 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import sqlite3
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import scrapy
+
+
+@contextlib.contextmanager
+def small_file_system(mount: Path, size: str) -> Iterator[Path]:
+    """A real file system of ``size`` (a tmpfs, ``256k``) mounted at ``mount`` for the block
+    (the test is skipped where none can be mounted)."""
+    import pytest
+
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def fill_up(mount: Path) -> Path:
+    """Fill the file system at ``mount`` with one file (returned: delete it to free the
+    space)."""
+    filler = mount / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        with contextlib.suppress(OSError):
+            while os.write(fd, b"\0" * 4096):
+                pass
+    finally:
+        os.close(fd)
+    return filler
 
 
 def crawl_settings(db_path: Path, **extra: Any) -> dict[str, Any]:

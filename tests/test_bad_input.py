@@ -7,7 +7,6 @@ setting names in lower case are warned about. What a user sees is checked throug
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -21,7 +20,7 @@ import pytest
 import scrapy
 from scrapy.settings import Settings
 
-from crawling import EXAMPLE_PROJECT
+from crawling import EXAMPLE_PROJECT, fill_up, small_file_system
 from scrapy_idempotent.config import (
     SETTINGS,
     IdempotentConfig,
@@ -308,12 +307,7 @@ def test_a_full_disk_at_open_is_one_error_line_naming_it_and_loses_nothing(
     (SQLite's own code is an I/O error of its -shm file) and the database keeps its requests."""
     from scrapy_idempotent.store import CrawlIdentity, NewRequest, SQLiteStore, UnitOfWork
 
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with small_file_system(tmp_path / "small", "512k") as mount:
         db = mount / "crawl.sqlite3"
         store = SQLiteStore(str(db))
         store.open(fingerprinter="x", identity=CrawlIdentity("shop", "shop", "shop"))
@@ -323,18 +317,12 @@ def test_a_full_disk_at_open_is_one_error_line_naming_it_and_loses_nothing(
                        priority=0, data="{}") for n in range(50)]), "w1")
         store.end_session("w1", "shutdown")
         store.close()
-        fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)
-        with contextlib.suppress(OSError):
-            while os.write(fd, b"\0" * 4096):
-                pass
-        os.close(fd)
+        filler = fill_up(mount)
         result = crawl(f"IDEMPOTENT_DATABASE={db}")
         assert_one_line(result, "cannot open the frontier database",
                         f"the disk holding the database {db} is full", opened=True)
-        (mount / "filler").unlink()
+        filler.unlink()
         conn = sqlite3.connect(db)
         assert conn.execute("SELECT count(*) FROM requests WHERE state = 'pending'"
                             ).fetchone() == (50,)
         conn.close()
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)

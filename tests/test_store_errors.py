@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from crawling import fill_up, small_file_system
 from scrapy_idempotent.exceptions import StoreBusy, StoreError
 from scrapy_idempotent.store import CrawlIdentity, NewRequest, SQLiteStore, UnitOfWork
 from scrapy_idempotent.store.sqlite import APPLICATION_ID
@@ -190,23 +191,9 @@ def test_a_database_of_an_earlier_version_gets_its_identity_at_the_first_open(
 @pytest.fixture
 def full_disk(tmp_path: Path) -> Iterator[Path]:
     """A real file system of 256 KiB (tmpfs), filled up."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)
-        try:
-            while os.write(fd, b"\0" * 4096):
-                pass
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+    with small_file_system(tmp_path / "small", "256k") as mount:
+        fill_up(mount)
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_a_full_disk_at_open_is_named(full_disk: Path) -> None:
@@ -222,12 +209,7 @@ def test_a_full_disk_at_the_open_of_a_crawl_s_database_is_named_and_loses_nothin
     """The disk of an existing crawl's database filled up while no crawl ran: the next open
     says the disk is full (SQLite's own code is an I/O error of its -shm file), and the
     database keeps what it held."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with small_file_system(tmp_path / "small", "512k") as mount:
         path = mount / "db.sqlite3"
         store = SQLiteStore(str(path))
         store.open(fingerprinter="x", identity=SHOP)
@@ -237,22 +219,13 @@ def test_a_full_disk_at_the_open_of_a_crawl_s_database_is_named_and_loses_nothin
                        priority=0, data="{}") for n in range(50)]), "w1")
         store.end_session("w1", "shutdown")
         store.close()
-        fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)
-        try:
-            while os.write(fd, b"\0" * 4096):
-                pass
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        filler = fill_up(mount)
         with pytest.raises(StoreError) as caught:
             SQLiteStore(str(path)).open(fingerprinter="x", identity=SHOP)
         assert not isinstance(caught.value, StoreBusy)
         assert f"the disk holding the database {path} is full" in str(caught.value)
         assert "deleted or truncated" not in str(caught.value)
-        os.unlink(mount / "filler")
+        filler.unlink()
         conn = sqlite3.connect(path)
         assert conn.execute("SELECT count(*) FROM requests").fetchone() == (50,)
         conn.close()
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
