@@ -245,6 +245,17 @@ callback once it is written (with the transaction of another page's completion, 
 being processed.""",
     ),
     Setting(
+        "IDEMPOTENT_FEED_STREAMING", True, "bool", "Frontier, leases and runs", "False",
+        allowed="``True``/``False``, ``1``/``0``, ``'true'``/``'false'``",
+        doc="""
+Write local feeds (``-o``, ``-O``, ``FEEDS`` to a file path or ``file://``) while the crawl
+runs: the records each transaction commits reach the file within about a second, in commit
+order, and the database keeps how far each file is durably written, so a kill is cut back and
+continued by the next crawl (:doc:`feeds`). Only on SQLite; feeds on PostgreSQL, remote and
+post-processed feeds are written when a crawl process closes. ``False``: every feed is written
+at the close, from the run's records.""",
+    ),
+    Setting(
         "IDEMPOTENT_MAX_ATTEMPTS", 10, "int", "Frontier, leases and runs", "5",
         allowed='1 to 10000',
         doc="""
@@ -524,6 +535,7 @@ class IdempotentConfig:
     metrics_listen: tuple[str, int] | None = None
     recrawl_seconds: float | None = None
     response_journal: bool = True
+    feed_streaming: bool = True
     #: delivery targets of record changes: webhook URLs and import paths of target classes
     outbox_targets: tuple[str, ...] = ()
     outbox_headers: tuple[tuple[str, str], ...] = ()
@@ -568,6 +580,7 @@ class IdempotentConfig:
             sample_seconds=_sample_seconds(settings),
             metrics_listen=metrics_listen(settings),
             response_journal=_boolean(settings, "IDEMPOTENT_RESPONSE_JOURNAL"),
+            feed_streaming=_boolean(settings, "IDEMPOTENT_FEED_STREAMING"),
             **_outbox(settings),
             queue=_queue(settings, spider.name),
             **_scrapy_rules(settings),

@@ -136,6 +136,17 @@ class FeedSession:
     #: once every write of the crawl is committed and before the run can be marked finished
     #: (an exception it raises leaves the run unfinished)
     before_session_end: Callable[[Callable[[FrontierStore, int, bool], Any]], None]
+    #: ``call(what, action)``: ``action(store)`` on the crawl's writer thread, in order with
+    #: its writes (a Deferred of the result; the streamed feeds are written there)
+    call: Callable[[str, Callable[[FrontierStore], Any]], Deferred[Any]]
+    #: ``follow_commits(hook)``: ``hook(store)`` on the writer thread after each commit that
+    #: stored records, before its result reaches the reactor
+    follow_commits: Callable[[Callable[[FrontierStore], None]], None]
+    #: IDEMPOTENT_LEASE_SECONDS: how long a worker's claim on a streamed feed lasts
+    lease_seconds: float
+    #: IDEMPOTENT_FEED_STREAMING (local feeds written while the crawl runs, where the store
+    #: can)
+    streaming: bool
 
 
 def feed_session(crawler: Crawler) -> FeedSession | None:
@@ -154,4 +165,8 @@ def feed_session(crawler: Crawler) -> FeedSession | None:
     return FeedSession(store=scheduler.store, run_id=scheduler.run_id,
                        worker=scheduler.worker,
                        record_id_field=scheduler.config.record_id_field,
-                       before_session_end=scheduler.before_session_end)
+                       before_session_end=scheduler.before_session_end,
+                       call=scheduler.writer.call,
+                       follow_commits=scheduler.writer.follow_commits,
+                       lease_seconds=scheduler.config.lease_seconds,
+                       streaming=scheduler.config.feed_streaming)

@@ -4,7 +4,10 @@ Scrapy's ``FeedExporter`` writes each item as it is scraped, from a process that
 killed: after a SIGKILL and a resume a feed holds some items twice, lacks others (the killed
 process's buffer), or is not valid JSON at all. With the add-on, a feed is a view of the run:
 
-* nothing is written while the crawl runs;
+* a local feed (a path or ``file://``, no post-processing) on a store whose record sequence
+  is in commit order (SQLite) is written while the crawl runs, record by record as their
+  transactions commit, exact through kills (:mod:`.feed_stream`); unless
+  ``IDEMPOTENT_FEED_STREAMING`` is off, the rest below applies to the other feeds only;
 * when a crawl process closes (the run finished, or a graceful stop: Ctrl+C, SIGTERM,
   ``CLOSESPIDER_*``), every feed is written from the database: one entry per record the run
   inserted, updated or saw unchanged, in the order the run first stored them, through Scrapy's
@@ -33,12 +36,14 @@ file), ``%(batch_time)s`` that time plus ``batch_id - 1`` microseconds.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import inspect
 import logging
 import os
 import secrets
 import sys
+import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -58,11 +63,13 @@ from scrapy.extensions.postprocessing import PostProcessingManager
 from scrapy.utils.defer import maybe_deferred_to_future
 from scrapy.utils.misc import load_object
 from twisted.internet.defer import Deferred
+from twisted.internet.task import LoopingCall
 
 from . import scrapy_compat
 from .codec import loads
-from .crawl import feed_session
+from .crawl import FeedSession, feed_session
 from .exceptions import FeedNotStored
+from .feed_stream import FeedStream, FeedTarget, SlotFactory, StreamedFile, streamable
 from .workers import worker_is_dead
 
 if TYPE_CHECKING:
@@ -99,6 +106,12 @@ class IdempotentFeedExporter(FeedExporter):
         self._worker = ""  # the scheduler's worker id: the owner of our temporary files
         self._failed: list[str] = []  # the feeds of this close that could not be stored
         self._finishing = False  # this close ends the run: its feeds are complete
+        self._session: FeedSession | None = None
+        self._streams: dict[str, FeedStream] = {}  # by URI template: written while crawling
+        self._run_start: datetime | None = None
+        self._loop: LoopingCall | None = None
+        self._streaming: Deferred[Any] | None = None  # a write of the streams under way
+        self._streamed_at = 0.0  # when the streams were last written (time.monotonic())
 
     def open_spider(self, spider: Spider) -> None:
         self._spider = spider
@@ -109,15 +122,159 @@ class IdempotentFeedExporter(FeedExporter):
             super().open_spider(spider)
             return
         self._from_run = True
+        self._session = session
         self._record_id_field = session.record_id_field
         self._worker = session.worker
         session.before_session_end(self.export_run)
+        if session.streaming and session.store.STREAMS_FEEDS:
+            self._open_streams(spider)
 
     async def close_spider(self, spider: Spider) -> None:
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        for stream in self._streams.values():  # after a failed close, no file left open
+            stream.close()
         if not self._from_run:
             await super().close_spider(spider)
             return
         await scrapy_compat.send_signal(self.crawler, signals.feed_exporter_closed)
+
+    # -- feeds written while the crawl runs ---------------------------------------------------
+
+    def _open_streams(self, spider: Spider) -> None:
+        """A :class:`~.FeedStream` for each local feed (every ``STREAM_INTERVAL_SECONDS``
+        the records committed since are written on the crawl's writer thread)."""
+        now = datetime.now(timezone.utc)
+        for uri_template, options in self.feeds.items():
+            params = self._run_uri_params(spider, options["uri_params"], now, 1)
+            storage = self._get_storage(scrapy_compat.feed_uri(uri_template, params), options)
+            if not streamable(storage, options):
+                continue
+            factory = SlotFactory(options=options, uri_template=uri_template,
+                                  filter=self.filters[uri_template], spider=spider,
+                                  exporters=self.exporters, settings=self.settings,
+                                  crawler=self.crawler)
+            self._streams[uri_template] = FeedStream(
+                factory, functools.partial(self._target, uri_template, options), self._item)
+        if self._streams:
+            session = self._session
+            assert session is not None
+            session.follow_commits(self._after_commit)
+            self._loop = LoopingCall(self._stream_tick)
+            self._loop.start(STREAM_INTERVAL_SECONDS, now=False)
+
+    def _after_commit(self, store: FrontierStore) -> None:
+        """On the writer thread after a commit that stored records: the feeds written now
+        unless they were less than ``STREAM_INTERVAL_SECONDS`` ago (the next tick writes
+        them then), so a full batch is delivered before the page's children are handed out,
+        as in Scrapy."""
+        session = self._session
+        if session is None or time.monotonic() - self._streamed_at < STREAM_INTERVAL_SECONDS:
+            return
+        completed = self._write_streams(store, session.run_id)
+        if completed:
+            from twisted.internet import reactor
+
+            reactor.callFromThread(self._report_streamed, completed)
+
+    def _target(self, uri_template: str, options: dict[str, Any],
+                batch_id: int) -> FeedTarget:
+        spider = self._spider
+        assert spider is not None and self._run_start is not None
+        params = self._run_uri_params(spider, options["uri_params"], self._run_start, batch_id)
+        uri = scrapy_compat.feed_uri(uri_template, params)
+        storage = self._get_storage(uri, options)
+        assert isinstance(storage, FileFeedStorage)
+        path = Path(storage.path)
+        _remove_orphans(path)  # a snapshot's temporary files left by a killed worker
+        return FeedTarget(uri, path, storage.write_mode == "ab")
+
+    def _stream_tick(self) -> None:
+        session = self._session
+        if self._streaming is not None or session is None:
+            return  # the last write is still under way
+        self._streaming = session.call("writing the feeds",
+                                       lambda store: self._write_streams(store, session.run_id))
+        self._streaming.addCallbacks(self._report_streamed, self._stream_not_written)
+        self._streaming.addBoth(self._stream_done)
+
+    def _stream_done(self, _: Any) -> None:
+        self._streaming = None
+
+    def _stream_not_written(self, failure: Any) -> None:
+        # the store busy or the writer stopping: the next write (or the close) goes on
+        logger.info("Feeds not written this time: %s", failure.getErrorMessage(),
+                    extra={"spider": self._spider})
+
+    def _write_streams(self, store: FrontierStore, run_id: int, *,
+                       final: bool = False) -> list[StreamedFile]:
+        """Advance every streamed feed (where the store may be used); the files completed.
+        A feed whose file cannot be written is given up for this process, its cause logged
+        once; the others go on."""
+        session = self._session
+        assert session is not None
+        if self._run_start is None:
+            self._run_start = self._run_start_of(store, run_id)
+        self._streamed_at = time.monotonic()
+        completed: list[StreamedFile] = []
+        for stream in self._streams.values():
+            if stream.error is not None:
+                continue
+            try:
+                held = not stream.advance(store, run_id, session.worker,
+                                          session.lease_seconds, final=final)
+            except OSError as exc:
+                logger.error("Error writing the feed %s: this feed is not stored by this "
+                             "process (the other feeds are)", stream.uri, exc_info=True,
+                             extra={"spider": self._spider})
+                stream.error = exc
+                stream.close()
+                continue
+            completed.extend(stream.completed)
+            if held and final:
+                stream.held = True
+        return completed
+
+    def _report_streamed(self, completed: list[StreamedFile]) -> None:
+        """Scrapy's log line, stats and signal for each file completed."""
+        for done in completed:
+            logger.info("Stored %s feed (%d items) in: %s", done.format, done.items, done.uri,
+                        extra={"spider": self._spider})
+            self.crawler.stats.inc_value("feedexport/success_count/FileFeedStorage")
+            if done.slot is not None:
+                self.crawler.signals.send_catch_log(signals.feed_slot_closed, slot=done.slot)
+
+    async def _close_streams(self, store: FrontierStore, run_id: int) -> None:
+        """At the close: the last records into every streamed feed, its claim given up."""
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        if self._streaming is not None:
+            with contextlib.suppress(Exception):
+                await maybe_deferred_to_future(self._streaming)
+        if not self._streams:
+            return
+        for stream in self._streams.values():
+            stream.held = False
+        self._report_streamed(self._write_streams(store, run_id, final=True))
+        for stream in self._streams.values():
+            if stream.error is not None:
+                self.crawler.stats.inc_value("feedexport/failed_count/FileFeedStorage")
+                self._failed.append(f"{stream.uri} ({type(stream.error).__name__}: "
+                                    f"{stream.error})")
+            elif stream.held and self._finishing:
+                # another worker of the run writes it: the run is finished by the last one
+                self._failed.append(f"{stream.uri} (being written by another worker)")
+            elif self._finishing:
+                # complete: a snapshot written at another process's close never replaces it
+                for batch_id in range(1, (stream.mark.batch_id if stream.mark else 1) + 1):
+                    store.store_feed(run_id, stream.target(batch_id).uri, _COMPLETE,
+                                     lambda: None)
+
+    @staticmethod
+    def _run_start_of(store: FrontierStore, run_id: int) -> datetime:
+        started = next((run.started_at for run in store.runs() if run.run_id == run_id), None)
+        return (datetime.fromtimestamp(started, timezone.utc) if started is not None
+                else datetime.now(timezone.utc))
 
     # -- writing the run's feeds -------------------------------------------------------------
 
@@ -127,12 +284,14 @@ class IdempotentFeedExporter(FeedExporter):
         written only then)."""
         spider = self._spider
         assert spider is not None
-        started = next((run.started_at for run in store.runs() if run.run_id == run_id),
-                       None)
-        run_start = (datetime.fromtimestamp(started, timezone.utc) if started is not None
-                     else datetime.now(timezone.utc))
+        self._failed = []
+        self._finishing = finishing
+        await self._close_streams(store, run_id)
+        run_start = self._run_start_of(store, run_id)
         slots: list[_RunSlot] = []
         for uri_template, options in self.feeds.items():
+            if uri_template in self._streams:
+                continue
             slot = self._run_slot(run_start, uri_template, options, 1)
             if slot.append_only_remote and not finishing:
                 logger.info("Feed %s is appended to remotely: it is written when the run "
@@ -140,9 +299,9 @@ class IdempotentFeedExporter(FeedExporter):
                 continue
             slots.append(slot)
         if not slots:
+            if self._failed:
+                raise FeedNotStored(self._failed)
             return
-        self._failed = []
-        self._finishing = finishing
         try:
             # run_records holds no read transaction between its pages: the base of an
             # appended feed (a write) never meets a stale snapshot.
@@ -307,6 +466,10 @@ class IdempotentFeedExporter(FeedExporter):
                 ItemAdapter(item)[self._record_id_field] = row.record_id
         return item
 
+
+#: How often the records committed since are written into the streamed feeds: the most a
+#: committed record waits to be in them (plus the write itself).
+STREAM_INTERVAL_SECONDS = 1.0
 
 #: Temporary files of a feed: ``.NAME.<worker id, ':' as '+'>.<token>.partial``.
 _PARTIAL = ".partial"

@@ -199,6 +199,7 @@ class WriterThread:
         self._drains: list[Deferred[None]] = []
         #: the error that failed a batch; from then on nothing more is written
         self.error: BaseException | None = None
+        self._followers: list[Callable[[FrontierStore], None]] = []
         self.batches = 0  #: batches committed
         self.pages = 0  #: completions in those batches
 
@@ -408,9 +409,27 @@ class WriterThread:
         work, seq = batch
         self._batch_inflight = True
         self._sent_at = time.monotonic()
-        d = self.call("committing", lambda store: store.commit(work, self.worker))
+        d = self.call("committing", lambda store: self._commit_then_follow(store, work))
         d.addCallbacks(self._batch_done, self._batch_failed, callbackArgs=(work, seq),
                        errbackArgs=(work, seq))
+
+    def follow_commits(self, hook: Callable[[FrontierStore], None]) -> None:
+        """Call ``hook(store)`` on the writer's thread after each batch that stored records,
+        before its result reaches the reactor (the streamed feeds are written there, so a
+        record is in them before what its page yielded is handed out). Its errors are
+        logged, never retried with the commit."""
+        self._followers.append(hook)
+
+    def _commit_then_follow(self, store: FrontierStore, work: UnitOfWork) -> CommitResult:
+        result = store.commit(work, self.worker)
+        if self._followers and (result.records_inserted or result.records_updated
+                                or result.records_unchanged):
+            for hook in self._followers:
+                try:
+                    hook(store)
+                except Exception:  # the commit is done: never retried because of this
+                    logger.info("scrapy_idempotent: after a commit: %s", hook, exc_info=True)
+        return result
 
     def _cancel_dispatch(self) -> None:
         if self._dispatch_call is not None and self._dispatch_call.active():

@@ -49,6 +49,7 @@ from .reads import (
     CrawlMetrics,
     EngineSetting,
     FailedRequest,
+    FeedMark,
     FrontierEntry,
     IntegrityReport,
     LeaseHolder,
@@ -63,6 +64,7 @@ from .reads import (
     RunSummary,
     Sample,
     SchemaInfo,
+    SeqRecord,
     SessionInfo,
     StoredRecord,
 )
@@ -74,6 +76,7 @@ __all__ = [
     "CrawlMetrics",
     "EngineSetting",
     "FailedRequest",
+    "FeedMark",
     "FrontierEntry",
     "FrontierStatus",
     "FrontierStore",
@@ -100,6 +103,7 @@ __all__ = [
     "RunSummary",
     "Sample",
     "SchemaInfo",
+    "SeqRecord",
     "SessionInfo",
     "StoredRecord",
     "UnitOfWork",
@@ -664,6 +668,31 @@ class FrontierStore(ABC):
         and an older version never replaces a newer one. True when stored; False (nothing
         done) when a newer version was stored. An exception from ``replace`` rolls back.
         The level is kept in the ``feeds`` table, under the key ``"stored " + uri``."""
+
+    #: The records' sequence of first sight in a run (``seen_seq``) is in commit order: a
+    #: record committed after another has a higher one, so a feed can be written while the
+    #: crawl runs by following the sequence (:meth:`stream_feed`). False where concurrent
+    #: transactions take numbers out of commit order (PostgreSQL's sequences).
+    STREAMS_FEEDS: bool = False
+
+    def stream_feed(self, run_id: int, key: str, worker: str, *, lease_seconds: float,
+                    base: Callable[[], int], holder_gone: Callable[[str], bool],
+                    write: Callable[[FeedMark, Callable[[int, int], list[SeqRecord]]],
+                                    FeedMark],
+                    release: bool = False) -> FeedMark | None:
+        """Write the next part of streamed feed ``key`` of run ``run_id`` as ``worker``.
+
+        The feed's row (table ``feeds``, under ``key``) is created first, in a transaction
+        of its own, with ``base()`` (the size of the file before the run) as its mark, so the
+        base is durable before anything is written. Then, in one write transaction: the feed
+        is claimed for ``worker`` until ``lease_seconds`` from now unless another worker
+        holds it (its claim unexpired and ``holder_gone(holder)`` false: None is returned,
+        nothing done); ``write(mark, fetch)`` writes the file from the durable ``mark`` on
+        (``fetch(after_seq, limit)``: the run's records with a higher sequence, in sequence
+        order) and returns the new mark once the file is synced; the new mark is recorded.
+        An exception from ``write`` rolls back (the mark stays). ``release``: the claim is
+        given up at the end (a closing worker). Only where :attr:`STREAMS_FEEDS`."""
+        raise NotImplementedError("this store does not stream feeds")
 
     @abstractmethod
     def rejects(self, *, run_id: int | None = None, pending_only: bool = False,

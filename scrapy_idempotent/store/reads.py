@@ -15,6 +15,7 @@ __all__ = [
     "CrawlMetrics",
     "EngineSetting",
     "FailedRequest",
+    "FeedMark",
     "FrontierEntry",
     "IntegrityReport",
     "LeaseHolder",
@@ -29,6 +30,7 @@ __all__ = [
     "RunSummary",
     "Sample",
     "SchemaInfo",
+    "SeqRecord",
     "SessionInfo",
     "StoredRecord",
 ]
@@ -233,6 +235,38 @@ class RunRecord:
     data: str  #: JSON text
     first_seen: float
     last_changed: float
+
+
+@dataclass(frozen=True)
+class SeqRecord:
+    """A record of a run with its sequence of first sight (:meth:`FrontierStore.stream_feed`)."""
+
+    record: RunRecord
+    seq: int
+
+
+@dataclass(frozen=True)
+class FeedMark:
+    """How far a streamed feed is durably written (:meth:`FrontierStore.stream_feed`): the
+    file of batch ``batch_id`` holds, up to byte ``offset``, one entry per accepted record of
+    the run up to sequence ``seq`` (a record's number of first sight in the run). Bytes past
+    ``offset`` (a format's closing bytes, or what a killed writer left) are cut before the
+    file is written again."""
+
+    #: the last record sequence (``seen_seq``) written or passed over (not accepted)
+    seq: int = 0
+    #: the file's size after the entry of ``seq``
+    offset: int = 0
+    #: the batch (``%(batch_id)d``) being written
+    batch_id: int = 1
+    #: entries in the file of ``batch_id``
+    items: int = 0
+    #: the sequence of the first entry in that file (0: none yet)
+    first_seq: int = 0
+    #: entries in every batch of the feed
+    total: int = 0
+    #: the size the first file had before the run wrote to it (an appended feed's old part)
+    base: int = 0
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,15 @@ from .base import (
     UnitOfWork,
     observation_clock,
 )
-from .reads import EngineSetting, IntegrityReport, RunSummary, SchemaInfo
+from .reads import (
+    EngineSetting,
+    FeedMark,
+    IntegrityReport,
+    RunRecord,
+    RunSummary,
+    SchemaInfo,
+    SeqRecord,
+)
 from .rules import (
     CLAIMED_COLUMNS,
     QUEUE_ORDER,
@@ -43,7 +51,7 @@ __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 #: Schema migrations: ``_MIGRATIONS[n]`` brings version n to n + 1, one transaction each.
 _MIGRATIONS: list[list[str]] = [
@@ -233,6 +241,18 @@ _MIGRATIONS: list[list[str]] = [
             PRIMARY KEY (run_id, slot)
         )""",
     ],
+    [
+        # Streamed feeds: per run and feed (key "stream " + the feed's URI template), how far
+        # the file is durably written (FeedMark) and the worker writing it until when.
+        """ALTER TABLE feeds ADD COLUMN seq INTEGER NOT NULL DEFAULT 0""",
+        """ALTER TABLE feeds ADD COLUMN byte_offset INTEGER NOT NULL DEFAULT 0""",
+        """ALTER TABLE feeds ADD COLUMN batch_id INTEGER NOT NULL DEFAULT 1""",
+        """ALTER TABLE feeds ADD COLUMN items INTEGER NOT NULL DEFAULT 0""",
+        """ALTER TABLE feeds ADD COLUMN first_seq INTEGER NOT NULL DEFAULT 0""",
+        """ALTER TABLE feeds ADD COLUMN total INTEGER NOT NULL DEFAULT 0""",
+        """ALTER TABLE feeds ADD COLUMN writer TEXT""",
+        """ALTER TABLE feeds ADD COLUMN writer_until REAL""",
+    ],
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -247,7 +267,8 @@ _TABLES: dict[int, frozenset[str]] = {1: _TABLES_1, 2: _TABLES_1 | {"feeds"},
                                       5: _TABLES_1 | {"feeds"},
                                       6: _TABLES_1 | {"feeds", "outbox"},
                                       7: _TABLES_1 | {"feeds", "outbox"},
-                                      8: _TABLES_1 | {"feeds", "outbox", "samples"}}
+                                      8: _TABLES_1 | {"feeds", "outbox", "samples"},
+                                      9: _TABLES_1 | {"feeds", "outbox", "samples"}}
 assert set(_TABLES) == set(range(1, SCHEMA_VERSION + 1))
 #: Schema versions written before the application id was (files of those have none).
 _BEFORE_APPLICATION_ID = frozenset({1, 2, 3})
@@ -812,6 +833,50 @@ class SQLiteStore(SqlStore):
               r.parent_key, now, run_id) for r in new])
         added: int = cur.rowcount
         return lambda: added
+
+    # -- streamed feeds ---------------------------------------------------------------------
+
+    # One connection, one writer at a time: the run's counter of first sights (seen_seq) is
+    # taken in the page transaction under SQLite's write lock, so it is in commit order.
+    STREAMS_FEEDS = True
+
+    _MARK_COLUMNS = "seq, byte_offset, batch_id, items, first_seq, total, base_size"
+
+    def stream_feed(self, run_id: int, key: str, worker: str, *, lease_seconds: float,
+                    base: Callable[[], int], holder_gone: Callable[[str], bool],
+                    write: Callable[[FeedMark, Callable[[int, int], list[SeqRecord]]],
+                                    FeedMark],
+                    release: bool = False) -> FeedMark | None:
+        where = "WHERE run_id = ? AND uri = ?"
+        with self._write("starting a feed") as cur:
+            if cur.execute(f"SELECT 1 FROM feeds {where}", (run_id, key)).fetchone() is None:
+                size = base()
+                cur.execute("INSERT INTO feeds (run_id, uri, base_size, byte_offset)"
+                            " VALUES (?, ?, ?, ?)", (run_id, key, size, size))
+        with self._write("writing a feed") as cur:
+            now = self.clock()
+            row = cur.execute(f"SELECT {self._MARK_COLUMNS}, writer, writer_until FROM feeds"
+                              f" {where}", (run_id, key)).fetchone()
+            holder, until = row[7], row[8]
+            if (holder is not None and holder != worker and until is not None and until >= now
+                    and not holder_gone(holder)):
+                return None
+            mark = FeedMark(*row[:7])
+
+            def fetch(after: int, limit: int) -> list[SeqRecord]:
+                return [SeqRecord(RunRecord(*r[:5]), r[5]) for r in cur.execute(
+                    "SELECT record_id, item_type, data, first_seen, last_changed, seen_seq"
+                    " FROM records WHERE seen_run_id = ? AND seen_seq > ?"
+                    " ORDER BY seen_seq LIMIT ?", (run_id, after, limit)).fetchall()]
+
+            new = write(mark, fetch)
+            cur.execute(
+                "UPDATE feeds SET seq = ?, byte_offset = ?, batch_id = ?, items = ?,"
+                f" first_seq = ?, total = ?, writer = ?, writer_until = ? {where}",
+                (new.seq, new.offset, new.batch_id, new.items, new.first_seq, new.total,
+                 None if release else worker, None if release else now + lease_seconds,
+                 run_id, key))
+        return new
 
     def _records_prelude(self, cur: Any, run_id: int, count: int
                          ) -> tuple[float | None, list[int]]:
