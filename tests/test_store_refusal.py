@@ -40,6 +40,9 @@ def as_earlier_version(path: Path, *, schema_3: bool, journal_mode: str) -> None
     ``schema_3``, also the schema (and no application id) of version 3."""
     conn = sqlite3.connect(path, isolation_level=None)
     if schema_3:
+        for column in ("seq", "byte_offset", "batch_id", "items", "first_seq", "total",
+                       "writer", "writer_until"):  # schema 8
+            conn.execute(f"ALTER TABLE feeds DROP COLUMN {column}")
         conn.execute("ALTER TABLE records DROP COLUMN observed_at")  # schema 7
         conn.execute("ALTER TABLE records DROP COLUMN version")
         conn.execute("DROP TABLE outbox")  # schema 6
