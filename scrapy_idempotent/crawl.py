@@ -139,6 +139,9 @@ class FeedSession:
     #: ``call(what, action)``: ``action(store)`` on the crawl's writer thread, in order with
     #: its writes (a Deferred of the result; the streamed feeds are written there)
     call: Callable[[str, Callable[[FrontierStore], Any]], Deferred[Any]]
+    #: the run this process works on now (a crawl open across the run boundary goes on in
+    #: the next run: see the scheduler)
+    current_run: Callable[[], int | None]
     #: ``follow_commits(hook)``: ``hook(store)`` on the writer thread after each commit that
     #: stored records, before its result reaches the reactor
     follow_commits: Callable[[Callable[[FrontierStore], None]], None]
@@ -167,6 +170,7 @@ def feed_session(crawler: Crawler) -> FeedSession | None:
                        record_id_field=scheduler.config.record_id_field,
                        before_session_end=scheduler.before_session_end,
                        call=scheduler.writer.call,
+                       current_run=lambda: scheduler.run_id,
                        follow_commits=scheduler.writer.follow_commits,
                        lease_seconds=scheduler.config.lease_seconds,
                        streaming=scheduler.config.feed_streaming)

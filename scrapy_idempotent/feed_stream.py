@@ -167,6 +167,13 @@ class FeedStream:
         self.held = False
         self.format = str(factory.options["format"])
 
+    def reset(self) -> None:
+        """Another run from now on: its own mark, files and exporter."""
+        self._close_file()
+        self._targets = {}
+        self.mark = None
+        self.held = False
+
     def target(self, batch_id: int) -> FeedTarget:
         if batch_id not in self._targets:
             self._targets = {batch_id: self._target(batch_id)}

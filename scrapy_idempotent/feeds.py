@@ -111,6 +111,7 @@ class IdempotentFeedExporter(FeedExporter):
         self._run_start: datetime | None = None
         self._loop: LoopingCall | None = None
         self._streaming: Deferred[Any] | None = None  # a write of the streams under way
+        self._streams_run: int | None = None  # the run the streams write
         self._streamed_at = 0.0  # when the streams were last written (time.monotonic())
 
     def open_spider(self, spider: Spider) -> None:
@@ -171,7 +172,10 @@ class IdempotentFeedExporter(FeedExporter):
         session = self._session
         if session is None or time.monotonic() - self._streamed_at < STREAM_INTERVAL_SECONDS:
             return
-        completed = self._write_streams(store, session.run_id)
+        run_id = session.current_run()
+        if run_id is None:
+            return
+        completed = self._write_streams(store, run_id)
         if completed:
             from twisted.internet import reactor
 
@@ -193,8 +197,11 @@ class IdempotentFeedExporter(FeedExporter):
         session = self._session
         if self._streaming is not None or session is None:
             return  # the last write is still under way
+        run_id = session.current_run()
+        if run_id is None:
+            return
         self._streaming = session.call("writing the feeds",
-                                       lambda store: self._write_streams(store, session.run_id))
+                                       lambda store: self._write_streams(store, run_id))
         self._streaming.addCallbacks(self._report_streamed, self._stream_not_written)
         self._streaming.addBoth(self._stream_done)
 
@@ -213,7 +220,10 @@ class IdempotentFeedExporter(FeedExporter):
         once; the others go on."""
         session = self._session
         assert session is not None
-        if self._run_start is None:
+        if run_id != self._streams_run:  # the first write, or this crawl moved to a newer run
+            for stream in self._streams.values():
+                stream.reset()
+            self._streams_run = run_id
             self._run_start = self._run_start_of(store, run_id)
         self._streamed_at = time.monotonic()
         completed: list[StreamedFile] = []

@@ -171,7 +171,7 @@ def test_a_database_of_an_earlier_version_gets_its_identity_at_the_first_open(
     conn.execute("PRAGMA application_id = 0")
     # as schema version 3 wrote it (the last one without an application id)
     for column in ("seq", "byte_offset", "batch_id", "items", "first_seq", "total", "writer",
-                   "writer_until"):  # schema 8
+                   "writer_until"):  # schema 9
         conn.execute(f"ALTER TABLE feeds DROP COLUMN {column}")
     conn.execute("ALTER TABLE records DROP COLUMN observed_at")  # schema 7
     conn.execute("ALTER TABLE records DROP COLUMN version")

@@ -41,7 +41,7 @@ def as_earlier_version(path: Path, *, schema_3: bool, journal_mode: str) -> None
     conn = sqlite3.connect(path, isolation_level=None)
     if schema_3:
         for column in ("seq", "byte_offset", "batch_id", "items", "first_seq", "total",
-                       "writer", "writer_until"):  # schema 8
+                       "writer", "writer_until"):  # schema 9
             conn.execute(f"ALTER TABLE feeds DROP COLUMN {column}")
         conn.execute("ALTER TABLE records DROP COLUMN observed_at")  # schema 7
         conn.execute("ALTER TABLE records DROP COLUMN version")
