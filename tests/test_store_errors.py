@@ -173,6 +173,9 @@ def test_a_database_of_an_earlier_version_gets_its_identity_at_the_first_open(
     for column in ("seq", "byte_offset", "batch_id", "items", "first_seq", "total", "writer",
                    "writer_until"):  # schema 9
         conn.execute(f"ALTER TABLE feeds DROP COLUMN {column}")
+    conn.execute("DROP TABLE samples")  # schema 8
+    for column in ("records_stale", "leases_reclaimed", "leases_lost"):
+        conn.execute(f"ALTER TABLE runs DROP COLUMN {column}")
     conn.execute("ALTER TABLE records DROP COLUMN observed_at")  # schema 7
     conn.execute("ALTER TABLE records DROP COLUMN version")
     conn.execute("DROP TABLE outbox")  # schema 6
