@@ -236,3 +236,48 @@ def test_sqlite_known_done_fingerprint_is_read_once(tmp_path, clock, monkeypatch
         assert len(reads) == 3  # a pending entry can change: read each time
     finally:
         store.close()
+
+
+def test_a_streamed_feed_is_written_by_one_worker_at_a_time(tmp_path, clock):
+    """The feed's claim: another worker's write is refused (nothing written, the mark kept)
+    while the holder's claim lasts; once it expired the other takes the feed over from the
+    durable mark, and the old holder's later write is refused in turn."""
+    from scrapy_idempotent.store import FeedMark
+
+    path = str(tmp_path / "f.sqlite3")
+    a, b = SQLiteStore(path, clock=clock), SQLiteStore(path, clock=clock)
+    a.open(fingerprinter="x")
+    b.open(fingerprinter="x")
+    run = a.begin_session("w1", "auto").run_id
+    b.begin_session("w2", "auto")
+    writes: list[str] = []
+
+    def writer(name):
+        def write(mark, fetch):
+            writes.append(name)
+            return FeedMark(seq=mark.seq + 1, offset=mark.offset + 10, batch_id=1,
+                            items=mark.items + 1, first_seq=1, total=mark.total + 1,
+                            base=mark.base)
+        return write
+
+    def stream(store, worker, *, release=False):
+        return store.stream_feed(run, "stream out.jsonl", worker, lease_seconds=30,
+                                 base=lambda: 5, holder_gone=lambda holder: False,
+                                 write=writer(worker), release=release)
+
+    try:
+        assert stream(a, "w1") == FeedMark(1, 15, 1, 1, 1, 1, 5)  # from the base: 5 bytes
+        assert stream(b, "w2") is None  # w1 holds it
+        clock.advance(20)
+        assert stream(a, "w1").seq == 2  # renewed by its write
+        clock.advance(20)
+        assert stream(b, "w2") is None  # 20 s after w1's last write: still w1's
+        clock.advance(11)
+        assert stream(b, "w2") == FeedMark(3, 35, 1, 3, 1, 3, 5)  # taken over at the mark
+        assert stream(a, "w1") is None  # the late holder writes nothing
+        assert stream(b, "w2", release=True).seq == 4  # a closing worker gives it up
+        assert stream(a, "w1").seq == 5
+        assert writes == ["w1", "w1", "w2", "w2", "w1"]
+    finally:
+        a.close()
+        b.close()
