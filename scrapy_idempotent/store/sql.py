@@ -35,6 +35,7 @@ from ..exceptions import StoreError
 from .base import (
     CommitResult,
     Completion,
+    CrawlIdentity,
     FailedRequest,
     FrontierEntry,
     FrontierStatus,
@@ -53,6 +54,7 @@ from .base import (
     RequestState,
     RequestSummary,
     RetriedFailed,
+    RunMode,
     RunRecord,
     Sample,
     SessionInfo,
@@ -73,6 +75,7 @@ from .rules import (
     record_id_scheme_refusal,
     record_write,
     split_claim,
+    starts_new_run,
     stored_record_id_scheme,
     window_start,
 )
@@ -189,15 +192,49 @@ class SqlStore(FrontierStore):
         the PostgreSQL store)."""
 
     @abstractmethod
-    def _count_reclaimed(self, cur: Any, reclaimed: int) -> None:
-        """Add ``reclaimed`` leases taken back from expired or dead workers to the run's
-        counters (same transaction)."""
+    def _add_to_counter(self, cur: Any, column: str, count: int) -> None:
+        """Add ``count`` to this worker's share of the run counter ``column`` (the run's row
+        on SQLite, the session's on PostgreSQL), in the transaction of ``cur``: the leases
+        taken back from expired or dead workers (``leases_reclaimed``), the claims given
+        back unstarted (``leased``, negative)."""
 
     def _observation_offset(self) -> float:
         """Seconds added to a worker's observation time to put it on the store's clock."""
         return 0.0
 
     # -- the database's metadata ----------------------------------------------------------
+
+    def _claim_meta(self, cur: Any, fingerprinter: str, identity: CrawlIdentity | None,
+                    record_id_scheme: str | None, where: str) -> str:
+        """What a database records at its first open (a database of an earlier version gets
+        what it lacks now), in the transaction of ``cur``: the fingerprinter and the creation
+        time, the crawl identity (another crawl's is refused: checked again here, in the
+        write transaction, for a crawl that claimed it since the read-only check) and the
+        record ID scheme. Returns the fingerprinter recorded."""
+        cur.execute(self._q("INSERT INTO meta VALUES ('fingerprinter', ?), ('created_at', ?)"
+                            " ON CONFLICT (key) DO NOTHING"), (fingerprinter, repr(self.clock())))
+        (stored,) = cur.execute(
+            "SELECT value FROM meta WHERE key = 'fingerprinter'").fetchall()[0]
+        if identity is not None:
+            self._check_identity(self._claim_identity(cur, identity), identity)
+        self._claim_record_id_scheme(cur, record_id_scheme, where)
+        return str(stored)
+
+    def _claim_identity(self, cur: Any, identity: CrawlIdentity) -> dict[str, str]:
+        """The identity recorded in the database, ``identity`` when none was yet."""
+        identity_sql = "SELECT key, value FROM meta WHERE key IN ('project', 'spider', 'source')"
+        stored = dict(cur.execute(identity_sql).fetchall())
+        if not stored:
+            cur.execute(self._q("INSERT INTO meta VALUES ('project', ?), ('spider', ?),"
+                                " ('source', ?) ON CONFLICT (key) DO NOTHING"),
+                        (identity.project, identity.spider, identity.source))
+            stored = dict(cur.execute(identity_sql).fetchall())  # (another worker's, maybe)
+        return stored
+
+    @abstractmethod
+    def _check_identity(self, stored: dict[str, str], identity: CrawlIdentity) -> None:
+        """Refuse the database whose recorded identity ``stored`` is another crawl's (an
+        empty one is nobody's yet: the first open records it)."""
 
     def _claim_record_id_scheme(self, cur: Any, scheme: str | None, where: str) -> None:
         """Record ``scheme`` as the record ID scheme of this database's records, unless it
@@ -217,6 +254,66 @@ class SqlStore(FrontierStore):
                                 " ON CONFLICT (key) DO NOTHING"), (stored,))
         if stored != scheme:
             raise StoreError(record_id_scheme_refusal(where, stored, scheme))
+
+    # -- runs and sessions ----------------------------------------------------------------
+
+    def _lock_runs(self, cur: Any) -> None:
+        """Serialise the run starts of this crawl in the transaction of ``cur``; nothing by
+        default (a backend whose write transactions are serial)."""
+
+    def _lock_frontier(self, cur: Any) -> None:
+        """Before a session that finishes the run reads whether anything is left: wait for
+        the page commits in progress; nothing by default (write transactions are serial)."""
+
+    def _empty(self, cur: Any, *tables: str) -> None:
+        """Delete every row of ``tables`` in the transaction of ``cur``."""
+        for table in tables:
+            cur.execute(f"DELETE FROM {table}")
+
+    def _start_run(self, cur: Any, run_mode: RunMode, now: float) -> tuple[int, bool]:
+        """The run a session joining with ``run_mode`` belongs to, and whether it starts now
+        (:func:`.rules.starts_new_run`). A new run ends an unfinished one (``superseded``)
+        and empties the frontier, but for what was done within the recrawl window, and the
+        response journal."""
+        self._lock_runs(cur)
+        last = cur.execute(_LAST_RUN).fetchone()
+        new = starts_new_run(run_mode, None if last is None else last[1] is not None)
+        if last is not None and not new:
+            return int(last[0]), False
+        cur.execute(self._q("UPDATE runs SET finished_at = ?, reason = 'superseded'"
+                            " WHERE finished_at IS NULL"), (now,))
+        if self.recrawl_seconds is None:
+            self._empty(cur, "requests", "responses")
+        else:  # keep what was done in the current window
+            cur.execute(self._q("DELETE FROM requests WHERE state NOT IN"
+                                " ('done', 'failed', 'redirected') OR finished_at < ?"),
+                        (window_start(self.recrawl_seconds, now),))
+            self._empty(cur, "responses")
+        (run_id,) = cur.execute(self._q("INSERT INTO runs (started_at) VALUES (?)"
+                                        " RETURNING run_id"), (now,)).fetchall()[0]
+        return int(run_id), True
+
+    def end_session(self, worker: str, reason: str, inflight: Sequence[str] = (), *,
+                    finish_run: bool = True) -> int:
+        now = self.clock()
+        with self._write("closing") as cur:
+            finishing = reason == "finished" and finish_run and self.run_id is not None
+            if finishing:
+                self._lock_frontier(cur)
+            unstarted = self._stopping(cur, worker, inflight)
+            self._add_to_counter(cur, "leased", -unstarted)
+            released = self._release(cur, [worker])
+            cur.execute(self._q("UPDATE sessions SET ended_at = ?, reason = ?"
+                                " WHERE worker = ? AND ended_at IS NULL"), (now, reason, worker))
+            if finishing:
+                (busy,) = cur.execute(
+                    "SELECT EXISTS (SELECT 1 FROM requests WHERE state IN"
+                    " ('pending', 'leased'))").fetchall()[0]
+                if not busy:
+                    cur.execute(self._q("UPDATE runs SET finished_at = ?, reason = ?"
+                                        " WHERE run_id = ? AND finished_at IS NULL"),
+                                (now, reason, self.run_id))
+        return released
 
     # -- the page commit ------------------------------------------------------------------
 
@@ -632,7 +729,7 @@ class SqlStore(FrontierStore):
             return 0
         with self._write("releasing leases") as cur:
             released = self._release(cur, workers)
-            self._count_reclaimed(cur, released)
+            self._add_to_counter(cur, "leases_reclaimed", released)
             return released
 
     def _stopping(self, cur: Any, worker: str, inflight: Sequence[str]) -> int:

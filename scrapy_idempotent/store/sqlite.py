@@ -42,8 +42,6 @@ from .rules import (
     QUEUE_ORDER,
     isolate_after,
     other_owner,
-    starts_new_run,
-    window_start,
 )
 from .sql import SqlStore
 
@@ -451,15 +449,8 @@ class SQLiteStore(SqlStore):
             with self._write() as cur:
                 if cur.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
                     cur.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-                cur.execute("INSERT OR IGNORE INTO meta VALUES ('fingerprinter', ?)",
-                            (fingerprinter,))
-                cur.execute("INSERT OR IGNORE INTO meta VALUES ('created_at', ?)",
-                            (repr(self.clock()),))
-                stored = cur.execute(
-                    "SELECT value FROM meta WHERE key = 'fingerprinter'").fetchone()[0]
-                if identity is not None:
-                    self._claim_identity(cur, identity)
-                self._claim_record_id_scheme(cur, record_id_scheme, self.path)
+                stored = self._claim_meta(cur, fingerprinter, identity, record_id_scheme,
+                                          self.path)
             self._read = self._open_reader()
             self._read_thread = threading.get_ident()
         except StoreError:
@@ -575,18 +566,6 @@ class SQLiteStore(SqlStore):
             return {}
         return dict(conn.execute(
             "SELECT key, value FROM meta WHERE key IN ('project', 'spider', 'source')"))
-
-    def _claim_identity(self, cur: sqlite3.Cursor, identity: CrawlIdentity) -> None:
-        """Record whose database this is at its first open (a database of an earlier
-        version gets it now); refuse another crawl's (checked again here, in the write
-        transaction, for a crawl that claimed the file since the read-only check)."""
-        stored = self._stored_identity(cur)
-        if not stored:
-            cur.executemany("INSERT INTO meta VALUES (?, ?)", [
-                ("project", identity.project), ("spider", identity.spider),
-                ("source", identity.source)])
-            return
-        self._check_identity(stored, identity)
 
     def _check_identity(self, stored: dict[str, str], identity: CrawlIdentity) -> None:
         """Refuse the database whose recorded identity ``stored`` is another crawl's (an
@@ -716,31 +695,7 @@ class SQLiteStore(SqlStore):
     def begin_session(self, worker: str, run_mode: RunMode) -> RunInfo:
         now = self.clock()
         with self._write() as cur:
-            last = cur.execute(
-                "SELECT run_id, finished_at FROM runs ORDER BY run_id DESC LIMIT 1"
-            ).fetchone()
-            new = starts_new_run(run_mode, None if last is None else last[1] is not None)
-            if new:
-                # an earlier run left unfinished (IDEMPOTENT_RUN_MODE = fresh) ends here
-                cur.execute(
-                    "UPDATE runs SET finished_at = ?, reason = 'superseded'"
-                    " WHERE finished_at IS NULL",
-                    (now,),
-                )
-                if self.recrawl_seconds is None:
-                    cur.execute("DELETE FROM requests")
-                else:  # keep what was done in the current window
-                    cur.execute(
-                        "DELETE FROM requests WHERE state NOT IN"
-                        " ('done', 'failed', 'redirected') OR finished_at < ?",
-                        (window_start(self.recrawl_seconds, now),),
-                    )
-                cur.execute("DELETE FROM responses")
-                run_id = cur.execute(
-                    "INSERT INTO runs (started_at) VALUES (?)", (now,)).lastrowid
-            else:
-                run_id = last[0]
-            assert run_id is not None
+            run_id, new = self._start_run(cur, run_mode, now)
             cur.execute(
                 "INSERT INTO sessions (run_id, worker, started_at) VALUES (?, ?, ?)",
                 (run_id, worker, now),
@@ -767,32 +722,6 @@ class SQLiteStore(SqlStore):
                              (run_id,)).fetchone()[0]
         self._observed_offset = max(0.0, (latest or 0.0) - self._observation_clock())
         self.run_id = run_id
-
-    def end_session(self, worker: str, reason: str, inflight: Sequence[str] = (), *,
-                    finish_run: bool = True) -> int:
-        now = self.clock()
-        with self._write() as cur:
-            unstarted = self._stopping(cur, worker, inflight)
-            if unstarted and self.run_id is not None:
-                cur.execute("UPDATE runs SET leased = leased - ? WHERE run_id = ?",
-                            (unstarted, self.run_id))
-            released = self._release(cur, [worker])
-            cur.execute(
-                "UPDATE sessions SET ended_at = ?, reason = ? "
-                "WHERE worker = ? AND ended_at IS NULL",
-                (now, reason, worker),
-            )
-            if reason == "finished" and finish_run and self.run_id is not None:
-                busy = cur.execute(
-                    "SELECT EXISTS (SELECT 1 FROM requests WHERE state IN ('pending', 'leased'))"
-                ).fetchone()[0]
-                if not busy:
-                    cur.execute(
-                        "UPDATE runs SET finished_at = ?, reason = ? "
-                        "WHERE run_id = ? AND finished_at IS NULL",
-                        (now, reason, self.run_id),
-                    )
-        return released
 
     # -- the unit of work -------------------------------------------------------------------
 
@@ -908,10 +837,10 @@ class SQLiteStore(SqlStore):
                 (*deltas, run_id),
             )
 
-    def _count_reclaimed(self, cur: Any, reclaimed: int) -> None:
-        if reclaimed and self.run_id is not None:
-            cur.execute("UPDATE runs SET leases_reclaimed = leases_reclaimed + ?"
-                        " WHERE run_id = ?", (reclaimed, self.run_id))
+    def _add_to_counter(self, cur: Any, column: str, count: int) -> None:
+        if count and self.run_id is not None:
+            cur.execute(f"UPDATE runs SET {column} = {column} + ? WHERE run_id = ?",
+                        (count, self.run_id))
 
     # -- leases -----------------------------------------------------------------------------
 
@@ -935,7 +864,7 @@ class SQLiteStore(SqlStore):
                 (self.clock(),),
             )
             reclaimed: int = cur.rowcount
-            self._count_reclaimed(cur, reclaimed)
+            self._add_to_counter(cur, "leases_reclaimed", reclaimed)
             return reclaimed
 
     # -- operator queries -------------------------------------------------------------------
