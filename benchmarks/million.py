@@ -18,8 +18,9 @@ worker SIGKILLed when the requests the site has served pass each fraction of ``-
 (of N), then started again at once; the crawl runs until every worker has finished.
 
 Printed per tenth of the crawl (the pages the site served, repeats included, from nginx's
-``stub_status``): pages/s, the peak RSS of each worker seen in the tenth (``VmRSS``, sampled
-every 0.5 s), whether a kill fell into it, and the load average. At the end: the database's size
+``stub_status``): pages/s, the workers' CPU milliseconds per page (steadier than pages/s on a
+loaded machine), the peak RSS of each worker seen in the tenth (``VmRSS``, sampled every
+0.5 s), whether a kill fell into it, and the load average. At the end: the database's size
 (SQLite: the file and its WAL; PostgreSQL: ``pg_database_size``), the workers' CPU per page
 (``os.wait4`` of every worker process, killed ones too), the requests served against N, and the
 check: N records, one per item, each record's data the page's (``id``, ``listing``, ``rank``).
@@ -34,6 +35,7 @@ Without ``--database`` the PostgreSQL server is a throwaway cluster of the tests
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -274,6 +276,17 @@ def run_crawl(args: argparse.Namespace, site: Site, work: Path, database: str, w
         crawl.start(n)
     tenths: list[dict[str, Any]] = []
     tenth_began, tenth_served = began, 0
+
+    def worker_cpu() -> float:
+        """CPU seconds of every worker so far: the reaped ones' and the live ones'."""
+        live = 0.0
+        for process in crawl.processes:
+            if process is not None:
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    live += proc_times(process.pid)[0]
+        return crawl.cpu + live
+
+    tenth_cpu = 0.0
     peak: dict[int, int] = {}
     killed_in_tenth: list[float] = []
     next_kill = 0
@@ -291,12 +304,14 @@ def run_crawl(args: argparse.Namespace, site: Site, work: Path, database: str, w
                     "tenth": len(tenths) + 1,
                     "pages_per_s": round((served - tenth_served) / (now - tenth_began), 1),
                     "peak_rss_mb": sorted(round(kb / 1024, 1) for kb in peak.values()),
+                    "worker_cpu_ms_per_page": round(
+                        1000 * (worker_cpu() - tenth_cpu) / max(served - tenth_served, 1), 2),
                     "kills": killed_in_tenth, "seconds": round(now - tenth_began, 1),
                     "load": [round(x, 2) for x in os.getloadavg()],
                     "server_cpu_s": round(server() - server_base, 2) if server else None,
                 })
                 print(json.dumps(tenths[-1]), flush=True)
-                tenth_began, tenth_served = now, served
+                tenth_began, tenth_served, tenth_cpu = now, served, worker_cpu()
                 peak = {pid: rss_kb(pid) for pid in alive}
                 killed_in_tenth = []
                 if not alive:
