@@ -71,6 +71,7 @@ class StreamedFile:
     format: str
     items: int
     slot: FeedSlot | None
+    target: FeedTarget | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,9 @@ class FeedTarget:
     uri: str
     path: Path
     append: bool
+    #: the feed's Scrapy storage of this file (its ``store`` is called once the file is
+    #: complete, as Scrapy does: a custom ``FEED_STORAGES`` class sees it)
+    storage: Any = None
 
 
 class _Sink(io.RawIOBase):
@@ -251,7 +255,8 @@ class FeedStream:
             slot.start_exporting()
             slot.finish_exporting()
             self._sync(file)
-            self.completed.append(StreamedFile(self.target(1).uri, self.format, 0, slot))
+            self.completed.append(StreamedFile(self.target(1).uri, self.format, 0, slot,
+                                               self.target(1)))
         return mark
 
     def _one(self, mark: FeedMark, row: SeqRecord,
@@ -259,7 +264,13 @@ class FeedStream:
         """One record into the feed: exported (if the feed's filter accepts it) after the
         mark's file position; the mark after it."""
         item = self._item_of(row.record)
-        if not self.factory.filter.accepts(item):
+        try:
+            accepted = self.factory.filter.accepts(item)
+        except Exception:  # as Scrapy: this item is not in this feed, the feed goes on
+            logger.error("Error exporting record %s to the feed %s", row.record.record_id,
+                         self.target(mark.batch_id).uri, exc_info=True)
+            accepted = False
+        if not accepted:
             return replace(mark, seq=row.seq)
         file = self._open(mark)
         first_seq = mark.first_seq
@@ -340,7 +351,8 @@ class FeedStream:
         return buffer.getvalue()[before:]
 
     def _file_done(self, mark: FeedMark, slot: FeedSlot | None) -> StreamedFile:
-        return StreamedFile(self.target(mark.batch_id).uri, self.format, mark.items, slot)
+        target = self.target(mark.batch_id)
+        return StreamedFile(target.uri, self.format, mark.items, slot, target)
 
     # -- the file ---------------------------------------------------------------------------
 

@@ -112,6 +112,7 @@ class IdempotentFeedExporter(FeedExporter):
         self._loop: LoopingCall | None = None
         self._streaming: Deferred[Any] | None = None  # a write of the streams under way
         self._streams_run: int | None = None  # the run the streams write
+        self._stream_failures: list[str] = []  # streamed files whose storage failed
         self._streamed_at = 0.0  # when the streams were last written (time.monotonic())
 
     def open_spider(self, spider: Spider) -> None:
@@ -191,7 +192,7 @@ class IdempotentFeedExporter(FeedExporter):
         assert isinstance(storage, FileFeedStorage)
         path = Path(storage.path)
         _remove_orphans(path)  # a snapshot's temporary files left by a killed worker
-        return FeedTarget(uri, path, storage.write_mode == "ab")
+        return FeedTarget(uri, path, storage.write_mode == "ab", storage)
 
     def _stream_tick(self) -> None:
         session = self._session
@@ -245,14 +246,32 @@ class IdempotentFeedExporter(FeedExporter):
                 stream.held = True
         return completed
 
-    def _report_streamed(self, completed: list[StreamedFile]) -> None:
-        """Scrapy's log line, stats and signal for each file completed."""
+    def _report_streamed(self, completed: list[StreamedFile]) -> Deferred[None]:
+        from scrapy.utils.defer import deferred_from_coro
+
+        return deferred_from_coro(self._store_streamed(completed))
+
+    async def _store_streamed(self, completed: list[StreamedFile]) -> None:
+        """Each file completed through its Scrapy storage's ``store`` (as Scrapy stores a
+        finished local file), with Scrapy's log line, stats and signal."""
         for done in completed:
-            logger.info("Stored %s feed (%d items) in: %s", done.format, done.items, done.uri,
-                        extra={"spider": self._spider})
-            self.crawler.stats.inc_value("feedexport/success_count/FileFeedStorage")
+            what = f"{done.format} feed ({done.items} items) in: {done.uri}"
+            storage = done.target.storage if done.target is not None else None
+            name = type(storage).__name__ if storage is not None else "FileFeedStorage"
+            try:
+                if storage is not None and done.target is not None:
+                    await _wait(storage.store(done.target.path.open("ab")))
+            except Exception as exc:
+                logger.error("Error storing %s", what, exc_info=True,
+                             extra={"spider": self._spider})
+                self.crawler.stats.inc_value(f"feedexport/failed_count/{name}")
+                self._stream_failures.append(f"{done.uri} ({type(exc).__name__}: {exc})")
+            else:
+                logger.info("Stored %s", what, extra={"spider": self._spider})
+                self.crawler.stats.inc_value(f"feedexport/success_count/{name}")
             if done.slot is not None:
-                self.crawler.signals.send_catch_log(signals.feed_slot_closed, slot=done.slot)
+                await scrapy_compat.send_signal(self.crawler, signals.feed_slot_closed,
+                                                slot=done.slot)
 
     async def _close_streams(self, store: FrontierStore, run_id: int) -> None:
         """At the close: the last records into every streamed feed, its claim given up."""
@@ -265,7 +284,7 @@ class IdempotentFeedExporter(FeedExporter):
             return
         for stream in self._streams.values():
             stream.held = False
-        self._report_streamed(self._write_streams(store, run_id, final=True))
+        await self._store_streamed(self._write_streams(store, run_id, final=True))
         for stream in self._streams.values():
             if stream.error is not None:
                 self.crawler.stats.inc_value("feedexport/failed_count/FileFeedStorage")
@@ -297,6 +316,9 @@ class IdempotentFeedExporter(FeedExporter):
         self._failed = []
         self._finishing = finishing
         await self._close_streams(store, run_id)
+        # a streamed file whose storage failed (during the crawl or now): not stored
+        self._failed.extend(self._stream_failures)
+        self._stream_failures = []
         run_start = self._run_start_of(store, run_id)
         slots: list[_RunSlot] = []
         for uri_template, options in self.feeds.items():
