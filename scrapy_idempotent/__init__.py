@@ -22,6 +22,7 @@ from .journal import ResponseJournalMiddleware
 from .middleware import RecordIdMiddleware
 from .outbox import OutboxDelivery, OutboxTarget
 from .pipeline import UpsertPipeline
+from .politeness import SlotBackoffMiddleware
 from .scheduler import IdempotentScheduler
 from .store import SQLiteStore
 
@@ -41,6 +42,7 @@ __all__ = [
     "RecordIdMiddleware",
     "ResponseJournalMiddleware",
     "SQLiteStore",
+    "SlotBackoffMiddleware",
     "StoreError",
     "UnstorableRequest",
     "UnsupportedScrapy",

@@ -11,6 +11,7 @@ from . import scrapy_compat
 from .journal import ResponseJournalMiddleware
 from .middleware import RecordIdMiddleware
 from .pipeline import UpsertPipeline
+from .politeness import BACKOFF_PRIORITY, SlotBackoffMiddleware
 from .scheduler import IdempotentScheduler
 
 if TYPE_CHECKING:
@@ -123,6 +124,8 @@ class Addon:
             "SPIDER_MIDDLEWARES", RecordIdMiddleware, MIDDLEWARE_PRIORITY)
         settings.set_in_component_priority_dict(
             "DOWNLOADER_MIDDLEWARES", ResponseJournalMiddleware, JOURNAL_PRIORITY)
+        settings.set_in_component_priority_dict(
+            "DOWNLOADER_MIDDLEWARES", SlotBackoffMiddleware, BACKOFF_PRIORITY)
         settings.set_in_component_priority_dict(
             "ITEM_PIPELINES", UpsertPipeline, PIPELINE_PRIORITY)
         from .progress import IdempotentLogStats  # the progress line

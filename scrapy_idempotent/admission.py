@@ -157,8 +157,11 @@ class Admission:
 
     def __init__(self, store: FrontierStore, *, tracker: InflightTracker,
                  fingerprints: RequestFingerprints, keys: RequestKeys, dupes: DuplicateFilter,
-                 outcomes: CommitOutcomes, stats: StatsCollector) -> None:
+                 outcomes: CommitOutcomes, stats: StatsCollector,
+                 slot_of: Callable[[Request], str] | None = None) -> None:
         self.store = store
+        #: a request's download slot, stored with it (see :mod:`.politeness`)
+        self.slot_of = slot_of
         self.tracker = tracker
         self.fingerprints = fingerprints
         self.keys = keys
@@ -327,4 +330,5 @@ class Admission:
             is_start=is_start,
             fifo=fifo,
             filter_fingerprint=filtered,
+            slot=self.slot_of(request) if self.slot_of is not None else "",
         ), parent)

@@ -129,6 +129,9 @@ class CommitPath:
         self._unwritten: dict[int, QueueRank] = {}
         self._gated = 0  #: responses waiting for their writes before their callback
         self._flush_call: Any = None
+        #: told the seconds until a download slot that waits may send (see .politeness);
+        #: None without the crawl's slot limits
+        self.slots_wait: Callable[[float], None] | None = None
         tracker.complete = self.completed
         tracker.flush_soon = self.flush_soon
 
@@ -165,6 +168,11 @@ class CommitPath:
         memory request of no stored request did (``entry`` None)."""
         if _adds_pending(work):
             self.claimed.maybe_claimable = True
+        elif self.slots_wait is not None and work.completions and not work.claim:
+            # with the crawl's slot limits a completion frees a place in its slot: its own
+            # transaction claims, even after a claim found the slots full (no claim of its
+            # own for that: it would find them full again)
+            work.claim = self.claimed.claim_size(self.health.closing, after_completion=True)
         if entry is not None and any(c.state.terminal for c in work.completions):
             self.outcomes.expect(entry.key, entry.request, entry.fingerprint)
         self.commit(work)
@@ -268,6 +276,8 @@ class CommitPath:
         self.claimed.accept(work, result)
         if work.claim and not result.leased and not work.requests:
             self.claimed.found_none(time.time())
+        if result.claim_again_in is not None and self.slots_wait is not None:
+            self.slots_wait(result.claim_again_in)
         self.wakeup.if_asked_in_vain()
 
     def _failed(self, work: UnitOfWork, exc: BaseException) -> None:

@@ -23,7 +23,7 @@ from scrapy.utils.project import data_path
 
 from ._order import QueueOrder
 from .exceptions import ConfigError
-from .store.base import RunMode
+from .store.base import RunMode, SlotLimits
 from .store.registry import check_driver, sqlite_path
 
 if TYPE_CHECKING:
@@ -98,6 +98,7 @@ SETTING_SECTIONS: tuple[str, ...] = (
     "Record identity",
     "Frontier, leases and runs",
     "Queue input",
+    "Politeness",
     "Outbox",
     "Logging",
 )
@@ -420,6 +421,46 @@ once). What is still pending is sent by the next crawl or ``scrapy idempotent de
 cut off.""",
     ),
     Setting(
+        "IDEMPOTENT_POLITENESS", "worker", "str", "Politeness", '"crawl"',
+        allowed="'crawl' or 'worker'",
+        doc="""
+Where Scrapy's per-site limits hold. ``"worker"`` (the default): each worker keeps Scrapy's
+own limits in its downloader (N workers: N times the load on a site), and claims take the
+head of the frontier whatever its slots. ``"crawl"``: for the whole crawl, every worker
+together, across kills: each request is stored with its download slot (Scrapy's slot key:
+the ``download_slot`` meta key, else the host name, or its IP with
+``CONCURRENT_REQUESTS_PER_IP``), and a claim takes a slot's requests only while fewer of
+them are leased (claimed ahead or in flight, by any worker) than the slot's concurrency
+(``CONCURRENT_REQUESTS_PER_DOMAIN``, or ``CONCURRENT_REQUESTS_PER_IP``, or the slot's
+``DOWNLOAD_SLOTS`` entry), and only once the slot's delay (``DOWNLOAD_DELAY`` or its
+``DOWNLOAD_SLOTS`` entry, or robots.txt's ``Crawl-delay`` with ``ROBOTSTXT_OBEY`` when longer)
+has passed since its last claim; a 429 (or a 503 with ``Retry-After``) pauses the slot for
+every worker (see :setting:`IDEMPOTENT_BACKOFF_SECONDS`). A request counts against its
+slot's concurrency from its claim to its page's commit (callback and pipelines included), so
+a worker busy with its pages sends less than plain Scrapy would. See :ref:`politeness`.""",
+    ),
+    Setting(
+        "IDEMPOTENT_BACKOFF_SECONDS", 10.0, "float, seconds", "Politeness", "60",
+        allowed='0.1 to 86400',
+        doc="""
+How long a download slot is paused, for every worker, after a 429 answer without a
+``Retry-After`` header (a 503 pauses only with one); doubled with every such answer in a
+row, up to
+:setting:`IDEMPOTENT_BACKOFF_MAX_SECONDS`, and lengthened by up to a quarter at random. A
+``Retry-After`` (seconds or an HTTP date) is the pause instead (at most the maximum). The
+throttled request is fetched again after the pause without counting against
+``RETRY_TIMES`` (ten times in a row at most, then RetryMiddleware decides; with
+``RETRY_ENABLED = False`` or ``dont_retry`` the pause alone holds). With
+``IDEMPOTENT_POLITENESS = "crawl"`` only.""",
+    ),
+    Setting(
+        "IDEMPOTENT_BACKOFF_MAX_SECONDS", 600.0, "float, seconds", "Politeness", "3600",
+        allowed='0.1 to 604800 (a week), and at least IDEMPOTENT_BACKOFF_SECONDS',
+        doc="""
+The longest pause of a download slot after 429 (or 503) answers, ``Retry-After``
+included.""",
+    ),
+    Setting(
         "IDEMPOTENT_LOG_INTERVAL_SECONDS", 60.0, "float, seconds", "Logging", "30",
         allowed='0 (no progress line), or 0.1 to 86400',
         doc="""
@@ -511,6 +552,10 @@ class QueueConfig:
         return config_for(crawler).queue
 
 
+#: Scrapy's defaults: CONCURRENT_REQUESTS_PER_DOMAIN 8, no DOWNLOAD_DELAY, no DOWNLOAD_SLOTS.
+_DEFAULT_SLOT_LIMITS = SlotLimits(concurrency=8)
+
+
 @dataclass(frozen=True)
 class IdempotentConfig:
     """The validated ``IDEMPOTENT_*`` settings of one crawl. Field names carry units."""
@@ -552,6 +597,12 @@ class IdempotentConfig:
     httperror_allowed_codes: tuple[int, ...] = ()
     #: ... and ``SCHEDULER_MEMORY_QUEUE`` / ``SCHEDULER_START_MEMORY_QUEUE`` (the queue order)
     queue_order: QueueOrder = _SCRAPY_QUEUE_ORDER
+    #: IDEMPOTENT_POLITENESS: ``crawl`` (limits kept by the claims) or ``worker``
+    politeness: str = "worker"
+    #: the per-slot limits from Scrapy's settings (see :func:`.politeness.slot_limits`)
+    slot_limits: SlotLimits = _DEFAULT_SLOT_LIMITS
+    backoff_seconds: float = 10.0
+    backoff_max_seconds: float = 600.0
 
     def store_options(self) -> dict[str, Any]:
         """The keyword options of :func:`~.store.open_store` these settings give (see
@@ -584,6 +635,7 @@ class IdempotentConfig:
             **_outbox(settings),
             queue=_queue(settings, spider.name),
             **_scrapy_rules(settings),
+            **_politeness(settings),
         )
 
 
@@ -721,6 +773,38 @@ def _scrapy_rules(settings: BaseSettings) -> dict[str, Any]:
                           "a list of HTTP status codes (integers)") from None
     return {"httperror_allow_all": allow_all, "httperror_allowed_codes": allowed,
             "queue_order": QueueOrder.from_settings(settings)}
+
+
+def _politeness(settings: BaseSettings) -> dict[str, Any]:
+    """``IDEMPOTENT_POLITENESS``, the backoff settings, and the per-slot limits of Scrapy's
+    settings (``CONCURRENT_REQUESTS_PER_DOMAIN``/``_PER_IP``, ``DOWNLOAD_DELAY``,
+    ``DOWNLOAD_SLOTS``)."""
+    mode = str(_get(settings, "IDEMPOTENT_POLITENESS")).lower()
+    if mode not in ("crawl", "worker"):
+        raise ConfigError("IDEMPOTENT_POLITENESS", _get(settings, "IDEMPOTENT_POLITENESS"),
+                          "'crawl' or 'worker'")
+    first = _number(settings, "IDEMPOTENT_BACKOFF_SECONDS", minimum=0.1, maximum=_DAY)
+    most = _number(settings, "IDEMPOTENT_BACKOFF_MAX_SECONDS", minimum=0.1, maximum=_WEEK)
+    if most < first:
+        raise ConfigError("IDEMPOTENT_BACKOFF_MAX_SECONDS",
+                          _get(settings, "IDEMPOTENT_BACKOFF_MAX_SECONDS"),
+                          "at least IDEMPOTENT_BACKOFF_SECONDS")
+    from .politeness import slot_limits
+
+    try:
+        limits = slot_limits(settings)
+    except (TypeError, ValueError, AttributeError):
+        raise ConfigError("DOWNLOAD_SLOTS", settings.get("DOWNLOAD_SLOTS"),
+                          "a dict of slot -> dict with numbers for concurrency and delay"
+                          ) from None
+    if mode == "crawl" and (limits.concurrency < 1 or any(
+            c is not None and c < 1 for _, c, _ in limits.per_slot)):
+        raise ConfigError("CONCURRENT_REQUESTS_PER_DOMAIN",
+                          settings.get("CONCURRENT_REQUESTS_PER_DOMAIN"),
+                          "at least 1 for every download slot (with IDEMPOTENT_POLITENESS "
+                          "'crawl')")
+    return {"politeness": mode, "slot_limits": limits, "backoff_seconds": first,
+            "backoff_max_seconds": most}
 
 
 def log_interval_seconds(settings: BaseSettings) -> float:

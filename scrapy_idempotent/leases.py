@@ -80,6 +80,10 @@ class ClaimedRequests:
         self._recheck_at = 0.0  #: ask the store again from then on, even without a change
         #: the leases held at the last renewal last until then (unix seconds)
         self.renewed_until = 0.0
+        #: the last claim left requests of download slots that wait (a delay, a pause)
+        #: until then (unix seconds): a frontier read showing pending requests does not make
+        #: a claim worth a transaction before
+        self.slots_ready_at = 0.0
 
     def __len__(self) -> int:
         return len(self._claimed)
@@ -94,15 +98,28 @@ class ClaimedRequests:
     def pop(self) -> LeasedRequest:
         return self._claimed.popleft()
 
+    def give_back_head_if_late(self, now: float) -> bool:
+        """Give the next request back (unsent, with the next transaction) when it is of a
+        download slot with a delay and its time to be sent has passed (see
+        :attr:`.LeasedRequest.send_by`); True when it was."""
+        head = self._claimed[0]
+        if not head.send_by or now <= head.send_by:
+            return False
+        self._claimed.popleft()
+        self._give_back.append(head.key)
+        self.maybe_claimable = True
+        return True
+
     def head_expired(self, now: float) -> bool:
         """Whether the next request sat here past its lease (the process was stopped, or the
         reactor blocked): another worker may have it now."""
         return max(self._claimed[0].leased_until, self.renewed_until) <= now
 
-    def claim_size(self, closing: bool) -> int:
+    def claim_size(self, closing: bool, *, after_completion: bool = False) -> int:
         """How many requests to claim with the next transaction: none while closing, while
-        the store is known to have none, or while at least half a batch is claimed ahead."""
-        if closing or not self.maybe_claimable:
+        the store is known to have none (unless ``after_completion``: a completion freed a
+        place in a download slot), or while at least half a batch is claimed ahead."""
+        if closing or not (self.maybe_claimable or after_completion):
             return 0
         if len(self._claimed) >= max(1, self.batch // 2):
             return 0
@@ -155,6 +172,10 @@ class ClaimedRequests:
         changes."""
         self.maybe_claimable = False
         self._recheck_at = now + 1.0
+
+    def slots_wait_until(self, when: float) -> None:
+        """The requests left pending wait for their slots until ``when`` (unix seconds)."""
+        self.slots_ready_at = when
 
     def wake(self) -> None:
         """Another worker may have made requests claimable (the store said so): ask the

@@ -20,7 +20,9 @@ handed only the others it uses:
   (:class:`~.CommitOutcomes`: stats, warnings, the ``request_done`` signal);
 * :class:`~.ClaimedRequests` and :class:`~.LeaseKeeper` (:mod:`.leases`): the requests
   claimed ahead, and the periodic lease work (renewals, reclaims, space);
-* :class:`~.RequestKeys` and :class:`~.RequestFingerprints` (:mod:`.keys`): request identity.
+* :class:`~.RequestKeys` and :class:`~.RequestFingerprints` (:mod:`.keys`): request identity;
+* :class:`~.Politeness` (:mod:`.politeness`): each request's download slot, and the crawl's
+  per-slot limits the claims keep.
 
 When is a request finished? Not when a spider middleware's output iterator ends: items are
 processed concurrently and child requests reach the scheduler later. The exact moment is the
@@ -53,6 +55,7 @@ from .inflight import InflightTracker, tracker_for
 from .keys import RequestFingerprints, RequestKeys
 from .leases import ClaimedRequests, LeaseKeeper
 from .outbox import target_name
+from .politeness import Politeness
 from .records import RECORD_ID_SCHEME
 from .store.base import CrawlIdentity, FrontierStore, UnitOfWork
 from .store.registry import open_store, redacted
@@ -108,10 +111,15 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             self.store, self.writer, tracker=self.tracker, claimed=self.claimed, stats=stats,
             health=self.health, wakeup=self.wakeup, lease_seconds=config.lease_seconds,
             flush=self.commits.flush_buffered, sample_seconds=config.sample_seconds)
+        self.politeness = Politeness(
+            config, stats=stats, claimed=self.claimed, wakeup=self.wakeup, writer=self.writer,
+            autothrottle=crawler.settings.getbool("AUTOTHROTTLE_ENABLED"))
+        if self.politeness.crawl_wide:
+            self.commits.slots_wait = self.politeness.claim_again_in
         self.admission = Admission(
             self.store, tracker=self.tracker, fingerprints=self.fingerprints,
             keys=RequestKeys(), dupes=DuplicateFilter.from_settings(crawler.settings, stats),
-            outcomes=self.outcomes, stats=stats)
+            outcomes=self.outcomes, stats=stats, slot_of=self.politeness.slot_of)
         self.start_intake = StartIntake(self.tracker, self.writer, self.admission)
         self.spider: Spider | None = None
         self.codec: RequestCodec | None = None
@@ -160,6 +168,9 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
                 record_id_scheme=RECORD_ID_SCHEME))
             run = retry_busy("starting", lambda: self.store.begin_session(
                 self.worker, self.config.run_mode))
+            downloader = getattr(self.crawler.engine, "downloader", None)
+            retry_busy("setting the download slots' limits",
+                       lambda: self.politeness.open(downloader, self.store))
         except IdempotentError as exc:
             # the database was refused (not ours, another crawl's, disk full, a path that
             # cannot be created...): one ERROR line, nothing fetched, the spider closed as
@@ -225,6 +236,7 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         self.start_intake.drop_held()
         self.start_intake.hand_on = None
         self.leases.stop()
+        self.politeness.close()
         if self._hooks is not None:
             self._hooks.remove()
         if not self._session:  # open() failed before the store was usable: nothing to close
@@ -325,7 +337,8 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         try:
             status = self.store.status(self.worker)  # the read connection: never waits
             if status.claimable:
-                self.claimed.maybe_claimable = True
+                if time.time() >= self.claimed.slots_ready_at:  # (not while slots wait)
+                    self.claimed.maybe_claimable = True
                 return True
             if status.leased_elsewhere:
                 self.leases.reclaim_soon()
@@ -430,6 +443,11 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
                 if self.leases.renewing:
                     return None  # the renewal wakes the engine when it is back
                 continue
+            if claimed.give_back_head_if_late(time.time()):
+                # of a slot with a delay, too late to be sent: another claim of its slot
+                # may already count on it being gone (given back with the next transaction)
+                self.stats.inc_value("idempotent/requests/given_back_late")
+                continue
             request = self._load(claimed.pop())
             if request is not None:
                 return request
@@ -445,6 +463,7 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             self.outcomes.expect(leased.key, None, leased.fingerprint)
             return None
         self.tracker.handed_out(leased, request)
+        self.politeness.handing_out(request)
         self.stats.inc_value("idempotent/requests/leased")
         if leased.attempts > 1:
             self.stats.inc_value("idempotent/requests/repeated")

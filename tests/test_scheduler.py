@@ -43,6 +43,9 @@ class Harness:
         self.open: list[IdempotentScheduler] = []
 
     def scheduler(self, worker: str | None = None, **settings: Any) -> IdempotentScheduler:
+        # these tests drive the scheduler as an engine whose downloader has no limits: each
+        # worker keeps Scrapy's (unless a test asks for the crawl's, see test_politeness.py)
+        settings.setdefault("IDEMPOTENT_POLITENESS", "worker")
         crawler = get_crawler(Spider, {"IDEMPOTENT_DATABASE": str(self.db_path), **settings})
         crawler.spider = crawler._create_spider()
         crawler.engine = crawler._create_engine()

@@ -170,6 +170,10 @@ def test_a_database_of_an_earlier_version_gets_its_identity_at_the_first_open(
     conn.execute("DELETE FROM meta WHERE key IN ('project', 'spider', 'source')")
     conn.execute("PRAGMA application_id = 0")
     # as schema version 3 wrote it (the last one without an application id)
+    for index in ("requests_slot_pending", "requests_slot_leased"):  # schema 10
+        conn.execute(f"DROP INDEX {index}")
+    conn.execute("ALTER TABLE requests DROP COLUMN slot")
+    conn.execute("DROP TABLE slots")
     for column in ("seq", "byte_offset", "batch_id", "items", "first_seq", "total", "writer",
                    "writer_until"):  # schema 9
         conn.execute(f"ALTER TABLE feeds DROP COLUMN {column}")

@@ -40,6 +40,10 @@ def as_earlier_version(path: Path, *, schema_3: bool, journal_mode: str) -> None
     ``schema_3``, also the schema (and no application id) of version 3."""
     conn = sqlite3.connect(path, isolation_level=None)
     if schema_3:
+        for index in ("requests_slot_pending", "requests_slot_leased"):  # schema 10
+            conn.execute(f"DROP INDEX {index}")
+        conn.execute("ALTER TABLE requests DROP COLUMN slot")
+        conn.execute("DROP TABLE slots")
         for column in ("seq", "byte_offset", "batch_id", "items", "first_seq", "total",
                        "writer", "writer_until"):  # schema 9
             conn.execute(f"ALTER TABLE feeds DROP COLUMN {column}")

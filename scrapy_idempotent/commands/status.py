@@ -8,6 +8,7 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..exceptions import StoreError
 from ..outbox import target_label
 from ..workers import worker_state
 from ._common import WORKER_STATES, expiry, iso, pairs, print_report, table, tally
@@ -46,7 +47,7 @@ def run(opened: Opened, opts: argparse.Namespace) -> int:
 def _status_report(store: FrontierStore, path: str, info: SchemaInfo,
                    engine: Sequence[EngineSetting]) -> dict[str, Any]:
     """What ``status`` reports (its ``--json`` form): the database, its runs, frontier,
-    leases, records, outbox, failures, repeated requests and totals."""
+    leases, download slots, records, outbox, failures, repeated requests and totals."""
     meta = store.meta()
     runs = store.runs()
     sessions = store.sessions()
@@ -67,6 +68,7 @@ def _status_report(store: FrontierStore, path: str, info: SchemaInfo,
         "runs": run_rows,
         "frontier": {**counts, "total": sum(counts.values())},
         "leases": _lease_report(store),
+        "slots": _slot_report(store),
         "records": {
             "stored": records,
             "inserted": current["records_inserted"] if current else 0,
@@ -88,6 +90,21 @@ def _lease_report(store: FrontierStore) -> list[dict[str, Any]]:
              "expires_in_seconds": round(h.leased_until - now, 1),
              "worker_state": worker_state(h.worker)}
             for h in store.lease_holders()]
+
+
+def _slot_report(store: FrontierStore) -> list[dict[str, Any]]:
+    """The download slots with requests leased or pending, or paused (see the politeness
+    docs): the crawl's per-site limits as every worker keeps them."""
+    now = time.time()
+    try:
+        slots = store.slots()
+    except StoreError:  # a database of an earlier schema, read as it is: no slots yet
+        return []
+    return [{"slot": s.slot, "leased": s.leased, "pending": s.pending,
+             "paused_until": iso(s.paused_until) if s.paused_until > now else None,
+             "paused_for_seconds": round(max(s.paused_until - now, 0.0), 1),
+             "backoffs": s.backoffs, "crawl_delay": s.crawl_delay}
+            for s in slots if s.slot]
 
 
 def _repeated_report(store: FrontierStore, current: dict[str, Any] | None,
@@ -127,12 +144,13 @@ def _status_lines(report: dict[str, Any], engine: Sequence[EngineSetting]) -> li
     run_label = f"in run {current['run_id']}" if current else "in this run"
     lines = _status_head(report, engine)
     for section in (_runs_section(report["runs"]), _frontier_section(report["frontier"]),
-                    _leases_section(report["leases"]),
+                    _leases_section(report["leases"]), _slots_section(report["slots"]),
                     _records_section(report["records"], run_label),
                     _outbox_section(report["outbox"]), _failures_section(report["failures"]),
                     _repeated_section(report["repeated"], run_label),
                     _totals_section(report["totals"])):
-        lines += ["", *section]
+        if section:
+            lines += ["", *section]
     return lines
 
 
@@ -174,6 +192,20 @@ def _leases_section(leases: list[dict[str, Any]]) -> list[str]:
         [[lease["worker"], lease["leases"],
           f"{lease['leased_until']} ({expiry(lease['expires_in_seconds'])})",
           WORKER_STATES[lease["worker_state"]]] for lease in leases])]
+
+
+def _slots_section(slots: list[dict[str, Any]]) -> list[str]:
+    """The busiest download slots (shown only while some have work or are paused)."""
+    if not slots:
+        return []
+    shown = slots[:20]
+    rows = [[slot["slot"], slot["leased"], slot["pending"],
+             f"{slot['paused_until']} ({slot['paused_for_seconds']} s, backoff "
+             f"{slot['backoffs']})" if slot["paused_until"] else "",
+             slot["crawl_delay"] or ""] for slot in shown]
+    more = [f"  ... and {len(slots) - len(shown)} more"] if len(slots) > len(shown) else []
+    return ["Download slots (whole crawl)", *table(
+        ["slot", "leased", "pending", "paused until", "crawl delay"], rows), *more]
 
 
 def _records_section(rec: dict[str, Any], run_label: str) -> list[str]:

@@ -105,6 +105,8 @@ __all__ = [
     "SchemaInfo",
     "SeqRecord",
     "SessionInfo",
+    "SlotLimits",
+    "SlotState",
     "StoredRecord",
     "UnitOfWork",
     "change_key",
@@ -187,6 +189,9 @@ class NewRequest:
     #: taken first-in-first-out within its priority and queue (start requests, or other
     #: requests, have their own queue); else last-in-first-out
     fifo: bool = False
+    #: its download slot (Scrapy's slot key: the host name, its IP, or ``download_slot``
+    #: meta); claims keep each slot's limits (:class:`SlotLimits`). ``""``: no limits
+    slot: str = ""
 
 
 @dataclass(frozen=True)
@@ -215,6 +220,10 @@ class LeasedRequest:
     downloads: int = 0
     #: it is in the start requests' queue (see :mod:`scrapy_idempotent._order`)
     is_start: bool = field(default=False, compare=False)
+    #: a request of a download slot with a delay: handed to the downloader by then (unix
+    #: seconds, the store's clock) or given back unsent, since the slot's next claim counts
+    #: on it being sent by then (0: no such bound)
+    send_by: float = field(default=0.0, compare=False)
     #: its place in its queue (same priority, same queue): a smaller rank is taken first.
     #: The entry's insertion order, negated for a last-in-first-out entry; so
     #: ``(-priority, is_start, rank)`` orders claimed requests as the claim order does
@@ -377,6 +386,41 @@ class CommitResult:
     #: the run this worker moved to with this transaction: its own run was finished by
     #: another worker and a newer one started meanwhile (None: it stays in its run)
     run_id: int | None = None
+    #: the claim took fewer than asked because slots were paused or waiting out their
+    #: delay: seconds until the first of them may send again (None: none waits)
+    claim_again_in: float | None = None
+    #: slots this transaction added to the slots table (known to exist once committed)
+    slots_added: list[str] = field(default_factory=list, compare=False)
+
+
+@dataclass(frozen=True)
+class SlotLimits:
+    """The politeness a claim keeps per download slot, for the whole crawl (every worker's
+    leases of a slot together): at most ``concurrency`` leased requests of a slot at once,
+    and at least ``delay_seconds`` between two claims of one (a slot with a delay gives one
+    request per claim). ``per_slot``: ``(slot, concurrency, delay_seconds)`` of the slots
+    with their own (Scrapy's ``DOWNLOAD_SLOTS``); a concurrency or delay of None there is
+    the default. The store also keeps a slot's own delay (robots.txt's ``Crawl-delay``,
+    :meth:`FrontierStore.set_slot_delay`): the longer delay holds."""
+
+    concurrency: int
+    delay_seconds: float = 0.0
+    per_slot: tuple[tuple[str, int | None, float | None], ...] = ()
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """A download slot as stored (:meth:`FrontierStore.slots`): its requests leased (in
+    flight, all workers) and pending, when it may be sent to next, and the pause a site
+    asked for (a 429 or 503) with the answers in a row that made it (``backoffs``)."""
+
+    slot: str
+    leased: int
+    pending: int
+    next_send_at: float  #: unix seconds, the store's clock
+    paused_until: float  #: unix seconds; in the past when not paused
+    backoffs: int
+    crawl_delay: float  #: robots.txt's Crawl-delay for the slot (0: none)
 
 
 @dataclass(frozen=True)
@@ -513,6 +557,42 @@ class FrontierStore(ABC):
 
     @abstractmethod
     def lease_holders(self) -> list[LeaseHolder]: ...
+
+    # -- download slots (politeness for the whole crawl) ----------------------------------
+    #: the limits claims keep per slot; None: claims take the head of the frontier whatever
+    #: its slots (each worker keeps Scrapy's own limits)
+    slot_limits: SlotLimits | None = None
+
+    def keep_slot_limits(self, limits: SlotLimits | None) -> None:
+        """Claim by ``limits`` from now on (None: the frontier's head, whatever its slots).
+        A backend that keeps slots also writes them into every slot it holds: the crawl's
+        limits are those of the worker that started last."""
+        self.slot_limits = limits
+
+    def pause_slot(self, slot: str, *, retry_after: float | None, first_seconds: float,
+                   max_seconds: float, jitter: float = 0.0) -> float:
+        """A site answered ``slot``'s request with 429 or 503: pause the slot for every
+        worker (one transaction, durable when this returns): for ``retry_after`` seconds
+        when the site said (at most ``max_seconds``), else ``first_seconds`` doubled with
+        every such answer in a row (``backoffs``), at most ``max_seconds``, lengthened by up
+        to ``jitter`` of itself. A pause never shortens one already longer. Returns the
+        seconds paused from now (0: a store that keeps no slots pauses nothing)."""
+        return 0.0
+
+    def slot_answered(self, slot: str) -> None:
+        """``slot`` answered normally again: its next 429 or 503 starts from the first
+        pause (its ``backoffs`` back to 0)."""
+        return None
+
+    def set_slot_delay(self, slot: str, delay_seconds: float) -> None:
+        """Keep ``delay_seconds`` (robots.txt's ``Crawl-delay``) as ``slot``'s own delay:
+        claims keep the longer of it and the configured delay."""
+        return None
+
+    def slots(self) -> list[SlotState]:
+        """Every download slot with requests leased or pending, or paused (operator read),
+        the busiest first."""
+        return []
 
     @abstractmethod
     def counts(self) -> dict[str, int]:

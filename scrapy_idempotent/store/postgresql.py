@@ -918,6 +918,7 @@ class PostgreSQLStore(SqlStore):
 
     LOCK_ROWS = " FOR UPDATE"
     SKIP_LOCKED = " FOR UPDATE SKIP LOCKED"
+    SKIP_LOCKED_SLOTS = " FOR UPDATE OF s SKIP LOCKED"
     TEXT_ORDER = ' COLLATE "C"'
     NO_LIMIT = None
 
@@ -965,20 +966,22 @@ class PostgreSQLStore(SqlStore):
         deadlocking."""
         inserting = cur.connection.cursor()
         inserting.execute(
-            "WITH given AS (SELECT nextval('requests_id_seq') AS id, k, f, u, p, s, ff, d, pk"
+            "WITH given AS (SELECT nextval('requests_id_seq') AS id, k, f, u, p, s, ff, d, pk,"
+            "  sl"
             # binary parameters: text arrays are not quoted element by element
             "  FROM unnest(%b::text[], %b::text[], %b::text[], %b::int[], %b::bool[],"
-            "   %b::bool[], %b::text[], %b::text[])"
-            "  WITH ORDINALITY AS t(k, f, u, p, s, ff, d, pk, n)"
+            "   %b::bool[], %b::text[], %b::text[], %b::text[])"
+            "  WITH ORDINALITY AS t(k, f, u, p, s, ff, d, pk, sl, n)"
             # nextval is evaluated after the sort: ids in the order given
             "  ORDER BY n)"
             " INSERT INTO requests (id, key, fingerprint, url, priority, is_start, fifo, state,"
-            " data, parent_key, enqueued_at, run_id)"
-            " SELECT id, k, f, u, p, s, ff, 'pending', d, pk, %s, %s FROM given"
+            " data, parent_key, enqueued_at, run_id, slot)"
+            " SELECT id, k, f, u, p, s, ff, 'pending', d, pk, %s, %s, sl FROM given"
             " ORDER BY k COLLATE \"C\" ON CONFLICT (key) DO NOTHING RETURNING key",
             ([r.key for r in new], [r.fingerprint for r in new], [r.url for r in new],
              [r.priority for r in new], [r.is_start for r in new], [r.fifo for r in new],
-             [r.data for r in new], [r.parent_key for r in new], now, run_id))
+             [r.data for r in new], [r.parent_key for r in new], [r.slot for r in new], now,
+             run_id))
         return lambda: len(inserting.fetchall())
 
     def _records_prelude(self, cur: Any, run_id: int, count: int
@@ -1252,6 +1255,7 @@ class PostgreSQLStore(SqlStore):
                 elif table == "requests":
                     for row in rows:
                         row["is_start"], row["fifo"] = bool(row["is_start"]), bool(row["fifo"])
+                        row.setdefault("slot", "")
                         if row["state"] == "leased":  # leases do not move
                             row.update(state="pending", worker=None, leased_until=None)
                     self._copy(cur, "requests", LOADED["requests"], rows)
@@ -1266,6 +1270,9 @@ class PostgreSQLStore(SqlStore):
                             f" greatest((SELECT max({column}) FROM {table}), 1))")
             cur.execute("SELECT setval('records_seen_seq',"
                         " greatest((SELECT max(seen_seq) FROM records), 1))")
+            # every slot of the requests gets its row (its limits: the first worker's)
+            cur.execute("INSERT INTO slots (slot, concurrency) SELECT DISTINCT slot, 1"
+                        " FROM requests ON CONFLICT (slot) DO NOTHING")
             cur.executemany(
                 "INSERT INTO sessions (run_id, worker, started_at, ended_at, reason,"
                 " heartbeat_at, " + ", ".join(ALL_COUNTERS) + ") VALUES (%s, 'migrated', %s,"

@@ -7,7 +7,7 @@ from __future__ import annotations
 __all__ = ["ALL_COUNTERS", "APPLICATION", "COUNTERS", "LOADED", "MIGRATIONS", "SCHEMA_VERSION",
            "TABLES"]
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 #: ``meta.application`` of a schema this package made.
 APPLICATION = "scrapy_idempotent"
 
@@ -194,6 +194,28 @@ MIGRATIONS: list[list[str]] = [
             PRIMARY KEY (run_id, slot)
         )""",
     ],
+    [
+        # Politeness for the whole crawl: each request's download slot (Scrapy's slot key),
+        # and per slot its limits, when it may be sent to next and the pause a site asked
+        # for. A claim locks the slots that may send (SKIP LOCKED), then takes the head of
+        # each one's pending requests and counts its leases. Rows of earlier versions are in
+        # slot '' (no limits).
+        "ALTER TABLE requests ADD COLUMN slot text NOT NULL DEFAULT ''",
+        """CREATE INDEX requests_slot_pending ON requests
+           (slot, priority DESC, is_start, (CASE WHEN fifo THEN id ELSE -id END))
+           WHERE state = 'pending'""",
+        "CREATE INDEX requests_slot_leased ON requests (slot) WHERE state = 'leased'",
+        """CREATE TABLE slots (
+            slot text PRIMARY KEY,
+            concurrency integer NOT NULL,
+            delay double precision NOT NULL DEFAULT 0,
+            crawl_delay double precision NOT NULL DEFAULT 0,
+            next_send_at double precision NOT NULL DEFAULT 0,
+            paused_until double precision NOT NULL DEFAULT 0,
+            backoffs integer NOT NULL DEFAULT 0
+        )""",
+        "INSERT INTO slots (slot, concurrency) VALUES ('', 1000000)",
+    ],
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
@@ -207,6 +229,7 @@ TABLES[3] = TABLES[2] | {"outbox"}
 TABLES[4] = TABLES[3]
 TABLES[5] = TABLES[4]
 TABLES[6] = TABLES[5] | {"samples"}
+TABLES[7] = TABLES[6] | {"slots"}
 assert set(TABLES) == set(range(1, SCHEMA_VERSION + 1))
 
 #: The counters of a session row a page commit adds to: its worker's share of the run's
@@ -220,7 +243,7 @@ LOADED: dict[str, tuple[str, ...]] = {
     "requests": ("id", "key", "fingerprint", "url", "priority", "is_start", "fifo", "state",
                  "data", "parent_key", "worker", "leased_until", "attempts", "unfinished",
                  "replays", "enqueued_at", "finished_at", "error_kind", "error_message",
-                 "run_id"),
+                 "run_id", "slot"),
     "records": ("record_id", "source", "natural_key", "item_type", "data", "content_hash",
                 "first_seen", "last_changed", "first_run_id", "changed_run_id", "request_key",
                 "seen_run_id", "seen_at", "seen_seq", "observed_at", "version"),

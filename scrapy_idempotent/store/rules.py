@@ -10,6 +10,7 @@ functions, and writes what they decided; nothing here touches a database.
 from __future__ import annotations
 
 import enum
+import random
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -32,9 +33,11 @@ __all__ = [
     "isolate_after",
     "known_request_answer",
     "other_owner",
+    "pause_seconds",
     "quarantine_message",
     "record_id_scheme_refusal",
     "record_write",
+    "send_margin",
     "split_claim",
     "starts_new_run",
     "stored_record_id_scheme",
@@ -50,6 +53,35 @@ TERMINAL = tuple(s.value for s in RequestState if s.terminal)
 #: rows, else last-in-first-out. Every backend writes its ``requests_pending`` index exactly
 #: so, so that a claim reads the head of the index.
 QUEUE_ORDER = "priority DESC, is_start, (CASE WHEN fifo THEN id ELSE -id END)"
+
+
+# -- download slots -----------------------------------------------------------------------
+
+
+#: A request claimed from a slot with a delay must reach the downloader within this share of
+#: the delay (at most :data:`SEND_MARGIN_MAX_SECONDS`), else it is given back unsent; the
+#: slot's next claim comes that much after the delay, so that two requests of the slot are
+#: never sent less than its delay apart, whichever workers send them and however late.
+SEND_MARGIN_SHARE = 0.25
+SEND_MARGIN_MAX_SECONDS = 1.0
+
+
+def send_margin(delay_seconds: float) -> float:
+    """The margin of a slot with ``delay_seconds`` (see :data:`SEND_MARGIN_SHARE`)."""
+    return min(delay_seconds * SEND_MARGIN_SHARE, SEND_MARGIN_MAX_SECONDS)
+
+
+def pause_seconds(retry_after: float | None, backoffs: int, first_seconds: float,
+                  max_seconds: float, jitter: float = 0.0) -> float:
+    """How long a slot is paused after a 429 or 503: the site's ``Retry-After`` when it sent
+    one (at most ``max_seconds``); else ``first_seconds`` doubled for each such answer in a
+    row before this one (``backoffs``), at most ``max_seconds``, lengthened by a random
+    share of itself up to ``jitter`` (so that workers and crawls paused together do not
+    come back together; never shortened: the site's wish is a minimum)."""
+    if retry_after is not None:
+        return min(max(retry_after, 0.0), max_seconds)
+    seconds = min(first_seconds * 2.0 ** min(backoffs, 64), max_seconds)
+    return min(seconds * (1.0 + random.uniform(0.0, jitter)), max_seconds)
 
 
 # -- ownership ----------------------------------------------------------------------------

@@ -26,6 +26,7 @@ The rules the statements carry out are :mod:`.rules`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from abc import abstractmethod
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -58,12 +59,16 @@ from .base import (
     RunRecord,
     Sample,
     SessionInfo,
+    SlotLimits,
+    SlotState,
     StoredRecord,
     UnitOfWork,
     change_key,
     url_glob_matches,
 )
 from .rules import (
+    CLAIMED_COLUMNS,
+    QUEUE_ORDER,
     Enqueue,
     RecordWrite,
     StoredState,
@@ -71,9 +76,11 @@ from .rules import (
     anomaly_checks,
     enqueue_decision,
     known_request_answer,
+    pause_seconds,
     quarantine_message,
     record_id_scheme_refusal,
     record_write,
+    send_margin,
     split_claim,
     starts_new_run,
     stored_record_id_scheme,
@@ -104,6 +111,15 @@ _SAMPLE_COUNTERS = ("leased", "done", "failed", "redirected", "records_inserted"
 _PENDING_AGAIN = "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL"
 
 
+def _limits_of(limits: SlotLimits, slot: str) -> tuple[int, float]:
+    """``(concurrency, delay_seconds)`` of ``slot`` under ``limits``."""
+    for name, concurrency, delay in limits.per_slot:
+        if name == slot:
+            return (concurrency if concurrency is not None else limits.concurrency,
+                    delay if delay is not None else limits.delay_seconds)
+    return limits.concurrency, limits.delay_seconds
+
+
 class SqlStore(FrontierStore):
     """The :class:`~.FrontierStore` statements every SQL backend shares (see the module
     docstring for what a backend gives)."""
@@ -118,6 +134,9 @@ class SqlStore(FrontierStore):
     LOCK_ROWS = ""
     #: appended to a claim's ``SELECT``: rows other claims hold are skipped
     SKIP_LOCKED = ""
+    #: appended to the claim's ``SELECT`` of the slots that may send: slots other claims
+    #: hold are skipped (their limits are being spent)
+    SKIP_LOCKED_SLOTS = ""
     #: appended to ``ORDER BY`` a text key, so that keyset paging follows byte order
     TEXT_ORDER = ""
     #: the ``LIMIT`` parameter meaning no limit
@@ -332,7 +351,16 @@ class SqlStore(FrontierStore):
                 for name, value in session.items():
                     setattr(self, name, value)
                 raise
+            if result.slots_added:  # committed: their rows exist
+                self._slot_names().update(result.slots_added)
         return result
+
+    def _slot_names(self) -> set[str]:
+        """The download slots known to have a row in the slots table (none are deleted)."""
+        names: set[str] | None = self.__dict__.get("_slots_stored")
+        if names is None:
+            names = self.__dict__["_slots_stored"] = set()
+        return names
 
     @abstractmethod
     def _commit_unit(self, work: UnitOfWork, worker: str, run_id: int, now: float,
@@ -489,7 +517,22 @@ class SqlStore(FrontierStore):
                  for id_, req in sorted(due.items())])
         if not new:
             return (lambda: 0), 0
+        self._add_slots(cur, new, result)
         return self._send_insert(cur, new, now, run_id), len(new)
+
+    def _add_slots(self, cur: Any, new: list[NewRequest], result: CommitResult) -> None:
+        """Give the download slots of ``new`` requests their row (with this worker's limits)
+        unless known to have one: a claim finds pending requests through their slot."""
+        known = self._slot_names()
+        missing = sorted({r.slot for r in new if r.slot not in known})
+        if not missing:
+            return
+        limits = self.slot_limits or SlotLimits(concurrency=0)
+        cur.executemany(self._q(
+            "INSERT INTO slots (slot, concurrency, delay) VALUES (?, ?, ?)"
+            " ON CONFLICT (slot) DO NOTHING"),
+            [(slot, *_limits_of(limits, slot)) for slot in missing])
+        result.slots_added.extend(missing)
 
     def _upsert_records(self, cur: Any, records: list[tuple[Record, str | None]], now: float,
                         run_id: int, result: CommitResult) -> list[tuple[str, Record, int]]:
@@ -645,8 +688,14 @@ class SqlStore(FrontierStore):
         """Lease up to ``count`` requests; those started too often without finishing are
         failed as ``quarantined`` instead (:func:`.rules.split_claim`)."""
         until = now + self.lease_seconds
-        leased, over = split_claim(self._claim_rows(cur, worker, count, until),
-                                   self.max_attempts, until)
+        send_by: dict[Any, float] = {}  # row id -> when it must be sent (slots with a delay)
+        rows = (self._claim_rows(cur, worker, count, until) if self.slot_limits is None
+                else self._claim_by_slot(cur, worker, count, until, now, result, send_by))
+        leased, over = split_claim(rows, self.max_attempts, until)
+        if send_by:
+            by_key = {row[1]: send_by[row[0]] for row in rows if row[0] in send_by}
+            leased = [dataclasses.replace(r, send_by=by_key[r.key]) if r.key in by_key else r
+                      for r in leased]
         if over:
             cur.executemany(self._q(
                 "UPDATE requests SET state = 'failed', worker = NULL, leased_until = NULL,"
@@ -656,6 +705,135 @@ class SqlStore(FrontierStore):
                 [(now, quarantine_message(r.unfinished), r.key) for r in over])
             result.quarantined.extend(r.url for r in over)
         result.leased.extend(leased)
+
+    def _claim_by_slot(self, cur: Any, worker: str, count: int, until: float, now: float,
+                       result: CommitResult, send_by: dict[Any, float]) -> list[Any]:
+        """Lease up to ``count`` requests keeping every slot's limits over all workers: from
+        the slots that may send now (not paused, their delay waited out, fewer leased than
+        their concurrency), the longest waiting first, each slot's first pending requests in
+        queue order (one for a slot with a delay, to be sent within its margin:
+        :func:`.rules.send_margin`). Claims of several workers on one slot are serialised by
+        the slot's row (SQLite: by the write lock)."""
+        # One read of the slots with pending requests, those that may send now first (the
+        # longest waiting first), with their leases (an expired lease does not count: its
+        # worker lost it, stopped or dead elsewhere, and may no longer send it); from the
+        # others, when the first of them may send (their delay or pause over).
+        slots: list[Any] = cur.execute(self._q(
+            "SELECT s.slot, s.concurrency, (SELECT count(*) FROM requests l"
+            "  WHERE l.slot = s.slot AND l.state = 'leased' AND l.leased_until >= ?),"
+            " s.delay, s.crawl_delay, s.next_send_at, s.paused_until FROM slots s"
+            " WHERE EXISTS (SELECT 1 FROM requests r WHERE r.slot = s.slot"
+            "  AND r.state = 'pending') ORDER BY CASE WHEN s.next_send_at <= ?"
+            " AND s.paused_until <= ? THEN 0 ELSE 1 END, s.next_send_at, s.slot"
+            f" LIMIT ?{self.SKIP_LOCKED_SLOTS}"),
+            (now, now, now, 2 * count + 8)).fetchall()
+        if slots and self.SKIP_LOCKED_SLOTS:
+            # the slots' rows are locked now: a count taken after the lock sees every claim
+            # of them another worker committed (the first may have been read before)
+            where, param = self._any("slot", [row[0] for row in slots])
+            leased = dict(cur.execute(self._q(
+                f"SELECT slot, count(*) FROM requests WHERE {where} AND state = 'leased'"
+                " AND leased_until >= ? GROUP BY slot"), (param, now)).fetchall())
+            slots = [(row[0], row[1], leased.get(row[0], 0), *row[3:]) for row in slots]
+        rows: list[Any] = []
+        sent: list[tuple[float, str]] = []
+        waiting: list[float] = []
+        for slot, concurrency, in_flight, delay, crawl_delay, next_send, paused in slots:
+            if next_send > now or paused > now:
+                waiting.append(max(float(next_send), float(paused)))
+                continue
+            wait = max(float(delay), float(crawl_delay))
+            take = min(int(concurrency) - int(in_flight), count - len(rows),
+                       1 if wait > 0 else count)
+            if take <= 0:
+                continue
+            taken = cur.execute(self._q(
+                "UPDATE requests SET state = 'leased', worker = ?, leased_until = ?,"
+                " attempts = attempts + 1 WHERE id IN (SELECT id FROM requests WHERE slot = ?"
+                " AND state = 'pending'"
+                f" ORDER BY {QUEUE_ORDER} LIMIT ?{self.SKIP_LOCKED})"
+                f" RETURNING {', '.join(CLAIMED_COLUMNS)}"),
+                (worker, until, slot, take)).fetchall()
+            if not taken:
+                continue
+            rows.extend(taken)
+            if wait > 0:  # sent by now + margin, so the next one after that + delay
+                margin = send_margin(wait)
+                send_by.update((row[0], now + margin) for row in taken)
+                sent.append((now + margin + wait, slot))
+                waiting.append(now + margin + wait)
+            elif len(slots) > 1:  # served now: the others have waited longer
+                sent.append((now, slot))
+        if sent:
+            cur.executemany(self._q("UPDATE slots SET next_send_at = ? WHERE slot = ?"), sent)
+        if len(rows) < count and waiting:
+            result.claim_again_in = max(0.0, min(waiting) - now)
+        return rows
+
+    # -- download slots -------------------------------------------------------------------
+
+    def keep_slot_limits(self, limits: SlotLimits | None) -> None:
+        """Claim by ``limits`` from now on (None: by the frontier's head alone), and write
+        them into every slot's row (one transaction): the crawl's limits are those of the
+        worker that started last."""
+        self.slot_limits = limits
+        if limits is None:
+            return
+        with self._write("setting the download slots' limits") as cur:
+            cur.execute(self._q("UPDATE slots SET concurrency = ?, delay = ? WHERE slot <> ''"),
+                        (limits.concurrency, limits.delay_seconds))
+            for slot, _, _ in limits.per_slot:
+                cur.execute(self._q(
+                    "INSERT INTO slots (slot, concurrency, delay) VALUES (?, ?, ?)"
+                    " ON CONFLICT (slot) DO UPDATE SET concurrency = excluded.concurrency,"
+                    " delay = excluded.delay"), (slot, *_limits_of(limits, slot)))
+
+    def pause_slot(self, slot: str, *, retry_after: float | None, first_seconds: float,
+                   max_seconds: float, jitter: float = 0.0) -> float:
+        now = self.clock()
+        with self._write("pausing a download slot") as cur:
+            cur.execute(self._q("INSERT INTO slots (slot, concurrency, delay) VALUES (?, ?, ?)"
+                                " ON CONFLICT (slot) DO NOTHING"),
+                        (slot, *_limits_of(self.slot_limits or SlotLimits(0), slot)))
+            row = cur.execute(self._q("SELECT paused_until, backoffs FROM slots WHERE slot = ?"
+                                      + self.LOCK_ROWS), (slot,)).fetchone()
+            paused_until, backoffs = float(row[0]), int(row[1])
+            # answers to requests sent before the pause began are one answer, not a row of
+            # them: they do not double the backoff again
+            again = paused_until <= now
+            seconds = pause_seconds(retry_after, backoffs if again else max(backoffs - 1, 0),
+                                    first_seconds, max_seconds, jitter)
+            until = max(paused_until, now + seconds)
+            cur.execute(self._q("UPDATE slots SET paused_until = ?, backoffs = backoffs + ?"
+                                " WHERE slot = ?"), (until, int(again), slot))
+        return until - now
+
+    def slot_answered(self, slot: str) -> None:
+        with self._write("ending a download slot's backoff") as cur:
+            cur.execute(self._q("UPDATE slots SET backoffs = 0 WHERE slot = ? AND backoffs > 0"),
+                        (slot,))
+
+    def set_slot_delay(self, slot: str, delay_seconds: float) -> None:
+        with self._write("keeping a download slot's crawl delay") as cur:
+            cur.execute(self._q(
+                "INSERT INTO slots (slot, concurrency, delay, crawl_delay) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (slot) DO UPDATE SET crawl_delay = excluded.crawl_delay"),
+                (slot, *_limits_of(self.slot_limits or SlotLimits(0), slot), delay_seconds))
+
+    def slots(self) -> list[SlotState]:
+        now = self.clock()
+        return [SlotState(slot=row[0], leased=int(row[1]), pending=int(row[2]),
+                          next_send_at=float(row[3]), paused_until=float(row[4]),
+                          backoffs=int(row[5]), crawl_delay=float(row[6]))
+                for row in self._select(
+                    "SELECT slot, leased, pending, next_send_at, paused_until, backoffs,"
+                    " crawl_delay FROM (SELECT s.slot, (SELECT count(*) FROM requests r"
+                    "  WHERE r.slot = s.slot AND r.state = 'leased') AS leased,"
+                    " (SELECT count(*) FROM requests r WHERE r.slot = s.slot"
+                    "  AND r.state = 'pending') AS pending, s.next_send_at, s.paused_until,"
+                    " s.backoffs, s.crawl_delay FROM slots s) AS t"
+                    " WHERE leased > 0 OR pending > 0 OR paused_until > ?"
+                    f" ORDER BY leased DESC, pending DESC, slot{self.TEXT_ORDER}", (now,))]
 
     # -- frontier reads and leases --------------------------------------------------------
 

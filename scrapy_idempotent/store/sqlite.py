@@ -49,7 +49,7 @@ __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 #: Schema migrations: ``_MIGRATIONS[n]`` brings version n to n + 1, one transaction each.
 _MIGRATIONS: list[list[str]] = [
@@ -251,6 +251,28 @@ _MIGRATIONS: list[list[str]] = [
         """ALTER TABLE feeds ADD COLUMN writer TEXT""",
         """ALTER TABLE feeds ADD COLUMN writer_until REAL""",
     ],
+    [
+        # Politeness for the whole crawl: each request's download slot (Scrapy's slot key),
+        # and per slot its limits, when it may be sent to next and the pause a site asked
+        # for. A claim reads the slots that may send, then the head of each one's pending
+        # requests (requests_slot_pending, in rules.QUEUE_ORDER) and counts its leases
+        # (requests_slot_leased). Rows of earlier versions are in slot '' (no limits).
+        """ALTER TABLE requests ADD COLUMN slot TEXT NOT NULL DEFAULT ''""",
+        """CREATE INDEX requests_slot_pending ON requests
+           (slot, priority DESC, is_start, (CASE WHEN fifo THEN id ELSE -id END))
+           WHERE state = 'pending'""",
+        """CREATE INDEX requests_slot_leased ON requests (slot) WHERE state = 'leased'""",
+        """CREATE TABLE slots (
+            slot TEXT PRIMARY KEY,
+            concurrency INTEGER NOT NULL,
+            delay REAL NOT NULL DEFAULT 0,
+            crawl_delay REAL NOT NULL DEFAULT 0,
+            next_send_at REAL NOT NULL DEFAULT 0,
+            paused_until REAL NOT NULL DEFAULT 0,
+            backoffs INTEGER NOT NULL DEFAULT 0
+        ) WITHOUT ROWID""",
+        """INSERT INTO slots (slot, concurrency) VALUES ('', 1000000)""",
+    ],
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -266,7 +288,8 @@ _TABLES: dict[int, frozenset[str]] = {1: _TABLES_1, 2: _TABLES_1 | {"feeds"},
                                       6: _TABLES_1 | {"feeds", "outbox"},
                                       7: _TABLES_1 | {"feeds", "outbox"},
                                       8: _TABLES_1 | {"feeds", "outbox", "samples"},
-                                      9: _TABLES_1 | {"feeds", "outbox", "samples"}}
+                                      9: _TABLES_1 | {"feeds", "outbox", "samples"},
+                                      10: _TABLES_1 | {"feeds", "outbox", "samples", "slots"}}
 assert set(_TABLES) == set(range(1, SCHEMA_VERSION + 1))
 #: Schema versions written before the application id was (files of those have none).
 _BEFORE_APPLICATION_ID = frozenset({1, 2, 3})
@@ -756,10 +779,10 @@ class SQLiteStore(SqlStore):
                      run_id: int) -> Callable[[], int]:
         cur.executemany(
             "INSERT INTO requests (key, fingerprint, url, priority, is_start, fifo, state, data,"
-            " parent_key, enqueued_at, run_id) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?, ?)"
-            " ON CONFLICT (key) DO NOTHING",
+            " parent_key, enqueued_at, run_id, slot)"
+            " VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?, ?, ?) ON CONFLICT (key) DO NOTHING",
             [(r.key, r.fingerprint, r.url, r.priority, r.is_start, r.fifo, r.data,
-              r.parent_key, now, run_id) for r in new])
+              r.parent_key, now, run_id, r.slot) for r in new])
         added: int = cur.rowcount
         return lambda: added
 

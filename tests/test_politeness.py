@@ -1,0 +1,240 @@
+"""Politeness for the whole crawl, in the store (every backend, an injected clock): claims keep
+each download slot's concurrency and delay over all workers, take the slots that waited
+longest first, and keep the pauses sites ask for (429/503, Retry-After) for every worker and
+store opened later; and the pieces the scheduler side reads (Retry-After, the settings)."""
+
+from __future__ import annotations
+
+import email.utils
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from conftest import FakeClock
+
+from scrapy_idempotent.config import ConfigError, IdempotentConfig
+from scrapy_idempotent.politeness import retry_after_seconds, slot_limits, throttled
+from scrapy_idempotent.store.base import (
+    Completion,
+    FrontierStore,
+    NewRequest,
+    RequestState,
+    SlotLimits,
+    UnitOfWork,
+)
+from scrapy_idempotent.store.rules import pause_seconds
+
+LIMITS = SlotLimits(concurrency=2, per_slot=(("slow.example", 1, 5.0),))
+
+
+def req(slot: str, n: int) -> NewRequest:
+    url = f"https://{slot}/{n}"
+    return NewRequest(key=f"{slot}/{n}", fingerprint=f"fp-{slot}/{n}", url=url, priority=0,
+                      data=json.dumps({"url": url}), slot=slot, fifo=True)
+
+
+@pytest.fixture
+def polite(store_factory: Callable[..., FrontierStore]) -> Callable[[str], FrontierStore]:
+    """``polite(worker)``: a store of the test's database, opened for ``worker``, claiming by
+    :data:`LIMITS` (as two worker processes of one crawl)."""
+
+    def make(worker: str) -> FrontierStore:
+        store = store_factory(lease_seconds=60.0)
+        store.open(fingerprinter="x")
+        store.begin_session(worker, "auto")  # type: ignore[arg-type]
+        store.keep_slot_limits(LIMITS)
+        return store
+
+    return make
+
+
+def claim(store: FrontierStore, worker: str, count: int = 10) -> list[str]:
+    return [r.key for r in store.commit(UnitOfWork(claim=count), worker).leased]
+
+
+def done(store: FrontierStore, worker: str, *keys: str) -> None:
+    store.commit(UnitOfWork(completions=[Completion(k, RequestState.DONE) for k in keys]),
+                 worker)
+
+
+def test_concurrency_of_a_slot_holds_over_every_worker(
+        polite: Callable[[str], FrontierStore]) -> None:
+    one, two = polite("w1"), polite("w2")
+    one.commit(UnitOfWork(requests=[req("a.example", n) for n in range(6)]), "w1")
+    first = claim(one, "w1")
+    assert first == ["a.example/0", "a.example/1"]  # the slot's concurrency: 2
+    assert claim(two, "w2") == []  # another worker's leases count too
+    done(one, "w1", first[0])
+    assert claim(two, "w2") == ["a.example/2"]
+    assert [(s.slot, s.leased, s.pending) for s in two.slots()] == [("a.example", 2, 3)]
+
+
+def test_a_slot_with_a_delay_gives_one_request_per_delay(
+        polite: Callable[[str], FrontierStore], clock: FakeClock) -> None:
+    one, two = polite("w1"), polite("w2")
+    one.commit(UnitOfWork(requests=[req("slow.example", n) for n in range(3)]
+                          + [req("a.example", 0)]), "w1")
+    result = one.commit(UnitOfWork(claim=10), "w1")
+    assert sorted(r.key for r in result.leased) == ["a.example/0", "slow.example/0"]
+    # to be sent within its margin (a quarter of the delay, at most 1 s), and the slot's
+    # next claim after that and the delay: never two sends closer than the delay
+    assert [r.send_by for r in result.leased if r.key == "slow.example/0"] == [clock() + 1.0]
+    assert [r.send_by for r in result.leased if r.key == "a.example/0"] == [0.0]
+    assert result.claim_again_in == pytest.approx(6.0)  # when slow.example may send again
+    done(one, "w1", "slow.example/0")  # done, but its delay is not over
+    clock.advance(5.9)
+    waiting = two.commit(UnitOfWork(claim=10), "w2")
+    assert waiting.leased == [] and waiting.claim_again_in == pytest.approx(0.1)
+    clock.advance(0.1)
+    assert claim(two, "w2") == ["slow.example/1"]
+
+
+def test_claims_take_the_slot_that_waited_longest_first(
+        polite: Callable[[str], FrontierStore], clock: FakeClock) -> None:
+    store = polite("w1")
+    # a busy site at the head of the frontier does not take every claim
+    store.commit(UnitOfWork(requests=[req("busy.example", n) for n in range(6)]
+                            + [req("b.example", n) for n in range(2)]), "w1")
+    assert claim(store, "w1", 2) == ["b.example/0", "b.example/1"]  # (by name at a tie)
+    clock.advance(1)
+    assert claim(store, "w1", 1) == ["busy.example/0"]  # b.example was served last
+
+
+def test_a_pause_holds_for_every_worker_and_backs_off(
+        polite: Callable[[str], FrontierStore], clock: FakeClock,
+        store_factory: Callable[..., FrontierStore]) -> None:
+    one = polite("w1")
+    one.commit(UnitOfWork(requests=[req("a.example", n) for n in range(3)]
+                          + [req("b.example", 0)]), "w1")
+    assert one.pause_slot("a.example", retry_after=5.0, first_seconds=10.0,
+                          max_seconds=600.0) == 5.0
+    two = polite("w2")  # a worker started after the 429: it reads the pause from the store
+    assert claim(two, "w2") == ["b.example/0"]  # the other site goes on
+    clock.advance(4.9)
+    assert claim(two, "w2") == []
+    assert [(s.slot, s.paused_until, s.backoffs) for s in one.slots()
+            if s.slot == "a.example"] == [("a.example", clock() + 0.1, 1)]
+    clock.advance(0.1)
+    assert claim(two, "w2") == ["a.example/0", "a.example/1"]
+    # without Retry-After: the first pause, then doubled for every answer in a row
+    assert one.pause_slot("a.example", retry_after=None, first_seconds=10.0,
+                          max_seconds=600.0) == 20.0
+    clock.advance(20)
+    assert one.pause_slot("a.example", retry_after=None, first_seconds=10.0,
+                          max_seconds=25.0) == 25.0  # (the maximum)
+    one.slot_answered("a.example")
+    clock.advance(25)
+    assert one.pause_slot("a.example", retry_after=None, first_seconds=10.0,
+                          max_seconds=600.0) == 10.0  # answered normally in between
+
+
+def test_a_crawl_delay_kept_by_the_store_is_the_slots_delay_when_longer(
+        polite: Callable[[str], FrontierStore], clock: FakeClock) -> None:
+    store = polite("w1")
+    store.commit(UnitOfWork(requests=[req("a.example", n) for n in range(3)]), "w1")
+    store.set_slot_delay("a.example", 2.0)
+    assert claim(store, "w1") == ["a.example/0"]
+    clock.advance(2.4)  # its delay and its margin (a quarter of it)
+    assert claim(store, "w1") == []
+    clock.advance(0.1)
+    assert claim(store, "w1") == ["a.example/1"]
+
+
+def test_per_worker_limits_claim_the_frontier_head(
+        store_factory: Callable[..., FrontierStore]) -> None:
+    store = store_factory(lease_seconds=60.0)
+    store.open(fingerprinter="x")
+    store.begin_session("w1", "auto")  # type: ignore[arg-type]
+    store.keep_slot_limits(None)
+    store.commit(UnitOfWork(requests=[req("a.example", n) for n in range(5)]), "w1")
+    assert len(claim(store, "w1")) == 5
+
+
+def test_pause_seconds_backs_off_exponentially_with_jitter_up_to_the_maximum() -> None:
+    assert pause_seconds(None, 0, 10.0, 600.0) == 10.0
+    assert pause_seconds(None, 3, 10.0, 600.0) == 80.0
+    assert pause_seconds(None, 30, 10.0, 600.0) == 600.0
+    assert pause_seconds(7.0, 5, 10.0, 600.0) == 7.0  # the site's word
+    assert pause_seconds(7200.0, 0, 10.0, 600.0) == 600.0
+    jittered = {pause_seconds(None, 1, 10.0, 600.0, 0.25) for _ in range(50)}
+    assert all(20.0 <= s <= 25.0 for s in jittered) and len(jittered) > 1
+
+
+def test_a_429_or_a_503_with_retry_after_asks_for_a_pause() -> None:
+    assert throttled(429, False) and throttled(429, True) and throttled(503, True)
+    assert not throttled(503, False)  # a failing page: RetryMiddleware's, as in Scrapy
+    assert not throttled(500, True)
+
+
+def test_retry_after_in_seconds_or_as_an_http_date() -> None:
+    assert retry_after_seconds(b"5") == 5.0
+    assert retry_after_seconds(" 120 ") == 120.0
+    date = email.utils.formatdate(1_000_030.0, usegmt=True)
+    assert retry_after_seconds(date.encode(), now=1_000_000.0) == pytest.approx(30.0)
+    assert retry_after_seconds(date, now=2_000_000.0) == 0.0  # a date in the past
+    assert retry_after_seconds(None) is None
+    assert retry_after_seconds(b"soon") is None
+
+
+def test_the_slot_limits_are_scrapys_settings() -> None:
+    from scrapy.settings import Settings
+
+    settings = Settings({"CONCURRENT_REQUESTS_PER_DOMAIN": 3, "DOWNLOAD_DELAY": 0.5,
+                         "DOWNLOAD_SLOTS": {"b.example": {"concurrency": 1},
+                                            "a.example": {"delay": 2}}})
+    assert slot_limits(settings) == SlotLimits(
+        concurrency=3, delay_seconds=0.5,
+        per_slot=(("a.example", None, 2.0), ("b.example", 1, None)))
+
+
+@pytest.mark.parametrize(("settings", "name"), [
+    ({"IDEMPOTENT_POLITENESS": "site"}, "IDEMPOTENT_POLITENESS"),
+    ({"IDEMPOTENT_BACKOFF_SECONDS": 0}, "IDEMPOTENT_BACKOFF_SECONDS"),
+    ({"IDEMPOTENT_BACKOFF_SECONDS": 60, "IDEMPOTENT_BACKOFF_MAX_SECONDS": 30},
+     "IDEMPOTENT_BACKOFF_MAX_SECONDS"),
+    ({"CONCURRENT_REQUESTS_PER_DOMAIN": 0, "IDEMPOTENT_POLITENESS": "crawl"},
+     "CONCURRENT_REQUESTS_PER_DOMAIN"),
+])
+def test_bad_politeness_settings_are_refused(settings: dict[str, Any], name: str) -> None:
+    from scrapy import Spider
+    from scrapy.settings import Settings
+
+    from scrapy_idempotent.config import SETTINGS
+
+    with pytest.raises(ConfigError, match=name):
+        IdempotentConfig.from_settings(Settings({**SETTINGS, **settings}),
+                                       Spider(name="s"))
+
+
+def test_an_expired_lease_does_not_hold_its_slot(
+        polite: Callable[[str], FrontierStore], clock: FakeClock) -> None:
+    """A stopped worker's leases, once expired, leave the slot to the others (they may take
+    the expired requests again once reclaimed)."""
+    stopped, other = polite("w1"), polite("w2")
+    stopped.commit(UnitOfWork(requests=[req("a.example", n) for n in range(4)]), "w1")
+    assert len(claim(stopped, "w1")) == 2
+    assert claim(other, "w2") == []
+    clock.advance(61)  # past the lease
+    assert claim(other, "w2") == ["a.example/2", "a.example/3"]
+
+
+def test_status_shows_the_busy_and_paused_slots(tmp_path: Any) -> None:
+    from scrapy_idempotent.commands.status import _slot_report, _slots_section
+    from scrapy_idempotent.store import SQLiteStore
+
+    store = SQLiteStore(str(tmp_path / "f.sqlite3"), lease_seconds=60.0)
+    store.open(fingerprinter="x")
+    store.begin_session("w1", "auto")  # type: ignore[arg-type]
+    store.keep_slot_limits(LIMITS)
+    store.commit(UnitOfWork(requests=[req("a.example", n) for n in range(3)]
+                            + [req("b.example", 0)]), "w1")
+    store.commit(UnitOfWork(claim=1), "w1")
+    store.pause_slot("b.example", retry_after=30.0, first_seconds=10.0, max_seconds=600.0)
+    report = _slot_report(store)
+    assert [(s["slot"], s["leased"], s["pending"], s["backoffs"]) for s in report] == [
+        ("a.example", 1, 2, 0), ("b.example", 0, 1, 1)]
+    assert report[0]["paused_until"] is None and report[1]["paused_for_seconds"] > 25
+    text = "\n".join(_slots_section(report))
+    assert "Download slots (whole crawl)" in text and "backoff 1" in text
+    store.close()

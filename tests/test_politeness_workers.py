@@ -1,0 +1,154 @@
+"""Politeness for the whole crawl with real worker processes (``scrapy runspider`` of
+``sites_spider.py``) on one frontier: several sites on loopback addresses of their own
+(127.0.0.x, each its own download slot), each site recording the requests in flight and the
+gaps between request starts. With 4 workers on one SQLite file, and 3 on PostgreSQL, no site
+sees more than its limits; a site answering 429 with Retry-After gets nothing from any
+worker for that long, also when the worker that saw the 429 is SIGKILLed at once."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+from local_site import LocalSite, Received
+
+from crawling import wait_for
+
+pytestmark = pytest.mark.slow
+
+SPIDER = Path(__file__).resolve().parent / "sites_spider.py"
+#: the sites' measuring resolution (their accept loop and clock): a gap may look this much
+#: shorter than it was at the worker
+RESOLUTION = 0.02
+
+
+def start_worker(sites: Sequence[LocalSite], database: str, log: Path, pages: int,
+                 *settings: str) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "scrapy", "runspider", str(SPIDER),
+               "-a", "sites=" + ",".join(site.url for site in sites), "-a", f"pages={pages}",
+               "-s", f"IDEMPOTENT_DATABASE={database}", "-s", f"LOG_FILE={log}",
+               "-s", "LOG_LEVEL=INFO"]
+    for setting in settings:
+        command += ["-s", setting]
+    return subprocess.Popen(command, cwd=log.parent, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+@contextmanager
+def sites(*hosts: str, delay: float) -> Iterator[list[LocalSite]]:
+    with ExitStack() as stack:
+        yield [stack.enter_context(LocalSite(host=host, delay=delay)) for host in hosts]
+
+
+@contextmanager
+def running(workers: list[subprocess.Popen[bytes]]) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+
+
+def crawl_with_workers(tmp_path: Path, database: str, count: int, hosts: Sequence[str],
+                       *settings: str, pages: int = 12) -> list[LocalSite]:
+    """``count`` workers crawl ``pages`` pages of each site (answering in 0.2 s) to the end;
+    returns the sites (stopped), their recordings kept."""
+    with sites(*hosts, delay=0.2) as crawled:
+        logs = [tmp_path / f"worker{n}.log" for n in range(count)]
+        workers = [start_worker(crawled, database, log, pages, *settings) for log in logs]
+        with running(workers):
+            for worker, log in zip(workers, logs, strict=True):
+                code = worker.wait(timeout=300)
+                assert code == 0, log.read_text(errors="replace")[-3000:]
+    for site in crawled:
+        assert site.request_count == pages, site.counts_by_path()  # each page once
+    return crawled
+
+
+LIMITS = ("CONCURRENT_REQUESTS_PER_DOMAIN=2",
+          'DOWNLOAD_SLOTS={"%s": {"concurrency": 1, "delay": 0.5}}')
+
+
+def assert_limits_held(crawled: list[LocalSite]) -> None:
+    busy, other, delayed = crawled
+    assert busy.most_in_flight <= 2 and other.most_in_flight <= 2
+    assert delayed.most_in_flight == 1
+    assert min(delayed.intervals()) >= 0.5 - RESOLUTION, delayed.intervals()
+
+
+def test_four_workers_on_one_sqlite_file_keep_each_sites_limits(tmp_path: Path) -> None:
+    hosts = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+    crawled = crawl_with_workers(tmp_path, str(tmp_path / "sites.sqlite3"), 4, hosts,
+                                 LIMITS[0], LIMITS[1] % hosts[2])
+    assert_limits_held(crawled)
+    # the sites had room: the limits were reached, not undercut
+    assert crawled[0].most_in_flight == 2
+
+
+def test_three_workers_on_postgresql_keep_each_sites_limits(tmp_path: Path,
+                                                            postgres_url: str) -> None:
+    hosts = ("127.0.0.5", "127.0.0.6", "127.0.0.7")
+    crawled = crawl_with_workers(tmp_path, postgres_url, 3, hosts,
+                                 LIMITS[0], LIMITS[1] % hosts[2])
+    assert_limits_held(crawled)
+
+
+def test_a_429_with_retry_after_pauses_the_site_for_every_worker_across_a_kill(
+        tmp_path: Path) -> None:
+    pages = 20
+    with sites("127.0.0.8", "127.0.0.9", delay=0.1) as (throttling, other):
+        answered: list[float] = []  # when the 429 was sent (the sites' clock)
+        lock = threading.Lock()
+
+        def answer(received: Received) -> tuple[int, dict[str, str], str]:
+            with lock:
+                if not answered:
+                    answered.append(time.monotonic())
+                    return 429, {"Retry-After": "5", "Content-Type": "text/html"}, "slow down"
+            return 200, {"Content-Type": "text/html"}, "<html>ok</html>"
+
+        for n in range(pages):
+            throttling.add_responder(f"/ok/p{n}", answer)
+        database = str(tmp_path / "sites.sqlite3")
+        logs = [tmp_path / f"worker{n}.log" for n in range(3)]
+        # one request at a time per site: nothing else of the throttled site is in flight
+        # at the 429 (so none is fetched again after the kill); every worker joins run 1
+        slow_other = ("CONCURRENT_REQUESTS_PER_DOMAIN=1", "IDEMPOTENT_RUN_MODE=resume")
+        workers = [start_worker([throttling, other], database, log, pages, *slow_other)
+                   for log in logs[:2]]
+        with running(workers):
+            # the worker that saw the 429 logs the pause once it is stored: SIGKILLed then
+            def pausing() -> int | None:
+                return next((n for n, log in enumerate(logs[:2]) if log.exists()
+                             and "paused for" in log.read_text(errors="replace")), None)
+
+            wait_for(lambda: pausing() is not None, 120, "the pause of the throttled site")
+            saw = pausing()
+            assert saw is not None
+            workers[saw].kill()
+            assert workers[saw].wait() == -signal.SIGKILL
+            # a new worker in its place reads the pause from the frontier too
+            workers.append(start_worker([throttling, other], database, logs[2], pages,
+                                        *slow_other))
+            wait_for(lambda: throttling.request_count > 1, 120, "the site fetched again")
+            for n, worker in enumerate(workers):
+                if n != saw:
+                    assert worker.wait(timeout=300) == 0
+        times = throttling.arrival_times()
+        after = [t - answered[0] for t in times if t > answered[0]]
+        assert after and min(after) >= 5.0 - RESOLUTION, after
+        assert throttling.request_count == pages + 1  # each page once, the throttled twice
+        assert throttling.most_in_flight == 1
+        # the other site went on meanwhile
+        # (the killed worker's request in flight to it, if any, is fetched again)
+        assert pages <= other.request_count <= pages + 1
+        assert any(answered[0] < t < answered[0] + 5.0 for t in other.arrival_times())
