@@ -23,6 +23,9 @@ from test_feeds import _export, _records, product_rows
 from crawling import EXAMPLE_PROJECT, db_rows
 
 BATCH = 120
+#: products of the site: enough that ten crawls, each stopped once its feed caught up with
+#: the store (a second or so of crawling at full speed), leave work for the last one
+PRODUCTS = 60 * 20
 
 
 def _command(site_url: str, db: Path, log: Path, out: Path) -> list[str]:
@@ -90,7 +93,7 @@ def test_streamed_feeds_through_ten_sigkills_hold_each_record_of_the_run_once(
     replaced.write_text('["from an earlier crawl"]')
     rng = random.Random(26)
     caught_up = 0
-    with LocalSite(delay=0.01) as site:
+    with LocalSite(listing_pages=60, products_per_page=20, delay=0.01) as site:
         for kill in range(1, 11):
             log = tmp_path / f"kill{kill}.log"
             target = _records(db) + 20 + rng.randrange(20)  # each crawl stores some first
@@ -116,17 +119,18 @@ def test_streamed_feeds_through_ten_sigkills_hold_each_record_of_the_run_once(
         assert final.returncode == 0, log.read_text()
     assert caught_up == 10
     exported = _export(db, tmp_path)
-    assert len(exported) == 500
+    assert len(exported) == PRODUCTS
     lines = [json.loads(line) for line in appended.read_text().splitlines()]
     assert lines[0] == {"sku": "from an earlier crawl"}  # -o: what was there stays
     assert product_rows(lines[1:]) == exported
-    assert len(lines) == 501
+    assert len(lines) == PRODUCTS + 1
     entries = json.loads(replaced.read_text())  # -O: replaced by the run; valid JSON
-    assert product_rows(entries) == exported and len(entries) == 500
+    assert product_rows(entries) == exported and len(entries) == PRODUCTS
     batches = _read_csv_batches(out)
-    assert [len(b) for b in batches] == [BATCH] * (500 // BATCH) + [500 % BATCH]
+    assert [len(b) for b in batches] == [BATCH] * (PRODUCTS // BATCH) + (
+        [PRODUCTS % BATCH] if PRODUCTS % BATCH else [])
     rows = [row for batch in batches for row in batch]
-    assert product_rows(rows) == exported and len(rows) == 500
+    assert product_rows(rows) == exported and len(rows) == PRODUCTS
     assert all(list(row) == ["sku", "name", "price", "url"] for row in rows)
     # each file once: every CSV batch has one header line
     for n in range(1, len(batches) + 1):
