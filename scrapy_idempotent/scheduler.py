@@ -325,13 +325,15 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
     # -- the scheduler contract -------------------------------------------------------------
 
     def has_pending_requests(self) -> bool:
-        """True while anything could still be handed out: claimed or buffered requests,
-        pending entries, or entries other workers hold (their lease may come back). Never
-        raises; on a store error it answers True and lets the close take its course."""
+        """True while anything could still be handed out: claimed or buffered requests
+        (claimed ones waiting to be given back included), pending entries, or entries other
+        workers hold (their lease may come back). Never raises; on a store error it answers
+        True and lets the close take its course."""
         if self.health.failed:
             self.health.close_if_refused()
             return False
-        if (self.claimed or self.tracker.unattributed.requests or self.tracker.memory_requests
+        if (self.claimed or self.claimed.has_give_back or self.tracker.unattributed.requests
+                or self.tracker.memory_requests
                 or self.writer.busy):  # (a batch being written may claim requests)
             return True
         try:

@@ -22,6 +22,7 @@ from scrapy.utils.test import get_crawler
 from crawling import db_rows, frontier_counts
 from scrapy_idempotent import IdempotentScheduler
 from scrapy_idempotent.config import config_for
+from scrapy_idempotent.store.base import UnitOfWork
 from scrapy_idempotent.workers import WorkerId
 
 
@@ -323,3 +324,51 @@ def test_a_crawl_open_across_the_run_boundary_goes_on_in_the_next_run(
     harness.close(a, "finished")
     assert db_rows(db_path, "SELECT run_id, leased, done, reason FROM runs") == [
         (1, 1, 1, "finished"), (2, 1, 1, "finished")]
+
+
+def test_claimed_requests_given_back_alone_are_written(harness: Harness) -> None:
+    # A transaction that adds more requests than a claim takes gives back the claimed ones
+    # that may no longer go first, with the next transaction. When that one carries nothing
+    # else (the periodic flush, the close's drain) it was taken for empty and never written:
+    # the given-back requests stayed leased by this worker, out of its hands, so the crawl
+    # could end "finished" with them released at the close, never fetched.
+    scheduler = harness.scheduler(IDEMPOTENT_LEASE_BATCH=4)
+    for url in URLS[:6]:
+        scheduler.enqueue_request(scrapy.Request(url))
+    first = scheduler.next_request()
+    assert first is not None and len(scheduler.claimed) == 3
+    scheduler.commits.commit(UnitOfWork())  # (its attempt's start is written)
+    claimed = scheduler.claimed
+    given_back = claimed._claimed.pop()  # what accept() gives back
+    claimed._give_back.append(given_back.key)
+    scheduler.commits.flush_buffered()  # the periodic flush of what waits without a page
+    assert not claimed.has_give_back
+    state = db_rows(harness.db_path, "SELECT state FROM requests WHERE key = ?",
+                    (given_back.key,))
+    assert state == [("pending",)]
+    handed_out = [first, *drain(scheduler)]
+    for request in handed_out:
+        finish(scheduler, request)
+    assert sorted(r.url for r in handed_out) == sorted(URLS[:6])
+    assert frontier_counts(harness.db_path) == {"done": 6}
+
+
+def test_requests_waiting_to_be_given_back_are_pending(harness: Harness) -> None:
+    # claimed requests waiting to be given back are leased by this worker and out of its
+    # hands until written: the crawl is not idle meanwhile, and they are handed out again
+    scheduler = harness.scheduler(IDEMPOTENT_LEASE_BATCH=4)
+    for url in URLS[:4]:
+        scheduler.enqueue_request(scrapy.Request(url))
+    first = scheduler.next_request()
+    assert first is not None and len(scheduler.claimed) == 3
+    scheduler.commits.commit(UnitOfWork())  # (its attempt's start is written)
+    claimed = scheduler.claimed
+    while claimed:
+        claimed._give_back.append(claimed.pop().key)  # what accept() gives back
+    assert scheduler.has_pending_requests()
+    handed_out = [first, *drain(scheduler)]
+    for request in handed_out:
+        finish(scheduler, request)
+    assert sorted(r.url for r in handed_out) == sorted(URLS[:4])
+    assert frontier_counts(harness.db_path) == {"done": 4}
+    assert not scheduler.has_pending_requests()

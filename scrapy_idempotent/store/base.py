@@ -355,7 +355,8 @@ class UnitOfWork:
 
     def __bool__(self) -> bool:
         return bool(self.requests or self.records or self.rejects or self.completions
-                    or self.started or self.responses or self.replayed or self.claim)
+                    or self.started or self.responses or self.replayed or self.claim
+                    or self.give_back)
 
 
 @dataclass
