@@ -116,6 +116,15 @@ def store_backend(request: pytest.FixtureRequest) -> StoreBackend:
     return backend
 
 
+@pytest.fixture(params=STORE_BACKENDS)
+def crawl_database(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """``IDEMPOTENT_DATABASE`` of a new, empty database of each store backend in turn: a
+    crawl test taking it runs on every backend, and reads what the crawl stored through the
+    store interface (``helpers.stored``)."""
+    backend: StoreBackend = request.param
+    return backend.database(request, tmp_path)
+
+
 @pytest.fixture
 def store_database(store_backend: StoreBackend, request: pytest.FixtureRequest,
                    tmp_path: Path) -> str:

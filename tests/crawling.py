@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import sqlite3
@@ -14,6 +13,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import scrapy
+
+from helpers.stored import frontier_counts as frontier_counts
+from helpers.stored import stored_products as stored_products
 
 
 @contextlib.contextmanager
@@ -46,7 +48,7 @@ def fill_up(mount: Path) -> Path:
     return filler
 
 
-def crawl_settings(db_path: Path, **extra: Any) -> dict[str, Any]:
+def crawl_settings(db_path: str | Path, **extra: Any) -> dict[str, Any]:
     """Settings of a real crawl with the add-on, quiet and fast."""
     settings: dict[str, Any] = {
         "ADDONS": {"scrapy_idempotent.Addon": 0},
@@ -91,15 +93,6 @@ def db_rows(db_path: Path, sql: str, params: Any = ()) -> list[tuple[Any, ...]]:
         return conn.execute(sql, params).fetchall()
     finally:
         conn.close()
-
-
-def stored_products(db_path: Path) -> list[dict[str, Any]]:
-    """Every record's data, as dicts."""
-    return [json.loads(data) for (data,) in db_rows(db_path, "SELECT data FROM records")]
-
-
-def frontier_counts(db_path: Path) -> dict[str, int]:
-    return dict(db_rows(db_path, "SELECT state, count(*) FROM requests GROUP BY state"))
 
 
 EXAMPLE_PROJECT = Path(__file__).resolve().parent.parent / "example_project"

@@ -3,9 +3,7 @@ example shop: with failing products, after a retry, after a SIGKILL, tampered wi
 
 from __future__ import annotations
 
-import contextlib
 import csv
-import io
 import json
 import os
 import re
@@ -17,40 +15,19 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 import pytest
 from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import EXAMPLE_PROJECT, crawl_settings, run_crawl, start_shop_crawl
+from helpers.commands import idempotent, idempotent_json
+from helpers.shop_spiders import NATURAL_KEYS, PartlyBrokenSpider
 from scrapy_idempotent.store.sqlite import SCHEMA_VERSION
 from shop.site import product_sku
 from shop.spiders.shop import ShopSpider
 
-NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
 ISO_SECONDS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
-
-
-def idempotent(*args: str) -> tuple[int, str, str]:
-    """``scrapy idempotent ARGS`` in this process, through Scrapy's own command line entry
-    (``scrapy.cmdline.execute``). Returns (exit code, stdout, stderr)."""
-    from scrapy.cmdline import execute
-
-    out, err = io.StringIO(), io.StringIO()
-    code: Any = None
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            execute(["scrapy", "idempotent", *args])
-        except SystemExit as exc:
-            code = exc.code
-    return int(code or 0), out.getvalue(), err.getvalue()
-
-
-def idempotent_json(*args: str) -> Any:
-    code, out, err = idempotent(*args, "--json")
-    assert code in (0, 1), err
-    return json.loads(out)
 
 
 def scrapy_subprocess(*args: str, cwd: Path | None = None,
@@ -301,18 +278,6 @@ async def test_a_spider_name_resolves_the_database_like_the_scheduler(tmp_path: 
     status = idempotent_json("status", "shop", "-s", f"IDEMPOTENT_DATABASE={template}")
     assert status["database"] == str(tmp_path / "dbs" / "shop.sqlite3")
     assert status["frontier"]["done"] == 3
-
-
-class PartlyBrokenSpider(ShopSpider):
-    """The shop spider with a bug: products whose SKU ends in 0 lose their SKU."""
-
-    broken = True
-
-    def parse_product(self, response: Any) -> Any:
-        for item in super().parse_product(response):
-            if type(self).broken and item["sku"].endswith("0"):
-                item["sku"] = " "
-            yield item
 
 
 @deferred_f_from_coro_f

@@ -13,19 +13,19 @@ from scrapy.utils.defer import deferred_f_from_coro_f
 from crawling import (
     crawl_settings,
     crawl_to_end,
-    db_rows,
     frontier_counts,
     run_crawl,
     stored_products,
 )
+from helpers.stored import stored_records, stored_rejects
 from shop.spiders.shop import ShopSpider
 
 NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
 
 
-def assert_catalogue(db_path: Path, site: LocalSite) -> None:
+def assert_catalogue(database: str | Path, site: LocalSite) -> None:
     expected = site.expected_products()
-    rows = stored_products(db_path)
+    rows = stored_products(database)
     assert len(rows) == len(expected)
     for row in rows:
         want = expected[row["sku"]]
@@ -34,27 +34,28 @@ def assert_catalogue(db_path: Path, site: LocalSite) -> None:
 
 
 @deferred_f_from_coro_f
-async def test_full_crawl_stores_each_product_once(shop: LocalSite, db_path: Path) -> None:
-    crawler = await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS), url=shop.url)
+async def test_full_crawl_stores_each_product_once(shop: LocalSite, crawl_database: str) -> None:
+    crawler = await run_crawl(ShopSpider, crawl_settings(crawl_database, **NATURAL_KEYS),
+                              url=shop.url)
     stats = crawler.stats.get_stats()
     assert stats["finish_reason"] == "finished"
     assert shop.request_count == 525
-    assert_catalogue(db_path, shop)
+    assert_catalogue(crawl_database, shop)
     assert stats["idempotent/records/inserted"] == 500
     assert stats["idempotent/requests/done"] == 525
     assert stats["idempotent/requests/leased"] == 525
-    assert frontier_counts(db_path) == {"done": 525}
+    assert frontier_counts(crawl_database) == {"done": 525}
     # the record ID is stamped into the item (ProductItem has no record_id field: not stamped)
     assert stats["item_scraped_count"] == 500
 
 
 @deferred_f_from_coro_f
 async def test_crawl_again_after_finish_is_a_new_run_without_duplicates(
-    shop: LocalSite, db_path: Path
+    shop: LocalSite, crawl_database: str
 ) -> None:
-    settings = crawl_settings(db_path, **NATURAL_KEYS)
+    settings = crawl_settings(crawl_database, **NATURAL_KEYS)
     await run_crawl(ShopSpider, settings, url=shop.url)
-    first = dict(db_rows(db_path, "SELECT record_id, first_seen FROM records"))
+    first = {r.record_id: r.first_seen for r in stored_records(crawl_database)}
     shop.reset_counts()
     crawler = await run_crawl(ShopSpider, settings, url=shop.url)
     stats = crawler.stats.get_stats()
@@ -62,30 +63,28 @@ async def test_crawl_again_after_finish_is_a_new_run_without_duplicates(
     assert shop.request_count == 525  # a new run fetches the listings again
     assert stats["idempotent/records/unchanged"] == 500
     assert "idempotent/records/inserted" not in stats
-    assert dict(db_rows(db_path, "SELECT record_id, first_seen FROM records")) == first
-    assert_catalogue(db_path, shop)
+    assert {r.record_id: r.first_seen for r in stored_records(crawl_database)} == first
+    assert_catalogue(crawl_database, shop)
 
 
 @deferred_f_from_coro_f
 async def test_changed_price_updates_record_and_keeps_first_seen(
-    shop: LocalSite, db_path: Path
+    shop: LocalSite, crawl_database: str
 ) -> None:
-    settings = crawl_settings(db_path, **NATURAL_KEYS)
+    settings = crawl_settings(crawl_database, **NATURAL_KEYS)
     await run_crawl(ShopSpider, settings, url=shop.url)
-    before = {r[0]: r[1:] for r in db_rows(
-        db_path, "SELECT record_id, first_seen, last_changed, content_hash FROM records")}
+    before = {r.record_id: r for r in stored_records(crawl_database)}
     with LocalSite(price_version=1) as repriced:
         crawler = await run_crawl(ShopSpider, settings, url=repriced.url)
-        assert_catalogue(db_path, repriced)
+        assert_catalogue(crawl_database, repriced)
     stats = crawler.stats.get_stats()
     assert stats["idempotent/records/updated"] == 500
-    after = {r[0]: r[1:] for r in db_rows(
-        db_path, "SELECT record_id, first_seen, last_changed, content_hash FROM records")}
+    after = {r.record_id: r for r in stored_records(crawl_database)}
     assert after.keys() == before.keys()
-    for record_id, (first_seen, last_changed, content_hash) in after.items():
-        assert first_seen == before[record_id][0]
-        assert last_changed > before[record_id][1]
-        assert content_hash != before[record_id][2]
+    for record_id, record in after.items():
+        assert record.first_seen == before[record_id].first_seen
+        assert record.last_changed > before[record_id].last_changed
+        assert record.content_hash != before[record_id].content_hash
 
 
 @dataclasses.dataclass
@@ -115,8 +114,8 @@ class MixedItemsSpider(scrapy.Spider):
 
 
 @deferred_f_from_coro_f
-async def test_item_types_record_ids_and_rejects(shop: LocalSite, db_path: Path) -> None:
-    settings = crawl_settings(db_path, IDEMPOTENT_NATURAL_KEYS={
+async def test_item_types_record_ids_and_rejects(shop: LocalSite, crawl_database: str) -> None:
+    settings = crawl_settings(crawl_database, IDEMPOTENT_NATURAL_KEYS={
         "dict": "sku", f"{__name__}.Variant": ["sku", "colour"]})
     scraped: list[Any] = []
     from scrapy import signals
@@ -136,12 +135,13 @@ async def test_item_types_record_ids_and_rejects(shop: LocalSite, db_path: Path)
     dict_items = [i for i in scraped if isinstance(i, dict)]
     assert len(dict_items) == 5
     assert all(len(i["record_id"]) == 32 for i in dict_items)  # stamped where there is room
-    stored_ids = {r[0] for r in db_rows(db_path, "SELECT record_id FROM records")}
+    stored_ids = {r.record_id for r in stored_records(crawl_database)}
     assert {i["record_id"] for i in dict_items} <= stored_ids
-    rejects = db_rows(db_path, "SELECT item_type, reason, request_key FROM rejects")
+    rejects = stored_rejects(crawl_database)
     assert len(rejects) == 5
-    assert all(r[0] == "dict" and "'sku'" in r[1] and r[2] for r in rejects)
-    assert frontier_counts(db_path) == {"done": 1}
+    assert all(r.item_type == "dict" and "'sku'" in r.reason and r.request_key
+               for r in rejects)
+    assert frontier_counts(crawl_database) == {"done": 1}
 
 
 class UnstorableSpider(scrapy.Spider):
@@ -173,9 +173,9 @@ class UnstorableSpider(scrapy.Spider):
 
 @deferred_f_from_coro_f
 async def test_unstorable_requests_are_fetched_from_memory_and_the_crawl_goes_on(
-    shop: LocalSite, db_path: Path, caplog: Any
+    shop: LocalSite, crawl_database: str, caplog: Any
 ) -> None:
-    crawler = await run_crawl(UnstorableSpider, crawl_settings(db_path), url=shop.url)
+    crawler = await run_crawl(UnstorableSpider, crawl_settings(crawl_database), url=shop.url)
     stats = crawler.stats.get_stats()
     assert stats["finish_reason"] == "finished"
     assert stats["idempotent/requests/unstorable"] == 2
@@ -188,8 +188,8 @@ async def test_unstorable_requests_are_fetched_from_memory_and_the_crawl_goes_on
     assert shop.counts_by_path() == {"/list/1": 1, "/list/2": 1, "/list/3": 1, "/list/4": 1}
     assert crawler.spider.lambda_calls == 1
     # nothing of them is in the frontier; the page that yielded them is done after them
-    assert frontier_counts(db_path) == {"done": 2}
-    assert sorted(r["url"].removeprefix(shop.url) for r in stored_products(db_path)) == [
+    assert frontier_counts(crawl_database) == {"done": 2}
+    assert sorted(r["url"].removeprefix(shop.url) for r in stored_products(crawl_database)) == [
         "/list/3", "/list/4"]
     assert stats["idempotent/records/inserted"] == 2
 

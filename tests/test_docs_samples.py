@@ -17,9 +17,10 @@ import pytest
 import scrapy
 from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
-from test_commands import NATURAL_KEYS, PartlyBrokenSpider, idempotent
 
 from crawling import crawl_settings, run_crawl
+from helpers.commands import idempotent
+from helpers.shop_spiders import NATURAL_KEYS, PartlyBrokenSpider
 from shop.spiders.shop import ShopSpider
 
 SAMPLES = Path(__file__).resolve().parent.parent / "docs" / "samples"

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_commands import idempotent, idempotent_json
 
+from helpers.commands import idempotent, idempotent_json
 from scrapy_idempotent import workers
 from scrapy_idempotent.exceptions import StoreBusy
 from scrapy_idempotent.store import Completion, NewRequest, Record, RequestState, UnitOfWork

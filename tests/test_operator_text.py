@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from test_commands import idempotent
-
+from helpers.commands import idempotent
 from scrapy_idempotent.store import (
     Completion,
     CrawlIdentity,

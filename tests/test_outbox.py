@@ -217,7 +217,7 @@ async def test_deliver_command_sends_what_a_crawl_left_and_status_counts_it(
     import subprocess
     import sys
 
-    from test_commands import idempotent_json
+    from helpers.commands import idempotent_json
 
     hook.down = True
     await run_crawl(ShopSpider, outbox_settings(
@@ -302,7 +302,7 @@ async def test_credentials_in_a_webhook_url_are_sent_as_basic_auth_and_never_sho
         caplog: pytest.LogCaptureFixture) -> None:
     import base64
 
-    from test_commands import idempotent_json
+    from helpers.commands import idempotent_json
 
     host = hook.url.split("://", 1)[1]
     url = f"http://crawler:s%40cret@{host}"

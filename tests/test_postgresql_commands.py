@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
-from test_commands import idempotent, idempotent_json
 
 from crawling import crawl_settings, run_crawl
+from helpers.commands import idempotent, idempotent_json
 from shop.site import product_sku
 from shop.spiders.shop import ShopSpider
 

@@ -132,8 +132,7 @@ def test_a_schema_4_postgresql_database_gets_observation_times_and_versions(
 def test_migrate_to_postgresql_carries_observation_times_and_versions(
         tmp_path: Path, postgres_url: str) -> None:
     pytest.importorskip("psycopg")
-    from test_commands import idempotent
-
+    from helpers.commands import idempotent
     from scrapy_idempotent.store.postgresql import PostgreSQLStore
 
     db = tmp_path / "crawl.sqlite3"
