@@ -228,6 +228,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         hits = site._arrived(self.command, path, self.path, dict(self.headers.items()))
         try:
+            if site._holding:
+                site._released.wait(HOLD_SECONDS)
             if site.delay:
                 time.sleep(site.delay)
             self._answer(path, parse_qs(split.query), body, hits)
@@ -385,6 +387,7 @@ class LocalSite:
         self._in_flight = 0
         self._most_in_flight = 0
         self._released = threading.Event()
+        self._holding = False  #: every request held (see :meth:`hold`)
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -499,8 +502,16 @@ class LocalSite:
                      f'<p class="text">{"x" * filler}</p></body></html>')
 
     def release(self) -> None:
-        """Let held requests (``/block/...``, routes added with ``held``) be answered."""
+        """Let held requests (``/block/...``, routes added with ``held``, every request after
+        :meth:`hold`) be answered."""
+        self._holding = False
         self._released.set()
+
+    def hold(self) -> None:
+        """Hold every request arriving from now on, the shop's pages too, until
+        :meth:`release`: a crawler's progress stopped while its requests are on the wire."""
+        self._released.clear()
+        self._holding = True
 
     def block(self) -> None:
         """Hold ``/block/...`` requests and held routes again (until the next release)."""

@@ -23,8 +23,8 @@ from test_feeds import _export, _records, product_rows
 from crawling import EXAMPLE_PROJECT, db_rows
 
 BATCH = 120
-#: products of the site: enough that ten crawls, each stopped once its feed caught up with
-#: the store (a second or so of crawling at full speed), leave work for the last one
+#: products of the site: ten crawls of 20 to 40 records each (the site holds every request
+#: once a crawl has stored its share, until it is killed) leave work for the last one
 PRODUCTS = 60 * 20
 
 
@@ -105,6 +105,9 @@ def test_streamed_feeds_through_ten_sigkills_hold_each_record_of_the_run_once(
                 while _records(db) < target and process.poll() is None:
                     assert time.monotonic() < deadline, f"crawl {kill} stored too little"
                     time.sleep(0.02)
+                # the crawl's requests are held from here: it stays open, with requests on
+                # the wire, however fast this machine crawls, while its feed catches up
+                site.hold()
                 if _wait_file_covers(process, db, appended):
                     caught_up += 1
                 assert process.poll() is None, f"crawl {kill} ended before its kill"
@@ -112,6 +115,7 @@ def test_streamed_feeds_through_ten_sigkills_hold_each_record_of_the_run_once(
             finally:
                 process.kill()
                 process.wait()
+                site.release()
         log = tmp_path / "final.log"
         final = subprocess.run(_command(site.url, db, log, out), cwd=EXAMPLE_PROJECT,
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
