@@ -233,7 +233,9 @@ class LeaseKeeper:
         self._loop.start(self.lease_seconds / 3, now=False)
         if self.sample_seconds > 0:
             self._sampling = task.LoopingCall(self.sample)
-            self._sampling.start(self.sample_seconds, now=True)
+            # the first after one interval: a sample at the open would hold the writer from
+            # the first claim (and change the order of the first requests sent)
+            self._sampling.start(self.sample_seconds, now=False)
         self.store.watch_for_work(self._work_may_be_claimable)
 
     def stop(self) -> None:

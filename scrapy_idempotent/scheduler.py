@@ -203,7 +203,12 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         )
         self._hooks = engine_hooks.EngineHooks(self.crawler.engine, self.tracker)
         self._hooks.install()
-        self.start_intake.hand_on = self._crawl_start_request
+        if any(counts[state] for state in ("pending", "leased", "done", "redirected",
+                                            "failed")):
+            # start requests are checked in batches only where the frontier may know them: on
+            # an empty one each goes to the engine at once, as in Scrapy (the first is sent
+            # before start() goes on)
+            self.start_intake.hand_on = self._crawl_start_request
         scrapy_compat.forced_stop_exits_nonzero()  # a second Ctrl+C: exit code 1
         self.commits.start()
         self.leases.start()
