@@ -810,12 +810,8 @@ def _politeness(settings: BaseSettings) -> dict[str, Any]:
 def log_interval_seconds(settings: BaseSettings) -> float:
     """``IDEMPOTENT_LOG_INTERVAL_SECONDS`` (validated): read without a spider, as the progress
     extension is built for any crawler."""
-    name = "IDEMPOTENT_LOG_INTERVAL_SECONDS"
-    interval = _number(settings, name, minimum=0.0, maximum=_DAY)
-    if 0 < interval < 0.1:
-        raise ConfigError(name, _get(settings, name),
-                          "0 (no progress line) or a number of seconds >= 0.1 and <= 86400")
-    return interval
+    return _seconds_or_off(settings, "IDEMPOTENT_LOG_INTERVAL_SECONDS", 0.1,
+                           "0 (no progress line)")
 
 
 def metrics_listen(settings: BaseSettings) -> tuple[str, int] | None:
@@ -833,11 +829,15 @@ def metrics_listen(settings: BaseSettings) -> tuple[str, int] | None:
 
 
 def _sample_seconds(settings: BaseSettings) -> float:
-    name = "IDEMPOTENT_SAMPLE_SECONDS"
+    return _seconds_or_off(settings, "IDEMPOTENT_SAMPLE_SECONDS", 1, "0 (no samples)")
+
+
+def _seconds_or_off(settings: BaseSettings, name: str, least: float, off: str) -> float:
+    """An interval setting: 0 turns it off, else seconds from ``least`` to a day."""
     interval = _number(settings, name, minimum=0.0, maximum=_DAY)
-    if 0 < interval < 1:
+    if 0 < interval < least:
         raise ConfigError(name, _get(settings, name),
-                          "0 (no samples) or a number of seconds >= 1 and <= 86400")
+                          f"{off} or a number of seconds >= {least} and <= 86400")
     return interval
 
 
