@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
-from local_site import LocalSite
+from local_site import LocalSite, Received, Responder
 from scrapy import signals as scrapy_signals
 from scrapy.utils.defer import deferred_f_from_coro_f, maybe_deferred_to_future
 from scrapy.utils.test import get_crawler
@@ -20,6 +21,7 @@ from test_queue_input import NATURAL_KEYS, QueueSpider, product, reactor_wait_fo
 
 from crawling import crawl_settings, crawl_to_end, db_rows, frontier_counts, stored_products
 from scrapy_idempotent.queue_input import QueueInput
+from shop.site import product_html
 
 
 def sqs_settings(db_path: Path, queue: SqsQueue, **extra: Any) -> dict[str, Any]:
@@ -52,6 +54,8 @@ class DeleteProbe:
         #: any extension): it is received a second time while its request is in progress
         self.redeliver = redeliver
         self.receipts: dict[str, int] = {}  #: message id -> times received
+        self.received_again: dict[str, threading.Event] = {}  #: URL -> set at its 2nd receipt
+        self._lock = threading.Lock()
         crawler.signals.connect(self.spider_opened, signal=scrapy_signals.spider_opened)
 
     def spider_opened(self) -> None:
@@ -69,6 +73,8 @@ class DeleteProbe:
                 for message in reply.get("Messages", []):
                     message_id = message["MessageId"]
                     probe.receipts[message_id] = probe.receipts.get(message_id, 0) + 1
+                    if probe.receipts[message_id] == 2:
+                        probe.event(body_url(message["Body"]) or "").set()
                     if probe.redeliver and probe.receipts[message_id] == 1:
                         client.change_message_visibility(
                             QueueUrl=kwargs["QueueUrl"], ReceiptHandle=message["ReceiptHandle"],
@@ -82,6 +88,10 @@ class DeleteProbe:
                 return client.delete_message_batch(QueueUrl=QueueUrl, Entries=Entries)
 
         broker.client = CheckedClient()
+
+    def event(self, url: str) -> threading.Event:
+        with self._lock:
+            return self.received_again.setdefault(url, threading.Event())
 
     def check(self, body: str) -> None:
         self.deleted += 1
@@ -133,11 +143,16 @@ async def test_a_message_received_again_while_held_is_taken_once_and_deleted_aft
     consumer, and deleted (with its latest receipt handle) only after its page's commit."""
     queue = SqsQueue(sqs_server)
     with LocalSite() as shop:
-        for number in range(1, 26):
-            queue.push(product_body(shop, number))
         crawler = get_crawler(QueueSpider, sqs_settings(
             db_path, queue, IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=1))
         probe = DeleteProbe(crawler, db_path, redeliver=True)
+        for number in range(1, 26):
+            queue.push(product_body(shop, number))
+            # each page is answered once its message has been received again: the second
+            # receipt comes while the request is in progress, however fast the page would be
+            url = product(shop, number)
+            shop.add_responder(url.removeprefix(shop.url), held_until_received_again(
+                probe.event(url), number, shop.price_version))
         await crawl_to_end(crawler)
         requests = shop.counts_by_path()
     stats = crawler.stats.get_stats()
@@ -152,6 +167,16 @@ async def test_a_message_received_again_while_held_is_taken_once_and_deleted_aft
     assert frontier_counts(db_path) == {"done": 25}
     assert len(stored_products(db_path)) == 25
     assert queue.all_acknowledged()
+
+
+def held_until_received_again(received_again: threading.Event, number: int,
+                               price_version: int) -> Responder:
+    def respond(received: Received) -> tuple[int, dict[str, str], str]:
+        # bounded, so a message never received again fails the assertion, not the run
+        received_again.wait(60)
+        return 200, {"Content-Type": "text/html; charset=utf-8"}, product_html(
+            number, price_version)
+    return respond
 
 
 def test_the_broker_count_is_exact_while_a_visibility_timeout_runs_out(
