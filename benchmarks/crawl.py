@@ -13,6 +13,7 @@ configurations alternating, R repetitions:
     b  JOBDIR (Scrapy's disk queues and its on-disk dupefilter)
     c  scrapy_idempotent through its add-on
     d  scrapy_idempotent with IDEMPOTENT_RESPONSE_JOURNAL = False
+    e  scrapy_idempotent with IDEMPOTENT_POLITENESS = "crawl" (limits kept by the claims)
 
 Every crawl: CONCURRENT_REQUESTS = CONCURRENT_REQUESTS_PER_DOMAIN = 32 (``--concurrency``),
 no download delay, LOG_LEVEL = WARNING, no telnet console, robots.txt not fetched. The spider
@@ -62,6 +63,7 @@ CONFIGS = {
     "b": "Scrapy JOBDIR",
     "c": "scrapy_idempotent (add-on)",
     "d": "scrapy_idempotent, no journal",
+    "e": "scrapy_idempotent, IDEMPOTENT_POLITENESS = crawl",
 }
 
 _WORDS = (
@@ -277,11 +279,13 @@ def _crawl_child(config: str, url: str, workdir: Path, out: Path, concurrency: i
     }
     if config == "b":
         settings["JOBDIR"] = str(workdir / "jobdir")
-    elif config in ("c", "d"):
+    elif config in ("c", "d", "e"):
         settings["ADDONS"] = {"scrapy_idempotent.Addon": 0}
         settings["IDEMPOTENT_DATABASE"] = str(workdir / "frontier.sqlite3")
         settings["IDEMPOTENT_NATURAL_KEYS"] = {"dict": "sku"}
-        settings["IDEMPOTENT_RESPONSE_JOURNAL"] = config == "c"
+        settings["IDEMPOTENT_RESPONSE_JOURNAL"] = config != "d"
+        if config == "e":
+            settings["IDEMPOTENT_POLITENESS"] = "crawl"
     process = CrawlerProcess(settings, install_root_handler=True)
     crawler = process.create_crawler(ShopSpider)
     held: dict[str, Any] = {}
@@ -297,7 +301,7 @@ def _crawl_child(config: str, url: str, workdir: Path, out: Path, concurrency: i
     store = getattr(held.get("scheduler"), "store", None)
     result = {"stats": stats, "store_transactions": getattr(store, "transactions", None),
               "scrapy": scrapy.__version__}
-    if config in ("c", "d"):
+    if config in ("c", "d", "e"):
         import scrapy_idempotent
 
         result["package"] = os.path.dirname(scrapy_idempotent.__file__)
@@ -370,7 +374,7 @@ def run_one(name: str, config: str, pythonpath: str | None, url: str, tmp: Path,
         problems.append(f"{row['items']} items, site has {shape['products']} products")
     if config == "b":
         row["disk_mb"] = _disk_bytes(workdir / "jobdir") / 2**20
-    elif config in ("c", "d"):
+    elif config in ("c", "d", "e"):
         db = workdir / "frontier.sqlite3"
         row["disk_mb"] = sum(_disk_bytes(Path(f"{db}{s}")) for s in ("", "-wal")) / 2**20
         check = _db_check(db)
