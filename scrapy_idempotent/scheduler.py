@@ -20,6 +20,8 @@ handed only the others it uses:
   (:class:`~.CommitOutcomes`: stats, warnings, the ``request_done`` signal);
 * :class:`~.ClaimedRequests` and :class:`~.LeaseKeeper` (:mod:`.leases`): the requests
   claimed ahead, and the periodic lease work (renewals, reclaims, space);
+  :class:`~.HandOut` (:mod:`.handout`): which of them, or of the tracker's memory requests,
+  goes to the engine next;
 * :class:`~.RequestKeys` and :class:`~.RequestFingerprints` (:mod:`.keys`): request identity;
 * :class:`~.Politeness` (:mod:`.politeness`): each request's download slot, and the crawl's
   per-slot limits the claims keep.
@@ -51,6 +53,7 @@ from .codec import RequestCodec, describe
 from .commits import STORE_ERROR_REASON, CommitOutcomes, CommitPath, CrawlHealth, retry_busy
 from .config import IdempotentConfig, config_for
 from .exceptions import IdempotentError, StoreBusy
+from .handout import HandOut
 from .inflight import InflightTracker, tracker_for
 from .keys import RequestFingerprints, RequestKeys
 from .leases import ClaimedRequests, LeaseKeeper
@@ -65,8 +68,6 @@ if TYPE_CHECKING:
     from scrapy.crawler import Crawler
     from twisted.internet.defer import Deferred
     from typing_extensions import Self
-
-    from .store.base import LeasedRequest
 
 __all__ = ["STORE_ERROR_REASON", "IdempotentScheduler", "is_idempotent_scheduler"]
 
@@ -121,6 +122,9 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             keys=RequestKeys(), dupes=DuplicateFilter.from_settings(crawler.settings, stats),
             outcomes=self.outcomes, stats=stats, slot_of=self.politeness.slot_of)
         self.start_intake = StartIntake(self.tracker, self.writer, self.admission)
+        self.hand_out = HandOut(
+            tracker=self.tracker, claimed=self.claimed, commits=self.commits,
+            leases=self.leases, outcomes=self.outcomes, politeness=self.politeness, stats=stats)
         self.spider: Spider | None = None
         self.codec: RequestCodec | None = None
         self.run_id: int | None = None
@@ -159,7 +163,8 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
 
     def _open(self, spider: Spider) -> None:
         self.spider = self.tracker.spider = self.outcomes.spider = spider
-        self.codec = self.admission.codec = RequestCodec(spider, self.config.request_classes)
+        self.codec = RequestCodec(spider, self.config.request_classes)
+        self.admission.codec = self.hand_out.codec = self.codec
         identity = CrawlIdentity(project=str(self.crawler.settings.get("BOT_NAME") or ""),
                                  spider=spider.name, source=self.config.source)
         try:
@@ -379,7 +384,7 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             self.health.close_if_refused()
             return None
         try:
-            request = self._next_request()
+            request = self.hand_out.next()
             if request is None:
                 # the engine asks again when a request finishes or at its heartbeat; a write
                 # that brings requests (a claim, the end of an order wait) wakes it sooner
@@ -409,69 +414,3 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         counts = self._last_counts
         return (counts.get("pending", 0) + counts.get("leased", 0)
                 + len(self.tracker.unattributed.requests) + self.tracker.memory_requests)
-
-    # -- hand-out ---------------------------------------------------------------------------
-
-    def _next_request(self) -> Request | None:
-        tracker, claimed, commits = self.tracker, self.claimed, self.commits
-        if self.leases.renewing and not self.writer.stalled:
-            # which leases are still this worker's is being asked: nothing is handed out
-            # under a lease that may be lost (asked again when the renewal is back)
-            return None
-        if commits.gated and not self.writer.stalled:
-            # A response waits for its writes before its callback runs: in Scrapy the
-            # callback would have run, and its requests would be enqueued, before the next
-            # request is sent (they may go first). Asked again once it has run.
-            return None
-        while True:
-            if tracker.suspects_in_flight:
-                # a suspect runs alone (see below), with its own memory requests (each
-                # holds the suspect's lease)
-                return tracker.hand_out_memory() if tracker.memory_requests else None
-            if not claimed and not commits.refill():
-                return tracker.hand_out_memory() if tracker.memory_requests else None
-            if tracker.memory_requests and tracker.memory_goes_before(claimed.head()):
-                return tracker.hand_out_memory()
-            if commits.order_wait(claimed.head()):
-                # requests being written go before the next one claimed here: they are
-                # handed out first, once written and claimed (the writer wakes the engine)
-                return None
-            if claimed.head().suspect and tracker.in_flight:
-                # A request that was in flight at two deaths of a worker is a suspect: it
-                # runs with nothing else in flight, so that if it kills the crawl again, it
-                # alone is blamed (IDEMPOTENT_MAX_ATTEMPTS), not its neighbours. Requests in
-                # flight at one death are replayed at full concurrency: a resume after a
-                # kill is not serialised.
-                return None
-            if claimed.head_expired(time.time()):
-                # The batch claimed ahead sat here past its lease (the process was stopped,
-                # or the reactor blocked): another worker may have it now.
-                self.leases.renew()
-                if self.leases.renewing:
-                    return None  # the renewal wakes the engine when it is back
-                continue
-            if claimed.give_back_head_if_late(time.time()):
-                # of a slot with a delay, too late to be sent: another claim of its slot
-                # may already count on it being gone (given back with the next transaction)
-                self.stats.inc_value("idempotent/requests/given_back_late")
-                continue
-            request = self._load(claimed.pop())
-            if request is not None:
-                return request
-
-    def _load(self, leased: LeasedRequest) -> Request | None:
-        assert self.codec is not None
-        try:
-            request = self.codec.decode(leased.data)
-        except Exception as exc:
-            self.stats.inc_value("idempotent/requests/unloadable")
-            logger.error("scrapy_idempotent: cannot load stored request %s: %s", leased.key, exc)
-            self.tracker.fail_unloadable(leased.key, str(exc))
-            self.outcomes.expect(leased.key, None, leased.fingerprint)
-            return None
-        self.tracker.handed_out(leased, request)
-        self.politeness.handing_out(request)
-        self.stats.inc_value("idempotent/requests/leased")
-        if leased.attempts > 1:
-            self.stats.inc_value("idempotent/requests/repeated")
-        return request
