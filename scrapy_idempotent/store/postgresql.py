@@ -76,12 +76,7 @@ from .postgresql_schema import (
 )
 from .reads import EngineSetting, IntegrityReport, RunSummary, SchemaInfo
 from .registry import redacted
-from .rules import (
-    CLAIMED_COLUMNS,
-    QUEUE_ORDER,
-    isolate_after,
-    other_owner,
-)
+from .rules import CLAIMED_COLUMNS, QUEUE_ORDER, isolate_after, other_owner
 from .sql import SqlStore
 
 if TYPE_CHECKING:
