@@ -3,8 +3,7 @@ item data, and upserts committed together with the completion of their request."
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .addon import Addon
 from .exceptions import (
     ConfigError,

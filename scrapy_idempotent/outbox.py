@@ -41,7 +41,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from scrapy import signals
 from scrapy.exceptions import NotConfigured
 
-from . import __version__
+from ._version import __version__
 from .exceptions import DeliveryRefused, DeliveryRetry, StoreError
 from .store.base import (
     CrawlIdentity,

@@ -45,9 +45,10 @@ from typing import TYPE_CHECKING, Any
 
 from scrapy.core.scheduler import BaseScheduler
 
-from . import __version__, engine_hooks, scrapy_compat, workers
+from . import engine_hooks, scrapy_compat, workers
 from ._dupes import DuplicateFilter
 from ._scheduler_kind import IdempotentSchedulerMark, is_idempotent_scheduler
+from ._version import __version__
 from .admission import Admission, StartIntake
 from .codec import RequestCodec, describe
 from .commits import STORE_ERROR_REASON, CommitOutcomes, CommitPath, CrawlHealth, retry_busy

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import scrapy
 from scrapy.utils.misc import load_object
 
-from . import __version__
+from ._version import __version__
 from .exceptions import UnsupportedScrapy
 
 if TYPE_CHECKING:
