@@ -557,11 +557,17 @@ class SQLiteStore(SqlStore):
         package's: any table it does not create, an application id or a ``user_version`` it
         did not write. Returns the schema version found and whether the file is new (empty).
         """
-        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
-        tables = {name for (name,) in conn.execute(
-            "SELECT name FROM sqlite_master WHERE type = 'table'"
-            " AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\'")}
+        # one read transaction: the version and the tables of one moment (another worker
+        # opening the file at once may be migrating it, a step a transaction)
+        conn.execute("BEGIN")
+        try:
+            app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            tables = {name for (name,) in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table'"
+                " AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\'")}
+        finally:
+            conn.execute("COMMIT")
         if not tables and version == 0 and app_id in (0, APPLICATION_ID):
             return 0, True
         ours = app_id == APPLICATION_ID or (
