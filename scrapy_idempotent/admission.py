@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 from . import signals
 from .codec import describe
-from .exceptions import StoreBusy, UnstorableRequest
+from .exceptions import StoreBusy, StoreError, UnstorableRequest
 from .store.base import NewRequest
 
 if TYPE_CHECKING:
@@ -66,6 +66,11 @@ START_WINDOW = 2000
 START_SLICE_SECONDS = 0.02
 #: ``dont_filter`` start requests checked against the frontier in one read.
 START_CHECK_BATCH = 500
+#: While the frontier holds this many pending requests, start() waits: the reactor's time
+#: goes to downloads, not to taking in more of the list.
+START_AHEAD = 1000
+#: How often (seconds) a waiting start() looks at the frontier again.
+START_AHEAD_POLL_SECONDS = 0.05
 
 
 class StartIntake:
@@ -74,14 +79,17 @@ class StartIntake:
     def __init__(self, tracker: InflightTracker, writer: WriterThread,
                  admission: Admission | None = None, *, window: int = START_WINDOW,
                  slice_seconds: float = START_SLICE_SECONDS,
-                 check_batch: int = START_CHECK_BATCH) -> None:
+                 check_batch: int = START_CHECK_BATCH, ahead: int = START_AHEAD) -> None:
         self.tracker = tracker
         self.writer = writer
         self.admission = admission
         self.window = window
         self.slice_seconds = slice_seconds
         self.check_batch = check_batch
+        #: start() waits while the frontier holds this many pending requests (0: never)
+        self.ahead = ahead
         self._slice_began = time.monotonic()
+        self._buffered_before = 0  #: the admission's count of buffered requests at a slice
         self._held: list[Request] = []  #: start requests waiting for their check
         #: ``ExecutionEngine.crawl``, set once the engine runs (None: nothing is held)
         self.hand_on: Callable[[Request], object] | None = None
@@ -135,10 +143,41 @@ class StartIntake:
             from twisted.internet import reactor
             from twisted.internet.task import deferLater
 
-            waiting = deferLater(reactor, 0, lambda: None)
+            waiting = (self._until_needed() if self._adding() and self._enough_ahead()
+                       else deferLater(reactor, 0, lambda: None))
         if waiting is not None:
             waiting.addBoth(self._resumed)
         return waiting
+
+    def _until_needed(self) -> Deferred[None]:
+        """A Deferred fired once the frontier holds fewer than :attr:`ahead` pending
+        requests (looked at every :data:`START_AHEAD_POLL_SECONDS`)."""
+        from twisted.internet import reactor
+        from twisted.internet.task import deferLater
+
+        waiting: Deferred[None] = deferLater(reactor, START_AHEAD_POLL_SECONDS, lambda: None)
+        waiting.addCallback(lambda _: self._until_needed() if self._enough_ahead() else None)
+        return waiting
+
+    def _adding(self) -> bool:
+        """Whether start() took requests into the frontier since the last slice."""
+        if self.admission is None:
+            return False
+        before, self._buffered_before = self._buffered_before, self.admission.buffered
+        return self.admission.buffered > before
+
+    def _enough_ahead(self) -> bool:
+        """Whether start() may wait a moment (while it adds requests to the frontier, not
+        only finds known ones as a re-run start() does): the frontier holds
+        :attr:`ahead` pending requests, work enough for the downloads meanwhile. Nothing is
+        lost by waiting: what start() has not yielded yet is yielded again by the next
+        crawl's start()."""
+        if self.admission is None or not self.ahead or not self.writer.running:
+            return False
+        try:
+            return self.admission.store.pending_at_least(self.ahead)
+        except StoreError:  # (StoreBusy too: a connection being re-established)
+            return False
 
     def _resumed(self, result: object) -> object:
         self._slice_began = time.monotonic()
@@ -160,6 +199,7 @@ class Admission:
                  outcomes: CommitOutcomes, stats: StatsCollector,
                  slot_of: Callable[[Request], str] | None = None) -> None:
         self.store = store
+        self.buffered = 0  #: requests taken into the frontier (buffered for a write) so far
         #: a request's download slot, stored with it (see :mod:`.politeness`)
         self.slot_of = slot_of
         self.tracker = tracker
@@ -320,6 +360,7 @@ class Admission:
         """Queue the encoded ``request`` for the transaction of the request it came from."""
         is_start, fifo = self.tracker.order.place(request)
         parent = origin.parent
+        self.buffered += 1
         self.tracker.buffer_request(NewRequest(
             key=key if key is not None else self._key(fingerprint, filtered, origin),
             fingerprint=fingerprint,

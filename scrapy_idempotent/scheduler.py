@@ -49,7 +49,7 @@ from . import engine_hooks, scrapy_compat, workers
 from ._dupes import DuplicateFilter
 from ._scheduler_kind import IdempotentSchedulerMark, is_idempotent_scheduler
 from ._version import __version__
-from .admission import Admission, StartIntake
+from .admission import START_AHEAD, Admission, StartIntake
 from .codec import RequestCodec, describe
 from .commits import STORE_ERROR_REASON, CommitOutcomes, CommitPath, CrawlHealth, retry_busy
 from .config import IdempotentConfig, config_for
@@ -122,7 +122,10 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             self.store, tracker=self.tracker, fingerprints=self.fingerprints,
             keys=RequestKeys(), dupes=DuplicateFilter.from_settings(crawler.settings, stats),
             outcomes=self.outcomes, stats=stats, slot_of=self.politeness.slot_of)
-        self.start_intake = StartIntake(self.tracker, self.writer, self.admission)
+        # with the crawl's slot limits the pending requests may all be of slots that wait:
+        # start() is taken in at the writer's speed, its other sites' requests with it
+        self.start_intake = StartIntake(self.tracker, self.writer, self.admission,
+                                        ahead=0 if self.politeness.crawl_wide else START_AHEAD)
         self.hand_out = HandOut(
             tracker=self.tracker, claimed=self.claimed, commits=self.commits,
             leases=self.leases, outcomes=self.outcomes, politeness=self.politeness, stats=stats)

@@ -16,6 +16,7 @@ from scrapy.exceptions import CloseSpider
 from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import crawl_settings, frontier_counts, run_crawl
+from scrapy_idempotent import scheduler as scheduler_module
 from scrapy_idempotent import scrapy_compat
 from scrapy_idempotent.admission import START_CHECK_BATCH, START_WINDOW
 
@@ -208,10 +209,14 @@ class ReplayedStart(scrapy.Spider):
 
 @deferred_f_from_coro_f
 async def test_a_resumed_long_start_is_checked_in_batches_while_pending_requests_download(
-        site: LocalSite, db_path: Path) -> None:
+        site: LocalSite, db_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     first = type("First", (ReplayedStart,), {"site_url": site.url})
-    await run_crawl(first, crawl_settings(db_path, CONCURRENT_REQUESTS=1,
-                                          CONCURRENT_REQUESTS_PER_DOMAIN=1))
+    # the first crawl takes its whole start() in without waiting for downloads (it would
+    # wait while 1,000 requests are pending): the resumed one finds most of them pending
+    with monkeypatch.context() as patched:
+        patched.setattr(scheduler_module, "START_AHEAD", 0)
+        await run_crawl(first, crawl_settings(db_path, CONCURRENT_REQUESTS=1,
+                                              CONCURRENT_REQUESTS_PER_DOMAIN=1))
     stored = frontier_counts(db_path)
     assert sum(stored.values()) == RESUMED_TOTAL
     assert stored.get("pending", 0) > RESUMED_TOTAL // 2  # the resumed crawl has work at once

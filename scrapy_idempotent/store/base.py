@@ -498,6 +498,12 @@ class FrontierStore(ABC):
         :attr:`UnitOfWork.responses` journals them)."""
 
     @abstractmethod
+    def pending_at_least(self, count: int) -> bool:
+        """Whether the frontier holds at least ``count`` pending entries (all workers'): a
+        read bounded by ``count``, outside any transaction, on the reads' connection (never
+        waits for the writer; raises StoreBusy while it cannot read at once)."""
+
+    @abstractmethod
     def known_request(self, fingerprint: str, *, key: str | None = None) -> str | None:
         """How a commit would count an ordinary request (``filter_fingerprint``) of this
         fingerprint if it were committed now: ``"duplicate"`` (pending or leased),

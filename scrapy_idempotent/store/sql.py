@@ -841,6 +841,12 @@ class SqlStore(FrontierStore):
         rows = self._crawl_select("SELECT data, body FROM responses WHERE key = ?", (key,))
         return (rows[0][0], bytes(rows[0][1])) if rows else None
 
+    def pending_at_least(self, count: int) -> bool:
+        found = self._crawl_select(
+            "SELECT count(*) FROM (SELECT 1 FROM requests WHERE state = 'pending' LIMIT ?)"
+            " AS ahead", (count,))[0][0]
+        return bool(found >= count)
+
     def known_request(self, fingerprint: str, *, key: str | None = None) -> str | None:
         # A fingerprint found done stays done in this run (the crawl moves no entry out of
         # done but one due again, which the window check below sees), so its later lookups
