@@ -17,6 +17,7 @@ if str(EXAMPLE_PROJECT) not in sys.path:
 
 from local_site import LocalSite  # noqa: E402
 
+from helpers.scheduler_harness import Harness  # noqa: E402
 from scrapy_idempotent.store import FrontierStore, open_store  # noqa: E402
 
 
@@ -63,6 +64,16 @@ def postgres_cluster() -> Iterator[object]:
 def postgres_url(postgres_cluster: Any) -> str:
     """The URL of an empty database of its own on the session's PostgreSQL cluster."""
     return str(postgres_cluster.new_database())
+
+
+@pytest.fixture
+def harness(db_path: Path) -> Iterator[Harness]:
+    """Schedulers opened by hand in real crawlers on this test's database
+    (``helpers.scheduler_harness``); every one still open is closed after the test."""
+    h = Harness(db_path)
+    yield h
+    for scheduler in list(h.open):
+        h.close(scheduler)
 
 
 # -- store backends: the contract tests run against each -----------------------------------
