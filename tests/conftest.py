@@ -18,6 +18,7 @@ if str(EXAMPLE_PROJECT) not in sys.path:
 from local_site import LocalSite  # noqa: E402
 
 from helpers.scheduler_harness import Harness  # noqa: E402
+from helpers.stores import LEASE_SECONDS  # noqa: E402
 from scrapy_idempotent.store import FrontierStore, open_store  # noqa: E402
 
 
@@ -161,3 +162,27 @@ def store_factory(store_backend: StoreBackend, store_database: str,
     yield make
     for store in made:
         store.close()
+
+
+# -- the store contract's stores (helpers.stores: what the tests do with them) -------------
+
+
+@pytest.fixture
+def make_store(store_factory: Callable[..., FrontierStore]) -> Callable[..., Any]:
+    """``make_store(**options)``: an unopened store on this test's database (leases of
+    ``LEASE_SECONDS`` unless given)."""
+
+    def make(**options: Any) -> Any:
+        options.setdefault("lease_seconds", LEASE_SECONDS)
+        return store_factory(**options)
+
+    return make
+
+
+@pytest.fixture
+def store(make_store: Callable[..., Any]) -> Any:
+    """An opened store on a new database, with worker ``w1`` in run 1."""
+    store = make_store()
+    store.open(fingerprinter="x")
+    store.begin_session("w1", "auto")
+    return store

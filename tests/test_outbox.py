@@ -162,8 +162,7 @@ async def test_close_drains_for_at_most_the_drain_seconds(
 async def test_retry_after_is_honoured(tmp_path: Path, hook: WebhookReceiver) -> None:
     """A 503 with ``Retry-After: 120`` puts the entry's next try two minutes away, whatever
     the (much shorter) backoff says."""
-    from test_outbox_store import fetch_page
-    from test_store_contract import rec
+    from helpers.stores import fetch_page, rec
 
     clock = [1_700_000_000.0]
     store = SQLiteStore(str(tmp_path / "db.sqlite3"), clock=lambda: clock[0])
