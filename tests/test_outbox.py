@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import sqlite3
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -14,7 +12,7 @@ from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f, maybe_deferred_to_future
 from webhook_receiver import WebhookReceiver
 
-from crawling import crawl_settings, db_rows, run_crawl
+from crawling import crawl_settings, db_rows, db_rows_connection, run_crawl
 from scrapy_idempotent.outbox import Deliverer, WebhookTarget, retry_after_seconds
 from scrapy_idempotent.store import SQLiteStore
 from shop.spiders.shop import ShopSpider
@@ -25,17 +23,6 @@ NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
 def outbox_settings(db_path: Path, *targets: str, **extra: Any) -> dict[str, Any]:
     return crawl_settings(db_path, **NATURAL_KEYS, IDEMPOTENT_OUTBOX_TARGETS=list(targets),
                           IDEMPOTENT_OUTBOX_RETRY_SECONDS=0.05, **extra)
-
-
-@contextlib.contextmanager
-def db_rows_connection(db_path: Path) -> Any:
-    """A write connection to the test's database, committed and closed after."""
-    conn = sqlite3.connect(db_path)
-    try:
-        with conn:
-            yield conn
-    finally:
-        conn.close()
 
 
 def outbox_states(db_path: Path) -> dict[str, int]:
