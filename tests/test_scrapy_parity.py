@@ -1,4 +1,5 @@
-"""Drop-in fidelity: with the add-on, a spider behaves as it does under plain Scrapy.
+"""Parity with plain Scrapy: with the add-on (a drop-in), a spider behaves as it does under
+plain Scrapy.
 
 Each test runs real crawls in this process against the local site (``site`` fixture) and
 checks what a Scrapy user sees (requests sent and their order, ``item_scraped``,
@@ -305,7 +306,7 @@ async def test_another_dupefilter_class_is_refused_at_start(
     from scrapy_idempotent.exceptions import ConfigError
 
     crawler = get_crawler(DuplicateLinksSpider, settings(
-        db_path, DUPEFILTER_CLASS="test_fidelity.CustomDupeFilter"))
+        db_path, DUPEFILTER_CLASS="test_scrapy_parity.CustomDupeFilter"))
     with pytest.raises(ConfigError) as raised:
         await crawl_to_end(crawler, url=site.url)
     assert raised.value.setting == "DUPEFILTER_CLASS"
@@ -633,7 +634,8 @@ async def test_several_items_of_a_page_without_a_key_are_several_records(
     assert observed.stats["idempotent/items/keyed_by_rank"] == 2
     keys = sorted(json.loads(k) for (k,) in db_rows(db_path, "SELECT natural_key FROM records"))
     page = site.url + "/ok/notes"
-    assert keys == [[page], [page, "test_fidelity.Note", "#2"], [page, "test_fidelity.Note", "#3"]]
+    assert keys == [[page], [page, "test_scrapy_parity.Note", "#2"],
+                    [page, "test_scrapy_parity.Note", "#3"]]
     # told apart by their order on the page: the same records in the next run
     again = await crawl(NotesSpider, settings(db_path), url=site.url)
     assert again.stats["idempotent/records/unchanged"] == 3
