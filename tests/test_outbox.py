@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f, maybe_deferred_to_future
-from webhook_receiver import WebhookReceiver
 
 from crawling import crawl_settings, db_rows, db_rows_connection, run_crawl
+from helpers.webhook_receiver import WebhookReceiver
 from scrapy_idempotent.outbox import Deliverer, WebhookTarget, retry_after_seconds
 from scrapy_idempotent.store import SQLiteStore
 from shop.spiders.shop import ShopSpider
