@@ -1,4 +1,5 @@
-"""Shared fixtures: the local test site, frontier databases, a PostgreSQL cluster."""
+"""Shared fixtures: the local test site, frontier databases, a PostgreSQL cluster, the store
+contract's stores and the scheduler harness."""
 
 from __future__ import annotations
 
