@@ -1,4 +1,5 @@
-"""Shared fixtures: the local test site, frontier databases, a PostgreSQL cluster."""
+"""Shared fixtures: the local test site, frontier databases, a PostgreSQL cluster, the store
+contract's stores and the scheduler harness."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ if str(EXAMPLE_PROJECT) not in sys.path:
 
 from local_site import LocalSite  # noqa: E402
 
+from helpers.scheduler_harness import Harness  # noqa: E402
+from helpers.stores import LEASE_SECONDS  # noqa: E402
 from scrapy_idempotent.store import FrontierStore, open_store  # noqa: E402
 
 
@@ -63,6 +66,16 @@ def postgres_cluster() -> Iterator[object]:
 def postgres_url(postgres_cluster: Any) -> str:
     """The URL of an empty database of its own on the session's PostgreSQL cluster."""
     return str(postgres_cluster.new_database())
+
+
+@pytest.fixture
+def harness(db_path: Path) -> Iterator[Harness]:
+    """Schedulers opened by hand in real crawlers on this test's database
+    (``helpers.scheduler_harness``); every one still open is closed after the test."""
+    h = Harness(db_path)
+    yield h
+    for scheduler in list(h.open):
+        h.close(scheduler)
 
 
 # -- store backends: the contract tests run against each -----------------------------------
@@ -150,3 +163,27 @@ def store_factory(store_backend: StoreBackend, store_database: str,
     yield make
     for store in made:
         store.close()
+
+
+# -- the store contract's stores (helpers.stores: what the tests do with them) -------------
+
+
+@pytest.fixture
+def make_store(store_factory: Callable[..., FrontierStore]) -> Callable[..., Any]:
+    """``make_store(**options)``: an unopened store on this test's database (leases of
+    ``LEASE_SECONDS`` unless given)."""
+
+    def make(**options: Any) -> Any:
+        options.setdefault("lease_seconds", LEASE_SECONDS)
+        return store_factory(**options)
+
+    return make
+
+
+@pytest.fixture
+def store(make_store: Callable[..., Any]) -> Any:
+    """An opened store on a new database, with worker ``w1`` in run 1."""
+    store = make_store()
+    store.open(fingerprinter="x")
+    store.begin_session("w1", "auto")
+    return store

@@ -95,6 +95,17 @@ def db_rows(db_path: Path, sql: str, params: Any = ()) -> list[tuple[Any, ...]]:
         conn.close()
 
 
+@contextlib.contextmanager
+def db_rows_connection(db_path: Path) -> Any:
+    """A write connection to the test's database, committed and closed after."""
+    conn = sqlite3.connect(db_path)
+    try:
+        with conn:
+            yield conn
+    finally:
+        conn.close()
+
+
 EXAMPLE_PROJECT = Path(__file__).resolve().parent.parent / "example_project"
 
 

@@ -14,7 +14,8 @@ import scrapy
 from local_site import LocalSite
 from scrapy.exceptions import CloseSpider
 from scrapy.utils.defer import deferred_f_from_coro_f
-from site_crawls import (
+
+from helpers.site_crawls import (
     PathSpider,
     assert_nothing_leased,
     crawl,

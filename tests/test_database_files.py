@@ -22,7 +22,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-import scrapy
 from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 
@@ -35,6 +34,7 @@ from crawling import (
     pages,
     run_crawl,
 )
+from helpers.catalogue_spider import CatalogueSpider
 from scrapy_idempotent.codec import loads
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,29 +44,6 @@ EXAMPLE_PROJECT = ROOT / "example_project"
 
 
 KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"dict": "sku"}}
-
-
-class CatalogueSpider(scrapy.Spider):
-    """``/list`` -> every ``/item/<i>`` -> one dict item ``{"sku", "name", "text"}``."""
-
-    name = "catalogue"
-
-    def __init__(self, url: str, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.base_url = url
-
-    async def start(self) -> Any:
-        yield scrapy.Request(f"{self.base_url}/list", dont_filter=True)
-
-    def parse(self, response: Any) -> Any:
-        yield from response.follow_all(css="a.item", callback=self.parse_item)
-
-    def parse_item(self, response: Any) -> Any:
-        yield {
-            "sku": response.css("span.sku::text").get(),
-            "name": response.css("h1::text").get(),
-            "text": response.css("p.text::text").get(),
-        }
 
 
 def file_digest(path: Path) -> str:

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 from local_site import LocalSite
-from test_feeds import _export, _records, product_rows
 
 from crawling import EXAMPLE_PROJECT, db_rows
+from helpers.feeds import exported_rows, product_rows, record_count
 
 BATCH = 120
 #: products of the site: ten crawls of 20 to 40 records each (the site holds every request
@@ -96,13 +96,13 @@ def test_streamed_feeds_through_ten_sigkills_hold_each_record_of_the_run_once(
     with LocalSite(listing_pages=60, products_per_page=20, delay=0.01) as site:
         for kill in range(1, 11):
             log = tmp_path / f"kill{kill}.log"
-            target = _records(db) + 20 + rng.randrange(20)  # each crawl stores some first
+            target = record_count(db) + 20 + rng.randrange(20)  # each crawl stores some first
             process = subprocess.Popen(_command(site.url, db, log, out), cwd=EXAMPLE_PROJECT,
                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                        stderr=subprocess.STDOUT)
             try:
                 deadline = time.monotonic() + 180
-                while _records(db) < target and process.poll() is None:
+                while record_count(db) < target and process.poll() is None:
                     assert time.monotonic() < deadline, f"crawl {kill} stored too little"
                     time.sleep(0.02)
                 # the crawl's requests are held from here: it stays open, with requests on
@@ -122,7 +122,7 @@ def test_streamed_feeds_through_ten_sigkills_hold_each_record_of_the_run_once(
                                stderr=subprocess.STDOUT, timeout=600)
         assert final.returncode == 0, log.read_text()
     assert caught_up == 10
-    exported = _export(db, tmp_path)
+    exported = exported_rows(db, tmp_path)
     assert len(exported) == PRODUCTS
     lines = [json.loads(line) for line in appended.read_text().splitlines()]
     assert lines[0] == {"sku": "from an earlier crawl"}  # -o: what was there stays

@@ -17,22 +17,20 @@ from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import EXAMPLE_PROJECT, crawl_settings, db_rows, run_crawl
+from helpers.feeds import (
+    FIELDS,
+    exported_rows,
+    product_rows,
+    read_jsonlines,
+    record_count,
+)
 from shop.spiders.shop import ShopSpider
 
 NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
-FIELDS = ("sku", "name", "price", "url")
-
-
-def product_rows(items: list[dict[str, Any]]) -> list[tuple[str, ...]]:
-    return sorted(tuple(str(item[f]) for f in FIELDS) for item in items)
 
 
 def stored_rows(db_path: Path) -> list[tuple[str, ...]]:
     return product_rows([json.loads(d) for (d,) in db_rows(db_path, "SELECT data FROM records")])
-
-
-def read_jsonlines(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def read_csv(path: Path) -> list[dict[str, Any]]:
@@ -141,23 +139,6 @@ def _feed_command(site_url: str, db: Path, log: Path, feed_args: list[str]) -> l
             *feed_args]
 
 
-def _records(db: Path) -> int:
-    if not db.exists():
-        return 0
-    try:
-        return int(db_rows(db, "SELECT count(*) FROM records")[0][0])
-    except Exception:  # not created yet, or being migrated
-        return 0
-
-
-def _export(db: Path, tmp_path: Path) -> list[tuple[str, ...]]:
-    out = tmp_path / "export.jsonl"
-    subprocess.run([sys.executable, "-m", "scrapy", "idempotent", "export", "--db", str(db),
-                    "-o", str(out)], cwd=EXAMPLE_PROJECT, check=True,
-                   stdout=subprocess.DEVNULL)
-    return product_rows(read_jsonlines(out))
-
-
 FEED_KINDS = {
     "jsonlines -o": (["-o", "{dir}/feed.jsonl"], "feed.jsonl", read_jsonlines),
     "json -O": (["-O", "{dir}/feed.json"], "feed.json", lambda p: json.loads(p.read_text())),
@@ -183,7 +164,7 @@ def test_feeds_after_five_sigkills_hold_exactly_the_records_of_the_run(
                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
             try:
                 deadline = time.monotonic() + 120
-                while _records(db) < records_before_kill and process.poll() is None:
+                while record_count(db) < records_before_kill and process.poll() is None:
                     assert time.monotonic() < deadline, f"crawl {kill} stored too little"
                     time.sleep(0.02)
                 assert process.poll() is None, f"crawl {kill} ended before its kill"
@@ -203,7 +184,7 @@ def test_feeds_after_five_sigkills_hold_exactly_the_records_of_the_run(
     items = read(feed)
     rows = product_rows(items)
     assert len(rows) == len(set(rows)) == 500
-    assert rows == _export(db, tmp_path)
+    assert rows == exported_rows(db, tmp_path)
     assert {row[0] for row in rows} == set(expected)
     assert not list(tmp_path.glob(".*partial"))
 
@@ -273,7 +254,7 @@ def test_a_kill_while_the_feed_is_written_leaves_the_old_file_and_the_next_crawl
                             cwd=EXAMPLE_PROJECT, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=300)
     assert killed.returncode == -signal.SIGKILL
-    assert _records(db) == 500  # the crawl was complete: killed while writing its feed
+    assert record_count(db) == 500  # the crawl was complete: killed while writing its feed
     assert json.loads(feed.read_text()) == ["from an earlier crawl"]
     assert db_rows(db, "SELECT finished_at FROM runs") == [(None,)]  # not finished yet
 

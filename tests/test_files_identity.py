@@ -97,9 +97,7 @@ async def test_an_image_is_named_by_its_record_and_stored_once_whatever_its_trac
 
 
 def test_check_lists_files_no_record_references(tmp_path: Path) -> None:
-    from test_outbox_store import fetch_page
-    from test_store_contract import rec
-
+    from helpers.stores import fetch_page, rec
     from scrapy_idempotent.store import SQLiteStore
 
     db, store = tmp_path / "db.sqlite3", tmp_path / "images"

@@ -4,12 +4,9 @@ the components use openly, inside a real crawler and engine (the crawl loop driv
 from __future__ import annotations
 
 import scrapy
-import test_scheduler
-from test_scheduler import URLS, Harness, drain, finish
 
+from helpers.scheduler_harness import URLS, Harness, drain, finish
 from scrapy_idempotent.crawl import frontier_store, inflight_tracker
-
-harness = test_scheduler.harness  # the fixture: schedulers in real crawlers on one database
 
 
 def test_the_components_find_the_schedulers_collaborators(harness: Harness) -> None:

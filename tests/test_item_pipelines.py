@@ -13,7 +13,9 @@ import scrapy
 from local_site import LocalSite
 from scrapy.exceptions import DropItem
 from scrapy.utils.defer import deferred_f_from_coro_f
-from site_crawls import (
+
+from crawling import db_rows
+from helpers.site_crawls import (
     PathSpider,
     assert_nothing_leased,
     crawl,
@@ -25,8 +27,6 @@ from site_crawls import (
     records,
     settings,
 )
-
-from crawling import db_rows
 
 # -- pipelines: DropItem and errors before ours -------------------------------------------------
 

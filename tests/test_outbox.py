@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import sqlite3
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -12,9 +10,9 @@ from typing import Any
 import pytest
 from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f, maybe_deferred_to_future
-from webhook_receiver import WebhookReceiver
 
-from crawling import crawl_settings, db_rows, run_crawl
+from crawling import crawl_settings, db_rows, db_rows_connection, run_crawl
+from helpers.webhook_receiver import WebhookReceiver
 from scrapy_idempotent.outbox import Deliverer, WebhookTarget, retry_after_seconds
 from scrapy_idempotent.store import SQLiteStore
 from shop.spiders.shop import ShopSpider
@@ -25,17 +23,6 @@ NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
 def outbox_settings(db_path: Path, *targets: str, **extra: Any) -> dict[str, Any]:
     return crawl_settings(db_path, **NATURAL_KEYS, IDEMPOTENT_OUTBOX_TARGETS=list(targets),
                           IDEMPOTENT_OUTBOX_RETRY_SECONDS=0.05, **extra)
-
-
-@contextlib.contextmanager
-def db_rows_connection(db_path: Path) -> Any:
-    """A write connection to the test's database, committed and closed after."""
-    conn = sqlite3.connect(db_path)
-    try:
-        with conn:
-            yield conn
-    finally:
-        conn.close()
 
 
 def outbox_states(db_path: Path) -> dict[str, int]:
@@ -162,8 +149,7 @@ async def test_close_drains_for_at_most_the_drain_seconds(
 async def test_retry_after_is_honoured(tmp_path: Path, hook: WebhookReceiver) -> None:
     """A 503 with ``Retry-After: 120`` puts the entry's next try two minutes away, whatever
     the (much shorter) backoff says."""
-    from test_outbox_store import fetch_page
-    from test_store_contract import rec
+    from helpers.stores import fetch_page, rec
 
     clock = [1_700_000_000.0]
     store = SQLiteStore(str(tmp_path / "db.sqlite3"), clock=lambda: clock[0])

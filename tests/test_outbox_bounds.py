@@ -16,11 +16,10 @@ import pytest
 from local_site import LocalSite
 from outbox_targets import StuckTarget
 from scrapy.utils.defer import deferred_f_from_coro_f, maybe_deferred_to_future
-from test_outbox_store import fetch_page
-from test_store_contract import rec
 from twisted.internet.defer import Deferred
 
 from crawling import crawl_settings, db_rows, run_crawl
+from helpers.stores import fetch_page, rec
 from scrapy_idempotent import DeliveryRetry, OutboxTarget
 from scrapy_idempotent.outbox import HOLD_MARGIN_SECONDS, Deliverer, StoreThread
 from scrapy_idempotent.store import SQLiteStore

@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 from local_site import LocalSite
-from webhook_receiver import WebhookReceiver
 
 from crawling import close_reason, db_rows, done_requests, start_shop_crawl, wait_for
+from helpers.webhook_receiver import WebhookReceiver
 
 pytestmark = pytest.mark.slow
 

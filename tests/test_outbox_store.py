@@ -1,30 +1,32 @@
 """The outbox part of the store contract: entries written by ``commit()`` in the transaction
 of the record change they announce, claimed with a hold, settled once.
 
-Runs against every store backend (``store_factory``, through the fixtures of
-``tests/test_store_contract.py``), with the fake clock, reading through the interface only.
+Runs against every store backend (``store_factory``, through the store contract's fixtures
+``make_store`` and ``store`` of ``tests/conftest.py``), with the fake clock, reading through the
+interface only.
 """
 
-# ruff: noqa: F811 (the store contract's fixtures, imported, are parameters here)
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_store_contract import (  # noqa: F401 (fixtures)
+
+from crawling import db_rows
+from helpers.stores import (
+    HOOK,
     LEASE_SECONDS,
     claim,
     enqueue,
-    make_store,
+    fetch_page,
+    page,
     rec,
     records,
     req,
     row,
-    store,
+    sqlite_at_version,
 )
-
-from crawling import db_rows
 from scrapy_idempotent.exceptions import StoreError
 from scrapy_idempotent.store import (
     SCHEMA_VERSION,
@@ -36,22 +38,7 @@ from scrapy_idempotent.store import (
     UnitOfWork,
 )
 
-HOOK = "https://hooks.example/records"
 BROKER = "myproject.targets.Broker"
-
-
-def page(store: Any, key: str, *records: Any, targets: tuple[str, ...] = (HOOK,),
-         worker: str = "w1") -> Any:
-    """Commit the completion of leased request ``key`` with ``records``."""
-    return store.commit(UnitOfWork(records=[(r, key) for r in records],
-                                   completions=[Completion(key, RequestState.DONE)],
-                                   outbox_targets=targets), worker)
-
-
-def fetch_page(store: Any, key: str, *records: Any, **options: Any) -> Any:
-    enqueue(store, req(key))
-    claim(store, 1)
-    return page(store, key, *records, **options)
 
 
 def entries(store: Any) -> list[tuple[Any, ...]]:
@@ -173,8 +160,6 @@ def test_new_run_keeps_undelivered_entries(make_store, store):
 
 
 def test_sqlite_a_schema_5_database_gains_the_outbox(tmp_path: Path):
-    from test_record_versions import sqlite_at_version
-
     path = tmp_path / "old.sqlite3"
     sqlite_at_version(
         path, 5, "INSERT INTO runs (run_id, started_at) VALUES (1, 1.0)",

@@ -15,9 +15,8 @@ from typing import Any
 import pytest
 from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
-from test_outbox import db_rows_connection
 
-from crawling import crawl_settings, db_rows, run_crawl
+from crawling import crawl_settings, db_rows, db_rows_connection, run_crawl
 from redis_server import RedisServer, redis_server  # noqa: F401 (the fixture)
 from shop.spiders.shop import ShopSpider
 

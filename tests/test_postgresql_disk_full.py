@@ -21,9 +21,9 @@ from local_site import LocalSite
 from scrapy import signals
 from scrapy.utils.defer import deferred_f_from_coro_f
 from scrapy.utils.test import get_crawler
-from test_database_files import CatalogueSpider
 
 from crawling import crawl_settings, crawl_to_end, run_crawl
+from helpers.catalogue_spider import CatalogueSpider
 
 psycopg = pytest.importorskip("psycopg")
 

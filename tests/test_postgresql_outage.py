@@ -13,6 +13,7 @@ from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import crawl_settings, run_crawl, wait_for
+from helpers.postgresql import crawl_rows
 from shop.spiders.shop import ShopSpider
 
 psycopg = pytest.importorskip("psycopg")
@@ -20,22 +21,6 @@ psycopg = pytest.importorskip("psycopg")
 pytestmark = pytest.mark.slow
 
 NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
-
-
-def crawl_rows(url: str, sql: str) -> list[tuple[Any, ...]]:
-    """Rows of ``sql`` in the crawl's schema; none while it does not exist, or while the
-    server is down."""
-    try:
-        with psycopg.connect(url, autocommit=True, connect_timeout=5) as conn:
-            schemas = [name for (name,) in conn.execute(
-                "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'idempotent%'")]
-            if not schemas or conn.execute("SELECT to_regclass(%s)", (
-                    f'"{schemas[0]}".requests',)).fetchone() == (None,):
-                return []
-            conn.execute("SELECT set_config('search_path', %s, false)", (schemas[0],))
-            return [tuple(row) for row in conn.execute(sql).fetchall()]
-    except psycopg.OperationalError:
-        return []
 
 
 def done(url: str) -> int:

@@ -24,8 +24,7 @@ from shop.site import listing_html
 from shop.spiders.shop import ShopSpider
 
 psycopg = pytest.importorskip("psycopg")
-from test_postgresql_outage import crawl_rows  # noqa: E402
-
+from helpers.postgresql import crawl_rows  # noqa: E402
 from scrapy_idempotent.store.postgresql import PostgreSQLStore  # noqa: E402
 
 SHOP = CrawlIdentity(project="p", spider="shop", source="shop")

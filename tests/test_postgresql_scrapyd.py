@@ -10,7 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 from local_site import LocalSite
-from test_scrapyd import Scrapyd, build_egg, stat, wait_until
+
+from helpers.scrapyd import Scrapyd, build_egg, stat, wait_until
 
 psycopg = pytest.importorskip("psycopg")
 

@@ -15,9 +15,9 @@ from rabbitmq_server import AmqpKillQueue, RabbitMQServer, rabbitmq_server  # no
 from scrapy import signals as scrapy_signals
 from scrapy.utils.defer import deferred_f_from_coro_f, maybe_deferred_to_future
 from scrapy.utils.test import get_crawler
-from test_queue_input import NATURAL_KEYS, QueueSpider, product, reactor_wait_for
 
 from crawling import crawl_settings, crawl_to_end, db_rows, frontier_counts, stored_products
+from helpers.queues import NATURAL_KEYS, QueueSpider, product, reactor_wait_for
 from scrapy_idempotent.queue_input import QueueInput
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import sqlite3
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,57 +17,28 @@ from scrapy.utils.defer import deferred_f_from_coro_f
 from scrapy.utils.test import get_crawler
 
 from crawling import (
-    crawl_settings,
     crawl_to_end,
     db_rows,
     frontier_counts,
     stored_products,
     wait_for,
 )
+from helpers.queues import (
+    GROUP,
+    QueueSpider,
+    acknowledged_all,
+    product,
+    product_message,
+    queue_settings,
+    reactor_wait_for,
+)
 from redis_server import RedisServer, redis_server  # noqa: F401  (the fixture)
 from scrapy_idempotent import signals
 from scrapy_idempotent.queue_input import QueueInput
-from shop.spiders.shop import ShopSpider
-
-NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
-GROUP = "scrapy_idempotent"
-
-
-class QueueSpider(ShopSpider):
-    """The shop spider with no start requests: all its work comes from the queue."""
-
-    name = "queue_shop"
-
-    async def start(self) -> AsyncIterator[Any]:
-        return
-        yield
-
-
-def queue_settings(db_path: Path, server: RedisServer, key: str, **extra: Any) -> dict[str, Any]:
-    # CLOSESPIDER_TIMEOUT: a crawl that would wait for its queue forever ends (not finished)
-    extra = {"CLOSESPIDER_TIMEOUT": 150, **extra}
-    return crawl_settings(db_path, IDEMPOTENT_QUEUE_URL=server.url, IDEMPOTENT_QUEUE_KEY=key,
-                          IDEMPOTENT_QUEUE_POLL_SECONDS=0.05, **NATURAL_KEYS, **extra)
-
-
-def product(shop: LocalSite, number: int) -> str:
-    return f"{shop.url}/product/SKU-{number:05d}"
-
-
-def product_message(shop: LocalSite, number: int) -> dict[str, str]:
-    """A JSON request message for a product page (``url`` alone would use ``parse``)."""
-    return {"request": json.dumps({"url": product(shop, number), "callback": "parse_product"})}
 
 
 def pending_count(client: Any, key: str) -> int:
     return int(client.xpending(key, GROUP)["pending"])
-
-
-def acknowledged_all(client: Any, key: str) -> bool:
-    """Every entry of the stream was delivered to the group and none is pending."""
-    (group,) = client.xinfo_groups(key)
-    return bool(group["pending"] == 0 and group["last-delivered-id"] == client.xinfo_stream(
-        key)["last-generated-id"])
 
 
 def message_url(fields: dict[str, str]) -> str | None:
@@ -231,21 +201,6 @@ async def test_messages_idle_with_a_consumer_of_another_host_are_claimed(
     assert sorted(p["sku"] for p in stored_products(db_path)) == ["SKU-00008", "SKU-00009"]
     assert acknowledged_all(client, key)
     assert len(ids) == 2
-
-
-async def reactor_wait_for(condition: Any, what: str, timeout: float = 120) -> None:
-    """Poll a state while the reactor keeps running (the crawls go on meanwhile)."""
-    import time
-
-    from scrapy.utils.defer import maybe_deferred_to_future
-    from twisted.internet import reactor
-    from twisted.internet.task import deferLater
-
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await maybe_deferred_to_future(deferLater(reactor, 0.05, lambda: None))
 
 
 @deferred_f_from_coro_f

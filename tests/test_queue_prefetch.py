@@ -15,15 +15,15 @@ from local_site import LocalSite
 from scrapy import signals as scrapy_signals
 from scrapy.utils.defer import deferred_f_from_coro_f
 from scrapy.utils.test import get_crawler
-from test_queue_input import (
+
+from crawling import crawl_to_end, stored_products, wait_for
+from helpers.queues import (
     GROUP,
     QueueSpider,
     acknowledged_all,
     product_message,
     queue_settings,
 )
-
-from crawling import crawl_to_end, stored_products, wait_for
 from redis_server import RedisServer, redis_server  # noqa: F401  (the fixture)
 from scrapy_idempotent.queue_input import QueueInput
 

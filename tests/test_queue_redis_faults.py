@@ -14,15 +14,15 @@ import pytest
 from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f, maybe_deferred_to_future
 from scrapy.utils.test import get_crawler
-from test_queue_input import (
+
+from crawling import crawl_settings, crawl_to_end, stored_products
+from helpers.queues import (
     QueueSpider,
     acknowledged_all,
     product_message,
     queue_settings,
     reactor_wait_for,
 )
-
-from crawling import crawl_settings, crawl_to_end, stored_products
 from redis_server import INSTALL, RedisServer, redis_server_binary
 
 

@@ -15,14 +15,14 @@ import pytest
 from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 from scrapy.utils.test import get_crawler
-from test_queue_input import (
+
+from crawling import frontier_counts, stored_products
+from helpers.queues import (
     QueueSpider,
     acknowledged_all,
     queue_settings,
     reactor_wait_for,
 )
-
-from crawling import frontier_counts, stored_products
 from redis_server import INSTALL, RedisServer, redis_server_binary
 
 #: Pages downloaded while Redis does not answer: a reactor blocked on Redis (a 10 s socket

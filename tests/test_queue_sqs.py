@@ -17,9 +17,9 @@ from scrapy import signals as scrapy_signals
 from scrapy.utils.defer import deferred_f_from_coro_f, maybe_deferred_to_future
 from scrapy.utils.test import get_crawler
 from sqs_server import SqsQueue, SqsServer, sqs_server  # noqa: F401  (the fixture)
-from test_queue_input import NATURAL_KEYS, QueueSpider, product, reactor_wait_for
 
 from crawling import crawl_settings, crawl_to_end, db_rows, frontier_counts, stored_products
+from helpers.queues import NATURAL_KEYS, QueueSpider, product, reactor_wait_for
 from scrapy_idempotent.queue_input import QueueInput
 from shop.site import product_html
 

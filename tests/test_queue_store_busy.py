@@ -14,9 +14,9 @@ from local_site import LocalSite
 from scrapy import signals as scrapy_signals
 from scrapy.utils.defer import deferred_f_from_coro_f
 from scrapy.utils.test import get_crawler
-from test_queue_input import QueueSpider, acknowledged_all, product_message, queue_settings
 
 from crawling import crawl_to_end, frontier_counts
+from helpers.queues import QueueSpider, acknowledged_all, product_message, queue_settings
 from redis_server import RedisServer, redis_server  # noqa: F401  (the fixture)
 from scrapy_idempotent import scrapy_compat
 from scrapy_idempotent.exceptions import StoreBusy

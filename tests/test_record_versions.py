@@ -20,10 +20,11 @@ from scrapy.utils.defer import deferred_f_from_coro_f, maybe_deferred_to_future
 from twisted.internet.defer import Deferred
 
 from crawling import crawl_settings, db_rows, run_crawl
+from helpers.stores import sqlite_at_version
 from scrapy_idempotent import OutboxTarget, signals
 from scrapy_idempotent.store import Record, SQLiteStore, UnitOfWork, open_store
 from scrapy_idempotent.store.base import observation_clock
-from scrapy_idempotent.store.sqlite import _MIGRATIONS, APPLICATION_ID, SCHEMA_VERSION
+from scrapy_idempotent.store.sqlite import SCHEMA_VERSION
 
 HOOK = "https://hooks.example/records"
 
@@ -32,21 +33,6 @@ def rec(record_id: str, content_hash: str, observed_at: float | None = None) -> 
     return Record(record_id=record_id, source="shop", natural_key='["A1"]', item_type="dict",
                   data=json.dumps({"hash": content_hash}), content_hash=content_hash,
                   observed_at=observed_at)
-
-
-def sqlite_at_version(path: Path, version: int, *statements: str) -> None:
-    """A database file as a release of schema ``version`` wrote it, with ``statements``
-    run on it."""
-    conn = sqlite3.connect(path)
-    for step in _MIGRATIONS[:version]:
-        for statement in step:
-            conn.execute(statement)
-    for statement in statements:
-        conn.execute(statement)
-    conn.execute(f"PRAGMA user_version = {version}")
-    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-    conn.commit()
-    conn.close()
 
 
 def test_a_schema_6_database_gets_observation_times_and_versions(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ import pytest
 import scrapy
 from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
-from site_crawls import (
+
+from helpers.site_crawls import (
     LinksSpider,
     PathSpider,
     assert_nothing_leased,

@@ -8,7 +8,7 @@ no lease dangles, no crawl hangs, no request or record is lost silently, and rec
 stored exactly once. Each test runs real crawls in this process against the local site
 (``site`` fixture) and then checks the frontier rows (``url, state, error_kind, attempts``),
 that nothing is left ``leased``, the close reason, the records stored and the
-``idempotent/...`` stats (helpers in ``site_crawls.py``).
+``idempotent/...`` stats (helpers in ``helpers/site_crawls.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import scrapy
 from local_site import LocalSite, free_port
 from scrapy.downloadermiddlewares.retry import get_retry_request
 from scrapy.utils.defer import deferred_f_from_coro_f
-from site_crawls import (
+
+from helpers.site_crawls import (
     LinksSpider,
     PathSpider,
     assert_nothing_leased,

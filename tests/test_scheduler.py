@@ -9,85 +9,15 @@ the tests drive ``enqueue_request``/``next_request`` and the engine's completion
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import scrapy
-from scrapy.core.engine import _Slot
-from scrapy.utils.reactor import CallLaterOnce
-from scrapy.utils.test import get_crawler
 
 from crawling import db_rows, frontier_counts
-from scrapy_idempotent import IdempotentScheduler
-from scrapy_idempotent.config import config_for
+from helpers.scheduler_harness import URLS, Harness, drain, finish
 from scrapy_idempotent.store.base import UnitOfWork
 from scrapy_idempotent.workers import WorkerId
-
-
-class Spider(scrapy.Spider):
-    name = "unit"
-
-    def parse(self, response: Any) -> Any:
-        return None
-
-    def parse_other(self, response: Any) -> Any:
-        return None
-
-
-class Harness:
-    """Opens schedulers on one database file, each in its own crawler and engine."""
-
-    def __init__(self, db_path: Path) -> None:
-        self.db_path = db_path
-        self.open: list[IdempotentScheduler] = []
-
-    def scheduler(self, worker: str | None = None, **settings: Any) -> IdempotentScheduler:
-        # these tests drive the scheduler as an engine whose downloader has no limits: each
-        # worker keeps Scrapy's (unless a test asks for the crawl's, see test_politeness.py)
-        settings.setdefault("IDEMPOTENT_POLITENESS", "worker")
-        crawler = get_crawler(Spider, {"IDEMPOTENT_DATABASE": str(self.db_path), **settings})
-        crawler.spider = crawler._create_spider()
-        crawler.engine = crawler._create_engine()
-        # writes at once on this thread (no writer thread): each call's writes are done
-        # when it returns, as the tests drive the scheduler by hand
-        scheduler = IdempotentScheduler(crawler, config_for(crawler), threaded_writes=False)
-        if worker is not None:
-            scheduler.worker = worker
-        crawler.engine._slot = _Slot(True, CallLaterOnce(lambda: None), scheduler)
-        scheduler.open(crawler.spider)
-        self.open.append(scheduler)
-        return scheduler
-
-    def close(self, scheduler: IdempotentScheduler, reason: str = "shutdown") -> None:
-        scheduler.close(reason)
-        self.open.remove(scheduler)
-
-
-@pytest.fixture
-def harness(db_path: Path) -> Iterator[Harness]:
-    h = Harness(db_path)
-    yield h
-    for scheduler in list(h.open):
-        h.close(scheduler)
-
-
-def finish(scheduler: IdempotentScheduler, request: scrapy.Request) -> None:
-    """What the engine does when it is done with a request."""
-    slot = scheduler.crawler.engine._slot
-    slot.add_request(request)
-    slot.remove_request(request)
-
-
-def drain(scheduler: IdempotentScheduler) -> list[scrapy.Request]:
-    requests = []
-    while (request := scheduler.next_request()) is not None:
-        requests.append(request)
-    return requests
-
-
-URLS = [f"https://example.com/{i}" for i in range(10)]
 
 
 def test_length_and_pending(harness: Harness) -> None:

@@ -11,22 +11,34 @@ Time never passes by itself: every store gets a ``FakeClock`` that the tests mov
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from conftest import T0
 
+from helpers.stores import (
+    LEASE_SECONDS,
+    claim,
+    claim_keys,
+    complete,
+    counts,
+    enqueue,
+    entries,
+    frontier_keys,
+    journal,
+    rec,
+    records,
+    req,
+    row,
+)
 from scrapy_idempotent.exceptions import StoreError
 from scrapy_idempotent.store import (
     CommitResult,
     Completion,
     FrontierStatus,
-    FrontierStore,
     LeasedRequest,
     LeaseHolder,
-    NewRequest,
     OutboxOutcome,
     OutboxState,
     Record,
@@ -35,30 +47,7 @@ from scrapy_idempotent.store import (
     RunInfo,
     UnitOfWork,
 )
-from scrapy_idempotent.store.base import FrontierEntry, StoredRecord
-
-LEASE_SECONDS = 60.0
-
-
-@pytest.fixture
-def make_store(store_factory: Callable[..., FrontierStore]) -> Callable[..., Any]:
-    """``make_store(**options)``: an unopened store on this test's database (leases of
-    ``LEASE_SECONDS`` unless given)."""
-
-    def make(**options: Any) -> Any:
-        options.setdefault("lease_seconds", LEASE_SECONDS)
-        return store_factory(**options)
-
-    return make
-
-
-@pytest.fixture
-def store(make_store: Callable[..., Any]) -> Any:
-    """An opened store on a new database, with worker ``w1`` in run 1."""
-    store = make_store()
-    store.open(fingerprinter="x")
-    store.begin_session("w1", "auto")
-    return store
+from scrapy_idempotent.store.base import StoredRecord
 
 
 def open_store(make_store: Callable[..., Any], worker: str, run_mode: str = "auto",
@@ -66,92 +55,6 @@ def open_store(make_store: Callable[..., Any], worker: str, run_mode: str = "aut
     store = make_store(**options)
     store.open(fingerprinter="x")
     return store, store.begin_session(worker, run_mode)
-
-
-# -- helpers --------------------------------------------------------------------------------
-
-
-def req(key: str, *, fingerprint: str | None = None, priority: int = 0, is_start: bool = False,
-        filter_fingerprint: bool = True, parent_key: str | None = None,
-        data: str | None = None) -> NewRequest:
-    url = f"https://shop.example/{key}"
-    return NewRequest(
-        key=key,
-        fingerprint=fingerprint if fingerprint is not None else f"fp-{key}",
-        url=url,
-        priority=priority,
-        data=data if data is not None else json.dumps({"url": url}),
-        parent_key=parent_key,
-        is_start=is_start,
-        filter_fingerprint=filter_fingerprint,
-    )
-
-
-def rec(record_id: str, content_hash: str, data: str = '{"sku":"A1"}') -> Record:
-    return Record(
-        record_id=record_id,
-        source="shop",
-        natural_key='["A1"]',
-        item_type="dict",
-        data=data,
-        content_hash=content_hash,
-    )
-
-
-def enqueue(store: Any, *requests: NewRequest, worker: str = "w1") -> CommitResult:
-    return store.commit(UnitOfWork(requests=list(requests)), worker)
-
-
-def claim(store: Any, count: int, worker: str = "w1") -> list[LeasedRequest]:
-    """Claim, then start what was claimed, as the scheduler does when it hands requests out
-    (a start counts an attempt)."""
-    leased = store.commit(UnitOfWork(claim=count), worker).leased
-    if leased:
-        store.commit(UnitOfWork(started=[r.key for r in leased]), worker)
-    return leased
-
-
-def claim_keys(store: Any, count: int, worker: str = "w1") -> list[str]:
-    return [leased.key for leased in claim(store, count, worker)]
-
-
-def complete(store: Any, key: str, state: RequestState = RequestState.DONE,
-             worker: str = "w1", **fields: Any) -> CommitResult:
-    return store.commit(UnitOfWork(completions=[Completion(key, state, **fields)]), worker)
-
-
-def row(store: Any, key: str) -> tuple[Any, ...]:
-    """(state, worker, attempts) of one frontier entry."""
-    entry = store.entry(key)
-    assert entry is not None, key
-    return (entry.state, entry.worker, entry.attempts)
-
-
-def entries(store: Any) -> list[FrontierEntry]:
-    """Every frontier entry, in key order (paged as a caller of ``entries`` pages)."""
-    found: list[FrontierEntry] = []
-    while page := store.entries(after=found[-1].key if found else None, limit=3):
-        found += page
-    return found
-
-
-def records(store: Any) -> list[StoredRecord]:
-    return list(store.records_page(limit=10_000))
-
-
-def journal(store: Any, key: str, data: str, body: bytes, worker: str = "w1") -> None:
-    """Journal a response as the scheduler does: in a unit of work."""
-    store.commit(UnitOfWork(responses=[(key, data, body)]), worker)
-
-
-def counts(**nonzero: int) -> dict[str, int]:
-    base = {"pending": 0, "leased": 0, "done": 0, "failed": 0, "redirected": 0, "records": 0}
-    base.update(nonzero)
-    return base
-
-
-def frontier_keys(store: Any) -> list[str]:
-    return [entry.key for entry in entries(store)]
 
 
 # -- idempotent enqueue ---------------------------------------------------------------------

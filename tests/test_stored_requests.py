@@ -18,7 +18,8 @@ from scrapy.downloadermiddlewares.retry import get_retry_request
 from scrapy.http import JsonRequest
 from scrapy.http.request.form import FormRequest  # not scrapy.http: deprecated there in 2.16
 from scrapy.utils.defer import deferred_f_from_coro_f
-from site_crawls import (
+
+from helpers.site_crawls import (
     LinksSpider,
     PathSpider,
     assert_nothing_leased,

@@ -1,4 +1,5 @@
-"""Drop-in fidelity: with the add-on, a spider behaves as it does under plain Scrapy.
+"""Parity with plain Scrapy: with the add-on (a drop-in), a spider behaves as it does under
+plain Scrapy.
 
 Each test runs real crawls in this process against the local site (``site`` fixture) and
 checks what a Scrapy user sees (requests sent and their order, ``item_scraped``,
@@ -15,84 +16,20 @@ from typing import Any, ClassVar
 import pytest
 import scrapy
 from local_site import LocalSite
-from scrapy import signals
 from scrapy.utils.defer import deferred_f_from_coro_f
 from scrapy.utils.test import get_crawler
 
-from crawling import crawl_settings, crawl_to_end, db_rows
+from crawling import crawl_to_end, db_rows
+from helpers.observed_crawls import (
+    ONE_AT_A_TIME,
+    Observed,
+    SiteSpider,
+    crawl,
+    path_of,
+    records,
+    settings,
+)
 from scrapy_idempotent import scrapy_compat
-
-
-def settings(db_path: Path, **extra: Any) -> dict[str, Any]:
-    values: dict[str, Any] = {
-        "IDEMPOTENT_NATURAL_KEYS": {"dict": "key"},
-        "DOWNLOAD_TIMEOUT": 5,
-        "CONCURRENT_REQUESTS": 4,
-        "CONCURRENT_REQUESTS_PER_DOMAIN": 4,
-        "TELNETCONSOLE_ENABLED": False,
-    }
-    values.update(extra)
-    return crawl_settings(db_path, **values)
-
-
-class Observed:
-    """What Scrapy's signals told a user about one crawl."""
-
-    def __init__(self, crawler: Any) -> None:
-        self.crawler = crawler
-        self.scraped: list[Any] = []
-        self.dropped: list[str] = []
-        self.sent: list[str] = []
-        crawler.signals.connect(self.on_scraped, signals.item_scraped)
-        crawler.signals.connect(self.on_dropped, signals.request_dropped)
-        crawler.signals.connect(self.on_sent, signals.request_reached_downloader)
-
-    def on_scraped(self, item: Any) -> None:
-        self.scraped.append(item)
-
-    def on_dropped(self, request: Any) -> None:
-        self.dropped.append(request.url)
-
-    def on_sent(self, request: Any) -> None:
-        self.sent.append(request.url)
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        return dict(self.crawler.stats.get_stats())
-
-    @property
-    def reason(self) -> str:
-        return str(self.crawler.stats.get_value("finish_reason"))
-
-
-async def crawl(spidercls: type, settings_dict: dict[str, Any], **kwargs: Any) -> Observed:
-    crawler = get_crawler(spidercls, settings_dict)
-    observed = Observed(crawler)
-    await crawl_to_end(crawler, **kwargs)
-    return observed
-
-
-def records(db_path: Path) -> list[dict[str, Any]]:
-    return [json.loads(data) for (data,) in db_rows(db_path, "SELECT data FROM records")]
-
-
-def path_of(url: str) -> str:
-    from urllib.parse import urlsplit
-
-    split = urlsplit(url)
-    return split.path + (f"?{split.query}" if split.query else "")
-
-
-class SiteSpider(scrapy.Spider):
-    name = "fidelity"
-
-    def __init__(self, url: str, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.base_url = url
-
-    def at(self, path: str) -> str:
-        return self.base_url + path
-
 
 # -- IDEMPOTENT_RECORD_ID_FIELD ----------------------------------------------------------------
 
@@ -152,14 +89,6 @@ class OrderSpider(SiteSpider):
 
 def sent_numbers(observed: Observed) -> list[int]:
     return [int(url.rsplit("=", 1)[1]) for url in observed.sent]
-
-
-#: One request at a time, from download to the end of its callback: a scraper slot of one byte
-#: holds the next download back while a response is being processed. (Before 2.18 Scrapy
-#: waited 0.1 s before each callback while the downloader went on, which made even plain
-#: Scrapy's order depend on timing.)
-ONE_AT_A_TIME = {"CONCURRENT_REQUESTS": 1, "CONCURRENT_REQUESTS_PER_DOMAIN": 1,
-                 "SCRAPER_SLOT_MAX_ACTIVE_SIZE": 1}
 
 
 @pytest.mark.parametrize(("queue_settings", "plan"), [
@@ -377,7 +306,7 @@ async def test_another_dupefilter_class_is_refused_at_start(
     from scrapy_idempotent.exceptions import ConfigError
 
     crawler = get_crawler(DuplicateLinksSpider, settings(
-        db_path, DUPEFILTER_CLASS="test_fidelity.CustomDupeFilter"))
+        db_path, DUPEFILTER_CLASS="test_scrapy_parity.CustomDupeFilter"))
     with pytest.raises(ConfigError) as raised:
         await crawl_to_end(crawler, url=site.url)
     assert raised.value.setting == "DUPEFILTER_CLASS"
@@ -705,7 +634,8 @@ async def test_several_items_of_a_page_without_a_key_are_several_records(
     assert observed.stats["idempotent/items/keyed_by_rank"] == 2
     keys = sorted(json.loads(k) for (k,) in db_rows(db_path, "SELECT natural_key FROM records"))
     page = site.url + "/ok/notes"
-    assert keys == [[page], [page, "test_fidelity.Note", "#2"], [page, "test_fidelity.Note", "#3"]]
+    assert keys == [[page], [page, "test_scrapy_parity.Note", "#2"],
+                    [page, "test_scrapy_parity.Note", "#3"]]
     # told apart by their order on the page: the same records in the next run
     again = await crawl(NotesSpider, settings(db_path), url=site.url)
     assert again.stats["idempotent/records/unchanged"] == 3

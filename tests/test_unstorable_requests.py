@@ -16,9 +16,17 @@ from local_site import LocalSite
 from scrapy import signals
 from scrapy.utils.defer import deferred_f_from_coro_f
 from scrapy.utils.test import get_crawler
-from test_fidelity import ONE_AT_A_TIME, Observed, SiteSpider, crawl, path_of, records, settings
 
 from crawling import crawl_to_end, db_rows
+from helpers.observed_crawls import (
+    ONE_AT_A_TIME,
+    Observed,
+    SiteSpider,
+    crawl,
+    path_of,
+    records,
+    settings,
+)
 from scrapy_idempotent import scrapy_compat
 
 
