@@ -36,6 +36,10 @@ class MigratedMeanwhile:
     def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
         self.conn, self.path, self.migrated = conn, path, False
 
+    @property
+    def in_transaction(self) -> bool:
+        return self.conn.in_transaction
+
     def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
         if "sqlite_master" in sql and not self.migrated:
             self.migrated = True

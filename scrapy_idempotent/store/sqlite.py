@@ -567,7 +567,8 @@ class SQLiteStore(SqlStore):
                 "SELECT name FROM sqlite_master WHERE type = 'table'"
                 " AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\'")}
         finally:
-            conn.execute("COMMIT")
+            if conn.in_transaction:  # (an error may have ended it: that error is raised)
+                conn.execute("COMMIT")
         if not tables and version == 0 and app_id in (0, APPLICATION_ID):
             return 0, True
         ours = app_id == APPLICATION_ID or (
