@@ -1,11 +1,13 @@
 """A queue-fed crawl meets a Redis that lost its consumer group (restarted without
-persistence) or that cannot be reached at all: it creates the group again and goes on, and
-it never waits for ever past IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS."""
+persistence), a read whose answer is lost, or a Redis that cannot be reached at all: it
+creates the group again, takes the messages of the lost answer, and goes on, and it never
+waits for ever past IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS."""
 
 from __future__ import annotations
 
 import logging
 import socket
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,6 +72,45 @@ async def test_a_redis_restarted_without_persistence_gets_its_group_again(
     assert acknowledged_all(client, key)
     assert any("consumer group 'scrapy_idempotent' is gone" in r.getMessage()
                and "creating it again" in r.getMessage() for r in caplog.records)
+    client.close()
+
+
+@deferred_f_from_coro_f
+async def test_the_messages_of_a_read_whose_answer_was_lost_are_taken(
+        own_redis: RedisServer, db_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first read of new messages runs on the server (they are pending for the worker's
+    consumer from then on) and its answer never arrives (the connection cut): the worker
+    reads its own pending entries again and does their requests; nothing is left pending."""
+    import redis
+
+    key = f"q-{uuid.uuid4().hex}"
+    client = own_redis.client()
+    lost = threading.Event()
+    real_xreadgroup = redis.Redis.xreadgroup
+
+    def xreadgroup(self: redis.Redis, groupname: str, consumername: str,
+                   streams: dict[str, str], *args: object, **kwargs: object) -> object:
+        reply = real_xreadgroup(self, groupname, consumername, streams, *args, **kwargs)
+        if not lost.is_set() and reply and list(streams.values()) == [">"]:
+            lost.set()
+            raise redis.ConnectionError("Connection closed by server.")  # the answer lost
+        return reply
+
+    monkeypatch.setattr(redis.Redis, "xreadgroup", xreadgroup)
+    with LocalSite() as shop:
+        for number in (1, 2, 3):
+            client.xadd(key, product_message(shop, number))
+        crawler = get_crawler(QueueSpider, queue_settings(db_path, own_redis, key))
+        crawling = crawler.crawl()
+        await reactor_wait_for(lost.is_set, "the first read")
+        client.xadd(key, {"stop": "1"})
+        await maybe_deferred_to_future(crawling)
+    stats = crawler.stats.get_stats()
+    assert stats["finish_reason"] == "finished"
+    assert stats["idempotent/queue/redis_errors"] == 1
+    assert sorted(p["sku"] for p in stored_products(db_path)) == [
+        "SKU-00001", "SKU-00002", "SKU-00003"]
+    assert acknowledged_all(client, key)
     client.close()
 
 

@@ -11,6 +11,11 @@ while its request is in progress, its idle time is reset (``XCLAIM`` to this con
 ``<IDEMPOTENT_QUEUE_KEY>:parked`` with its id, fields and error, and acknowledged, in one
 ``MULTI``.
 
+A read whose answer is lost (the connection cut, Redis stopped, after the command ran) leaves
+its messages pending for this consumer, unknown to it: after any failed take, the next one
+first reads this consumer's own pending entries (``XREADGROUP ... 0``) and takes those it
+does not hold, before anything new.
+
 Why a stream and not a list with a processing list: the stream's pending entries list keeps,
 per message, its consumer, its idle time and its delivery count, so a message of a dead worker
 is found and claimed by any worker (``XAUTOCLAIM``) without a list per worker, and several
@@ -65,6 +70,9 @@ class RedisStreamBroker(QueueBroker):
         self._autoclaimed_at = 0.0
         self._autoclaim_cursor = "0-0"  #: where XAUTOCLAIM goes on (kept between polls)
         self._extend_at = 0.0  #: no extension before (monotonic)
+        #: this consumer's pending entries to read again (a take failed: a read's answer
+        #: may be lost, its messages pending here unknown); the id to go on after
+        self._own_from: str | None = None
 
     @classmethod
     def from_config(cls, config: QueueConfig, consumer: str) -> RedisStreamBroker:
@@ -121,6 +129,7 @@ class RedisStreamBroker(QueueBroker):
                 self._take(room - len(taken.entries), read, known, taken)
         except Exception as exc:
             taken.error = exc
+            self._own_from = "0"  # a read may have run without its answer: read them again
         return taken
 
     def _take(self, room: int, read: bool, known: frozenset[str], taken: Taken) -> None:
@@ -128,6 +137,8 @@ class RedisStreamBroker(QueueBroker):
         if not self._group_ready:
             self._create_group()
             self._group_ready = True
+        if self._own_from is not None and room > 0:
+            room -= self._read_own(room, known, taken)
         if now >= self._claimed_dead_at:
             if room > 0:
                 dead_left = self._claim_from_dead(room, taken)
@@ -217,6 +228,7 @@ class RedisStreamBroker(QueueBroker):
                        "(nothing left to acknowledge)", self.config.key, self.config.group)
         self._group_ready = False
         self._autoclaim_cursor = "0-0"
+        self._own_from = None  # nothing is pending in a new group
         self._create_group()
         self._group_ready = True
 
@@ -229,6 +241,28 @@ class RedisStreamBroker(QueueBroker):
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+
+    def _read_own(self, room: int, known: frozenset[str], taken: Taken) -> int:
+        """Up to ``room`` of this consumer's own pending messages it does not hold (``known``):
+        those of a read whose answer was lost. Read from where the last call stopped; done
+        once the list is read to its end. Returns how many were taken."""
+        count = 0
+        while self._own_from is not None and count < room:
+            reply = self.client.xreadgroup(self.config.group, self.consumer,
+                                           {self.config.key: self._own_from},
+                                           count=room - count)
+            entries = [e for _, stream_entries in reply or [] for e in stream_entries]
+            if not entries:
+                self._own_from = None  # all read
+                break
+            self._own_from = entries[-1][0]
+            gone = [e[0] for e in entries if e[1] is None or not e[1]]
+            if gone:  # deleted from the stream meanwhile: nothing to do for them
+                self.client.xack(self.config.key, self.config.group, *gone)
+            new = [e for e in entries if e[0] not in known and e[1]]
+            taken.entries += new
+            count += len(new)
+        return count
 
     def _claim_from_dead(self, room: int, taken: Taken) -> bool:
         """Take at once up to ``room`` pending messages of consumers that ran on this host,
