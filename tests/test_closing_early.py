@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -72,13 +71,13 @@ class KeyedSpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_close_spider_from_a_callback_then_the_next_crawl_finishes_the_job(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
-    first = await crawl(KeyedSpider, settings(db_path, CONCURRENT_REQUESTS=2), url=site.url,
+    first = await crawl(KeyedSpider, settings(crawl_database, CONCURRENT_REQUESTS=2), url=site.url,
                         stop_at=GATE_AFTER_KEY, release=site.release)
     assert finish_reason(first) == "stop_at_key"
-    assert_nothing_leased(db_path)
-    after_first = frontier(db_path, site)
+    assert_nothing_leased(crawl_database)
+    after_first = frontier(crawl_database, site)
     assert len(after_first) == 40
     done_first = {url for url, (state, _, _) in after_first.items() if state == "done"}
     pending = {url for url, (state, _, _) in after_first.items() if state == "pending"}
@@ -87,18 +86,20 @@ async def test_close_spider_from_a_callback_then_the_next_crawl_finishes_the_job
     assert keyed_path(GATE_AFTER_KEY) in pending
     # at most CONCURRENT_REQUESTS requests were in flight behind the gate when it stopped
     assert len(pending) >= 40 - (GATE_AFTER_KEY + 1) - 2
-    assert {f"k{k}" for k in first.spider.seen if k != GATE_AFTER_KEY} == set(records(db_path))
+    assert {f"k{k}" for k in first.spider.seen if k != GATE_AFTER_KEY} == set(
+        records(crawl_database))
 
-    second = await crawl(KeyedSpider, settings(db_path, CONCURRENT_REQUESTS=2), url=site.url)
+    second = await crawl(KeyedSpider, settings(crawl_database, CONCURRENT_REQUESTS=2),
+                         url=site.url)
     assert finish_reason(second) == "finished"
-    assert_nothing_leased(db_path)
-    after_second = frontier(db_path, site)
+    assert_nothing_leased(crawl_database)
+    after_second = frontier(crawl_database, site)
     assert set(after_second) == {keyed_path(k) for k in range(40)}
     assert {state for state, _, _ in after_second.values()} == {"done"}
     # every key not done in the first crawl ran in the second, with its own key
     assert sorted(second.spider.seen) == sorted(
         int(u.rsplit("/k", 1)[1]) for u in pending)
-    stored = records(db_path)
+    stored = records(crawl_database)
     assert set(stored) == {f"k{k}" for k in range(40)}
     assert all(record["path"] == keyed_path(int(key[1:])) for key, record in stored.items())
     inserted = (istats(first).get("records/inserted", 0)
@@ -131,22 +132,22 @@ class StopMidwaySpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_close_spider_midway_keeps_what_was_yielded_and_the_page_stays_due(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
-    first = await crawl(StopMidwaySpider, settings(db_path), url=site.url, stop=True)
+    first = await crawl(StopMidwaySpider, settings(crawl_database), url=site.url, stop=True)
     assert finish_reason(first) == "stopped_midway"
-    assert_nothing_leased(db_path)
-    after_first = frontier(db_path, site)
+    assert_nothing_leased(crawl_database)
+    after_first = frontier(crawl_database, site)
     assert after_first["/ok/stopper"][0] == "pending"  # its callback did not finish
     assert after_first["/ok/after-stop"][0] in ("pending", "done")
-    assert "stopper" in records(db_path)
+    assert "stopper" in records(crawl_database)
 
-    second = await crawl(StopMidwaySpider, settings(db_path), url=site.url)
+    second = await crawl(StopMidwaySpider, settings(crawl_database), url=site.url)
     assert finish_reason(second) == "finished"
-    assert_nothing_leased(db_path)
-    assert {url: state for url, (state, _, _) in frontier(db_path, site).items()} == {
+    assert_nothing_leased(crawl_database)
+    assert {url: state for url, (state, _, _) in frontier(crawl_database, site).items()} == {
         "/ok/stopper": "done", "/ok/after-stop": "done"}
-    assert set(records(db_path)) == {"stopper", "stopper-tail", "/ok/after-stop"}
+    assert set(records(crawl_database)) == {"stopper", "stopper-tail", "/ok/after-stop"}
     assert site.hits("/ok/after-stop") == 1
     inserted = (istats(first).get("records/inserted", 0)
                 + istats(second).get("records/inserted", 0))
@@ -195,25 +196,25 @@ class TenPagesSpider(PathSpider):
 ])
 @deferred_f_from_coro_f
 async def test_closespider_count_leaves_the_rest_pending_for_the_next_crawl(
-    site: LocalSite, db_path: Path, setting: str, reason: str
+    site: LocalSite, crawl_database: str, setting: str, reason: str
 ) -> None:
     one_at_a_time = {"CONCURRENT_REQUESTS": 1, "CONCURRENT_REQUESTS_PER_DOMAIN": 1}
-    first = await crawl(TenPagesSpider, settings(db_path, **{setting: 3}, **one_at_a_time),
+    first = await crawl(TenPagesSpider, settings(crawl_database, **{setting: 3}, **one_at_a_time),
                         url=site.url, release=site.release)
     assert finish_reason(first) == reason
-    assert_nothing_leased(db_path)
-    states = [state for state, _, _ in frontier(db_path, site).values()]
+    assert_nothing_leased(crawl_database)
+    states = [state for state, _, _ in frontier(crawl_database, site).values()]
     assert set(states) == {"done", "pending"}
     assert len(states) == 10
     done_first = states.count("done")
     assert 3 <= done_first <= 4  # the three counted, and the one in flight behind the gate
-    assert len(records(db_path)) == done_first
+    assert len(records(crawl_database)) == done_first
 
-    second = await crawl(TenPagesSpider, settings(db_path, **one_at_a_time), url=site.url)
+    second = await crawl(TenPagesSpider, settings(crawl_database, **one_at_a_time), url=site.url)
     assert finish_reason(second) == "finished"
-    assert_nothing_leased(db_path)
-    assert {state for state, _, _ in frontier(db_path, site).values()} == {"done"}
-    assert len(records(db_path)) == 10
+    assert_nothing_leased(crawl_database)
+    assert {state for state, _, _ in frontier(crawl_database, site).values()} == {"done"}
+    assert len(records(crawl_database)) == 10
     assert (istats(first)["records/inserted"] + istats(second)["records/inserted"]) == 10
     assert istats(second)["requests/done"] == 10 - done_first
     assert all(n == 1 for n in site.counts_by_path().values()), site.counts_by_path()
@@ -244,30 +245,30 @@ class CounterPaginationSpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_counter_pagination_resume_runs_the_pending_page_and_reports_drops(
-    site: LocalSite, db_path: Path, caplog: Any
+    site: LocalSite, crawl_database: str, caplog: Any
 ) -> None:
     one_at_a_time = {"CONCURRENT_REQUESTS": 1, "CONCURRENT_REQUESTS_PER_DOMAIN": 1}
     first = await crawl(CounterPaginationSpider, settings(
-        db_path, CLOSESPIDER_PAGECOUNT=2, **one_at_a_time), url=site.url)
+        crawl_database, CLOSESPIDER_PAGECOUNT=2, **one_at_a_time), url=site.url)
     assert finish_reason(first) == "closespider_pagecount"
-    assert_nothing_leased(db_path)
-    assert [r[:3] for r in rows(db_path, site)] == [
+    assert_nothing_leased(crawl_database)
+    assert [r[:3] for r in rows(crawl_database, site)] == [
         ("/ok/page1", "done", None), ("/ok/page2", "done", None),
         ("/ok/page3", "pending", None)]
 
     site.reset_counts()
     caplog.clear()
     caplog.set_level(logging.INFO, logger="scrapy_idempotent")
-    second = await crawl(CounterPaginationSpider, settings(db_path, **one_at_a_time),
+    second = await crawl(CounterPaginationSpider, settings(crawl_database, **one_at_a_time),
                          url=site.url)
     assert finish_reason(second) == "finished"
-    assert_nothing_leased(db_path)
+    assert_nothing_leased(crawl_database)
     # the pending page still runs after the resume ...
     assert site.counts_by_path() == {"/ok/page3": 1}
-    assert [r[:3] for r in rows(db_path, site)] == [
+    assert [r[:3] for r in rows(crawl_database, site)] == [
         ("/ok/page1", "done", None), ("/ok/page2", "done", None),
         ("/ok/page3", "done", None)]
-    assert set(records(db_path)) == {"/ok/page1", "/ok/page2", "/ok/page3"}
+    assert set(records(crawl_database)) == {"/ok/page1", "/ok/page2", "/ok/page3"}
     # ... and the early end (its reset counter linked page 2 again) is visible: the start
     # request and page 2 were dropped as already done, in a stat and in a closing log line
     stats = istats(second)

@@ -5,8 +5,6 @@ stored are what reached ours, under the page that yielded them."""
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 from typing import Any
 
 import scrapy
@@ -14,7 +12,6 @@ from local_site import LocalSite
 from scrapy.exceptions import DropItem
 from scrapy.utils.defer import deferred_f_from_coro_f
 
-from crawling import db_rows
 from helpers.site_crawls import (
     PathSpider,
     assert_nothing_leased,
@@ -27,6 +24,7 @@ from helpers.site_crawls import (
     records,
     settings,
 )
+from helpers.stored import stored_products, stored_rejects
 
 # -- pipelines: DropItem and errors before ours -------------------------------------------------
 
@@ -57,18 +55,19 @@ class PipelineSpider(PathSpider):
 
 
 @deferred_f_from_coro_f
-async def test_drop_item_and_pipeline_error_before_ours(site: LocalSite, db_path: Path) -> None:
+async def test_drop_item_and_pipeline_error_before_ours(site: LocalSite,
+                                                       crawl_database: str) -> None:
     crawler = await crawl(PipelineSpider, settings(
-        db_path, ITEM_PIPELINES={f"{__name__}.PickyPipeline": 100}), url=site.url)
+        crawl_database, ITEM_PIPELINES={f"{__name__}.PickyPipeline": 100}), url=site.url)
     assert finish_reason(crawler) == "finished"
-    assert frontier(db_path, site) == {
+    assert frontier(crawl_database, site) == {
         "/ok/pipes": ("done", None, 1),  # the request still ends done
         "/ok/after-pipes": ("done", None, 1),
     }
-    assert_nothing_leased(db_path)
-    assert record_owner(db_path, site) == {"kept": "/ok/pipes",
+    assert_nothing_leased(crawl_database)
+    assert record_owner(crawl_database, site) == {"kept": "/ok/pipes",
                                            "/ok/after-pipes": "/ok/after-pipes"}
-    assert db_rows(db_path, "SELECT count(*) FROM rejects") == [(0,)]
+    assert stored_rejects(crawl_database) == []
     stats = istats(crawler)
     assert stats["records/inserted"] == 2
     assert stats["requests/done"] == 2
@@ -84,20 +83,20 @@ class CopyingPipeline:
 
 
 @deferred_f_from_coro_f
-async def test_pipeline_returning_a_new_item_object(site: LocalSite, db_path: Path) -> None:
+async def test_pipeline_returning_a_new_item_object(site: LocalSite, crawl_database: str) -> None:
     crawler = await crawl(PipelineSpider, settings(
-        db_path, ITEM_PIPELINES={f"{__name__}.CopyingPipeline": 100}), url=site.url)
+        crawl_database, ITEM_PIPELINES={f"{__name__}.CopyingPipeline": 100}), url=site.url)
     assert finish_reason(crawler) == "finished"
-    assert frontier(db_path, site) == {
+    assert frontier(crawl_database, site) == {
         "/ok/pipes": ("done", None, 1),
         "/ok/after-pipes": ("done", None, 1),
     }
-    assert_nothing_leased(db_path)
-    stored = records(db_path)
+    assert_nothing_leased(crawl_database)
+    stored = records(crawl_database)
     assert set(stored) == {"kept", "dropped", "broken", "/ok/after-pipes"}
     assert all(record["copied"] for record in stored.values())
     # still stored with the request that produced it
-    assert record_owner(db_path, site) == {
+    assert record_owner(crawl_database, site) == {
         "kept": "/ok/pipes", "dropped": "/ok/pipes", "broken": "/ok/pipes",
         "/ok/after-pipes": "/ok/after-pipes"}
     assert istats(crawler)["records/inserted"] == 4
@@ -132,17 +131,17 @@ class PageItemSpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_pipeline_returning_a_new_url_keyed_item_is_stored_under_its_page(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
     crawler = await crawl(PageItemSpider, settings(
-        db_path, ITEM_PIPELINES={f"{__name__}.RepricingPipeline": 100}), url=site.url)
+        crawl_database, ITEM_PIPELINES={f"{__name__}.RepricingPipeline": 100}), url=site.url)
     assert finish_reason(crawler) == "finished"
-    assert frontier(db_path, site) == {"/ok/pa": ("done", None, 1),
+    assert frontier(crawl_database, site) == {"/ok/pa": ("done", None, 1),
                                        "/ok/pb": ("done", None, 1)}
-    assert_nothing_leased(db_path)
-    stored = sorted(json.loads(data)["title"] for (data,) in db_rows(
-        db_path, "SELECT data FROM records WHERE data LIKE '%\"price\":20%'"))
-    assert stored == ["/ok/pa", "/ok/pb"], db_rows(db_path, "SELECT reason FROM rejects")
+    assert_nothing_leased(crawl_database)
+    stored = sorted(record["title"] for record in stored_products(crawl_database)
+                    if record["price"] == 20)
+    assert stored == ["/ok/pa", "/ok/pb"], [r.reason for r in stored_rejects(crawl_database)]
     stats = istats(crawler)
     assert stats["records/inserted"] == 2
     assert "records/rejected" not in stats

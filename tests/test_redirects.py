@@ -4,7 +4,6 @@ many redirects and a redirect to itself end, and no lease dangles."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -59,21 +58,21 @@ class RedirectSpider(PathSpider):
 @pytest.mark.parametrize("code", [301, 302, 307])
 @deferred_f_from_coro_f
 async def test_http_redirect_ends_redirected_and_the_target_is_crawled(
-    site: LocalSite, db_path: Path, code: int
+    site: LocalSite, crawl_database: str, code: int
 ) -> None:
     method, body = ("POST", b"payload=1") if code == 307 else ("GET", b"")
     source, target = f"/redirect/{code}/r?to=/echo/t{code}", f"/echo/t{code}"
-    crawler = await crawl(RedirectSpider, settings(db_path), url=site.url,
+    crawler = await crawl(RedirectSpider, settings(crawl_database), url=site.url,
                           plan=[(source, method, body)])
     assert finish_reason(crawler) == "finished"
-    assert frontier(db_path, site) == {
+    assert frontier(crawl_database, site) == {
         source: ("redirected", None, 1),
         target: ("done", None, 1),
     }
-    assert_nothing_leased(db_path)
+    assert_nothing_leased(crawl_database)
     # the target's item is attributed to the target
-    assert record_owner(db_path, site) == {target: target}
-    stored = records(db_path)[target]
+    assert record_owner(crawl_database, site) == {target: target}
+    stored = records(crawl_database)[target]
     assert (stored["method"], stored["body"]) == (method, body.decode())  # 307 keeps the POST
     assert site.hits(target, method) == 1
     assert site.hits(f"/redirect/{code}/r") == 1
@@ -86,18 +85,18 @@ async def test_http_redirect_ends_redirected_and_the_target_is_crawled(
 
 @deferred_f_from_coro_f
 async def test_meta_refresh_ends_redirected_and_the_target_is_crawled(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
     source = "/refresh/m?to=/ok/meta-target"
-    crawler = await crawl(RedirectSpider, settings(db_path), url=site.url,
+    crawler = await crawl(RedirectSpider, settings(crawl_database), url=site.url,
                           plan=[(source, "GET", b"")])
     assert finish_reason(crawler) == "finished"
-    assert frontier(db_path, site) == {
+    assert frontier(crawl_database, site) == {
         source: ("redirected", None, 1),
         "/ok/meta-target": ("done", None, 1),
     }
-    assert_nothing_leased(db_path)
-    assert record_owner(db_path, site) == {"/ok/meta-target": "/ok/meta-target"}
+    assert_nothing_leased(crawl_database)
+    assert record_owner(crawl_database, site) == {"/ok/meta-target": "/ok/meta-target"}
     assert istats(crawler)["requests/redirected"] == 1
     assert site.hits("/ok/meta-target") == 1
 
@@ -116,17 +115,17 @@ class RedirectToDoneSpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_redirect_to_a_url_already_done_is_not_fetched_again(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
-    crawler = await crawl(RedirectToDoneSpider, settings(db_path), url=site.url)
+    crawler = await crawl(RedirectToDoneSpider, settings(crawl_database), url=site.url)
     assert finish_reason(crawler) == "finished"
-    assert frontier(db_path, site) == {
+    assert frontier(crawl_database, site) == {
         "/ok/already": ("done", None, 1),
         "/redirect/302/late?to=/ok/already": ("redirected", None, 1),
     }
-    assert_nothing_leased(db_path)
+    assert_nothing_leased(crawl_database)
     assert site.hits("/ok/already") == 1  # no second fetch of the target
-    assert set(records(db_path)) == {"/ok/already"}
+    assert set(records(crawl_database)) == {"/ok/already"}
     stats = istats(crawler)
     assert stats["requests/redirected"] == 1
     assert stats["requests/done"] == 1
@@ -135,18 +134,18 @@ async def test_redirect_to_a_url_already_done_is_not_fetched_again(
 
 
 @deferred_f_from_coro_f
-async def test_chain_of_three_redirects(site: LocalSite, db_path: Path) -> None:
-    crawler = await crawl(RedirectSpider, settings(db_path), url=site.url,
+async def test_chain_of_three_redirects(site: LocalSite, crawl_database: str) -> None:
+    crawler = await crawl(RedirectSpider, settings(crawl_database), url=site.url,
                           plan=[("/chain/3/c", "GET", b"")])
     assert finish_reason(crawler) == "finished"
-    assert frontier(db_path, site) == {
+    assert frontier(crawl_database, site) == {
         "/chain/3/c": ("redirected", None, 1),
         "/chain/2/c": ("redirected", None, 1),
         "/chain/1/c": ("redirected", None, 1),
         "/chain/0/c": ("done", None, 1),
     }
-    assert_nothing_leased(db_path)
-    assert record_owner(db_path, site) == {"/chain/0/c": "/chain/0/c"}
+    assert_nothing_leased(crawl_database)
+    assert record_owner(crawl_database, site) == {"/chain/0/c": "/chain/0/c"}
     assert site.counts_by_path() == {f"/chain/{n}/c": 1 for n in range(4)}
     stats = istats(crawler)
     assert stats["requests/redirected"] == 3
@@ -156,20 +155,20 @@ async def test_chain_of_three_redirects(site: LocalSite, db_path: Path) -> None:
 
 @deferred_f_from_coro_f
 async def test_too_many_redirects_ends_failed_and_calls_the_errback_once(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
-    crawler = await crawl(RedirectSpider, settings(db_path, REDIRECT_MAX_TIMES=2),
+    crawler = await crawl(RedirectSpider, settings(crawl_database, REDIRECT_MAX_TIMES=2),
                           url=site.url, plan=[("/chain/3/m", "GET", b"")])
     assert finish_reason(crawler) == "finished"
-    assert frontier(db_path, site) == {
+    assert frontier(crawl_database, site) == {
         "/chain/3/m": ("redirected", None, 1),
         "/chain/2/m": ("redirected", None, 1),
         "/chain/1/m": ("failed", "ignored/IgnoreRequest", 1),  # its redirect was discarded
     }
-    assert_nothing_leased(db_path)
+    assert_nothing_leased(crawl_database)
     assert site.hits("/chain/0/m") == 0
     assert crawler.spider.errback_calls == ["/chain/1/m"]
-    assert record_owner(db_path, site) == {"failure:/chain/1/m": "/chain/1/m"}
+    assert record_owner(crawl_database, site) == {"failure:/chain/1/m": "/chain/1/m"}
     stats = istats(crawler)
     assert stats["requests/redirected"] == 2
     assert stats["requests/failed"] == 1
@@ -187,48 +186,48 @@ class LoopSpider(PathSpider):
 
 
 @deferred_f_from_coro_f
-async def test_redirect_loop_ends(site: LocalSite, db_path: Path) -> None:
-    crawler = await crawl(LoopSpider, settings(db_path), url=site.url, dont_filter=False)
+async def test_redirect_loop_ends(site: LocalSite, crawl_database: str) -> None:
+    crawler = await crawl(LoopSpider, settings(crawl_database), url=site.url, dont_filter=False)
     assert finish_reason(crawler) == "finished"
     # 0 -> 1 -> 0: the way back is to an entry already answered
-    assert frontier(db_path, site) == {
+    assert frontier(crawl_database, site) == {
         "/loop/l/0": ("redirected", None, 1),
         "/loop/l/1": ("redirected", None, 1),
     }
-    assert_nothing_leased(db_path)
+    assert_nothing_leased(crawl_database)
     assert site.counts_by_path() == {"/loop/l/0": 1, "/loop/l/1": 1}
     assert istats(crawler)["requests/already_done"] == 1
 
 
 @deferred_f_from_coro_f
 async def test_redirect_loop_of_a_dont_filter_request_ends_at_redirect_max_times(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
     # dont_filter (start_urls) is inherited by redirects: each hop is a new entry, as with
     # Scrapy's own scheduler, until REDIRECT_MAX_TIMES
-    crawler = await crawl(LoopSpider, settings(db_path, REDIRECT_MAX_TIMES=3), url=site.url,
+    crawler = await crawl(LoopSpider, settings(crawl_database, REDIRECT_MAX_TIMES=3), url=site.url,
                           dont_filter=True)
     assert finish_reason(crawler) == "finished"
-    assert rows(db_path, site) == [
+    assert rows(crawl_database, site) == [
         ("/loop/l/0", "redirected", None, 1),
         ("/loop/l/0", "redirected", None, 1),
         ("/loop/l/1", "failed", "ignored/IgnoreRequest", 1),
         ("/loop/l/1", "redirected", None, 1),
     ]
-    assert_nothing_leased(db_path)
+    assert_nothing_leased(crawl_database)
     assert site.request_count == 4
 
 
 @deferred_f_from_coro_f
 async def test_redirect_to_itself_continues_the_same_entry(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
     # a cookie check: the page redirects to itself once; the same request again
     path = "/self/1/cookie-check"
-    crawler = await crawl(LinksSpider, settings(db_path), url=site.url, start_paths=(path,))
+    crawler = await crawl(LinksSpider, settings(crawl_database), url=site.url, start_paths=(path,))
     assert finish_reason(crawler) == "finished"
     assert site.hits(path) == 2
-    assert frontier(db_path, site) == {path: ("done", None, 2)}
-    assert_nothing_leased(db_path)
-    assert set(records(db_path)) == {path}
+    assert frontier(crawl_database, site) == {path: ("done", None, 2)}
+    assert_nothing_leased(crawl_database)
+    assert set(records(crawl_database)) == {path}
     assert crawler.dropped_urls == []

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -43,19 +42,20 @@ from helpers.site_crawls import (
 
 @deferred_f_from_coro_f
 async def test_success_items_and_requests_and_a_page_without_items(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
-    crawler = await crawl(LinksSpider, settings(db_path), url=site.url)
+    crawler = await crawl(LinksSpider, settings(crawl_database), url=site.url)
     assert finish_reason(crawler) == "finished"
-    assert frontier(db_path, site) == {
+    assert frontier(crawl_database, site) == {
         "/ok/home?links=/ok/a,/ok/b,/ok/empty": ("done", None, 1),
         "/ok/a": ("done", None, 1),
         "/ok/b": ("done", None, 1),
         "/ok/empty": ("done", None, 1),  # no items: done all the same
     }
-    assert_nothing_leased(db_path)
-    assert set(records(db_path)) == {"/ok/home?links=/ok/a,/ok/b,/ok/empty", "/ok/a", "/ok/b"}
-    assert record_owner(db_path, site)["/ok/a"] == "/ok/a"
+    assert_nothing_leased(crawl_database)
+    assert set(records(crawl_database)) == {"/ok/home?links=/ok/a,/ok/b,/ok/empty", "/ok/a",
+                                            "/ok/b"}
+    assert record_owner(crawl_database, site)["/ok/a"] == "/ok/a"
     stats = istats(crawler)
     assert stats["requests/done"] == 4
     assert stats["requests/leased"] == 4
@@ -101,12 +101,12 @@ class InterleavedSpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_interleaved_items_and_requests_with_a_slow_pipeline(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
     SlowPipeline.finished.clear()
     InterleavedSpider.ended = None
     crawler = await crawl(InterleavedSpider, settings(
-        db_path, CONCURRENT_ITEMS=2, ITEM_PIPELINES={f"{__name__}.SlowPipeline": 100},
+        crawl_database, CONCURRENT_ITEMS=2, ITEM_PIPELINES={f"{__name__}.SlowPipeline": 100},
     ), url=site.url)
     assert finish_reason(crawler) == "finished"
     # the items of /ok/many really lagged behind its callback
@@ -114,9 +114,9 @@ async def test_interleaved_items_and_requests_with_a_slow_pipeline(
     assert ended is not None and SlowPipeline.finished["many-11"] > ended
     expected_rows = {"/ok/many": ("done", None, 1)}
     expected_rows.update({f"/ok/child{i}": ("done", None, 1) for i in range(12)})
-    assert frontier(db_path, site) == expected_rows
-    assert_nothing_leased(db_path)
-    owners = record_owner(db_path, site)
+    assert frontier(crawl_database, site) == expected_rows
+    assert_nothing_leased(crawl_database)
+    owners = record_owner(crawl_database, site)
     assert len(owners) == 24
     for i in range(12):
         assert owners[f"many-{i}"] == "/ok/many"  # stored with the page that produced it
@@ -166,20 +166,20 @@ class CallbackErrorSpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_callback_raising_before_its_first_yield_and_midway(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
-    crawler = await crawl(CallbackErrorSpider, settings(db_path), url=site.url)
+    crawler = await crawl(CallbackErrorSpider, settings(crawl_database), url=site.url)
     assert finish_reason(crawler) == "finished"
-    assert frontier(db_path, site) == {
+    assert frontier(crawl_database, site) == {
         "/ok/raise-now": ("failed", "spider_error/KeyError", 1),
         "/ok/raise-first": ("failed", "spider_error/ValueError", 1),
         "/ok/raise-midway": ("failed", "spider_error/RuntimeError", 1),
         "/ok/raise-async": ("failed", "spider_error/LookupError", 1),
         "/ok/before-raise": ("done", None, 1),  # yielded before the raise: kept
     }
-    assert_nothing_leased(db_path)
+    assert_nothing_leased(crawl_database)
     # what was yielded before the raise is stored, with the request that produced it
-    assert record_owner(db_path, site) == {
+    assert record_owner(crawl_database, site) == {
         "midway-1": "/ok/raise-midway", "midway-2": "/ok/raise-midway",
         "async-midway-1": "/ok/raise-async", "/ok/before-raise": "/ok/before-raise",
     }
@@ -232,7 +232,7 @@ class DownloadErrorSpider(PathSpider):
 ])
 @deferred_f_from_coro_f
 async def test_download_error_ends_failed_after_its_retries(
-    site: LocalSite, db_path: Path, kind: str, error: str | None, use_errback: bool
+    site: LocalSite, crawl_database: str, kind: str, error: str | None, use_errback: bool
 ) -> None:
     target = {
         "refused": f"http://127.0.0.1:{free_port()}/ok/nobody-home",
@@ -240,12 +240,12 @@ async def test_download_error_ends_failed_after_its_retries(
         "timeout": f"{site.url}/slow/1.5/x",
     }[kind]
     crawler = await crawl(DownloadErrorSpider, settings(
-        db_path, RETRY_ENABLED=True, RETRY_TIMES=1, DOWNLOAD_TIMEOUT=0.5,
+        crawl_database, RETRY_ENABLED=True, RETRY_TIMES=1, DOWNLOAD_TIMEOUT=0.5,
     ), url=site.url, target=target, use_errback=use_errback)
     spider = crawler.spider
     assert finish_reason(crawler) == "finished"
     found = {url if "://" in url else site.url + url: state
-             for url, state in frontier(db_path, site).items()}
+             for url, state in frontier(crawl_database, site).items()}
     state, error_kind, attempts = found[target]
     assert state == "failed"
     assert error_kind is not None and error_kind.startswith("download_error/")
@@ -256,7 +256,7 @@ async def test_download_error_ends_failed_after_its_retries(
     if use_errback:
         assert found[f"{site.url}/ok/fallback"] == ("done", None, 1)
     assert len(found) == (3 if use_errback else 2)
-    assert_nothing_leased(db_path)
+    assert_nothing_leased(crawl_database)
     stats = istats(crawler)
     assert stats["requests/failed"] == 1
     assert stats[f"failed/{error_kind}"] == 1
@@ -265,7 +265,7 @@ async def test_download_error_ends_failed_after_its_retries(
     assert stats["requests/leased"] == (4 if use_errback else 3)
     assert stats["requests/repeated"] == 1
     assert crawler.stats.get_value("retry/count") == 1
-    stored = records(db_path)
+    stored = records(crawl_database)
     if use_errback:
         # the errback runs once per final failure; its item bypassed the spider
         # middlewares, still got a record ID and is stored with the failed request
@@ -274,7 +274,7 @@ async def test_download_error_ends_failed_after_its_retries(
         assert set(stored) == {"/ok/control", "/ok/fallback", failure_key}
         assert stored[failure_key]["error"] == spider.errback_calls[0]
         assert len(spider.errback_items[0]["record_id"]) == 32
-        owners = record_owner(db_path, site)
+        owners = record_owner(crawl_database, site)
         assert owners[failure_key] in (target, target.removeprefix(site.url))
         assert stats["records/inserted"] == 3
     else:
@@ -307,17 +307,17 @@ class ErrbackRetrySpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_errback_retrying_its_request_continues_the_same_entry(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
-    crawler = await crawl(ErrbackRetrySpider, settings(db_path), url=site.url)
+    crawler = await crawl(ErrbackRetrySpider, settings(crawl_database), url=site.url)
     assert finish_reason(crawler) == "finished"
-    [(state, error_kind, attempts)] = frontier(db_path, site).values()
+    [(state, error_kind, attempts)] = frontier(crawl_database, site).values()
     assert (state, attempts) == ("failed", 3)
     assert error_kind is not None and error_kind.startswith("download_error/")
-    assert_nothing_leased(db_path)
+    assert_nothing_leased(crawl_database)
     assert crawler.spider.errback_calls == 3
     assert site.hits("/reset/eb") == 3
-    assert record_owner(db_path, site) == {"gave-up": "/reset/eb"}
+    assert record_owner(crawl_database, site) == {"gave-up": "/reset/eb"}
     stats = istats(crawler)
     assert stats["requests/retried"] == 2
     assert stats["requests/continued"] == 2
@@ -355,16 +355,16 @@ class HttpErrorSpider(PathSpider):
 @pytest.mark.parametrize("code", [404, 500])
 @deferred_f_from_coro_f
 async def test_http_error_ends_failed(
-    site: LocalSite, db_path: Path, code: int, use_errback: bool
+    site: LocalSite, crawl_database: str, code: int, use_errback: bool
 ) -> None:
     path = f"/status/{code}/x"
     crawler = await crawl(HttpErrorSpider, settings(
-        db_path, RETRY_ENABLED=True, RETRY_TIMES=1,
+        crawl_database, RETRY_ENABLED=True, RETRY_TIMES=1,
     ), url=site.url, path=path, use_errback=use_errback)
     assert finish_reason(crawler) == "finished"
     attempts = 2 if code == 500 else 1  # 500 is retried once, 404 is not
-    assert frontier(db_path, site) == {path: ("failed", "http_status", attempts)}
-    assert_nothing_leased(db_path)
+    assert frontier(crawl_database, site) == {path: ("failed", "http_status", attempts)}
+    assert_nothing_leased(crawl_database)
     assert site.hits(path) == attempts
     stats = istats(crawler)
     assert stats["requests/failed"] == 1
@@ -372,11 +372,11 @@ async def test_http_error_ends_failed(
     assert "requests/done" not in stats
     if use_errback:
         assert crawler.spider.errback_calls == [code]
-        assert set(records(db_path)) == {f"failure:{path}"}
-        assert record_owner(db_path, site) == {f"failure:{path}": path}
+        assert set(records(crawl_database)) == {f"failure:{path}"}
+        assert record_owner(crawl_database, site) == {f"failure:{path}": path}
         assert stats["records/inserted"] == 1
     else:
-        assert records(db_path) == {}
+        assert records(crawl_database) == {}
         assert "records/inserted" not in stats
 
 
@@ -387,19 +387,19 @@ class HandleStatusSpider(HttpErrorSpider):
 @pytest.mark.parametrize("how", ["setting", "spider", "meta-list", "meta-all"])
 @deferred_f_from_coro_f
 async def test_http_error_allowed_by_httperror_allowed_codes_is_done(
-    site: LocalSite, db_path: Path, how: str
+    site: LocalSite, crawl_database: str, how: str
 ) -> None:
     path = "/status/404/allowed"
     extra: dict[str, Any] = {"HTTPERROR_ALLOWED_CODES": [404]} if how == "setting" else {}
     meta = {"meta-list": {"handle_httpstatus_list": [404]},
             "meta-all": {"handle_httpstatus_all": True}}.get(how)
     spidercls = HandleStatusSpider if how == "spider" else HttpErrorSpider
-    crawler = await crawl(spidercls, settings(db_path, **extra), url=site.url, path=path,
+    crawler = await crawl(spidercls, settings(crawl_database, **extra), url=site.url, path=path,
                           use_errback=True, meta=meta)
     assert finish_reason(crawler) == "finished"
-    assert frontier(db_path, site) == {path: ("done", None, 1)}
-    assert_nothing_leased(db_path)
-    assert records(db_path)[f"page:{path}"]["status"] == 404
+    assert frontier(crawl_database, site) == {path: ("done", None, 1)}
+    assert_nothing_leased(crawl_database)
+    assert records(crawl_database)[f"page:{path}"]["status"] == 404
     assert crawler.spider.errback_calls == []
     stats = istats(crawler)
     assert stats["requests/done"] == 1
@@ -412,15 +412,15 @@ async def test_http_error_allowed_by_httperror_allowed_codes_is_done(
 
 @deferred_f_from_coro_f
 async def test_retry_middleware_503_then_200_continues_the_same_entry(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
     path = "/flaky/1/x"
-    crawler = await crawl(LinksSpider, settings(db_path, RETRY_ENABLED=True, RETRY_TIMES=2),
+    crawler = await crawl(LinksSpider, settings(crawl_database, RETRY_ENABLED=True, RETRY_TIMES=2),
                           url=site.url, start_paths=(path,))
     assert finish_reason(crawler) == "finished"
-    assert frontier(db_path, site) == {path: ("done", None, 2)}  # one row, attempts 2
-    assert_nothing_leased(db_path)
-    assert set(records(db_path)) == {path}
+    assert frontier(crawl_database, site) == {path: ("done", None, 2)}  # one row, attempts 2
+    assert_nothing_leased(crawl_database)
+    assert set(records(crawl_database)) == {path}
     assert site.hits(path) == 2
     stats = istats(crawler)
     assert stats["requests/retried"] == 1
@@ -459,14 +459,14 @@ class RetryFromCallbackSpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_get_retry_request_from_a_callback_continues_the_same_entry(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
-    crawler = await crawl(RetryFromCallbackSpider, settings(db_path, RETRY_TIMES=2),
+    crawler = await crawl(RetryFromCallbackSpider, settings(crawl_database, RETRY_TIMES=2),
                           url=site.url)
     assert finish_reason(crawler) == "finished"
-    assert frontier(db_path, site) == {"/ok/retry-me": ("done", None, 2)}
-    assert_nothing_leased(db_path)
-    assert records(db_path) == {"/ok/retry-me": {"key": "/ok/retry-me", "calls": 2}}
+    assert frontier(crawl_database, site) == {"/ok/retry-me": ("done", None, 2)}
+    assert_nothing_leased(crawl_database)
+    assert records(crawl_database) == {"/ok/retry-me": {"key": "/ok/retry-me", "calls": 2}}
     assert site.hits("/ok/retry-me") == 2
     stats = istats(crawler)
     assert stats["requests/retried"] == 1
@@ -482,20 +482,21 @@ async def test_get_retry_request_from_a_callback_continues_the_same_entry(
 
 @deferred_f_from_coro_f
 async def test_robots_txt_disallowed_request_ends_failed_as_ignored(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
-    crawler = await crawl(LinksSpider, settings(db_path, ROBOTSTXT_OBEY=True), url=site.url,
+    crawler = await crawl(LinksSpider, settings(crawl_database, ROBOTSTXT_OBEY=True), url=site.url,
                           start_paths=("/ok/open?links=/private/p1,/ok/allowed",))
     assert finish_reason(crawler) == "finished"
-    assert frontier(db_path, site) == {
+    assert frontier(crawl_database, site) == {
         "/ok/open?links=/private/p1,/ok/allowed": ("done", None, 1),
         "/private/p1": ("failed", "ignored/IgnoreRequest", 1),
         "/ok/allowed": ("done", None, 1),
     }  # robots.txt itself is no frontier entry
-    assert_nothing_leased(db_path)
+    assert_nothing_leased(crawl_database)
     assert site.hits("/private/p1") == 0
     assert site.hits("/robots.txt") == 1
-    assert set(records(db_path)) == {"/ok/open?links=/private/p1,/ok/allowed", "/ok/allowed"}
+    assert set(records(crawl_database)) == {"/ok/open?links=/private/p1,/ok/allowed",
+                                            "/ok/allowed"}
     stats = istats(crawler)
     assert stats["requests/failed"] == 1
     assert stats["failed/ignored/IgnoreRequest"] == 1
@@ -509,17 +510,17 @@ class OffsiteSpider(LinksSpider):
 
 @deferred_f_from_coro_f
 async def test_offsite_request_never_reaches_the_frontier(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
     offsite = f"http://localhost:{site.port}/ok/offsite"  # the same server, another host
-    crawler = await crawl(OffsiteSpider, settings(db_path), url=site.url,
+    crawler = await crawl(OffsiteSpider, settings(crawl_database), url=site.url,
                           start_paths=(f"/ok/onsite?links={offsite},/ok/inside",))
     assert finish_reason(crawler) == "finished"
-    assert frontier(db_path, site) == {
+    assert frontier(crawl_database, site) == {
         f"/ok/onsite?links={offsite},/ok/inside": ("done", None, 1),
         "/ok/inside": ("done", None, 1),
     }
-    assert_nothing_leased(db_path)
+    assert_nothing_leased(crawl_database)
     assert site.hits("/ok/offsite") == 0
     assert crawler.stats.get_value("offsite/filtered") == 1
     stats = istats(crawler)
@@ -542,13 +543,13 @@ class DeepSpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_depth_limit_drops_deeper_requests_before_the_frontier(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
-    crawler = await crawl(DeepSpider, settings(db_path, DEPTH_LIMIT=2), url=site.url)
+    crawler = await crawl(DeepSpider, settings(crawl_database, DEPTH_LIMIT=2), url=site.url)
     assert finish_reason(crawler) == "finished"
-    assert frontier(db_path, site) == {f"/ok/deep{n}": ("done", None, 1) for n in range(3)}
-    assert_nothing_leased(db_path)
-    assert {k: v["depth"] for k, v in records(db_path).items()} == {
+    assert frontier(crawl_database, site) == {f"/ok/deep{n}": ("done", None, 1) for n in range(3)}
+    assert_nothing_leased(crawl_database)
+    assert {k: v["depth"] for k, v in records(crawl_database).items()} == {
         "/ok/deep0": 0, "/ok/deep1": 1, "/ok/deep2": 2}
     assert site.hits("/ok/deep3") == 0
     stats = istats(crawler)
@@ -558,18 +559,19 @@ async def test_depth_limit_drops_deeper_requests_before_the_frontier(
 
 @deferred_f_from_coro_f
 async def test_retries_up_to_retry_times_are_not_cut_short_by_the_attempt_limit(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
     # RETRY_TIMES=10: Scrapy makes up to 11 attempts; each retry completes its lease (it is a
     # continuation, not a crash), so IDEMPOTENT_MAX_ATTEMPTS (10) must not quarantine it
     path = "/flaky/10/patient"
-    crawler = await crawl(LinksSpider, settings(db_path, RETRY_ENABLED=True, RETRY_TIMES=10),
+    crawler = await crawl(LinksSpider, settings(crawl_database, RETRY_ENABLED=True,
+                                                RETRY_TIMES=10),
                           url=site.url, start_paths=(path,))
     assert finish_reason(crawler) == "finished"
     assert site.hits(path) == 11
-    assert frontier(db_path, site) == {path: ("done", None, 11)}
-    assert_nothing_leased(db_path)
-    assert set(records(db_path)) == {path}
+    assert frontier(crawl_database, site) == {path: ("done", None, 11)}
+    assert_nothing_leased(crawl_database)
+    assert set(records(crawl_database)) == {path}
     stats = istats(crawler)
     assert stats["requests/retried"] == 10
     assert "requests/quarantined" not in stats

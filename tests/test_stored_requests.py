@@ -60,22 +60,23 @@ class MetaCopySpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_children_with_meta_copied_from_the_response(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
-    crawler = await crawl(MetaCopySpider, settings(db_path, RETRY_ENABLED=True, RETRY_TIMES=2),
+    crawler = await crawl(MetaCopySpider, settings(crawl_database, RETRY_ENABLED=True,
+                                                   RETRY_TIMES=2),
                           url=site.url)
     assert finish_reason(crawler) == "finished"
-    assert frontier(db_path, site) == {
+    assert frontier(crawl_database, site) == {
         "/redirect/302/mm?to=/flaky/1/mparent": ("redirected", None, 1),
         "/flaky/1/mparent": ("done", None, 2),
         "/ok/mc1": ("done", None, 1),
         "/ok/mc2": ("done", None, 1),
     }
-    assert_nothing_leased(db_path)
-    stored = records(db_path)
+    assert_nothing_leased(crawl_database)
+    stored = records(crawl_database)
     assert stored["parent"] == {"key": "parent", "retry_times": 1, "redirects": 1}
     assert stored["/ok/mc1"]["custom"] == stored["/ok/mc2"]["custom"] == "kept"
-    assert record_owner(db_path, site) == {
+    assert record_owner(crawl_database, site) == {
         "parent": "/flaky/1/mparent", "/ok/mc1": "/ok/mc1", "/ok/mc2": "/ok/mc2"}
     assert site.hits("/ok/mc1") == site.hits("/ok/mc2") == 1
     assert site.hits("/flaky/1/mparent") == 2
@@ -114,9 +115,9 @@ class DontFilterSpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_dont_filter_children_of_a_replayed_parent_are_not_inserted_twice(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
-    crawler = await crawl(DontFilterSpider, settings(db_path, RETRY_TIMES=2), url=site.url)
+    crawler = await crawl(DontFilterSpider, settings(crawl_database, RETRY_TIMES=2), url=site.url)
     assert finish_reason(crawler) == "finished"
     assert crawler.spider.parent_calls == 2
     expected = [
@@ -126,11 +127,11 @@ async def test_dont_filter_children_of_a_replayed_parent_are_not_inserted_twice(
         ("/ok/dfparent", "done", None, 2),
         ("/ok/plain", "done", None, 1),
     ]
-    assert rows(db_path, site) == expected
-    assert_nothing_leased(db_path)
+    assert rows(crawl_database, site) == expected
+    assert_nothing_leased(crawl_database)
     assert site.counts_by_path() == {"/ok/dfparent": 2, "/ok/df1": 2, "/ok/df2": 1,
                                      "/ok/plain": 1}
-    assert records(db_path)["dfparent"]["calls"] == 2
+    assert records(crawl_database)["dfparent"]["calls"] == 2
     stats = istats(crawler)
     assert stats["requests/added"] == 5
     assert stats.get("requests/duplicate", 0) + stats.get("requests/already_done", 0) == 4
@@ -138,9 +139,9 @@ async def test_dont_filter_children_of_a_replayed_parent_are_not_inserted_twice(
     # the same crawl again, resuming the (finished) run: nothing new, nothing fetched
     site.reset_counts()
     again = await crawl(DontFilterSpider, settings(
-        db_path, RETRY_TIMES=2, IDEMPOTENT_RUN_MODE="resume"), url=site.url)
+        crawl_database, RETRY_TIMES=2, IDEMPOTENT_RUN_MODE="resume"), url=site.url)
     assert finish_reason(again) == "finished"
-    assert rows(db_path, site) == expected
+    assert rows(crawl_database, site) == expected
     assert site.counts_by_path() == {}
     assert istats(again)["requests/already_done"] == 1
     assert "requests/added" not in istats(again)
@@ -199,18 +200,18 @@ class BodiesSpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_post_form_and_json_requests_round_trip_through_the_store(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
     import base64
     import datetime
     import decimal
 
-    first = await crawl(BodiesSpider, settings(db_path, CLOSESPIDER_PAGECOUNT=1),
+    first = await crawl(BodiesSpider, settings(crawl_database, CLOSESPIDER_PAGECOUNT=1),
                         url=site.url)
     assert finish_reason(first) == "closespider_pagecount"
-    assert_nothing_leased(db_path)
+    assert_nothing_leased(crawl_database)
     assert site.counts_by_path() == {"/ok/gate": 1}
-    assert [r[:3] for r in rows(db_path, site)] == [
+    assert [r[:3] for r in rows(crawl_database, site)] == [
         ("/echo/form", "pending", None),
         ("/echo/json", "pending", None),
         ("/echo/raw", "pending", None),
@@ -220,10 +221,10 @@ async def test_post_form_and_json_requests_round_trip_through_the_store(
         ("/status/500/post", "pending", None),
     ]
 
-    second = await crawl(BodiesSpider, settings(db_path), url=site.url)
+    second = await crawl(BodiesSpider, settings(crawl_database), url=site.url)
     assert finish_reason(second) == "finished"
-    assert_nothing_leased(db_path)
-    assert [r[:3] for r in rows(db_path, site)] == [
+    assert_nothing_leased(crawl_database)
+    assert [r[:3] for r in rows(crawl_database, site)] == [
         ("/echo/form", "done", None),
         ("/echo/json", "done", None),
         ("/echo/raw", "done", None),
@@ -257,7 +258,7 @@ async def test_post_form_and_json_requests_round_trip_through_the_store(
     assert site.hits("/echo/same", "POST") == 2
     # the stored errback ran, once, on the failing POST; its item is stored
     assert second.spider.errback_calls == ["failing"]
-    assert set(records(db_path)) == {"raw", "form", "json", "same-b'one'", "same-b'two'",
+    assert set(records(crawl_database)) == {"raw", "form", "json", "same-b'one'", "same-b'two'",
                                      "failure:failing"}
     assert all(n == 1 for path, n in site.counts_by_path().items() if path != "/echo/same")
     stats = istats(second)
@@ -302,20 +303,20 @@ class UnstorableSpider(PathSpider):
 
 @deferred_f_from_coro_f
 async def test_unstorable_requests_are_fetched_from_memory_and_logged_once_per_cause(
-    site: LocalSite, db_path: Path, tmp_path: Path, caplog: Any
+    site: LocalSite, crawl_database: str, tmp_path: Path, caplog: Any
 ) -> None:
     data_file = tmp_path / "data.txt"
     data_file.write_text("x")
-    crawler = await crawl(UnstorableSpider, settings(db_path), url=site.url,
+    crawler = await crawl(UnstorableSpider, settings(crawl_database), url=site.url,
                           file_path=str(data_file))
     assert finish_reason(crawler) == "finished"
     # only storable requests are in the frontier; the page that yielded the others was done
     # after them (its items: from /ok/u-partial and /ok/u-file, whose callbacks yield some)
-    assert frontier(db_path, site) == {
+    assert frontier(crawl_database, site) == {
         "/ok/store-test": ("done", None, 1),
         "/ok/u-good": ("done", None, 1),
     }
-    assert_nothing_leased(db_path)
+    assert_nothing_leased(crawl_database)
     stats = istats(crawler)
     assert stats["requests/unstorable"] == 4
     assert stats["requests/from_memory"] == 4
@@ -323,9 +324,9 @@ async def test_unstorable_requests_are_fetched_from_memory_and_logged_once_per_c
     assert site.counts_by_path() == {path: 1 for path in (
         "/ok/store-test", "/ok/u-lambda", "/ok/u-partial", "/ok/u-generator", "/ok/u-file",
         "/ok/u-good")}
-    assert set(records(db_path)) == {"/ok/u-partial", "/ok/u-generator", "/ok/u-file",
+    assert set(records(crawl_database)) == {"/ok/u-partial", "/ok/u-generator", "/ok/u-file",
                                      "/ok/u-good"}
-    assert record_owner(db_path, site)["/ok/u-file"] == "/ok/store-test"
+    assert record_owner(crawl_database, site)["/ok/u-file"] == "/ok/store-test"
     warnings: list[str] = [r.getMessage() for r in caplog.records
                            if r.levelno == logging.WARNING and "from memory" in r.getMessage()]
 
@@ -363,11 +364,11 @@ class StashMiddleware:
 ], ids=["retry", "retries-fail", "redirect"])
 @deferred_f_from_coro_f
 async def test_retry_or_redirect_that_cannot_be_stored_is_fetched_under_its_requests_lease(
-    site: LocalSite, db_path: Path, path: str, hits: int, unstorable: int,
+    site: LocalSite, crawl_database: str, path: str, hits: int, unstorable: int,
     end: tuple[str, str | None], stored: set[str],
 ) -> None:
     crawler = await crawl(LinksSpider, settings(
-        db_path, RETRY_ENABLED=True, RETRY_TIMES=2,
+        crawl_database, RETRY_ENABLED=True, RETRY_TIMES=2,
         DOWNLOADER_MIDDLEWARES={f"{__name__}.StashMiddleware": 560},
     ), url=site.url, start_paths=(path,))
     assert finish_reason(crawler) == "finished"
@@ -375,9 +376,9 @@ async def test_retry_or_redirect_that_cannot_be_stored_is_fetched_under_its_requ
     # does, and the stored request ends with their outcome
     assert istats(crawler)["requests/unstorable"] == unstorable
     assert site.hits(path) == hits
-    assert set(records(db_path)) == stored
-    assert_nothing_leased(db_path)
-    [(state, error_kind, attempts)] = frontier(db_path, site).values()
+    assert set(records(crawl_database)) == stored
+    assert_nothing_leased(crawl_database)
+    [(state, error_kind, attempts)] = frontier(crawl_database, site).values()
     assert (state, (error_kind or "")[:len(end[1] or "")] or None) == end, error_kind
     assert attempts == 1
     if end[0] == "redirected":

@@ -1,6 +1,7 @@
 """Crawls of the local site whose frontier is then checked, shared by the request-outcome
 tests: quick crawl settings, a crawl that notes what Scrapy dropped, readers of the frontier
-rows, records and stats, and the spiders' base class."""
+rows, records and stats (through the store interface: a SQLite path or a PostgreSQL URL),
+and the spiders' base class."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from typing import Any
 import scrapy
 from local_site import LocalSite
 
-from crawling import crawl_settings, crawl_to_end, db_rows
+from crawling import crawl_settings, crawl_to_end
+from helpers.stored import reading, stored_products, stored_records
+from scrapy_idempotent.store.reads import FrontierEntry
 
 NATURAL_KEYS = {"dict": "key"}
 
 
-def settings(db_path: Path, **extra: Any) -> dict[str, Any]:
+def settings(database: str | Path, **extra: Any) -> dict[str, Any]:
     """A quick crawl with the add-on: dict items keyed by their ``key`` field."""
     values: dict[str, Any] = {
         "IDEMPOTENT_NATURAL_KEYS": NATURAL_KEYS,
@@ -26,48 +29,59 @@ def settings(db_path: Path, **extra: Any) -> dict[str, Any]:
         "TELNETCONSOLE_ENABLED": False,
     }
     values.update(extra)
-    return crawl_settings(db_path, **values)
+    return crawl_settings(database, **values)
 
 
-def rows(db_path: Path, site: LocalSite) -> list[tuple[str, str, str | None, int]]:
+def entries(database: str | Path) -> list[FrontierEntry]:
+    """Every request of the frontier, read through the store interface."""
+    found: list[FrontierEntry] = []
+    with reading(database) as store:
+        while page := store.entries(after=found[-1].key if found else None):
+            found.extend(page)
+    return found
+
+
+def rows(database: str | Path, site: LocalSite) -> list[tuple[str, str, str | None, int]]:
     """The frontier: ``(url relative to the site, state, error_kind, attempts)``, sorted."""
-    return sorted(
-        (url.removeprefix(site.url), state, kind, attempts)
-        for url, state, kind, attempts in db_rows(
-            db_path, "SELECT url, state, error_kind, attempts FROM requests")
-    )
+    return sorted((entry.url.removeprefix(site.url), entry.state, entry.error_kind,
+                   entry.attempts) for entry in entries(database))
 
 
-def frontier(db_path: Path, site: LocalSite) -> dict[str, tuple[str, str | None, int]]:
+def frontier(database: str | Path, site: LocalSite) -> dict[str, tuple[str, str | None, int]]:
     """The frontier by relative URL, checking that no URL has two rows."""
-    found = rows(db_path, site)
+    found = rows(database, site)
     by_url = {url: (state, kind, attempts) for url, state, kind, attempts in found}
     assert len(by_url) == len(found), f"a URL has several frontier rows: {found}"
     return by_url
 
 
-def assert_nothing_leased(db_path: Path) -> None:
-    leased = db_rows(db_path, "SELECT url, worker FROM requests WHERE state = 'leased'")
-    assert leased == [], f"leases left dangling: {leased}"
-    journal = db_rows(db_path, "SELECT key FROM responses")
-    assert journal == [], "responses of finished requests left in the journal"
+def assert_nothing_leased(database: str | Path) -> None:
+    """No lease left, and no journaled response of a request (all are finished)."""
+    with reading(database) as store:
+        found: list[FrontierEntry] = []
+        while page := store.entries(after=found[-1].key if found else None):
+            found.extend(page)
+        leased = [(e.url, e.worker) for e in found if e.state == "leased"]
+        assert leased == [], f"leases left dangling: {leased}"
+        journal = [e.url for e in found if store.journaled_response(e.key) is not None]
+    assert journal == [], f"responses of finished requests left in the journal: {journal}"
 
 
-def records(db_path: Path) -> dict[str, dict[str, Any]]:
+def records(database: str | Path) -> dict[str, dict[str, Any]]:
     """Stored records by their ``key`` field (each record ID is one row by construction)."""
-    found = [json.loads(data) for (data,) in db_rows(db_path, "SELECT data FROM records")]
+    found = stored_products(database)
     by_key = {record["key"]: record for record in found}
     assert len(by_key) == len(found), f"two records share a key: {found}"
     return by_key
 
 
-def record_owner(db_path: Path, site: LocalSite) -> dict[str, str | None]:
+def record_owner(database: str | Path, site: LocalSite) -> dict[str, str | None]:
     """Record ``key`` -> URL of the frontier entry whose completion stored it."""
-    urls = dict(db_rows(db_path, "SELECT key, url FROM requests"))
+    urls = {entry.key: entry.url for entry in entries(database)}
     owners: dict[str, str | None] = {}
-    for data, request_key in db_rows(db_path, "SELECT data, request_key FROM records"):
-        url = urls.get(request_key)
-        owners[json.loads(data)["key"]] = url.removeprefix(site.url) if url else None
+    for record in stored_records(database):
+        url = urls.get(record.request_key) if record.request_key else None
+        owners[json.loads(record.data)["key"]] = url.removeprefix(site.url) if url else None
     return owners
 
 
