@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import re
-from pathlib import Path
 
 import pytest
 from local_site import LocalSite
@@ -26,11 +25,11 @@ LINE = re.compile(
 
 @deferred_f_from_coro_f
 async def test_the_progress_line_is_logged_every_interval(
-    caplog: pytest.LogCaptureFixture, db_path: Path
+    caplog: pytest.LogCaptureFixture, crawl_database: str
 ) -> None:
     caplog.set_level(logging.INFO, logger="scrapy_idempotent.progress")
     settings = crawl_settings(
-        db_path, IDEMPOTENT_NATURAL_KEYS={"shop.items.ProductItem": "sku"},
+        crawl_database, IDEMPOTENT_NATURAL_KEYS={"shop.items.ProductItem": "sku"},
         IDEMPOTENT_LOG_INTERVAL_SECONDS=0.1, CONCURRENT_REQUESTS=2,
         CONCURRENT_REQUESTS_PER_DOMAIN=2)
     with LocalSite(listing_pages=4, products_per_page=5, delay=0.05) as site:
@@ -60,7 +59,7 @@ def test_interval_zero_disables_it_and_a_bad_interval_is_refused() -> None:
 
 @deferred_f_from_coro_f
 async def test_a_line_logged_while_a_commit_is_on_its_way_counts_it_on_both_sides(
-    caplog: pytest.LogCaptureFixture, db_path: Path
+    caplog: pytest.LogCaptureFixture, crawl_database: str
 ) -> None:
     """A fresh database, one crawl: every line says as many inserted as stored, even one
     asked for when a batch is committed but its result has not reached the stats yet (the
@@ -71,7 +70,7 @@ async def test_a_line_logged_while_a_commit_is_on_its_way_counts_it_on_both_side
 
     caplog.set_level(logging.INFO, logger="scrapy_idempotent.progress")
     settings = crawl_settings(
-        db_path, IDEMPOTENT_NATURAL_KEYS={"shop.items.ProductItem": "sku"},
+        crawl_database, IDEMPOTENT_NATURAL_KEYS={"shop.items.ProductItem": "sku"},
         IDEMPOTENT_LOG_INTERVAL_SECONDS=86400, CONCURRENT_REQUESTS=2,
         CONCURRENT_REQUESTS_PER_DOMAIN=2)
     from scrapy.utils.test import get_crawler

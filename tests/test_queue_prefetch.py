@@ -7,7 +7,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -69,7 +68,7 @@ class HeldAtAck:
 @pytest.mark.parametrize("owner", ["dead_consumer_of_this_host", "idle_consumer_elsewhere"])
 @deferred_f_from_coro_f
 async def test_messages_taken_over_are_bounded_by_the_prefetch(
-        redis_server: RedisServer, db_path: Path, owner: str) -> None:  # noqa: F811
+        redis_server: RedisServer, crawl_database: str, owner: str) -> None:  # noqa: F811
     key = f"q-{uuid.uuid4().hex}"
     client = redis_server.client()
     client.xgroup_create(key, GROUP, id="0", mkstream=True)
@@ -85,14 +84,14 @@ async def test_messages_taken_over_are_bounded_by_the_prefetch(
                 key, GROUP, "-", "+", MESSAGES)) >= 1000, 60, "the messages idle for 1 s")
         client.xadd(key, {"stop": "1"})
         crawler = get_crawler(QueueSpider, queue_settings(
-            db_path, redis_server, key, IDEMPOTENT_QUEUE_PREFETCH=PREFETCH,
+            crawl_database, redis_server, key, IDEMPOTENT_QUEUE_PREFETCH=PREFETCH,
             IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS=1))
         held = HeldAtAck(crawler)
         await crawl_to_end(crawler)
         assert shop.request_count == MESSAGES
     stats = crawler.stats.get_stats()
     assert stats["finish_reason"] == "finished"
-    assert len(stored_products(db_path)) == MESSAGES
+    assert len(stored_products(crawl_database)) == MESSAGES
     assert stats["idempotent/queue/claimed"] == MESSAGES
     assert acknowledged_all(client, key)
     # never more than the prefetch held (the stop message, read last, is acknowledged alone)

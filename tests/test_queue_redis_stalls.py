@@ -50,7 +50,7 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
 
 @deferred_f_from_coro_f
 async def test_the_crawl_goes_on_while_redis_does_not_answer(
-        own_redis: RedisServer, db_path: Path) -> None:
+        own_redis: RedisServer, crawl_database: str) -> None:
     from scrapy.utils.defer import maybe_deferred_to_future
 
     key = f"q-{uuid.uuid4().hex}"
@@ -59,7 +59,7 @@ async def test_the_crawl_goes_on_while_redis_does_not_answer(
     pid = own_redis.process.pid
     with LocalSite() as shop:
         client.xadd(key, {"url": f"{shop.url}/list/1"})  # the whole shop: 525 pages
-        crawler = get_crawler(QueueSpider, queue_settings(db_path, own_redis, key))
+        crawler = get_crawler(QueueSpider, queue_settings(crawl_database, own_redis, key))
         crawling = crawler.crawl()
         await reactor_wait_for(lambda: shop.request_count >= 20, "the crawl to get going")
         os.kill(pid, signal.SIGSTOP)  # Redis stops answering; its sockets stay open
@@ -77,8 +77,8 @@ async def test_the_crawl_goes_on_while_redis_does_not_answer(
     stats = crawler.stats.get_stats()
     assert stats["finish_reason"] == "finished"
     assert requests == 525
-    assert frontier_counts(db_path) == {"done": 525}
-    assert len(stored_products(db_path)) == 500
+    assert frontier_counts(crawl_database) == {"done": 525}
+    assert len(stored_products(crawl_database)) == 500
     assert acknowledged_all(client, key)
     assert stats["idempotent/queue/acknowledged"] == 2  # /list/1, then the stop message
     client.close()

@@ -3,9 +3,8 @@ reactor thread, once per final state, and for known requests refused as already 
 
 from __future__ import annotations
 
-import sqlite3
+import json
 import threading
-from pathlib import Path
 from typing import Any
 
 from local_site import LocalSite
@@ -13,6 +12,7 @@ from scrapy.utils.defer import deferred_f_from_coro_f
 from scrapy.utils.test import get_crawler
 
 from crawling import crawl_settings, crawl_to_end, frontier_counts
+from helpers.stored import reading
 from scrapy_idempotent import signals
 from shop.spiders.shop import ShopSpider
 
@@ -20,11 +20,11 @@ NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
 
 
 class DurabilityProbe:
-    """A ``request_done`` handler that checks, through a connection of its own (it sees only
-    committed data), that what the signal announces is already in the database."""
+    """A ``request_done`` handler that checks, through a store of its own opened read-only
+    (it sees only committed data), that what the signal announces is already stored."""
 
-    def __init__(self, db_path: Path) -> None:
-        self.db_path = db_path
+    def __init__(self, database: str) -> None:
+        self.database = database
         self.seen: list[tuple[str, str, str]] = []  # (state, key, url)
         self.problems: list[str] = []
 
@@ -34,43 +34,36 @@ class DurabilityProbe:
         self.seen.append((state, key, url))
         if threading.current_thread() is not threading.main_thread():
             self.problems.append(f"{url}: sent from thread {threading.current_thread().name}")
-        conn = sqlite3.connect(self.db_path)
-        try:
-            # already_done: the known entry is the one of that fingerprint (its key may be
-            # another than the refused request's: a dont_filter start request, say)
-            row = conn.execute(
-                "SELECT state, fingerprint FROM requests WHERE fingerprint = ?"
-                " ORDER BY state = 'pending' OR state = 'leased' LIMIT 1", (fingerprint,)
-            ).fetchone() if state == signals.ALREADY_DONE else conn.execute(
-                "SELECT state, fingerprint FROM requests WHERE key = ?", (key,)).fetchone()
-            if row is None:
+        with reading(self.database) as store:
+            if state == signals.ALREADY_DONE:
+                # the known entry is the one of that fingerprint (its key may be another
+                # than the refused request's: a dont_filter start request, say)
+                if store.known_request(fingerprint) != signals.ALREADY_DONE:
+                    self.problems.append(f"{url}: announced {state}, not committed so")
+                return
+            entry = store.entry(key)
+            if entry is None:
                 self.problems.append(f"{url} ({state}): no frontier entry {key}")
                 return
-            stored_state, stored_fingerprint = row
-            if stored_fingerprint != fingerprint:
-                self.problems.append(f"{url}: fingerprint {fingerprint} != {stored_fingerprint}")
-            expected = ("done", "failed", "redirected") if state == signals.ALREADY_DONE \
-                else (state,)
-            if stored_state not in expected:
-                self.problems.append(f"{url}: announced {state}, committed {stored_state}")
+            if entry.fingerprint != fingerprint:
+                self.problems.append(f"{url}: fingerprint {fingerprint} != {entry.fingerprint}")
+            if entry.state != state:
+                self.problems.append(f"{url}: announced {state}, committed {entry.state}")
             if state == "done" and "/product/" in url:
                 sku = url.rsplit("/", 1)[1]
-                (records,) = conn.execute(
-                    "SELECT count(*) FROM records WHERE request_key = ? AND data LIKE ?",
-                    (key, f'%"{sku}"%')).fetchone()
-                if records != 1:
-                    self.problems.append(f"{url}: done, but {records} records committed")
-        finally:
-            conn.close()
+                records = [r for r in store.records_page(limit=100_000)
+                           if r.request_key == key and json.loads(r.data).get("sku") == sku]
+                if len(records) != 1:
+                    self.problems.append(f"{url}: done, but {len(records)} records committed")
 
 
 @deferred_f_from_coro_f
 async def test_request_done_follows_each_commit_and_already_done_duplicates(
-    db_path: Path,
+    crawl_database: str,
 ) -> None:
     with LocalSite(products_failing=[7]) as shop:
-        crawler = get_crawler(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS))
-        probe = DurabilityProbe(db_path)
+        crawler = get_crawler(ShopSpider, crawl_settings(crawl_database, **NATURAL_KEYS))
+        probe = DurabilityProbe(crawl_database)
         crawler.signals.connect(probe, signal=signals.request_done)
         await crawl_to_end(crawler, url=shop.url)
     stats = crawler.stats.get_stats()
@@ -84,7 +77,7 @@ async def test_request_done_follows_each_commit_and_already_done_duplicates(
     assert [url for _, _, url in by_state["failed"]] == [f"{shop.url}/product/SKU-00007"]
     finals = by_state["done"] + by_state["failed"]
     assert len({key for _, key, _ in finals}) == 525
-    assert frontier_counts(db_path) == {"done": 524, "failed": 1}
+    assert frontier_counts(crawl_database) == {"done": 524, "failed": 1}
     # every listing links /list/1 back: refused as already done, announced as such
     assert len(by_state[signals.ALREADY_DONE]) == stats["idempotent/requests/already_done"]
     assert len(by_state[signals.ALREADY_DONE]) >= 20
@@ -93,17 +86,17 @@ async def test_request_done_follows_each_commit_and_already_done_duplicates(
 
 
 @deferred_f_from_coro_f
-async def test_restarted_start_request_already_done_is_announced(db_path: Path) -> None:
+async def test_restarted_start_request_already_done_is_announced(crawl_database: str) -> None:
     """A resumed crawl whose start request is done already: ``start()`` yields it again,
     nothing is fetched, and ``request_done`` says ``already_done`` (with the same key)."""
     with LocalSite(listing_pages=1, products_per_page=2) as shop:
-        settings = crawl_settings(db_path, IDEMPOTENT_RUN_MODE="resume", **NATURAL_KEYS)
+        settings = crawl_settings(crawl_database, IDEMPOTENT_RUN_MODE="resume", **NATURAL_KEYS)
         first = get_crawler(ShopSpider, settings)
-        first_probe = DurabilityProbe(db_path)
+        first_probe = DurabilityProbe(crawl_database)
         first.signals.connect(first_probe, signal=signals.request_done)
         await crawl_to_end(first, url=shop.url)
         second = get_crawler(ShopSpider, settings)
-        probe = DurabilityProbe(db_path)
+        probe = DurabilityProbe(crawl_database)
         second.signals.connect(probe, signal=signals.request_done)
         shop.reset_counts()
         await crawl_to_end(second, url=shop.url)
