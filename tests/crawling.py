@@ -10,11 +10,11 @@ import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import scrapy
 
 from helpers.stored import frontier_counts as frontier_counts
+from helpers.stored import request_keys as request_keys
 from helpers.stored import stored_products as stored_products
 
 
@@ -212,12 +212,6 @@ def pages(site: Any, count: int) -> list[str]:
     for path in paths:
         site.add(path, f"<html><body>{path}</body></html>")
     return paths
-
-
-def request_keys(db_path: Path) -> dict[str, str]:
-    """URL path -> frontier key."""
-    return {urlsplit(url).path: key
-            for url, key in db_rows(db_path, "SELECT url, key FROM requests")}
 
 
 def package_messages(caplog: Any, level: int = logging.DEBUG, *,

@@ -13,8 +13,7 @@ import scrapy
 from local_site import LocalSite
 
 from crawling import crawl_settings, crawl_to_end
-from helpers.stored import reading, stored_products, stored_records
-from scrapy_idempotent.store.reads import FrontierEntry
+from helpers.stored import frontier_entries, reading, stored_products, stored_records
 
 NATURAL_KEYS = {"dict": "key"}
 
@@ -32,19 +31,10 @@ def settings(database: str | Path, **extra: Any) -> dict[str, Any]:
     return crawl_settings(database, **values)
 
 
-def entries(database: str | Path) -> list[FrontierEntry]:
-    """Every request of the frontier, read through the store interface."""
-    found: list[FrontierEntry] = []
-    with reading(database) as store:
-        while page := store.entries(after=found[-1].key if found else None):
-            found.extend(page)
-    return found
-
-
 def rows(database: str | Path, site: LocalSite) -> list[tuple[str, str, str | None, int]]:
     """The frontier: ``(url relative to the site, state, error_kind, attempts)``, sorted."""
     return sorted((entry.url.removeprefix(site.url), entry.state, entry.error_kind,
-                   entry.attempts) for entry in entries(database))
+                   entry.attempts) for entry in frontier_entries(database))
 
 
 def frontier(database: str | Path, site: LocalSite) -> dict[str, tuple[str, str | None, int]]:
@@ -57,10 +47,8 @@ def frontier(database: str | Path, site: LocalSite) -> dict[str, tuple[str, str 
 
 def assert_nothing_leased(database: str | Path) -> None:
     """No lease left, and no journaled response of a request (all are finished)."""
+    found = frontier_entries(database)
     with reading(database) as store:
-        found: list[FrontierEntry] = []
-        while page := store.entries(after=found[-1].key if found else None):
-            found.extend(page)
         leased = [(e.url, e.worker) for e in found if e.state == "leased"]
         assert leased == [], f"leases left dangling: {leased}"
         journal = [e.url for e in found if store.journaled_response(e.key) is not None]
@@ -77,7 +65,7 @@ def records(database: str | Path) -> dict[str, dict[str, Any]]:
 
 def record_owner(database: str | Path, site: LocalSite) -> dict[str, str | None]:
     """Record ``key`` -> URL of the frontier entry whose completion stored it."""
-    urls = {entry.key: entry.url for entry in entries(database)}
+    urls = {entry.key: entry.url for entry in frontier_entries(database)}
     owners: dict[str, str | None] = {}
     for record in stored_records(database):
         url = urls.get(record.request_key) if record.request_key else None

@@ -9,9 +9,11 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from scrapy_idempotent.store import FrontierStore, RequestState
 from scrapy_idempotent.store.base import RejectedItem, StoredRecord
+from scrapy_idempotent.store.reads import FrontierEntry
 from scrapy_idempotent.store.registry import open_store
 
 
@@ -52,3 +54,17 @@ def stored_rejects(database: str | Path) -> list[RejectedItem]:
     """Every rejected item, newest first."""
     with reading(database) as store:
         return store.rejects()
+
+
+def frontier_entries(database: str | Path) -> list[FrontierEntry]:
+    """Every request of the frontier, in key order."""
+    found: list[FrontierEntry] = []
+    with reading(database) as store:
+        while page := store.entries(after=found[-1].key if found else None):
+            found.extend(page)
+    return found
+
+
+def request_keys(database: str | Path) -> dict[str, str]:
+    """URL path -> frontier key."""
+    return {urlsplit(entry.url).path: entry.key for entry in frontier_entries(database)}
