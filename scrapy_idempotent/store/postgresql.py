@@ -702,10 +702,9 @@ class PostgreSQLStore(SqlStore):
     def _check_ownership(self) -> tuple[int, bool]:
         """Refuse, before anything changes, a schema that is not this package's: any table it
         does not create, or a ``meta`` table it did not write. Returns the schema version
-        found and whether the schema is new (absent or empty). Workers opening a new schema
-        together: each migration step is one transaction that only adds tables, and ``meta``
-        is read after the tables, so a step committed between the two reads makes the version
-        newer than the tables seen (a subset of its tables), never a refusal."""
+        found and whether the schema is new (absent or empty). A migration step committed
+        between the reads (each adds tables only) makes the version newer than the tables
+        seen, never a refusal."""
         exists = self._one("SELECT 1 FROM pg_namespace WHERE nspname = %s", (self.schema,))
         tables = self._tables(self.schema) if exists else set()
         if not tables:
