@@ -94,9 +94,9 @@ def outbox_states(database: str | Path) -> dict[str, int]:
 # -- what no store method changes: a test's shortcuts -------------------------------------
 
 
-def outbox_due_now(database: str | Path) -> None:
-    """Make every outbox entry due now, whatever its backoff said (a test's shortcut past a
-    retry delay: no store method moves it); attempts and details are left as they are."""
+def change_stored(database: str | Path, sql: str) -> None:
+    """Run ``sql``, a statement both SQLite and PostgreSQL take, in the crawl's tables: a
+    test's shortcut to a state no store method writes."""
     path = sqlite_path(str(database))
     if path is not None:
         import sqlite3
@@ -104,7 +104,7 @@ def outbox_due_now(database: str | Path) -> None:
         conn = sqlite3.connect(path)
         try:
             with conn:
-                conn.execute("UPDATE outbox SET due_at = 0")
+                conn.execute(sql)
         finally:
             conn.close()
         return
@@ -113,4 +113,11 @@ def outbox_due_now(database: str | Path) -> None:
     with reading(database) as store:  # the crawl's schema, and the URL without ?schema=
         url, schema = store.url, store.schema  # type: ignore[attr-defined]
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(f'UPDATE "{schema}".outbox SET due_at = 0')
+        conn.execute("SELECT set_config('search_path', %s, false)", (f'"{schema}"',))
+        conn.execute(sql)
+
+
+def outbox_due_now(database: str | Path) -> None:
+    """Make every outbox entry due now, whatever its backoff said (a shortcut past a retry
+    delay); attempts and details are left as they are."""
+    change_stored(database, "UPDATE outbox SET due_at = 0")
