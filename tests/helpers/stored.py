@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -94,9 +94,10 @@ def outbox_states(database: str | Path) -> dict[str, int]:
 # -- what no store method changes: a test's shortcuts -------------------------------------
 
 
-def change_stored(database: str | Path, sql: str) -> None:
-    """Run ``sql``, a statement both SQLite and PostgreSQL take, in the crawl's tables: a
-    test's shortcut to a state no store method writes."""
+def change_stored(database: str | Path, sql: str, params: Sequence[Any] = ()) -> None:
+    """Run ``sql``, a statement both SQLite and PostgreSQL take (``?`` placeholders for
+    ``params``), in the crawl's tables: a test's shortcut to a state no store method
+    writes."""
     path = sqlite_path(str(database))
     if path is not None:
         import sqlite3
@@ -104,7 +105,7 @@ def change_stored(database: str | Path, sql: str) -> None:
         conn = sqlite3.connect(path)
         try:
             with conn:
-                conn.execute(sql)
+                conn.execute(sql, params)
         finally:
             conn.close()
         return
@@ -114,7 +115,7 @@ def change_stored(database: str | Path, sql: str) -> None:
         url, schema = store.url, store.schema  # type: ignore[attr-defined]
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("SELECT set_config('search_path', %s, false)", (f'"{schema}"',))
-        conn.execute(sql)
+        conn.execute(sql.replace("?", "%s"), params)  # type: ignore[arg-type]
 
 
 def outbox_due_now(database: str | Path) -> None:
