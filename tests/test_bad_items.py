@@ -22,12 +22,12 @@ from crawling import (
     PagesSpider,
     all_messages,
     crawl_settings,
-    db_rows,
     frontier_counts,
     pages,
     request_keys,
     run_crawl,
 )
+from helpers.stored import stored_records, stored_rejects
 from scrapy_idempotent.codec import loads
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +63,7 @@ KEYS = {"IDEMPOTENT_NATURAL_KEYS": {PRODUCT: "sku", "dict": "sku", f"{__name__}.
 
 @deferred_f_from_coro_f
 async def test_item_without_its_natural_key_is_rejected_and_the_crawl_goes_on(
-    site: LocalSite, db_path: Path, caplog: Any
+    site: LocalSite, crawl_database: str, caplog: Any
 ) -> None:
     bad = {
         "missing": Product(name="no sku at all"),
@@ -77,23 +77,22 @@ async def test_item_without_its_natural_key_is_rejected_and_the_crawl_goes_on(
             yield from bad.values()
         yield Product(sku=f"OK-{response.url[-1]}", name="good")
 
-    crawler = await run_crawl(PagesSpider, crawl_settings(db_path, **KEYS), url=site.url,
+    crawler = await run_crawl(PagesSpider, crawl_settings(crawl_database, **KEYS), url=site.url,
                               paths=pages(site, 2), make_output=output)
     stats = crawler.stats.get_stats()
     assert stats["finish_reason"] == "finished"
     assert stats["idempotent/records/rejected"] == 4
     assert stats["item_dropped_count"] == 4
     assert stats["idempotent/records/inserted"] == 2  # the good items of both pages
-    assert frontier_counts(db_path) == {"done": 2}
-    keys = request_keys(db_path)
-    rejects = db_rows(db_path, "SELECT item_type, reason, request_key, data FROM rejects"
-                               " ORDER BY id")
+    assert frontier_counts(crawl_database) == {"done": 2}
+    keys = request_keys(crawl_database)
+    rejects = sorted(stored_rejects(crawl_database), key=lambda reject: reject.id)
     assert len(rejects) == 4
-    for (item_type, reason, request_key, data), name in zip(rejects, bad, strict=True):
-        assert item_type == PRODUCT
-        assert PRODUCT in reason and "'sku'" in reason, reason
-        assert request_key == keys["/page/1"]
-        assert loads(data)["name"] == bad[name]["name"]  # the item is kept, readable
+    for reject, name in zip(rejects, bad, strict=True):
+        assert reject.item_type == PRODUCT
+        assert PRODUCT in reject.reason and "'sku'" in reject.reason, reject.reason
+        assert reject.request_key == keys["/page/1"]
+        assert loads(reject.data)["name"] == bad[name]["name"]  # the item is kept, readable
     dropped = [m for m in all_messages(caplog, logging.WARNING) if "Dropped" in m]
     assert len(dropped) == 4
     for message in dropped:
@@ -102,21 +101,21 @@ async def test_item_without_its_natural_key_is_rejected_and_the_crawl_goes_on(
 
 @deferred_f_from_coro_f
 async def test_natural_key_int_string_and_padded_string_are_one_record(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
     values = {"/page/1": 123, "/page/2": "123", "/page/3": " 123 "}
 
     def output(response: Any) -> Any:
         yield Offer(sku=values[urlsplit(response.url).path], price="9.99")
 
-    crawler = await run_crawl(PagesSpider, crawl_settings(db_path, **KEYS), url=site.url,
+    crawler = await run_crawl(PagesSpider, crawl_settings(crawl_database, **KEYS), url=site.url,
                               paths=pages(site, 3), make_output=output)
     stats = crawler.stats.get_stats()
     assert stats["finish_reason"] == "finished"
     assert stats["idempotent/records/inserted"] == 1
-    rows = db_rows(db_path, "SELECT natural_key, item_type FROM records")
+    rows = [(r.natural_key, r.item_type) for r in stored_records(crawl_database)]
     assert rows == [('["123"]', f"{__name__}.Offer")]
-    assert frontier_counts(db_path) == {"done": 3}
+    assert frontier_counts(crawl_database) == {"done": 3}
 
 
 NOT_PLAIN_JSON: dict[str, Any] = {
@@ -155,18 +154,17 @@ def plain(value: Any) -> Any:
 
 @deferred_f_from_coro_f
 async def test_values_that_are_not_plain_json_are_stored_faithfully(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
     def output(response: Any) -> Any:
         yield {"sku": "RICH-1", **NOT_PLAIN_JSON}
         yield Product(sku="RICH-2", name="nested", extra=dict(NOT_PLAIN_JSON))
 
-    crawler = await run_crawl(PagesSpider, crawl_settings(db_path, **KEYS), url=site.url,
+    crawler = await run_crawl(PagesSpider, crawl_settings(crawl_database, **KEYS), url=site.url,
                               paths=pages(site, 1), make_output=output)
     assert crawler.stats.get_value("finish_reason") == "finished"
     assert crawler.stats.get_value("idempotent/records/inserted") == 2
-    stored = {loads(data)["sku"]: loads(data) for (data,) in
-              db_rows(db_path, "SELECT data FROM records")}
+    stored = {loads(r.data)["sku"]: loads(r.data) for r in stored_records(crawl_database)}
     first = stored["RICH-1"]
     assert first == {"sku": "RICH-1", **plain(NOT_PLAIN_JSON)}
     for name, value in plain(NOT_PLAIN_JSON).items():  # same types too, not only equal
@@ -178,27 +176,27 @@ async def test_values_that_are_not_plain_json_are_stored_faithfully(
 
 
 @deferred_f_from_coro_f
-async def test_very_large_item_is_stored(site: LocalSite, db_path: Path) -> None:
+async def test_very_large_item_is_stored(site: LocalSite, crawl_database: str) -> None:
     text = "0123456789abcdef" * (5 * 1024 * 1024 // 16)  # 5 MiB
 
     def output(response: Any) -> Any:
         yield {"sku": "BIG-1", "text": text, "blob": text.encode("ascii")}
         yield {"sku": "SMALL-1", "text": "small"}
 
-    crawler = await run_crawl(PagesSpider, crawl_settings(db_path, **KEYS), url=site.url,
+    crawler = await run_crawl(PagesSpider, crawl_settings(crawl_database, **KEYS), url=site.url,
                               paths=pages(site, 1), make_output=output)
     assert crawler.stats.get_value("finish_reason") == "finished"
     assert crawler.stats.get_value("idempotent/records/inserted") == 2
-    (data,), = db_rows(db_path, "SELECT data FROM records WHERE natural_key = '[\"BIG-1\"]'")
+    [data] = [r.data for r in stored_records(crawl_database) if r.natural_key == '["BIG-1"]']
     record = loads(data)
     assert record["text"] == text
     assert record["blob"] == text.encode("ascii")
-    assert frontier_counts(db_path) == {"done": 1}
+    assert frontier_counts(crawl_database) == {"done": 1}
 
 
 @deferred_f_from_coro_f
 async def test_item_with_a_value_that_cannot_be_stored_is_rejected_not_a_crash(
-    site: LocalSite, db_path: Path, tmp_path: Path, caplog: Any
+    site: LocalSite, crawl_database: str, tmp_path: Path, caplog: Any
 ) -> None:
     handle = (tmp_path / "open.txt").open("w")
 
@@ -207,27 +205,27 @@ async def test_item_with_a_value_that_cannot_be_stored_is_rejected_not_a_crash(
         yield {"sku": "GOOD-1"}
 
     try:
-        crawler = await run_crawl(PagesSpider, crawl_settings(db_path, **KEYS), url=site.url,
-                                  paths=pages(site, 1), make_output=output)
+        crawler = await run_crawl(PagesSpider, crawl_settings(crawl_database, **KEYS),
+                                  url=site.url, paths=pages(site, 1), make_output=output)
     finally:
         handle.close()
     stats = crawler.stats.get_stats()
     assert stats["finish_reason"] == "finished"
     assert stats["idempotent/records/rejected"] == 1
     assert stats["idempotent/records/inserted"] == 1
-    (item_type, reason, request_key), = db_rows(
-        db_path, "SELECT item_type, reason, request_key FROM rejects")
+    (item_type, reason, request_key), = [(r.item_type, r.reason, r.request_key)
+                                         for r in stored_rejects(crawl_database)]
     assert item_type == "dict"
     assert "['attachment']['files'][0]" in reason and "TextIOWrapper" in reason, reason
-    assert request_key == request_keys(db_path)["/page/1"]
+    assert request_key == request_keys(crawl_database)["/page/1"]
     dropped = [m for m in all_messages(caplog, logging.WARNING) if "Dropped" in m]
     assert len(dropped) == 1 and "TextIOWrapper" in dropped[0] and "rejects table" in dropped[0]
-    assert frontier_counts(db_path) == {"done": 1}
+    assert frontier_counts(crawl_database) == {"done": 1}
 
 
 @deferred_f_from_coro_f
 async def test_item_whose_natural_key_value_cannot_be_stored_is_rejected_and_the_page_kept(
-    site: LocalSite, db_path: Path, caplog: Any
+    site: LocalSite, crawl_database: str, caplog: Any
 ) -> None:
     """A key field holding an object with no data form (here a lock: a parser handed back the
     wrong thing) is a bad item like a missing key: rejected, and the rest of the page's output
@@ -238,20 +236,20 @@ async def test_item_whose_natural_key_value_cannot_be_stored_is_rejected_and_the
         yield {"sku": threading.Lock(), "name": "key is an object"}
         yield {"sku": "AFTER-1", "name": "yielded after the bad one"}
 
-    crawler = await run_crawl(PagesSpider, crawl_settings(db_path, **KEYS), url=site.url,
+    crawler = await run_crawl(PagesSpider, crawl_settings(crawl_database, **KEYS), url=site.url,
                               paths=pages(site, 1), make_output=output)
     stats = crawler.stats.get_stats()
     assert stats["finish_reason"] == "finished"
-    assert db_rows(db_path, "SELECT natural_key FROM records") == [('["AFTER-1"]',)]
-    assert frontier_counts(db_path) == {"done": 1}
+    assert [r.natural_key for r in stored_records(crawl_database)] == ['["AFTER-1"]']
+    assert frontier_counts(crawl_database) == {"done": 1}
     assert stats.get("idempotent/records/rejected") == 1
-    (item_type, reason), = db_rows(db_path, "SELECT item_type, reason FROM rejects")
+    (item_type, reason), = [(r.item_type, r.reason) for r in stored_rejects(crawl_database)]
     assert item_type == "dict" and "'sku'" in reason and "lock" in reason, reason
 
 
 @deferred_f_from_coro_f
 async def test_text_with_a_lone_surrogate_is_stored_or_rejected_never_a_store_error(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
     """JSON APIs can send ``"\\ud800"`` (a lone UTF-16 surrogate), which ``json.loads`` turns
     into a str that has no UTF-8 form. Such an item must not take the crawl down."""
@@ -262,13 +260,13 @@ async def test_text_with_a_lone_surrogate_is_stored_or_rejected_never_a_store_er
     def output(response: Any) -> Any:
         yield json.loads(response.text)
 
-    crawler = await run_crawl(PagesSpider, crawl_settings(db_path, **KEYS), url=site.url,
+    crawler = await run_crawl(PagesSpider, crawl_settings(crawl_database, **KEYS), url=site.url,
                               paths=["/api/1", "/api/2", "/api/3"], make_output=output)
     stats = crawler.stats.get_stats()
     assert stats["finish_reason"] == "finished", stats.get("idempotent/error")
-    assert frontier_counts(db_path) == {"done": 3}
-    stored = {loads(d)["sku"]: loads(d) for (d,) in db_rows(db_path, "SELECT data FROM records")}
-    rejected = db_rows(db_path, "SELECT reason FROM rejects")
+    assert frontier_counts(crawl_database) == {"done": 3}
+    stored = {loads(r.data)["sku"]: loads(r.data) for r in stored_records(crawl_database)}
+    rejected = [r.reason for r in stored_rejects(crawl_database)]
     assert "PLAIN-3" in stored
     # each surrogate item is either stored faithfully or kept in the rejects table
     assert len(stored) + len(rejected) == 3

@@ -11,7 +11,8 @@ import pytest
 from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f, maybe_deferred_to_future
 
-from crawling import crawl_settings, db_rows, db_rows_connection, run_crawl
+from crawling import crawl_settings, run_crawl
+from helpers.stored import outbox_due_now, outbox_rows, outbox_states, stored_records
 from helpers.webhook_receiver import WebhookReceiver
 from scrapy_idempotent.outbox import Deliverer, WebhookTarget, retry_after_seconds
 from scrapy_idempotent.store import SQLiteStore
@@ -20,13 +21,9 @@ from shop.spiders.shop import ShopSpider
 NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
 
 
-def outbox_settings(db_path: Path, *targets: str, **extra: Any) -> dict[str, Any]:
-    return crawl_settings(db_path, **NATURAL_KEYS, IDEMPOTENT_OUTBOX_TARGETS=list(targets),
+def outbox_settings(database: str, *targets: str, **extra: Any) -> dict[str, Any]:
+    return crawl_settings(database, **NATURAL_KEYS, IDEMPOTENT_OUTBOX_TARGETS=list(targets),
                           IDEMPOTENT_OUTBOX_RETRY_SECONDS=0.05, **extra)
-
-
-def outbox_states(db_path: Path) -> dict[str, int]:
-    return dict(db_rows(db_path, "SELECT state, count(*) FROM outbox GROUP BY state"))
 
 
 @pytest.fixture
@@ -44,15 +41,16 @@ def hook() -> Any:
 
 @deferred_f_from_coro_f
 async def test_every_inserted_record_is_announced_once_with_its_key(
-        shop: LocalSite, db_path: Path, hook: WebhookReceiver) -> None:
-    crawler = await run_crawl(ShopSpider, outbox_settings(db_path, hook.url), url=shop.url)
+        shop: LocalSite, crawl_database: str, hook: WebhookReceiver) -> None:
+    crawler = await run_crawl(ShopSpider, outbox_settings(crawl_database, hook.url),
+                              url=shop.url)
     stats = crawler.stats.get_stats()
     assert stats["finish_reason"] == "finished"
     assert stats["idempotent/outbox/written"] == 500
     assert stats["idempotent/outbox/delivered"] == 500
     assert stats["idempotent/outbox/pending"] == 0
     keys = hook.keys_acknowledged()
-    stored = dict(db_rows(db_path, "SELECT record_id, content_hash FROM records"))
+    stored = {r.record_id: r.content_hash for r in stored_records(crawl_database)}
     assert keys == Counter({f"{rid}:1:{h}": 1 for rid, h in stored.items()})  # version 1
     delivery = hook.acknowledged()[0]
     body = delivery.body
@@ -63,15 +61,15 @@ async def test_every_inserted_record_is_announced_once_with_its_key(
     assert body["item_type"] == "shop.items.ProductItem"
     assert body["natural_key"] == [body["record"]["sku"]]
     assert set(body["record"]) >= {"sku", "name", "price"}
-    assert outbox_states(db_path) == {"delivered": 500}
+    assert outbox_states(crawl_database) == {"delivered": 500}
     # delivered entries keep their key, not the record data
-    assert db_rows(db_path, "SELECT count(*) FROM outbox WHERE data IS NOT NULL") == [(0,)]
+    assert [e.entry_id for e in outbox_rows(crawl_database) if e.data is not None] == []
 
 
 @deferred_f_from_coro_f
 async def test_unchanged_records_are_not_announced_changed_ones_are(
-        small_shop: LocalSite, db_path: Path, hook: WebhookReceiver) -> None:
-    settings = outbox_settings(db_path, hook.url)
+        small_shop: LocalSite, crawl_database: str, hook: WebhookReceiver) -> None:
+    settings = outbox_settings(crawl_database, hook.url)
     await run_crawl(ShopSpider, settings, url=small_shop.url)
     await run_crawl(ShopSpider, settings, url=small_shop.url)  # a new run, nothing changed
     assert len(hook.acknowledged()) == 50
@@ -84,36 +82,37 @@ async def test_unchanged_records_are_not_announced_changed_ones_are(
 
 @deferred_f_from_coro_f
 async def test_without_a_target_nothing_is_written_nor_sent(
-        small_shop: LocalSite, db_path: Path) -> None:
-    crawler = await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS),
+        small_shop: LocalSite, crawl_database: str) -> None:
+    crawler = await run_crawl(ShopSpider, crawl_settings(crawl_database, **NATURAL_KEYS),
                               url=small_shop.url)
     assert "idempotent/outbox/written" not in crawler.stats.get_stats()
-    assert db_rows(db_path, "SELECT count(*) FROM outbox") == [(0,)]
+    assert outbox_rows(crawl_database) == []
 
 
 @deferred_f_from_coro_f
 async def test_a_receiver_down_for_a_while_gets_every_announcement(
-        small_shop: LocalSite, db_path: Path, hook: WebhookReceiver) -> None:
+        small_shop: LocalSite, crawl_database: str, hook: WebhookReceiver) -> None:
     hook.down_for(30)
-    crawler = await run_crawl(ShopSpider, outbox_settings(db_path, hook.url), url=small_shop.url)
+    crawler = await run_crawl(ShopSpider, outbox_settings(crawl_database, hook.url),
+                              url=small_shop.url)
     stats = crawler.stats.get_stats()
     assert sum(1 for d in hook.deliveries if d.status == 503) == 30
     # every 503 is retried (a kept-alive connection the receiver dropped is retried too)
     assert stats["idempotent/outbox/retried"] >= 30
     assert stats["idempotent/outbox/delivered"] == 50
     assert len(hook.keys_acknowledged()) == 50
-    assert outbox_states(db_path) == {"delivered": 50}
+    assert outbox_states(crawl_database) == {"delivered": 50}
     # every retried entry counted its attempts
-    assert db_rows(db_path, "SELECT sum(attempts) FROM outbox") == [
-        (50 + stats["idempotent/outbox/retried"],)]
+    assert sum(e.attempts for e in outbox_rows(crawl_database)) == (
+        50 + stats["idempotent/outbox/retried"])
 
 
 @deferred_f_from_coro_f
 async def test_a_refused_announcement_is_parked_as_failed_with_the_answer(
-        small_shop: LocalSite, db_path: Path, hook: WebhookReceiver) -> None:
-    settings = outbox_settings(db_path, hook.url)
+        small_shop: LocalSite, crawl_database: str, hook: WebhookReceiver) -> None:
+    settings = outbox_settings(crawl_database, hook.url)
     await run_crawl(ShopSpider, settings, url=small_shop.url)
-    refused = {rid for (rid,) in db_rows(db_path, "SELECT record_id FROM records LIMIT 3")}
+    refused = {r.record_id for r in stored_records(crawl_database)[:3]}
     hook.refuse.update(refused)
     with LocalSite(listing_pages=5, products_per_page=10, price_version=1) as repriced:
         crawler = await run_crawl(ShopSpider, settings, url=repriced.url)
@@ -121,27 +120,27 @@ async def test_a_refused_announcement_is_parked_as_failed_with_the_answer(
     assert stats["idempotent/outbox/failed"] == 3
     assert stats["idempotent/outbox/delivered"] == 47
     assert "idempotent/outbox/retried" not in stats  # a 400 is not tried again
-    failed = db_rows(db_path, "SELECT record_id, kind, detail, attempts, data IS NOT NULL"
-                              " FROM outbox WHERE state = 'failed'")
-    assert {rid for rid, *_ in failed} == refused
-    assert all((kind, attempts, kept) == ("updated", 1, 1) and detail.startswith("HTTP 400")
-               for _, kind, detail, attempts, kept in failed)
+    failed = [e for e in outbox_rows(crawl_database) if e.state == "failed"]
+    assert {e.record_id for e in failed} == refused
+    assert all((e.kind, e.attempts, e.data is not None) == ("updated", 1, True)
+               and e.detail is not None and e.detail.startswith("HTTP 400") for e in failed)
 
 
 @deferred_f_from_coro_f
 async def test_close_drains_for_at_most_the_drain_seconds(
-        small_shop: LocalSite, db_path: Path, hook: WebhookReceiver) -> None:
+        small_shop: LocalSite, crawl_database: str, hook: WebhookReceiver) -> None:
     hook.down = True
     crawler = await run_crawl(ShopSpider, outbox_settings(
-        db_path, hook.url, IDEMPOTENT_OUTBOX_DRAIN_SECONDS=0), url=small_shop.url)
+        crawl_database, hook.url, IDEMPOTENT_OUTBOX_DRAIN_SECONDS=0), url=small_shop.url)
     stats = crawler.stats.get_stats()
     assert stats["finish_reason"] == "finished"
     assert stats["idempotent/outbox/pending"] == 50
-    assert outbox_states(db_path) == {"pending": 50}
+    assert outbox_states(crawl_database) == {"pending": 50}
     # the next crawl delivers what is left (a new run: nothing new to announce)
     hook.down = False
-    crawler = await run_crawl(ShopSpider, outbox_settings(db_path, hook.url), url=small_shop.url)
-    assert outbox_states(db_path) == {"delivered": 50}
+    crawler = await run_crawl(ShopSpider, outbox_settings(crawl_database, hook.url),
+                              url=small_shop.url)
+    assert outbox_states(crawl_database) == {"delivered": 50}
     assert len(hook.keys_acknowledged()) == 50
 
 
@@ -198,7 +197,8 @@ def test_backoff_doubles_with_jitter_up_to_the_maximum(tmp_path: Path) -> None:
 
 @deferred_f_from_coro_f
 async def test_deliver_command_sends_what_a_crawl_left_and_status_counts_it(
-        small_shop: LocalSite, db_path: Path, hook: WebhookReceiver, tmp_path: Path) -> None:
+        small_shop: LocalSite, crawl_database: str, hook: WebhookReceiver,
+        tmp_path: Path) -> None:
     import json
     import subprocess
     import sys
@@ -207,13 +207,13 @@ async def test_deliver_command_sends_what_a_crawl_left_and_status_counts_it(
 
     hook.down = True
     await run_crawl(ShopSpider, outbox_settings(
-        db_path, hook.url, IDEMPOTENT_OUTBOX_DRAIN_SECONDS=0), url=small_shop.url)
-    status = idempotent_json("status", "--db", str(db_path))
+        crawl_database, hook.url, IDEMPOTENT_OUTBOX_DRAIN_SECONDS=0), url=small_shop.url)
+    status = idempotent_json("status", "--db", crawl_database)
     assert status["outbox"] == {hook.url: {"pending": 50, "delivered": 0, "failed": 0}}
 
     def deliver(drain_seconds: float) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "scrapy", "idempotent", "deliver", "--db", str(db_path),
+            [sys.executable, "-m", "scrapy", "idempotent", "deliver", "--db", crawl_database,
              "--json", "-s", f"IDEMPOTENT_OUTBOX_TARGETS={hook.url}",
              "-s", "IDEMPOTENT_OUTBOX_RETRY_SECONDS=60",
              "-s", f"IDEMPOTENT_OUTBOX_DRAIN_SECONDS={drain_seconds}"],
@@ -223,14 +223,13 @@ async def test_deliver_command_sends_what_a_crawl_left_and_status_counts_it(
     assert still_down.returncode == 1, still_down.stderr
     assert json.loads(still_down.stdout)["pending"] == 50
     hook.down = False
-    with db_rows_connection(db_path) as conn:  # make them due now (no waiting for backoff)
-        conn.execute("UPDATE outbox SET due_at = 0")
+    outbox_due_now(crawl_database)  # no waiting for the backoff
     done = deliver(120)  # ends as soon as nothing is pending
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert (report["delivered"], report["pending"]) == (50, 0)
     assert len(hook.keys_acknowledged()) == 50
-    status = idempotent_json("status", "--db", str(db_path))
+    status = idempotent_json("status", "--db", crawl_database)
     assert status["outbox"] == {hook.url: {"pending": 0, "delivered": 50, "failed": 0}}
 
 
@@ -274,7 +273,7 @@ async def test_two_crawls_sharing_a_postgresql_database_each_announce_their_reco
     postgres_url = request.getfixturevalue("postgres_url")
     for source in ("first", "second"):
         crawler = await run_crawl(ShopSpider, outbox_settings(
-            postgres_url, hook.url, IDEMPOTENT_SOURCE=source), url=small_shop.url)  # type: ignore[arg-type]
+            postgres_url, hook.url, IDEMPOTENT_SOURCE=source), url=small_shop.url)
         stats = crawler.stats.get_stats()
         assert stats["idempotent/outbox/written"] == stats["idempotent/outbox/delivered"] == 50
     sources = Counter(d.body["source"] for d in hook.acknowledged())
@@ -284,7 +283,7 @@ async def test_two_crawls_sharing_a_postgresql_database_each_announce_their_reco
 
 @deferred_f_from_coro_f
 async def test_credentials_in_a_webhook_url_are_sent_as_basic_auth_and_never_shown(
-        small_shop: LocalSite, db_path: Path, hook: WebhookReceiver,
+        small_shop: LocalSite, crawl_database: str, hook: WebhookReceiver,
         caplog: pytest.LogCaptureFixture) -> None:
     import base64
 
@@ -294,11 +293,12 @@ async def test_credentials_in_a_webhook_url_are_sent_as_basic_auth_and_never_sho
     url = f"http://crawler:s%40cret@{host}"
     shown = f"http://crawler:***@{host}"
     caplog.set_level(logging.DEBUG)
-    crawler = await run_crawl(ShopSpider, outbox_settings(db_path, url), url=small_shop.url)
+    crawler = await run_crawl(ShopSpider, outbox_settings(crawl_database, url),
+                              url=small_shop.url)
     assert crawler.stats.get_value("idempotent/outbox/delivered") == 50
     token = base64.b64encode(b"crawler:s@cret").decode()
     assert {d.headers.get("Authorization") for d in hook.acknowledged()} == {f"Basic {token}"}
     assert "s%40cret" not in caplog.text and "s@cret" not in caplog.text
-    assert db_rows(db_path, "SELECT DISTINCT target FROM outbox") == [(shown,)]
-    status = idempotent_json("status", "--db", str(db_path))
+    assert {e.target for e in outbox_rows(crawl_database)} == {shown}
+    status = idempotent_json("status", "--db", crawl_database)
     assert status["outbox"] == {shown: {"pending": 0, "delivered": 50, "failed": 0}}

@@ -3,8 +3,9 @@ close (a target that never answers cannot hold it up, a backlog is not delivered
 every attempt ends within ``IDEMPOTENT_OUTBOX_TIMEOUT_SECONDS``, an announcement is delivered
 once at a time, and only the outcomes that were recorded are counted.
 
-Real crawls of the local shop and real SQLite stores; the targets are tests/outbox_targets.py
-classes. The store's clock is a fake one where a hold must end (no waiting for it)."""
+Real crawls of the local shop (on SQLite and on PostgreSQL) and real SQLite stores; the
+targets are tests/outbox_targets.py classes. The store's clock is a fake one where a hold must
+end (no waiting for it)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from outbox_targets import StuckTarget
 from scrapy.utils.defer import deferred_f_from_coro_f, maybe_deferred_to_future
 from twisted.internet.defer import Deferred
 
-from crawling import crawl_settings, db_rows, run_crawl
+from crawling import crawl_settings, run_crawl
+from helpers.stored import outbox_rows, outbox_states
 from helpers.stores import fetch_page, rec
 from scrapy_idempotent import DeliveryRetry, OutboxTarget
 from scrapy_idempotent.outbox import HOLD_MARGIN_SECONDS, Deliverer, StoreThread
@@ -43,21 +45,18 @@ def stuck() -> Any:
     StuckTarget.release()  # the hung calls end (their outcome is long dropped)
 
 
-def outbox_states(db_path: Path) -> dict[str, int]:
-    return dict(db_rows(db_path, "SELECT state, count(*) FROM outbox GROUP BY state"))
-
-
 def outbox_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("scrapy_idempotent-outbox")]
 
 
 @deferred_f_from_coro_f
 async def test_a_target_that_never_answers_does_not_hold_up_the_close(
-        small_shop: LocalSite, db_path: Path, stuck: type[StuckTarget]) -> None:
+        small_shop: LocalSite, crawl_database: str, stuck: type[StuckTarget]) -> None:
     """The attempts' timeout is far away (600 s): it is the drain (1 s) that ends the close.
     The deliveries in flight then are cut off and left pending, due at once: the next crawl
     delivers them."""
-    settings = crawl_settings(db_path, **NATURAL_KEYS, IDEMPOTENT_OUTBOX_TARGETS=[STUCK],
+    settings = crawl_settings(crawl_database, **NATURAL_KEYS,
+                              IDEMPOTENT_OUTBOX_TARGETS=[STUCK],
                               IDEMPOTENT_OUTBOX_CONCURRENCY=4,
                               IDEMPOTENT_OUTBOX_TIMEOUT_SECONDS=600,
                               IDEMPOTENT_OUTBOX_DRAIN_SECONDS=1)
@@ -69,25 +68,25 @@ async def test_a_target_that_never_answers_does_not_hold_up_the_close(
     assert "idempotent/outbox/delivered" not in stats
     # four deliveries started (the concurrency), none of them twice
     assert sum(stuck.CALLS.values()) == 4 and set(stuck.CALLS.values()) == {1}
-    assert outbox_states(db_path) == {"pending": 50}
-    cut = db_rows(db_path, "SELECT detail, attempts FROM outbox WHERE detail IS NOT NULL")
+    assert outbox_states(crawl_database) == {"pending": 50}
+    cut = [(e.detail, e.attempts) for e in outbox_rows(crawl_database) if e.detail is not None]
     assert cut == [("not acknowledged before delivery stopped", 1)] * 4
     assert outbox_threads() == []  # the deliverer's store thread was joined at close
 
     stuck.ANSWER = True  # the broker is back: the next crawl delivers what is left
     crawler = await run_crawl(ShopSpider, settings, url=small_shop.url)
     assert crawler.stats.get_value("idempotent/outbox/delivered") == 50
-    assert outbox_states(db_path) == {"delivered": 50}
+    assert outbox_states(crawl_database) == {"delivered": 50}
 
 
 @deferred_f_from_coro_f
 async def test_an_attempt_ends_at_the_timeout_and_is_never_run_twice_at_once(
-        small_shop: LocalSite, db_path: Path, stuck: type[StuckTarget]) -> None:
+        small_shop: LocalSite, crawl_database: str, stuck: type[StuckTarget]) -> None:
     """Each announcement's first attempt hangs: it is cut off after the timeout and tried
     again (once), never while the first is still running."""
     stuck.reset(answer=True, first_stuck=True)
     crawler = await run_crawl(ShopSpider, crawl_settings(
-        db_path, **NATURAL_KEYS, IDEMPOTENT_OUTBOX_TARGETS=[STUCK],
+        crawl_database, **NATURAL_KEYS, IDEMPOTENT_OUTBOX_TARGETS=[STUCK],
         IDEMPOTENT_OUTBOX_TIMEOUT_SECONDS=0.5, IDEMPOTENT_OUTBOX_RETRY_SECONDS=0.05,
         IDEMPOTENT_OUTBOX_DRAIN_SECONDS=120), url=small_shop.url)
     stats = crawler.stats.get_stats()
@@ -95,7 +94,7 @@ async def test_an_attempt_ends_at_the_timeout_and_is_never_run_twice_at_once(
     assert (stats["idempotent/outbox/delivered"], stats["idempotent/outbox/retried"]) == (50, 50)
     assert set(stuck.CALLS.values()) == {2} and len(stuck.CALLS) == 50
     assert set(stuck.MOST_AT_ONCE.values()) == {1}
-    rows = db_rows(db_path, "SELECT state, attempts FROM outbox")
+    rows = [(e.state, e.attempts) for e in outbox_rows(crawl_database)]
     assert rows == [("delivered", 2)] * 50
 
 

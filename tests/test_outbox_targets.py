@@ -16,7 +16,8 @@ import pytest
 from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 
-from crawling import crawl_settings, db_rows, db_rows_connection, run_crawl
+from crawling import crawl_settings, run_crawl
+from helpers.stored import outbox_due_now, outbox_rows, outbox_states, stored_records
 from redis_server import RedisServer, redis_server  # noqa: F401 (the fixture)
 from shop.spiders.shop import ShopSpider
 
@@ -30,46 +31,45 @@ def small_shop() -> Any:
         yield site
 
 
-def stored_keys(db: Path) -> set[str]:
-    return {f"{rid}:{v}:{h}" for rid, v, h in db_rows(
-        db, "SELECT record_id, version, content_hash FROM records")}
+def stored_keys(database: str) -> set[str]:
+    return {f"{r.record_id}:{r.version}:{r.content_hash}" for r in stored_records(database)}
 
 
 @deferred_f_from_coro_f
 async def test_the_readme_redis_stream_target_in_a_crawl(
-        small_shop: LocalSite, db_path: Path, redis_server: RedisServer,  # noqa: F811
+        small_shop: LocalSite, crawl_database: str, redis_server: RedisServer,  # noqa: F811
         request: pytest.FixtureRequest) -> None:
     stream = f"records-{request.node.name}"
     crawler = await run_crawl(ShopSpider, crawl_settings(
-        db_path, **NATURAL_KEYS, IDEMPOTENT_OUTBOX_TARGETS=["outbox_targets.RedisStreamTarget"],
+        crawl_database, **NATURAL_KEYS,
+        IDEMPOTENT_OUTBOX_TARGETS=["outbox_targets.RedisStreamTarget"],
         REDIS_URL=redis_server.url, REDIS_STREAM=stream), url=small_shop.url)
     assert crawler.stats.get_value("idempotent/outbox/delivered") == 50
     messages = redis_server.client().xrange(stream)
     assert Counter(fields["key"] for _, fields in messages) == dict.fromkeys(
-        stored_keys(db_path), 1)
+        stored_keys(crawl_database), 1)
     body = json.loads(messages[0][1]["body"])
     assert body["kind"] == "inserted" and body["idempotency_key"] == messages[0][1]["key"]
     # the answer kept with each entry is the stream's message id
-    assert sorted(d for (d,) in db_rows(db_path, "SELECT detail FROM outbox")) == sorted(
+    assert sorted(e.detail for e in outbox_rows(crawl_database)) == sorted(
         message_id for message_id, _ in messages)
 
 
 @deferred_f_from_coro_f
 async def test_deliver_command_builds_a_class_target_from_the_settings(
-        small_shop: LocalSite, db_path: Path, redis_server: RedisServer,  # noqa: F811
+        small_shop: LocalSite, crawl_database: str, redis_server: RedisServer,  # noqa: F811
         request: pytest.FixtureRequest, tmp_path: Path) -> None:
     stream = f"records-{request.node.name}"
     target = "outbox_targets.RedisStreamTarget"
-    settings = crawl_settings(db_path, **NATURAL_KEYS, IDEMPOTENT_OUTBOX_TARGETS=[target],
+    settings = crawl_settings(crawl_database, **NATURAL_KEYS,
+                              IDEMPOTENT_OUTBOX_TARGETS=[target],
                               IDEMPOTENT_OUTBOX_DRAIN_SECONDS=0,
                               REDIS_URL="redis://127.0.0.1:1/0", REDIS_STREAM=stream)
     await run_crawl(ShopSpider, settings, url=small_shop.url)  # Redis unreachable: all left
-    assert db_rows(db_path, "SELECT state, count(*) FROM outbox GROUP BY 1") == [
-        ("pending", 50)]
-    with db_rows_connection(db_path) as conn:  # due now, whatever the backoff said
-        conn.execute("UPDATE outbox SET due_at = 0")
+    assert outbox_states(crawl_database) == {"pending": 50}
+    outbox_due_now(crawl_database)  # whatever the backoff said
     done = subprocess.run(
-        [sys.executable, "-m", "scrapy", "idempotent", "deliver", "--db", str(db_path),
+        [sys.executable, "-m", "scrapy", "idempotent", "deliver", "--db", crawl_database,
          "--json", "-s", f"IDEMPOTENT_OUTBOX_TARGETS={target}",
          "-s", f"REDIS_URL={redis_server.url}", "-s", f"REDIS_STREAM={stream}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
@@ -77,21 +77,22 @@ async def test_deliver_command_builds_a_class_target_from_the_settings(
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["delivered"] == 50
     keys = [fields["key"] for _, fields in redis_server.client().xrange(stream)]
-    assert sorted(keys) == sorted(stored_keys(db_path))
+    assert sorted(keys) == sorted(stored_keys(crawl_database))
 
 
 @deferred_f_from_coro_f
 async def test_a_target_refuses_and_defers_through_the_interface(
-        small_shop: LocalSite, db_path: Path) -> None:
+        small_shop: LocalSite, crawl_database: str) -> None:
     from outbox_targets import PickyTarget
 
     PickyTarget.CALLS.clear()
     crawler = await run_crawl(ShopSpider, crawl_settings(
-        db_path, **NATURAL_KEYS, IDEMPOTENT_OUTBOX_TARGETS=["outbox_targets.PickyTarget"],
+        crawl_database, **NATURAL_KEYS, IDEMPOTENT_OUTBOX_TARGETS=["outbox_targets.PickyTarget"],
         IDEMPOTENT_OUTBOX_RETRY_SECONDS=0), url=small_shop.url)
     stats = crawler.stats.get_stats()
-    rows = db_rows(db_path, "SELECT json_extract(r.data, '$.sku'), o.state, o.attempts,"
-                            " o.detail FROM outbox o JOIN records r USING (record_id)")
+    skus = {r.record_id: json.loads(r.data)["sku"] for r in stored_records(crawl_database)}
+    rows = [(skus[e.record_id], e.state, e.attempts, e.detail)
+            for e in outbox_rows(crawl_database)]
     by_state = Counter(state for _, state, _, _ in rows)
     assert by_state == {"failed": 5, "delivered": 45}
     assert stats["idempotent/outbox/failed"] == 5

@@ -8,7 +8,6 @@ The contract itself (stale writes refused, A -> B -> A giving three keys) is in
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from pathlib import Path
 from typing import Any, ClassVar
@@ -20,9 +19,10 @@ from scrapy.utils.defer import deferred_f_from_coro_f, maybe_deferred_to_future
 from twisted.internet.defer import Deferred
 
 from crawling import crawl_settings, db_rows, run_crawl
+from helpers.stored import change_stored, reading, stored_records
 from helpers.stores import sqlite_at_version
 from scrapy_idempotent import OutboxTarget, signals
-from scrapy_idempotent.store import Record, SQLiteStore, UnitOfWork, open_store
+from scrapy_idempotent.store import Record, SQLiteStore, UnitOfWork
 from scrapy_idempotent.store.base import observation_clock
 from scrapy_idempotent.store.sqlite import SCHEMA_VERSION
 
@@ -203,16 +203,6 @@ class ListingCommitsLast:
         return item
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def crawl_database(request: pytest.FixtureRequest, db_path: Path) -> str:
-    """The database of a crawl: a SQLite file, or a PostgreSQL database of its own."""
-    if request.param == "postgresql":
-        pytest.importorskip("psycopg")
-        url: str = request.getfixturevalue("postgres_url")
-        return url
-    return str(db_path)
-
-
 @deferred_f_from_coro_f
 async def test_a_page_downloaded_earlier_but_committed_later_keeps_the_newer_record(
         site: LocalSite, crawl_database: str) -> None:
@@ -221,7 +211,7 @@ async def test_a_page_downloaded_earlier_but_committed_later_keeps_the_newer_rec
     ListingCommitsLast.site = site
     RecordingTarget.RECEIVED.clear()
     crawler = await run_crawl(TwoPagesOneRecordSpider, crawl_settings(
-        crawl_database, IDEMPOTENT_NATURAL_KEYS={"dict": "sku"},  # type: ignore[arg-type]
+        crawl_database, IDEMPOTENT_NATURAL_KEYS={"dict": "sku"},
         IDEMPOTENT_OUTBOX_TARGETS=[f"{__name__}.RecordingTarget"],
         ITEM_PIPELINES={f"{__name__}.ListingCommitsLast": 100}), url=site.url)
     stats = crawler.stats.get_stats()
@@ -229,12 +219,7 @@ async def test_a_page_downloaded_earlier_but_committed_later_keeps_the_newer_rec
     assert stats["idempotent/records/inserted"] == 1
     assert stats["idempotent/records/stale"] == 1
     assert "idempotent/records/updated" not in stats
-    store = open_store(crawl_database)
-    store.open_existing()
-    try:
-        [record] = store.records_page()
-    finally:
-        store.close()
+    [record] = stored_records(crawl_database)
     assert (json.loads(record.data)["price"], record.version) == ("12.00", 1)
     # one announcement: the newer data, inserted; the stale data is never announced
     key = f"{record.record_id}:1:{record.content_hash}"
@@ -300,22 +285,23 @@ class PricesSpider(Spider):
 
 @deferred_f_from_coro_f
 async def test_a_run_after_the_clock_was_set_back_a_day_stores_every_change(
-        site: LocalSite, db_path: Path) -> None:
+        site: LocalSite, crawl_database: str) -> None:
     """Run 1 was observed by a clock a day ahead of run 2's (the clock was set back): every
     price changed and run 2 stores every change, none refused as stale."""
-    settings = crawl_settings(db_path, IDEMPOTENT_NATURAL_KEYS={"dict": "sku"})
+    settings = crawl_settings(crawl_database, IDEMPOTENT_NATURAL_KEYS={"dict": "sku"})
     for n in range(3):
         site.add(f"/p{n}", "<html><body><b>10.00</b></body></html>")
     await run_crawl(PricesSpider, settings, url=site.url)
-    conn = sqlite3.connect(db_path)
-    with conn:
-        conn.execute("UPDATE records SET observed_at = observed_at + 86400")
-    conn.close()
+    change_stored(crawl_database, "UPDATE records SET observed_at = observed_at + 86400")
     for n in range(3):
         site.add(f"/p{n}", "<html><body><b>12.00</b></body></html>")
     crawler = await run_crawl(PricesSpider, settings, url=site.url)
     stats = crawler.stats.get_stats()
     assert stats["idempotent/records/updated"] == 3
     assert "idempotent/records/stale" not in stats
-    assert sorted(db_rows(db_path, "SELECT json_extract(data, '$.price'), version,"
-                                   " seen_run_id FROM records")) == [("12.00", 2, 2)] * 3
+    records = stored_records(crawl_database)
+    assert sorted((json.loads(r.data)["price"], r.version, r.changed_run_id)
+                  for r in records) == [("12.00", 2, 2)] * 3
+    with reading(crawl_database) as store:  # seen by run 2: in its feeds
+        assert sorted(r.record_id for r in store.run_records(2)) == sorted(
+            r.record_id for r in records)

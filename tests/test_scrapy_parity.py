@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -19,7 +20,7 @@ from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 from scrapy.utils.test import get_crawler
 
-from crawling import crawl_to_end, db_rows
+from crawling import crawl_to_end
 from helpers.observed_crawls import (
     ONE_AT_A_TIME,
     Observed,
@@ -29,6 +30,7 @@ from helpers.observed_crawls import (
     records,
     settings,
 )
+from helpers.stored import frontier_entries, stored_records
 from scrapy_idempotent import scrapy_compat
 
 # -- IDEMPOTENT_RECORD_ID_FIELD ----------------------------------------------------------------
@@ -45,20 +47,21 @@ class OneItemSpider(SiteSpider):
 @pytest.mark.parametrize("value", [None, ""])
 @deferred_f_from_coro_f
 async def test_record_id_field_none_or_empty_leaves_items_unchanged(
-    site: LocalSite, db_path: Path, value: str | None
+    site: LocalSite, crawl_database: str, value: str | None
 ) -> None:
     observed = await crawl(OneItemSpider, settings(
-        db_path, IDEMPOTENT_RECORD_ID_FIELD=value), url=site.url)
+        crawl_database, IDEMPOTENT_RECORD_ID_FIELD=value), url=site.url)
     assert observed.reason == "finished"
     assert observed.scraped == [{"key": "one"}]
-    assert records(db_path) == [{"key": "one"}]
+    assert records(crawl_database) == [{"key": "one"}]
 
 
 @deferred_f_from_coro_f
-async def test_record_id_field_default_stamps_dict_items(site: LocalSite, db_path: Path) -> None:
-    observed = await crawl(OneItemSpider, settings(db_path), url=site.url)
+async def test_record_id_field_default_stamps_dict_items(site: LocalSite,
+                                                         crawl_database: str) -> None:
+    observed = await crawl(OneItemSpider, settings(crawl_database), url=site.url)
     [item] = observed.scraped
-    [(record_id,)] = db_rows(db_path, "SELECT record_id FROM records")
+    [record_id] = [r.record_id for r in stored_records(crawl_database)]
     assert item == {"key": "one", "record_id": record_id}
 
 
@@ -109,7 +112,7 @@ def sent_numbers(observed: Observed) -> list[int]:
 ], ids=["default", "lifo-start", "shared-queues"])
 @deferred_f_from_coro_f
 async def test_requests_are_sent_in_scrapys_order(
-    site: LocalSite, db_path: Path, queue_settings: dict[str, Any],
+    site: LocalSite, crawl_database: str, queue_settings: dict[str, Any],
     plan: tuple[tuple[str, int, int], ...],
 ) -> None:
     spidercls = type("PlannedSpider", (OrderSpider,), {"plan": plan})
@@ -117,7 +120,7 @@ async def test_requests_are_sent_in_scrapys_order(
                                     "TELNETCONSOLE_ENABLED": False}, url=site.url)
     expected = sorted(number for _, number, _ in plan)
     assert sent_numbers(plain) == expected  # what Scrapy itself does
-    observed = await crawl(spidercls, settings(db_path, **ONE_AT_A_TIME, **queue_settings),
+    observed = await crawl(spidercls, settings(crawl_database, **ONE_AT_A_TIME, **queue_settings),
                            url=site.url)
     assert observed.reason == "finished"
     assert sent_numbers(observed) == expected
@@ -143,12 +146,12 @@ class DepthFirstSpider(SiteSpider):
     ids=["default", "breadth-first"])
 @deferred_f_from_coro_f
 async def test_crawl_order_matches_scrapy_one_request_at_a_time(
-    site: LocalSite, db_path: Path, queue_settings: dict[str, Any]
+    site: LocalSite, crawl_database: str, queue_settings: dict[str, Any]
 ) -> None:
     plain = await crawl(DepthFirstSpider, {**ONE_AT_A_TIME, **queue_settings,
                                            "TELNETCONSOLE_ENABLED": False}, url=site.url)
     observed = await crawl(DepthFirstSpider, settings(
-        db_path, **ONE_AT_A_TIME, **queue_settings), url=site.url)
+        crawl_database, **ONE_AT_A_TIME, **queue_settings), url=site.url)
     assert observed.reason == "finished"
     assert [path_of(u) for u in observed.sent] == [path_of(u) for u in plain.sent]
 
@@ -175,13 +178,13 @@ class DuplicateLinksSpider(SiteSpider):
 
 @deferred_f_from_coro_f
 async def test_duplicates_are_dropped_and_counted_as_by_scrapys_dupefilter(
-    site: LocalSite, db_path: Path, caplog: Any
+    site: LocalSite, crawl_database: str, caplog: Any
 ) -> None:
     plain = await crawl(DuplicateLinksSpider, {"TELNETCONSOLE_ENABLED": False}, url=site.url)
     site.reset_counts()
     caplog.set_level("DEBUG")
     caplog.clear()  # only this crawl's lines (Scrapy 2.13 lets the plain crawl's through)
-    observed = await crawl(DuplicateLinksSpider, settings(db_path), url=site.url)
+    observed = await crawl(DuplicateLinksSpider, settings(crawl_database), url=site.url)
     assert observed.reason == "finished"
     assert site.counts_by_path() == {"/ok/a": 1, "/ok/b": 1, "/ok/c": 1}
     # the second b (buffered with the first, not yet written), a (done) and c (pending or
@@ -242,28 +245,28 @@ class TwoPagesOneLinkSpider(SiteSpider):
 
 @deferred_f_from_coro_f
 async def test_a_link_buffered_by_a_page_in_flight_is_a_duplicate_for_another_page(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
     site.block()
     observed = await crawl(TwoPagesOneLinkSpider, settings(
-        db_path, ITEM_PIPELINES={f"{__name__}.HoldingPipeline": 500}),
+        crawl_database, ITEM_PIPELINES={f"{__name__}.HoldingPipeline": 500}),
         url=site.url, release_p2=site.release)
     assert observed.reason == "finished"
     assert list(map(path_of, observed.dropped)) == ["/ok/shared"]
     assert observed.stats["dupefilter/filtered"] == 1
     assert site.hits("/ok/shared") == 1
-    owner = dict(db_rows(db_path, "SELECT key, url FROM requests"))
-    [(parent_key,)] = db_rows(db_path, "SELECT parent_key FROM requests WHERE url = ?",
-                              (site.url + "/ok/shared",))
+    entries = frontier_entries(crawl_database)
+    owner = {e.key: e.url for e in entries}
+    [parent_key] = [e.parent_key for e in entries if e.url == site.url + "/ok/shared"]
     assert owner[parent_key] == site.url + "/ok/p1"  # written by the page that yielded it first
 
 
 @deferred_f_from_coro_f
 async def test_dupefilter_debug_logs_every_duplicate_with_its_referer(
-    site: LocalSite, db_path: Path, caplog: Any
+    site: LocalSite, crawl_database: str, caplog: Any
 ) -> None:
     caplog.set_level("DEBUG")
-    observed = await crawl(DuplicateLinksSpider, settings(db_path, DUPEFILTER_DEBUG=True),
+    observed = await crawl(DuplicateLinksSpider, settings(crawl_database, DUPEFILTER_DEBUG=True),
                            url=site.url)
     lines = [r.getMessage() for r in caplog.records if "Filtered duplicate" in r.getMessage()]
     assert len(lines) == observed.stats["dupefilter/filtered"] == 3
@@ -272,7 +275,7 @@ async def test_dupefilter_debug_logs_every_duplicate_with_its_referer(
 
 @deferred_f_from_coro_f
 async def test_base_dupefilter_filters_nothing_as_in_scrapy(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
     class ShortSpider(DuplicateLinksSpider):
         links: ClassVar[dict[str, tuple[str, ...]]] = {"a": ("b", "b", "c"), "b": (), "c": ()}
@@ -283,30 +286,30 @@ async def test_base_dupefilter_filters_nothing_as_in_scrapy(
     expected = site.counts_by_path()
     assert expected == {"/ok/a": 1, "/ok/b": 2, "/ok/c": 1}
     site.reset_counts()
-    observed = await crawl(ShortSpider, settings(db_path, **no_filter), url=site.url)
+    observed = await crawl(ShortSpider, settings(crawl_database, **no_filter), url=site.url)
     assert observed.reason == "finished"
     assert site.counts_by_path() == expected
     assert observed.dropped == plain.dropped == []
     assert "dupefilter/filtered" not in observed.stats
     # each request is its own entry, keyed by its parent and rank: the finished run
     # resumed adds nothing
-    assert db_rows(db_path, "SELECT count(*) FROM requests") == [(4,)]
+    assert len(frontier_entries(crawl_database)) == 4
     site.reset_counts()
-    again = await crawl(ShortSpider, settings(db_path, IDEMPOTENT_RUN_MODE="resume",
+    again = await crawl(ShortSpider, settings(crawl_database, IDEMPOTENT_RUN_MODE="resume",
                                               **no_filter), url=site.url)
     assert again.reason == "finished"
     assert site.counts_by_path() == {}
-    assert db_rows(db_path, "SELECT count(*) FROM requests") == [(4,)]
+    assert len(frontier_entries(crawl_database)) == 4
 
 
 @deferred_f_from_coro_f
 async def test_another_dupefilter_class_is_refused_at_start(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
     from scrapy_idempotent.exceptions import ConfigError
 
     crawler = get_crawler(DuplicateLinksSpider, settings(
-        db_path, DUPEFILTER_CLASS="test_scrapy_parity.CustomDupeFilter"))
+        crawl_database, DUPEFILTER_CLASS="test_scrapy_parity.CustomDupeFilter"))
     with pytest.raises(ConfigError) as raised:
         await crawl_to_end(crawler, url=site.url)
     assert raised.value.setting == "DUPEFILTER_CLASS"
@@ -339,18 +342,17 @@ class PollingSpider(SiteSpider):
 
 @deferred_f_from_coro_f
 async def test_dont_filter_requests_to_the_pages_own_url_are_each_fetched(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
     plain = await crawl(PollingSpider, {"TELNETCONSOLE_ENABLED": False}, url=site.url)
     assert sorted(i["key"] for i in plain.scraped) == ["poll-1", "poll-2", "poll-3"]
     site.reset_counts()
-    observed = await crawl(PollingSpider, settings(db_path), url=site.url)
+    observed = await crawl(PollingSpider, settings(crawl_database), url=site.url)
     assert observed.reason == "finished"
     assert site.hits("/ok/poll") == 4
     assert sorted(i["key"] for i in observed.scraped) == ["poll-1", "poll-2", "poll-3"]
-    assert sorted(r["key"] for r in records(db_path)) == ["poll-1", "poll-2", "poll-3"]
-    assert db_rows(db_path, "SELECT state, count(*) FROM requests GROUP BY state") == [
-        ("done", 4)]
+    assert sorted(r["key"] for r in records(crawl_database)) == ["poll-1", "poll-2", "poll-3"]
+    assert Counter(e.state for e in frontier_entries(crawl_database)) == {"done": 4}
     assert "idempotent/requests/retried" not in observed.stats
 
 
@@ -408,7 +410,7 @@ class AddingMiddleware:
 
 @deferred_f_from_coro_f
 async def test_items_from_start_and_from_middlewares_are_stored_and_scraped(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
     middlewares = {"SPIDER_MIDDLEWARES": {f"{__name__}.AddingMiddleware": 5}}
     plain = await crawl(StartItemsSpider, {"TELNETCONSOLE_ENABLED": False, **middlewares},
@@ -416,14 +418,15 @@ async def test_items_from_start_and_from_middlewares_are_stored_and_scraped(
     expected = sorted(map(as_json, plain.scraped))
     assert len(expected) == 7
     observed = await crawl(StartItemsSpider, settings(
-        db_path, IDEMPOTENT_RECORD_ID_FIELD=None, **middlewares), url=site.url)
+        crawl_database, IDEMPOTENT_RECORD_ID_FIELD=None, **middlewares), url=site.url)
     assert observed.reason == "finished"
     assert sorted(map(as_json, observed.scraped)) == expected
-    assert sorted(json.dumps(r, sort_keys=True) for r in records(db_path)) == expected
+    assert sorted(json.dumps(r, sort_keys=True) for r in records(crawl_database)) == expected
     assert "idempotent/records/rejected" not in observed.stats
     # items of a page commit with it; items of start() with no page
-    owners = dict(db_rows(db_path, "SELECT r.natural_key, q.url FROM records r"
-                                   " LEFT JOIN requests q ON q.key = r.request_key"))
+    urls = {e.key: e.url for e in frontier_entries(crawl_database)}
+    owners = {r.natural_key: urls.get(r.request_key) if r.request_key is not None else None
+              for r in stored_records(crawl_database)}
     assert owners['["added-to-/ok/page"]'] == owners['["from-page"]'] == site.url + "/ok/page"
     assert owners['["recovered-/ok/boom"]'] == site.url + "/ok/boom"
     assert owners['["from-start"]'] is None and owners['["added-to-start"]'] is None
@@ -431,10 +434,10 @@ async def test_items_from_start_and_from_middlewares_are_stored_and_scraped(
     # start() runs again on resume: its items are the same records (the keyless one is keyed
     # by its content), nothing is inserted twice
     again = await crawl(StartItemsSpider, settings(
-        db_path, IDEMPOTENT_RECORD_ID_FIELD=None, IDEMPOTENT_RUN_MODE="resume", **middlewares),
-        url=site.url)
+        crawl_database, IDEMPOTENT_RECORD_ID_FIELD=None, IDEMPOTENT_RUN_MODE="resume",
+        **middlewares), url=site.url)
     assert again.reason == "finished"
-    assert len(records(db_path)) == 7
+    assert len(records(crawl_database)) == 7
     assert again.stats["idempotent/records/unchanged"] == 3
     assert "idempotent/records/inserted" not in again.stats
 
@@ -546,10 +549,11 @@ class LinkingSpider(SiteSpider):
 
 @deferred_f_from_coro_f
 async def test_a_fingerprinter_error_refuses_the_request_and_names_the_fingerprinter(
-    site: LocalSite, db_path: Path, caplog: Any
+    site: LocalSite, crawl_database: str, caplog: Any
 ) -> None:
     observed = await crawl(LinkingSpider, settings(
-        db_path, REQUEST_FINGERPRINTER_CLASS=f"{__name__}.PickyFingerprinter"), url=site.url)
+        crawl_database, REQUEST_FINGERPRINTER_CLASS=f"{__name__}.PickyFingerprinter"),
+        url=site.url)
     # not a store error: the crawl goes on and finishes
     assert observed.reason == "finished"
     assert "idempotent/error" not in observed.stats
@@ -557,8 +561,7 @@ async def test_a_fingerprinter_error_refuses_the_request_and_names_the_fingerpri
     assert observed.stats["idempotent/requests/unidentified"] == 2
     assert site.counts_by_path() == {"/ok/home": 1, "/ok/good": 1}
     # the page whose child could not be identified stays visible (failed, retryable)
-    states = {path_of(url): (state, kind) for url, state, kind in db_rows(
-        db_path, "SELECT url, state, error_kind FROM requests")}
+    states = {path_of(e.url): (e.state, e.error_kind) for e in frontier_entries(crawl_database)}
     assert states == {"/ok/home": ("failed", "fingerprint_error_child"),
                       "/ok/good": ("done", None)}
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
@@ -587,21 +590,21 @@ class ChainSpider(SiteSpider):
 
 @deferred_f_from_coro_f
 async def test_unstorable_start_requests_and_their_children_are_fetched_as_in_scrapy(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
     plain = await crawl(ChainSpider, {"TELNETCONSOLE_ENABLED": False}, url=site.url)
     expected = sorted(map(path_of, plain.sent))
     assert expected == ["/ok/chain1", "/ok/chain2", "/ok/chain3", "/ok/plain"]
     site.reset_counts()
-    observed = await crawl(ChainSpider, settings(db_path), url=site.url)
+    observed = await crawl(ChainSpider, settings(crawl_database), url=site.url)
     assert observed.reason == "finished"
     assert sorted(map(path_of, observed.sent)) == expected
     assert observed.dropped == []
     assert sorted(i["key"] for i in observed.scraped) == expected
     # their items are stored; the storable requests are in the frontier (chain3, yielded by
     # a memory request of start(), is written when that request is finished)
-    assert sorted(r["key"] for r in records(db_path)) == expected
-    assert sorted(db_rows(db_path, "SELECT url, state FROM requests")) == [
+    assert sorted(r["key"] for r in records(crawl_database)) == expected
+    assert sorted((e.url, e.state) for e in frontier_entries(crawl_database)) == [
         (site.url + "/ok/chain3", "done"), (site.url + "/ok/plain", "done")]
     assert observed.stats["idempotent/requests/unstorable"] == 2
     assert observed.stats["idempotent/requests/from_memory"] == 2
@@ -622,21 +625,21 @@ class NotesSpider(SiteSpider):
 
 @deferred_f_from_coro_f
 async def test_several_items_of_a_page_without_a_key_are_several_records(
-    site: LocalSite, db_path: Path, caplog: Any
+    site: LocalSite, crawl_database: str, caplog: Any
 ) -> None:
     plain = await crawl(NotesSpider, {"TELNETCONSOLE_ENABLED": False}, url=site.url)
-    observed = await crawl(NotesSpider, settings(db_path), url=site.url)
+    observed = await crawl(NotesSpider, settings(crawl_database), url=site.url)
     assert observed.reason == "finished"
     assert len(observed.scraped) == len(plain.scraped) == 4
     assert "not an item" in observed.scraped
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
-    assert sorted(r["title"] for r in records(db_path)) == ["first", "second", "third"]
+    assert sorted(r["title"] for r in records(crawl_database)) == ["first", "second", "third"]
     assert observed.stats["idempotent/items/keyed_by_rank"] == 2
-    keys = sorted(json.loads(k) for (k,) in db_rows(db_path, "SELECT natural_key FROM records"))
+    keys = sorted(json.loads(r.natural_key) for r in stored_records(crawl_database))
     page = site.url + "/ok/notes"
     assert keys == [[page], [page, "test_scrapy_parity.Note", "#2"],
                     [page, "test_scrapy_parity.Note", "#3"]]
     # told apart by their order on the page: the same records in the next run
-    again = await crawl(NotesSpider, settings(db_path), url=site.url)
+    again = await crawl(NotesSpider, settings(crawl_database), url=site.url)
     assert again.stats["idempotent/records/unchanged"] == 3
-    assert len(records(db_path)) == 3
+    assert len(records(crawl_database)) == 3

@@ -8,7 +8,6 @@ import hashlib
 import json
 import logging
 import re
-import sqlite3
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,12 +21,12 @@ from crawling import (
     PagesSpider,
     all_messages,
     crawl_settings,
-    db_rows,
     frontier_counts,
     package_messages,
     pages,
     run_crawl,
 )
+from helpers.stored import change_stored, frontier_entries, reading, stored_records
 from scrapy_idempotent.codec import loads
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,28 +70,25 @@ def test_no_module_of_the_package_can_unpickle() -> None:
         assert not re.search(r"""import_module\(\s*["'](pickle|marshal|shelve)""", text)
 
 
-def _stored_request(db_path: Path, url: str, **changes: Any) -> dict[str, Any]:
-    """The data of a real stored request, re-aimed at ``url`` and changed by ``changes``."""
-    (data,), = db_rows(db_path, "SELECT data FROM requests LIMIT 1")
+def _stored_request(database: str, url: str, **changes: Any) -> dict[str, Any]:
+    """The data of a real stored request (the first crawl's ``/page/1``), re-aimed at ``url``
+    and changed by ``changes``."""
+    [data] = [e.data for e in frontier_entries(database) if e.url.endswith("/page/1")]
     value = json.loads(data)
     value["url"] = url
     value.update(changes)
     return value
 
 
-def _insert_pending(db_path: Path, key: str, url: str, data: dict[str, Any],
+def _insert_pending(database: str, key: str, url: str, data: dict[str, Any],
                     attempts: int = 0) -> None:
-    conn = sqlite3.connect(db_path)
-    try:
-        run_id = conn.execute("SELECT max(run_id) FROM runs").fetchone()[0]
-        conn.execute(
-            "INSERT INTO requests (key, fingerprint, url, priority, state, data, attempts,"
-            " enqueued_at, run_id) VALUES (?, ?, ?, 0, 'pending', ?, ?, 0, ?)",
-            (key, hashlib.sha1(key.encode()).hexdigest(), url, json.dumps(data), attempts,
-             run_id))
-        conn.commit()
-    finally:
-        conn.close()
+    """A pending request of the last run written into the database as it is (tampered)."""
+    change_stored(
+        database,
+        "INSERT INTO requests (key, fingerprint, url, priority, state, data, attempts,"
+        " enqueued_at, run_id) VALUES (?, ?, ?, 0, 'pending', ?, ?, 0,"
+        " (SELECT max(run_id) FROM runs))",
+        (key, hashlib.sha1(key.encode()).hexdigest(), url, json.dumps(data), attempts))
 
 
 STORED_CODE = {
@@ -119,9 +115,9 @@ STORED_FRAMEWORK_METHODS = {
 }
 
 
-async def _crawl_with_stored_rows(site: LocalSite, db_path: Path, rows: dict[str, Any],
+async def _crawl_with_stored_rows(site: LocalSite, database: str, rows: dict[str, Any],
                                   caplog: Any) -> tuple[Any, dict[str, list[Any]]]:
-    settings = crawl_settings(db_path, **KEYS)
+    settings = crawl_settings(database, **KEYS)
     site.add("/good", "<html>good</html>")
     first = await run_crawl(PagesSpider, settings, url=site.url, paths=pages(site, 1),
                             make_output=lambda r: [{"sku": r.url}])
@@ -129,27 +125,27 @@ async def _crawl_with_stored_rows(site: LocalSite, db_path: Path, rows: dict[str
     for name, changes in rows.items():
         path = f"/stored/{name}"
         site.add(path, "<html>should never be fetched</html>")
-        _insert_pending(db_path, name, site.url + path,
-                        _stored_request(db_path, site.url + path, **changes))
-    _insert_pending(db_path, "good", site.url + "/good", _stored_request(db_path,
-                                                                          site.url + "/good"))
+        _insert_pending(database, name, site.url + path,
+                        _stored_request(database, site.url + path, **changes))
+    _insert_pending(database, "good", site.url + "/good", _stored_request(database,
+                                                                           site.url + "/good"))
     site.reset_counts()
     sys.modules.pop("never_imported", None)
     crawler = await run_crawl(PagesSpider, {**settings, "IDEMPOTENT_RUN_MODE": "resume"},
                               url=site.url, paths=[], make_output=lambda r: [{"sku": r.url}])
     # what the first crawl committed is still there, and the good row added its record
-    assert {"/good", "/page/1"} <= {urlsplit(loads(d)["sku"]).path for (d,) in
-                                    db_rows(db_path, "SELECT data FROM records")}
-    outcome = {key: row for key, *row in db_rows(
-        db_path, "SELECT key, state, error_kind, error_message FROM requests")}
+    assert {"/good", "/page/1"} <= {urlsplit(loads(r.data)["sku"]).path
+                                    for r in stored_records(database)}
+    outcome = {e.key: [e.state, e.error_kind, e.error_message]
+               for e in frontier_entries(database)}
     return crawler, outcome
 
 
 @deferred_f_from_coro_f
 async def test_stored_request_naming_code_is_failed_as_unloadable_and_nothing_runs(
-    site: LocalSite, db_path: Path, caplog: Any
+    site: LocalSite, crawl_database: str, caplog: Any
 ) -> None:
-    crawler, outcome = await _crawl_with_stored_rows(site, db_path, STORED_CODE, caplog)
+    crawler, outcome = await _crawl_with_stored_rows(site, crawl_database, STORED_CODE, caplog)
     assert "never_imported" not in sys.modules  # nothing was imported
     assert crawler.stats.get_value("finish_reason") == "finished"
     assert outcome["good"][0] == "done"  # the crawl went on
@@ -168,14 +164,14 @@ async def test_stored_request_naming_code_is_failed_as_unloadable_and_nothing_ru
 
 @deferred_f_from_coro_f
 async def test_stored_request_naming_a_spider_framework_method_is_unloadable(
-    site: LocalSite, db_path: Path, caplog: Any
+    site: LocalSite, crawl_database: str, caplog: Any
 ) -> None:
     """``from_crawler``, ``_set_crawler``, ``close``, ``update_settings``, ``start`` are
     callable attributes of every spider, and no spider method encoded by the package could
     have stored them as a callback: loading must refuse them instead of calling them with a
     response."""
-    crawler, outcome = await _crawl_with_stored_rows(site, db_path, STORED_FRAMEWORK_METHODS,
-                                                     caplog)
+    crawler, outcome = await _crawl_with_stored_rows(site, crawl_database,
+                                                     STORED_FRAMEWORK_METHODS, caplog)
     assert crawler.stats.get_value("finish_reason") == "finished"
     assert outcome["good"][0] == "done"
     spider_errors = [m for m in all_messages(caplog, logging.ERROR) if "Spider error" in m]
@@ -187,24 +183,23 @@ async def test_stored_request_naming_a_spider_framework_method_is_unloadable(
 
 @deferred_f_from_coro_f
 async def test_journaled_response_naming_another_class_is_not_loaded(
-    site: LocalSite, db_path: Path, caplog: Any
+    site: LocalSite, crawl_database: str, caplog: Any
 ) -> None:
     """A response journaled for a pending request (a replay after a kill) whose ``_class``
     names code outside Scrapy's response classes: not imported; the page is downloaded."""
-    settings = crawl_settings(db_path, **KEYS)
+    settings = crawl_settings(crawl_database, **KEYS)
     first = await run_crawl(PagesSpider, settings, url=site.url, paths=pages(site, 1),
                             make_output=lambda r: [{"sku": r.url}])
     assert first.stats.get_value("finish_reason") == "finished"
     site.add("/replayed", "<html>the real page</html>")
     url = site.url + "/replayed"
-    _insert_pending(db_path, "replayed", url, _stored_request(db_path, url), attempts=1)
-    conn = sqlite3.connect(db_path)
-    conn.execute("INSERT INTO responses (key, data, body, stored_at) VALUES (?, ?, ?, 0)",
-                 ("replayed", json.dumps({"_class": "never_imported.EvilResponse",
-                                          "url": url, "status": 200, "headers": {},
-                                          "flags": []}), b"<html>forged</html>"))
-    conn.commit()
-    conn.close()
+    _insert_pending(crawl_database, "replayed", url, _stored_request(crawl_database, url),
+                    attempts=1)
+    change_stored(crawl_database,
+                  "INSERT INTO responses (key, data, body, stored_at) VALUES (?, ?, ?, 0)",
+                  ("replayed", json.dumps({"_class": "never_imported.EvilResponse",
+                                           "url": url, "status": 200, "headers": {},
+                                           "flags": []}), b"<html>forged</html>"))
     sys.modules.pop("never_imported", None)
     seen: list[str] = []
 
@@ -228,7 +223,7 @@ SQL_INJECTION_2 = "\"); DELETE FROM requests WHERE (\"1\"=\"1"
 
 @deferred_f_from_coro_f
 async def test_sql_injection_in_urls_meta_items_and_source_is_stored_as_data(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
     from urllib.parse import quote
 
@@ -244,20 +239,20 @@ async def test_sql_injection_in_urls_meta_items_and_source_is_stored_as_data(
             yield {"sku": f"{SQL_INJECTION} {response.url}", "name": SQL_INJECTION_2,
                    SQL_INJECTION: SQL_INJECTION_2}
 
-    settings = crawl_settings(db_path, IDEMPOTENT_SOURCE=SQL_INJECTION_2, **KEYS)
+    settings = crawl_settings(crawl_database, IDEMPOTENT_SOURCE=SQL_INJECTION_2, **KEYS)
     crawler = await run_crawl(InjectionSpider, settings, url=site.url, paths=pages(site, 1))
     assert crawler.stats.get_value("finish_reason") == "finished"
-    tables = {name for (name,) in db_rows(db_path,
-                                           "SELECT name FROM sqlite_master WHERE type='table'")}
-    assert {"records", "requests", "rejects", "runs", "meta"} <= tables
-    assert frontier_counts(db_path) == {"done": 2}
-    records = [loads(d) for (d,) in db_rows(db_path, "SELECT data FROM records")]
+    with reading(crawl_database) as store:  # every table is still there: each one is read
+        assert store.meta() and store.runs()
+        assert store.count_rejects() == 0
+    assert frontier_counts(crawl_database) == {"done": 2}
+    stored_rows = stored_records(crawl_database)
+    records = [loads(r.data) for r in stored_rows]
     assert len(records) == 2
     assert all(r["name"] == SQL_INJECTION_2 and r[SQL_INJECTION] == SQL_INJECTION_2
                for r in records)
-    assert {src for (src,) in db_rows(db_path, "SELECT source FROM records")} == {
-        SQL_INJECTION_2}
-    (data,), = db_rows(db_path, "SELECT data FROM requests WHERE url LIKE '%/q/%'")
+    assert {r.source for r in stored_rows} == {SQL_INJECTION_2}
+    [data] = [e.data for e in frontier_entries(crawl_database) if "/q/" in e.url]
     stored = loads(data)
     assert stored["meta"]["note"] == SQL_INJECTION
     assert stored["meta"][SQL_INJECTION_2] == [1]
@@ -267,7 +262,7 @@ async def test_sql_injection_in_urls_meta_items_and_source_is_stored_as_data(
 
 @deferred_f_from_coro_f
 async def test_no_credentials_in_the_package_logs(
-    site: LocalSite, db_path: Path, tmp_path: Path, caplog: Any
+    site: LocalSite, crawl_database: str, tmp_path: Path, caplog: Any
 ) -> None:
     """Credentials in a URL, an Authorization header and a proxy URL, on a request that
     cannot be stored (something else in it; fetched from memory) and on one whose download
@@ -291,7 +286,7 @@ async def test_no_credentials_in_the_package_logs(
             yield {"sku": "CRED-1"}
 
     try:
-        crawler = await run_crawl(CredentialsSpider, crawl_settings(db_path, **KEYS),
+        crawler = await run_crawl(CredentialsSpider, crawl_settings(crawl_database, **KEYS),
                                   url=site.url, paths=pages(site, 1))
     finally:
         handle.close()
@@ -307,7 +302,7 @@ async def test_no_credentials_in_the_package_logs(
              or any(secret in m for secret in secrets)]
     assert leaks == []
     # the stored frontier keeps what the request needs (a 0600 file), the failure says why
-    kinds = sorted(k for (k,) in db_rows(
-        db_path, "SELECT error_kind FROM requests WHERE state = 'failed'"))
+    kinds = sorted(e.error_kind or "" for e in frontier_entries(crawl_database)
+                   if e.state == "failed")
     assert kinds[0].startswith("download_error/")
     assert kinds[1].startswith("unstorable_child/download_error/")

@@ -23,7 +23,8 @@ from twisted.internet import defer, error
 from twisted.web import _newclient
 from twisted.web import error as web_error
 
-from crawling import crawl_settings, db_rows, run_crawl
+from crawling import crawl_settings, run_crawl
+from helpers.stored import stored_records
 from scrapy_idempotent import Addon, UnsupportedScrapy, scrapy_compat
 from shop.spiders.shop import ShopSpider
 
@@ -67,14 +68,14 @@ def test_a_scrapy_without_async_start_is_refused_by_the_add_on(
 
 @deferred_f_from_coro_f
 async def test_an_engine_without_a_hook_is_refused_before_any_request(
-    small_shop: LocalSite, db_path: Path, monkeypatch: pytest.MonkeyPatch,
+    small_shop: LocalSite, crawl_database: str, monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture
 ) -> None:
     # a release whose scraper lost a method the completion hooks wrap
     monkeypatch.delattr(Scraper, "handle_spider_error")
     with pytest.raises(UnsupportedScrapy, match=r"lacks the engine internals that exact "
                        r"completion hooks \(Scraper.handle_spider_error\(\)\)"):
-        await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS),
+        await run_crawl(ShopSpider, crawl_settings(crawl_database, **NATURAL_KEYS),
                         url=small_shop.url)
     assert small_shop.request_count == 0
     critical = [r for r in caplog.records if r.levelno == logging.CRITICAL
@@ -84,16 +85,16 @@ async def test_an_engine_without_a_hook_is_refused_before_any_request(
 
 @deferred_f_from_coro_f
 async def test_a_newer_release_with_every_hook_runs_with_one_warning(
-    small_shop: LocalSite, db_path: Path, monkeypatch: pytest.MonkeyPatch,
+    small_shop: LocalSite, crawl_database: str, monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(scrapy, "__version__", "2.99.0")
     monkeypatch.setattr(scrapy_compat, "_warned_untested", False)
     with caplog.at_level(logging.WARNING, logger="scrapy_idempotent"):
-        crawler = await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS),
+        crawler = await run_crawl(ShopSpider, crawl_settings(crawl_database, **NATURAL_KEYS),
                                   url=small_shop.url)
     assert crawler.stats.get_value("finish_reason") == "finished"
-    assert db_rows(db_path, "SELECT count(*) FROM records") == [(3,)]
+    assert len(stored_records(crawl_database)) == 3
     warnings = [r.getMessage() for r in caplog.records
                 if r.name == "scrapy_idempotent.scrapy_compat"]
     # checked by the add-on and again by the scheduler, said once
@@ -168,7 +169,7 @@ def test_the_response_backport_is_scrapys_to_dict(response: Response) -> None:
 
 @deferred_f_from_coro_f
 async def test_the_hooks_shadow_the_engine_while_the_spider_runs_and_are_removed_at_close(
-    small_shop: LocalSite, db_path: Path
+    small_shop: LocalSite, crawl_database: str
 ) -> None:
     from scrapy import signals
     from scrapy.utils.test import get_crawler
@@ -183,7 +184,7 @@ async def test_the_hooks_shadow_the_engine_while_the_spider_runs_and_are_removed
         objects = (engine, engine._slot, engine.scraper)  # type: ignore[attr-defined]
         return {name for obj in objects for name in hooked if name in vars(obj)}
 
-    crawler = get_crawler(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS))
+    crawler = get_crawler(ShopSpider, crawl_settings(crawl_database, **NATURAL_KEYS))
 
     def opened() -> None:
         seen["open"] = shadowed(crawler.engine)

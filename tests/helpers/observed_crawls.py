@@ -4,7 +4,6 @@ Scrapy's own stats; and the records the frontier stored."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +11,11 @@ import scrapy
 from scrapy import signals
 from scrapy.utils.test import get_crawler
 
-from crawling import crawl_settings, crawl_to_end, db_rows
+from crawling import crawl_settings, crawl_to_end
+from helpers.stored import stored_products
 
 
-def settings(db_path: Path, **extra: Any) -> dict[str, Any]:
+def settings(database: str | Path, **extra: Any) -> dict[str, Any]:
     values: dict[str, Any] = {
         "IDEMPOTENT_NATURAL_KEYS": {"dict": "key"},
         "DOWNLOAD_TIMEOUT": 5,
@@ -24,7 +24,7 @@ def settings(db_path: Path, **extra: Any) -> dict[str, Any]:
         "TELNETCONSOLE_ENABLED": False,
     }
     values.update(extra)
-    return crawl_settings(db_path, **values)
+    return crawl_settings(database, **values)
 
 
 class Observed:
@@ -64,8 +64,9 @@ async def crawl(spidercls: type, settings_dict: dict[str, Any], **kwargs: Any) -
     return observed
 
 
-def records(db_path: Path) -> list[dict[str, Any]]:
-    return [json.loads(data) for (data,) in db_rows(db_path, "SELECT data FROM records")]
+def records(database: str | Path) -> list[dict[str, Any]]:
+    """Every stored record's data, read through the store interface (record ID order)."""
+    return stored_products(database)
 
 
 def path_of(url: str) -> str:

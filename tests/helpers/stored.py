@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from scrapy_idempotent.store import FrontierStore, RequestState
 from scrapy_idempotent.store.base import RejectedItem, StoredRecord
-from scrapy_idempotent.store.reads import FrontierEntry
-from scrapy_idempotent.store.registry import open_store
+from scrapy_idempotent.store.reads import FrontierEntry, OutboxRow
+from scrapy_idempotent.store.registry import open_store, sqlite_path
 
 
 @contextlib.contextmanager
@@ -68,3 +68,57 @@ def frontier_entries(database: str | Path) -> list[FrontierEntry]:
 def request_keys(database: str | Path) -> dict[str, str]:
     """URL path -> frontier key."""
     return {urlsplit(entry.url).path: entry.key for entry in frontier_entries(database)}
+
+
+def outbox_rows(database: str | Path) -> list[OutboxRow]:
+    """Every outbox entry, in the order written."""
+    found: list[OutboxRow] = []
+    with reading(database) as store:
+        while page := store.outbox_entries(after=found[-1].entry_id if found else None):
+            found.extend(page)
+    return found
+
+
+def outbox_states(database: str | Path) -> dict[str, int]:
+    """Outbox entries per state, over every target, the states that have any."""
+    with reading(database) as store:
+        counts = store.outbox_counts()
+    states: dict[str, int] = {}
+    for by_state in counts.values():
+        for state, n in by_state.items():
+            if n:
+                states[state] = states.get(state, 0) + n
+    return states
+
+
+# -- what no store method changes: a test's shortcuts -------------------------------------
+
+
+def change_stored(database: str | Path, sql: str, params: Sequence[Any] = ()) -> None:
+    """Run ``sql``, a statement both SQLite and PostgreSQL take (``?`` placeholders for
+    ``params``), in the crawl's tables: a test's shortcut to a state no store method
+    writes."""
+    path = sqlite_path(str(database))
+    if path is not None:
+        import sqlite3
+
+        conn = sqlite3.connect(path)
+        try:
+            with conn:
+                conn.execute(sql, params)
+        finally:
+            conn.close()
+        return
+    import psycopg
+
+    with reading(database) as store:  # the crawl's schema, and the URL without ?schema=
+        url, schema = store.url, store.schema  # type: ignore[attr-defined]
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("SELECT set_config('search_path', %s, false)", (f'"{schema}"',))
+        conn.execute(sql.replace("?", "%s"), params)  # type: ignore[arg-type]
+
+
+def outbox_due_now(database: str | Path) -> None:
+    """Make every outbox entry due now, whatever its backoff said (a shortcut past a retry
+    delay); attempts and details are left as they are."""
+    change_stored(database, "UPDATE outbox SET due_at = 0")
