@@ -702,9 +702,8 @@ class PostgreSQLStore(SqlStore):
     def _check_ownership(self) -> tuple[int, bool]:
         """Refuse, before anything changes, a schema that is not this package's: any table it
         does not create, or a ``meta`` table it did not write. Returns the schema version
-        found and whether the schema is new (absent or empty). A migration step committed
-        between the reads (each adds tables only) makes the version newer than the tables
-        seen, never a refusal."""
+        found and whether the schema is new (absent or empty); a migration committed between
+        the reads (steps only add tables) leaves the tables seen a subset: never refused."""
         exists = self._one("SELECT 1 FROM pg_namespace WHERE nspname = %s", (self.schema,))
         tables = self._tables(self.schema) if exists else set()
         if not tables:
@@ -925,6 +924,9 @@ class PostgreSQLStore(SqlStore):
     def _select(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
         return self._read(self._q(sql), params)
 
+    def _lookup(self, cur: Any, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        return list(cur.execute(self._q(sql), params, prepare=False).fetchall())  # planned now
+
     def _any(self, column: str, values: Collection[Any], *,
              sql_type: str = "text") -> tuple[str, Any]:
         # binary parameters: text arrays are not quoted element by element
@@ -1007,8 +1009,6 @@ class PostgreSQLStore(SqlStore):
             "UPDATE sessions SET " + ", ".join(f"{c} = {c} + %s" for c in COUNTERS)
             + ", last_commit = %s WHERE session_id = %s",
             (*deltas, number, self.session_id))
-
-    # -- the response journal ---------------------------------------------------------------
 
     # -- leases -----------------------------------------------------------------------------
 

@@ -174,6 +174,12 @@ class SqlStore(FrontierStore):
         rows = cur.execute(self._q(sql), params).fetchall()
         return lambda: rows
 
+    def _lookup(self, cur: Any, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        """Every row of one statement of the transaction of ``cur`` that looks rows up by a
+        list of keys in a table that grows from empty, planned at each call where the
+        backend caches plans (a plan made while the table was empty would scan it)."""
+        return list(cur.execute(self._q(sql), params).fetchall())
+
     def _notify(self, cur: Any, *, force: bool = False) -> None:
         """Tell idle workers that requests became claimable (when the transaction commits);
         nothing by default (workers poll)."""
@@ -549,9 +555,9 @@ class SqlStore(FrontierStore):
         if newest is not None and newest > now:
             now = newest
         where, param = self._any("record_id", sorted({r.record_id for r, _ in records}))
-        known = {row[0]: StoredState(*row[1:]) for row in cur.execute(self._q(
-            "SELECT record_id, content_hash, seen_run_id, observed_at, version FROM records"
-            f" WHERE {where} ORDER BY record_id{self.LOCK_ROWS}"), (param,)).fetchall()}
+        known = {row[0]: StoredState(*row[1:]) for row in self._lookup(
+            cur, "SELECT record_id, content_hash, seen_run_id, observed_at, version FROM"
+            f" records WHERE {where} ORDER BY record_id{self.LOCK_ROWS}", (param,))}
         # written in record ID order (a record ID twice keeps its item order: the last
         # wins): page commits inserting the same new records take the unique index's locks
         # in one order, so one waits for the other instead of both deadlocking
