@@ -52,7 +52,9 @@ def test_a_redis_stream_tells_waiting_held_and_parked(
     client.xgroup_create(key, config.group, id="0")
     client.xreadgroup(config.group, "w1", {key: ">"}, count=1)
     client.xadd(config.parked_key, {"id": "1-0", "error": "not a request"})
-    assert depth_of(config) == QueueDepth(waiting=2, held=1, parked=1)
+    # a group's lag (entries not delivered to it yet) is told from Redis 7 on
+    lag_told = int(str(client.info()["redis_version"]).split(".")[0]) >= 7
+    assert depth_of(config) == QueueDepth(waiting=2 if lag_told else None, held=1, parked=1)
 
 
 def test_an_sqs_queue_tells_waiting_held_and_parked(
