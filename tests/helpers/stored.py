@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 from scrapy_idempotent.store import FrontierStore, RequestState
 from scrapy_idempotent.store.base import RejectedItem, StoredRecord
-from scrapy_idempotent.store.reads import FrontierEntry, OutboxRow
+from scrapy_idempotent.store.reads import FrontierEntry, OutboxRow, RunSummary
 from scrapy_idempotent.store.registry import open_store, sqlite_path
 
 
@@ -40,6 +40,19 @@ def stored_records(database: str | Path) -> list[StoredRecord]:
 def stored_products(database: str | Path) -> list[dict[str, Any]]:
     """Every record's data, as dicts."""
     return [json.loads(record.data) for record in stored_records(database)]
+
+
+def run_products(database: str | Path, run_id: int) -> list[dict[str, Any]]:
+    """The data of every record run ``run_id`` stored or saw (what its feeds hold), as dicts,
+    in the order the run first stored or saw them."""
+    with reading(database) as store:
+        return [json.loads(record.data) for record in store.run_records(run_id)]
+
+
+def stored_runs(database: str | Path) -> list[RunSummary]:
+    """Every run, in run ID order."""
+    with reading(database) as store:
+        return store.runs()
 
 
 def frontier_counts(database: str | Path) -> dict[str, int]:
