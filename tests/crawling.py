@@ -109,7 +109,7 @@ def db_rows_connection(db_path: Path) -> Any:
 EXAMPLE_PROJECT = Path(__file__).resolve().parent.parent / "example_project"
 
 
-def start_shop_crawl(site_url: str, db_path: Path, log_path: Path, *settings: str) -> Any:
+def start_shop_crawl(site_url: str, db_path: str | Path, log_path: Path, *settings: str) -> Any:
     """``scrapy crawl shop`` of the example project in a subprocess (a real worker process),
     logging to ``log_path``; ``settings`` are extra ``NAME=value`` strings for ``-s``."""
     import subprocess
