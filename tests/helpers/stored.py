@@ -63,6 +63,15 @@ def frontier_counts(database: str | Path) -> dict[str, int]:
             if counts.get(state.value)}
 
 
+def requests_done(database: str | Path) -> int:
+    """Frontier entries done so far, while a crawl may be writing (0 while its database is
+    not created yet)."""
+    try:
+        return frontier_counts(database).get("done", 0)
+    except Exception:  # not created yet
+        return 0
+
+
 def stored_rejects(database: str | Path) -> list[RejectedItem]:
     """Every rejected item, newest first."""
     with reading(database) as store:
