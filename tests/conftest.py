@@ -139,6 +139,18 @@ def crawl_database(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 @pytest.fixture
+def second_crawl_database(crawl_database: str, request: pytest.FixtureRequest,
+                          tmp_path: Path) -> str:
+    """Another new, empty database of ``crawl_database``'s backend: a test comparing two
+    crawls' databases."""
+    from scrapy_idempotent.store.registry import sqlite_path
+
+    if sqlite_path(crawl_database) is not None:
+        return str(tmp_path / "second.sqlite3")
+    return str(request.getfixturevalue("postgres_cluster").new_database())
+
+
+@pytest.fixture
 def store_database(store_backend: StoreBackend, request: pytest.FixtureRequest,
                    tmp_path: Path) -> str:
     """The database string of a new, empty database of each store backend in turn."""

@@ -109,7 +109,7 @@ def db_rows_connection(db_path: Path) -> Any:
 EXAMPLE_PROJECT = Path(__file__).resolve().parent.parent / "example_project"
 
 
-def start_shop_crawl(site_url: str, db_path: Path, log_path: Path, *settings: str) -> Any:
+def start_shop_crawl(site_url: str, db_path: str | Path, log_path: Path, *settings: str) -> Any:
     """``scrapy crawl shop`` of the example project in a subprocess (a real worker process),
     logging to ``log_path``; ``settings`` are extra ``NAME=value`` strings for ``-s``."""
     import subprocess
@@ -126,7 +126,7 @@ def start_shop_crawl(site_url: str, db_path: Path, log_path: Path, *settings: st
 POISON_SPIDER = Path(__file__).resolve().parent / "poison_spider.py"
 
 
-def crawl_poison_until_finished(site_url: str, db: Path, log_dir: Path, *settings: str,
+def crawl_poison_until_finished(site_url: str, db: str | Path, log_dir: Path, *settings: str,
                                 runs: int = 8) -> list[int]:
     """``scrapy runspider poison_spider.py`` on ``db`` again and again (logs
     ``log_dir/run<n>.log``), until a crawl exits 0 or ``runs`` crawls ran; their exit codes."""

@@ -23,6 +23,7 @@ from scrapy.utils.defer import deferred_f_from_coro_f
 from crawling import EXAMPLE_PROJECT, crawl_settings, run_crawl, start_shop_crawl
 from helpers.commands import idempotent, idempotent_json
 from helpers.shop_spiders import NATURAL_KEYS, PartlyBrokenSpider
+from scrapy_idempotent.store.registry import redacted
 from scrapy_idempotent.store.sqlite import SCHEMA_VERSION
 from shop.site import product_sku
 from shop.spiders.shop import ShopSpider
@@ -39,11 +40,11 @@ def scrapy_subprocess(*args: str, cwd: Path | None = None,
 
 @deferred_f_from_coro_f
 async def test_failed_retry_and_the_next_crawl_fetches_only_the_failed(
-    db_path: Path, request: pytest.FixtureRequest
+    crawl_database: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     failing = {3, 7, 42}
-    db = str(db_path)
-    settings = crawl_settings(db_path, **NATURAL_KEYS)
+    db = crawl_database
+    settings = crawl_settings(db, **NATURAL_KEYS)
     # one site for both crawls: it recovers between them on the same address (a site
     # restarted on the same port could find the port taken by another process meanwhile)
     site = LocalSite(products_failing=failing).start()
@@ -81,7 +82,7 @@ async def test_failed_retry_and_the_next_crawl_fetches_only_the_failed(
     assert out.startswith("Put 1 failed request with URL matching '*/SKU-00042' back to "
                           "pending; run 1 reopened")
     assert idempotent_json("retry", "--db", db) == {
-        "database": db, "retried": 2, "run_id": 1, "reopened": False}
+        "database": redacted(db), "retried": 2, "run_id": 1, "reopened": False}
     status = idempotent_json("status", "--db", db)
     assert status["frontier"]["pending"] == 3 and status["frontier"]["failed"] == 0
     assert status["run"]["finished_at"] is None
@@ -100,7 +101,7 @@ async def test_failed_retry_and_the_next_crawl_fetches_only_the_failed(
     assert status["records"]["stored"] == 500
     assert status["totals"]["crawls"] == 2
 
-    out_path = db_path.parent / "records.jsonl"
+    out_path = tmp_path / "records.jsonl"
     code, out, _ = idempotent("export", "--db", db, "-o", str(out_path))
     assert (code, out) == (0, f"Exported 500 records to {out_path} (jsonlines)\n")
     rows = [json.loads(line) for line in out_path.read_text().splitlines()]
@@ -109,9 +110,10 @@ async def test_failed_retry_and_the_next_crawl_fetches_only_the_failed(
 
 
 @deferred_f_from_coro_f
-async def test_export_formats_and_changed_since_filters(tmp_path: Path, db_path: Path) -> None:
-    db = str(db_path)
-    settings = crawl_settings(db_path, **NATURAL_KEYS)
+async def test_export_formats_and_changed_since_filters(tmp_path: Path,
+                                                       crawl_database: str) -> None:
+    db = crawl_database
+    settings = crawl_settings(db, **NATURAL_KEYS)
     with LocalSite(listing_pages=2, products_per_page=5) as shop:
         await run_crawl(ShopSpider, settings, url=shop.url)
         between = datetime.now(timezone.utc).isoformat()
@@ -157,10 +159,11 @@ async def test_export_formats_and_changed_since_filters(tmp_path: Path, db_path:
     assert status["totals"]["records_inserted"] == 15
 
 
-def test_status_and_check_show_the_leases_of_a_killed_crawl(tmp_path: Path) -> None:
-    db_path = tmp_path / "killed.sqlite3"
+def test_status_and_check_show_the_leases_of_a_killed_crawl(tmp_path: Path,
+                                                            crawl_database: str) -> None:
+    db = crawl_database
     with LocalSite(delay=0.02) as site:
-        crawl = start_shop_crawl(site.url, db_path, tmp_path / "crawl.log")
+        crawl = start_shop_crawl(site.url, db, tmp_path / "crawl.log")
         deadline = time.monotonic() + 30
         while site.request_count < 40 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -168,14 +171,14 @@ def test_status_and_check_show_the_leases_of_a_killed_crawl(tmp_path: Path) -> N
         crawl.wait()
         assert site.request_count >= 40
 
-    status = idempotent_json("status", "--db", str(db_path))
+    status = idempotent_json("status", "--db", db)
     assert status["run"]["state"] == "open (killed)"
     assert status["totals"]["crawls_by_end"] == {"killed": 1}
     (lease,) = status["leases"]
     assert lease["worker"].split(":")[1] == str(crawl.pid)
     assert lease["worker_state"] == "dead"
     assert lease["leases"] == status["frontier"]["leased"] > 0
-    _, out, _ = idempotent("status", "--db", str(db_path))
+    _, out, _ = idempotent("status", "--db", db)
     assert "Run 1     unfinished (last crawl: killed): the next crawl resumes it" in out
     assert re.search(rf"{re.escape(lease['worker'])}\s+{lease['leases']}\s+\S+Z \(in \d+ s\)"
                      r"\s+dead: process gone", out)
@@ -183,14 +186,14 @@ def test_status_and_check_show_the_leases_of_a_killed_crawl(tmp_path: Path) -> N
     # check through the installed entry point, in a real process
     # the leases a kill left heal by themselves (the next crawl takes them back): reported,
     # and check exits 0, so monitoring built on its exit code does not alert after every kill
-    result = scrapy_subprocess("idempotent", "check", "--db", str(db_path))
+    result = scrapy_subprocess("idempotent", "check", "--db", db)
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(rf"heals\s+leases\s+{lease['leases']} leases held by "
                      rf"{re.escape(lease['worker'])}, a process of this host that no longer "
                      "exists", result.stdout)
     assert result.stdout.endswith("No problem found; 1 state that heals by itself (the next "
                                   "crawl takes the leases back)\n")
-    report = idempotent_json("check", "--db", str(db_path))
+    report = idempotent_json("check", "--db", db)
     assert (report["ok"], report["problems"], report["heals"]) == (True, 0, 1)
     assert [c["heals"] for c in report["checks"] if c["check"] == "leases"] == [True]
 
@@ -282,10 +285,10 @@ async def test_a_spider_name_resolves_the_database_like_the_scheduler(tmp_path: 
 
 @deferred_f_from_coro_f
 async def test_rejects_are_listed_and_their_pages_fetched_again_once_the_spider_is_fixed(
-    db_path: Path
+    crawl_database: str
 ) -> None:
-    db = str(db_path)
-    settings = crawl_settings(db_path, **NATURAL_KEYS)
+    db = crawl_database
+    settings = crawl_settings(db, **NATURAL_KEYS)
     with LocalSite() as site:
         PartlyBrokenSpider.broken = True
         crawler = await run_crawl(PartlyBrokenSpider, settings, url=site.url)

@@ -3,8 +3,6 @@ crawl gets the same :class:`~.IdempotentConfig` object from ``config_for``."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 
@@ -15,7 +13,7 @@ from shop.spiders.shop import ShopSpider
 
 
 @deferred_f_from_coro_f
-async def test_one_config_object_per_crawl(db_path: Path, monkeypatch) -> None:
+async def test_one_config_object_per_crawl(crawl_database: str, monkeypatch) -> None:
     reads: list[IdempotentConfig] = []
     read = IdempotentConfig.from_settings
 
@@ -27,7 +25,7 @@ async def test_one_config_object_per_crawl(db_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(IdempotentConfig, "from_settings", staticmethod(counted))
     with LocalSite(listing_pages=1, products_per_page=2) as site:
         crawler = await run_crawl(ShopSpider, crawl_settings(
-            db_path, IDEMPOTENT_LOG_INTERVAL_SECONDS=30,
+            crawl_database, IDEMPOTENT_LOG_INTERVAL_SECONDS=30,
             IDEMPOTENT_NATURAL_KEYS={"shop.items.ProductItem": "sku"}), url=site.url)
     assert crawler.stats.get_value("finish_reason") == "finished"
     # read for the spider class (components built before the spider), then for the spider:

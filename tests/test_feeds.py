@@ -24,13 +24,15 @@ from helpers.feeds import (
     read_jsonlines,
     record_count,
 )
+from helpers.stored import run_products, stored_products, stored_records, stored_runs
+from scrapy_idempotent.store import open_store
 from shop.spiders.shop import ShopSpider
 
 NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
 
 
-def stored_rows(db_path: Path) -> list[tuple[str, ...]]:
-    return product_rows([json.loads(d) for (d,) in db_rows(db_path, "SELECT data FROM records")])
+def stored_rows(database: str | Path) -> list[tuple[str, ...]]:
+    return product_rows(stored_products(database))
 
 
 def read_csv(path: Path) -> list[dict[str, Any]]:
@@ -40,9 +42,9 @@ def read_csv(path: Path) -> list[dict[str, Any]]:
 
 @deferred_f_from_coro_f
 async def test_feeds_are_written_from_the_run_through_scrapys_exporters(
-    shop: LocalSite, tmp_path: Path
+    shop: LocalSite, tmp_path: Path, crawl_database: str
 ) -> None:
-    db = tmp_path / "db.sqlite3"
+    db = crawl_database
     feeds = {
         str(tmp_path / "all.jsonl"): {"format": "jsonlines"},
         str(tmp_path / "all.json"): {"format": "json", "indent": 2, "overwrite": True},
@@ -77,9 +79,9 @@ async def test_feeds_are_written_from_the_run_through_scrapys_exporters(
 
 @deferred_f_from_coro_f
 async def test_a_graceful_stop_leaves_a_snapshot_and_append_adds_the_run_once(
-    shop: LocalSite, tmp_path: Path
+    shop: LocalSite, tmp_path: Path, crawl_database: str
 ) -> None:
-    db = tmp_path / "db.sqlite3"
+    db = crawl_database
     appended, replaced = tmp_path / "appended.jsonl", tmp_path / "replaced.json"
     appended.write_text('{"before": "the run"}\n')
     feeds = {str(appended): {"format": "jsonlines"},
@@ -116,9 +118,9 @@ async def test_a_graceful_stop_leaves_a_snapshot_and_append_adds_the_run_once(
 
 @deferred_f_from_coro_f
 async def test_a_new_run_that_sees_fewer_records_has_a_feed_of_its_own_records(
-    shop: LocalSite, tmp_path: Path
+    shop: LocalSite, tmp_path: Path, crawl_database: str
 ) -> None:
-    db = tmp_path / "db.sqlite3"
+    db = crawl_database
     feed = tmp_path / "run.jsonl"
     settings = crawl_settings(db, FEEDS={str(feed): {"format": "jsonlines", "overwrite": True}},
                               **NATURAL_KEYS)
@@ -127,12 +129,12 @@ async def test_a_new_run_that_sees_fewer_records_has_a_feed_of_its_own_records(
     settings["CLOSESPIDER_ITEMCOUNT"] = 30
     settings["IDEMPOTENT_RUN_MODE"] = "fresh"
     await run_crawl(ShopSpider, settings, url=shop.url)
-    seen = db_rows(db, "SELECT count(*) FROM records WHERE seen_run_id = 2")[0][0]
+    seen = len(run_products(db, 2))
     assert 30 <= seen < 500
     assert len(read_jsonlines(feed)) == seen  # run 2's records only, not the 500 stored
 
 
-def _feed_command(site_url: str, db: Path, log: Path, feed_args: list[str]) -> list[str]:
+def _feed_command(site_url: str, db: str | Path, log: Path, feed_args: list[str]) -> list[str]:
     return [sys.executable, "-m", "scrapy", "crawl", "shop", "-a", f"url={site_url}",
             "-s", f"IDEMPOTENT_DATABASE={db}", "-s", f"LOG_FILE={log}",
             "-s", "CONCURRENT_REQUESTS=4", "-s", "CONCURRENT_REQUESTS_PER_DOMAIN=4",
@@ -241,10 +243,10 @@ class KillingExporter(JsonItemExporter):
 
 @pytest.mark.slow
 def test_a_kill_while_the_feed_is_written_leaves_the_old_file_and_the_next_crawl_writes_it(
-    shop: LocalSite, tmp_path: Path
+    shop: LocalSite, tmp_path: Path, crawl_database: str
 ) -> None:
     (tmp_path / "killing_exporter.py").write_text(KILLING_EXPORTER)
-    db, feed = tmp_path / "db.sqlite3", tmp_path / "feed.json"
+    db, feed = crawl_database, tmp_path / "feed.json"
     feed.write_text('["from an earlier crawl"]')
     args = ["-s", 'FEED_EXPORTERS={"killjson": "killing_exporter.KillingExporter"}',
             "-s", f'FEEDS={{"{feed}": {{"format": "killjson", "overwrite": true}}}}',
@@ -254,9 +256,10 @@ def test_a_kill_while_the_feed_is_written_leaves_the_old_file_and_the_next_crawl
                             cwd=EXAMPLE_PROJECT, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=300)
     assert killed.returncode == -signal.SIGKILL
-    assert record_count(db) == 500  # the crawl was complete: killed while writing its feed
+    # the crawl was complete: killed while writing its feed
+    assert len(stored_records(db)) == 500
     assert json.loads(feed.read_text()) == ["from an earlier crawl"]
-    assert db_rows(db, "SELECT finished_at FROM runs") == [(None,)]  # not finished yet
+    assert [run.finished_at for run in stored_runs(db)] == [None]  # not finished yet
 
     del env["KILL_IN_EXPORT"]
     shop.reset_counts()
@@ -266,7 +269,7 @@ def test_a_kill_while_the_feed_is_written_leaves_the_old_file_and_the_next_crawl
     assert again.returncode == 0
     assert shop.request_count <= 1  # nothing left to fetch (the start page at most)
     assert product_rows(json.loads(feed.read_text())) == stored_rows(db)
-    assert db_rows(db, "SELECT reason FROM runs") == [("finished",)]
+    assert [run.reason for run in stored_runs(db)] == ["finished"]
     assert not list(tmp_path.glob(".*partial"))
 
 
@@ -284,9 +287,9 @@ class VariantSpider(ShopSpider):
 
 @deferred_f_from_coro_f
 async def test_a_feed_keeps_the_order_of_the_items_and_of_their_fields(
-    tmp_path: Path
+    tmp_path: Path, crawl_database: str
 ) -> None:
-    db, feed = tmp_path / "db.sqlite3", tmp_path / "variants.jsonl"
+    db, feed = crawl_database, tmp_path / "variants.jsonl"
     settings = crawl_settings(db, FEEDS={str(feed): {"format": "jsonlines"}},
                               IDEMPOTENT_NATURAL_KEYS={"dict": "variant"},
                               IDEMPOTENT_RECORD_ID_FIELD=None)
@@ -302,9 +305,9 @@ async def test_a_feed_keeps_the_order_of_the_items_and_of_their_fields(
 
 @deferred_f_from_coro_f
 async def test_an_appended_feed_new_with_the_run_gets_the_run_once_after_a_stop(
-    shop: LocalSite, tmp_path: Path
+    shop: LocalSite, tmp_path: Path, crawl_database: str
 ) -> None:
-    db, feed = tmp_path / "db.sqlite3", tmp_path / "new.jsonl"
+    db, feed = crawl_database, tmp_path / "new.jsonl"
     settings = crawl_settings(db, FEEDS={str(feed): {"format": "jsonlines"}},
                               CLOSESPIDER_ITEMCOUNT=40, **NATURAL_KEYS)
     await run_crawl(ShopSpider, settings, url=shop.url)
@@ -341,13 +344,13 @@ def ftp_root(tmp_path: Path) -> Any:
 @pytest.mark.filterwarnings("ignore:The asyn(core|chat) module is deprecated:DeprecationWarning")
 @deferred_f_from_coro_f
 async def test_ftp_feeds_overwritten_at_each_stop_and_appended_once_when_the_run_ends(
-    shop: LocalSite, tmp_path: Path, ftp_root: Any
+    shop: LocalSite, ftp_root: Any, crawl_database: str
 ) -> None:
     root, base = ftp_root
     (root / "appended.jsonl").write_text('{"before": "the run"}\n')
     feeds = {f"{base}/replaced.json": {"format": "json", "overwrite": True},
              f"{base}/appended.jsonl": {"format": "jsonlines", "overwrite": False}}
-    db = tmp_path / "db.sqlite3"
+    db = crawl_database
     settings = crawl_settings(db, FEEDS=feeds, CLOSESPIDER_ITEMCOUNT=40, **NATURAL_KEYS)
     crawler = await run_crawl(ShopSpider, settings, url=shop.url)
     assert crawler.stats.get_value("feedexport/success_count/FTPFeedStorage") == 1
@@ -366,14 +369,15 @@ async def test_ftp_feeds_overwritten_at_each_stop_and_appended_once_when_the_run
 
 
 @pytest.mark.slow
-def test_a_stdout_feed_gets_the_run_when_the_crawl_closes(shop: LocalSite, tmp_path: Path
-                                                          ) -> None:
+def test_a_stdout_feed_gets_the_run_when_the_crawl_closes(
+    shop: LocalSite, tmp_path: Path, crawl_database: str
+) -> None:
     result = subprocess.run(
-        _feed_command(shop.url, tmp_path / "db.sqlite3", tmp_path / "log", ["-o", "-:jsonlines"]),
+        _feed_command(shop.url, crawl_database, tmp_path / "log", ["-o", "-:jsonlines"]),
         cwd=EXAMPLE_PROJECT, stdin=subprocess.DEVNULL, capture_output=True, timeout=300)
     assert result.returncode == 0
     rows = product_rows([json.loads(line) for line in result.stdout.decode().splitlines()])
-    assert rows == stored_rows(tmp_path / "db.sqlite3")
+    assert rows == stored_rows(crawl_database)
     assert len(rows) == 500
 
 
@@ -381,9 +385,10 @@ def test_a_stdout_feed_gets_the_run_when_the_crawl_closes(shop: LocalSite, tmp_p
 
 FEED_HELPERS = '''
 import glob
-import sqlite3
 
 from scrapy.exporters import JsonLinesItemExporter
+
+from helpers.stored import change_stored
 
 DATABASE = {}
 
@@ -402,7 +407,8 @@ class PartialThief(JsonLinesItemExporter):
 
 class CommitsMeanwhile:
     """An item filter that, at the first item it sees, commits a write from another
-    connection: another worker committing while the feeds are being written."""
+    connection (on either backend): another worker committing while the feeds are being
+    written."""
 
     def __init__(self, feed_options):
         self.done = False
@@ -410,9 +416,8 @@ class CommitsMeanwhile:
     def accepts(self, item):
         if not self.done:
             self.done = True
-            conn = sqlite3.connect(DATABASE["path"], isolation_level=None)
-            conn.execute("INSERT INTO feeds (run_id, uri, base_size) VALUES (999, 'x', 0)")
-            conn.close()
+            change_stored(DATABASE["database"],
+                          "INSERT INTO feeds (run_id, uri, base_size) VALUES (999, 'x', 0)")
         return True
 '''
 
@@ -451,9 +456,9 @@ def _live_and_dead_workers() -> tuple[subprocess.Popen[bytes], str, str]:
 
 @deferred_f_from_coro_f
 async def test_a_temporary_feed_file_of_a_live_worker_is_kept_one_of_a_dead_worker_removed(
-    tmp_path: Path
+    tmp_path: Path, crawl_database: str
 ) -> None:
-    db, feed = tmp_path / "db.sqlite3", tmp_path / "feed.jsonl"
+    db, feed = crawl_database, tmp_path / "feed.jsonl"
     live, live_id, dead_id = _live_and_dead_workers()
     try:
         # written by a worker still writing the same feed, and by one killed while writing
@@ -476,9 +481,9 @@ async def test_a_temporary_feed_file_of_a_live_worker_is_kept_one_of_a_dead_work
 
 @deferred_f_from_coro_f
 async def test_a_feed_whose_temporary_file_vanished_is_not_stored_and_the_run_stays_open(
-    tmp_path: Path, helpers: Any, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, helpers: Any, caplog: pytest.LogCaptureFixture, crawl_database: str
 ) -> None:
-    db, feed = tmp_path / "db.sqlite3", tmp_path / "feed.jsonl"
+    db, feed = crawl_database, tmp_path / "feed.jsonl"
     helpers.DATABASE["thief_glob"] = str(tmp_path / ".feed.jsonl.*.partial")
     feed.write_text("before\n")
     # a feed written at the close (streamed feeds have no temporary file)
@@ -491,7 +496,7 @@ async def test_a_feed_whose_temporary_file_vanished_is_not_stored_and_the_run_st
         assert "feedexport/success_count/FileFeedStorage" not in stats
         assert stats["feedexport/failed_count/FileFeedStorage"] == 1
         assert feed.read_text() == "before\n"
-        assert db_rows(db, "SELECT finished_at FROM runs") == [(None,)]
+        assert [run.finished_at for run in stored_runs(db)] == [None]
         assert not [r for r in caplog.records if r.getMessage().startswith("Stored ")]
 
         settings["FEED_EXPORTERS"] = {}
@@ -501,16 +506,16 @@ async def test_a_feed_whose_temporary_file_vanished_is_not_stored_and_the_run_st
         assert crawler.stats.get_value("idempotent/run_id") == 1  # the same run, resumed
         assert site.request_count <= 1  # nothing left to fetch
     assert len(read_jsonlines(feed)) == 10
-    assert db_rows(db, "SELECT reason FROM runs") == [("finished",)]
+    assert [run.reason for run in stored_runs(db)] == ["finished"]
 
 
 @deferred_f_from_coro_f
 async def test_append_keeps_the_file_when_another_worker_commits_while_feeds_are_written(
-    tmp_path: Path, helpers: Any
+    tmp_path: Path, helpers: Any, crawl_database: str
 ) -> None:
-    db = tmp_path / "db.sqlite3"
+    db = crawl_database
     first, appended = tmp_path / "first.jsonl", tmp_path / "appended.jsonl"
-    helpers.DATABASE["path"] = str(db)
+    helpers.DATABASE["database"] = db
     appended.write_text('{"before": "the run"}\n')
     feeds = {str(first): {"format": "jsonlines", "overwrite": True,
                           "item_filter": "feed_helpers.CommitsMeanwhile"},
@@ -522,7 +527,13 @@ async def test_append_keeps_the_file_when_another_worker_commits_while_feeds_are
         crawler = await run_crawl(ShopSpider, crawl_settings(
             db, FEEDS=feeds, IDEMPOTENT_FEED_STREAMING=False), url=site.url)
     assert crawler.stats.get_value("feedexport/success_count/FileFeedStorage") == 2
-    assert db_rows(db, "SELECT count(*) FROM feeds WHERE run_id = 999") == [(1,)]
+    # the other worker's commit is there: its base is the one recorded, not a new one
+    store = open_store(db)
+    store.open_existing(readonly=False)
+    try:
+        assert store.feed_base(999, "x", 7) == 0
+    finally:
+        store.close()
     lines = read_jsonlines(appended)
     assert lines[0] == {"before": "the run"}
     assert len(lines) == 1 + 520
@@ -531,9 +542,9 @@ async def test_append_keeps_the_file_when_another_worker_commits_while_feeds_are
 
 @deferred_f_from_coro_f
 async def test_a_feed_that_cannot_be_stored_leaves_the_run_unfinished_and_is_written_next_time(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, crawl_database: str
 ) -> None:
-    db = tmp_path / "db.sqlite3"
+    db = crawl_database
     blocker = tmp_path / "out"
     blocker.write_text("a file where the feed's directory should be")
     feed = blocker / "feed.json"
@@ -541,7 +552,7 @@ async def test_a_feed_that_cannot_be_stored_leaves_the_run_unfinished_and_is_wri
     with LocalSite(listing_pages=2, products_per_page=5) as site:
         crawler = await run_crawl(ShopSpider, settings, url=site.url)
         assert crawler.stats.get_value("feedexport/failed_count/FileFeedStorage") == 1
-        assert db_rows(db, "SELECT finished_at FROM runs") == [(None,)]
+        assert [run.finished_at for run in stored_runs(db)] == [None]
         errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
         assert any(str(feed) in m and "unfinished" in m
                    and ("FileExistsError" in m or "NotADirectoryError" in m)
@@ -554,7 +565,7 @@ async def test_a_feed_that_cannot_be_stored_leaves_the_run_unfinished_and_is_wri
         assert crawler.stats.get_value("feedexport/success_count/FileFeedStorage") == 1
         assert site.request_count <= 1
     assert len(json.loads(feed.read_text())) == 10
-    assert db_rows(db, "SELECT reason FROM runs") == [("finished",)]
+    assert [run.reason for run in stored_runs(db)] == ["finished"]
 
 
 FULL_DISK_EXPORTER = '''
@@ -577,11 +588,11 @@ class FullDiskExporter(JsonLinesItemExporter):
 @deferred_f_from_coro_f
 async def test_a_feed_on_a_full_disk_changes_no_other_feed_and_logs_its_cause_once(
     shop: LocalSite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture
+    caplog: pytest.LogCaptureFixture, crawl_database: str
 ) -> None:
     (tmp_path / "full_disk.py").write_text(FULL_DISK_EXPORTER)
     monkeypatch.syspath_prepend(str(tmp_path))
-    db, full, other = tmp_path / "db.sqlite3", tmp_path / "full.jsonl", tmp_path / "other.json"
+    db, full, other = crawl_database, tmp_path / "full.jsonl", tmp_path / "other.json"
     # the failing feed first: today its error made every later item skip the other feeds
     feeds = {str(full): {"format": "full"}, str(other): {"format": "json"}}
     settings = crawl_settings(db, FEEDS=feeds, **NATURAL_KEYS,
@@ -594,7 +605,7 @@ async def test_a_feed_on_a_full_disk_changes_no_other_feed_and_logs_its_cause_on
     # streamed: the file holds what was written before its disk filled, no entry twice
     written = [line["sku"] for line in read_jsonlines(full)] if full.exists() else []
     assert len(written) == len(set(written)) <= 20
-    assert db_rows(db, "SELECT finished_at FROM runs") == [(None,)]  # written next time
+    assert [run.finished_at for run in stored_runs(db)] == [None]  # written next time
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     with_traceback = [r for r in errors if r.exc_info]
     assert len(with_traceback) == 1, [r.getMessage() for r in errors]
@@ -620,7 +631,8 @@ class OutOfOrderSpider(ShopSpider):
 
 @deferred_f_from_coro_f
 @pytest.mark.parametrize("fields", [None, ["price", "sku"]])
-async def test_csv_columns_are_in_scrapys_order(tmp_path: Path, fields: Any) -> None:
+async def test_csv_columns_are_in_scrapys_order(tmp_path: Path, fields: Any,
+                                               crawl_database: str) -> None:
     """CSV columns as Scrapy's own exporter writes them: an item's declared fields, a dict's
     keys in their order (the first item decides), FEED_EXPORT_FIELDS when set."""
     options = {"format": "csv", **({"fields": fields} if fields else {})}
@@ -629,7 +641,7 @@ async def test_csv_columns_are_in_scrapys_order(tmp_path: Path, fields: Any) -> 
         for mode in ("plain", "idempotent"):
             feed = tmp_path / f"{mode}-%(name)s-%(batch_id)d.csv"
             settings = crawl_settings(
-                tmp_path / "db.sqlite3", FEEDS={str(feed): options},
+                crawl_database, FEEDS={str(feed): options},
                 IDEMPOTENT_NATURAL_KEYS={"shop.items.ProductItem": "sku", "dict": "sku"},
                 IDEMPOTENT_RECORD_ID_FIELD=None, FEED_EXPORT_BATCH_ITEM_COUNT=1)
             if mode == "plain":
@@ -673,7 +685,7 @@ class SlowFileStorage(FileFeedStorage):
 
 @deferred_f_from_coro_f
 async def test_a_stopped_workers_late_snapshot_never_replaces_the_finished_runs_feed(
-    shop: LocalSite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    shop: LocalSite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crawl_database: str
 ) -> None:
     """Worker B writes its snapshot of the run at a graceful stop (100 records so far), its
     storage slow; worker A finishes the run and stores the complete feeds; B's store ends
@@ -682,14 +694,12 @@ async def test_a_stopped_workers_late_snapshot_never_replaces_the_finished_runs_
     from scrapy.utils.test import get_crawler
 
     from scrapy_idempotent import IdempotentFeedExporter
-    from scrapy_idempotent.store import open_store
 
     (tmp_path / "slow_storage.py").write_text(SLOW_STORAGE)
     monkeypatch.syspath_prepend(str(tmp_path))
     import slow_storage  # type: ignore[import-not-found]
 
-    db, replaced, appended = (tmp_path / "db.sqlite3", tmp_path / "out.json",
-                              tmp_path / "out.jsonl")
+    db, replaced, appended = crawl_database, tmp_path / "out.json", tmp_path / "out.jsonl"
     appended.write_text('{"before": "the run"}\n')
     feeds = {str(replaced): {"format": "json", "overwrite": True},
              str(appended): {"format": "jsonlines"}}
@@ -703,7 +713,7 @@ async def test_a_stopped_workers_late_snapshot_never_replaces_the_finished_runs_
     def item_scraped(item: Any) -> None:
         if len(late) or crawler.stats.get_value("item_scraped_count", 0) < 100:
             return
-        other = open_store(str(db))
+        other = open_store(db)
         other.open_existing(readonly=False)
         worker_b = IdempotentFeedExporter(crawler)
         worker_b._spider = crawler.spider
@@ -775,8 +785,7 @@ async def test_a_streamed_feed_is_cut_back_to_its_mark_and_continued_by_the_next
     crawler = await run_crawl(ShopSpider, settings, url=shop.url)  # resumes the run
     assert crawler.stats.get_value("idempotent/run_id") == 1
     skus = _entries(feed, fmt)
-    stored = [json.loads(d)["sku"] for (d,) in db_rows(
-        db, "SELECT data FROM records WHERE seen_run_id = 1 ORDER BY seen_seq")]
+    stored = [product["sku"] for product in run_products(db, 1)]
     assert skus == stored and len(stored) == 500
     assert skus[:len(first)] == first
     if fmt == "csv":

@@ -5,9 +5,7 @@ harmless, bad messages are parked, an empty queue keeps the crawl idle."""
 from __future__ import annotations
 
 import json
-import sqlite3
 import uuid
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +16,6 @@ from scrapy.utils.test import get_crawler
 
 from crawling import (
     crawl_to_end,
-    db_rows,
     frontier_counts,
     stored_products,
     wait_for,
@@ -32,6 +29,7 @@ from helpers.queues import (
     queue_settings,
     reactor_wait_for,
 )
+from helpers.stored import change_stored, frontier_entries
 from redis_server import RedisServer, redis_server  # noqa: F401  (the fixture)
 from scrapy_idempotent import signals
 from scrapy_idempotent.queue_input import QueueInput
@@ -53,8 +51,8 @@ class AckProbe:
     """Wraps the queue input's Redis client (the real one) and checks at every ``XACK`` that
     the page each acknowledged message asked for is committed in a final state."""
 
-    def __init__(self, crawler: Any, db_path: Path) -> None:
-        self.crawler, self.db_path = crawler, db_path
+    def __init__(self, crawler: Any, database: str) -> None:
+        self.crawler, self.database = crawler, database
         self.problems: list[str] = []
         self.acked: list[str] = []
         crawler.signals.connect(self.spider_opened, signal=scrapy_signals.spider_opened)
@@ -82,13 +80,13 @@ class AckProbe:
             url = message_url(fields)
             if url is None:
                 continue  # the stop message
-            rows = db_rows(self.db_path, "SELECT key, state FROM requests WHERE url = ?", (url,))
+            entries = frontier_entries(self.database)
+            rows = [(e.key, e.state) for e in entries if e.url == url]
             while rows and all(state == "redirected" for _, state in rows):
                 # a redirect is finished when its target is (the target: its child entry);
                 # one whose target was refused before the frontier (offsite) is finished
-                targets = db_rows(self.db_path, "SELECT key, state FROM requests WHERE "
-                                  f"parent_key IN ({','.join('?' * len(rows))})",
-                                  [k for k, _ in rows])
+                parents = {k for k, _ in rows}
+                targets = [(e.key, e.state) for e in entries if e.parent_key in parents]
                 if not targets:
                     break
                 rows = targets
@@ -99,7 +97,7 @@ class AckProbe:
 
 @deferred_f_from_coro_f
 async def test_messages_become_requests_acknowledged_after_commit(
-    redis_server: RedisServer, db_path: Path  # noqa: F811
+    redis_server: RedisServer, crawl_database: str  # noqa: F811
 ) -> None:
     key = f"q-{uuid.uuid4().hex}"
     client = redis_server.client()
@@ -112,8 +110,8 @@ async def test_messages_become_requests_acknowledged_after_commit(
         client.xadd(key, product_message(shop, 3))  # answers 503: failed, then acknowledged
         client.xadd(key, {"url": f"{shop.url}/list/2"})  # links products 4..6 and list 1
         client.xadd(key, {"stop": "1"})
-        crawler = get_crawler(QueueSpider, queue_settings(db_path, redis_server, key))
-        probe = AckProbe(crawler, db_path)
+        crawler = get_crawler(QueueSpider, queue_settings(crawl_database, redis_server, key))
+        probe = AckProbe(crawler, crawl_database)
         await crawl_to_end(crawler)
         requests = shop.counts_by_path()
     stats = crawler.stats.get_stats()
@@ -121,11 +119,11 @@ async def test_messages_become_requests_acknowledged_after_commit(
     assert probe.problems == []
     assert len(probe.acked) == 7
     assert requests["/product/SKU-00001"] == 1
-    assert frontier_counts(db_path) == {"done": 7, "failed": 1}  # 2 listings, 6 products
-    skus = sorted(p["sku"] for p in stored_products(db_path))
+    assert frontier_counts(crawl_database) == {"done": 7, "failed": 1}  # 2 listings, 6 products
+    skus = sorted(p["sku"] for p in stored_products(crawl_database))
     assert skus == [f"SKU-{n:05d}" for n in (1, 2, 4, 5, 6)]
-    assert db_rows(db_path, "SELECT state, error_kind FROM requests WHERE url LIKE ?",
-                   ("%SKU-00003",)) == [("failed", "http_status")]
+    assert [(e.state, e.error_kind) for e in frontier_entries(crawl_database)
+            if e.url.endswith("SKU-00003")] == [("failed", "http_status")]
     assert acknowledged_all(client, key)
     assert stats["idempotent/queue/received"] == 7
     assert stats["idempotent/queue/acknowledged"] == 7  # the stop message included
@@ -134,27 +132,27 @@ async def test_messages_become_requests_acknowledged_after_commit(
 
 @deferred_f_from_coro_f
 async def test_a_redirected_request_is_acknowledged_when_its_target_is_done(
-    redis_server: RedisServer, db_path: Path  # noqa: F811
+    redis_server: RedisServer, crawl_database: str  # noqa: F811
 ) -> None:
     key = f"q-{uuid.uuid4().hex}"
     client = redis_server.client()
     with LocalSite(listing_pages=1, products_per_page=2) as shop:
         client.xadd(key, {"url": f"{shop.url}/"})  # 302 to /list/1
         client.xadd(key, {"stop": "1"})
-        crawler = get_crawler(QueueSpider, queue_settings(db_path, redis_server, key))
-        probe = AckProbe(crawler, db_path)
+        crawler = get_crawler(QueueSpider, queue_settings(crawl_database, redis_server, key))
+        probe = AckProbe(crawler, crawl_database)
         await crawl_to_end(crawler)
     assert crawler.stats.get_value("finish_reason") == "finished"
     assert probe.problems == []
-    assert frontier_counts(db_path) == {"redirected": 1, "done": 3}
-    assert len(stored_products(db_path)) == 2
+    assert frontier_counts(crawl_database) == {"redirected": 1, "done": 3}
+    assert len(stored_products(crawl_database)) == 2
     assert acknowledged_all(client, key)
     assert len(probe.acked) == 2
 
 
 @deferred_f_from_coro_f
 async def test_a_request_redirected_off_site_is_acknowledged_after_its_redirect(
-    redis_server: RedisServer, db_path: Path  # noqa: F811
+    redis_server: RedisServer, crawl_database: str  # noqa: F811
 ) -> None:
     # the offsite middleware drops the target after request_scheduled was sent for it: the
     # message must not wait for a request that never reaches the frontier
@@ -164,21 +162,21 @@ async def test_a_request_redirected_off_site_is_acknowledged_after_its_redirect(
         client.xadd(key, {"url": f"{shop.url}/redirect/302/away?to=http://elsewhere.invalid/x"})
         client.xadd(key, {"stop": "1"})
         spider = type("OffsiteQueueSpider", (QueueSpider,), {"allowed_domains": ["127.0.0.1"]})
-        crawler = get_crawler(spider, queue_settings(db_path, redis_server, key))
-        probe = AckProbe(crawler, db_path)
+        crawler = get_crawler(spider, queue_settings(crawl_database, redis_server, key))
+        probe = AckProbe(crawler, crawl_database)
         await crawl_to_end(crawler)
     stats = crawler.stats.get_stats()
     assert stats["finish_reason"] == "finished"
     assert stats["offsite/filtered"] == 1
     assert probe.problems == []
-    assert frontier_counts(db_path) == {"redirected": 1}
+    assert frontier_counts(crawl_database) == {"redirected": 1}
     assert acknowledged_all(client, key)
     assert stats["idempotent/queue/acknowledged"] == 2  # the stop message included
 
 
 @deferred_f_from_coro_f
 async def test_messages_idle_with_a_consumer_of_another_host_are_claimed(
-    redis_server: RedisServer, db_path: Path  # noqa: F811
+    redis_server: RedisServer, crawl_database: str  # noqa: F811
 ) -> None:
     """Messages read by a worker of another host that never acknowledged them (it died, or
     hangs) are taken over once idle for IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS (XAUTOCLAIM)."""
@@ -193,19 +191,19 @@ async def test_messages_idle_with_a_consumer_of_another_host_are_claimed(
             key, GROUP, "-", "+", 10)) >= 1000, 60, "the messages idle for a second")
         client.xadd(key, {"stop": "1"})
         crawler = get_crawler(QueueSpider, queue_settings(
-            db_path, redis_server, key, IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS=1))
+            crawl_database, redis_server, key, IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS=1))
         await crawl_to_end(crawler)
     stats = crawler.stats.get_stats()
     assert stats["finish_reason"] == "finished"
     assert stats["idempotent/queue/claimed"] == 2
-    assert sorted(p["sku"] for p in stored_products(db_path)) == ["SKU-00008", "SKU-00009"]
+    assert sorted(p["sku"] for p in stored_products(crawl_database)) == ["SKU-00008", "SKU-00009"]
     assert acknowledged_all(client, key)
     assert len(ids) == 2
 
 
 @deferred_f_from_coro_f
 async def test_a_message_whose_request_another_worker_does_is_acknowledged_after_it(
-    redis_server: RedisServer, db_path: Path  # noqa: F811
+    redis_server: RedisServer, crawl_database: str  # noqa: F811
 ) -> None:
     """Two workers on one stream and one frontier: B reads a message whose request A is
     fetching (a duplicate for B: A holds the lease). B never sees A's signal; it acknowledges
@@ -214,7 +212,7 @@ async def test_a_message_whose_request_another_worker_does_is_acknowledged_after
 
     key = f"q-{uuid.uuid4().hex}"
     client = redis_server.client()
-    settings = queue_settings(db_path, redis_server, key, IDEMPOTENT_QUEUE_PREFETCH=1,
+    settings = queue_settings(crawl_database, redis_server, key, IDEMPOTENT_QUEUE_PREFETCH=1,
                               IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=0.5)
     with LocalSite(delay=10) as shop:
         client.xadd(key, product_message(shop, 1))
@@ -234,7 +232,7 @@ async def test_a_message_whose_request_another_worker_does_is_acknowledged_after
         assert worker.stats.get_value("finish_reason") == "finished"
         assert worker.stats.get_value("idempotent/queue/acknowledged") == 1
     assert worker_b.stats.get_value("idempotent/requests/duplicate") == 1
-    assert db_rows(db_path, "SELECT count(*), min(state) FROM requests") == [(1, "done")]
+    assert [e.state for e in frontier_entries(crawl_database)] == ["done"]
     assert acknowledged_all(client, key)
     assert second not in {p["message_id"] for p in client.xpending_range(key, GROUP, "-", "+",
                                                                           10)}
@@ -242,7 +240,7 @@ async def test_a_message_whose_request_another_worker_does_is_acknowledged_after
 
 @deferred_f_from_coro_f
 async def test_bad_messages_are_parked_with_their_error_and_the_crawl_goes_on(
-    redis_server: RedisServer, db_path: Path  # noqa: F811
+    redis_server: RedisServer, crawl_database: str  # noqa: F811
 ) -> None:
     key = f"q-{uuid.uuid4().hex}"
     client = redis_server.client()
@@ -260,7 +258,7 @@ async def test_bad_messages_are_parked_with_their_error_and_the_crawl_goes_on(
         ids = [client.xadd(key, fields) for fields in bad]
         client.xadd(key, product_message(shop, 7))
         client.xadd(key, {"stop": "1"})
-        settings = queue_settings(db_path, redis_server, key)
+        settings = queue_settings(crawl_database, redis_server, key)
         crawler = get_crawler(type("OffsiteSpider", (QueueSpider,), {
             "allowed_domains": ["127.0.0.1"]}), settings)
         await crawl_to_end(crawler)
@@ -279,12 +277,12 @@ async def test_bad_messages_are_parked_with_their_error_and_the_crawl_goes_on(
     assert json.loads(parked[6][1]["fields"]) == {"link": product(shop, 1)}
     assert stats["idempotent/queue/parked"] == 8
     assert acknowledged_all(client, key)
-    assert [p["sku"] for p in stored_products(db_path)] == ["SKU-00007"]
+    assert [p["sku"] for p in stored_products(crawl_database)] == ["SKU-00007"]
 
 
 @deferred_f_from_coro_f
 async def test_empty_queue_keeps_the_crawl_idle_until_stop(
-    redis_server: RedisServer, db_path: Path  # noqa: F811
+    redis_server: RedisServer, crawl_database: str  # noqa: F811
 ) -> None:
     """Work arrives while the crawl is idle (each message added once the previous one is
     done): the crawl waits for it instead of finishing, and finishes on the stop message."""
@@ -298,23 +296,23 @@ async def test_empty_queue_keeps_the_crawl_idle_until_stop(
             if follow_ups:
                 client.xadd(key, follow_ups.pop(0))
 
-        crawler = get_crawler(QueueSpider, queue_settings(db_path, redis_server, key))
+        crawler = get_crawler(QueueSpider, queue_settings(crawl_database, redis_server, key))
         crawler.signals.connect(add_next, signal=signals.request_done)
         await crawl_to_end(crawler)
     stats = crawler.stats.get_stats()
     assert stats["finish_reason"] == "finished"
     assert follow_ups == []
-    assert len(stored_products(db_path)) == 3
+    assert len(stored_products(crawl_database)) == 3
     assert acknowledged_all(client, key)
 
 
 @deferred_f_from_coro_f
 async def test_idle_timeout_finishes_an_empty_queue(
-    redis_server: RedisServer, db_path: Path  # noqa: F811
+    redis_server: RedisServer, crawl_database: str  # noqa: F811
 ) -> None:
     key = f"q-{uuid.uuid4().hex}"
     crawler = get_crawler(QueueSpider, queue_settings(
-        db_path, redis_server, key, IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=0.5))
+        crawl_database, redis_server, key, IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=0.5))
     await crawl_to_end(crawler)
     stats = crawler.stats.get_stats()
     assert stats["finish_reason"] == "finished"
@@ -324,14 +322,14 @@ async def test_idle_timeout_finishes_an_empty_queue(
 
 @deferred_f_from_coro_f
 async def test_recrawl_window_applies_to_queued_urls(
-    redis_server: RedisServer, db_path: Path  # noqa: F811
+    redis_server: RedisServer, crawl_database: str  # noqa: F811
 ) -> None:
     """With IDEMPOTENT_RECRAWL_SECONDS, a URL queued again in the same window is not fetched
     (acknowledged as already done); in a later window it is fetched again (one entry)."""
     key = f"q-{uuid.uuid4().hex}"
     client = redis_server.client()
     window = 3600.0
-    settings = queue_settings(db_path, redis_server, key, IDEMPOTENT_RECRAWL_SECONDS=window)
+    settings = queue_settings(crawl_database, redis_server, key, IDEMPOTENT_RECRAWL_SECONDS=window)
     with LocalSite() as shop:
         message = product_message(shop, 4)
         for _ in range(2):  # the second: the same window
@@ -343,17 +341,15 @@ async def test_recrawl_window_applies_to_queued_urls(
         assert shop.counts_by_path()["/product/SKU-00004"] == 1
         assert crawler.stats.get_value("idempotent/requests/already_done") == 1
         # the page was done in an earlier window (moved back by one window, as time passing)
-        conn = sqlite3.connect(db_path)
-        with conn:
-            conn.execute("UPDATE requests SET finished_at = finished_at - ?", (window,))
-        conn.close()
+        change_stored(crawl_database, "UPDATE requests SET finished_at = finished_at - ?",
+                      (window,))
         client.xadd(key, message)
         client.xadd(key, {"stop": "1"})
         crawler = get_crawler(QueueSpider, settings)
         await crawl_to_end(crawler)
         assert shop.counts_by_path()["/product/SKU-00004"] == 2
-    assert db_rows(db_path, "SELECT count(*), min(state) FROM requests") == [(1, "done")]
-    assert len(stored_products(db_path)) == 1
+    assert [e.state for e in frontier_entries(crawl_database)] == ["done"]
+    assert len(stored_products(crawl_database)) == 1
     assert acknowledged_all(client, key)
 
 

@@ -46,11 +46,11 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
 
 @deferred_f_from_coro_f
 async def test_a_redis_restarted_without_persistence_gets_its_group_again(
-        own_redis: RedisServer, db_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        own_redis: RedisServer, crawl_database: str, caplog: pytest.LogCaptureFixture) -> None:
     key = f"q-{uuid.uuid4().hex}"
     client = own_redis.client()
     # CLOSESPIDER_TIMEOUT: a crawl that never reads again ends, not finished
-    settings = queue_settings(db_path, own_redis, key, CLOSESPIDER_TIMEOUT=60)
+    settings = queue_settings(crawl_database, own_redis, key, CLOSESPIDER_TIMEOUT=60)
     with LocalSite() as shop:
         client.xadd(key, product_message(shop, 1))
         crawler = get_crawler(QueueSpider, settings)
@@ -67,7 +67,7 @@ async def test_a_redis_restarted_without_persistence_gets_its_group_again(
             await maybe_deferred_to_future(crawling)
     stats = crawler.stats.get_stats()
     assert stats["finish_reason"] == "finished"
-    assert sorted(p["sku"] for p in stored_products(db_path)) == [
+    assert sorted(p["sku"] for p in stored_products(crawl_database)) == [
         "SKU-00001", "SKU-00002", "SKU-00003"]
     assert acknowledged_all(client, key)
     assert any("consumer group 'scrapy_idempotent' is gone" in r.getMessage()
@@ -77,7 +77,7 @@ async def test_a_redis_restarted_without_persistence_gets_its_group_again(
 
 @deferred_f_from_coro_f
 async def test_the_messages_of_a_read_whose_answer_was_lost_are_taken(
-        own_redis: RedisServer, db_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        own_redis: RedisServer, crawl_database: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first read of new messages runs on the server (they are pending for the worker's
     consumer from then on) and its answer never arrives (the connection cut): the worker
     reads its own pending entries again and does their requests; nothing is left pending."""
@@ -100,7 +100,7 @@ async def test_the_messages_of_a_read_whose_answer_was_lost_are_taken(
     with LocalSite() as shop:
         for number in (1, 2, 3):
             client.xadd(key, product_message(shop, number))
-        crawler = get_crawler(QueueSpider, queue_settings(db_path, own_redis, key))
+        crawler = get_crawler(QueueSpider, queue_settings(crawl_database, own_redis, key))
         crawling = crawler.crawl()
         await reactor_wait_for(lost.is_set, "the first read")
         client.xadd(key, {"stop": "1"})
@@ -108,7 +108,7 @@ async def test_the_messages_of_a_read_whose_answer_was_lost_are_taken(
     stats = crawler.stats.get_stats()
     assert stats["finish_reason"] == "finished"
     assert stats["idempotent/queue/redis_errors"] == 1
-    assert sorted(p["sku"] for p in stored_products(db_path)) == [
+    assert sorted(p["sku"] for p in stored_products(crawl_database)) == [
         "SKU-00001", "SKU-00002", "SKU-00003"]
     assert acknowledged_all(client, key)
     client.close()
@@ -116,13 +116,13 @@ async def test_the_messages_of_a_read_whose_answer_was_lost_are_taken(
 
 @deferred_f_from_coro_f
 async def test_the_idle_timeout_ends_a_crawl_whose_redis_cannot_be_reached(
-        db_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        crawl_database: str, caplog: pytest.LogCaptureFixture) -> None:
     pytest.importorskip("redis")
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     settings = crawl_settings(
-        db_path, IDEMPOTENT_QUEUE_URL=f"redis://127.0.0.1:{port}/0",
+        crawl_database, IDEMPOTENT_QUEUE_URL=f"redis://127.0.0.1:{port}/0",
         IDEMPOTENT_QUEUE_POLL_SECONDS=0.05, IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=1,
         CLOSESPIDER_TIMEOUT=60)
     crawler = get_crawler(QueueSpider, settings)

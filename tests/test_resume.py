@@ -16,28 +16,29 @@ from local_site import LocalSite
 from crawling import (
     close_reason,
     crawl_poison_until_finished,
-    db_rows,
-    done_requests,
     start_shop_crawl,
     stored_products,
     wait_for,
 )
+from helpers.stored import frontier_counts, frontier_entries, requests_done
 
 pytestmark = pytest.mark.slow
 
 
 
 
-def test_requests_in_flight_at_a_kill_are_replayed_at_full_concurrency(tmp_path: Path) -> None:
+def test_requests_in_flight_at_a_kill_are_replayed_at_full_concurrency(
+    tmp_path: Path, crawl_database: str
+) -> None:
     """Killed with about 24 product pages on the wire, the next crawl replays them among the
     other requests: when a replayed page reaches the site, other requests are in flight
     (before, each ran alone, with nothing else in flight, one after the other)."""
-    db = tmp_path / "shop.sqlite3"
+    db = crawl_database
     settings = ("CONCURRENT_REQUESTS=24", "CONCURRENT_REQUESTS_PER_DOMAIN=24")
     with LocalSite(delay=0.2) as site:
         first = start_shop_crawl(site.url, db, tmp_path / "first.log", *settings)
         try:
-            wait_for(lambda: done_requests(db) >= 30 and site.in_flight >= 16, 120,
+            wait_for(lambda: requests_done(db) >= 30 and site.in_flight >= 16, 120,
                      "a crawl with many requests on the wire")
             first.kill()
             first.wait()
@@ -45,8 +46,9 @@ def test_requests_in_flight_at_a_kill_are_replayed_at_full_concurrency(tmp_path:
             if first.poll() is None:
                 first.kill()
                 first.wait()
-        suspects = {url.split("://", 1)[1].split("/", 1)[1] for (url,) in db_rows(
-            db, "SELECT url FROM requests WHERE state = 'leased' AND unfinished > 0")}
+        suspects = {entry.url.split("://", 1)[1].split("/", 1)[1]
+                    for entry in frontier_entries(db)
+                    if entry.state == "leased" and entry.unfinished > 0}
         assert len(suspects) >= 8
         wait_for(lambda: site.in_flight == 0, 60, "the killed crawl's requests to end")
         site.reset_counts()
@@ -63,19 +65,19 @@ def test_requests_in_flight_at_a_kill_are_replayed_at_full_concurrency(tmp_path:
 
 
 def test_a_page_that_kills_every_crawl_at_full_concurrency_is_quarantined_alone(
-    tmp_path: Path,
+    tmp_path: Path, crawl_database: str
 ) -> None:
     """Sixteen requests in flight when the poison page kills the worker: the first replay
     runs at full concurrency; what was in flight at two deaths runs alone; the poison page is
     quarantined after IDEMPOTENT_MAX_ATTEMPTS (4) deaths, and no other page is."""
-    db = tmp_path / "poison.sqlite3"
+    db = crawl_database
     with LocalSite(listing_pages=3, products_per_page=20, delay=0.05) as site:
         codes = crawl_poison_until_finished(
             site.url, db, tmp_path, "CONCURRENT_REQUESTS=16", "CONCURRENT_REQUESTS_PER_DOMAIN=16",
             "IDEMPOTENT_MAX_ATTEMPTS=4")
     assert codes == [-signal.SIGKILL] * 4 + [0]
-    assert db_rows(db, "SELECT url, error_kind FROM requests WHERE state != 'done'") == [
-        (f"{site.url}/product/SKU-00013", "quarantined")]
+    assert [(entry.url, entry.error_kind) for entry in frontier_entries(db)
+            if entry.state != "done"] == [(f"{site.url}/product/SKU-00013", "quarantined")]
     assert len(stored_products(db)) == 59
 
 
@@ -116,7 +118,7 @@ with open(out, "w") as f:
 
 
 def test_a_resume_over_a_mostly_done_start_list_writes_no_transaction_per_start_request(
-    tmp_path: Path,
+    tmp_path: Path, crawl_database: str
 ) -> None:
     """1,000 start requests, 900 done when the first crawl stopped (CLOSESPIDER_PAGECOUNT
     leaves the run open). The next crawl's start() yields the 1,000 again: the 990 known ones
@@ -125,7 +127,7 @@ def test_a_resume_over_a_mostly_done_start_list_writes_no_transaction_per_start_
 
     script = tmp_path / "crawl.py"
     script.write_text(START_LIST_CRAWL)
-    db = tmp_path / "starts.sqlite3"
+    db = crawl_database
     with LocalSite(listing_pages=50, products_per_page=20) as site:
         stats = []
         for run, pages in enumerate((990, 0)):
@@ -137,8 +139,7 @@ def test_a_resume_over_a_mostly_done_start_list_writes_no_transaction_per_start_
     assert first["finish_reason"] == "closespider_pagecount"
     done_before = first["idempotent/requests/done"]
     assert second["finish_reason"] == "finished"
-    assert db_rows(db, "SELECT state, count(*) FROM requests GROUP BY state") == [
-        ("done", 1000)]
+    assert frontier_counts(db) == {"done": 1000}
     assert second["idempotent/requests/already_done"] >= done_before
     # a transaction per page fetched (and a few more), none per known start request
     assert second["idempotent/transactions"] < (1000 - done_before) + 50, second

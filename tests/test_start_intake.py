@@ -65,9 +65,9 @@ class LongStart(scrapy.Spider):
 @pytest.mark.parametrize("dont_filter", [False, True])
 @deferred_f_from_coro_f
 async def test_downloads_go_on_while_a_long_start_is_taken_in(
-        site: LocalSite, db_path: Path, dont_filter: bool) -> None:
+        site: LocalSite, crawl_database: str, dont_filter: bool) -> None:
     spider = type("Spider", (LongStart,), {"site_url": site.url, "dont_filter": dont_filter})
-    crawler = await run_crawl(spider, crawl_settings(db_path))
+    crawler = await run_crawl(spider, crawl_settings(crawl_database))
     spider_instance = crawler.spider or crawler.engine.spider
     # responses came in after the midpoint, while start() was still being consumed
     assert spider_instance.at_midpoint is not None
@@ -75,7 +75,7 @@ async def test_downloads_go_on_while_a_long_start_is_taken_in(
     # memory held a window of the start list, not the list
     assert spider_instance.max_buffered <= START_WINDOW
     # and nothing yielded was lost: every start request is in the frontier
-    assert sum(frontier_counts(db_path).values()) == spider_instance.yielded
+    assert sum(frontier_counts(crawl_database).values()) == spider_instance.yielded
     assert crawler.stats.get_value("finish_reason") == "enough"
 
 
@@ -111,20 +111,20 @@ class HalfConsumed(scrapy.Spider):
 
 @pytest.mark.slow
 def test_a_kill_while_start_is_half_consumed_loses_and_duplicates_nothing(
-        tmp_path: Path) -> None:
+        tmp_path: Path, crawl_database: str) -> None:
     import subprocess
     import sys
 
-    from crawling import close_reason, db_rows, wait_for
+    from crawling import close_reason, wait_for
 
     spider = tmp_path / "half_consumed.py"
     spider.write_text(HALF_CONSUMED_SPIDER)
-    db = tmp_path / "half.sqlite3"
+    db = crawl_database
     release = tmp_path / "release"
 
     def stored() -> int:
         try:
-            return int(db_rows(db, "SELECT count(*) FROM requests")[0][0])
+            return sum(frontier_counts(db).values())
         except Exception:  # not created yet
             return 0
 
@@ -153,8 +153,7 @@ def test_a_kill_while_start_is_half_consumed_loses_and_duplicates_nothing(
     assert close_reason(tmp_path / "second.log") == "finished"
     # every start request once in the frontier, done; each page fetched, and again only
     # if it was on the wire at the kill
-    assert db_rows(db, "SELECT state, count(*) FROM requests GROUP BY state") == [
-        ("done", TOTAL)]
+    assert frontier_counts(db) == {"done": TOTAL}
     assert sorted(counts) == sorted(f"/ok/k-{i}" for i in range(TOTAL))
     assert sum(counts.values()) <= TOTAL + 16
 
@@ -209,20 +208,20 @@ class ReplayedStart(scrapy.Spider):
 
 @deferred_f_from_coro_f
 async def test_a_resumed_long_start_is_checked_in_batches_while_pending_requests_download(
-        site: LocalSite, db_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        site: LocalSite, crawl_database: str, monkeypatch: pytest.MonkeyPatch) -> None:
     first = type("First", (ReplayedStart,), {"site_url": site.url})
     # the first crawl takes its whole start() in without waiting for downloads (it would
     # wait while 1,000 requests are pending): the resumed one finds most of them pending
     with monkeypatch.context() as patched:
         patched.setattr(scheduler_module, "START_AHEAD", 0)
-        await run_crawl(first, crawl_settings(db_path, CONCURRENT_REQUESTS=1,
+        await run_crawl(first, crawl_settings(crawl_database, CONCURRENT_REQUESTS=1,
                                               CONCURRENT_REQUESTS_PER_DOMAIN=1))
-    stored = frontier_counts(db_path)
+    stored = frontier_counts(crawl_database)
     assert sum(stored.values()) == RESUMED_TOTAL
     assert stored.get("pending", 0) > RESUMED_TOTAL // 2  # the resumed crawl has work at once
 
     resumed = type("Resumed", (ReplayedStart,), {"site_url": site.url, "resumed": True})
-    crawler = await run_crawl(resumed, crawl_settings(db_path))
+    crawler = await run_crawl(resumed, crawl_settings(crawl_database))
     spider = crawler.spider or crawler.engine.spider
     # pending requests were downloaded while start() was still being checked: responses came
     # in before the replayed start() reached its end
@@ -235,7 +234,7 @@ async def test_a_resumed_long_start_is_checked_in_batches_while_pending_requests
     assert (stats.get_value("idempotent/requests/duplicate", 0)
             + stats.get_value("idempotent/requests/already_done", 0)) == spider.yielded
     # and nothing was stored twice: the replayed start requests found their own keys
-    assert sum(frontier_counts(db_path).values()) == RESUMED_TOTAL
+    assert sum(frontier_counts(crawl_database).values()) == RESUMED_TOTAL
 
 
 def test_start_request_ranks_past_the_memory_bound_give_the_same_keys() -> None:

@@ -6,9 +6,6 @@ the stored requests by priority as in Scrapy.
 
 from __future__ import annotations
 
-import sqlite3
-from contextlib import closing
-from pathlib import Path
 from typing import Any, ClassVar
 
 import scrapy
@@ -17,7 +14,7 @@ from scrapy import signals
 from scrapy.utils.defer import deferred_f_from_coro_f
 from scrapy.utils.test import get_crawler
 
-from crawling import crawl_to_end, db_rows
+from crawling import crawl_to_end
 from helpers.observed_crawls import (
     ONE_AT_A_TIME,
     Observed,
@@ -27,7 +24,9 @@ from helpers.observed_crawls import (
     records,
     settings,
 )
+from helpers.stored import change_stored, frontier_entries
 from scrapy_idempotent import scrapy_compat
+from scrapy_idempotent.keys import RequestKeys
 
 
 def memory_item(response: Any) -> list[dict[str, str]]:
@@ -59,9 +58,9 @@ class OwnerSpider(SiteSpider):
 
 @deferred_f_from_coro_f
 async def test_a_lost_lease_drops_its_memory_requests_and_a_new_lease_fetches_them_again(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
-    crawler = get_crawler(OwnerSpider, settings(db_path, **ONE_AT_A_TIME))
+    crawler = get_crawler(OwnerSpider, settings(crawl_database, **ONE_AT_A_TIME))
     observed = Observed(crawler)
     events = OwnerSpider.events = []
     stolen_at: list[int] = []
@@ -73,9 +72,8 @@ async def test_a_lost_lease_drops_its_memory_requests_and_a_new_lease_fetches_th
             return
         stolen_at.append(len(observed.sent))
         events.append("lease lost")
-        with closing(sqlite3.connect(db_path)) as conn, conn:
-            conn.execute("UPDATE requests SET state = 'pending', worker = NULL,"
-                         " leased_until = NULL WHERE url = ?", (site.url + "/ok/owner",))
+        change_stored(crawl_database, "UPDATE requests SET state = 'pending', worker = NULL,"
+                      " leased_until = NULL WHERE url = ?", (site.url + "/ok/owner",))
         scrapy_compat.engine_scheduler(crawler).leases.renew()
 
     def on_sent(request: Any, spider: Any) -> None:
@@ -95,9 +93,9 @@ async def test_a_lost_lease_drops_its_memory_requests_and_a_new_lease_fetches_th
     # duplicates of the lost lease's), and it is done with their items
     assert sorted(e for e in events[again:] if e.startswith("sent")) == [
         "sent /ok/child1", "sent /ok/child2", "sent /ok/child3", "sent /ok/marker"]
-    assert sorted(r["key"] for r in records(db_path)) == [
+    assert sorted(r["key"] for r in records(crawl_database)) == [
         "/ok/child1", "/ok/child2", "/ok/child3", "/ok/marker", "/ok/owner"]
-    assert sorted(db_rows(db_path, "SELECT url, state FROM requests")) == [
+    assert sorted((e.url, e.state) for e in frontier_entries(crawl_database)) == [
         (site.url + "/ok/marker", "done"), (site.url + "/ok/owner", "done")]
     assert observed.stats["idempotent/requests/lease_lost_dropped"] == 3
     assert observed.dropped == []
@@ -124,17 +122,17 @@ class SuspectSpider(SiteSpider):
 
 @deferred_f_from_coro_f
 async def test_a_suspect_runs_alone_until_its_memory_requests_are_finished(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
-    first = await crawl(SuspectSpider, settings(db_path), url=site.url)
+    db = crawl_database
+    first = await crawl(SuspectSpider, settings(db), url=site.url)
     assert first.reason == "finished"
     # as after two deaths with /ok/suspect in flight: everything pending again
-    with closing(sqlite3.connect(db_path)) as conn, conn:
-        conn.execute("UPDATE requests SET state = 'pending', finished_at = NULL")
-        conn.execute("UPDATE runs SET finished_at = NULL, reason = NULL")  # resumed
-        conn.execute("UPDATE requests SET unfinished = 2 WHERE url = ?",
-                     (site.url + "/ok/suspect",))
-    crawler = get_crawler(SuspectSpider, settings(db_path))
+    change_stored(db, "UPDATE requests SET state = 'pending', finished_at = NULL")
+    change_stored(db, "UPDATE runs SET finished_at = NULL, reason = NULL")  # resumed
+    change_stored(db, "UPDATE requests SET unfinished = 2 WHERE url = ?",
+                  (site.url + "/ok/suspect",))
+    crawler = get_crawler(SuspectSpider, settings(db))
     observed = Observed(crawler)
     in_flight: set[str] = set()
     overlaps: list[tuple[str, tuple[str, ...]]] = []
@@ -181,13 +179,13 @@ class PriorityChildrenSpider(SiteSpider):
 
 @deferred_f_from_coro_f
 async def test_memory_requests_take_their_turn_by_priority_as_in_scrapy(
-    site: LocalSite, db_path: Path
+    site: LocalSite, crawl_database: str
 ) -> None:
     plain = await crawl(PriorityChildrenSpider, {**ONE_AT_A_TIME, "TELNETCONSOLE_ENABLED": False},
                         url=site.url)
     expected = [path_of(u) for u in plain.sent]
     assert expected.index("/ok/low") > expected.index("/ok/start2")  # the case at hand
-    observed = await crawl(PriorityChildrenSpider, settings(db_path, **ONE_AT_A_TIME),
+    observed = await crawl(PriorityChildrenSpider, settings(crawl_database, **ONE_AT_A_TIME),
                            url=site.url)
     assert observed.reason == "finished"
     assert [path_of(u) for u in observed.sent] == expected
@@ -219,14 +217,22 @@ class TwinStoredSpider(TwinStartSpider):
 
 @deferred_f_from_coro_f
 async def test_an_unstorable_start_request_takes_one_rank_among_its_twins(
-    site: LocalSite, tmp_path: Path
+    site: LocalSite, crawl_database: str, second_crawl_database: str
 ) -> None:
-    stored_db, mixed_db = tmp_path / "stored.sqlite3", tmp_path / "mixed.sqlite3"
+    stored_db, mixed_db = crawl_database, second_crawl_database
     stored = await crawl(TwinStoredSpider, settings(stored_db), url=site.url)
     mixed = await crawl(TwinStartSpider, settings(mixed_db), url=site.url)
     assert stored.reason == mixed.reason == "finished"
     assert mixed.stats["idempotent/requests/from_memory"] == 2
-    keys = [key for (key,) in db_rows(stored_db, "SELECT key FROM requests ORDER BY id")]
-    assert len(keys) == 3
+    entries = frontier_entries(stored_db)
+    assert len(entries) == 3
+    [fingerprint] = {entry.fingerprint for entry in entries}
+    # the keys of the URL's first, second and third start requests, as the crawls give them
+    ranked = RequestKeys()
+    try:
+        keys = ranked.root_keys([fingerprint] * 3, is_start=True)
+    finally:
+        ranked.close()
+    assert sorted(entry.key for entry in entries) == sorted(keys)
     # the storable one is the third of its URL's start requests, as when all are stored
-    assert db_rows(mixed_db, "SELECT key FROM requests") == [(keys[2],)]
+    assert [entry.key for entry in frontier_entries(mixed_db)] == [keys[2]]

@@ -29,7 +29,8 @@ class QueueSpider(ShopSpider):
         yield
 
 
-def queue_settings(db_path: Path, server: RedisServer, key: str, **extra: Any) -> dict[str, Any]:
+def queue_settings(db_path: str | Path, server: RedisServer, key: str,
+                   **extra: Any) -> dict[str, Any]:
     # CLOSESPIDER_TIMEOUT: a crawl that would wait for its queue forever ends (not finished)
     extra = {"CLOSESPIDER_TIMEOUT": 150, **extra}
     return crawl_settings(db_path, IDEMPOTENT_QUEUE_URL=server.url, IDEMPOTENT_QUEUE_KEY=key,

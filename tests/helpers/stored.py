@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 from scrapy_idempotent.store import FrontierStore, RequestState
 from scrapy_idempotent.store.base import RejectedItem, StoredRecord
-from scrapy_idempotent.store.reads import FrontierEntry, OutboxRow
+from scrapy_idempotent.store.reads import FrontierEntry, OutboxRow, RunSummary
 from scrapy_idempotent.store.registry import open_store, sqlite_path
 
 
@@ -42,12 +42,34 @@ def stored_products(database: str | Path) -> list[dict[str, Any]]:
     return [json.loads(record.data) for record in stored_records(database)]
 
 
+def run_products(database: str | Path, run_id: int) -> list[dict[str, Any]]:
+    """The data of every record run ``run_id`` stored or saw (what its feeds hold), as dicts,
+    in the order the run first stored or saw them."""
+    with reading(database) as store:
+        return [json.loads(record.data) for record in store.run_records(run_id)]
+
+
+def stored_runs(database: str | Path) -> list[RunSummary]:
+    """Every run, in run ID order."""
+    with reading(database) as store:
+        return store.runs()
+
+
 def frontier_counts(database: str | Path) -> dict[str, int]:
     """The frontier's requests per state, the states that have any."""
     with reading(database) as store:
         counts = store.counts()
     return {state.value: counts[state.value] for state in RequestState
             if counts.get(state.value)}
+
+
+def requests_done(database: str | Path) -> int:
+    """Frontier entries done so far, while a crawl may be writing (0 while its database is
+    not created yet)."""
+    try:
+        return frontier_counts(database).get("done", 0)
+    except Exception:  # not created yet
+        return 0
 
 
 def stored_rejects(database: str | Path) -> list[RejectedItem]:
