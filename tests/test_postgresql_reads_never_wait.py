@@ -144,10 +144,11 @@ async def test_the_reactor_keeps_turning_through_a_server_outage_and_the_crawl_f
     def outage_while_a_listing_page_is_answered(crawler: Any, ticks: ReactorTicks) -> None:
         try:
             # requested (at the site: its claim counts the attempt before it is sent), and
-            # its start written (nothing of it waits for the database)
+            # its start written (unfinished: its callback waits for that write, so with the
+            # start still unwritten it would not run while the server is down)
             wait_for(lambda: site.hits(HELD) == 1 and crawl_rows(
-                postgres_url, "SELECT attempts FROM requests WHERE url LIKE"
-                f" '%{HELD}'") == [(1,)], 300, f"{HELD} requested")
+                postgres_url, "SELECT attempts, unfinished FROM requests WHERE url LIKE"
+                f" '%{HELD}'") == [(1, 1)], 300, f"{HELD} requested and its start written")
             postgres_cluster.stop("immediate")
             outage["ticks"] = ticks.ticks
             site.release()  # answered now: its links are checked while the server is down
