@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from scrapy_idempotent.store import FrontierStore, RequestState
 from scrapy_idempotent.store.base import RejectedItem, StoredRecord
 from scrapy_idempotent.store.reads import FrontierEntry, OutboxRow, RunSummary
 from scrapy_idempotent.store.registry import open_store, sqlite_path
+
+Row = TypeVar("Row")
 
 
 @contextlib.contextmanager
@@ -28,13 +30,21 @@ def reading(database: str | Path) -> Iterator[FrontierStore]:
         store.close()
 
 
-def stored_records(database: str | Path) -> list[StoredRecord]:
-    """Every record, in record ID order."""
-    found: list[StoredRecord] = []
+def every_page(database: str | Path, read: Callable[[FrontierStore, Any], list[Row]],
+               after: Callable[[Row], Any]) -> list[Row]:
+    """Every row of a keyset-paged read: ``read(store, after)`` gives the page after the
+    key ``after`` (None: the first page), ``after(row)`` a row's key."""
+    found: list[Row] = []
     with reading(database) as store:
-        while page := store.records_page(after=found[-1].record_id if found else None):
+        while page := read(store, after(found[-1]) if found else None):
             found.extend(page)
     return found
+
+
+def stored_records(database: str | Path) -> list[StoredRecord]:
+    """Every record, in record ID order."""
+    return every_page(database, lambda store, key: store.records_page(after=key),
+                      lambda record: record.record_id)
 
 
 def stored_products(database: str | Path) -> list[dict[str, Any]]:
@@ -80,11 +90,8 @@ def stored_rejects(database: str | Path) -> list[RejectedItem]:
 
 def frontier_entries(database: str | Path) -> list[FrontierEntry]:
     """Every request of the frontier, in key order."""
-    found: list[FrontierEntry] = []
-    with reading(database) as store:
-        while page := store.entries(after=found[-1].key if found else None):
-            found.extend(page)
-    return found
+    return every_page(database, lambda store, key: store.entries(after=key),
+                      lambda entry: entry.key)
 
 
 def request_keys(database: str | Path) -> dict[str, str]:
@@ -94,11 +101,8 @@ def request_keys(database: str | Path) -> dict[str, str]:
 
 def outbox_rows(database: str | Path) -> list[OutboxRow]:
     """Every outbox entry, in the order written."""
-    found: list[OutboxRow] = []
-    with reading(database) as store:
-        while page := store.outbox_entries(after=found[-1].entry_id if found else None):
-            found.extend(page)
-    return found
+    return every_page(database, lambda store, key: store.outbox_entries(after=key),
+                      lambda row: row.entry_id)
 
 
 def outbox_states(database: str | Path) -> dict[str, int]:
