@@ -256,7 +256,7 @@ class RedisStreamBroker(QueueBroker):
                 self._own_from = None  # all read
                 break
             self._own_from = entries[-1][0]
-            gone = [e[0] for e in entries if e[1] is None or not e[1]]
+            gone = [e[0] for e in entries if not e[1]]
             if gone:  # deleted from the stream meanwhile: nothing to do for them
                 self.client.xack(self.config.key, self.config.group, *gone)
             new = [e for e in entries if e[0] not in known and e[1]]
