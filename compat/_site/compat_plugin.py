@@ -21,15 +21,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from idempotent_forced import EVENTS_ENV, FORCE_ENV
+from idempotent_forced import EVENTS_ENV, FORCE_ENV, POSTGRESQL_ENV
 
 ALLOWLIST_ENV = "SCRAPY_IDEMPOTENT_COMPAT_ALLOWLIST"
 IDEMPOTENT_SCHEDULER = "scrapy_idempotent.scheduler.IdempotentScheduler"
 
 
-def read_allowlist(path: str | None) -> dict[str, str]:
-    """``{entry: reason}`` from lines ``<node id or prefix>  # <reason>``; an entry matches
-    the node id itself, its parametrisations (``entry[...]``) and, for a class, its tests."""
+STORES = ("sqlite", "postgresql")
+
+
+def current_store() -> str:
+    return "postgresql" if os.environ.get(POSTGRESQL_ENV) else "sqlite"
+
+
+def read_allowlist(path: str | None, store: str) -> dict[str, str]:
+    """``{entry: reason}`` from lines ``[<store>:] <node id or prefix>  # <reason>``; an
+    entry matches the node id itself, its parametrisations (``entry[...]``) and, for a
+    class, its tests; one with a store (``postgresql: tests/...``) only on that store."""
     entries: dict[str, str] = {}
     if not path:
         return entries
@@ -41,6 +49,13 @@ def read_allowlist(path: str | None) -> dict[str, str]:
         entry, reason = entry.strip(), reason.strip()
         if not reason:
             raise pytest.UsageError(f"{path}: allow-list entry without a reason: {line!r}")
+        only, colon, rest = entry.partition(": ")
+        if colon:
+            if only not in STORES:
+                raise pytest.UsageError(f"{path}: unknown store {only!r} in {line!r}")
+            if only != store:
+                continue
+            entry = rest.strip()
         entries[entry] = reason
     return entries
 
@@ -56,7 +71,8 @@ class CompatReport:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.forced = os.environ.get(FORCE_ENV) == "1"
-        self.allowlist = read_allowlist(os.environ.get(ALLOWLIST_ENV)) if self.forced else {}
+        self.allowlist = (read_allowlist(os.environ.get(ALLOWLIST_ENV), current_store())
+                          if self.forced else {})
         self.outcomes: Counter[str] = Counter()
         self.failed: list[str] = []
         self.allowlisted_failed: list[str] = []
@@ -130,7 +146,8 @@ class CompatReport:
         import scrapy
 
         write(f"Scrapy {scrapy.__version__} from {os.path.dirname(scrapy.__file__)}; "
-              f"add-on {'FORCED ON for every crawler' if self.forced else 'off (plain Scrapy)'}")
+              f"add-on {'FORCED ON for every crawler' if self.forced else 'off (plain Scrapy)'}"
+              f"; each crawler's frontier on {current_store()}")
         write(f"tests run {run}: passed {self.outcomes['passed']}, failed "
               f"{self.outcomes['failed']}, allow-listed {self.outcomes['allow-listed']}, "
               f"xfailed upstream {self.outcomes['xfailed']}; skipped {self.outcomes['skipped']}")

@@ -7,9 +7,10 @@ process, its xdist workers and any process a test starts are all covered. Nothin
 at start-up: the patch is applied right after ``scrapy.crawler`` is first imported.
 
 ``SCRAPY_IDEMPOTENT_COMPAT_FORCE=1`` adds, to every ``Crawler`` as it is built,
-``ADDONS = {"scrapy_idempotent.Addon": 0}`` and an ``IDEMPOTENT_DATABASE`` of its own (a new
-file in ``SCRAPY_IDEMPOTENT_COMPAT_TMP``); ``0`` leaves crawlers alone (plain Scrapy) but
-still counts them. Every process appends one JSON line per event to
+``ADDONS = {"scrapy_idempotent.Addon": 0}`` and an ``IDEMPOTENT_DATABASE`` of its own: a new
+SQLite file in ``SCRAPY_IDEMPOTENT_COMPAT_TMP`` or, when ``SCRAPY_IDEMPOTENT_COMPAT_POSTGRESQL``
+names a PostgreSQL server (the URL of its ``postgres`` database), a new schema in it;
+``0`` leaves crawlers alone (plain Scrapy) but still counts them. Every process appends one JSON line per event to
 ``<events dir>/events-<pid>.jsonl``:
 
 * ``crawler``: a ``Crawler`` was built (``forced``: whether the add-on was added);
@@ -36,6 +37,7 @@ from typing import Any
 EVENTS_ENV = "SCRAPY_IDEMPOTENT_COMPAT_EVENTS"
 FORCE_ENV = "SCRAPY_IDEMPOTENT_COMPAT_FORCE"
 TMP_ENV = "SCRAPY_IDEMPOTENT_COMPAT_TMP"
+POSTGRESQL_ENV = "SCRAPY_IDEMPOTENT_COMPAT_POSTGRESQL"
 
 ADDON_PATH = "scrapy_idempotent.Addon"
 #: Above every named priority (cmdline is 40): a test's own settings cannot undo the forcing.
@@ -60,6 +62,16 @@ def record(event: str, **fields: Any) -> None:
     fields.update(event=event, test=current_test(), pid=os.getpid())
     _events_file.write(json.dumps(fields) + "\n")
     _events_file.flush()
+
+
+def new_database() -> str:
+    """The ``IDEMPOTENT_DATABASE`` of a new, empty frontier for one crawler."""
+    number = next(_databases)
+    server = os.environ.get(POSTGRESQL_ENV)
+    if not server:
+        return os.path.join(os.environ[TMP_ENV], f"{os.getpid()}-{number}.sqlite3")
+    # a schema of its own in the server's database (the store creates it)
+    return f"{server}?schema=compat_{os.getpid()}_{number}"
 
 
 def _class_name(obj: object) -> str:
@@ -96,9 +108,8 @@ def _patch_crawler(module: ModuleType) -> None:
             addons = dict(self.settings.getdict("ADDONS"))
             addons[ADDON_PATH] = 0
             self.settings.set("ADDONS", addons, priority=FORCED_PRIORITY)
-            database = os.path.join(
-                os.environ[TMP_ENV], f"{os.getpid()}-{next(_databases)}.sqlite3")
-            self.settings.set("IDEMPOTENT_DATABASE", database, priority=FORCED_PRIORITY)
+            self.settings.set("IDEMPOTENT_DATABASE", new_database(),
+                              priority=FORCED_PRIORITY)
             # Stamping a record ID into every item is a visible change by design (and the
             # package's documented opt-out); Scrapy's tests compare items field by field.
             self.settings.set("IDEMPOTENT_RECORD_ID_FIELD", "", priority=FORCED_PRIORITY)

@@ -65,6 +65,7 @@ from .base import (
     UnitOfWork,
     observation_clock,
 )
+from .postgresql_listen import WorkListener
 from .postgresql_schema import (
     ALL_COUNTERS,
     APPLICATION,
@@ -277,8 +278,7 @@ class PostgreSQLStore(SqlStore):
         self._lock = threading.Lock()
         self._opened = False
         self._beat_stop: threading.Event | None = None
-        self._listen_stop: threading.Event | None = None
-        self._listen_thread: threading.Thread | None = None
+        self._listener: WorkListener | None = None
         self._notified_at = -NOTIFY_INTERVAL_SECONDS
         self._worker: str | None = None  #: the worker of this store's session
         #: when this store last (re)connected, store clock: heartbeats are judged only after
@@ -1046,55 +1046,18 @@ class PostgreSQLStore(SqlStore):
 
     def watch_for_work(self, callback: Callable[[], object]) -> bool:
         """Listen on this crawl's channel from a thread of its own (its own connection) and
-        call ``callback`` for each notification (several at once make one call). A lost
-        connection is reopened, and ``callback`` called once (notifications sent meanwhile
-        are lost)."""
-        if self._listen_thread is not None:
-            return True
-        stop = threading.Event()
-
-        def listen() -> None:
-            listened = False
-            while not stop.is_set():
-                try:
-                    conn = self._connect(set_path=False)
-                except StoreError as exc:
-                    logger.debug("scrapy_idempotent: cannot listen for work: %s", exc)
-                    stop.wait(1.0)
-                    continue
-                try:
-                    conn.execute(f'LISTEN "{self.channel}"')
-                    if listened:  # what was sent while the connection was down is lost
-                        callback()
-                    listened = True
-                    while not stop.is_set():
-                        # drained in one go: one call for all; not for this worker's own
-                        received = list(conn.notifies(timeout=0.5, stop_after=1))
-                        if received:
-                            with contextlib.suppress(Exception):
-                                received += conn.notifies(timeout=0.0)
-                        if any(n.payload != self._worker for n in received):
-                            callback()
-                except Exception as exc:
-                    if not stop.is_set():
-                        logger.debug("scrapy_idempotent: listening for work: %s", exc)
-                        stop.wait(0.5)
-                finally:
-                    self._drop(conn)
-
-        self._listen_stop = stop
-        self._listen_thread = threading.Thread(
-            target=listen, name="scrapy_idempotent listener", daemon=True)
-        self._listen_thread.start()
+        call ``callback`` for each notification from another worker (several at once make
+        one call); see :class:`WorkListener`."""
+        if self._listener is None:
+            self._listener = WorkListener(lambda: self._connect(set_path=False), self._drop,
+                                          self.channel, self._worker or "", callback)
+            self._listener.start()
         return True
 
     def _stop_listening(self) -> None:
-        if self._listen_stop is not None:
-            self._listen_stop.set()
-        if (self._listen_thread is not None
-                and self._listen_thread is not threading.current_thread()):
-            self._listen_thread.join(timeout=30)
-        self._listen_stop = self._listen_thread = None
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.stop()
 
     def dead_workers(self) -> list[str]:
         """Workers whose session has not ended and whose heartbeat is older than
