@@ -14,38 +14,36 @@ from local_site import LocalSite
 from crawling import (
     close_reason,
     crawl_poison_until_finished,
-    db_rows,
-    frontier_counts,
     start_shop_crawl,
+)
+from helpers.stored import (
+    frontier_counts,
+    frontier_entries,
+    integrity_report,
+    records_stored,
     stored_products,
 )
 
 NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
 
 
-def record_count(db: Path) -> int:
-    try:
-        return db_rows(db, "SELECT count(*) FROM records")[0][0]
-    except Exception:  # not created yet
-        return 0
-
-
 @pytest.mark.slow
-def test_forced_stop_repeats_at_most_what_was_in_flight(tmp_path: Path) -> None:
+def test_forced_stop_repeats_at_most_what_was_in_flight(
+        tmp_path: Path, crawl_database: str) -> None:
     """With JOBDIR, a forced stop lost the requests in the downloader. A listing of 60
     product pages that take 1 s each, 8 at a time, killed once about 20 are stored."""
-    db = tmp_path / "forced_stop.sqlite3"
+    db = crawl_database
     with LocalSite(listing_pages=1, products_per_page=60, delay=1.0) as site:
         settings = ("CONCURRENT_REQUESTS=8", "CONCURRENT_REQUESTS_PER_DOMAIN=8")
         first = start_shop_crawl(site.url, db, tmp_path / "first.log", *settings)
         try:
             deadline = time.monotonic() + 60
-            while record_count(db) < 20 and time.monotonic() < deadline:
+            while records_stored(db) < 20 and time.monotonic() < deadline:
                 time.sleep(0.05)
         finally:
             first.kill()
             first.wait()
-        assert 20 <= record_count(db) < 60
+        assert 20 <= records_stored(db) < 60
         second = start_shop_crawl(site.url, db, tmp_path / "second.log", *settings)
         assert second.wait(timeout=120) == 0
         repeated = sum(n - 1 for n in site.counts_by_path().values())
@@ -55,10 +53,11 @@ def test_forced_stop_repeats_at_most_what_was_in_flight(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_kills_during_heavy_enqueueing_leave_a_consistent_frontier(tmp_path: Path) -> None:
+def test_kills_during_heavy_enqueueing_leave_a_consistent_frontier(
+        tmp_path: Path, crawl_database: str) -> None:
     """With JOBDIR, the disk queue was stale or lost after an unclean stop.
     Listing pages each linking 500 new URLs, killed 20 times while their links are stored."""
-    db = tmp_path / "enqueueing.sqlite3"
+    db = crawl_database
     rng = random.Random(20)
     seen: list[dict[str, int]] = []
     with LocalSite(listing_pages=3, products_per_page=500) as site:
@@ -75,10 +74,12 @@ def test_kills_during_heavy_enqueueing_leave_a_consistent_frontier(tmp_path: Pat
             # the database opens every time, and what is stored is consistent
             counts = frontier_counts(db)
             seen.append(counts)
-            parents = db_rows(db, "SELECT count(*) FROM requests WHERE parent_key IS NOT NULL"
-                                  " AND parent_key NOT IN (SELECT key FROM requests)")
-            assert parents == [(0,)]
-            assert db_rows(db, "PRAGMA integrity_check") == [("ok",)]
+            entries = frontier_entries(db)
+            keys = {entry.key for entry in entries}
+            assert [entry.key for entry in entries
+                    if entry.parent_key is not None and entry.parent_key not in keys] == []
+            # the engine's own check: PRAGMA integrity_check on SQLite
+            assert integrity_report(db).problems == ()
         final = start_shop_crawl(site.url, db, tmp_path / "final.log", *settings)
         assert final.wait(timeout=300) == 0
         requests = site.request_count
@@ -131,7 +132,7 @@ def _add_sitemaps(site: LocalSite, delay: float) -> None:
 
 
 @pytest.mark.slow
-def test_sitemap_spider_resumes_its_products(tmp_path: Path) -> None:
+def test_sitemap_spider_resumes_its_products(tmp_path: Path, crawl_database: str) -> None:
     """With JOBDIR, a resumed SitemapSpider finished at once because its
     discovery requests were filtered; plain start URLs were re-crawled on every resume.
     robots.txt -> sitemap index -> 2 sitemaps -> 20 products, killed after 5 products."""
@@ -140,7 +141,7 @@ def test_sitemap_spider_resumes_its_products(tmp_path: Path) -> None:
 
     spider = tmp_path / "products.py"
     spider.write_text(SITEMAP_SPIDER)
-    db = tmp_path / "sitemap.sqlite3"
+    db = crawl_database
     with LocalSite(keep_alive=False) as site:
         _add_sitemaps(site, delay=0.3)
 
@@ -153,11 +154,11 @@ def test_sitemap_spider_resumes_its_products(tmp_path: Path) -> None:
 
         first = run("first.log")
         deadline = time.monotonic() + 60
-        while record_count(db) < 5 and time.monotonic() < deadline:
+        while records_stored(db) < 5 and time.monotonic() < deadline:
             time.sleep(0.02)
         first.kill()
         first.wait()
-        assert 5 <= record_count(db) < 20
+        assert 5 <= records_stored(db) < 20
         second = run("second.log")
         assert second.wait(timeout=60) == 0
         counts = site.counts_by_path()
@@ -170,19 +171,20 @@ def test_sitemap_spider_resumes_its_products(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_page_that_kills_every_crawl_is_quarantined_and_nothing_else(tmp_path: Path) -> None:
+def test_a_page_that_kills_every_crawl_is_quarantined_and_nothing_else(
+        tmp_path: Path, crawl_database: str) -> None:
     """A page that kills the worker on every attempt must stop doing so after
     IDEMPOTENT_MAX_ATTEMPTS starts, and requests that were merely claimed beside it (never
     started) must not be blamed for it."""
-    db = tmp_path / "poison.sqlite3"
+    db = crawl_database
     with LocalSite(listing_pages=1, products_per_page=20) as site:
         codes = crawl_poison_until_finished(
             site.url, db, tmp_path, "CONCURRENT_REQUESTS=1", "DOWNLOAD_DELAY=0.05",
             "IDEMPOTENT_MAX_ATTEMPTS=3")
         repeated = {p: n for p, n in site.counts_by_path().items() if n > 1}
     assert codes == [-9, -9, -9, 0]
-    assert db_rows(db, "SELECT url, error_kind FROM requests WHERE state != 'done'") == [
-        (f"{site.url}/product/SKU-00013", "quarantined")]
+    assert [(entry.url, entry.error_kind) for entry in frontier_entries(db)
+            if entry.state != "done"] == [(f"{site.url}/product/SKU-00013", "quarantined")]
     assert len(stored_products(db)) == 19
     # the poison page's response was journaled before its callback killed the crawl: the
     # next attempts replayed it, nothing was downloaded twice

@@ -11,9 +11,16 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from scrapy_idempotent.exceptions import StoreError
 from scrapy_idempotent.store import FrontierStore, RequestState
 from scrapy_idempotent.store.base import RejectedItem, StoredRecord
-from scrapy_idempotent.store.reads import FrontierEntry, OutboxRow, RunSummary
+from scrapy_idempotent.store.reads import (
+    FrontierEntry,
+    IntegrityReport,
+    OutboxRow,
+    RunSummary,
+    SessionInfo,
+)
 from scrapy_idempotent.store.registry import open_store, sqlite_path
 
 Row = TypeVar("Row")
@@ -82,6 +89,35 @@ def requests_done(database: str | Path) -> int:
         return 0
 
 
+def records_stored(database: str | Path) -> int:
+    """Records stored so far, while a crawl may be writing (0 while its database is not
+    created yet)."""
+    try:
+        with reading(database) as store:
+            return int(store.counts().get("records", 0))
+    except Exception:  # not created yet
+        return 0
+
+
+def stored_sessions(database: str | Path) -> list[SessionInfo]:
+    """Every session (one per crawl process that opened the database), oldest first."""
+    with reading(database) as store:
+        return store.sessions()
+
+
+def journaled_responses(database: str | Path) -> int:
+    """Responses kept in the response journal (none once their pages are finished)."""
+    with reading(database) as store:
+        return store.request_summary().journaled_responses
+
+
+def integrity_report(database: str | Path) -> IntegrityReport:
+    """The database engine's own consistency check, as ``scrapy idempotent check`` runs it
+    (on SQLite ``PRAGMA integrity_check``; on PostgreSQL its tables and indexes)."""
+    with reading(database) as store:
+        return store.integrity_check()
+
+
 def stored_rejects(database: str | Path) -> list[RejectedItem]:
     """Every rejected item, newest first."""
     with reading(database) as store:
@@ -92,6 +128,15 @@ def frontier_entries(database: str | Path) -> list[FrontierEntry]:
     """Every request of the frontier, in key order."""
     return every_page(database, lambda store, key: store.entries(after=key),
                       lambda entry: entry.key)
+
+
+def request_states(database: str | Path) -> dict[str, str]:
+    """URL -> state of every frontier request (none while the database is not created
+    yet)."""
+    try:
+        return {entry.url: entry.state for entry in frontier_entries(database)}
+    except StoreError:  # not created yet
+        return {}
 
 
 def request_keys(database: str | Path) -> dict[str, str]:
