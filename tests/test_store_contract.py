@@ -331,6 +331,35 @@ def test_redirected_completion(store):
     assert store.counts() == counts(redirected=1)
 
 
+def test_a_unit_of_many_completions_ends_each_lease_with_its_own_state(store):
+    for key in "eabcd":
+        enqueue(store, req(key))
+    assert sorted(claim_keys(store, 4)) == ["a", "b", "c", "d"]  # e stays pending
+    result = store.commit(UnitOfWork(completions=[
+        Completion("a", RequestState.DONE),
+        Completion("b", RequestState.FAILED, error_kind="http_status", error_message="500"),
+        Completion("c", RequestState.PENDING, data='{"url":"retry"}'),
+        Completion("d", RequestState.REDIRECTED),
+        Completion("e", RequestState.DONE),  # not leased: lost, written nothing
+    ]), "w1")
+    assert result.completed == {"done": 1, "failed": 1, "pending": 1, "redirected": 1}
+    assert (result.leases_lost, result.lost) == (1, ["e"])
+    assert {e.key: (e.state, e.error_kind, e.error_message) for e in entries(store)} == {
+        "a": ("done", None, None), "b": ("failed", "http_status", "500"),
+        "c": ("pending", None, None), "d": ("redirected", None, None),
+        "e": ("pending", None, None)}
+
+
+@pytest.mark.parametrize("second", [RequestState.FAILED, RequestState.PENDING])
+def test_a_key_completed_twice_in_one_unit_ends_its_lease_once(store, second):
+    enqueue(store, req("a"))
+    claim(store, 1)
+    result = store.commit(UnitOfWork(completions=[
+        Completion("a", RequestState.DONE), Completion("a", second)]), "w1")
+    assert (result.completed, result.lost) == ({"done": 1}, ["a"])
+    assert row(store, "a") == ("done", None, 1)
+
+
 def test_empty_unit_of_work_changes_nothing(store):
     assert store.commit(UnitOfWork(), "w1") == CommitResult()
     assert store.counts() == counts()

@@ -58,6 +58,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from ..exceptions import StoreBusy, StoreError
 from .base import (
     CommitResult,
+    Completion,
     CrawlIdentity,
     NewRequest,
     RunInfo,
@@ -937,6 +938,19 @@ class PostgreSQLStore(SqlStore):
         sent = cur.connection.cursor()
         sent.execute(self._q(sql), params)
         return sent.fetchall  # type: ignore[no-any-return]
+
+    def _send_finishes(self, cur: Any, finishing: list[Completion], worker: str,
+                       now: float) -> Callable[[], list[Any]]:
+        # one statement for the unit's terminal completions (the rows are locked already:
+        # the fence)
+        return self._send(
+            cur, "UPDATE requests r SET state = u.state, worker = NULL, leased_until = NULL,"
+            " unfinished = 0, finished_at = %s, error_kind = u.kind, error_message = u.message"
+            " FROM unnest(%b::text[], %b::text[], %s::text[], %s::text[])"
+            "  AS u(key, state, kind, message)"
+            " WHERE r.key = u.key AND r.state = 'leased' AND r.worker = %s RETURNING r.key",
+            (now, [d.key for d in finishing], [d.state.value for d in finishing],
+             [d.error_kind for d in finishing], [d.error_message for d in finishing], worker))
 
     def _observation_offset(self) -> float:
         # a worker's observation is put on the server's clock, as every other time of this

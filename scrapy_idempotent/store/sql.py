@@ -429,7 +429,7 @@ class SqlStore(FrontierStore):
         added = inserted[0]()  # the keys inserted; the others: inserted meanwhile elsewhere
         result.requests_added += added
         result.requests_duplicate += inserted[1] - added
-        self._completed(completing, result)
+        self._completed(work.completions, completing(), result)
         self._count(cur, result, run_id, len(result.leased) - len(work.give_back), number)
         if (result.requests_added or result.requests_due_again
                 or result.completed.get(RequestState.PENDING.value)):
@@ -645,29 +645,20 @@ class SqlStore(FrontierStore):
         result.outbox_entries += len(changes) * len(targets)
 
     def _complete(self, cur: Any, completions: list[Completion], lost: set[str], worker: str,
-                  now: float) -> list[tuple[Completion, Answer | None]]:
-        """Send the completions (each its own statement, whose answer :meth:`_completed`
-        reads: None for a completion of a lease not the worker's) and end the journal entry
-        of each completion that ended its lease."""
-        sent: list[tuple[Completion, Answer | None]] = []
-        where = " WHERE key = ? AND state = 'leased' AND worker = ? RETURNING key"
-        for done in completions:
-            if done.key in lost:
-                sent.append((done, None))
-            elif done.state is RequestState.PENDING:
-                sent.append((done, self._send(
-                    cur, "UPDATE requests SET state = 'pending', worker = NULL,"
-                    " leased_until = NULL, unfinished = 0, data = COALESCE(?, data),"
-                    " priority = COALESCE(?, priority), error_kind = ?, error_message = ?"
-                    + where, (done.data, done.priority, done.error_kind, done.error_message,
-                              done.key, worker))))
-            else:
-                sent.append((done, self._send(
-                    cur, "UPDATE requests SET state = ?, worker = NULL, leased_until = NULL,"
-                    " unfinished = 0, finished_at = ?, error_kind = ?, error_message = ?"
-                    + where, (done.state.value, now, done.error_kind, done.error_message,
-                              done.key, worker))))
-        ending = sorted({done.key for done, update in sent if update is not None})
+                  now: float) -> Callable[[], set[str]]:
+        """Send the completions whose lease is ``worker``'s and end the journal entry of
+        each; the answer: the keys whose lease they ended (:meth:`_completed` counts)."""
+        live = [done for done in completions if done.key not in lost]
+        ending = sorted({done.key for done in live})
+        # the terminal ones at once, unless a key is completed twice (then all in order: the
+        # first ends the lease, the next finds it ended)
+        batch = len(ending) == len(live)
+        finishing = [done for done in live
+                     if batch and done.state is not RequestState.PENDING]
+        sent = [self._send_completion(cur, done, worker, now) for done in live
+                if not (batch and done.state is not RequestState.PENDING)]
+        if finishing:
+            sent.append(self._send_finishes(cur, finishing, worker, now))
         if ending:
             # only the lease holder's completion ends the journal entry: the rows were
             # fenced (this worker's leases), so each key the updates above reached is no
@@ -676,16 +667,44 @@ class SqlStore(FrontierStore):
             cur.execute(self._q(f"DELETE FROM responses WHERE {where} AND NOT EXISTS"
                                 " (SELECT 1 FROM requests q WHERE q.key = responses.key"
                                 "  AND q.state = 'leased' AND q.worker = ?)"), (param, worker))
-        return sent
+        return lambda: {row[0] for answer in sent for row in answer()}
+
+    def _send_completion(self, cur: Any, done: Completion, worker: str, now: float) -> Answer:
+        """Send one completion on the request ``worker`` leases; the answer: its key, if
+        reached."""
+        where = " WHERE key = ? AND state = 'leased' AND worker = ? RETURNING key"
+        if done.state is RequestState.PENDING:  # a continuation: the request is replaced
+            return self._send(
+                cur, "UPDATE requests SET state = 'pending', worker = NULL,"
+                " leased_until = NULL, unfinished = 0, data = COALESCE(?, data),"
+                " priority = COALESCE(?, priority), error_kind = ?, error_message = ?" + where,
+                (done.data, done.priority, done.error_kind, done.error_message, done.key,
+                 worker))
+        return self._send(
+            cur, "UPDATE requests SET state = ?, worker = NULL, leased_until = NULL,"
+            " unfinished = 0, finished_at = ?, error_kind = ?, error_message = ?" + where,
+            (done.state.value, now, done.error_kind, done.error_message, done.key, worker))
+
+    def _send_finishes(self, cur: Any, finishing: list[Completion], worker: str,
+                       now: float) -> Answer:
+        """Send the terminal completions of ``finishing`` (one per key) on the requests
+        ``worker`` leases; the answer: the keys reached. One statement each here; a backend
+        may send them as one."""
+        sent = [self._send_completion(cur, done, worker, now) for done in finishing]
+        return lambda: [row for answer in sent for row in answer()]
 
     @staticmethod
-    def _completed(sent: list[tuple[Completion, Answer | None]], result: CommitResult) -> None:
-        """Count the answers of :meth:`_complete`, in the order of the completions."""
-        for done, update in sent:
-            if update is not None and update():
+    def _completed(completions: list[Completion], reached: set[str],
+                   result: CommitResult) -> None:
+        """Count the completions, in their order: one whose lease it ended (the first of a
+        key), or one lost (not this worker's lease, or the key completed again)."""
+        counted: set[str] = set()
+        for done in completions:
+            if done.key in reached and done.key not in counted:
+                counted.add(done.key)
                 result.completed[done.state.value] = (
                     result.completed.get(done.state.value, 0) + 1)
-            else:  # not this worker's lease, or the same key completed twice in one unit
+            else:
                 result.leases_lost += 1
                 result.lost.append(done.key)
 
