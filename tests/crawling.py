@@ -123,6 +123,39 @@ def start_shop_crawl(site_url: str, db_path: str | Path, log_path: Path, *settin
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
+def kill_shop_crawls(site: Any, database: str | Path, log_dir: Path, rng: Any, kills: int,
+                     *settings: str) -> None:
+    """``scrapy crawl shop`` on ``database`` (passed through unchanged: a SQLite path or a
+    PostgreSQL URL) started ``kills`` times, each SIGKILLed once the site has served 5 to 120
+    more requests (drawn from ``rng``: a moment given by the crawl's progress, never by
+    time), then run once more to its end; logs ``log_dir/run<n>.log`` and ``final.log``.
+    Every kill must hit a crawl still running, and the last crawl must finish."""
+    import signal
+
+    for run in range(kills):
+        log = log_dir / f"run{run}.log"
+        target = site.request_count + rng.randint(5, 120)
+        process = start_shop_crawl(site.url, database, log, *settings)
+        try:
+            wait_for(lambda t=target, p=process: site.request_count >= t  # type: ignore[misc]
+                     or p.poll() is not None, 300, f"request {target}", log)
+        finally:
+            process.kill()
+            process.wait()
+        assert process.returncode == -signal.SIGKILL, (
+            f"run {run} ended by itself ({process.returncode}) before its kill:\n"
+            + (log.read_text(errors="replace")[-3000:] if log.exists() else "no log"))
+    log = log_dir / "final.log"
+    final = start_shop_crawl(site.url, database, log, *settings)
+    try:
+        assert final.wait(timeout=300) == 0, log.read_text(errors="replace")[-3000:]
+    finally:
+        if final.poll() is None:
+            final.kill()
+            final.wait()
+    assert close_reason(log) == "finished"
+
+
 POISON_SPIDER = Path(__file__).resolve().parent / "poison_spider.py"
 
 

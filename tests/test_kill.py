@@ -1,50 +1,61 @@
 """Kill-and-resume with real processes: ``scrapy crawl`` of the example project, SIGKILLed
-at random moments, then run to completion (the docs' demo, smaller)."""
+at moments given by the crawl's progress, then run to completion (the docs' demo, smaller;
+``example_project/demo.py`` itself, which kills by time, is run by CI)."""
 
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 
 import pytest
 from local_site import LocalSite
 
-from crawling import db_rows, frontier_counts
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "example_project"))
-import demo
+from crawling import kill_shop_crawls
+from helpers.stored import frontier_counts, journaled_responses, stored_products, stored_runs
 
 pytestmark = pytest.mark.slow
 
 
+def assert_all_products_once(database: str, site: LocalSite) -> None:
+    """One stored record per product of the shop, with its name and price."""
+    expected = site.expected_products()
+    records = stored_products(database)
+    assert len(records) == len({r["sku"] for r in records}) == len(expected) == 500
+    for record in records:
+        want = expected[record["sku"]]
+        assert (record["name"], record["price"]) == (want["name"], want["price"])
+
+
+def repeated_paths(site: LocalSite) -> dict[str, int]:
+    return {path: n for path, n in site.counts_by_path().items() if n > 1}
+
+
 @pytest.mark.parametrize("seed", [1, 2])
-def test_sigkill_and_resume_stores_each_product_once(tmp_path: Path, seed: int) -> None:
+def test_sigkill_and_resume_stores_each_product_once(
+    tmp_path: Path, crawl_database: str, seed: int
+) -> None:
     # One request at a time, a shop answering in 10 ms: a kill may repeat only the request on
     # the wire, so the bound is exact (525 + kills).
+    kills = 4
     with LocalSite(delay=0.01) as site:
-        result = demo.run_mode("idempotent", site, kills=4, rng=random.Random(seed),
-                               workdir=tmp_path, kill_min=0.2, kill_max=1.0, progress=False,
-                               concurrency=1)
-    assert result["kills"] == 4, result["runs"]
-    assert result["rows"] == 500
-    assert result["distinct"] == 500
-    assert result["correct"] == 500
-    assert result["requests"] <= 525 + result["kills"], result["repeated_paths"]
-    assert result["finish_reason"] == "finished"
-    db = tmp_path / "idempotent.sqlite3"
-    assert frontier_counts(db) == {"done": 525}
-    assert db_rows(db, "SELECT count(*) FROM runs") == [(1,)]  # one run, resumed each time
-    assert db_rows(db, "SELECT count(*) FROM responses") == [(0,)]  # journal emptied
+        kill_shop_crawls(site, crawl_database, tmp_path, random.Random(seed), kills,
+                         "CONCURRENT_REQUESTS=1", "CONCURRENT_REQUESTS_PER_DOMAIN=1")
+        requests = site.request_count
+        assert_all_products_once(crawl_database, site)
+        assert 525 <= requests <= 525 + kills, repeated_paths(site)
+    assert frontier_counts(crawl_database) == {"done": 525}
+    assert len(stored_runs(crawl_database)) == 1  # one run, resumed each time
+    assert journaled_responses(crawl_database) == 0  # journal emptied
 
 
 def test_sigkill_at_full_concurrency_repeats_at_most_what_was_on_the_wire(
-    tmp_path: Path,
+    tmp_path: Path, crawl_database: str
 ) -> None:
+    kills, concurrency = 3, 16
     with LocalSite(delay=0.01) as site:
-        result = demo.run_mode("idempotent", site, kills=3, rng=random.Random(3),
-                               workdir=tmp_path, kill_min=0.2, kill_max=0.6, progress=False,
-                               concurrency=16)
-    assert result["kills"] == 3, result["runs"]
-    assert result["rows"] == result["correct"] == 500
-    assert result["requests"] <= 525 + 3 * 16, result["repeated_paths"]
+        kill_shop_crawls(site, crawl_database, tmp_path, random.Random(3), kills,
+                         f"CONCURRENT_REQUESTS={concurrency}",
+                         f"CONCURRENT_REQUESTS_PER_DOMAIN={concurrency}")
+        requests = site.request_count
+        assert_all_products_once(crawl_database, site)
+        assert requests <= 525 + kills * concurrency, repeated_paths(site)

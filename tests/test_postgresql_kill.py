@@ -1,6 +1,6 @@
-"""Kill-and-resume on PostgreSQL with real processes: ``scrapy crawl shop`` of the example
-project SIGKILLed at random points and run again; and several workers, each on a host of its
-own, crawling one frontier while they are killed and restarted."""
+"""Several workers on PostgreSQL, each on a host of its own, crawling one frontier while they
+are killed and restarted, with real ``scrapy crawl shop`` processes of the example project
+(one worker killed and resumed: test_kill.py, on every store)."""
 
 from __future__ import annotations
 
@@ -61,37 +61,6 @@ def assert_all_products_once(url: str, site: LocalSite) -> None:
     for record in records:
         want = expected[record["sku"]]
         assert (record["name"], record["price"]) == (want["name"], want["price"])
-
-
-def test_sigkill_and_resume_on_postgresql_stores_each_product_once(
-        tmp_path: Path, postgres_url: str) -> None:
-    rng = random.Random(7)
-    kills = 4
-    with LocalSite(delay=0.01) as site:
-        for run in range(kills):
-            log = tmp_path / f"run{run}.log"
-            baseline = site.request_count
-            target = baseline + rng.randint(5, 120)
-            process = start(crawl_command(site, postgres_url, log,
-                                          "CONCURRENT_REQUESTS=1"))
-            wait_for(lambda t=target, p=process: site.request_count >= t  # type: ignore[misc]
-                     or p.poll() is not None, 300, f"request {target}")
-            process.kill()
-            process.wait()
-            assert process.returncode == -9, log.read_text()
-        log = tmp_path / "final.log"
-        final = start(crawl_command(site, postgres_url, log, "CONCURRENT_REQUESTS=1"))
-        assert final.wait(300) == 0, log.read_text()[-3000:]
-        assert close_reason(log) == "finished"
-        requests = site.request_count
-        assert_all_products_once(postgres_url, site)
-    print(f"\n[postgresql kill] kills={kills}, requests={requests} (bound {525 + kills})")
-    # one request at a time: a kill repeats at most the request on the wire
-    assert 525 <= requests <= 525 + kills
-    assert crawl_rows(postgres_url, "SELECT state, count(*) FROM requests GROUP BY state") == [
-        ("done", 525)]
-    assert crawl_rows(postgres_url, "SELECT count(*) FROM runs") == [(1,)]
-    assert crawl_rows(postgres_url, "SELECT count(*) FROM responses") == [(0,)]
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux)")
