@@ -3,26 +3,24 @@
 
 from __future__ import annotations
 
-import json
 import random
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from local_site import LocalSite
 
-from crawling import (
-    close_reason,
-    db_rows,
+from crawling import close_reason, start_shop_crawl, wait_for
+from helpers.stored import (
     frontier_counts,
-    start_shop_crawl,
+    frontier_entries,
     stored_products,
-    wait_for,
+    stored_runs,
+    stored_sessions,
 )
 
 pytestmark = pytest.mark.slow
@@ -32,16 +30,20 @@ ONE_AT_A_TIME = ("CONCURRENT_REQUESTS=1", "CONCURRENT_REQUESTS_PER_DOMAIN=1")
 
 
 
-def assert_catalogue(db_path: Path, site: LocalSite) -> None:
+def assert_catalogue(database: str, site: LocalSite) -> None:
     expected = site.expected_products()
-    rows = stored_products(db_path)
+    rows = stored_products(database)
     assert len(rows) == len(expected)
     assert {r["sku"]: (r["name"], r["price"]) for r in rows} == {
         sku: (p["name"], p["price"]) for sku, p in expected.items()}
 
 
-def test_three_workers_with_random_kills_store_each_product_once(tmp_path: Path) -> None:
-    db = tmp_path / "shop.sqlite3"
+def test_three_workers_with_random_kills_store_each_product_once(
+    tmp_path: Path, crawl_database: str
+) -> None:
+    """Three workers on one database (on SQLite one file, on PostgreSQL one server database),
+    a random one SIGKILLed and restarted at moments given by the requests served."""
+    db = crawl_database
     rng = random.Random(4)
     kills = 6
     logs: list[Path] = []
@@ -58,7 +60,11 @@ def test_three_workers_with_random_kills_store_each_product_once(tmp_path: Path)
         try:
             wait_for(lambda: site.request_count > 20, 60, "the first requests")
             for _ in range(kills):
-                time.sleep(rng.uniform(0.3, 0.8))
+                # a moment drawn by requests served, not by time: a loaded machine cannot
+                # let the crawl finish before its kills
+                target = site.request_count + rng.randint(10, 50)
+                wait_for(lambda t=target: site.request_count >= t, 120,  # type: ignore[misc]
+                         f"request {target}")
                 index = rng.randrange(len(workers))
                 workers[index].kill()
                 assert workers[index].wait() == -signal.SIGKILL
@@ -79,11 +85,14 @@ def test_three_workers_with_random_kills_store_each_product_once(tmp_path: Path)
     assert not any("database is locked" in log.read_text() for log in logs if log.exists())
     assert requests <= 525 + kills
     assert frontier_counts(db) == {"done": 525}
-    assert db_rows(db, "SELECT count(*), sum(done) FROM runs") == [(1, 525)]
+    runs = stored_runs(db)
+    assert [(len(runs), sum(run.done for run in runs))] == [(1, 525)]
 
 
-def test_sigterm_releases_leases_and_the_next_crawl_resumes_at_once(tmp_path: Path) -> None:
-    db = tmp_path / "shop.sqlite3"
+def test_sigterm_releases_leases_and_the_next_crawl_resumes_at_once(
+    tmp_path: Path, crawl_database: str
+) -> None:
+    db = crawl_database
     with LocalSite(delay=0.01) as site:
         crawl = start_shop_crawl(site.url, db, tmp_path / "first.log",
                                  "CONCURRENT_REQUESTS=4", "IDEMPOTENT_LEASE_SECONDS=600")
@@ -141,12 +150,12 @@ def slow_site() -> Iterator[LocalSite]:
 
 
 def test_a_page_slower_than_the_lease_keeps_its_lease_and_is_fetched_once(
-    tmp_path: Path, slow_site: LocalSite
+    tmp_path: Path, slow_site: LocalSite, crawl_database: str
 ) -> None:
     url = slow_site.url
     spider = tmp_path / "slow_spider.py"
     spider.write_text(SLOW_SPIDER)
-    db = tmp_path / "slow.sqlite3"
+    db = crawl_database
     lease = 2.0
 
     def start(name: str) -> subprocess.Popen[bytes]:
@@ -157,10 +166,10 @@ def test_a_page_slower_than_the_lease_keeps_its_lease_and_is_fetched_once(
             cwd=tmp_path, stdin=subprocess.DEVNULL)
 
     def slow_lease_until() -> float:
-        rows = db_rows(db, "SELECT leased_until FROM requests WHERE url LIKE '%/slow'"
-                           " AND state = 'leased'")
-        assert rows, "the slow page lost its lease"
-        return float(rows[0][0])
+        leases = [entry.leased_until for entry in frontier_entries(db)
+                  if entry.url.endswith("/slow") and entry.state == "leased"]
+        assert leases, "the slow page lost its lease"
+        return float(leases[0])  # type: ignore[arg-type]
 
     first = start("first.log")
     second = None
@@ -170,7 +179,7 @@ def test_a_page_slower_than_the_lease_keeps_its_lease_and_is_fetched_once(
         # The page is answered only once the second worker has joined the run and the first
         # has renewed its lease for more than a lease time since: waiting on state, not on
         # time, so a loaded machine cannot make the second worker arrive after the end.
-        wait_for(lambda: len(db_rows(db, "SELECT 1 FROM sessions")) == 2, 120,
+        wait_for(lambda: len(stored_sessions(db)) == 2, 120,
                  "the second worker")
         joined = slow_lease_until()
         wait_for(lambda: slow_lease_until() > joined + lease, 120, "renewals of the lease")
@@ -184,5 +193,5 @@ def test_a_page_slower_than_the_lease_keeps_its_lease_and_is_fetched_once(
             if p is not None and p.poll() is None:
                 p.kill()
     assert slow_site.counts_by_path() == {"/start": 1, "/slow": 1}
-    assert [json.loads(d)["id"] for (d,) in db_rows(db, "SELECT data FROM records")] == ["slow"]
+    assert [product["id"] for product in stored_products(db)] == ["slow"]
     assert close_reason(tmp_path / "second.log") == "finished"
