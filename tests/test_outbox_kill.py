@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 from local_site import LocalSite
 
-from crawling import close_reason, db_rows, done_requests, start_shop_crawl, wait_for
+from crawling import close_reason, start_shop_crawl, wait_for
+from helpers.stored import outbox_states, requests_done, stored_records
 from helpers.webhook_receiver import WebhookReceiver
 
 pytestmark = pytest.mark.slow
@@ -33,7 +34,7 @@ KILLS = 10
 HERE = Path(__file__).resolve().parent
 
 
-def kill_ten_times(start: Callable[[int], subprocess.Popen[bytes]], db: Path, seed: int,
+def kill_ten_times(start: Callable[[int], subprocess.Popen[bytes]], db: str, seed: int,
                    before_run: Callable[[int], None] = lambda run: None) -> int:
     """Start a crawl and SIGKILL it once it has completed between 10 and 40 more pages than
     the one before, ``KILLS`` times (fewer if a crawl finishes first). Returns the kills."""
@@ -41,9 +42,9 @@ def kill_ten_times(start: Callable[[int], subprocess.Popen[bytes]], db: Path, se
     kills = 0
     for run in range(KILLS):
         before_run(run)
-        target = done_requests(db) + rng.randint(10, 40)
+        target = requests_done(db) + rng.randint(10, 40)
         process = start(run)
-        wait_for(lambda: done_requests(db) >= target or process.poll() is not None,  # noqa: B023
+        wait_for(lambda: requests_done(db) >= target or process.poll() is not None,  # noqa: B023
                  600, f"crawl {run} to pass {target} pages")
         if process.poll() is not None:
             break  # finished on its own
@@ -53,8 +54,9 @@ def kill_ten_times(start: Callable[[int], subprocess.Popen[bytes]], db: Path, se
     return kills
 
 
-def test_ten_sigkills_every_stored_record_is_announced_and_nothing_else(tmp_path: Path):
-    db = tmp_path / "shop.sqlite3"
+def test_ten_sigkills_every_stored_record_is_announced_and_nothing_else(
+        tmp_path: Path, crawl_database: str):
+    db = crawl_database
     with LocalSite(delay=0.01) as shop, WebhookReceiver() as hook:
         settings = [f"IDEMPOTENT_OUTBOX_TARGETS={hook.url}",
                     "IDEMPOTENT_OUTBOX_TIMEOUT_SECONDS=5",
@@ -73,8 +75,8 @@ def test_ten_sigkills_every_stored_record_is_announced_and_nothing_else(tmp_path
         assert final.wait(timeout=900) == 0
         assert close_reason(tmp_path / "final.log") == "finished"
 
-    stored = {f"{rid}:{v}:{h}" for rid, v, h in db_rows(
-        db, "SELECT record_id, version, content_hash FROM records")}
+    stored = {f"{record.record_id}:{record.version}:{record.content_hash}"
+              for record in stored_records(db)}
     assert len(stored) == 500
     acknowledged = hook.keys_acknowledged()
     every_key = Counter(d.key for d in hook.deliveries)
@@ -89,8 +91,7 @@ def test_ten_sigkills_every_stored_record_is_announced_and_nothing_else(tmp_path
         first_by_key.setdefault(delivery.key, delivery.body)
     assert Counter(body["kind"] for body in first_by_key.values()) == {"inserted": 500}
     assert all(body["idempotency_key"] == key for key, body in first_by_key.items())
-    assert db_rows(db, "SELECT state, count(*) FROM outbox GROUP BY state") == [
-        ("delivered", 500)]
+    assert outbox_states(db) == {"delivered": 500}
     assert kills == KILLS
     assert refused_while_down > 0
     per_record = Counter(acknowledged.values())
@@ -102,17 +103,18 @@ def test_ten_sigkills_every_stored_record_is_announced_and_nothing_else(tmp_path
     print(f"\noutbox kill test: {json.dumps(report)}")
 
 
-def test_ten_sigkills_leave_one_image_per_product_and_no_orphan(tmp_path: Path):
+def test_ten_sigkills_leave_one_image_per_product_and_no_orphan(
+        tmp_path: Path, crawl_database: str):
     from image_shop import image_downloads, serve_product_images
 
     pytest.importorskip("PIL", reason="ImagesPipeline needs Pillow (pip install pillow)")
-    db, store = tmp_path / "shop.sqlite3", tmp_path / "images"
+    db, store = crawl_database, tmp_path / "images"
 
     def crawl(log: Path) -> subprocess.Popen[bytes]:
         with open(log, "wb") as out:
             return subprocess.Popen(
                 [sys.executable, str(HERE / "image_shop.py"), "--url", shop.url,
-                 "--db", str(db), "--store", str(store)],
+                 "--db", db, "--store", str(store)],
                 stdout=out, stderr=subprocess.STDOUT)
 
     with LocalSite(delay=0.01) as shop:
@@ -125,16 +127,16 @@ def test_ten_sigkills_leave_one_image_per_product_and_no_orphan(tmp_path: Path):
 
     assert kills == KILLS
     paths: dict[str, str] = {}
-    for record_id, data in db_rows(db, "SELECT record_id, data FROM records"):
-        [image] = json.loads(data)["images"]
-        assert image["path"].startswith(f"full/{record_id}/")
-        paths[record_id] = image["path"]
+    for record in stored_records(db):
+        [image] = json.loads(record.data)["images"]
+        assert image["path"].startswith(f"full/{record.record_id}/")
+        paths[record.record_id] = image["path"]
     assert len(paths) == 500
     on_disk = sorted(p.relative_to(store).as_posix() for p in store.rglob("*") if p.is_file())
     # exactly one file per product, each referenced by its record: nothing else
     assert on_disk == sorted(paths.values())
     check = subprocess.run(
-        [sys.executable, "-m", "scrapy", "idempotent", "check", "--db", str(db), "--json",
+        [sys.executable, "-m", "scrapy", "idempotent", "check", "--db", db, "--json",
          "-s", f"IMAGES_STORE={store}"], cwd=tmp_path, capture_output=True, text=True,
         timeout=120)
     [files] = [c for c in json.loads(check.stdout)["checks"] if c["check"] == "files"]
