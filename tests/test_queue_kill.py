@@ -16,14 +16,8 @@ from typing import Any
 import pytest
 from local_site import LocalSite
 
-from crawling import (
-    EXAMPLE_PROJECT,
-    close_reason,
-    db_rows,
-    frontier_counts,
-    stored_products,
-    wait_for,
-)
+from crawling import EXAMPLE_PROJECT, close_reason, wait_for
+from helpers.stored import frontier_counts, frontier_entries, request_states, stored_products
 from redis_server import RedisServer, redis_server  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.slow
@@ -32,7 +26,7 @@ GROUP = "scrapy_idempotent"
 SPIDER_FILE = Path(__file__).resolve().parent / "queue_spiders.py"
 
 
-def start_worker(server: RedisServer, key: str, db: Path, log: Path, *settings: str) -> Any:
+def start_worker(server: RedisServer, key: str, db: str, log: Path, *settings: str) -> Any:
     """``scrapy runspider`` of the queue spider in the example project (its settings: the
     add-on, the natural keys), fed from ``key``."""
     command = [sys.executable, "-m", "scrapy", "runspider", str(SPIDER_FILE),
@@ -71,11 +65,11 @@ def delivered_ids(client: Any, key: str) -> set[str]:
     return {entry_id for entry_id, _ in client.xrange(key, "-", last)}
 
 
-def acked_without_final_state(client: Any, key: str, db: Path) -> list[str]:
+def acked_without_final_state(client: Any, key: str, db: str) -> list[str]:
     """Messages acknowledged whose page is not committed in a final state (must be none)."""
     acked = delivered_ids(client, key) - pending_ids(client, key)
     wrong = []
-    states = dict(db_rows(db, "SELECT url, state FROM requests")) if db.exists() else {}
+    states = request_states(db)
     for entry_id, fields in client.xrange(key):
         url = message_url(fields)
         if entry_id in acked and url is not None and states.get(url) not in ("done", "failed"):
@@ -83,11 +77,11 @@ def acked_without_final_state(client: Any, key: str, db: Path) -> list[str]:
     return wrong
 
 
-def pending_with_final_state(client: Any, key: str, db: Path) -> int:
+def pending_with_final_state(client: Any, key: str, db: str) -> int:
     """Messages still pending whose page is committed (a kill between the commit and the
     XACK, or a message read just before the kill: delivered again, then acknowledged)."""
     pending = pending_ids(client, key)
-    states = dict(db_rows(db, "SELECT url, state FROM requests")) if db.exists() else {}
+    states = request_states(db)
     return sum(1 for entry_id, fields in client.xrange(key) if entry_id in pending
                and states.get(message_url(fields) or "") in ("done", "failed"))
 
@@ -104,11 +98,11 @@ def product_message(shop: LocalSite, number: int) -> dict[str, str]:
 
 
 def test_same_url_three_times_worker_killed_during_the_second_delivery(
-    redis_server: RedisServer, tmp_path: Path  # noqa: F811
+    redis_server: RedisServer, tmp_path: Path, crawl_database: str  # noqa: F811
 ) -> None:
     key = f"q-{uuid.uuid4().hex}"
     client = redis_server.client()
-    db = tmp_path / "frontier.sqlite3"
+    db = crawl_database
     # the page answers after 60 s while the first worker lives: it is killed in the middle
     with LocalSite(delay=60) as shop:
         message = product_message(shop, 1)
@@ -130,7 +124,7 @@ def test_same_url_three_times_worker_killed_during_the_second_delivery(
         assert worker.wait(timeout=240) == 0
         assert close_reason(tmp_path / "run2.log") == "finished"
         assert shop.counts_by_path() == {"/product/SKU-00001": 2}  # once per worker
-    assert db_rows(db, "SELECT count(*), min(state) FROM requests") == [(1, "done")]
+    assert [entry.state for entry in frontier_entries(db)] == ["done"]
     assert [p["sku"] for p in stored_products(db)] == ["SKU-00001"]
     assert all_acknowledged(client, key)
     assert client.xpending(key, GROUP)["pending"] == 0
@@ -140,7 +134,7 @@ def test_same_url_three_times_worker_killed_during_the_second_delivery(
 
 
 def test_queue_fed_crawl_killed_ten_times(
-    redis_server: RedisServer, tmp_path: Path  # noqa: F811
+    redis_server: RedisServer, tmp_path: Path, crawl_database: str  # noqa: F811
 ) -> None:
     """25 listings and 500 products pushed (the listings also link the products, so most
     product messages meet a known request); the worker is SIGKILLed 10 times after a random
@@ -148,7 +142,7 @@ def test_queue_fed_crawl_killed_ten_times(
     page is not committed."""
     key = f"q-{uuid.uuid4().hex}"
     client = redis_server.client()
-    db = tmp_path / "frontier.sqlite3"
+    db = crawl_database
     rng = random.Random(7)
     concurrency = 4
     kills = 10
