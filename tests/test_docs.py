@@ -252,7 +252,8 @@ def test_the_broker_example_is_the_tested_target() -> None:
 README_COMMANDS = (
     "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/python "
     "example_project/demo.py",
-    "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest -n 2",
+    "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest"
+    " -n 2",
 )
 
 

@@ -9,9 +9,9 @@ at start-up: the patch is applied right after ``scrapy.crawler`` is first import
 ``SCRAPY_IDEMPOTENT_COMPAT_FORCE=1`` adds, to every ``Crawler`` as it is built,
 ``ADDONS = {"scrapy_idempotent.Addon": 0}`` and an ``IDEMPOTENT_DATABASE`` of its own: a new
 SQLite file in ``SCRAPY_IDEMPOTENT_COMPAT_TMP`` or, when ``SCRAPY_IDEMPOTENT_COMPAT_POSTGRESQL``
-names a PostgreSQL server (the URL of its ``postgres`` database), a new schema in it;
-``0`` leaves crawlers alone (plain Scrapy) but still counts them. Every process appends one JSON line per event to
-``<events dir>/events-<pid>.jsonl``:
+names a PostgreSQL server (the URL of its ``postgres`` database), a new schema in it; ``0``
+leaves crawlers alone (plain Scrapy) but still counts them. Every process appends one JSON
+line per event to ``<events dir>/events-<pid>.jsonl``:
 
 * ``crawler``: a ``Crawler`` was built (``forced``: whether the add-on was added);
 * ``opened``: a spider was opened (``scheduler``: the class of the engine's scheduler;
