@@ -939,6 +939,20 @@ class PostgreSQLStore(SqlStore):
         sent.execute(self._q(sql), params)
         return sent.fetchall  # type: ignore[no-any-return]
 
+    def _insert_records(self, cur: Any, rows: list[tuple[Any, ...]], now: float,
+                        run_id: int) -> set[str]:
+        # one statement for the unit's new records, inserted in record ID order
+        columns = list(zip(*rows, strict=True))
+        return {rid for (rid,) in cur.execute(
+            "INSERT INTO records (record_id, source, natural_key, item_type, data,"
+            " content_hash, first_seen, last_changed, first_run_id, changed_run_id,"
+            " request_key, seen_run_id, seen_at, seen_seq, observed_at, version)"
+            " SELECT r, s, k, t, d, h, %s, %s, %s, %s, q, %s, %s, n, o, 1 FROM unnest("
+            "%b::text[], %b::text[], %b::text[], %b::text[], %b::text[], %b::text[],"
+            " %s::text[], %s::bigint[], %s::float8[]) AS u(r, s, k, t, d, h, q, n, o)"
+            " ORDER BY r COLLATE \"C\" ON CONFLICT (record_id) DO NOTHING RETURNING record_id",
+            (now, now, run_id, run_id, run_id, now, *map(list, columns))).fetchall()}
+
     def _send_finishes(self, cur: Any, finishing: list[Completion], worker: str,
                        now: float) -> Callable[[], list[Any]]:
         # one statement for the unit's terminal completions (the rows are locked already:

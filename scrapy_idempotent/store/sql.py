@@ -2,8 +2,9 @@
 
 :class:`SqlStore` implements the parts of :class:`~.FrontierStore` whose statements every
 supported database understands: the page commit (fence, new requests, records, outbox,
-rejects, journal, completions, claim), the outbox, the leases' reads and releases and the
-operator queries. A backend subclasses it and gives what is its own:
+rejects, journal, completions, claim), the outbox (:class:`~.sql_outbox.SqlOutbox`, mixed
+in), the leases' reads and releases and the operator queries. A backend subclasses it and
+gives what is its own:
 
 * its connections: :meth:`SqlStore._write` (the one write-transaction primitive),
   :meth:`SqlStore._select` (the operator queries' reads) and :meth:`SqlStore._crawl_select`
@@ -15,7 +16,10 @@ operator queries. A backend subclasses it and gives what is its own:
 * the few statements that differ: the claim (:meth:`SqlStore._claim_rows`), the insert of
   new requests (:meth:`SqlStore._send_insert`), the records' clock and feed order
   (:meth:`SqlStore._records_prelude`), the run counters (:meth:`SqlStore._count`), and the
-  wake-up of idle workers (:meth:`SqlStore._notify`, nothing by default).
+  wake-up of idle workers (:meth:`SqlStore._notify`, nothing by default); and where it can
+  send many rows as one statement, the terminal completions
+  (:meth:`SqlStore._send_finishes`) and the new records (:meth:`SqlStore._insert_records`),
+  one statement each by default.
 
 Statements that need an answer go out through :meth:`SqlStore._send`, which returns a
 function giving the rows: a backend that pipelines (PostgreSQL) sends and reads later, one that
@@ -43,11 +47,6 @@ from .base import (
     FrontierStore,
     LeaseHolder,
     NewRequest,
-    OutboxBacklog,
-    OutboxEntry,
-    OutboxOutcome,
-    OutboxRow,
-    OutboxState,
     Record,
     RejectedItem,
     RejectsRetried,
@@ -86,6 +85,7 @@ from .rules import (
     stored_record_id_scheme,
     window_start,
 )
+from .sql_outbox import SqlOutbox
 
 __all__ = ["Answer", "SqlStore"]
 
@@ -120,7 +120,7 @@ def _limits_of(limits: SlotLimits, slot: str) -> tuple[int, float]:
     return limits.concurrency, limits.delay_seconds
 
 
-class SqlStore(FrontierStore):
+class SqlStore(SqlOutbox, FrontierStore):
     """The :class:`~.FrontierStore` statements every SQL backend shares (see the module
     docstring for what a backend gives)."""
 
@@ -561,47 +561,75 @@ class SqlStore(FrontierStore):
         # written in record ID order (a record ID twice keeps its item order: the last
         # wins): page commits inserting the same new records take the unique index's locks
         # in one order, so one waits for the other instead of both deadlocking
+        order = sorted(range(len(records)), key=lambda n: records[n][0].record_id)
+        observed = [self._observed(record, now) for record, _ in records]
+        fresh: dict[str, int] = {}  # a record ID not stored: the item that inserts it
+        for n in order:
+            rid = records[n][0].record_id
+            if rid not in known:
+                fresh.setdefault(rid, n)
+        inserted = self._insert_records(cur, [
+            (rid, records[n][0].source, records[n][0].natural_key, records[n][0].item_type,
+             records[n][0].data, records[n][0].content_hash, records[n][1], seqs[n],
+             observed[n]) for rid, n in fresh.items()], now, run_id) if fresh else set()
         written: list[tuple[int, str, Record, int]] = []
-        for n in sorted(range(len(records)), key=lambda n: records[n][0].record_id):
+        for n in order:
             record, request_key = records[n]
-            # a record without its observation time was observed at its commit
-            observed = (record.observed_at + self._observation_offset()
-                        if record.observed_at is not None else now)
-            change = self._upsert_record(cur, record, request_key, run_id, now, observed,
+            rid = record.record_id
+            if fresh.get(rid) == n:
+                if rid in inserted:
+                    known[rid] = after_write(None, RecordWrite.INSERT, record.content_hash,
+                                             observed[n], run_id)
+                    result.records_inserted += 1
+                    written.append((n, RecordWrite.INSERT.value, record, 1))
+                    continue
+                # another worker inserted this record ID since the read: the unique index
+                # was the backstop; this write becomes an update (or nothing) of that row
+                result.records_conflicts += 1
+                known[rid] = StoredState(*cur.execute(self._q(
+                    "SELECT content_hash, seen_run_id, observed_at, version FROM records"
+                    f" WHERE record_id = ?{self.LOCK_ROWS}"), (rid,)).fetchone())
+            change = self._upsert_record(cur, record, request_key, run_id, now, observed[n],
                                          seqs[n], known, result)
             if change is not None:
                 written.append((n, change[0], record, change[1]))
         return [(kind, record, version) for _, kind, record, version in sorted(written)]
 
+    def _observed(self, record: Record, now: float) -> float:
+        """When ``record``'s data was observed, on the store's clock (a record without its
+        observation time was observed at its commit)."""
+        return (record.observed_at + self._observation_offset()
+                if record.observed_at is not None else now)
+
+    def _insert_records(self, cur: Any, rows: list[tuple[Any, ...]], now: float,
+                        run_id: int) -> set[str]:
+        """Insert new records, ``rows`` of (record ID, source, natural key, item type, data,
+        content hash, request key, seen_seq, observed_at) in record ID order; a record ID
+        another worker inserted meanwhile is not inserted. Returns the record IDs inserted.
+        One statement each here; a backend may send them as one."""
+        inserted: set[str] = set()
+        for rid, source, natural_key, item_type, data, content_hash, request_key, seq, \
+                observed in rows:
+            if cur.execute(self._q(
+                    "INSERT INTO records (record_id, source, natural_key, item_type, data,"
+                    " content_hash, first_seen, last_changed, first_run_id, changed_run_id,"
+                    " request_key, seen_run_id, seen_at, seen_seq, observed_at, version)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1)"
+                    " ON CONFLICT (record_id) DO NOTHING RETURNING record_id"),
+                    (rid, source, natural_key, item_type, data, content_hash, now, now, run_id,
+                     run_id, request_key, run_id, now, seq, observed)).fetchone() is not None:
+                inserted.add(rid)
+        return inserted
+
     def _upsert_record(self, cur: Any, record: Record, request_key: str | None, run_id: int,
                        now: float, observed: float, seq: int, known: dict[str, StoredState],
                        result: CommitResult) -> tuple[str, int] | None:
-        """Write one record as :func:`.rules.record_write` decides, marking it seen in
-        ``run_id`` as its ``seq``-th record when the run sees it first; ``known`` holds the
-        rows read (and locked) so far. Returns the change stored (kind, version), if any."""
+        """Write one stored record as :func:`.rules.record_write` decides, marking it seen
+        in ``run_id`` as its ``seq``-th record when the run sees it first; ``known`` holds
+        the rows read (and locked) so far, this record's included. Returns the change stored
+        (kind, version), if any."""
         rid = record.record_id
-        current = known.get(rid)
-        if current is None:
-            inserted = cur.execute(self._q(
-                "INSERT INTO records (record_id, source, natural_key, item_type, data,"
-                " content_hash, first_seen, last_changed, first_run_id, changed_run_id,"
-                " request_key, seen_run_id, seen_at, seen_seq, observed_at, version)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1)"
-                " ON CONFLICT (record_id) DO NOTHING RETURNING record_id"),
-                (rid, record.source, record.natural_key, record.item_type, record.data,
-                 record.content_hash, now, now, run_id, run_id, request_key, run_id, now, seq,
-                 observed)).fetchone()
-            if inserted is not None:
-                known[rid] = after_write(None, RecordWrite.INSERT, record.content_hash,
-                                         observed, run_id)
-                result.records_inserted += 1
-                return RecordWrite.INSERT.value, 1
-            # another worker inserted this record ID since the read: the unique index was
-            # the backstop; this write becomes an update (or nothing) of that row
-            result.records_conflicts += 1
-            current = StoredState(*cur.execute(self._q(
-                "SELECT content_hash, seen_run_id, observed_at, version FROM records"
-                f" WHERE record_id = ?{self.LOCK_ROWS}"), (rid,)).fetchone())
+        current = known[rid]
         decision = record_write(current, record.content_hash, observed, run_id)
         if decision is RecordWrite.UPDATE:
             cur.execute(self._q(
@@ -976,86 +1004,6 @@ class SqlStore(FrontierStore):
             counts[state] = int(n)
         counts["records"] = int(self._crawl_select("SELECT count(*) FROM records")[0][0])
         return counts
-
-    # -- the outbox -----------------------------------------------------------------------
-
-    def claim_outbox(self, targets: Sequence[str], limit: int, hold_seconds: float, *,
-                     exclude: Collection[int] = ()) -> list[OutboxEntry]:
-        if not targets or limit <= 0:
-            return []
-        now = self.clock()
-        where, param = self._any("target", list(targets))
-        skip, skipped = self._any("id", list(exclude), sql_type="bigint")
-        with self._write("claiming outbox entries") as cur:
-            rows = cur.execute(self._q(
-                "UPDATE outbox SET due_at = ? WHERE id IN (SELECT id FROM outbox"
-                f"  WHERE state = 'pending' AND {where} AND due_at <= ? AND NOT ({skip})"
-                f"  ORDER BY due_at, id LIMIT ?{self.SKIP_LOCKED})"
-                " RETURNING id, target, idempotency_key, kind, record_id, content_hash,"
-                " item_type, source, natural_key, data, run_id, created_at, attempts, due_at"),
-                (now + hold_seconds, param, now, skipped, limit)).fetchall()
-        rows.sort(key=lambda r: r[0])  # RETURNING gives no order
-        return [OutboxEntry(entry_id=r[0], target=r[1], key=r[2], kind=r[3], record_id=r[4],
-                            content_hash=r[5], item_type=r[6], source=r[7],
-                            natural_key=r[8], data=r[9] or "{}", run_id=r[10],
-                            created_at=r[11], attempts=r[12], held_until=r[13])
-                for r in rows]
-
-    def settle_outbox(self, outcomes: Sequence[OutboxOutcome]) -> list[OutboxOutcome]:
-        if not outcomes:
-            return []
-        now = self.clock()
-        settled: list[OutboxOutcome] = []
-        # only a pending entry, and only while the claim that sent it holds it
-        held = (" WHERE id = ? AND state = 'pending' AND (CAST(? AS DOUBLE PRECISION) IS NULL"
-                " OR due_at = CAST(? AS DOUBLE PRECISION))")
-        with self._write("recording deliveries") as cur:
-            for outcome in outcomes:
-                token = (outcome.entry_id, outcome.held_until, outcome.held_until)
-                if outcome.state is OutboxState.PENDING:
-                    cur.execute(self._q(
-                        "UPDATE outbox SET attempts = attempts + 1, due_at = ?, detail = ?"
-                        + held), (outcome.retry_at if outcome.retry_at is not None else now,
-                                  outcome.detail, *token))
-                else:
-                    cur.execute(self._q(
-                        "UPDATE outbox SET state = ?, attempts = attempts + 1,"
-                        " settled_at = ?, detail = ?,"
-                        " data = CASE WHEN ? THEN NULL ELSE data END" + held),
-                        (outcome.state.value, now, outcome.detail,
-                         outcome.state is OutboxState.DELIVERED, *token))
-                if cur.rowcount:
-                    settled.append(outcome)
-        return settled
-
-    def outbox_next_due(self, targets: Sequence[str]) -> float | None:
-        if not targets:
-            return None
-        where, param = self._any("target", list(targets))
-        due = self._select(f"SELECT min(due_at) FROM outbox WHERE state = 'pending' AND {where}",
-                           (param,))[0][0]
-        return float(due) if due is not None else None
-
-    def outbox_entries(self, *, after: int | None = None, limit: int = 1000) -> list[OutboxRow]:
-        return [OutboxRow(*row) for row in self._select(
-            "SELECT id, target, idempotency_key, kind, record_id, state, attempts, detail, data"
-            " FROM outbox WHERE id > ? ORDER BY id LIMIT ?", (after or 0, limit))]
-
-    def outbox_counts(self) -> dict[str, dict[str, int]]:
-        counts: dict[str, dict[str, int]] = {}
-        for target, state, n in self._select(
-                "SELECT target, state, count(*) FROM outbox GROUP BY target, state"
-                " ORDER BY target"):
-            by_state = counts.setdefault(target, {s.value: 0 for s in OutboxState})
-            by_state[state] = int(n)
-        return counts
-
-    def outbox_backlog(self) -> dict[str, OutboxBacklog]:
-        # the pending entries only (the partial index's rows), whatever was delivered
-        return {target: OutboxBacklog(entries=int(n), oldest_at=float(oldest))
-                for target, n, oldest in self._crawl_select(
-                    "SELECT target, count(*), min(created_at) FROM outbox"
-                    " WHERE state = 'pending' GROUP BY target ORDER BY target")}
 
     # -- progress samples -----------------------------------------------------------------
 
