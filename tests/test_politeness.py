@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import email.utils
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -219,11 +220,12 @@ def test_an_expired_lease_does_not_hold_its_slot(
     assert claim(other, "w2") == ["a.example/2", "a.example/3"]
 
 
-def test_status_shows_the_busy_and_paused_slots(tmp_path: Any) -> None:
+def test_status_shows_the_busy_and_paused_slots(
+        store_factory: Callable[..., FrontierStore]) -> None:
     from scrapy_idempotent.commands.status import _slot_report, _slots_section
-    from scrapy_idempotent.store import SQLiteStore
 
-    store = SQLiteStore(str(tmp_path / "f.sqlite3"), lease_seconds=60.0)
+    # the real clock: the status report reads the pauses against the time now
+    store = store_factory(lease_seconds=60.0, clock=time.time)
     store.open(fingerprinter="x")
     store.begin_session("w1", "auto")  # type: ignore[arg-type]
     store.keep_slot_limits(LIMITS)
@@ -237,4 +239,3 @@ def test_status_shows_the_busy_and_paused_slots(tmp_path: Any) -> None:
     assert report[0]["paused_until"] is None and report[1]["paused_for_seconds"] > 25
     text = "\n".join(_slots_section(report))
     assert "Download slots (whole crawl)" in text and "backoff 1" in text
-    store.close()
