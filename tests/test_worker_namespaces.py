@@ -10,7 +10,6 @@ import re
 import shutil
 import signal
 import socket
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,8 @@ from pathlib import Path
 import pytest
 from local_site import LocalSite
 
-from crawling import EXAMPLE_PROJECT, close_reason, db_rows, stored_products, wait_for
+from crawling import EXAMPLE_PROJECT, close_reason, wait_for
+from helpers.stored import leases_by_worker, stored_products
 from scrapy_idempotent.workers import (
     WorkerId,
     pid_namespace,
@@ -126,7 +126,7 @@ def held_shop() -> LocalSite:
     return site
 
 
-def shop_command(site: LocalSite, db: Path, log: Path, *settings: str) -> list[str]:
+def shop_command(site: LocalSite, db: str, log: Path, *settings: str) -> list[str]:
     command = [sys.executable, "-m", "scrapy", "crawl", "shop", "-a", f"url={site.url}",
                "-s", f"IDEMPOTENT_DATABASE={db}", "-s", f"LOG_FILE={log}"]
     for setting in settings:
@@ -140,18 +140,7 @@ def crawl(command: list[str], *, other_namespace: bool = False) -> subprocess.Po
     return subprocess.Popen(command, cwd=EXAMPLE_PROJECT, stdin=subprocess.DEVNULL, text=True)
 
 
-def leases_by_worker(db: Path) -> dict[str, int]:
-    """Leased requests per worker (none while the crawl has not created the database)."""
-    if not db.exists():
-        return {}
-    try:
-        return dict(db_rows(db, "SELECT worker, count(*) FROM requests"
-                                " WHERE state = 'leased' GROUP BY worker"))
-    except sqlite3.OperationalError:  # its tables not created yet
-        return {}
-
-
-def all_products_leased_and_held(db: Path, site: LocalSite) -> bool:
+def all_products_leased_and_held(db: str, site: LocalSite) -> bool:
     return (list(leases_by_worker(db).values()) == [PRODUCTS]
             and site.in_flight == PRODUCTS)
 
@@ -170,8 +159,8 @@ def wait_for_open(log: Path, process: subprocess.Popen[str]) -> None:
 
 @pytest.mark.slow
 def test_a_crawl_does_not_take_the_leases_of_a_live_crawl_in_another_pid_namespace(
-        tmp_path: Path) -> None:
-    db = tmp_path / "shop.sqlite3"
+        tmp_path: Path, crawl_database: str) -> None:
+    db = crawl_database
     log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
     with held_shop() as site:
         a = crawl(shop_command(site, db, log_a), other_namespace=True)
@@ -187,7 +176,7 @@ def test_a_crawl_does_not_take_the_leases_of_a_live_crawl_in_another_pid_namespa
             wait_for_open(log_b, b)
             assert reclaimed_at_open(log_b) == 0
             status = subprocess.run(
-                [sys.executable, "-m", "scrapy", "idempotent", "status", "--db", str(db),
+                [sys.executable, "-m", "scrapy", "idempotent", "status", "--db", db,
                  "--json"], capture_output=True, text=True, check=True, timeout=120)
             [lease] = json.loads(status.stdout)["leases"]
             assert (lease["worker"], lease["worker_state"]) == (worker_a, "other namespace")
@@ -213,8 +202,8 @@ def test_a_crawl_does_not_take_the_leases_of_a_live_crawl_in_another_pid_namespa
 
 @pytest.mark.slow
 def test_leases_of_a_killed_crawl_come_back_at_once_in_its_namespace_by_expiry_elsewhere(
-        tmp_path: Path) -> None:
-    def killed_with_leases(db: Path, name: str, other_namespace: bool, *settings: str) -> str:
+        tmp_path: Path, crawl_database: str, second_crawl_database: str) -> None:
+    def killed_with_leases(db: str, name: str, other_namespace: bool, *settings: str) -> str:
         """A crawl killed while holding the leases of every product; its worker."""
         log = tmp_path / f"{name}.log"
         with held_shop() as site:
@@ -231,7 +220,7 @@ def test_leases_of_a_killed_crawl_come_back_at_once_in_its_namespace_by_expiry_e
         assert leased == PRODUCTS
         return worker
 
-    def resume(db: Path, name: str) -> Path:
+    def resume(db: str, name: str) -> Path:
         log = tmp_path / f"{name}.log"
         with LocalSite(listing_pages=1, products_per_page=PRODUCTS) as site:
             process = crawl(shop_command(site, db, log))
@@ -240,7 +229,7 @@ def test_leases_of_a_killed_crawl_come_back_at_once_in_its_namespace_by_expiry_e
         return log
 
     # killed in this namespace, leases of 600 s: taken back as the next crawl opens
-    here = tmp_path / "here.sqlite3"
+    here = crawl_database
     killed_with_leases(here, "here", False, "IDEMPOTENT_LEASE_SECONDS=600")
     assert reclaimed_at_open(resume(here, "after_here")) == PRODUCTS
     assert leases_by_worker(here) == {}
@@ -248,7 +237,7 @@ def test_leases_of_a_killed_crawl_come_back_at_once_in_its_namespace_by_expiry_e
 
     # killed in another namespace: nothing here can tell it is gone; its leases (of 2 s)
     # come back when they expire, and the next crawl finishes with them
-    elsewhere = tmp_path / "elsewhere.sqlite3"
+    elsewhere = second_crawl_database
     worker = killed_with_leases(elsewhere, "elsewhere", True, "IDEMPOTENT_LEASE_SECONDS=2")
     assert worker_state(worker) == "other namespace"
     assert reclaimed_at_open(resume(elsewhere, "after_elsewhere")) == 0

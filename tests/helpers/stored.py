@@ -30,8 +30,10 @@ Row = TypeVar("Row")
 def reading(database: str | Path) -> Iterator[FrontierStore]:
     """The store of ``database``, opened read-only as the operator commands open it."""
     store = open_store(str(database))
-    store.open_existing(readonly=True)
+    info = store.open_existing(readonly=True)
     try:
+        if info.version == 0:  # a crawl is creating it: no tables yet
+            raise StoreError(f"no frontier in {database} yet")
         yield store
     finally:
         store.close()
@@ -135,6 +137,15 @@ def request_states(database: str | Path) -> dict[str, str]:
     yet)."""
     try:
         return {entry.url: entry.state for entry in frontier_entries(database)}
+    except StoreError:  # not created yet
+        return {}
+
+
+def leases_by_worker(database: str | Path) -> dict[str, int]:
+    """Worker -> requests it holds leased (none while the database is not created yet)."""
+    try:
+        with reading(database) as store:
+            return {holder.worker: holder.leases for holder in store.lease_holders()}
     except StoreError:  # not created yet
         return {}
 
