@@ -5,14 +5,14 @@ interface, so any backend's claim order is held to the same definition."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 from scrapy import Request
 from scrapy.settings import Settings
 
 from scrapy_idempotent._order import QueueOrder, queue_position
-from scrapy_idempotent.store import CrawlIdentity, NewRequest, SQLiteStore, UnitOfWork
+from scrapy_idempotent.store import CrawlIdentity, FrontierStore, NewRequest, UnitOfWork
 
 
 def _requests(count: int, seed: int) -> list[NewRequest]:
@@ -24,18 +24,16 @@ def _requests(count: int, seed: int) -> list[NewRequest]:
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_the_store_claims_in_queue_position_order(tmp_path: Path, seed: int) -> None:
+def test_the_store_claims_in_queue_position_order(
+        store_factory: Callable[..., FrontierStore], seed: int) -> None:
     requests = _requests(60, seed)
-    store = SQLiteStore(str(tmp_path / "order.sqlite3"))
-    try:
-        store.open(fingerprinter="x", identity=CrawlIdentity("p", "s", "s"))
-        store.begin_session("w1", "auto")
-        store.commit(UnitOfWork(requests=requests), "w1")  # joined in list order
-        claimed = []
-        while batch := store.commit(UnitOfWork(claim=7), "w1").leased:
-            claimed.extend(leased.key for leased in batch)
-    finally:
-        store.close()
+    store = store_factory()
+    store.open(fingerprinter="x", identity=CrawlIdentity("p", "s", "s"))
+    store.begin_session("w1", "auto")
+    store.commit(UnitOfWork(requests=requests), "w1")  # joined in list order
+    claimed = []
+    while batch := store.commit(UnitOfWork(claim=7), "w1").leased:
+        claimed.extend(leased.key for leased in batch)
     # the sequence is the order the requests joined the frontier: their place in the list
     expected = sorted(requests, key=lambda r: queue_position(
         r.priority, r.is_start, r.fifo, requests.index(r)))
