@@ -6,7 +6,6 @@ acknowledgement) survives power loss by default: with ``IDEMPOTENT_OUTBOX_TARGET
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -45,11 +44,11 @@ def test_full_unless_set_when_commits_are_announced(settings: dict[str, Any],
 
 
 @deferred_f_from_coro_f
-async def test_a_crawl_with_an_outbox_target_commits_with_full(db_path: Path) -> None:
+async def test_a_crawl_with_an_outbox_target_commits_with_full(crawl_database: str) -> None:
     seen: list[str] = []
     with LocalSite(listing_pages=1, products_per_page=2) as site:
         crawler = get_crawler(ShopSpider, crawl_settings(
-            db_path, IDEMPOTENT_NATURAL_KEYS={"shop.items.ProductItem": "sku"},
+            crawl_database, IDEMPOTENT_NATURAL_KEYS={"shop.items.ProductItem": "sku"},
             IDEMPOTENT_OUTBOX_TARGETS=[f"{site.url}/hook"]))
 
         def opened() -> None:
