@@ -15,7 +15,8 @@ from image_shop import ImageShopSpider, image_downloads, image_settings, serve_p
 from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 
-from crawling import db_rows, run_crawl
+from crawling import run_crawl
+from helpers.stored import stored_records
 from scrapy_idempotent.config import DEFAULT_URL_IGNORE_PARAMS
 from scrapy_idempotent.files import (
     IdempotentImagesPipeline,
@@ -38,14 +39,14 @@ def files_on_disk(store: Path) -> list[str]:
     return sorted(p.relative_to(store).as_posix() for p in store.rglob("*") if p.is_file())
 
 
-def stored_images(db: Path) -> dict[str, list[dict[str, Any]]]:
-    return {rid: json.loads(data).get("images")
-            for rid, data in db_rows(db, "SELECT record_id, data FROM records")}
+def stored_images(db: str) -> dict[str, list[dict[str, Any]]]:
+    return {record.record_id: json.loads(record.data).get("images")
+            for record in stored_records(db)}
 
 
-def check(db: Path, store: Path) -> tuple[int, dict[str, Any]]:
+def check(db: str, store: Path) -> tuple[int, dict[str, Any]]:
     done = subprocess.run(
-        [sys.executable, "-m", "scrapy", "idempotent", "check", "--db", str(db), "--json",
+        [sys.executable, "-m", "scrapy", "idempotent", "check", "--db", db, "--json",
          "-s", f"IMAGES_STORE={store}"],
         cwd=store.parent, capture_output=True, text=True, timeout=120)
     report = json.loads(done.stdout)
@@ -53,16 +54,16 @@ def check(db: Path, store: Path) -> tuple[int, dict[str, Any]]:
     return done.returncode, files
 
 
-def settings(tmp_path: Path, **extra: Any) -> dict[str, Any]:
-    return {**image_settings(str(tmp_path / "db.sqlite3"), str(tmp_path / "images")),
+def settings(db: str, tmp_path: Path, **extra: Any) -> dict[str, Any]:
+    return {**image_settings(db, str(tmp_path / "images")),
             "LOG_LEVEL": "WARNING", **extra}
 
 
 @deferred_f_from_coro_f
 async def test_an_image_is_named_by_its_record_and_stored_once_whatever_its_tracking(
-        small_shop: LocalSite, tmp_path: Path) -> None:
-    db, store = tmp_path / "db.sqlite3", tmp_path / "images"
-    crawler = await run_crawl(ImageShopSpider, settings(tmp_path), url=small_shop.url,
+        small_shop: LocalSite, tmp_path: Path, crawl_database: str) -> None:
+    db, store = crawl_database, tmp_path / "images"
+    crawler = await run_crawl(ImageShopSpider, settings(db, tmp_path), url=small_shop.url,
                               tracking="first")
     assert IdempotentImagesPipeline in [type(p) for p in
                                         crawler.engine.scraper.itemproc.middlewares]
@@ -81,13 +82,13 @@ async def test_an_image_is_named_by_its_record_and_stored_once_whatever_its_trac
     # paths, found on disk (no download), no second copy
     # the same pages again: the files are there already (Scrapy's status "uptodate", was
     # "downloaded"); the status is not part of the record's content: no record changed
-    again = await run_crawl(ImageShopSpider, settings(tmp_path), url=small_shop.url,
+    again = await run_crawl(ImageShopSpider, settings(db, tmp_path), url=small_shop.url,
                             tracking="first")
     assert again.stats.get_value("idempotent/records/updated", 0) == 0
     assert again.stats.get_value("idempotent/records/unchanged") == 50
     assert {i[0]["status"] for i in stored_images(db).values()} == {"downloaded"}
     assert image_downloads(small_shop) == 50
-    await run_crawl(ImageShopSpider, settings(tmp_path), url=small_shop.url,
+    await run_crawl(ImageShopSpider, settings(db, tmp_path), url=small_shop.url,
                     tracking="second")
     assert files_on_disk(store) == sorted(expected)
     assert image_downloads(small_shop) == 50
@@ -96,18 +97,20 @@ async def test_an_image_is_named_by_its_record_and_stored_once_whatever_its_trac
     assert (code, files["ok"], files["orphans"]) == (0, True, [])
 
 
-def test_check_lists_files_no_record_references(tmp_path: Path) -> None:
+def test_check_lists_files_no_record_references(tmp_path: Path, crawl_database: str) -> None:
     from helpers.stores import fetch_page, rec
-    from scrapy_idempotent.store import SQLiteStore
+    from scrapy_idempotent.store import open_store
 
-    db, store = tmp_path / "db.sqlite3", tmp_path / "images"
-    sqlite = SQLiteStore(str(db))
-    sqlite.open(fingerprinter="x")
-    sqlite.begin_session("w1", "auto")
-    data = json.dumps({"sku": "A1", "images": [{"url": "u", "path": "full/r1/k.png",
-                                                "checksum": "c"}]})
-    fetch_page(sqlite, "a", rec("r1", "h1", data=data), targets=())
-    sqlite.close()
+    db, store = crawl_database, tmp_path / "images"
+    frontier = open_store(db)
+    frontier.open(fingerprinter="x")
+    try:
+        frontier.begin_session("w1", "auto")
+        data = json.dumps({"sku": "A1", "images": [{"url": "u", "path": "full/r1/k.png",
+                                                    "checksum": "c"}]})
+        fetch_page(frontier, "a", rec("r1", "h1", data=data), targets=())
+    finally:
+        frontier.close()
     for name in ("full/r1/k.png", "full/r2/k.png", "thumbs/small/r1/k.jpg",
                  "thumbs/small/r2/k.jpg", ".partial/99999999-x"):
         (store / name).parent.mkdir(parents=True, exist_ok=True)
