@@ -20,7 +20,8 @@ from image_shop import ImageShopSpider, image_settings, serve_product_images
 from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 
-from crawling import db_rows, run_crawl
+from crawling import run_crawl
+from helpers.stored import stored_products
 from scrapy_idempotent.files import PARTIAL_DIR, partial_owner
 from scrapy_idempotent.workers import WorkerId, pid_namespace
 
@@ -43,14 +44,14 @@ def partial_name(worker: str, token: str = "0123456789abcdef") -> str:
     return f"{worker.replace(':', '+')}.{token}"
 
 
-def settings(tmp_path: Path, **extra: Any) -> dict[str, Any]:
-    return {**image_settings(str(tmp_path / "db.sqlite3"), str(tmp_path / "images")),
+def settings(db: str, tmp_path: Path, **extra: Any) -> dict[str, Any]:
+    return {**image_settings(db, str(tmp_path / "images")),
             "LOG_LEVEL": "INFO", **extra}
 
 
-def check_orphans(db: Path, store: Path) -> list[str]:
+def check_orphans(db: str, store: Path) -> list[str]:
     done = subprocess.run(
-        [sys.executable, "-m", "scrapy", "idempotent", "check", "--db", str(db), "--json",
+        [sys.executable, "-m", "scrapy", "idempotent", "check", "--db", db, "--json",
          "-s", f"IMAGES_STORE={store}"], cwd=store.parent, capture_output=True, text=True,
         timeout=120, check=False)
     [files] = [c for c in json.loads(done.stdout)["checks"] if c["check"] == "files"]
@@ -70,8 +71,9 @@ def in_new_pid_namespace_id() -> str | None:
 
 @deferred_f_from_coro_f
 async def test_a_crawl_removes_the_partials_of_its_gone_workers_only(
-        shop: LocalSite, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    store = tmp_path / "images"
+        shop: LocalSite, tmp_path: Path, crawl_database: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    db, store = crawl_database, tmp_path / "images"
     partials = store / PARTIAL_DIR
     partials.mkdir(parents=True)
     host = socket.gethostname()
@@ -101,21 +103,20 @@ async def test_a_crawl_removes_the_partials_of_its_gone_workers_only(
             (partials / name).write_bytes(b"half a file")
 
         caplog.set_level("INFO", "scrapy_idempotent.files")
-        crawler = await run_crawl(ImageShopSpider, settings(tmp_path), url=shop.url)
+        crawler = await run_crawl(ImageShopSpider, settings(db, tmp_path), url=shop.url)
         assert crawler.stats.get_value("idempotent/records/inserted") == 20
         assert "removed 1 partial file(s) of killed crawls" in caplog.text
 
         left = {name for name in names.values() if (partials / name).exists()}
         assert left == {v for k, v in names.items() if k != "dead here"}
         # check lists what no crawl here will remove, not what a live worker here writes
-        orphans = check_orphans(tmp_path / "db.sqlite3", store)
+        orphans = check_orphans(db, store)
         assert orphans == sorted(f"{PARTIAL_DIR}/{v}" for k, v in names.items()
                                  if k not in ("dead here", "live here"))
         live.stdin.close()
     # the writer is gone now: its partial is an orphan, and the next crawl removes it
-    assert f"{PARTIAL_DIR}/{names['live here']}" in check_orphans(tmp_path / "db.sqlite3",
-                                                                  store)
-    await run_crawl(ImageShopSpider, settings(tmp_path), url=shop.url)
+    assert f"{PARTIAL_DIR}/{names['live here']}" in check_orphans(db, store)
+    await run_crawl(ImageShopSpider, settings(db, tmp_path), url=shop.url)
     assert not (partials / names["live here"]).exists()
     files = sorted(p.relative_to(store).as_posix() for p in store.rglob("*")
                    if p.is_file() and PARTIAL_DIR not in p.parts)
@@ -148,21 +149,25 @@ class FileSyncs:
 
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
-@pytest.mark.parametrize(("synchronous", "synced"), [("FULL", True), ("NORMAL", False)])
+@pytest.mark.parametrize("synchronous", ["FULL", "NORMAL"])
 @deferred_f_from_coro_f
 async def test_a_file_is_fsynced_before_its_rename_and_its_directory_after_with_full(
-        shop: LocalSite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, synchronous: str,
-        synced: bool) -> None:
+        shop: LocalSite, tmp_path: Path, crawl_database: str, monkeypatch: pytest.MonkeyPatch,
+        synchronous: str) -> None:
+    from scrapy_idempotent.store.registry import sqlite_path
+
+    # a database server's commits survive power loss whatever IDEMPOTENT_SYNCHRONOUS says
+    synced = synchronous == "FULL" or sqlite_path(crawl_database) is None
     tmp_path = tmp_path.resolve()
     store = tmp_path / "images"
     syncs = FileSyncs(monkeypatch)
     await run_crawl(ImageShopSpider,
-                    settings(tmp_path, IDEMPOTENT_SYNCHRONOUS=synchronous), url=shop.url)
+                    settings(crawl_database, tmp_path, IDEMPOTENT_SYNCHRONOUS=synchronous),
+                    url=shop.url)
     events = syncs.of_store(store)
     renames = [e for e in events if e[0] == "replace"]
     assert len(renames) == 20
-    paths = {json.loads(data)["images"][0]["path"]
-             for (data,) in db_rows(tmp_path / "db.sqlite3", "SELECT data FROM records")}
+    paths = {product["images"][0]["path"] for product in stored_products(crawl_database)}
     assert {str(Path(e[2]).relative_to(store)) for e in renames} == paths
     if not synced:  # NORMAL on SQLite: a commit survives the process, not an OS crash
         assert [e for e in events if e[0] == "fsync"] == []
