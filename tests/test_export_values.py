@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from scrapy_idempotent.records import RecordIdentity
-from scrapy_idempotent.store import CrawlIdentity, SQLiteStore, UnitOfWork
+from scrapy_idempotent.store import CrawlIdentity, UnitOfWork, open_store
 
 ITEMS = [
     {"sku": "A", "name": "lone \ud800 surrogate", "price": float("nan"),
@@ -31,9 +31,8 @@ def _no_constants(name: str) -> Any:
 
 
 @pytest.fixture
-def database(tmp_path: Path) -> Path:
-    path = tmp_path / "values.sqlite3"
-    store = SQLiteStore(str(path))
+def database(crawl_database: str) -> str:
+    store = open_store(crawl_database)
     store.open(fingerprinter="x", identity=CrawlIdentity("p", "s", "s"))
     store.begin_session("w1", "auto")
     identity = RecordIdentity(source="s", natural_keys={"dict": ("sku",)})
@@ -44,15 +43,15 @@ def database(tmp_path: Path) -> Path:
     store.commit(UnitOfWork(records=records), "w1")
     store.end_session("w1", "finished")
     store.close()
-    return path
+    return crawl_database
 
 
 @pytest.mark.parametrize("fmt", ["jsonlines", "json", "csv"])
-def test_every_stored_value_exports_in_every_format(database: Path, tmp_path: Path,
+def test_every_stored_value_exports_in_every_format(database: str, tmp_path: Path,
                                                     fmt: str) -> None:
     out = tmp_path / f"out.{fmt}"
     done = subprocess.run(
-        [sys.executable, "-m", "scrapy", "idempotent", "export", "--db", str(database),
+        [sys.executable, "-m", "scrapy", "idempotent", "export", "--db", database,
          "--format", fmt, "-o", str(out)],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
