@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,13 +17,14 @@ from scrapy.utils.defer import deferred_f_from_coro_f, maybe_deferred_to_future
 from scrapy.utils.test import get_crawler
 from sqs_server import SqsQueue, SqsServer, sqs_server  # noqa: F401  (the fixture)
 
-from crawling import crawl_settings, crawl_to_end, db_rows, frontier_counts, stored_products
+from crawling import crawl_settings, crawl_to_end
 from helpers.queues import NATURAL_KEYS, QueueSpider, product, reactor_wait_for
+from helpers.stored import frontier_counts, frontier_entries, stored_products
 from scrapy_idempotent.queue_input import QueueInput
 from shop.site import product_html
 
 
-def sqs_settings(db_path: Path, queue: SqsQueue, **extra: Any) -> dict[str, Any]:
+def sqs_settings(db_path: str, queue: SqsQueue, **extra: Any) -> dict[str, Any]:
     extra = {"CLOSESPIDER_TIMEOUT": 150, **extra}
     return crawl_settings(db_path, IDEMPOTENT_QUEUE_URL=queue.url,
                           IDEMPOTENT_QUEUE_POLL_SECONDS=0.05, **NATURAL_KEYS, **extra)
@@ -46,7 +46,7 @@ class DeleteProbe:
     """Wraps the SQS input's boto3 client (the real one) and checks at every delete that the
     page each deleted message asked for is committed in a final state."""
 
-    def __init__(self, crawler: Any, db_path: Path, redeliver: bool = False) -> None:
+    def __init__(self, crawler: Any, db_path: str, redeliver: bool = False) -> None:
         self.crawler, self.db_path = crawler, db_path
         self.problems: list[str] = []
         self.deleted = 0
@@ -98,8 +98,7 @@ class DeleteProbe:
         url = body_url(body) if body else None
         if url is None:
             return  # the stop message
-        states = {s for (s,) in db_rows(self.db_path, "SELECT state FROM requests WHERE url = ?",
-                                        (url,))}
+        states = {entry.state for entry in frontier_entries(self.db_path) if entry.url == url}
         if not states or not states <= {"done", "failed"}:
             self.problems.append(f"{url} deleted in state {states}")
 
@@ -107,7 +106,7 @@ class DeleteProbe:
 @pytest.mark.parametrize("fifo", [False, True], ids=["standard", "fifo"])
 @deferred_f_from_coro_f
 async def test_messages_become_requests_deleted_after_their_commit(
-        sqs_server: SqsServer, db_path: Path, fifo: bool) -> None:  # noqa: F811
+        sqs_server: SqsServer, crawl_database: str, fifo: bool) -> None:  # noqa: F811
     queue = SqsQueue(sqs_server, fifo=fifo)
     with LocalSite(listing_pages=2, products_per_page=3, products_failing=[3]) as shop:
         for _ in range(3):  # the same URL three times: one entry, one record
@@ -116,8 +115,8 @@ async def test_messages_become_requests_deleted_after_their_commit(
         queue.push(product_body(shop, 3))  # answers 503: failed, then deleted
         queue.push(f"{shop.url}/list/2")  # a plain URL: links products 4..6 and list 1
         crawler = get_crawler(QueueSpider, sqs_settings(
-            db_path, queue, IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=1))
-        probe = DeleteProbe(crawler, db_path)
+            crawl_database, queue, IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=1))
+        probe = DeleteProbe(crawler, crawl_database)
         await crawl_to_end(crawler)
         requests = shop.counts_by_path()
     stats = crawler.stats.get_stats()
@@ -125,8 +124,8 @@ async def test_messages_become_requests_deleted_after_their_commit(
     assert probe.problems == []
     assert probe.deleted == 6
     assert requests["/product/SKU-00001"] == 1
-    assert frontier_counts(db_path) == {"done": 7, "failed": 1}
-    assert sorted(p["sku"] for p in stored_products(db_path)) == [
+    assert frontier_counts(crawl_database) == {"done": 7, "failed": 1}
+    assert sorted(p["sku"] for p in stored_products(crawl_database)) == [
         f"SKU-{n:05d}" for n in (1, 2, 4, 5, 6)]
     assert queue.all_acknowledged()
     assert stats["idempotent/queue/received"] == 6
@@ -135,7 +134,7 @@ async def test_messages_become_requests_deleted_after_their_commit(
 
 @deferred_f_from_coro_f
 async def test_a_message_received_again_while_held_is_taken_once_and_deleted_after_commit(
-        sqs_server: SqsServer, db_path: Path) -> None:  # noqa: F811
+        sqs_server: SqsServer, crawl_database: str) -> None:  # noqa: F811
     """Every message is made visible again at its first receipt, as when its visibility
     timeout runs out before the worker extends it: it is received a second time (in the same
     take, or at the next poll) while its request is only buffered or in progress. The second
@@ -144,8 +143,8 @@ async def test_a_message_received_again_while_held_is_taken_once_and_deleted_aft
     queue = SqsQueue(sqs_server)
     with LocalSite() as shop:
         crawler = get_crawler(QueueSpider, sqs_settings(
-            db_path, queue, IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=1))
-        probe = DeleteProbe(crawler, db_path, redeliver=True)
+            crawl_database, queue, IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=1))
+        probe = DeleteProbe(crawler, crawl_database, redeliver=True)
         for number in range(1, 26):
             queue.push(product_body(shop, number))
             # each page is answered once its message has been received again: the second
@@ -164,8 +163,8 @@ async def test_a_message_received_again_while_held_is_taken_once_and_deleted_aft
     assert stats.get("idempotent/queue/claimed", 0) == 0  # nobody else's
     assert stats["idempotent/queue/acknowledged"] == 25
     assert set(requests.values()) == {1}
-    assert frontier_counts(db_path) == {"done": 25}
-    assert len(stored_products(db_path)) == 25
+    assert frontier_counts(crawl_database) == {"done": 25}
+    assert len(stored_products(crawl_database)) == 25
     assert queue.all_acknowledged()
 
 
@@ -216,21 +215,21 @@ def test_the_broker_count_is_exact_while_a_visibility_timeout_runs_out(
 
 @deferred_f_from_coro_f
 async def test_a_stop_message_finishes_the_crawl(
-        sqs_server: SqsServer, db_path: Path) -> None:  # noqa: F811
+        sqs_server: SqsServer, crawl_database: str) -> None:  # noqa: F811
     queue = SqsQueue(sqs_server, fifo=True)
     with LocalSite() as shop:
         queue.push(product_body(shop, 1), group="g")
         queue.push({"stop": True}, group="g")  # a FIFO group: read after the product
-        crawler = get_crawler(QueueSpider, sqs_settings(db_path, queue))
+        crawler = get_crawler(QueueSpider, sqs_settings(crawl_database, queue))
         await crawl_to_end(crawler)
     assert crawler.stats.get_value("finish_reason") == "finished"
-    assert [p["sku"] for p in stored_products(db_path)] == ["SKU-00001"]
+    assert [p["sku"] for p in stored_products(crawl_database)] == ["SKU-00001"]
     assert queue.all_acknowledged()
 
 
 @deferred_f_from_coro_f
 async def test_a_slow_request_keeps_its_message_invisible(
-        sqs_server: SqsServer, db_path: Path) -> None:  # noqa: F811
+        sqs_server: SqsServer, crawl_database: str) -> None:  # noqa: F811
     """The visibility timeout is 2 s, the page takes 8 s: the heartbeat extends it, so another
     consumer polling the queue all along never receives the message."""
     queue = SqsQueue(sqs_server)
@@ -239,7 +238,7 @@ async def test_a_slow_request_keeps_its_message_invisible(
     with LocalSite(delay=8) as shop:
         queue.push(product_body(shop, 1))
         crawler = get_crawler(QueueSpider, sqs_settings(
-            db_path, queue, IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS=2,
+            crawl_database, queue, IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS=2,
             IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=0.5))
         crawling = crawler.crawl()
         await reactor_wait_for(lambda: shop.in_flight >= 1, "the page requested")
@@ -259,7 +258,7 @@ async def test_a_slow_request_keeps_its_message_invisible(
 
 @deferred_f_from_coro_f
 async def test_bad_messages_go_to_the_parked_queue_with_their_error(
-        sqs_server: SqsServer, db_path: Path) -> None:  # noqa: F811
+        sqs_server: SqsServer, crawl_database: str) -> None:  # noqa: F811
     queue = SqsQueue(sqs_server)
     with LocalSite() as shop:
         bad = ['{"url": ', json.dumps({"url": product(shop, 1), "callback": "nope"}),
@@ -267,7 +266,7 @@ async def test_bad_messages_go_to_the_parked_queue_with_their_error(
         ids = {queue.push(body): body for body in bad}
         queue.push(product_body(shop, 7))
         crawler = get_crawler(QueueSpider, sqs_settings(
-            db_path, queue, IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=1))
+            crawl_database, queue, IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=1))
         await crawl_to_end(crawler)
     stats = crawler.stats.get_stats()
     assert stats["finish_reason"] == "finished"
@@ -279,23 +278,23 @@ async def test_bad_messages_go_to_the_parked_queue_with_their_error(
     assert any("not JSON" in e for e in errors)
     assert any("method of the spider" in e for e in errors)
     assert any("http(s) URL" in e for e in errors)
-    assert [p["sku"] for p in stored_products(db_path)] == ["SKU-00007"]
+    assert [p["sku"] for p in stored_products(crawl_database)] == ["SKU-00007"]
     assert queue.all_acknowledged()
 
 
 @deferred_f_from_coro_f
 async def test_a_bad_message_is_left_to_the_redrive_policy(
-        sqs_server: SqsServer, db_path: Path) -> None:  # noqa: F811
+        sqs_server: SqsServer, crawl_database: str) -> None:  # noqa: F811
     queue = SqsQueue(sqs_server, redrive=True)
     assert queue.dead_letter_url is not None
     with LocalSite() as shop:
         bad = queue.push(json.dumps({"url": product(shop, 1), "dont_filter": True}))
         queue.push(product_body(shop, 7))
         crawler = get_crawler(QueueSpider, sqs_settings(
-            db_path, queue, IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=1))
+            crawl_database, queue, IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=1))
         await crawl_to_end(crawler)
     assert crawler.stats.get_value("finish_reason") == "finished"
-    assert [p["sku"] for p in stored_products(db_path)] == ["SKU-00007"]
+    assert [p["sku"] for p in stored_products(crawl_database)] == ["SKU-00007"]
     assert queue.all_acknowledged()  # the bad one moved on to the dead-letter queue
     (dead,) = queue.receive_all(queue.dead_letter_url)
     assert dead["MessageId"] == bad
@@ -303,7 +302,7 @@ async def test_a_bad_message_is_left_to_the_redrive_policy(
 
 @deferred_f_from_coro_f
 async def test_the_crawl_goes_on_when_sqs_comes_back(
-        sqs_server: SqsServer, db_path: Path, caplog: pytest.LogCaptureFixture  # noqa: F811
+        sqs_server: SqsServer, crawl_database: str, caplog: pytest.LogCaptureFixture  # noqa: F811
 ) -> None:
     """The SQS endpoint goes away mid-crawl (its server stopped: connections refused) and
     comes back: the deletes owed are sent again, the messages pushed meanwhile are read."""
@@ -311,7 +310,7 @@ async def test_the_crawl_goes_on_when_sqs_comes_back(
     with LocalSite(delay=0.05) as shop:
         for n in range(1, 21):
             queue.push(product_body(shop, n))
-        crawler = get_crawler(QueueSpider, sqs_settings(db_path, queue,
+        crawler = get_crawler(QueueSpider, sqs_settings(crawl_database, queue,
                                                         CONCURRENT_REQUESTS=2))
         crawling = crawler.crawl()
         await reactor_wait_for(lambda: shop.request_count >= 5, "the crawl going")
@@ -327,8 +326,8 @@ async def test_the_crawl_goes_on_when_sqs_comes_back(
         with caplog.at_level(logging.INFO, logger="scrapy_idempotent.queue_input"):
             await maybe_deferred_to_future(crawling)
     assert crawler.stats.get_value("finish_reason") == "finished"
-    assert len(stored_products(db_path)) == 30
-    assert frontier_counts(db_path) == {"done": 30}
+    assert len(stored_products(crawl_database)) == 30
+    assert frontier_counts(crawl_database) == {"done": 30}
     assert queue.all_acknowledged()
     assert any("reachable again" in r.getMessage() for r in caplog.records)
 
