@@ -24,11 +24,11 @@ from scrapy.utils.defer import deferred_f_from_coro_f
 from crawling import (
     EXAMPLE_PROJECT,
     crawl_settings,
-    done_requests,
     run_crawl,
     start_shop_crawl,
     wait_for,
 )
+from helpers.stored import add_to_run_counter, requests_done
 from scrapy_idempotent.store import open_store
 from shop.spiders.shop import ShopSpider
 
@@ -65,24 +65,12 @@ def status(db: Path | str) -> Any:
 
 
 @deferred_f_from_coro_f
-async def test_the_metrics_are_what_the_store_says(db_path: Path) -> None:
+async def test_the_metrics_are_what_the_store_says(crawl_database: str) -> None:
     with LocalSite(listing_pages=2, products_per_page=5, products_failing=[3]) as site:
-        await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS), url=site.url)
-    _assert_as_stored(db_path)
-
-
-@deferred_f_from_coro_f
-async def test_the_metrics_of_a_postgresql_crawl_are_what_it_says(postgres_url: str) -> None:
-    pytest.importorskip("psycopg")
-    settings = crawl_settings(postgres_url, **NATURAL_KEYS)  # type: ignore[arg-type]
-    with LocalSite(listing_pages=2, products_per_page=5, products_failing=[3]) as site:
-        await run_crawl(ShopSpider, settings, url=site.url)
-    _assert_as_stored(postgres_url)
-
-
-def _assert_as_stored(db_path: Path | str) -> None:
-    got = samples(exposition(db_path))
-    report = status(db_path)
+        await run_crawl(ShopSpider, crawl_settings(crawl_database, **NATURAL_KEYS),
+                        url=site.url)
+    got = samples(exposition(crawl_database))
+    report = status(crawl_database)
     run = report["run"]
     assert got[("idempotent_store_up", ())] == 1
     assert got[("idempotent_current_run", ())] == run["run_id"] == 1
@@ -103,15 +91,15 @@ def _assert_as_stored(db_path: Path | str) -> None:
     assert not [key for key in got if key[0] == "idempotent_worker_leases"]
 
 
-def test_the_dashboard_and_the_alert_rules_use_only_metrics_that_exist(db_path: Path) -> None:
+def test_the_dashboard_and_the_alert_rules_use_only_metrics_that_exist(
+        crawl_database: str) -> None:
     import re
 
-    from scrapy_idempotent.store import SQLiteStore
-
-    store = SQLiteStore(str(db_path))
+    store = open_store(crawl_database)
     store.open(fingerprinter="SHA1")
     store.close()
-    served = {family.name for family in text_string_to_metric_families(exposition(db_path))}
+    served = {family.name for family in
+              text_string_to_metric_families(exposition(crawl_database))}
     # and those of a queue input's broker, once read
     from scrapy_idempotent.metrics import _queue
     from scrapy_idempotent.queue_input.broker import QueueDepth
@@ -177,7 +165,8 @@ def _up(url: str) -> bool:
 
 @pytest.mark.slow
 def test_prometheus_scrapes_the_crawl_of_two_workers_one_killed(tmp_path: Path) -> None:
-    db = tmp_path / "crawl.sqlite3"
+    # on SQLite only: over a minute per backend, the time of the crawl, not of the store
+    db = str(tmp_path / "crawl.sqlite3")
     port = free_port()
     processes: list[subprocess.Popen[Any]] = []
     try:
@@ -187,11 +176,11 @@ def test_prometheus_scrapes_the_crawl_of_two_workers_one_killed(tmp_path: Path) 
                                         "CONCURRENT_REQUESTS=2")
                        for n in (1, 2)]
             processes += workers
-            wait_for(lambda: done_requests(db) > 0, 60, "a first page done",
+            wait_for(lambda: requests_done(db) > 0, 60, "a first page done",
                      tmp_path / "worker1.log")
             with (tmp_path / "exporter.log").open("wb") as log:
                 exporter = subprocess.Popen(
-                    [sys.executable, "-m", "scrapy", "idempotent", "metrics", "--db", str(db),
+                    [sys.executable, "-m", "scrapy", "idempotent", "metrics", "--db", db,
                      "--listen", f"127.0.0.1:{port}"], cwd=EXAMPLE_PROJECT,
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
             processes.append(exporter)
@@ -211,7 +200,7 @@ def test_prometheus_scrapes_the_crawl_of_two_workers_one_killed(tmp_path: Path) 
                      tmp_path / "worker1.log")
             os.kill(workers[0].pid, signal.SIGKILL)
             workers[0].wait()
-            killed_at = done_requests(db)
+            killed_at = requests_done(db)
             assert workers[1].wait(timeout=240) == 0
             report = status(db)
             run = report["run"]
@@ -254,19 +243,20 @@ def test_prometheus_scrapes_the_crawl_of_two_workers_one_killed(tmp_path: Path) 
 
 
 @deferred_f_from_coro_f
-async def test_status_watch_redraws_in_place_with_rates_per_minute(db_path: Path) -> None:
+async def test_status_watch_redraws_in_place_with_rates_per_minute(
+        crawl_database: str) -> None:
     """Through a pseudo-terminal, as a user sees it: frames redrawn in place (the screen
     cleared before each), a rate per minute once the figures move, Ctrl+C ends it with 0."""
     import pty
     import re
     import select
-    import sqlite3
 
     with LocalSite(listing_pages=1, products_per_page=4) as site:
-        await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS), url=site.url)
+        await run_crawl(ShopSpider, crawl_settings(crawl_database, **NATURAL_KEYS),
+                        url=site.url)
     leader, follower = pty.openpty()
     watcher = subprocess.Popen(
-        [sys.executable, "-m", "scrapy", "idempotent", "status", "--db", str(db_path),
+        [sys.executable, "-m", "scrapy", "idempotent", "status", "--db", crawl_database,
          "--watch", "0.2"], stdin=follower, stdout=follower, stderr=follower)
     os.close(follower)
     output = b""
@@ -288,10 +278,7 @@ async def test_status_watch_redraws_in_place_with_rates_per_minute(db_path: Path
         assert "run 1, finished (finished)" in first
         assert re.search(r"pages done\s+5\s+-", first)
         # the figures move (as another worker's commits would move them)
-        conn = sqlite3.connect(db_path)
-        with conn:
-            conn.execute("UPDATE runs SET done = done + 1000")
-        conn.close()
+        add_to_run_counter(crawl_database, 1, "done", 1000)
         read_until(lambda: any(re.search(r"pages done\s+1005\s+[1-9]\d*/min", f)
                                for f in frames()[:-1]))
         watcher.send_signal(signal.SIGINT)
@@ -304,19 +291,17 @@ async def test_status_watch_redraws_in_place_with_rates_per_minute(db_path: Path
 
 
 def test_the_frontier_wide_figures_are_read_again_in_the_background_when_due(
-        db_path: Path) -> None:
+        crawl_database: str) -> None:
     """Each scrape reads the runs, leases, workers and outbox; the passes over the whole
     frontier only once ten times their read time has passed (injected clock), on a thread."""
-    from scrapy_idempotent.store import SQLiteStore
-
-    store = SQLiteStore(str(db_path))
+    store = open_store(crawl_database)
     store.open(fingerprinter="SHA1")
     store.close()
     reads: list[str] = []
     now = [1000.0]
 
     def opened() -> Any:
-        opened_store = open_store(str(db_path))
+        opened_store = open_store(crawl_database)
         opened_store.open_existing(readonly=True)
         real = opened_store.crawl_metrics
 
@@ -351,7 +336,7 @@ def test_the_frontier_wide_figures_are_read_again_in_the_background_when_due(
 @pytest.mark.slow
 @deferred_f_from_coro_f
 async def test_status_chart_draws_the_run_as_headless_chromium_shows_it(
-        db_path: Path, tmp_path: Path) -> None:
+        crawl_database: str, tmp_path: Path) -> None:
     """The page is self-contained (no script, nothing fetched) and Chromium draws its lines:
     the screenshot has the colours of the series."""
     chromium = shutil.which("chromium")
@@ -360,10 +345,11 @@ async def test_status_chart_draws_the_run_as_headless_chromium_shows_it(
     from PIL import Image
 
     with LocalSite(listing_pages=2, products_per_page=5, products_failing=[3]) as site:
-        await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS), url=site.url)
+        await run_crawl(ShopSpider, crawl_settings(crawl_database, **NATURAL_KEYS),
+                        url=site.url)
     page = tmp_path / "run.html"
     result = subprocess.run([sys.executable, "-m", "scrapy", "idempotent", "status", "--db",
-                             str(db_path), "--chart", str(page)], capture_output=True,
+                             crawl_database, "--chart", str(page)], capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     text = page.read_text()
@@ -388,22 +374,23 @@ async def test_status_chart_draws_the_run_as_headless_chromium_shows_it(
 
 @deferred_f_from_coro_f
 async def test_the_chart_from_samples_counts_what_the_stored_rows_say(
-        db_path: Path, tmp_path: Path) -> None:
+        crawl_database: str, second_crawl_database: str) -> None:
     """The run's samples (one at the start, one at the close) give the chart the totals that
     counting the stored rows gives; without samples (IDEMPOTENT_SAMPLE_SECONDS = 0) the chart
     is counted from the rows."""
     from scrapy_idempotent.commands import chart
 
     with LocalSite(listing_pages=2, products_per_page=5, products_failing=[3]) as site:
-        await run_crawl(ShopSpider, crawl_settings(db_path, **NATURAL_KEYS), url=site.url)
-        unsampled = tmp_path / "unsampled.sqlite3"
+        await run_crawl(ShopSpider, crawl_settings(crawl_database, **NATURAL_KEYS),
+                        url=site.url)
+        unsampled = second_crawl_database
         await run_crawl(ShopSpider, crawl_settings(unsampled, IDEMPOTENT_SAMPLE_SECONDS=0,
                                                    **NATURAL_KEYS), url=site.url)
 
     def totals(series: dict[str, Any]) -> dict[str, int]:
         return {name: sum(counts.values()) for name, counts in series.items()}
 
-    store = open_store(str(db_path))
+    store = open_store(crawl_database)
     store.open_existing(readonly=True)
     try:
         (run,) = store.runs()
@@ -414,7 +401,7 @@ async def test_the_chart_from_samples_counts_what_the_stored_rows_say(
             "pages done": 11, "pages failed": 1, "repeats": 0, "records changed": 9}
     finally:
         store.close()
-    store = open_store(str(unsampled))
+    store = open_store(unsampled)
     store.open_existing(readonly=True)
     try:
         assert store.samples(1) == []

@@ -204,3 +204,16 @@ def outbox_due_now(database: str | Path) -> None:
     """Make every outbox entry due now, whatever its backoff said (a shortcut past a retry
     delay); attempts and details are left as they are."""
     change_stored(database, "UPDATE outbox SET due_at = 0")
+
+
+def add_to_run_counter(database: str | Path, run_id: int, counter: str, n: int) -> None:
+    """Add ``n`` to the counter ``counter`` (``done``, ``failed``...) of run ``run_id``, as
+    more commits of its workers would (a shortcut: the counters live in the table
+    ``COUNTER_TABLE`` of the store, one row per run on SQLite, per session on PostgreSQL:
+    the first row of the run takes it)."""
+    with reading(database) as store:
+        table = store.COUNTER_TABLE  # type: ignore[attr-defined]
+    key = "run_id" if table == "runs" else "session_id"
+    change_stored(database, f"UPDATE {table} SET {counter} = {counter} + ?"
+                            f" WHERE {key} = (SELECT min({key}) FROM {table} WHERE run_id = ?)",
+                  (n, run_id))
