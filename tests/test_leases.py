@@ -55,7 +55,7 @@ def store(store_factory: Callable[..., FrontierStore]) -> FrontierStore:
     """A store of each backend, opened for :data:`WORKER`."""
     store = store_factory()
     store.open(fingerprinter="f")
-    store.begin_session(WORKER, "auto")
+    store.begin_session(WORKER, "auto")  # type: ignore[arg-type]
     return store
 
 
