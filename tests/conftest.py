@@ -68,14 +68,25 @@ def postgres_url(postgres_cluster: Any) -> str:
     return str(postgres_cluster.new_database())
 
 
-@pytest.fixture
-def harness(db_path: Path) -> Iterator[Harness]:
-    """Schedulers opened by hand in real crawlers on this test's database
-    (``helpers.scheduler_harness``); every one still open is closed after the test."""
-    h = Harness(db_path)
+def _harness(database: str | Path) -> Iterator[Harness]:
+    h = Harness(database)
     yield h
     for scheduler in list(h.open):
         h.close(scheduler)
+
+
+@pytest.fixture
+def harness(db_path: Path) -> Iterator[Harness]:
+    """Schedulers opened by hand in real crawlers on this test's SQLite file
+    (``helpers.scheduler_harness``); every one still open is closed after the test."""
+    yield from _harness(db_path)
+
+
+@pytest.fixture
+def crawl_harness(crawl_database: str) -> Iterator[Harness]:
+    """As ``harness``, on ``crawl_database``: a new, empty database of each store backend in
+    turn (read what was stored through ``helpers.stored``)."""
+    yield from _harness(crawl_database)
 
 
 # -- store backends: the contract tests run against each -----------------------------------

@@ -3,25 +3,31 @@
 
 The scheduler runs inside a real crawler and engine; only the crawl loop is not started, so
 the tests drive ``enqueue_request``/``next_request`` and the engine's completion hook
-(``_slot.remove_request``) by hand.
+(``_slot.remove_request``) by hand, on each store backend in turn (``crawl_harness``), and
+read what was stored through the store interface (``helpers.stored``).
 """
 
 from __future__ import annotations
 
-import sqlite3
-from pathlib import Path
+from collections import Counter
 from typing import Any
 
 import scrapy
 
-from crawling import db_rows, frontier_counts
 from helpers.scheduler_harness import URLS, Harness, drain, finish
+from helpers.stored import (
+    change_stored,
+    frontier_counts,
+    frontier_entries,
+    stored_runs,
+    stored_sessions,
+)
 from scrapy_idempotent.store.base import UnitOfWork
 from scrapy_idempotent.workers import WorkerId
 
 
-def test_length_and_pending(harness: Harness) -> None:
-    scheduler = harness.scheduler()
+def test_length_and_pending(crawl_harness: Harness) -> None:
+    scheduler = crawl_harness.scheduler()
     assert len(scheduler) == 0
     assert not scheduler.has_pending_requests()
     for url in URLS:
@@ -30,8 +36,8 @@ def test_length_and_pending(harness: Harness) -> None:
     assert len(scheduler) == len(URLS)
 
 
-def test_drain_returns_exactly_what_was_enqueued(harness: Harness) -> None:
-    scheduler = harness.scheduler()
+def test_drain_returns_exactly_what_was_enqueued(crawl_harness: Harness) -> None:
+    scheduler = crawl_harness.scheduler()
     for url in URLS + URLS:  # the second time each is a duplicate
         scheduler.enqueue_request(scrapy.Request(url))
     drained = drain(scheduler)
@@ -40,12 +46,12 @@ def test_drain_returns_exactly_what_was_enqueued(harness: Harness) -> None:
     assert not scheduler.has_pending_requests()  # all leased by this worker, in its hands
     for request in drained:
         finish(scheduler, request)
-    assert frontier_counts(harness.db_path) == {"done": len(URLS)}
+    assert frontier_counts(crawl_harness.database) == {"done": len(URLS)}
     assert scheduler.stats.get_value("idempotent/requests/duplicate") == len(URLS)
 
 
-def test_priority_highest_first_then_newest(harness: Harness) -> None:
-    scheduler = harness.scheduler()
+def test_priority_highest_first_then_newest(crawl_harness: Harness) -> None:
+    scheduler = crawl_harness.scheduler()
     priorities = [0, 3, -1, 3, 1, 0, 2]
     for i, priority in enumerate(priorities):
         scheduler.enqueue_request(scrapy.Request(f"https://example.com/{i}", priority=priority))
@@ -53,8 +59,8 @@ def test_priority_highest_first_then_newest(harness: Harness) -> None:
     assert order == [3, 1, 6, 4, 5, 0, 2]
 
 
-def test_callback_requests_beat_start_requests_at_equal_priority(harness: Harness) -> None:
-    scheduler = harness.scheduler()
+def test_callback_requests_beat_start_requests_at_equal_priority(crawl_harness: Harness) -> None:
+    scheduler = crawl_harness.scheduler()
     for name in ("start1", "start2"):
         # as StartSpiderMiddleware marks them
         start = scrapy.Request(f"https://example.com/{name}", dont_filter=True,
@@ -68,8 +74,8 @@ def test_callback_requests_beat_start_requests_at_equal_priority(harness: Harnes
         "other2", "other1", "start1", "start2"]
 
 
-def test_new_requests_come_before_requests_claimed_ahead(harness: Harness) -> None:
-    scheduler = harness.scheduler()
+def test_new_requests_come_before_requests_claimed_ahead(crawl_harness: Harness) -> None:
+    scheduler = crawl_harness.scheduler()
     for i in range(3):
         scheduler.enqueue_request(scrapy.Request(f"https://example.com/{i}"))
     first = scheduler.next_request()  # claims the others ahead
@@ -77,16 +83,16 @@ def test_new_requests_come_before_requests_claimed_ahead(harness: Harness) -> No
     scheduler.enqueue_request(scrapy.Request("https://example.com/child"))
     finish(scheduler, first)  # commits the child; it is taken first (LIFO), as in Scrapy
     assert [r.url.rsplit("/", 1)[1] for r in drain(scheduler)] == ["child", "1", "0"]
-    assert frontier_counts(harness.db_path) == {"done": 1, "leased": 3}
+    assert frontier_counts(crawl_harness.database) == {"done": 1, "leased": 3}
 
 
-def test_same_after_close_and_reopen(harness: Harness) -> None:
-    scheduler = harness.scheduler()
+def test_same_after_close_and_reopen(crawl_harness: Harness) -> None:
+    scheduler = crawl_harness.scheduler()
     for i, url in enumerate(URLS):
         scheduler.enqueue_request(
             scrapy.Request(url, priority=i % 3, callback=scheduler.spider.parse))
-    harness.close(scheduler)
-    reopened = harness.scheduler()
+    crawl_harness.close(scheduler)
+    reopened = crawl_harness.scheduler()
     assert len(reopened) == len(URLS)
     urls = [r.url for r in drain(reopened)]
     assert sorted(urls) == sorted(URLS)
@@ -94,33 +100,34 @@ def test_same_after_close_and_reopen(harness: Harness) -> None:
         (i % 3 for i in range(10)), reverse=True)
 
 
-def test_dequeued_but_unfinished_is_not_done(harness: Harness) -> None:
-    scheduler = harness.scheduler()
+def test_dequeued_but_unfinished_is_not_done(crawl_harness: Harness) -> None:
+    scheduler = crawl_harness.scheduler()
     for url in URLS:
         scheduler.enqueue_request(scrapy.Request(url))
     taken = drain(scheduler)
     finish(scheduler, taken[0])
-    harness.close(scheduler)  # a graceful stop releases the other leases at once
-    assert frontier_counts(harness.db_path) == {"done": 1, "pending": len(URLS) - 1}
-    reopened = harness.scheduler()
+    crawl_harness.close(scheduler)  # a graceful stop releases the other leases at once
+    assert frontier_counts(crawl_harness.database) == {"done": 1, "pending": len(URLS) - 1}
+    reopened = crawl_harness.scheduler()
     assert sorted(r.url for r in drain(reopened)) == sorted(u for u in URLS
                                                             if u != taken[0].url)
 
 
-def test_start_requests_are_keyed_deterministically_across_restarts(harness: Harness) -> None:
+def test_start_requests_are_keyed_deterministically_across_restarts(
+        crawl_harness: Harness) -> None:
     for _ in range(2):
-        scheduler = harness.scheduler()
+        scheduler = crawl_harness.scheduler()
         for url in URLS[:3]:
             request = scrapy.Request(url, dont_filter=True)
             scheduler.tracker.mark_start(request)
             scheduler.enqueue_request(request)
         scheduler.next_request()  # flushes
-        harness.close(scheduler)
-    assert db_rows(harness.db_path, "SELECT count(*) FROM requests") == [(3,)]
+        crawl_harness.close(scheduler)
+    assert len(frontier_entries(crawl_harness.database)) == 3
 
 
-def test_finished_request_is_done_and_a_rediscovery_is_not_fetched(harness: Harness) -> None:
-    scheduler = harness.scheduler()
+def test_finished_request_is_done_and_a_rediscovery_is_not_fetched(crawl_harness: Harness) -> None:
+    scheduler = crawl_harness.scheduler()
     scheduler.enqueue_request(scrapy.Request(URLS[0]))
     finish(scheduler, scheduler.next_request())
     scheduler.enqueue_request(scrapy.Request(URLS[0]))
@@ -129,9 +136,9 @@ def test_finished_request_is_done_and_a_rediscovery_is_not_fetched(harness: Harn
 
 
 def test_unstorable_request_is_handed_out_from_memory_and_counted(
-    harness: Harness, caplog: Any
+    crawl_harness: Harness, caplog: Any
 ) -> None:
-    scheduler = harness.scheduler()
+    scheduler = crawl_harness.scheduler()
     with open(__file__) as f:
         unstorable = [scrapy.Request(URLS[0], callback=lambda r: None),
                       scrapy.Request(URLS[1], meta={"f": f})]
@@ -143,30 +150,31 @@ def test_unstorable_request_is_handed_out_from_memory_and_counted(
         assert drain(scheduler) == unstorable[::-1]  # Scrapy's order: LIFO
         for request in unstorable:
             finish(scheduler, request)
-    assert frontier_counts(harness.db_path) == {}
+    assert frontier_counts(crawl_harness.database) == {}
     assert not scheduler.has_pending_requests()
 
 
-def test_missing_callback_fails_that_request_and_the_rest_goes_on(harness: Harness) -> None:
-    scheduler = harness.scheduler()
+def test_missing_callback_fails_that_request_and_the_rest_goes_on(crawl_harness: Harness) -> None:
+    scheduler = crawl_harness.scheduler()
     scheduler.enqueue_request(scrapy.Request(URLS[0], callback=scheduler.spider.parse_other))
     scheduler.enqueue_request(scrapy.Request(URLS[1]))
-    harness.close(scheduler)
+    crawl_harness.close(scheduler)
     # the code changed between runs: parse_other no longer exists
-    conn = sqlite3.connect(harness.db_path)
-    conn.execute("UPDATE requests SET data = replace(data, 'parse_other', 'gone')")
-    conn.commit()
-    conn.close()
-    reopened = harness.scheduler()
+    change_stored(crawl_harness.database,
+                  "UPDATE requests SET data = replace(data, 'parse_other', 'gone')")
+    reopened = crawl_harness.scheduler()
     assert [r.url for r in drain(reopened)] == [URLS[1]]
     reopened.close("shutdown")
-    harness.open.remove(reopened)
-    (kind, message), = db_rows(harness.db_path, "SELECT error_kind, error_message FROM requests"
-                               " WHERE state = 'failed'")
+    crawl_harness.open.remove(reopened)
+    (kind, message), = [(entry.error_kind, entry.error_message)
+                        for entry in frontier_entries(crawl_harness.database)
+                        if entry.state == "failed"]
     assert kind == "unloadable" and "'gone'" in message
 
 
 def test_store_failure_never_raises_into_scrapy(harness: Harness) -> None:
+    # SQLite only: a closed SQLite connection stays closed; a lost PostgreSQL connection is
+    # opened again (test_postgresql_outage.py)
     scheduler = harness.scheduler()
     scheduler.enqueue_request(scrapy.Request(URLS[0]))
     scheduler.store.conn.close()  # the database goes away under the scheduler
@@ -179,13 +187,13 @@ def test_store_failure_never_raises_into_scrapy(harness: Harness) -> None:
 
 
 def test_two_workers_never_share_a_lease_and_dead_workers_are_reclaimed(
-    harness: Harness,
+    crawl_harness: Harness,
 ) -> None:
-    first = harness.scheduler(worker="otherhost:1:1")
+    first = crawl_harness.scheduler(worker="otherhost:1:1")
     for url in URLS:
         first.enqueue_request(scrapy.Request(url))
     held = drain(first)
-    second = harness.scheduler()
+    second = crawl_harness.scheduler()
     assert second.next_request() is None  # everything is leased by a live worker elsewhere
     assert second.has_pending_requests()  # ... so it waits instead of finishing
     # a process of this host (and PID namespace) that no longer exists: its leases come
@@ -193,10 +201,8 @@ def test_two_workers_never_share_a_lease_and_dead_workers_are_reclaimed(
     here = WorkerId.parse(second.worker)
     assert here is not None
     dead = WorkerId(here.host, 999999, "1", "0a0b0c0d", here.namespace)
-    conn = sqlite3.connect(harness.db_path)
-    conn.execute("UPDATE requests SET worker = ? WHERE state = 'leased'", (str(dead),))
-    conn.commit()
-    conn.close()
+    change_stored(crawl_harness.database, "UPDATE requests SET worker = ? WHERE state = 'leased'",
+                  (str(dead),))
     second.leases._dead_check_at = 0
     assert second.has_pending_requests()
     # they were in flight at one death of their worker: replayed at full concurrency (only
@@ -208,11 +214,11 @@ def test_two_workers_never_share_a_lease_and_dead_workers_are_reclaimed(
     assert second.stats.get_value("idempotent/requests/reclaimed") == len(URLS)
     first.health.closing = True
     first.store.close()
-    harness.open.remove(first)
+    crawl_harness.open.remove(first)
 
 
-def test_duplicate_of_a_buffered_child_is_refused_at_once(harness: Harness) -> None:
-    scheduler = harness.scheduler()
+def test_duplicate_of_a_buffered_child_is_refused_at_once(crawl_harness: Harness) -> None:
+    scheduler = crawl_harness.scheduler()
     for url in URLS[:2]:
         scheduler.enqueue_request(scrapy.Request(url))
     first, second = drain(scheduler)
@@ -227,42 +233,44 @@ def test_duplicate_of_a_buffered_child_is_refused_at_once(harness: Harness) -> N
     finish(scheduler, second)
     finish(scheduler, first)
     # the child was written once, by the page that yielded it first
-    rows = dict(db_rows(harness.db_path, "SELECT url, key FROM requests"))
-    assert db_rows(harness.db_path, "SELECT parent_key FROM requests WHERE url = ?",
-                   ("https://example.com/child",)) == [(rows[first.url],)]
+    entries = frontier_entries(crawl_harness.database)
+    keys = {entry.url: entry.key for entry in entries}
+    assert [entry.parent_key for entry in entries
+            if entry.url == "https://example.com/child"] == [keys[first.url]]
 
 
 def test_a_crawl_open_across_the_run_boundary_goes_on_in_the_next_run(
-        harness: Harness, db_path: Path) -> None:
+        crawl_harness: Harness) -> None:
     """a joined run 1 and is idle when b finishes that run and c starts run 2: a takes run
     2's work as run 2's (its session, its stats, its close: the feeds it writes then)."""
-    a = harness.scheduler()
-    b = harness.scheduler()
+    a = crawl_harness.scheduler()
+    b = crawl_harness.scheduler()
     assert b.enqueue_request(scrapy.Request("https://shop.example/1"))
     finish(b, b.next_request())
-    harness.close(b, "finished")
-    c = harness.scheduler()
+    crawl_harness.close(b, "finished")
+    c = crawl_harness.scheduler()
     assert (a.run_id, c.run_id) == (1, 2)
     assert c.enqueue_request(scrapy.Request("https://shop.example/2"))
-    harness.close(c)  # its claim of the request given back
+    crawl_harness.close(c)  # its claim of the request given back
     request = a.next_request()
     assert request is not None and request.url == "https://shop.example/2"
     assert (a.run_id, a.stats.get_value("idempotent/run_id")) == (2, 2)
     finish(a, request)
-    assert db_rows(db_path, "SELECT run_id, count(*) FROM sessions WHERE ended_at IS NULL"
-                            " GROUP BY run_id") == [(2, 1)]
-    harness.close(a, "finished")
-    assert db_rows(db_path, "SELECT run_id, leased, done, reason FROM runs") == [
+    assert Counter(session.run_id for session in stored_sessions(crawl_harness.database)
+                   if session.ended_at is None) == {2: 1}
+    crawl_harness.close(a, "finished")
+    assert [(run.run_id, run.leased, run.done, run.reason)
+            for run in stored_runs(crawl_harness.database)] == [
         (1, 1, 1, "finished"), (2, 1, 1, "finished")]
 
 
-def test_claimed_requests_given_back_alone_are_written(harness: Harness) -> None:
+def test_claimed_requests_given_back_alone_are_written(crawl_harness: Harness) -> None:
     # A transaction that adds more requests than a claim takes gives back the claimed ones
     # that may no longer go first, with the next transaction. When that one carries nothing
     # else (the periodic flush, the close's drain) it was taken for empty and never written:
     # the given-back requests stayed leased by this worker, out of its hands, so the crawl
     # could end "finished" with them released at the close, never fetched.
-    scheduler = harness.scheduler(IDEMPOTENT_LEASE_BATCH=4)
+    scheduler = crawl_harness.scheduler(IDEMPOTENT_LEASE_BATCH=4)
     for url in URLS[:6]:
         scheduler.enqueue_request(scrapy.Request(url))
     first = scheduler.next_request()
@@ -273,20 +281,20 @@ def test_claimed_requests_given_back_alone_are_written(harness: Harness) -> None
     claimed._give_back.append(given_back.key)
     scheduler.commits.flush_buffered()  # the periodic flush of what waits without a page
     assert not claimed.has_give_back
-    state = db_rows(harness.db_path, "SELECT state FROM requests WHERE key = ?",
-                    (given_back.key,))
-    assert state == [("pending",)]
+    state = [entry.state for entry in frontier_entries(crawl_harness.database)
+             if entry.key == given_back.key]
+    assert state == ["pending"]
     handed_out = [first, *drain(scheduler)]
     for request in handed_out:
         finish(scheduler, request)
     assert sorted(r.url for r in handed_out) == sorted(URLS[:6])
-    assert frontier_counts(harness.db_path) == {"done": 6}
+    assert frontier_counts(crawl_harness.database) == {"done": 6}
 
 
-def test_requests_waiting_to_be_given_back_are_pending(harness: Harness) -> None:
+def test_requests_waiting_to_be_given_back_are_pending(crawl_harness: Harness) -> None:
     # claimed requests waiting to be given back are leased by this worker and out of its
     # hands until written: the crawl is not idle meanwhile, and they are handed out again
-    scheduler = harness.scheduler(IDEMPOTENT_LEASE_BATCH=4)
+    scheduler = crawl_harness.scheduler(IDEMPOTENT_LEASE_BATCH=4)
     for url in URLS[:4]:
         scheduler.enqueue_request(scrapy.Request(url))
     first = scheduler.next_request()
@@ -300,5 +308,5 @@ def test_requests_waiting_to_be_given_back_are_pending(harness: Harness) -> None
     for request in handed_out:
         finish(scheduler, request)
     assert sorted(r.url for r in handed_out) == sorted(URLS[:4])
-    assert frontier_counts(harness.db_path) == {"done": 4}
+    assert frontier_counts(crawl_harness.database) == {"done": 4}
     assert not scheduler.has_pending_requests()

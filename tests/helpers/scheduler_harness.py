@@ -1,7 +1,8 @@
-"""Schedulers driven by hand: each opened in a real crawler and engine on one database file,
-the crawl loop not started, so a test calls ``enqueue_request``/``next_request`` and the
-engine's completion hook (``_slot.remove_request``) itself. The ``harness`` fixture (conftest.py)
-gives a test a ``Harness`` on its database."""
+"""Schedulers driven by hand: each opened in a real crawler and engine on one database (a
+SQLite file or a PostgreSQL URL), the crawl loop not started, so a test calls
+``enqueue_request``/``next_request`` and the engine's completion hook
+(``_slot.remove_request``) itself. The ``harness`` fixture (conftest.py) gives a test a
+``Harness`` on its SQLite file, ``crawl_harness`` one on each store backend in turn."""
 
 from __future__ import annotations
 
@@ -28,17 +29,17 @@ class Spider(scrapy.Spider):
 
 
 class Harness:
-    """Opens schedulers on one database file, each in its own crawler and engine."""
+    """Opens schedulers on one database, each in its own crawler and engine."""
 
-    def __init__(self, db_path: Path) -> None:
-        self.db_path = db_path
+    def __init__(self, database: str | Path) -> None:
+        self.database = str(database)  #: ``IDEMPOTENT_DATABASE``
         self.open: list[IdempotentScheduler] = []
 
     def scheduler(self, worker: str | None = None, **settings: Any) -> IdempotentScheduler:
         # these tests drive the scheduler as an engine whose downloader has no limits: each
         # worker keeps Scrapy's (unless a test asks for the crawl's, see test_politeness.py)
         settings.setdefault("IDEMPOTENT_POLITENESS", "worker")
-        crawler = get_crawler(Spider, {"IDEMPOTENT_DATABASE": str(self.db_path), **settings})
+        crawler = get_crawler(Spider, {"IDEMPOTENT_DATABASE": self.database, **settings})
         crawler.spider = crawler._create_spider()
         crawler.engine = crawler._create_engine()
         # writes at once on this thread (no writer thread): each call's writes are done
