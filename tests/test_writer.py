@@ -1,14 +1,14 @@
-"""The store writer (scrapy_idempotent.writer) against a real SQLite file: group commit, order
-of writes, busy retries, errors, drain and stop; the reactor keeps running while the writer
-waits for another process's lock."""
+"""The store writer (scrapy_idempotent.writer) against a real store of each backend: group
+commit, order of writes, errors, drain and stop; the reactor keeps running while the writer
+waits for another process's lock on a SQLite file."""
 
 from __future__ import annotations
 
 import logging
-import sqlite3
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +17,13 @@ from scrapy.utils.defer import deferred_f_from_coro_f, maybe_deferred_to_future
 from twisted.internet import reactor as _reactor
 from twisted.internet.defer import Deferred
 
-from crawling import db_rows
+from helpers.stored import change_stored, frontier_entries
 from scrapy_idempotent.commits import retry_busy
 from scrapy_idempotent.exceptions import StoreBusy, StoreError
 from scrapy_idempotent.store.base import (
     CommitResult,
     Completion,
+    FrontierStore,
     NewRequest,
     Record,
     RequestState,
@@ -40,11 +41,24 @@ def new(i: int, parent: str | None = None) -> NewRequest:
                       priority=0, data="{}", parent_key=parent)
 
 
-def open_store(path: Path, **kwargs: Any) -> SQLiteStore:
+def open_store(store_factory: Callable[..., FrontierStore], **kwargs: Any) -> FrontierStore:
+    """A store of the test's backend (``store_factory``), opened for :data:`WORKER`."""
+    store = store_factory(**kwargs)
+    store.open(fingerprinter="f")
+    store.begin_session(WORKER, "auto")
+    return store
+
+
+def open_sqlite_store(path: Path, **kwargs: Any) -> SQLiteStore:
     store = SQLiteStore(str(path), **kwargs)
     store.open(fingerprinter="f")
     store.begin_session(WORKER, "auto")
     return store
+
+
+def stored_states(database: str) -> list[tuple[str, str]]:
+    """(key, state) of every frontier request, in key order."""
+    return [(entry.key, entry.state) for entry in frontier_entries(database)]
 
 
 async def turn() -> None:
@@ -68,7 +82,7 @@ class Recorder:
         self.failed.append((work, exc))
 
 
-def make_writer(store: SQLiteStore, recorder: Recorder, **kwargs: Any) -> WriterThread:
+def make_writer(store: FrontierStore, recorder: Recorder, **kwargs: Any) -> WriterThread:
     writer = WriterThread(store, WORKER, committed=recorder.on_committed,
                          failed=recorder.on_failed, **kwargs)
     writer.start()
@@ -91,8 +105,9 @@ async def block(writer: WriterThread) -> threading.Event:
 
 
 @deferred_f_from_coro_f
-async def test_pages_of_one_turn_are_one_transaction(tmp_path: Path) -> None:
-    store = open_store(tmp_path / "db.sqlite3")
+async def test_pages_of_one_turn_are_one_transaction(
+        store_factory: Callable[..., FrontierStore], store_database: str) -> None:
+    store = open_store(store_factory)
     recorder = Recorder()
     writer = make_writer(store, recorder)
     try:
@@ -120,16 +135,15 @@ async def test_pages_of_one_turn_are_one_transaction(tmp_path: Path) -> None:
         await maybe_deferred_to_future(writer.drain())
         writer.stop()
         store.close()
-    assert db_rows(tmp_path / "db.sqlite3",
-                   "SELECT key, state FROM requests ORDER BY key") == [
+    assert stored_states(store_database) == [
         ("k1", "done"), ("k11", "pending"), ("k12", "pending"), ("k13", "pending"),
         ("k2", "done"), ("k3", "done")]
 
 
 @deferred_f_from_coro_f
 async def test_work_arriving_while_a_batch_is_in_flight_rides_on_the_next_one(
-        tmp_path: Path) -> None:
-    store = open_store(tmp_path / "db.sqlite3")
+        store_factory: Callable[..., FrontierStore]) -> None:
+    store = open_store(store_factory)
     recorder = Recorder()
     writer = make_writer(store, recorder)
     try:
@@ -158,8 +172,8 @@ async def test_work_arriving_while_a_batch_is_in_flight_rides_on_the_next_one(
 
 @deferred_f_from_coro_f
 async def test_prepare_adds_to_the_batch_and_an_empty_batch_writes_nothing(
-        tmp_path: Path) -> None:
-    store = open_store(tmp_path / "db.sqlite3")
+        store_factory: Callable[..., FrontierStore]) -> None:
+    store = open_store(store_factory)
     recorder = Recorder()
     buffered: list[NewRequest] = []
 
@@ -186,8 +200,9 @@ async def test_prepare_adds_to_the_batch_and_an_empty_batch_writes_nothing(
 
 
 @deferred_f_from_coro_f
-async def test_calls_run_in_order_with_the_batches(tmp_path: Path) -> None:
-    store = open_store(tmp_path / "db.sqlite3", lease_seconds=60)
+async def test_calls_run_in_order_with_the_batches(
+        store_factory: Callable[..., FrontierStore]) -> None:
+    store = open_store(store_factory, lease_seconds=60)
     recorder = Recorder()
     writer = make_writer(store, recorder)
     try:
@@ -207,8 +222,9 @@ async def test_calls_run_in_order_with_the_batches(tmp_path: Path) -> None:
 @deferred_f_from_coro_f
 async def test_a_busy_database_is_waited_for_on_the_writer_thread_while_the_reactor_runs(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # SQLite only: a SQLite file's write lock held by another process
     path = tmp_path / "db.sqlite3"
-    store = open_store(path, busy_timeout_seconds=0.05)
+    store = open_sqlite_store(path, busy_timeout_seconds=0.05)
     recorder = Recorder()
     # a lock held by another process (sqlite3 in a subprocess), released on our word
     holder = subprocess.Popen(
@@ -256,9 +272,8 @@ async def test_a_busy_database_is_waited_for_on_the_writer_thread_while_the_reac
 
 @deferred_f_from_coro_f
 async def test_an_error_fails_the_batch_releases_waiters_and_stops_writing(
-        tmp_path: Path) -> None:
-    path = tmp_path / "db.sqlite3"
-    store = open_store(path)
+        store_factory: Callable[..., FrontierStore], store_database: str) -> None:
+    store = open_store(store_factory)
     recorder = Recorder()
     writer = make_writer(store, recorder)
     try:
@@ -267,9 +282,7 @@ async def test_an_error_fails_the_batch_releases_waiters_and_stops_writing(
         await turn()  # sent: it waits behind the blocking call
         # the records table is gone by the time the next batch runs: not a busy database,
         # so not retried
-        conn = sqlite3.connect(path, isolation_level=None)
-        conn.execute("DROP TABLE records")
-        conn.close()
+        change_stored(store_database, "DROP TABLE records")
         release.set()
         waiting = writer.durable(good)
         assert waiting is not None
@@ -294,15 +307,16 @@ async def test_an_error_fails_the_batch_releases_waiters_and_stops_writing(
         await maybe_deferred_to_future(writer.drain())
         writer.stop()
         store.close()
-    assert [k for (k,) in db_rows(path, "SELECT key FROM requests ORDER BY key")] == ["k1"]
+    assert [key for key, _ in stored_states(store_database)] == ["k1"]
 
 
 @deferred_f_from_coro_f
-async def test_drain_then_stop_gives_the_connection_back(tmp_path: Path) -> None:
+async def test_drain_then_stop_gives_the_connection_back(
+        store_factory: Callable[..., FrontierStore]) -> None:
     def writer_threads() -> int:
         return sum(t.name == "scrapy_idempotent-writer" for t in threading.enumerate())
 
-    store = open_store(tmp_path / "db.sqlite3")
+    store = open_store(store_factory)
     before = writer_threads()
     writer = make_writer(store, Recorder())
     assert writer_threads() == before + 1
