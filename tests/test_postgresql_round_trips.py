@@ -86,3 +86,17 @@ def test_records_add_their_own_waits_only(store: PostgreSQLStore, tmp_path: Path
                       records=[(record, leased[0].key)], claim=1)
     # + the records' newest time and locks (two), + the new record's insert (one)
     assert waits(store, page, tmp_path / "trace") == 3 + 3
+
+
+def test_new_records_are_inserted_with_one_wait_however_many(store: PostgreSQLStore,
+                                                             tmp_path: Path) -> None:
+    leased = store.commit(UnitOfWork(claim=2), "w").leased
+    store.commit(UnitOfWork(started=[lease.key for lease in leased]), "w")
+    records = [(Record(record_id=f"r{n}", source="shop", natural_key=f'["r{n}"]',
+                       item_type="dict", data="{}", content_hash="h"), leased[n % 2].key)
+               for n in range(4)]
+    page = UnitOfWork(completions=[Completion(lease.key, RequestState.DONE) for lease in leased],
+                      records=records, claim=1)
+    # two completions and four new records: as many waits as one of each
+    assert waits(store, page, tmp_path / "trace") == 3 + 3
+    assert sorted(r.record_id for r in store.records_page()) == ["r0", "r1", "r2", "r3"]
