@@ -3,7 +3,8 @@
 (127.0.0.x, each its own download slot), each site recording the requests in flight and the
 gaps between request starts. With 4 workers on one SQLite file, and 3 on PostgreSQL, no site
 sees more than its limits; a site answering 429 with Retry-After gets nothing from any
-worker for that long, also when the worker that saw the 429 is SIGKILLed at once."""
+worker for that long, also when the worker that saw the 429 is SIGKILLed at once (on each
+store backend)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import pytest
 from local_site import LocalSite, Received
 
 from crawling import wait_for
+from scrapy_idempotent.store.registry import sqlite_path
 
 pytestmark = pytest.mark.slow
 
@@ -85,25 +87,20 @@ def assert_limits_held(crawled: list[LocalSite]) -> None:
     assert min(delayed.intervals()) >= 0.5 - RESOLUTION, delayed.intervals()
 
 
-def test_four_workers_on_one_sqlite_file_keep_each_sites_limits(tmp_path: Path) -> None:
+def test_workers_on_one_frontier_keep_each_sites_limits(tmp_path: Path,
+                                                        crawl_database: str) -> None:
+    # 4 workers on one SQLite file, 3 on PostgreSQL
+    workers = 4 if sqlite_path(crawl_database) is not None else 3
     hosts = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
-    crawled = crawl_with_workers(tmp_path, str(tmp_path / "sites.sqlite3"), 4, hosts,
+    crawled = crawl_with_workers(tmp_path, crawl_database, workers, hosts,
                                  LIMITS[0], LIMITS[1] % hosts[2])
     assert_limits_held(crawled)
     # the sites had room: the limits were reached, not undercut
     assert crawled[0].most_in_flight == 2
 
 
-def test_three_workers_on_postgresql_keep_each_sites_limits(tmp_path: Path,
-                                                            postgres_url: str) -> None:
-    hosts = ("127.0.0.5", "127.0.0.6", "127.0.0.7")
-    crawled = crawl_with_workers(tmp_path, postgres_url, 3, hosts,
-                                 LIMITS[0], LIMITS[1] % hosts[2])
-    assert_limits_held(crawled)
-
-
 def test_a_429_with_retry_after_pauses_the_site_for_every_worker_across_a_kill(
-        tmp_path: Path) -> None:
+        tmp_path: Path, crawl_database: str) -> None:
     pages = 20
     with sites("127.0.0.8", "127.0.0.9", delay=0.1) as (throttling, other):
         answered: list[float] = []  # when the 429 was sent (the sites' clock)
@@ -118,7 +115,7 @@ def test_a_429_with_retry_after_pauses_the_site_for_every_worker_across_a_kill(
 
         for n in range(pages):
             throttling.add_responder(f"/ok/p{n}", answer)
-        database = str(tmp_path / "sites.sqlite3")
+        database = crawl_database
         logs = [tmp_path / f"worker{n}.log" for n in range(3)]
         # one request at a time per site: nothing else of the throttled site is in flight
         # at the 429 (so none is fetched again after the kill); every worker joins run 1
