@@ -677,25 +677,28 @@ class SqlStore(SqlOutbox, FrontierStore):
         """Send the completions whose lease is ``worker``'s and end the journal entry of
         each; the answer: the keys whose lease they ended (:meth:`_completed` counts)."""
         live = [done for done in completions if done.key not in lost]
-        ending = sorted({done.key for done in live})
+        keys = {done.key for done in live}
         # the terminal ones at once, unless a key is completed twice (then all in order: the
         # first ends the lease, the next finds it ended)
-        batch = len(ending) == len(live)
+        batch = len(keys) == len(live)
         finishing = [done for done in live
                      if batch and done.state is not RequestState.PENDING]
         sent = [self._send_completion(cur, done, worker, now) for done in live
                 if not (batch and done.state is not RequestState.PENDING)]
         if finishing:
             sent.append(self._send_finishes(cur, finishing, worker, now))
-        if ending:
-            # only the lease holder's completion ends the journal entry: the rows were
-            # fenced (this worker's leases), so each key the updates above reached is no
-            # longer leased to it now
-            where, param = self._any("key", ending)
+        self._end_journal(cur, keys - {done.key for done in finishing}, worker)
+        return lambda: {row[0] for answer in sent for row in answer()}
+
+    def _end_journal(self, cur: Any, keys: Collection[str], worker: str) -> None:
+        """Delete the journaled responses of ``keys`` whose lease was just ended. Only the
+        lease holder's completion ends the journal entry: the rows were fenced (this
+        worker's leases), so each key the completions reached is no longer leased to it."""
+        if keys:
+            where, param = self._any("key", sorted(keys))
             cur.execute(self._q(f"DELETE FROM responses WHERE {where} AND NOT EXISTS"
                                 " (SELECT 1 FROM requests q WHERE q.key = responses.key"
                                 "  AND q.state = 'leased' AND q.worker = ?)"), (param, worker))
-        return lambda: {row[0] for answer in sent for row in answer()}
 
     def _send_completion(self, cur: Any, done: Completion, worker: str, now: float) -> Answer:
         """Send one completion on the request ``worker`` leases; the answer: its key, if
@@ -716,9 +719,10 @@ class SqlStore(SqlOutbox, FrontierStore):
     def _send_finishes(self, cur: Any, finishing: list[Completion], worker: str,
                        now: float) -> Answer:
         """Send the terminal completions of ``finishing`` (one per key) on the requests
-        ``worker`` leases; the answer: the keys reached. One statement each here; a backend
-        may send them as one."""
+        ``worker`` leases and end their journal entries; the answer: the keys reached. One
+        statement each here; a backend may send them as one."""
         sent = [self._send_completion(cur, done, worker, now) for done in finishing]
+        self._end_journal(cur, [done.key for done in finishing], worker)
         return lambda: [row for answer in sent for row in answer()]
 
     @staticmethod
