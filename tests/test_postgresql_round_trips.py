@@ -84,8 +84,9 @@ def test_records_add_their_own_waits_only(store: PostgreSQLStore, tmp_path: Path
                     data="{}", content_hash="h")
     page = UnitOfWork(completions=[Completion(leased[0].key, RequestState.DONE)],
                       records=[(record, leased[0].key)], claim=1)
-    # + the records' newest time and locks (two), + the new record's insert (one)
-    assert waits(store, page, tmp_path / "trace") == 3 + 3
+    # + the records' newest time, numbers of first sight and locks (one), + the new record's
+    # insert (one)
+    assert waits(store, page, tmp_path / "trace") == 3 + 2
 
 
 def test_new_records_are_inserted_with_one_wait_however_many(store: PostgreSQLStore,
@@ -98,5 +99,5 @@ def test_new_records_are_inserted_with_one_wait_however_many(store: PostgreSQLSt
     page = UnitOfWork(completions=[Completion(lease.key, RequestState.DONE) for lease in leased],
                       records=records, claim=1)
     # two completions and four new records: as many waits as one of each
-    assert waits(store, page, tmp_path / "trace") == 3 + 3
+    assert waits(store, page, tmp_path / "trace") == 3 + 2
     assert sorted(r.record_id for r in store.records_page()) == ["r0", "r1", "r2", "r3"]

@@ -79,7 +79,7 @@ from .postgresql_schema import (
 from .reads import EngineSetting, IntegrityReport, RunSummary, SchemaInfo
 from .registry import redacted
 from .rules import CLAIMED_COLUMNS, QUEUE_ORDER, isolate_after, other_owner
-from .sql import SqlStore
+from .sql import RECORD_STATE, SqlStore
 
 if TYPE_CHECKING:
     import psycopg
@@ -1014,15 +1014,21 @@ class PostgreSQLStore(SqlStore):
              run_id))
         return lambda: len(inserting.fetchall())
 
-    def _records_prelude(self, cur: Any, run_id: int, count: int
-                         ) -> tuple[float | None, list[int]]:
-        # the numbers of first sight from a sequence (no counter row to wait on), taken in
-        # item order (the feeds' order); and the newest change, in the same round trip
-        newest, seqs = cur.execute(
-            "SELECT (SELECT max(last_changed) FROM records), ARRAY(SELECT"
-            " nextval('records_seen_seq') FROM generate_series(1, %s) ORDER BY 1)",
-            (count,)).fetchone() or (None, [])
-        return newest, list(seqs)
+    def _read_records(self, cur: Any, run_id: int, count: int, record_ids: list[str]
+                      ) -> tuple[float | None, list[int], list[Any]]:
+        # One statement: the numbers of first sight from a sequence (no counter row to wait
+        # on), taken in item order (the feeds' order); the newest change; and the stored
+        # rows, locked in record ID order (a row each: the first carries the rest, a row of
+        # NULLs when none is stored). Planned at each call (see _lookup).
+        rows = self._lookup(
+            cur, "WITH pre AS (SELECT (SELECT max(last_changed) FROM records) AS newest,"
+            " ARRAY(SELECT nextval('records_seen_seq') FROM generate_series(1, ?)"
+            "  ORDER BY 1) AS seqs)"
+            f" SELECT pre.newest, pre.seqs, found.* FROM pre LEFT JOIN LATERAL (SELECT"
+            f" {RECORD_STATE} FROM records WHERE record_id = ANY(%b::text[])"
+            "  ORDER BY record_id FOR UPDATE) AS found ON true", (count, record_ids))
+        return (rows[0][0], list(rows[0][1]),
+                [row[2:] for row in rows if row[2] is not None])
 
     def _count(self, cur: Any, result: CommitResult, run_id: int, leased: int,
                number: int) -> None:

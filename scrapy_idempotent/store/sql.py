@@ -15,7 +15,7 @@ gives what is its own:
   :attr:`SqlStore.TEXT_ORDER` (byte order of text keys) and :attr:`SqlStore.NO_LIMIT`;
 * the few statements that differ: the claim (:meth:`SqlStore._claim_rows`), the insert of
   new requests (:meth:`SqlStore._send_insert`), the records' clock and feed order
-  (:meth:`SqlStore._records_prelude`), the run counters (:meth:`SqlStore._count`), and the
+  (:meth:`SqlStore._read_records`), the run counters (:meth:`SqlStore._count`), and the
   wake-up of idle workers (:meth:`SqlStore._notify`, nothing by default); and where it can
   send many rows as one statement, the terminal completions
   (:meth:`SqlStore._send_finishes`) and the new records (:meth:`SqlStore._insert_records`),
@@ -96,6 +96,8 @@ _UNKNOWN = object()
 
 #: The rows of a statement sent, read when called (see :meth:`SqlStore._send`).
 Answer = Callable[[], list[Any]]
+#: The columns of a stored record that decide its next write: its ID and :class:`StoredState`.
+RECORD_STATE = "record_id, content_hash, seen_run_id, observed_at, version"
 #: A frontier entry already there: (id, state, finished_at); id None for one added by the
 #: same page commit.
 _Known = tuple[Any, str, Any]
@@ -197,11 +199,19 @@ class SqlStore(SqlOutbox, FrontierStore):
         when called."""
 
     @abstractmethod
-    def _records_prelude(self, cur: Any, run_id: int, count: int
-                         ) -> tuple[float | None, list[int]]:
+    def _read_records(self, cur: Any, run_id: int, count: int, record_ids: list[str]
+                      ) -> tuple[float | None, list[int], list[Any]]:
         """Before ``count`` records are written by ``run_id``: the latest ``last_changed``
-        of any record (None: none), and ``count`` increasing numbers of first sight in the
-        run (the feeds' order), one per record in item order."""
+        of any record (None: none), ``count`` increasing numbers of first sight in the run
+        (the feeds' order), one per record in item order, and the stored rows of
+        ``record_ids`` (sorted), locked: :data:`RECORD_STATE` columns."""
+
+    def _lock_records(self, cur: Any, record_ids: list[str]) -> list[Any]:
+        """The stored rows of ``record_ids`` (sorted), locked in that order where rows are
+        locked: record ID and :class:`.rules.StoredState`."""
+        where, param = self._any("record_id", record_ids)
+        return self._lookup(cur, f"SELECT {RECORD_STATE} FROM records WHERE {where}"
+                                 f" ORDER BY record_id{self.LOCK_ROWS}", (param,))
 
     @abstractmethod
     def _join_run(self, cur: Any, worker: str, run_id: int, now: float) -> None:
@@ -551,13 +561,11 @@ class SqlStore(SqlOutbox, FrontierStore):
         # step, a worker whose clock lags): a record written now gets a time no earlier than
         # any record's last change, so first_seen <= last_changed always, and `export
         # --since` with a time the data showed finds every change made after it.
-        newest, seqs = self._records_prelude(cur, run_id, len(records))
+        newest, seqs, rows = self._read_records(cur, run_id, len(records),
+                                                sorted({r.record_id for r, _ in records}))
         if newest is not None and newest > now:
             now = newest
-        where, param = self._any("record_id", sorted({r.record_id for r, _ in records}))
-        known = {row[0]: StoredState(*row[1:]) for row in self._lookup(
-            cur, "SELECT record_id, content_hash, seen_run_id, observed_at, version FROM"
-            f" records WHERE {where} ORDER BY record_id{self.LOCK_ROWS}", (param,))}
+        known = {row[0]: StoredState(*row[1:]) for row in rows}
         # written in record ID order (a record ID twice keeps its item order: the last
         # wins): page commits inserting the same new records take the unique index's locks
         # in one order, so one waits for the other instead of both deadlocking

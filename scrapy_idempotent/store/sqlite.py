@@ -837,14 +837,15 @@ class SQLiteStore(SqlStore):
                  run_id, key))
         return new
 
-    def _records_prelude(self, cur: Any, run_id: int, count: int
-                         ) -> tuple[float | None, list[int]]:
+    def _read_records(self, cur: Any, run_id: int, count: int, record_ids: list[str]
+                      ) -> tuple[float | None, list[int], list[Any]]:
         # one read at the end of the index; the run's counter of first sights
         newest = cur.execute("SELECT max(last_changed) FROM records").fetchone()[0]
         row = cur.execute("SELECT seen_seq FROM runs WHERE run_id = ?", (run_id,)).fetchone()
         first = row[0] if row is not None else 0
         cur.execute("UPDATE runs SET seen_seq = ? WHERE run_id = ?", (first + count, run_id))
-        return newest, list(range(first + 1, first + count + 1))
+        return (newest, list(range(first + 1, first + count + 1)),
+                self._lock_records(cur, record_ids))
 
     def _count(self, cur: Any, result: CommitResult, run_id: int, leased: int,
                number: int) -> None:
