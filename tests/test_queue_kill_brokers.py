@@ -3,7 +3,9 @@ processes fed from an SQS queue (moto's server mode) or a RabbitMQ queue (Debian
 rabbitmq-server), SIGKILLed. A message is acknowledged only once its page is committed (checked
 at the broker after every kill), delivered again after a kill, and a repeated delivery is
 harmless (one frontier entry, one record); a broker restarted mid-crawl is ridden out (there
-on Redis too, a persistent server of the test's own)."""
+on Redis too, a persistent server of the test's own). The killed delivery runs on each store
+backend; the ten kills and the broker restart, on SQLite (what they check is the broker's: the
+ten kills run on PostgreSQL with Redis in tests/test_queue_kill.py)."""
 
 from __future__ import annotations
 
@@ -23,14 +25,8 @@ from local_site import LocalSite
 from rabbitmq_server import rabbitmq_server  # noqa: F401  (the fixture)
 from sqs_server import SqsQueue, SqsServer, sqs_server  # noqa: F401  (the fixture)
 
-from crawling import (
-    EXAMPLE_PROJECT,
-    close_reason,
-    db_rows,
-    frontier_counts,
-    stored_products,
-    wait_for,
-)
+from crawling import EXAMPLE_PROJECT, close_reason, wait_for
+from helpers.stored import frontier_counts, request_states, stored_products
 from redis_server import INSTALL as REDIS_INSTALL
 from redis_server import RedisServer, redis_server_binary
 
@@ -159,7 +155,7 @@ def broker_queue(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Bro
         yield AmqpKillQueue(server)
 
 
-def start_worker(queue: BrokerQueue, db: Path, log: Path, *settings: str) -> Any:
+def start_worker(queue: BrokerQueue, db: str, log: Path, *settings: str) -> Any:
     """``scrapy runspider`` of the queue spider in the example project, fed from ``queue``."""
     command = [sys.executable, "-m", "scrapy", "runspider", str(SPIDER_FILE),
                "-s", f"IDEMPOTENT_DATABASE={db}", "-s", f"LOG_FILE={log}",
@@ -197,17 +193,14 @@ def body_url(body: str) -> str:
     return str(json.loads(text)["url"]) if text.startswith("{") else text
 
 
-def committed(db: Path) -> set[str]:
+def committed(db: str) -> set[str]:
     """URLs whose page is committed in a final state."""
-    if not db.exists():
-        return set()
-    return {url for url, state in db_rows(db, "SELECT url, state FROM requests")
-            if state in ("done", "failed")}
+    return {url for url, state in request_states(db).items() if state in ("done", "failed")}
 
 
 def test_same_url_three_times_worker_killed_during_the_second_delivery(
-        broker_queue: BrokerQueue, tmp_path: Path) -> None:
-    db = tmp_path / "frontier.sqlite3"
+        broker_queue: BrokerQueue, tmp_path: Path, crawl_database: str) -> None:
+    db = crawl_database
     # the page answers after 60 s while the first worker lives: it is killed in the middle
     with LocalSite(delay=60) as shop:
         message = product_body(shop, 1)
@@ -233,7 +226,7 @@ def test_same_url_three_times_worker_killed_during_the_second_delivery(
                 kill(worker)
         assert close_reason(tmp_path / "run2.log") == "finished"
         assert shop.counts_by_path() == {"/product/SKU-00001": 2}  # once per worker
-    assert db_rows(db, "SELECT count(*), min(state) FROM requests") == [(1, "done")]
+    assert frontier_counts(db) == {"done": 1}  # one entry
     assert [p["sku"] for p in stored_products(db)] == ["SKU-00001"]
     assert broker_queue.all_acknowledged()
 
@@ -250,7 +243,7 @@ def test_queue_fed_crawl_killed_ten_times(broker_queue: BrokerQueue, tmp_path: P
     kill, the messages the broker still holds unacknowledged are at least those whose page
     is not committed (each message asks for a URL of its own), and on SQS they are those very
     messages (moto's own list of the messages not deleted)."""
-    db = tmp_path / "frontier.sqlite3"
+    db = str(tmp_path / "frontier.sqlite3")
     rng = random.Random(7)
     concurrency = 4
     kills = 10
@@ -310,7 +303,7 @@ def test_a_broker_restarted_mid_crawl(broker_queue: BrokerQueue, tmp_path: Path)
     """The broker is stopped and started again while a worker crawls 200 queued products
     (Redis: persistent, so its pending entries are kept): the crawl goes on once it is back;
     nothing lost, nothing left unacknowledged."""
-    db = tmp_path / "frontier.sqlite3"
+    db = str(tmp_path / "frontier.sqlite3")
     log = tmp_path / "run.log"
     with LocalSite(delay=0.02) as shop:
         for n in range(1, 201):
