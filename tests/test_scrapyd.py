@@ -4,7 +4,8 @@ One scrapyd per module: started on 127.0.0.1 on a free port, with its own config
 and temporary directories (``max_proc = 1``), from a working directory without a
 ``scrapy.cfg`` (like a real deployment). ``example_project`` is built into an egg with
 setuptools and uploaded with ``addversion.json``; jobs are scheduled with ``schedule.json``
-against the local test site (``local_site.LocalSite``) and an absolute ``IDEMPOTENT_DATABASE``.
+against the local test site (``local_site.LocalSite``) and an absolute ``IDEMPOTENT_DATABASE``
+(a SQLite file or a PostgreSQL URL: each test runs on each store backend).
 
 * A job SIGKILLed in the middle of the crawl is resumed by the next job of the same spider:
   500 correct records, at most 525 + 1 requests, the dead job's leases reclaimed at once.
@@ -12,22 +13,21 @@ against the local test site (``local_site.LocalSite``) and an absolute ``IDEMPOT
   the request bound: this is what the resumed case is measured against.
 * A job cancelled with ``cancel.json`` (scrapyd sends SIGINT by default; SIGTERM on request)
   stops gracefully and releases its leases; the next job takes the crawl over at once.
+* Two scrapyd instances (two ports, one database) each run the shop spider on one crawl; one
+  job is SIGKILLed mid-crawl: the other finishes the crawl, every product once.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import pytest
 from local_site import LocalSite
 
-from crawling import db_rows, frontier_counts
 from helpers.scrapyd import (
     JOB_START_TIMEOUT,
     Scrapyd,
@@ -36,6 +36,7 @@ from helpers.scrapyd import (
     stat,
     wait_until,
 )
+from helpers.stored import frontier_counts, leases_by_worker, stored_products, stored_runs
 
 pytestmark = pytest.mark.slow
 
@@ -75,9 +76,9 @@ def scrapyd(scrapyd_server: Scrapyd) -> Iterator[Scrapyd]:
 # --- reading results -----------------------------------------------------------------------
 
 
-def score(db: Path, expected: Mapping[str, Mapping[str, str]]) -> dict[str, int]:
+def score(db: str, expected: Mapping[str, Mapping[str, str]]) -> dict[str, int]:
     """Records stored, distinct SKUs, and records equal to what the shop shows."""
-    records = [json.loads(data) for (data,) in db_rows(db, "SELECT data FROM records")]
+    records = stored_products(db)
     correct = {r.get("sku") for r in records
                if r.get("sku") in expected
                and {k: r.get(k) for k in ("sku", "name", "price")} == expected[r["sku"]]}
@@ -85,14 +86,14 @@ def score(db: Path, expected: Mapping[str, Mapping[str, str]]) -> dict[str, int]
             "correct": len(correct)}
 
 
-def leases_of(db: Path) -> list[tuple[str, int]]:
-    return db_rows(db, "SELECT worker, count(*) FROM requests WHERE state = 'leased' "
-                       "GROUP BY worker")
+def leases_of(db: str) -> list[tuple[str, int]]:
+    """(worker, requests it holds leased) of every worker holding leases."""
+    return list(leases_by_worker(db).items())
 
 
-def job_settings(db: Path, run_mode: str) -> dict[str, Any]:
+def job_settings(db: str, run_mode: str) -> dict[str, Any]:
     settings: dict[str, Any] = {
-        "IDEMPOTENT_DATABASE": str(db),  # absolute: jobs run in scrapyd's working directory
+        "IDEMPOTENT_DATABASE": db,  # absolute: jobs run in scrapyd's working directory
         "CONCURRENT_REQUESTS": CONCURRENCY,
         "IDEMPOTENT_LEASE_SECONDS": LEASE_SECONDS,
     }
@@ -137,12 +138,12 @@ def report(name: str, **figures: Any) -> None:
 
 
 @pytest.mark.parametrize("run_mode", ["auto", "fresh"])
-def test_sigkilled_job_is_resumed_by_the_next_job(scrapyd: Scrapyd, tmp_path: Path,
+def test_sigkilled_job_is_resumed_by_the_next_job(scrapyd: Scrapyd, crawl_database: str,
                                                   run_mode: str) -> None:
     """SIGKILL the crawl process of a running job, schedule the spider again: the next job
     reclaims the dead job's leases at once and resumes. ``fresh`` is the control: each job
     starts a new run, so the requests of the killed job are all made again."""
-    db = tmp_path / "shop.sqlite3"
+    db = crawl_database
     settings = job_settings(db, run_mode)
     with LocalSite(delay=0.01) as site:
         expected = site.expected_products()
@@ -180,12 +181,12 @@ def test_sigkilled_job_is_resumed_by_the_next_job(scrapyd: Scrapyd, tmp_path: Pa
         # job's leases were taken back at once (not after LEASE_SECONDS).
         assert requests <= pages + CONCURRENCY, site.counts_by_path()
         assert stat(log, "idempotent/requests/reclaimed") == dead_leases[0][1]
-        assert db_rows(db, "SELECT count(*) FROM runs") == [(1,)]
+        assert len(stored_runs(db)) == 1
     else:
         # Not resumed: the bound the test above holds the package to is broken.
         assert requests > pages + CONCURRENCY
         assert requests >= at_kill + pages
-        assert db_rows(db, "SELECT count(*) FROM runs") == [(2,)]
+        assert len(stored_runs(db)) == 2
 
 
 @pytest.mark.parametrize(
@@ -194,12 +195,12 @@ def test_sigkilled_job_is_resumed_by_the_next_job(scrapyd: Scrapyd, tmp_path: Pa
     ids=["default-signal", "TERM", "fresh-control"],
 )
 def test_cancelled_job_releases_its_leases_and_the_next_job_finishes(
-    scrapyd: Scrapyd, tmp_path: Path, cancel_signal: str | None, run_mode: str
+    scrapyd: Scrapyd, crawl_database: str, cancel_signal: str | None, run_mode: str
 ) -> None:
     """``cancel.json`` on a running job (scrapyd 1.6 sends SIGINT unless told otherwise) is a
     graceful stop: the scheduler's close releases the job's leases, and the next job starts
     at once and completes the crawl."""
-    db = tmp_path / "shop.sqlite3"  # a fresh database
+    db = crawl_database  # a fresh database
     settings = job_settings(db, run_mode)
     with LocalSite(delay=0.01) as site:
         expected = site.expected_products()
@@ -244,8 +245,56 @@ def test_cancelled_job_releases_its_leases_and_the_next_job_finishes(
         # request on the wire at the cancel.
         assert stat(log, "idempotent/requests/reclaimed") is None, log
         assert requests <= pages + CONCURRENCY, site.counts_by_path()
-        assert db_rows(db, "SELECT count(*) FROM runs") == [(1,)]
+        assert len(stored_runs(db)) == 1
     else:
         assert requests > pages + CONCURRENCY
-        assert db_rows(db, "SELECT count(*) FROM runs") == [(2,)]
+        assert len(stored_runs(db)) == 2
 
+
+@pytest.fixture
+def two_scrapyds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Scrapyd]]:
+    egg = build_egg(tmp_path_factory.mktemp("egg"))
+    servers = [Scrapyd(tmp_path_factory.mktemp(f"scrapyd{n}")) for n in (1, 2)]
+    try:
+        for server in servers:
+            server.start()
+            assert server.add_version(egg)["spiders"] == 1
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+#: CONCURRENT_REQUESTS of each job of the two scrapyds.
+TWO_CONCURRENCY = 4
+
+
+def test_two_scrapyds_on_one_crawl_one_killed_the_other_finishes(
+        two_scrapyds: list[Scrapyd], crawl_database: str) -> None:
+    settings = {"IDEMPOTENT_DATABASE": crawl_database, "CONCURRENT_REQUESTS": TWO_CONCURRENCY,
+                "IDEMPOTENT_RUN_MODE": "resume"}
+    first, second = two_scrapyds
+    with LocalSite(delay=0.02) as site:
+        doomed = first.schedule(settings, url=site.url)
+        survivor = second.schedule(settings, url=site.url)
+        pid = first.wait_running(doomed)
+        second.wait_running(survivor)
+        wait_until(lambda: site.request_count >= 150, 120, "150 requests")
+        os.kill(pid, signal.SIGKILL)
+        first.wait_finished(doomed)
+        at_kill = site.request_count
+        second.wait_finished(survivor, timeout=300)
+        requests = site.request_count
+        expected = site.expected_products()
+    log = second.log(survivor)
+    assert stat(log, "finish_reason") == "finished", log[-3000:]
+    assert at_kill < 525
+    records = stored_products(crawl_database)
+    assert len(records) == len({r["sku"] for r in records}) == 500
+    assert all((r["name"], r["price"]) == (expected[r["sku"]]["name"],
+                                           expected[r["sku"]]["price"]) for r in records)
+    # the killed job's requests on the wire may be fetched again, nothing more
+    assert 525 <= requests <= 525 + TWO_CONCURRENCY, requests
+    assert frontier_counts(crawl_database) == {"done": 525}
+    report("two scrapyds", requests_at_kill=at_kill, requests=requests,
+           reclaimed=stat(log, "idempotent/requests/reclaimed"))
