@@ -1,14 +1,13 @@
 """Files named by identity in an S3 bucket: Scrapy's ``FilesPipeline`` (replaced by the add-on)
 with an ``s3://`` ``FILES_STORE``, against moto's S3 server (a real HTTP server on 127.0.0.1,
-port 0; Scrapy's own S3 store talks to it with botocore). Skipped without botocore or moto
-(``pip install 'moto[server]'``, in the test extra)."""
+port 0; Scrapy's own S3 store talks to it with botocore), on each store backend. Skipped
+without botocore or moto (``pip install 'moto[server]'``, in the test extra)."""
 
 from __future__ import annotations
 
 import json
 import secrets
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +24,8 @@ from image_shop import (
 from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 
-from crawling import db_rows, run_crawl
+from crawling import run_crawl
+from helpers.stored import stored_records
 from scrapy_idempotent.config import DEFAULT_URL_IGNORE_PARAMS
 from scrapy_idempotent.files import IdempotentFilesPipeline, url_key
 from scrapy_idempotent.scrapy_compat import scrapy_version
@@ -86,22 +86,22 @@ def shop() -> Iterator[LocalSite]:
         yield site
 
 
-def settings(tmp_path: Path, bucket: Bucket, **extra: Any) -> dict[str, Any]:
-    return {**file_settings(str(tmp_path / "db.sqlite3"), f"s3://{bucket.name}/crawl/"),
+def settings(db: str, bucket: Bucket, **extra: Any) -> dict[str, Any]:
+    return {**file_settings(db, f"s3://{bucket.name}/crawl/"),
             **CREDENTIALS, "AWS_ENDPOINT_URL": bucket.endpoint, "AWS_USE_SSL": False,
             "LOG_LEVEL": "WARNING", **extra}
 
 
-def stored_files(db: Path) -> dict[str, list[dict[str, Any]]]:
-    return {rid: json.loads(data)["files"]
-            for rid, data in db_rows(db, "SELECT record_id, data FROM records")}
+def stored_files(db: str) -> dict[str, list[dict[str, Any]]]:
+    return {record.record_id: json.loads(record.data)["files"]
+            for record in stored_records(db)}
 
 
 @deferred_f_from_coro_f
 async def test_files_land_in_s3_under_their_record_and_a_replay_overwrites_the_same_key(
-        shop: LocalSite, bucket: Bucket, tmp_path: Path) -> None:
-    db = tmp_path / "db.sqlite3"
-    first = await run_crawl(FileShopSpider, settings(tmp_path, bucket), url=shop.url,
+        shop: LocalSite, bucket: Bucket, crawl_database: str) -> None:
+    db = crawl_database
+    first = await run_crawl(FileShopSpider, settings(db, bucket), url=shop.url,
                             tracking="first")
     assert IdempotentFilesPipeline in [type(p) for p in
                                        first.engine.scraper.itemproc.middlewares]
@@ -114,8 +114,8 @@ async def test_files_land_in_s3_under_their_record_and_a_replay_overwrites_the_s
         paths[file["path"]] = file["checksum"]
     keys = sorted(f"crawl/{path}" for path in paths)
     assert bucket.keys() == keys
-    sku_of = {rid: json.loads(data)["sku"]
-              for rid, data in db_rows(db, "SELECT record_id, data FROM records")}
+    sku_of = {record.record_id: json.loads(record.data)["sku"]
+              for record in stored_records(db)}
     from image_shop import product_png
 
     for path in paths:
@@ -124,7 +124,7 @@ async def test_files_land_in_s3_under_their_record_and_a_replay_overwrites_the_s
     # the same pages again (a new run), with FILES_EXPIRES = 0 so every file is fetched and
     # written again, as a page replayed after a kill writes its files again: the same keys
     # are overwritten, no second copy, no record changed
-    again = await run_crawl(FileShopSpider, settings(tmp_path, bucket, FILES_EXPIRES=0),
+    again = await run_crawl(FileShopSpider, settings(db, bucket, FILES_EXPIRES=0),
                             url=shop.url, tracking="first")
     assert again.stats.get_value("file_status_count/downloaded") == 20
     assert image_downloads(shop) == 40
@@ -133,7 +133,7 @@ async def test_files_land_in_s3_under_their_record_and_a_replay_overwrites_the_s
 
     # the images linked with other tracking parameters, Scrapy's expiry (90 days): a new run
     # finds each file in the bucket under its record, nothing is downloaded or written
-    third = await run_crawl(FileShopSpider, settings(tmp_path, bucket), url=shop.url,
+    third = await run_crawl(FileShopSpider, settings(db, bucket), url=shop.url,
                             tracking="second")
     assert third.stats.get_value("file_status_count/uptodate") == 20
     assert image_downloads(shop) == 40
