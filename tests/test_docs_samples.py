@@ -25,7 +25,8 @@ from shop.spiders.shop import ShopSpider
 
 SAMPLES = Path(__file__).resolve().parent.parent / "docs" / "samples"
 UPDATE = os.environ.get("IDEMPOTENT_UPDATE_SAMPLES") == "1"
-#: How the docs show the crawl's database and the shop.
+#: How the docs show the crawl's database and the shop (the samples are of a SQLite crawl's
+#: output, so the tests that write them crawl on SQLite).
 SHOWN_DB = "/tmp/shop/.scrapy/idempotent/shop.sqlite3"
 SHOWN_SITE = "http://127.0.0.1:8000"
 WORKER = re.compile(r"\S+:\d+:\d+:[0-9a-f]+:[0-9a-f]+")
