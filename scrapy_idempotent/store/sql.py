@@ -689,10 +689,13 @@ class SqlStore(SqlOutbox, FrontierStore):
         # the terminal ones at once, unless a key is completed twice (then all in order: the
         # first ends the lease, the next finds it ended)
         batch = len(keys) == len(live)
-        finishing = [done for done in live
-                     if batch and done.state is not RequestState.PENDING]
-        sent = [self._send_completion(cur, done, worker, now) for done in live
-                if not (batch and done.state is not RequestState.PENDING)]
+        finishing: list[Completion] = []
+        sent: list[Answer] = []
+        for done in live:
+            if batch and done.state is not RequestState.PENDING:
+                finishing.append(done)
+            else:
+                sent.append(self._send_completion(cur, done, worker, now))
         if finishing:
             sent.append(self._send_finishes(cur, finishing, worker, now))
         self._end_journal(cur, keys - {done.key for done in finishing}, worker)
