@@ -206,22 +206,23 @@ def test_sqlite_check_results_are_typed(tmp_path):
         store.close()
 
 
-def test_sqlite_known_done_fingerprint_is_read_once(tmp_path, clock, monkeypatch):
-    # rediscovered links to a done page (most of a crawl's links) are answered from memory
+def test_sqlite_known_fingerprints_are_answered_from_memory(tmp_path, clock, monkeypatch):
+    # rediscovered links (most of a crawl's links) are answered without a read: to a done
+    # page for good, to a pending one added or read by this worker for KNOWN_PENDING_SECONDS
+    # or until this worker finishes it
     from scrapy_idempotent.store import Completion, RequestState
+    from scrapy_idempotent.store.sql import KNOWN_PENDING_SECONDS
 
-    store = SQLiteStore(str(tmp_path / "f.sqlite3"), clock=clock)
+    path = str(tmp_path / "f.sqlite3")
+    store, other = SQLiteStore(path, clock=clock), SQLiteStore(path, clock=clock)
     store.open(fingerprinter="x")
+    other.open(fingerprinter="x")
     store.begin_session("w1", "auto")
+    other.begin_session("w2", "auto")
     try:
         new = [NewRequest(key=k, fingerprint=k, url=f"https://a/{k}", priority=0, data="{}")
-               for k in ("a", "b")]
+               for k in ("a", "b", "c")]
         store.commit(UnitOfWork(requests=new), "w1")
-        leased = store.commit(UnitOfWork(claim=1), "w1").leased
-        store.commit(UnitOfWork(started=[leased[0].key]), "w1")
-        store.commit(UnitOfWork(completions=[Completion(leased[0].key, RequestState.DONE)]),
-                     "w1")
-        done, pending = leased[0].key, ({"a", "b"} - {leased[0].key}).pop()
         reads: list[str] = []
         select = store._crawl_select
 
@@ -230,12 +231,31 @@ def test_sqlite_known_done_fingerprint_is_read_once(tmp_path, clock, monkeypatch
             return select(sql, params)
 
         monkeypatch.setattr(store, "_crawl_select", counted)
-        assert [store.known_request(done) for _ in range(5)] == ["already_done"] * 5
+        # added by this worker: pending, no read
+        assert [store.known_request(k) for k in "abc"] == ["duplicate"] * 3
+        assert reads == []
+        # finished by this worker: done at once, no read
+        leased = store.commit(UnitOfWork(claim=1), "w1").leased[0].key
+        store.commit(UnitOfWork(started=[leased]), "w1")
+        store.commit(UnitOfWork(completions=[Completion(leased, RequestState.DONE)]), "w1")
+        assert [store.known_request(leased) for _ in range(3)] == ["already_done"] * 3
+        assert reads == []
+        # finished by another worker: seen once the memory's time is up
+        taken = other.commit(UnitOfWork(claim=1), "w2").leased[0].key
+        other.commit(UnitOfWork(started=[taken]), "w2")
+        other.commit(UnitOfWork(completions=[Completion(taken, RequestState.DONE)]), "w2")
+        assert store.known_request(taken) == "duplicate"
+        clock.advance(KNOWN_PENDING_SECONDS)
+        assert store.known_request(taken) == "already_done"
         assert len(reads) == 1
-        assert [store.known_request(pending) for _ in range(2)] == ["duplicate"] * 2
-        assert len(reads) == 3  # a pending entry can change: read each time
+        assert store.known_request(taken) == "already_done"
+        # a pending one read again once its time is up, then remembered again
+        (left,) = {"a", "b", "c"} - {leased, taken}
+        assert [store.known_request(left) for _ in range(3)] == ["duplicate"] * 3
+        assert len(reads) == 2
     finally:
         store.close()
+        other.close()
 
 
 def test_a_streamed_feed_is_written_by_one_worker_at_a_time(tmp_path, clock):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import threading
 from abc import abstractmethod
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, cast
@@ -68,6 +69,7 @@ from .base import (
 from .rules import (
     CLAIMED_COLUMNS,
     QUEUE_ORDER,
+    TERMINAL,
     Enqueue,
     RecordWrite,
     StoredState,
@@ -92,6 +94,15 @@ __all__ = ["Answer", "SqlStore"]
 #: How many finished entries :meth:`SqlStore.known_request` keeps in memory (about 150 bytes
 #: each): most links a crawl rediscovers lead to pages already done, answered without a read.
 KNOWN_DONE_ENTRIES = 50_000
+#: How many entries known to be pending or leased :meth:`SqlStore.known_request` keeps in
+#: memory: the requests this worker added, and those it read so; the links a crawl
+#: rediscovers before their page is done.
+KNOWN_PENDING_ENTRIES = 50_000
+#: For how long (seconds, on the store's clock) an entry remembered as pending or leased is
+#: answered so without a read: another worker may finish it meanwhile (then the answer is
+#: ``duplicate`` where a read would say ``already_done``: the link is refused all the same).
+#: The worker's own completions update the memory at once.
+KNOWN_PENDING_SECONDS = 5.0
 _UNKNOWN = object()
 
 #: The rows of a statement sent, read when called (see :meth:`SqlStore._send`).
@@ -111,6 +122,71 @@ _SAMPLE_COUNTERS = ("leased", "done", "failed", "redirected", "records_inserted"
                     "records_updated", "records_unchanged", "records_stale",
                     "leases_reclaimed", "leases_lost")
 _PENDING_AGAIN = "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL"
+
+
+class _KnownEntries:
+    """The entries :meth:`SqlStore.known_request` answers from memory, of one run: finished
+    ones (fingerprint -> finished_at; at most :data:`KNOWN_DONE_ENTRIES`) and those pending
+    or leased (fingerprint -> when it was known so; at most :data:`KNOWN_PENDING_ENTRIES`,
+    each for :data:`KNOWN_PENDING_SECONDS`). Read on the reactor's thread, updated there
+    and on the writer's (after each commit), under a lock."""
+
+    def __init__(self, run_id: int | None) -> None:
+        self.run_id = run_id
+        self.done: dict[str, float | None] = {}
+        self.pending: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def answer(self, fingerprint: str, now: float, window: float | None) -> object:
+        """``known_request``'s answer from memory, or ``_UNKNOWN`` (read it)."""
+        with self._lock:
+            if fingerprint in self.done:
+                answer = known_request_answer(RequestState.DONE.value,
+                                              self.done[fingerprint], window)
+                if answer is not None:
+                    return answer
+                del self.done[fingerprint]  # due again: the commit puts it back
+                return _UNKNOWN
+            since = self.pending.get(fingerprint)
+            if since is not None:
+                if now - since < KNOWN_PENDING_SECONDS:
+                    return Enqueue.DUPLICATE.value
+                del self.pending[fingerprint]
+        return _UNKNOWN
+
+    def learn(self, fingerprint: str, state: str, finished_at: float | None, now: float, *,
+              own_key: bool) -> None:
+        """Remember what a read found: a done entry; a pending or leased one when its key is
+        the fingerprint (the completion that ends it names that key, see :meth:`finished`;
+        another entry of the fingerprint, a ``dont_filter`` request's, is read each time)."""
+        if state == RequestState.DONE.value:
+            self.finished([(fingerprint, RequestState.DONE)], now, finished_at)
+        elif own_key and state not in TERMINAL:
+            self.pending_now([fingerprint], now)
+
+    def pending_now(self, fingerprints: list[str], now: float) -> None:
+        """Remember ``fingerprints`` as pending or leased at ``now``."""
+        if not fingerprints:
+            return
+        with self._lock:
+            pending = self.pending
+            for fingerprint in fingerprints:
+                pending.pop(fingerprint, None)  # (its place: the newest)
+                pending[fingerprint] = now
+            while len(pending) > KNOWN_PENDING_ENTRIES:
+                del pending[next(iter(pending))]  # the oldest
+
+    def finished(self, entries: list[tuple[str, RequestState]], now: float,
+                 finished_at: float | None = None) -> None:
+        """Entries finished (key, state): no longer pending; the done ones done since
+        ``finished_at`` (default ``now``)."""
+        with self._lock:
+            for key, state in entries:
+                self.pending.pop(key, None)
+                if state is RequestState.DONE:
+                    self.done[key] = now if finished_at is None else finished_at
+            while len(self.done) > KNOWN_DONE_ENTRIES:
+                del self.done[next(iter(self.done))]  # the oldest
 
 
 def _limits_of(limits: SlotLimits, slot: str) -> tuple[int, float]:
@@ -360,15 +436,17 @@ class SqlStore(SqlOutbox, FrontierStore):
         result = CommitResult()
         if work:
             session = {name: getattr(self, name) for name in self._SESSION_STATE}
+            now = self.clock()
             try:
                 self._commit_unit(work, worker, self.run_id if self.run_id is not None else 0,
-                                  self.clock(), result)
+                                  now, result)
             except BaseException:
                 for name, value in session.items():
                     setattr(self, name, value)
                 raise
             if result.slots_added:  # committed: their rows exist
                 self._slot_names().update(result.slots_added)
+            self._learn_known(work, result, now)
         return result
 
     def _slot_names(self) -> set[str]:
@@ -916,48 +994,58 @@ class SqlStore(SqlOutbox, FrontierStore):
         return bool(found >= count)
 
     def known_request(self, fingerprint: str, *, key: str | None = None) -> str | None:
-        # A fingerprint found done stays done in this run (the crawl moves no entry out of
-        # done but one due again, which the window check below sees), so its later lookups
-        # are answered from memory: the answer the read would give, a window later None
-        # (the commit puts it back). Operators' retries (done pages of rejected items put
-        # back) are fetched all the same: a stale answer only refuses a known link.
-        done = self._known_done_entries()
+        # Most lookups are answered from memory (see _KnownEntries): a fingerprint found
+        # done stays done in this run (the crawl moves no entry out of done but one due
+        # again, which the window check below sees); one found pending or leased, or added
+        # by this worker, is answered so for KNOWN_PENDING_SECONDS, or until this worker
+        # finishes it. Operators' retries (done pages of rejected items put back) are
+        # fetched all the same: a stale answer only refuses a known link.
         if key is None:
-            remembered = done.get(fingerprint, _UNKNOWN)
-            if remembered is not _UNKNOWN:
-                answer = known_request_answer(
-                    RequestState.DONE.value, cast("float | None", remembered),
-                    window_start(self.recrawl_seconds, self.clock()))
-                if answer is not None:
-                    return answer
-                done.pop(fingerprint, None)
+            known = self._known_entries()
+            now = self.clock()
+            answer = known.answer(fingerprint, now, window_start(self.recrawl_seconds, now))
+            if answer is not _UNKNOWN:
+                return cast("str | None", answer)
             # by key when its key is its fingerprint, else by the fingerprint index
             rows = self._crawl_select(
-                "SELECT state, finished_at FROM requests WHERE key = ? UNION ALL"
-                " SELECT * FROM (SELECT state, finished_at FROM requests WHERE fingerprint = ?"
-                "  AND key <> fingerprint LIMIT 1) AS other LIMIT 1", (fingerprint, fingerprint))
+                "SELECT state, finished_at, key FROM requests WHERE key = ? UNION ALL"
+                " SELECT * FROM (SELECT state, finished_at, key FROM requests"
+                "  WHERE fingerprint = ? AND key <> fingerprint LIMIT 1) AS other LIMIT 1",
+                (fingerprint, fingerprint))
+            if rows:
+                known.learn(fingerprint, rows[0][0], rows[0][1], now,
+                            own_key=rows[0][2] == fingerprint)
         else:
             rows = self._crawl_select("SELECT state, finished_at FROM requests WHERE key = ?",
                                       (key,))
         if not rows:
             return None
-        state, finished_at = rows[0][0], rows[0][1]
-        if key is None and state == RequestState.DONE.value:
-            if len(done) >= KNOWN_DONE_ENTRIES:
-                done.pop(next(iter(done)), None)  # the oldest
-            done[fingerprint] = finished_at
-        return known_request_answer(state, finished_at,
+        return known_request_answer(rows[0][0], rows[0][1],
                                     window_start(self.recrawl_seconds, self.clock()))
 
-    def _known_done_entries(self) -> dict[str, float | None]:
-        """The finished entries :meth:`known_request` remembers (fingerprint ->
-        finished_at), of the current run only (a new run starts from another frontier)."""
+    def _known_entries(self) -> _KnownEntries:
+        """What :meth:`known_request` remembers, of the current run only (a new run starts
+        from another frontier)."""
         run_id = self.run_id
-        held = self.__dict__.get("_known_done")
-        if held is None or held[0] != run_id:
-            held = self.__dict__["_known_done"] = (run_id, {})
-        done: dict[str, float | None] = held[1]
-        return done
+        held: _KnownEntries | None = self.__dict__.get("_known")
+        if held is None or held.run_id != run_id:
+            held = self.__dict__["_known"] = _KnownEntries(run_id)
+        return held
+
+    def _learn_known(self, work: UnitOfWork, result: CommitResult, now: float) -> None:
+        """After ``work`` committed: the filtered requests it added (or found pending) are
+        pending now, the entries it finished are done (remembered only when every request of
+        the unit was added or found pending: an already done one is not told apart)."""
+        known = self._known_entries()
+        lost = set(result.lost)
+        if not result.requests_already_done:
+            known.pending_now([r.fingerprint for r in work.requests
+                               if r.filter_fingerprint and r.key == r.fingerprint
+                               and r.parent_key not in lost], now)
+        finished = [(done.key, done.state) for done in work.completions
+                    if done.state.terminal and done.key not in lost]
+        if finished:
+            known.finished(finished, now)
 
     def known_keys(self, keys: Collection[str]) -> dict[str, str]:
         if not keys:
