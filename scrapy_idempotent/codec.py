@@ -242,12 +242,6 @@ def canonical_json(encoded: Any) -> str:
     return _text(encoded, sort_keys=True)
 
 
-#: How many of the requests a :class:`RequestCodec` encoded last it keeps, to give them back
-#: without a decode (most requests are handed out soon after they were enqueued: Scrapy's
-#: default order is last in, first out).
-RECENT_REQUESTS = 1024
-
-
 class RequestCodec:
     """Turns requests into JSON text and back, for one spider.
 
@@ -259,13 +253,9 @@ class RequestCodec:
     ``IDEMPOTENT_REQUEST_CLASSES``). ``request_from_dict`` alone would import any ``_class``.
     """
 
-    def __init__(self, spider: Spider, extra_classes: Iterable[str] = (), *,
-                 recent: int = RECENT_REQUESTS) -> None:
+    def __init__(self, spider: Spider, extra_classes: Iterable[str] = ()) -> None:
         self.spider = spider
         self.allowed_classes = BUILTIN_REQUEST_CLASSES | frozenset(extra_classes)
-        #: the requests encoded last, by their text (at most ``recent``, oldest first)
-        self._recent: dict[str, Request] = {}
-        self._recent_limit = recent
 
     def encode(self, request: Request) -> str:
         """JSON text of ``request``.
@@ -294,24 +284,10 @@ class RequestCodec:
                 f"request class {cls_path} is not allowed; add it to IDEMPOTENT_REQUEST_CLASSES",
             )
         try:
-            text = dumps(data)
+            return dumps(data)
         except EncodeError as exc:
             raise UnstorableRequest(describe(request), _pretty_path(exc.path),
                                     f"{exc.type_name} cannot be stored as data") from None
-        if self._recent_limit:
-            recent = self._recent
-            recent.setdefault(text, request)
-            if len(recent) > self._recent_limit:
-                del recent[next(iter(recent))]
-        return text
-
-    def take_recent(self, text: str) -> Request | None:
-        """The request of the last :data:`RECENT_REQUESTS` this codec encoded whose text is
-        ``text``, given back once (then forgotten), or None: a request handed out as it was
-        given, as Scrapy's memory queue does, without a decode. Its text is what it encoded
-        to, so it is the request :meth:`decode` would make (the next crawl, after a kill,
-        decodes it)."""
-        return self._recent.pop(text, None)
 
     def decode(self, text: str) -> Request:
         """The request stored as ``text``. Raises ``ValueError`` with a clear reason when the

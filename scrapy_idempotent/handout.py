@@ -91,19 +91,14 @@ class HandOut:
 
     def _load(self, leased: LeasedRequest) -> Request | None:
         assert self.codec is not None
-        # a request enqueued a moment ago goes out as it was given (see take_recent), unless
-        # that object is in flight already (a callback yielded its own response's request)
-        request = self.codec.take_recent(leased.data)
-        if request is None or self.tracker.for_request(request) is not None:
-            try:
-                request = self.codec.decode(leased.data)
-            except Exception as exc:
-                self.stats.inc_value("idempotent/requests/unloadable")
-                logger.error("scrapy_idempotent: cannot load stored request %s: %s",
-                             leased.key, exc)
-                self.tracker.fail_unloadable(leased.key, str(exc))
-                self.outcomes.expect(leased.key, None, leased.fingerprint)
-                return None
+        try:
+            request = self.codec.decode(leased.data)
+        except Exception as exc:
+            self.stats.inc_value("idempotent/requests/unloadable")
+            logger.error("scrapy_idempotent: cannot load stored request %s: %s", leased.key, exc)
+            self.tracker.fail_unloadable(leased.key, str(exc))
+            self.outcomes.expect(leased.key, None, leased.fingerprint)
+            return None
         self.tracker.handed_out(leased, request)
         self.politeness.handing_out(request)
         self.stats.inc_value("idempotent/requests/leased")

@@ -50,41 +50,6 @@ def test_drain_returns_exactly_what_was_enqueued(crawl_harness: Harness) -> None
     assert scheduler.stats.get_value("idempotent/requests/duplicate") == len(URLS)
 
 
-def test_a_request_enqueued_here_is_handed_out_as_given(crawl_harness: Harness) -> None:
-    # as Scrapy's memory queue: the object enqueued comes back (no decode of its stored
-    # text); a second scheduler of the same frontier (a resume) decodes it
-    scheduler = crawl_harness.scheduler()
-    given = [scrapy.Request(f"https://example.com/{i}", meta={"n": i}, cb_kwargs={"t": (i,)})
-             for i in range(3)]
-    for request in given:
-        assert scheduler.enqueue_request(request)
-    assert {id(r) for r in drain(scheduler)} == {id(r) for r in given}
-    again = crawl_harness.scheduler()
-    scheduler.enqueue_request(scrapy.Request("https://example.com/late", meta={"n": 9}))
-    crawl_harness.close(scheduler)  # gives its claims back
-    (loaded,) = [r for r in drain(again) if r.url.endswith("/late")]
-    assert loaded.meta["n"] == 9
-
-
-def test_a_request_in_flight_enqueued_again_goes_out_as_a_copy(
-        crawl_harness: Harness) -> None:
-    # a callback yielding its own response's request again (dont_filter): the object in
-    # flight is not handed out a second time; its stored text is decoded instead
-    scheduler = crawl_harness.scheduler()
-    request = scrapy.Request("https://example.com/poll", dont_filter=True)
-    scheduler.enqueue_request(request)
-    (first,) = drain(scheduler)
-    assert first is request
-    first.meta["round"] = 2
-    scheduler.enqueue_request(first)
-    (second,) = drain(scheduler)
-    assert second is not first
-    assert (second.url, second.meta["round"]) == (first.url, 2)
-    finish(scheduler, first)
-    finish(scheduler, second)
-    assert frontier_counts(crawl_harness.database) == {"done": 2}
-
-
 def test_priority_highest_first_then_newest(crawl_harness: Harness) -> None:
     scheduler = crawl_harness.scheduler()
     priorities = [0, 3, -1, 3, 1, 0, 2]
