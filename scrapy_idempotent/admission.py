@@ -214,6 +214,15 @@ class Admission:
         #: called before each enqueue decision (the start intake's flush of held requests)
         self.before_enqueue: Callable[[], None] | None = None
 
+    def expect(self, request: Request) -> None:
+        """A callback yielded ``request``: it is enqueued soon, with the page's other links,
+        whose lookups the store may then make in one read (see
+        :meth:`~.FrontierStore.expect_lookups`)."""
+        if self.dupes.enabled and not request.dont_filter:
+            fingerprint = self.fingerprints(request)
+            if fingerprint is not None and not self.tracker.is_buffered(fingerprint):
+                self.store.expect_lookups((fingerprint,))
+
     def unfiltered(self, request: Request) -> bool:
         """Whether the duplicate filter leaves ``request`` alone (its key is derived)."""
         return not (self.dupes.enabled and not request.dont_filter)

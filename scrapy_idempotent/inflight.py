@@ -267,6 +267,8 @@ class InflightTracker:
             lambda work, entry: None
         self.flush_soon: Callable[[], int] = lambda: 0
         self.writes_durable: Callable[[int], Deferred[None] | None] = lambda seq: None
+        #: told of each request a callback yielded, before the request reaches the engine
+        self.child_request: Callable[[Request], None] = lambda request: None
         self.unattributed = UnattributedWrites()
         self._inflight: dict[int, InflightRequest] = {}  # id(handed-out request) -> entry
         self._by_fingerprint: dict[str, InflightRequest] = {}
@@ -543,6 +545,7 @@ class InflightTracker:
             if entry is not None:
                 self._tracked[id(output)] = (entry, output)
                 entry.tracked[id(output)] = output
+                self.child_request(output)
             return
         if output is None or not is_item(output):
             return  # not an item (Scrapy passes such output on as it is): nothing to key

@@ -122,6 +122,7 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             self.store, tracker=self.tracker, fingerprints=self.fingerprints,
             keys=RequestKeys(), dupes=DuplicateFilter.from_settings(crawler.settings, stats),
             outcomes=self.outcomes, stats=stats, slot_of=self.politeness.slot_of)
+        self.tracker.child_request = self.admission.expect
         # with the crawl's slot limits the pending requests may all be of slots that wait:
         # start() is taken in at the writer's speed, its other sites' requests with it
         self.start_intake = StartIntake(self.tracker, self.writer, self.admission,

@@ -59,8 +59,20 @@ class DurabilityProbe:
 
 @deferred_f_from_coro_f
 async def test_request_done_follows_each_commit_and_already_done_duplicates(
-    crawl_database: str,
+    crawl_database: str, monkeypatch: Any,
 ) -> None:
+    # the duplicate checks of a page's links are made in one read, when the first of them
+    # is enqueued (answered as reads of their own would be: the announcements below hold)
+    from scrapy_idempotent.store.sql import SqlStore
+
+    batches: list[int] = []
+    read_expected = SqlStore._read_expected
+
+    def counted(self: Any, batch: Any, now: float) -> None:
+        batches.append(len(batch.expected))
+        read_expected(self, batch, now)
+
+    monkeypatch.setattr(SqlStore, "_read_expected", counted)
     with LocalSite(products_failing=[7]) as shop:
         crawler = get_crawler(ShopSpider, crawl_settings(crawl_database, **NATURAL_KEYS))
         probe = DurabilityProbe(crawl_database)
@@ -83,6 +95,9 @@ async def test_request_done_follows_each_commit_and_already_done_duplicates(
     assert len(by_state[signals.ALREADY_DONE]) >= 20
     assert {url for _, _, url in by_state[signals.ALREADY_DONE]} == {f"{shop.url}/list/1"}
     assert set(by_state) == {"done", "failed", signals.ALREADY_DONE}
+    # at most a read per page for the links it yielded (25 listings of 20 products)
+    assert 0 < len(batches) <= 525
+    assert sum(batches) >= 500
 
 
 @deferred_f_from_coro_f
@@ -105,3 +120,4 @@ async def test_restarted_start_request_already_done_is_announced(crawl_database:
     start_key = next(key for state, key, url in first_probe.seen
                      if url.endswith("/list/1") and state == "done")
     assert probe.seen == [(signals.ALREADY_DONE, start_key, f"{shop.url}/list/1")]
+

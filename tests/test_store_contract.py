@@ -1125,6 +1125,40 @@ def test_known_request_of_a_done_fingerprint_asked_again(make_store, clock):
     assert store.known_request("a") == "already_done"
 
 
+def test_known_requests_expected_are_read_in_one_statement(make_store, clock, monkeypatch):
+    # a page's links, expected before they are enqueued: the first lookup reads them all
+    # (each answered as a lookup of its own would be), the others are answered from it
+    writer, _ = open_store(make_store, "w1")
+    finish_one(writer, "done")
+    enqueue(writer, req("pending"))
+    enqueue(writer, req("start", fingerprint="fp-s", filter_fingerprint=False))
+    store, _ = open_store(make_store, "w2")  # (another worker: it remembers none of them)
+    reads: list[str] = []
+    select = store._crawl_select
+
+    def counted(sql, params=()):
+        reads.append(sql)
+        return select(sql, params)
+
+    monkeypatch.setattr(store, "_crawl_select", counted)
+    asked = ["fp-x", "pending", "done", "fp-s", "fp-y"]
+    store.expect_lookups(asked)
+    assert [store.known_request(f) for f in asked] == [
+        None, "duplicate", "already_done", "duplicate", None]
+    assert len(reads) == 1
+    # each answer is used once: asked again, from memory or read anew
+    assert store.known_request("fp-x") is None
+    assert len(reads) == 2
+    # answers of a read a while ago are not used
+    store.expect_lookups(["fp-z", "fp-w"])
+    assert store.known_request("fp-z") is None
+    assert len(reads) == 3
+    enqueue(store, req("w", fingerprint="fp-w"))
+    clock.advance(2)
+    assert store.known_request("fp-w") == "duplicate"
+    assert len(reads) == 4
+
+
 def test_known_request_of_a_done_fingerprint_in_a_new_run(store):
     finish_one(store, "a")
     assert store.known_request("a") == "already_done"

@@ -512,6 +512,12 @@ class FrontierStore(ABC):
         With ``key``, the entry of exactly that key (a ``dont_filter`` request, which the
         fingerprint does not filter)."""
 
+    def expect_lookups(self, fingerprints: Collection[str]) -> None:
+        """:meth:`known_request` will soon be asked about ``fingerprints`` (the links of a
+        page, seen before they are enqueued): a store may read them in one statement when
+        the first of them is asked. The default does nothing."""
+        return None
+
     def known_keys(self, keys: Collection[str]) -> dict[str, str]:
         """:meth:`known_request` by key for each of ``keys`` (the ``dont_filter`` start
         requests a restarted ``start()`` yields again, checked in batches): each known key's

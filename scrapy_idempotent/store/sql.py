@@ -103,6 +103,12 @@ KNOWN_PENDING_ENTRIES = 50_000
 #: ``duplicate`` where a read would say ``already_done``: the link is refused all the same).
 #: The worker's own completions update the memory at once.
 KNOWN_PENDING_SECONDS = 5.0
+#: At most this many fingerprints expected to be looked up soon (:meth:`SqlStore.expect_lookups`)
+#: are read in one statement.
+LOOKUP_BATCH = 500
+#: For how long (seconds, on the store's clock) the answers of such a read are used: the links
+#: of a page are enqueued right after the page's callback yielded them.
+LOOKUP_BATCH_SECONDS = 1.0
 _UNKNOWN = object()
 
 #: The rows of a statement sent, read when called (see :meth:`SqlStore._send`).
@@ -187,6 +193,18 @@ class _KnownEntries:
                     self.done[key] = now if finished_at is None else finished_at
             while len(self.done) > KNOWN_DONE_ENTRIES:
                 del self.done[next(iter(self.done))]  # the oldest
+
+
+class _LookupBatch:
+    """Fingerprints :meth:`SqlStore.known_request` expects to be asked about (read in one
+    statement when the first of them is), and the answers of the last such read
+    (fingerprint -> (state, finished_at), None for unknown; each used once). The reactor's
+    thread only."""
+
+    def __init__(self) -> None:
+        self.expected: set[str] = set()
+        self.read: dict[str, tuple[str, Any] | None] = {}
+        self.read_at = 0.0
 
 
 def _limits_of(limits: SlotLimits, slot: str) -> tuple[int, float]:
@@ -1003,9 +1021,16 @@ class SqlStore(SqlOutbox, FrontierStore):
         if key is None:
             known = self._known_entries()
             now = self.clock()
-            answer = known.answer(fingerprint, now, window_start(self.recrawl_seconds, now))
+            window = window_start(self.recrawl_seconds, now)
+            answer = known.answer(fingerprint, now, window)
             if answer is not _UNKNOWN:
                 return cast("str | None", answer)
+            batch = self._lookups
+            if fingerprint in batch.expected:
+                self._read_expected(batch, now)
+            if fingerprint in batch.read and now - batch.read_at < LOOKUP_BATCH_SECONDS:
+                row = batch.read.pop(fingerprint)
+                return None if row is None else known_request_answer(row[0], row[1], window)
             # by key when its key is its fingerprint, else by the fingerprint index
             rows = self._crawl_select(
                 "SELECT state, finished_at, key FROM requests WHERE key = ? UNION ALL"
@@ -1022,6 +1047,46 @@ class SqlStore(SqlOutbox, FrontierStore):
             return None
         return known_request_answer(rows[0][0], rows[0][1],
                                     window_start(self.recrawl_seconds, self.clock()))
+
+    def expect_lookups(self, fingerprints: Collection[str]) -> None:
+        batch = self._lookups
+        known = self._known_entries()
+        for fingerprint in fingerprints:
+            if len(batch.expected) >= LOOKUP_BATCH:
+                return
+            if fingerprint not in known.done and fingerprint not in known.pending:
+                batch.expected.add(fingerprint)
+
+    @property
+    def _lookups(self) -> _LookupBatch:
+        batch: _LookupBatch | None = self.__dict__.get("_lookup_batch")
+        if batch is None:
+            batch = self.__dict__["_lookup_batch"] = _LookupBatch()
+        return batch
+
+    def _read_expected(self, batch: _LookupBatch, now: float) -> None:
+        """Read the entries of the fingerprints expected to be looked up (see
+        :meth:`expect_lookups`) in one statement, as :meth:`known_request` reads one; the
+        answers replace those of the previous read."""
+        fingerprints = sorted(batch.expected)
+        batch.expected.clear()
+        found: dict[str, tuple[str, Any, bool]] = {}
+        by_key, keys = self._any("key", fingerprints)
+        by_fingerprint, values = self._any("fingerprint", fingerprints)
+        for fingerprint, state, finished_at, own in self._crawl_select(
+                f"SELECT key, state, finished_at, 1 FROM requests WHERE {by_key} UNION ALL"
+                " SELECT fingerprint, state, finished_at, 0 FROM requests"
+                f" WHERE {by_fingerprint} AND key <> fingerprint", (keys, values)):
+            if own or fingerprint not in found:  # the entry keyed by it first
+                found[fingerprint] = (state, finished_at, bool(own))
+        known = self._known_entries()
+        batch.read = {}
+        for fingerprint in fingerprints:
+            row = found.get(fingerprint)
+            batch.read[fingerprint] = None if row is None else (row[0], row[1])
+            if row is not None:
+                known.learn(fingerprint, row[0], row[1], now, own_key=row[2])
+        batch.read_at = now
 
     def _known_entries(self) -> _KnownEntries:
         """What :meth:`known_request` remembers, of the current run only (a new run starts
