@@ -524,3 +524,47 @@ def test_after_a_server_outage_no_live_worker_looks_dead(
 def _stale_for(store: PostgreSQLStore, seconds: float) -> bool:
     """Whether ``seconds`` have passed since the store's last (re)connection."""
     return store.clock() - store._connected_since > seconds
+
+
+class _Recorder:
+    """A cursor that keeps the statements sent to it (nothing reaches the server)."""
+
+    def __init__(self) -> None:
+        self.statements: list[tuple[str, Any]] = []
+        self.connection = self
+
+    def cursor(self) -> _Recorder:
+        return self
+
+    def execute(self, statement: str, params: Any = None, **_: Any) -> _Recorder:
+        self.statements.append((statement, params))
+        return self
+
+    def fetchall(self) -> list[Any]:
+        return []
+
+
+def test_a_commit_finds_journal_entries_by_their_key_index(
+        make: Callable[..., PostgreSQLStore]) -> None:
+    # The journal's and the requests' keys differ in collation ("C" for the requests' key):
+    # a comparison of the two that is not in the index's collation cannot use the index, and
+    # each commit read the whole journal (or the requests) table. With sequential scans
+    # priced out, every journal deletion a commit sends is planned on an index.
+    store = make(clock=FakeClock())
+    store.open(fingerprinter="x", identity=SHOP)
+    store.begin_session("w1", "auto")
+    store.commit(UnitOfWork(requests=[req(f"k{i}") for i in range(8)]), "w1")
+    keys = [leased.key for leased in store.commit(UnitOfWork(claim=4), "w1").leased]
+    recorder = _Recorder()
+    store._send_finishes(recorder, [Completion(k, RequestState.DONE) for k in keys[:2]],
+                         "w1", T0)
+    store._end_journal(recorder, keys[2:], "w1")
+    assert len(recorder.statements) == 2
+    with psycopg.connect(store.url) as conn:
+        conn.execute(f'SET search_path TO "{store.schema}"')
+        conn.execute("SET enable_seqscan = off")
+        for statement, params in recorder.statements:
+            plan = "\n".join(row[0] for row in conn.execute("EXPLAIN " + statement, params))
+            assert "Seq Scan on responses" not in plan, plan
+            assert "Seq Scan on requests" not in plan, plan
+        conn.rollback()

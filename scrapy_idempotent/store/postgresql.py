@@ -957,14 +957,17 @@ class PostgreSQLStore(SqlStore):
                        now: float) -> Callable[[], list[Any]]:
         # one statement for the unit's terminal completions and their journal entries (the
         # rows are locked already: the fence); a response is deleted only where the update
-        # ended its lease
+        # ended its lease. The journal's rows are found by their key's index: the keys are
+        # compared in the journal's collation (in the requests' "C" collation that index
+        # cannot serve, and each commit read the whole journal table)
         return self._send(
             cur, "WITH ended AS (UPDATE requests r SET state = u.state, worker = NULL,"
             " leased_until = NULL, unfinished = 0, finished_at = %s, error_kind = u.kind,"
             " error_message = u.message FROM unnest(%b::text[], %b::text[], %s::text[],"
             " %s::text[]) AS u(key, state, kind, message)"
             " WHERE r.key = u.key AND r.state = 'leased' AND r.worker = %s RETURNING r.key),"
-            " journal AS (DELETE FROM responses WHERE key IN (SELECT key FROM ended))"
+            " journal AS (DELETE FROM responses"
+            "  WHERE key = ANY(ARRAY(SELECT key COLLATE \"default\" FROM ended)))"
             " SELECT key FROM ended",
             (now, [d.key for d in finishing], [d.state.value for d in finishing],
              [d.error_kind for d in finishing], [d.error_message for d in finishing], worker))
