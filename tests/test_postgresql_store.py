@@ -568,3 +568,30 @@ def test_a_commit_finds_journal_entries_by_their_key_index(
             assert "Seq Scan on responses" not in plan, plan
             assert "Seq Scan on requests" not in plan, plan
         conn.rollback()
+
+
+def test_statements_on_a_commits_keys_are_planned_on_the_key_index(
+        make: Callable[..., PostgreSQLStore]) -> None:
+    # The lease check of a commit's requests and the updates of its leases name their keys
+    # and "leased by this worker". Planned on the leased requests' index (worker), they read
+    # every entry the worker's past leases left in it; here the statistics favour that index
+    # (one lease of the worker's, a thousand keys asked), and the keys' index must decide.
+    store = make(clock=FakeClock())
+    store.open(fingerprinter="x", identity=SHOP)
+    store.begin_session("w1", "auto")
+    store.commit(UnitOfWork(requests=[req(f"k{i:04d}") for i in range(2000)]), "w1")
+    (leased,) = store.commit(UnitOfWork(claim=1), "w1").leased
+    asked = sorted({leased.key, *(f"k{i:04d}" for i in range(1000))})
+    with psycopg.connect(store.url, autocommit=True) as conn:
+        conn.execute(f'ANALYZE "{store.schema}".requests')
+    recorder = _Recorder()
+    store._send_fence(recorder, UnitOfWork(started=asked), "w1")
+    store._leased_update(recorder, "unfinished = unfinished + 1", asked, "w1")
+    store._send_finishes(recorder, [Completion(k, RequestState.DONE) for k in asked], "w1", T0)
+    assert len(recorder.statements) == 3
+    with psycopg.connect(store.url) as conn:
+        conn.execute(f'SET search_path TO "{store.schema}"')
+        for statement, params in recorder.statements:
+            plan = "\n".join(row[0] for row in conn.execute("EXPLAIN " + statement, params))
+            assert "_leased" not in plan, plan  # (requests_leased, requests_slot_leased)
+        conn.rollback()

@@ -235,6 +235,9 @@ class SqlStore(SqlOutbox, FrontierStore):
     SKIP_LOCKED_SLOTS = ""
     #: appended to ``ORDER BY`` a text key, so that keyset paging follows byte order
     TEXT_ORDER = ""
+    #: the condition "leased by the worker ``?``", for statements on a list of keys: the
+    #: key's index finds their rows
+    LEASED_BY = "state = 'leased' AND worker = ?"
     #: the ``LIMIT`` parameter meaning no limit
     NO_LIMIT: Any = -1
 
@@ -547,7 +550,7 @@ class SqlStore(SqlOutbox, FrontierStore):
         if keys:
             where, param = self._any("key", list(keys))
             cur.execute(self._q(f"UPDATE requests SET {assignments} WHERE {where}"
-                                " AND state = 'leased' AND worker = ?"), (param, worker))
+                                f" AND {self.LEASED_BY}"), (param, worker))
 
     def _send_fence(self, cur: Any, work: UnitOfWork, worker: str) -> Callable[[], set[str]]:
         """Read (and lock) the rows of ``work``'s requests that ``worker`` leases now; the
@@ -559,8 +562,8 @@ class SqlStore(SqlOutbox, FrontierStore):
         if not keys:
             return set
         where, param = self._any("key", sorted(keys))
-        held = self._send(cur, f"SELECT key FROM requests WHERE {where} AND state = 'leased'"
-                          f" AND worker = ? ORDER BY key{self.LOCK_ROWS}", (param, worker))
+        held = self._send(cur, f"SELECT key FROM requests WHERE {where} AND {self.LEASED_BY}"
+                          f" ORDER BY key{self.LOCK_ROWS}", (param, worker))
         return lambda: keys - {key for (key,) in held()}
 
     def _send_lookups(self, cur: Any, requests: list[NewRequest]) -> tuple[Answer, Answer]:
