@@ -3,6 +3,7 @@ contract's stores and the scheduler harness."""
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -21,6 +22,18 @@ from local_site import LocalSite  # noqa: E402
 from helpers.scheduler_harness import Harness  # noqa: E402
 from helpers.stores import LEASE_SECONDS  # noqa: E402
 from scrapy_idempotent.store import FrontierStore, open_store  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _shutdown_signals_restored() -> Iterator[None]:
+    """Each test leaves SIGINT and SIGTERM as it found them (a crawl run in the test process
+    may ignore them after a second signal): an ignored signal is inherited by the processes
+    later tests start, which then cannot be stopped by it."""
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for signum, handler in before.items():
+        if handler is not None and signal.getsignal(signum) is not handler:
+            signal.signal(signum, handler)
 
 
 @pytest.fixture

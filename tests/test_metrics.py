@@ -255,9 +255,14 @@ async def test_status_watch_redraws_in_place_with_rates_per_minute(
         await run_crawl(ShopSpider, crawl_settings(crawl_database, **NATURAL_KEYS),
                         url=site.url)
     leader, follower = pty.openpty()
+    # Ctrl+C's KeyboardInterrupt is set up in the watcher: a SIGINT ignored by the process
+    # that runs the tests (left so by an earlier test) would be ignored by it too
     watcher = subprocess.Popen(
-        [sys.executable, "-m", "scrapy", "idempotent", "status", "--db", crawl_database,
-         "--watch", "0.2"], stdin=follower, stdout=follower, stderr=follower)
+        [sys.executable, "-c",
+         "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler);"
+         " sys.argv = ['scrapy', *sys.argv[1:]]; runpy.run_module('scrapy', run_name='__main__')",
+         "idempotent", "status", "--db", crawl_database, "--watch", "0.2"],
+        stdin=follower, stdout=follower, stderr=follower)
     os.close(follower)
     output = b""
 
