@@ -544,6 +544,19 @@ class _Recorder:
         return []
 
 
+def plans(store: PostgreSQLStore, recorder: _Recorder, *settings: str) -> list[str]:
+    """The server's plan (EXPLAIN) of each statement ``recorder`` kept, in ``store``'s
+    schema, after ``settings`` (statements such as ``SET ...``)."""
+    with psycopg.connect(store.url) as conn:
+        conn.execute(f'SET search_path TO "{store.schema}"')
+        for setting in settings:
+            conn.execute(setting)
+        found = ["\n".join(row[0] for row in conn.execute("EXPLAIN " + statement, params))
+                 for statement, params in recorder.statements]
+        conn.rollback()
+    return found
+
+
 def test_a_commit_finds_journal_entries_by_their_key_index(
         make: Callable[..., PostgreSQLStore]) -> None:
     # The journal's and the requests' keys differ in collation ("C" for the requests' key):
@@ -560,14 +573,9 @@ def test_a_commit_finds_journal_entries_by_their_key_index(
                          "w1", T0)
     store._end_journal(recorder, keys[2:], "w1")
     assert len(recorder.statements) == 2
-    with psycopg.connect(store.url) as conn:
-        conn.execute(f'SET search_path TO "{store.schema}"')
-        conn.execute("SET enable_seqscan = off")
-        for statement, params in recorder.statements:
-            plan = "\n".join(row[0] for row in conn.execute("EXPLAIN " + statement, params))
-            assert "Seq Scan on responses" not in plan, plan
-            assert "Seq Scan on requests" not in plan, plan
-        conn.rollback()
+    for plan in plans(store, recorder, "SET enable_seqscan = off"):
+        assert "Seq Scan on responses" not in plan, plan
+        assert "Seq Scan on requests" not in plan, plan
 
 
 def test_statements_on_a_commits_keys_are_planned_on_the_key_index(
@@ -589,9 +597,5 @@ def test_statements_on_a_commits_keys_are_planned_on_the_key_index(
     store._leased_update(recorder, "unfinished = unfinished + 1", asked, "w1")
     store._send_finishes(recorder, [Completion(k, RequestState.DONE) for k in asked], "w1", T0)
     assert len(recorder.statements) == 3
-    with psycopg.connect(store.url) as conn:
-        conn.execute(f'SET search_path TO "{store.schema}"')
-        for statement, params in recorder.statements:
-            plan = "\n".join(row[0] for row in conn.execute("EXPLAIN " + statement, params))
-            assert "_leased" not in plan, plan  # (requests_leased, requests_slot_leased)
-        conn.rollback()
+    for plan in plans(store, recorder):
+        assert "_leased" not in plan, plan  # (requests_leased, requests_slot_leased)

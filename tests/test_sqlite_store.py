@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from crawling import db_rows
+from helpers.stores import count_reads
 from scrapy_idempotent.exceptions import StoreError
 from scrapy_idempotent.store import SCHEMA_VERSION, NewRequest, RunInfo, SQLiteStore, UnitOfWork
 from scrapy_idempotent.store.base import EngineSetting, IntegrityReport, SchemaInfo
@@ -223,14 +224,7 @@ def test_sqlite_known_fingerprints_are_answered_from_memory(tmp_path, clock, mon
         new = [NewRequest(key=k, fingerprint=k, url=f"https://a/{k}", priority=0, data="{}")
                for k in ("a", "b", "c")]
         store.commit(UnitOfWork(requests=new), "w1")
-        reads: list[str] = []
-        select = store._crawl_select
-
-        def counted(sql, params=()):
-            reads.append(sql)
-            return select(sql, params)
-
-        monkeypatch.setattr(store, "_crawl_select", counted)
+        reads = count_reads(store, monkeypatch)
         # added by this worker: pending, no read
         assert [store.known_request(k) for k in "abc"] == ["duplicate"] * 3
         assert reads == []

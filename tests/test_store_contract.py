@@ -22,6 +22,7 @@ from helpers.stores import (
     claim,
     claim_keys,
     complete,
+    count_reads,
     counts,
     enqueue,
     entries,
@@ -1133,14 +1134,7 @@ def test_known_requests_expected_are_read_in_one_statement(make_store, clock, mo
     enqueue(writer, req("pending"))
     enqueue(writer, req("start", fingerprint="fp-s", filter_fingerprint=False))
     store, _ = open_store(make_store, "w2")  # (another worker: it remembers none of them)
-    reads: list[str] = []
-    select = store._crawl_select
-
-    def counted(sql, params=()):
-        reads.append(sql)
-        return select(sql, params)
-
-    monkeypatch.setattr(store, "_crawl_select", counted)
+    reads = count_reads(store, monkeypatch)
     asked = ["fp-x", "pending", "done", "fp-s", "fp-y"]
     store.expect_lookups(asked)
     assert [store.known_request(f) for f in asked] == [

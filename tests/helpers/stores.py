@@ -140,3 +140,17 @@ def sqlite_at_version(path: Path, version: int, *statements: str) -> None:
     conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
     conn.commit()
     conn.close()
+
+
+def count_reads(store: Any, monkeypatch: Any) -> list[str]:
+    """The statements ``store`` reads for a crawl (``_crawl_select``) from now on, as they
+    are made."""
+    reads: list[str] = []
+    select = store._crawl_select
+
+    def counted(sql: str, params: Any = ()) -> Any:
+        reads.append(sql)
+        return select(sql, params)
+
+    monkeypatch.setattr(store, "_crawl_select", counted)
+    return reads
