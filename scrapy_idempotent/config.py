@@ -246,6 +246,18 @@ callback once it is written (with the transaction of another page's completion, 
 being processed.""",
     ),
     Setting(
+        "IDEMPOTENT_GC_FREEZE", True, "bool", "Frontier, leases and runs", "False",
+        allowed="``True``/``False``, ``1``/``0``, ``'true'``/``'false'``",
+        doc="""
+When the spider opens, move every object then alive (what start-up made: modules, Scrapy's
+components, the settings, the spider) out of the garbage collector's reach with
+:func:`gc.freeze`, until the last crawl of the process that did so closes
+(:func:`gc.unfreeze`). A crawl keeps each page's objects until its transaction commits,
+which makes CPython's full collections frequent; skipping the start-up objects makes each
+one cheap (without it the collector took a fifth of the CPU time of a crawl of tiny pages).
+``False`` leaves the collector as it is: for a process that manages it itself.""",
+    ),
+    Setting(
         "IDEMPOTENT_FEED_STREAMING", True, "bool", "Frontier, leases and runs", "False",
         allowed="``True``/``False``, ``1``/``0``, ``'true'``/``'false'``",
         doc="""
@@ -581,6 +593,8 @@ class IdempotentConfig:
     recrawl_seconds: float | None = None
     response_journal: bool = True
     feed_streaming: bool = True
+    #: IDEMPOTENT_GC_FREEZE: start-up's objects frozen while the crawl runs (:mod:`.gc_freeze`)
+    gc_freeze: bool = True
     #: delivery targets of record changes: webhook URLs and import paths of target classes
     outbox_targets: tuple[str, ...] = ()
     outbox_headers: tuple[tuple[str, str], ...] = ()
@@ -632,6 +646,7 @@ class IdempotentConfig:
             metrics_listen=metrics_listen(settings),
             response_journal=_boolean(settings, "IDEMPOTENT_RESPONSE_JOURNAL"),
             feed_streaming=_boolean(settings, "IDEMPOTENT_FEED_STREAMING"),
+            gc_freeze=_boolean(settings, "IDEMPOTENT_GC_FREEZE"),
             **_outbox(settings),
             queue=_queue(settings, spider.name),
             **_scrapy_rules(settings),

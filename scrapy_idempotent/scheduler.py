@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from scrapy.core.scheduler import BaseScheduler
 
-from . import engine_hooks, scrapy_compat, workers
+from . import engine_hooks, gc_freeze, scrapy_compat, workers
 from ._dupes import DuplicateFilter
 from ._scheduler_kind import IdempotentSchedulerMark, is_idempotent_scheduler
 from ._version import __version__
@@ -135,6 +135,7 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         self.run_id: int | None = None
         self._hooks: engine_hooks.EngineHooks | None = None
         self._session = False  # a session was begun in the store (open() got that far)
+        self._gc_frozen = False  # gc_freeze.freeze() was called at open
         self._before_end: list[Callable[[FrontierStore, int, bool], Any]] = []
         self._last_counts: dict[str, int] = {}  #: the last count read (see __len__)
 
@@ -220,6 +221,9 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             # before start() goes on)
             self.start_intake.hand_on = self._crawl_start_request
         scrapy_compat.forced_stop_exits_nonzero()  # a second Ctrl+C: exit code 1
+        if self.config.gc_freeze:
+            gc_freeze.freeze()
+            self._gc_frozen = True
         self.commits.start()
         self.leases.start()
 
@@ -248,6 +252,9 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         worker's remaining leases (a graceful stop frees them at once), and record the end of
         this session; on ``finished`` with an empty frontier the run is marked finished."""
         self.health.closing = True
+        if self._gc_frozen:
+            self._gc_frozen = False
+            gc_freeze.thaw()
         self.start_intake.drop_held()
         self.start_intake.hand_on = None
         self.leases.stop()
