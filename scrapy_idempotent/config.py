@@ -251,8 +251,8 @@ being processed.""",
         doc="""
 When the spider opens, move every object then alive (what start-up made: modules, Scrapy's
 components, the settings, the spider) out of the garbage collector's reach with
-:func:`gc.freeze`, until the last crawl of the process that did so closes
-(:func:`gc.unfreeze`). A crawl keeps each page's objects until its transaction commits,
+``gc.freeze()``, until the last crawl of the process that did so closes
+(``gc.unfreeze()``). A crawl keeps each page's objects until its transaction commits,
 which makes CPython's full collections frequent; skipping the start-up objects makes each
 one cheap (without it the collector took a fifth of the CPU time of a crawl of tiny pages).
 ``False`` leaves the collector as it is: for a process that manages it itself.""",
