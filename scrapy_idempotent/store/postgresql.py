@@ -964,7 +964,8 @@ class PostgreSQLStore(SqlStore):
         # rows are locked already: the fence); a response is deleted only where the update
         # ended its lease. The journal's rows are found by their key's index: the keys are
         # compared in the journal's collation (in the requests' "C" collation that index
-        # cannot serve, and each commit read the whole journal table)
+        # cannot serve, and each commit read the whole journal table). "Leased by this
+        # worker" is LEASED_BY's form (see there), on the alias ``r``: ``u`` has a state too
         return self._send(
             cur, "WITH ended AS (UPDATE requests r SET state = u.state, worker = NULL,"
             " leased_until = NULL, unfinished = 0, finished_at = %s, error_kind = u.kind,"
