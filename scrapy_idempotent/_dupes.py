@@ -24,6 +24,7 @@ from scrapy.utils.misc import load_object
 from scrapy.utils.request import referer_str
 
 from .exceptions import ConfigError
+from .scrapy_compat import stat_counter
 
 if TYPE_CHECKING:
     from scrapy import Request
@@ -42,6 +43,7 @@ class DuplicateFilter:
         self.enabled = enabled
         self.debug = debug
         self.stats = stats
+        self._count = stat_counter(stats)  # (for every duplicate)
         self._logged = False
 
     @classmethod
@@ -88,4 +90,4 @@ class DuplicateFilter:
                          "shown (see DUPEFILTER_DEBUG to show all duplicates)",
                          {"request": request})
             self._logged = True
-        self.stats.inc_value("dupefilter/filtered")
+        self._count("dupefilter/filtered")

@@ -36,7 +36,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from . import signals
+from . import scrapy_compat, signals
 from .codec import describe
 from .exceptions import StoreBusy, StoreError, UnstorableRequest
 from .store.base import NewRequest
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from ._dupes import DuplicateFilter
     from .codec import RequestCodec
     from .commits import CommitOutcomes
+    from .handout import RecentRequests
     from .inflight import InflightRequest, InflightTracker, RequestOrigin
     from .keys import RequestFingerprints, RequestKeys
     from .store.base import FrontierStore
@@ -208,7 +209,10 @@ class Admission:
         self.dupes = dupes
         self.outcomes = outcomes
         self.stats = stats
+        self._count = scrapy_compat.stat_counter(stats)  # (for every link)
         self.codec: RequestCodec | None = None
+        #: the requests taken into the frontier last, for the hand-out (set by the scheduler)
+        self.recent: RecentRequests | None = None
         #: start requests checked by :meth:`check_starts` and handed on: their key
         self._checked: weakref.WeakKeyDictionary[Request, str] = weakref.WeakKeyDictionary()
         #: called before each enqueue decision (the start intake's flush of held requests)
@@ -270,7 +274,7 @@ class Admission:
         assert self.codec is not None
         if self.before_enqueue is not None:
             self.before_enqueue()  # held start requests go first (Scrapy's order)
-        self.stats.inc_value("idempotent/requests/enqueued")
+        self._count("idempotent/requests/enqueued")
         origin = self.tracker.origin_of(request)
         fingerprint = self.fingerprints(request)
         if fingerprint is None:
@@ -338,7 +342,7 @@ class Admission:
             else self._known(fingerprint)
         if known is None:
             return False
-        self.stats.inc_value(f"idempotent/requests/{known}")
+        self._count(f"idempotent/requests/{known}")
         self.dupes.filtered(request)
         if known == signals.ALREADY_DONE:
             self.outcomes.already_done(request, fingerprint, fingerprint)
@@ -370,8 +374,12 @@ class Admission:
         is_start, fifo = self.tracker.order.place(request)
         parent = origin.parent
         self.buffered += 1
+        if key is None:
+            key = self._key(fingerprint, filtered, origin)
+        if self.recent is not None:
+            self.recent.keep(key, data, request)
         self.tracker.buffer_request(NewRequest(
-            key=key if key is not None else self._key(fingerprint, filtered, origin),
+            key=key,
             fingerprint=fingerprint,
             url=request.url,
             priority=request.priority,

@@ -5,6 +5,12 @@ or a request kept in memory (:class:`~.InflightTracker`), and decides whether it
 not while a lease renewal is out, not while a response waits for its writes, not before the
 requests being written that Scrapy would send first, a suspect only alone. It decodes the
 stored request and tells the tracker and the politeness what was handed out.
+
+A request this process took into the frontier is usually handed out soon after (Scrapy's
+order is last in, first out): :class:`RecentRequests` keeps the latest ones, so that the
+request object the callback yielded goes to the engine, as in Scrapy, instead of a copy
+decoded from its stored text (the claim still reads that text: only an entry whose stored
+text is the one this process wrote is taken from memory).
 """
 
 from __future__ import annotations
@@ -24,9 +30,44 @@ if TYPE_CHECKING:
     from .politeness import Politeness
     from .store.base import LeasedRequest
 
-__all__ = ["HandOut"]
+__all__ = ["RECENT_REQUESTS", "HandOut", "RecentRequests"]
 
 logger = logging.getLogger(__name__)
+
+#: How many of the requests taken into the frontier last :class:`RecentRequests` keeps.
+RECENT_REQUESTS = 4096
+
+
+class RecentRequests:
+    """The requests this process took into the frontier last, by key, with their stored
+    text; at most ``limit`` (the oldest forgotten first). Bounded: the frontier itself keeps
+    nothing in memory per request."""
+
+    def __init__(self, limit: int = RECENT_REQUESTS) -> None:
+        self.limit = limit
+        self._requests: dict[str, tuple[str, Request]] = {}
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def keep(self, key: str, data: str, request: Request) -> None:
+        """``request``, stored as ``data`` under ``key``, was taken into the frontier."""
+        requests = self._requests
+        requests.pop(key, None)  # (a replayed page's request: the newest object, at the end)
+        requests[key] = (data, request)
+        if len(requests) > self.limit:
+            del requests[next(iter(requests))]
+
+    def take(self, key: str, data: str) -> Request | None:
+        """The request kept under ``key`` if it was stored as ``data`` (forgotten here
+        either way), else None."""
+        kept = self._requests.pop(key, None)
+        if kept is None or kept[0] != data:
+            return None
+        return kept[1]
+
+    def clear(self) -> None:
+        self._requests.clear()
 
 
 class HandOut:
@@ -34,8 +75,10 @@ class HandOut:
 
     def __init__(self, *, tracker: InflightTracker, claimed: ClaimedRequests,
                  commits: CommitPath, leases: LeaseKeeper, outcomes: CommitOutcomes,
-                 politeness: Politeness, stats: StatsCollector) -> None:
+                 politeness: Politeness, stats: StatsCollector,
+                 recent: RecentRequests | None = None) -> None:
         self.tracker, self.claimed, self.commits = tracker, claimed, commits
+        self.recent = recent if recent is not None else RecentRequests()
         self.leases, self.outcomes, self.politeness = leases, outcomes, politeness
         self.writer = commits.writer
         self.stats = stats
@@ -91,8 +134,12 @@ class HandOut:
 
     def _load(self, leased: LeasedRequest) -> Request | None:
         assert self.codec is not None
+        request = self.recent.take(leased.key, leased.data)
+        if request is not None and self.tracker.for_request(request) is not None:
+            request = None  # the same object yielded twice (dont_filter): a copy for this one
         try:
-            request = self.codec.decode(leased.data)
+            if request is None:
+                request = self.codec.decode(leased.data)
         except Exception as exc:
             self.stats.inc_value("idempotent/requests/unloadable")
             logger.error("scrapy_idempotent: cannot load stored request %s: %s", leased.key, exc)

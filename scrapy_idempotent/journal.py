@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from scrapy.exceptions import NotConfigured
 
-from .codec import describe, dumps, loads
+from .codec import describe, dumps, encode_value, loads, ordered_json
 from .config import config_for
 from .crawl import frontier_store, inflight_tracker
 from .scrapy_compat import response_from_dict, response_to_dict, start_failure_exits_nonzero
@@ -48,6 +48,9 @@ _RESPONSE_CLASSES = "scrapy.http.response."
 
 #: the key of the journaled data holding when the response was received
 _RECEIVED_AT = "_received_at"
+#: the key of the journaled data holding the headers as latin-1 text (``[[name, [value,
+#: ...]], ...]``); an entry of an earlier release has ``headers`` in tagged JSON instead
+_HEADERS = "_headers_latin1"
 
 
 def encode_response(response: Response,
@@ -61,7 +64,26 @@ def encode_response(response: Response,
         del data["_class"]  # a custom class: let responsetypes pick a built-in one
     if received_at is not None:
         data[_RECEIVED_AT] = received_at
-    return dumps(data), body
+    headers = _latin1_headers(data.get("headers"))
+    if headers is None:
+        return dumps(data), body
+    del data["headers"]
+    encoded = encode_value(data)
+    encoded[_HEADERS] = headers  # (plain JSON already: no tagged form to make)
+    return ordered_json(encoded), body
+
+
+def _latin1_headers(headers: Any) -> list[list[Any]] | None:
+    """Headers (names and values as bytes) as latin-1 text, one character per byte: their
+    tagged form (base64 in an object for each name and each value) took most of a journal
+    entry's encoding. None for headers of any other form (kept as tagged JSON)."""
+    if not isinstance(headers, dict):
+        return None
+    try:
+        return [[name.decode("latin-1"), [value.decode("latin-1") for value in values]]
+                for name, values in headers.items()]
+    except (AttributeError, TypeError):  # text where bytes are expected
+        return None
 
 
 def received_at_of(data: str) -> float | None:
@@ -75,6 +97,10 @@ def decode_response(data: str, body: bytes) -> Response:
     """Inverse of :func:`encode_response`; only Scrapy's own response classes are loaded."""
     d = loads(data)
     d.pop(_RECEIVED_AT, None)
+    headers = d.pop(_HEADERS, None)
+    if headers is not None:
+        d["headers"] = {name.encode("latin-1"): [value.encode("latin-1") for value in values]
+                        for name, values in headers}
     if not str(d.get("_class", _RESPONSE_CLASSES)).startswith(_RESPONSE_CLASSES):
         raise ValueError(f"stored response class {d['_class']!r} is not allowed")
     d["body"] = body

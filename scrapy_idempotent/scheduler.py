@@ -130,6 +130,7 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         self.hand_out = HandOut(
             tracker=self.tracker, claimed=self.claimed, commits=self.commits,
             leases=self.leases, outcomes=self.outcomes, politeness=self.politeness, stats=stats)
+        self.admission.recent = self.hand_out.recent
         self.spider: Spider | None = None
         self.codec: RequestCodec | None = None
         self.run_id: int | None = None
@@ -257,6 +258,7 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             gc_freeze.thaw()
         self.start_intake.drop_held()
         self.start_intake.hand_on = None
+        self.hand_out.recent.clear()
         self.leases.stop()
         self.politeness.close()
         if self._hooks is not None:

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+# Scrapy's signal dispatcher (PyDispatcher, or PyPyDispatcher on PyPy: Scrapy requires one)
+from pydispatch.dispatcher import getAllReceivers  # type: ignore[import-untyped]
+
 if TYPE_CHECKING:
     from scrapy import Request, Spider
     from scrapy.crawler import Crawler
@@ -53,7 +56,11 @@ ALREADY_DONE = "already_done"
 
 def send_request_done(crawler: Crawler, spider: Spider | None, request: Request | None,
                       key: str, fingerprint: str, state: str) -> None:
-    """Send :data:`request_done` (handler errors are logged, never raised)."""
-    crawler.signals.send_catch_log(
+    """Send :data:`request_done` (handler errors are logged, never raised). Sent for every
+    known link refused as already done: when nothing is connected, it is not sent at all."""
+    manager = crawler.signals
+    if next(iter(getAllReceivers(manager.sender, request_done)), None) is None:
+        return
+    manager.send_catch_log(
         request_done, request=request, key=key, fingerprint=fingerprint, state=state,
         spider=spider)

@@ -201,3 +201,24 @@ async def test_the_hooks_shadow_the_engine_while_the_spider_runs_and_are_removed
     assert seen["open"] == {"remove_request", "_handle_downloader_output",
                             "handle_spider_output_async", "handle_spider_error", itemproc}
     assert seen["closed"] == set()
+
+
+def test_the_stat_counter_counts_as_inc_value_does() -> None:
+    from scrapy.statscollectors import MemoryStatsCollector
+    from scrapy.utils.test import get_crawler
+
+    crawler = get_crawler(scrapy.Spider)
+    stats = MemoryStatsCollector(crawler)
+    count = scrapy_compat.stat_counter(stats)
+    count("a")
+    count("a")
+    assert stats.get_value("a") == 2
+
+    class OwnCollector(MemoryStatsCollector):  # a collector of its own: its method is called
+        def inc_value(self, key: str, count: int = 1, start: int = 0,
+                      spider: object = None) -> None:
+            super().inc_value(f"own/{key}", count, start)
+
+    own = OwnCollector(crawler)
+    scrapy_compat.stat_counter(own)("a")
+    assert own.get_stats() == {"own/a": 1}
