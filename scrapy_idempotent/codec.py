@@ -95,19 +95,24 @@ class _NeedsSlowPath(Exception):
     """The fast encoder met a value it does not handle itself."""
 
 
+#: the types :func:`_encode_fast` passes on as they are
+_SCALARS = frozenset({str, int, bool, float, type(None)})
+
+
 def _encode_fast(value: Any) -> Any:
     # The common shapes of request and item data, exact built-in types only, without the
     # path strings that only an error message needs (the hot path: every enqueue, every item).
+    # A scalar member is taken as it is without a call (most members are scalars).
     cls = type(value)
-    if value is None or cls is str or cls is int or cls is bool or cls is float:
+    if cls in _SCALARS:
         return value
     if cls is dict:
         for key in value:
             if type(key) is not str or key[:1] == "$":
                 return {"$dict": [[_encode_fast(k), _encode_fast(v)] for k, v in value.items()]}
-        return {k: _encode_fast(v) for k, v in value.items()}
+        return {k: v if type(v) in _SCALARS else _encode_fast(v) for k, v in value.items()}
     if cls is list:
-        return [_encode_fast(v) for v in value]
+        return [v if type(v) in _SCALARS else _encode_fast(v) for v in value]
     if cls is bytes:
         return {"$bytes": base64.b64encode(value).decode("ascii")}
     if cls is tuple:
@@ -209,8 +214,14 @@ def plain_value(value: Any, leaf: Callable[[Any], Any] = lambda v: v) -> Any:
     return leaf(value)
 
 
+#: ``json.dumps(..., ensure_ascii=False, separators=(",", ":"))`` with and without sorted
+#: keys, made once (``json.dumps`` makes an encoder for each call given options)
+_ENCODERS = {sort_keys: json.JSONEncoder(ensure_ascii=False, separators=(",", ":"),
+                                         sort_keys=sort_keys) for sort_keys in (False, True)}
+
+
 def _text(encoded: Any, *, sort_keys: bool) -> str:
-    text = json.dumps(encoded, sort_keys=sort_keys, ensure_ascii=False, separators=(",", ":"))
+    text = _ENCODERS[sort_keys].encode(encoded)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate (say, from a JSON API): escape, keep it

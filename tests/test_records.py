@@ -576,3 +576,40 @@ def test_record_ids_are_the_same_in_another_process_and_for_every_item_type() ->
     out = subprocess.run([sys.executable, "-c", RECORD_IDS_ELSEWHERE], input=json.dumps(drawn),
                          capture_output=True, text=True, env=env, check=True, timeout=60)
     assert json.loads(out.stdout) == ids
+
+
+class _NestedItem(scrapy.Item):
+    a = scrapy.Field()
+    b = scrapy.Field()
+
+
+@dataclasses.dataclass
+class _NestedData:
+    x: int
+    y: list[Any]
+
+
+def test_a_dict_item_is_stored_as_its_adapter_would_give_it() -> None:
+    """A dict item is encoded as it is, without ``ItemAdapter.asdict()``: nested items of
+    any type still become their fields, and the record (data and hash) is the same."""
+    from itemadapter import ItemAdapter
+
+    from scrapy_idempotent.codec import canonical_json, encode_value, ordered_json
+
+    item = {
+        "sku": "1", "nested": _NestedItem(a=1, b=[_NestedData(1, [_NestedItem(a=2)])]),
+        "pair": (1, 2), "members": {3}, "by_name": {"k": _NestedData(2, [])},
+        "when": datetime.date(2020, 1, 1), "amount": decimal.Decimal("1.5"), "raw": b"x",
+        "files": [{"url": "u", "path": "p", "checksum": "c", "status": "downloaded"}],
+        "record_id": "left out",
+    }
+    identity = RecordIdentity(source="s", natural_keys={"dict": ("sku",)})
+    record = identity.record(item, "rid", ["1"])
+    expected = ItemAdapter(item).asdict()
+    del expected["record_id"]
+    encoded = encode_value(expected, items=True)
+    assert record.data == ordered_json(encoded)
+    del encoded["files"][0]["status"]  # (a media pipeline's status is not part of the hash)
+    assert record.content_hash == hashlib.sha256(
+        canonical_json(encoded).encode("utf-8")).hexdigest()
+    assert loads(record.data)["nested"] == {"a": 1, "b": [{"x": 1, "y": [{"a": 2}]}]}
