@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from itemadapter import ItemAdapter, is_item
 from scrapy import Request
@@ -199,9 +199,9 @@ class UnattributedWrites:
         self.rejects[:0] = work.rejects
 
 
-@dataclass(frozen=True)
-class RequestOrigin:
-    """What produced a request reaching the scheduler."""
+class RequestOrigin(NamedTuple):
+    """What produced a request reaching the scheduler (one for every request enqueued: a
+    tuple, made several times faster than a frozen dataclass)."""
 
     parent: InflightRequest | None  #: the in-flight request it came from
     is_start: bool  #: it came from ``Spider.start()``

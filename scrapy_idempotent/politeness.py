@@ -242,6 +242,15 @@ class SlotBackoffMiddleware:
 
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> Self:
+        from scrapy.exceptions import NotConfigured
+
+        from .config import config_for
+        from .scrapy_compat import start_failure_exits_nonzero
+
+        with start_failure_exits_nonzero(crawler):
+            politeness = config_for(crawler).politeness
+        if politeness != "crawl":  # (not in every response's way for nothing)
+            raise NotConfigured("IDEMPOTENT_POLITENESS is not \"crawl\"")
         return cls(crawler)
 
     @property

@@ -239,3 +239,25 @@ def test_status_shows_the_busy_and_paused_slots(
     assert report[0]["paused_until"] is None and report[1]["paused_for_seconds"] > 25
     text = "\n".join(_slots_section(report))
     assert "Download slots (whole crawl)" in text and "backoff 1" in text
+
+
+@pytest.mark.parametrize(("politeness", "installed"), [("worker", False), ("crawl", True)])
+def test_the_backoff_middleware_runs_only_with_politeness_for_the_crawl(
+        tmp_path: Any, politeness: str, installed: bool) -> None:
+    """Per-worker politeness (the default) leaves every response's way as Scrapy's: the
+    middleware that pauses slots for the whole crawl is not configured."""
+    import scrapy
+    from scrapy.core.downloader.middleware import DownloaderMiddlewareManager
+    from scrapy.utils.test import get_crawler
+
+    from scrapy_idempotent.politeness import SlotBackoffMiddleware
+
+    crawler = get_crawler(scrapy.Spider, {
+        "ADDONS": {"scrapy_idempotent.Addon": 0},
+        "IDEMPOTENT_DATABASE": str(tmp_path / "f.db"),
+        "IDEMPOTENT_POLITENESS": politeness,
+    })
+    crawler.spider = crawler._create_spider("politeness")
+    manager = DownloaderMiddlewareManager.from_crawler(crawler)
+    found = [mw for mw in manager.middlewares if isinstance(mw, SlotBackoffMiddleware)]
+    assert bool(found) is installed
