@@ -249,8 +249,10 @@ class SlotBackoffMiddleware:
 
         with start_failure_exits_nonzero(crawler):
             politeness = config_for(crawler).politeness
-        if politeness != "crawl":  # (not in every response's way for nothing)
-            raise NotConfigured("IDEMPOTENT_POLITENESS is not \"crawl\"")
+        if politeness != "crawl":
+            # not in every response's way for nothing; without a message, Scrapy leaves it
+            # out of its list of middlewares silently (the default is no cause for a warning)
+            raise NotConfigured
         return cls(crawler)
 
     @property
