@@ -198,7 +198,8 @@ class Admission:
     def __init__(self, store: FrontierStore, *, tracker: InflightTracker,
                  fingerprints: RequestFingerprints, keys: RequestKeys, dupes: DuplicateFilter,
                  outcomes: CommitOutcomes, stats: StatsCollector,
-                 slot_of: Callable[[Request], str] | None = None) -> None:
+                 slot_of: Callable[[Request], str] | None = None,
+                 recent: RecentRequests | None = None) -> None:
         self.store = store
         self.buffered = 0  #: requests taken into the frontier (buffered for a write) so far
         #: a request's download slot, stored with it (see :mod:`.politeness`)
@@ -211,8 +212,8 @@ class Admission:
         self.stats = stats
         self._count = scrapy_compat.stat_counter(stats)  # (for every link)
         self.codec: RequestCodec | None = None
-        #: the requests taken into the frontier last, for the hand-out (set by the scheduler)
-        self.recent: RecentRequests | None = None
+        #: the requests taken into the frontier last, for the hand-out
+        self.recent = recent
         #: start requests checked by :meth:`check_starts` and handed on: their key
         self._checked: weakref.WeakKeyDictionary[Request, str] = weakref.WeakKeyDictionary()
         #: called before each enqueue decision (the start intake's flush of held requests)

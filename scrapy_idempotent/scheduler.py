@@ -54,7 +54,7 @@ from .codec import RequestCodec, describe
 from .commits import STORE_ERROR_REASON, CommitOutcomes, CommitPath, CrawlHealth, retry_busy
 from .config import IdempotentConfig, config_for
 from .exceptions import IdempotentError, StoreBusy
-from .handout import HandOut
+from .handout import HandOut, RecentRequests
 from .inflight import InflightTracker, tracker_for
 from .keys import RequestFingerprints, RequestKeys
 from .leases import ClaimedRequests, LeaseKeeper
@@ -118,10 +118,12 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             autothrottle=crawler.settings.getbool("AUTOTHROTTLE_ENABLED"))
         if self.politeness.crawl_wide:
             self.commits.slots_wait = self.politeness.claim_again_in
+        recent = RecentRequests()  # (what the admission took in, for the hand-out)
         self.admission = Admission(
             self.store, tracker=self.tracker, fingerprints=self.fingerprints,
             keys=RequestKeys(), dupes=DuplicateFilter.from_settings(crawler.settings, stats),
-            outcomes=self.outcomes, stats=stats, slot_of=self.politeness.slot_of)
+            outcomes=self.outcomes, stats=stats, slot_of=self.politeness.slot_of,
+            recent=recent)
         self.tracker.child_request = self.admission.expect
         # with the crawl's slot limits the pending requests may all be of slots that wait:
         # start() is taken in at the writer's speed, its other sites' requests with it
@@ -129,8 +131,8 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
                                         ahead=0 if self.politeness.crawl_wide else START_AHEAD)
         self.hand_out = HandOut(
             tracker=self.tracker, claimed=self.claimed, commits=self.commits,
-            leases=self.leases, outcomes=self.outcomes, politeness=self.politeness, stats=stats)
-        self.admission.recent = self.hand_out.recent
+            leases=self.leases, outcomes=self.outcomes, politeness=self.politeness, stats=stats,
+            recent=recent)
         self.spider: Spider | None = None
         self.codec: RequestCodec | None = None
         self.run_id: int | None = None

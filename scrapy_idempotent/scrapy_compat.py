@@ -36,6 +36,7 @@ The differences, by the release that changed them:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 from collections.abc import Callable, Iterator
@@ -231,12 +232,7 @@ def stat_counter(stats: Any) -> Callable[[str], None]:
     from scrapy.statscollectors import StatsCollector
 
     if isinstance(stats, StatsCollector) and type(stats).inc_value is StatsCollector.inc_value:
-        base = StatsCollector.inc_value
-
-        def inc(key: str) -> None:
-            base(stats, key)
-
-        return inc
+        return functools.partial(StatsCollector.inc_value, stats)
     inc_value: Callable[[str], None] = stats.inc_value
     return inc_value
 
