@@ -28,6 +28,7 @@ from scrapy.utils.url import strip_url
 from . import engine_hooks, signals
 from .exceptions import StoreError
 from .leases import QueueRank, queue_rank, queue_rank_of_new
+from .scrapy_compat import stat_counter
 from .store.base import RequestState, UnitOfWork
 from .writer import COMMIT_ATTEMPTS, LINGER_SECONDS, WriterThread, retry_busy
 
@@ -336,6 +337,7 @@ class CommitOutcomes:
     def __init__(self, crawler: Crawler, stats: StatsCollector, max_attempts: int) -> None:
         self.crawler = crawler
         self.stats = stats
+        self._count = stat_counter(stats)  # (for every page)
         self.max_attempts = max_attempts  #: IDEMPOTENT_MAX_ATTEMPTS, for the log
         self.spider: Spider | None = None
         #: ``next_run(run_id)``: this worker moved to a newer run (see CommitResult.run_id)
@@ -386,7 +388,7 @@ class CommitOutcomes:
                 "finishing, as if it killed the crawl each time; `scrapy idempotent retry "
                 "--kind quarantined` puts it back", strip_url(url, strip_credentials=True),
                 self.max_attempts)
-        inc = self.stats.inc_value
+        inc = self._count
         inc("idempotent/transactions")
         for name, value in (
             ("requests/added", result.requests_added),
@@ -412,11 +414,11 @@ class CommitOutcomes:
         for completion in work.completions:
             if completion.key in lost:
                 continue  # nothing of it was written: it does not count
-            self.stats.inc_value(f"idempotent/requests/{completion.state.value}"
-                                 if completion.state is not RequestState.PENDING
-                                 else "idempotent/requests/continued")
+            self._count(f"idempotent/requests/{completion.state.value}"
+                        if completion.state is not RequestState.PENDING
+                        else "idempotent/requests/continued")
             if completion.error_kind:
-                self.stats.inc_value(f"idempotent/failed/{completion.error_kind}")
+                self._count(f"idempotent/failed/{completion.error_kind}")
         if lost:
             logger.warning(
                 "scrapy_idempotent: %d completed request(s) were not this worker's any more "

@@ -19,6 +19,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from . import scrapy_compat
+
 if TYPE_CHECKING:
     from scrapy import Request
     from scrapy.statscollectors import StatsCollector
@@ -82,6 +84,7 @@ class HandOut:
         self.leases, self.outcomes, self.politeness = leases, outcomes, politeness
         self.writer = commits.writer
         self.stats = stats
+        self._count = scrapy_compat.stat_counter(stats)  # (for every page)
         self.codec: RequestCodec | None = None
 
     def next(self) -> Request | None:
@@ -148,7 +151,7 @@ class HandOut:
             return None
         self.tracker.handed_out(leased, request)
         self.politeness.handing_out(request)
-        self.stats.inc_value("idempotent/requests/leased")
+        self._count("idempotent/requests/leased")
         if leased.attempts > 1:
-            self.stats.inc_value("idempotent/requests/repeated")
+            self._count("idempotent/requests/repeated")
         return request

@@ -49,7 +49,7 @@ from .codec import describe
 from .exceptions import MissingNaturalKey, UnstorableRequest
 from .keys import RequestFingerprints
 from .records import RecordIdentity, is_record_id, item_type_name, page_position
-from .scrapy_compat import failure_name
+from .scrapy_compat import failure_name, stat_counter
 from .store.base import (
     Completion,
     LeasedRequest,
@@ -258,6 +258,7 @@ class InflightTracker:
                  fingerprints: RequestFingerprints, order: QueueOrder,
                  http_status: HttpStatusRule) -> None:
         self.stats = stats
+        self._count = stat_counter(stats)  # (for every page)
         self.identity = identity
         self.fingerprints = fingerprints
         self.order = order
@@ -516,9 +517,9 @@ class InflightTracker:
         """The downloader answered ``entry``: a download, unless the journal answered."""
         if entry.replayed:
             return
-        self.stats.inc_value("idempotent/requests/downloaded")
+        self._count("idempotent/requests/downloaded")
         if entry.downloads:
-            self.stats.inc_value("idempotent/requests/downloaded_again")
+            self._count("idempotent/requests/downloaded_again")
 
     def _observe(self, entry: InflightRequest, result: Any) -> None:
         if isinstance(result, Request):  # a redirect or retry from a downloader middleware

@@ -27,7 +27,12 @@ from scrapy.exceptions import NotConfigured
 from .codec import describe, dumps, encode_value, loads, ordered_json
 from .config import config_for
 from .crawl import frontier_store, inflight_tracker
-from .scrapy_compat import response_from_dict, response_to_dict, start_failure_exits_nonzero
+from .scrapy_compat import (
+    response_from_dict,
+    response_to_dict,
+    start_failure_exits_nonzero,
+    stat_counter,
+)
 from .store.base import observation_clock
 
 if TYPE_CHECKING:
@@ -112,6 +117,7 @@ class ResponseJournalMiddleware:
 
     def __init__(self, crawler: Crawler) -> None:
         self.crawler = crawler
+        self._count = stat_counter(crawler.stats)  # (for every page)
         self._tracker: InflightTracker | None = None
         self._store: FrontierStore | None = None
 
@@ -174,5 +180,5 @@ class ResponseJournalMiddleware:
             logger.warning("scrapy_idempotent: cannot journal the response of %s: %s",
                            describe(request), exc)
             return response
-        self.crawler.stats.inc_value("idempotent/responses/journaled")
+        self._count("idempotent/responses/journaled")
         return response

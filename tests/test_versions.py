@@ -211,8 +211,12 @@ def test_the_stat_counter_counts_as_inc_value_does() -> None:
     stats = MemoryStatsCollector(crawler)
     count = scrapy_compat.stat_counter(stats)
     count("a")
+    count("a", 3)
+    assert stats.get_value("a") == 4
+    stats.set_stats({"b": 1})  # a collector whose dict is replaced: counts go to the new one
+    count("b")
     count("a")
-    assert stats.get_value("a") == 2
+    assert stats.get_stats() == {"b": 2, "a": 1}
 
     class OwnCollector(MemoryStatsCollector):  # a collector of its own: its method is called
         def inc_value(self, key: str, count: int = 1, start: int = 0,
