@@ -153,6 +153,27 @@ class _CommitOutcomeUnknown(StoreError):
     """The connection was lost during COMMIT: the transaction may or may not have happened."""
 
 
+class _StatementCursors:
+    """The cursor of a pipelined transaction (:meth:`PostgreSQLStore._pipelined`): each
+    statement is sent on a cursor of its own. psycopg attaches an answer to the cursor that
+    sent its statement whenever it arrives; once the server has flushed answers early (a
+    large one fills its output buffer), an earlier statement's answer can arrive while the
+    same cursor sends the next statement, and that statement's fetch then reads it (the
+    claim's rows read as the journal insert's "INSERT 0 1", or as another statement's rows).
+    A cursor that sent one statement only can only hold that statement's answer."""
+
+    __slots__ = ("connection",)
+
+    def __init__(self, connection: psycopg.Connection[Any]) -> None:
+        self.connection = connection
+
+    def execute(self, query: Any, params: Any = None, **options: Any) -> psycopg.Cursor[Any]:
+        return self.connection.cursor().execute(query, params, **options)
+
+    def executemany(self, query: Any, params_seq: Any, **options: Any) -> None:
+        self.connection.cursor().executemany(query, params_seq, **options)
+
+
 class _Reconnecting:
     """A lost connection being reopened on a thread of its own, for a thread that must not
     wait for it (:meth:`PostgreSQLStore.never_wait_here`): tried again, backing off up to
@@ -561,7 +582,7 @@ class PostgreSQLStore(SqlStore):
         self.transactions += 1
 
     @contextlib.contextmanager
-    def _pipelined(self, doing: str) -> Iterator[psycopg.Cursor[Any]]:
+    def _pipelined(self, doing: str) -> Iterator[_StatementCursors]:
         """:meth:`_write` in psycopg's pipeline mode, for the page commit (not repeatable:
         a connection lost during COMMIT raises :class:`_CommitOutcomeUnknown`).
 
@@ -569,7 +590,8 @@ class PostgreSQLStore(SqlStore):
         it reads one (a fetch) and once at the end for COMMIT's. They still run one after
         the other, in the order sent, in the one transaction; an error in any of them fails
         the transaction, raised at the next wait at the latest, and the transaction is
-        rolled back."""
+        rolled back. Each statement goes on a cursor of its own (see
+        :class:`_StatementCursors`)."""
         import psycopg
         from psycopg.pq import TransactionStatus
 
@@ -580,7 +602,7 @@ class PostgreSQLStore(SqlStore):
             # BEGIN and COMMIT as statements: psycopg's transaction() would wait for the
             # server after BEGIN and twice at its end
             with conn.pipeline():
-                cur = conn.cursor()
+                cur = _StatementCursors(conn)
                 cur.execute("BEGIN")
                 yield cur
                 committing = True  # from here on the server may have committed
