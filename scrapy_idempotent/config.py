@@ -211,7 +211,11 @@ other workers, and its late completions write nothing (see :ref:`fencing`).""",
         doc="""
 How many requests a worker claims ahead (per transaction, once fewer than half of them are
 left), so that ``next_request`` is answered from memory; claims ride on the completion
-transactions, so a steady crawl writes at most one transaction per page.""",
+transactions, so a steady crawl writes at most one transaction per page. A larger batch
+means fewer, larger claims: on PostgreSQL with two workers of 32 concurrent requests, 32
+instead of 8 took a fifth off the server's CPU time per page (:doc:`/development`). In
+exchange, a worker killed leaves up to this many claimed, unsent requests under its lease
+until they are reclaimed, each counted as a repeated request (:ref:`repeats`).""",
     ),
     Setting(
         "IDEMPOTENT_RUN_MODE", RunMode.AUTO.value, "str", "Frontier, leases and runs",
