@@ -962,9 +962,8 @@ class PostgreSQLStore(SqlStore):
         return f"{column} = ANY({mark}::{sql_type}[])", list(values)
 
     def _send(self, cur: Any, sql: str, params: Sequence[Any] = ()) -> Callable[[], list[Any]]:
-        sent = cur.connection.cursor()
-        sent.execute(self._q(sql), params)
-        return sent.fetchall  # type: ignore[no-any-return]
+        # (a cursor of its own: see _StatementCursors)
+        return cur.execute(self._q(sql), params).fetchall  # type: ignore[no-any-return]
 
     def _insert_records(self, cur: Any, rows: list[tuple[Any, ...]], now: float,
                         run_id: int) -> set[str]:
@@ -1026,8 +1025,7 @@ class PostgreSQLStore(SqlStore):
         go into the table in key order: two page commits inserting the same keys take the
         unique index's locks in one order, so one waits for the other instead of both
         deadlocking."""
-        inserting = cur.connection.cursor()
-        inserting.execute(
+        inserting = cur.execute(  # (a cursor of its own: see _StatementCursors)
             "WITH given AS (SELECT nextval('requests_id_seq') AS id, k, f, u, p, s, ff, d, pk,"
             "  sl"
             # binary parameters: text arrays are not quoted element by element
