@@ -206,16 +206,22 @@ the worker lives. A worker stopped for longer (SIGSTOP, a suspended VM) loses it
 other workers, and its late completions write nothing (see :ref:`fencing`).""",
     ),
     Setting(
-        "IDEMPOTENT_LEASE_BATCH", 8, "int", "Frontier, leases and runs", "16",
-        allowed='1 to 10000',
+        "IDEMPOTENT_LEASE_BATCH", None, "int or None", "Frontier, leases and runs", "16",
+        default_text="``CONCURRENT_REQUESTS``, at least 8",
+        allowed='``None``, or 1 to 10000',
         doc="""
 How many requests a worker claims ahead (per transaction, once fewer than half of them are
 left), so that ``next_request`` is answered from memory; claims ride on the completion
-transactions, so a steady crawl writes at most one transaction per page. A larger batch
+transactions, so a steady crawl writes at most one transaction per page. ``None`` claims as
+many as the worker downloads at once (``CONCURRENT_REQUESTS``, at least 8). A larger batch
 means fewer, larger claims: on PostgreSQL with two workers of 32 concurrent requests, 32
-instead of 8 took a fifth off the server's CPU time per page (:doc:`/development`). In
-exchange, a worker killed leaves up to this many claimed, unsent requests under its lease
-until they are reclaimed, each counted as a repeated request (:ref:`repeats`).""",
+instead of 8 took a fifth off the server's CPU time per page (:doc:`/development`); on SQLite
+it makes no measurable difference. In exchange, a worker killed leaves up to this many
+claimed, unsent requests under its lease until they are reclaimed (at once by a worker of
+the same host, after :setting:`IDEMPOTENT_LEASE_SECONDS` by another), each counted as a
+repeated request but never downloaded twice (:ref:`repeats`); and at a crawl's start or end,
+when fewer requests are pending than the workers could take, one worker may hold requests
+claimed ahead while another has none to send.""",
     ),
     Setting(
         "IDEMPOTENT_RUN_MODE", RunMode.AUTO.value, "str", "Frontier, leases and runs",
@@ -641,8 +647,7 @@ class IdempotentConfig:
             database=_database(_get(settings, "IDEMPOTENT_DATABASE"), spider.name),
             **store_options(settings),
             **identity,
-            lease_batch=int(_number(settings, "IDEMPOTENT_LEASE_BATCH", minimum=1,
-                                    maximum=_MAX_BATCH, integer=True)),
+            lease_batch=_lease_batch(settings),
             run_mode=run_mode,
             request_classes=_request_classes(settings),
             log_interval_seconds=log_interval_seconds(settings),
@@ -656,6 +661,15 @@ class IdempotentConfig:
             **_scrapy_rules(settings),
             **_politeness(settings),
         )
+
+
+def _lease_batch(settings: BaseSettings) -> int:
+    """IDEMPOTENT_LEASE_BATCH; ``None`` (the default): ``CONCURRENT_REQUESTS``, at least 8."""
+    if settings.get("IDEMPOTENT_LEASE_BATCH") not in (None, ""):
+        return int(_number(settings, "IDEMPOTENT_LEASE_BATCH", minimum=1, maximum=_MAX_BATCH,
+                           integer=True))
+    concurrency = settings.getint("CONCURRENT_REQUESTS", 16)
+    return max(8, min(concurrency, _MAX_BATCH))
 
 
 def _identity(settings: BaseSettings, spider: Spider) -> dict[str, Any]:

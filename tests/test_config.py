@@ -49,7 +49,7 @@ def test_defaults():
     assert cfg == IdempotentConfig(
         database=cfg.database,
         lease_seconds=60.0,
-        lease_batch=8,
+        lease_batch=16,  # Scrapy's CONCURRENT_REQUESTS
         run_mode="auto",
         natural_keys={},
         source="x",
@@ -98,6 +98,19 @@ def test_values_given_as_strings_on_the_command_line():
     assert cfg.url_ignore_params == ("utm_*", "sid")
     assert cfg.source == "shop-eu"
     assert cfg.record_id_field is None
+
+
+@pytest.mark.parametrize(("values", "batch"), [
+    ({"CONCURRENT_REQUESTS": 32}, 32),
+    ({"CONCURRENT_REQUESTS": "64"}, 64),
+    ({"CONCURRENT_REQUESTS": 2}, 8),
+    ({"CONCURRENT_REQUESTS": 50_000}, 10_000),
+    ({"CONCURRENT_REQUESTS": 32, "IDEMPOTENT_LEASE_BATCH": None}, 32),
+    ({"CONCURRENT_REQUESTS": 32, "IDEMPOTENT_LEASE_BATCH": ""}, 32),
+    ({"CONCURRENT_REQUESTS": 32, "IDEMPOTENT_LEASE_BATCH": 4}, 4),
+])
+def test_the_lease_batch_follows_concurrent_requests_unless_set(values, batch):
+    assert config(values).lease_batch == batch
 
 
 @pytest.mark.parametrize(
