@@ -668,7 +668,11 @@ def _lease_batch(settings: BaseSettings) -> int:
     if settings.get("IDEMPOTENT_LEASE_BATCH") not in (None, ""):
         return int(_number(settings, "IDEMPOTENT_LEASE_BATCH", minimum=1, maximum=_MAX_BATCH,
                            integer=True))
-    concurrency = settings.getint("CONCURRENT_REQUESTS", 16)
+    try:
+        concurrency = settings.getint("CONCURRENT_REQUESTS", 16)
+    except (TypeError, ValueError):
+        raise ConfigError("CONCURRENT_REQUESTS", settings.get("CONCURRENT_REQUESTS"),
+                          "an integer (IDEMPOTENT_LEASE_BATCH follows it when None)") from None
     return max(8, min(concurrency, _MAX_BATCH))
 
 

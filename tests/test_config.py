@@ -113,6 +113,12 @@ def test_the_lease_batch_follows_concurrent_requests_unless_set(values, batch):
     assert config(values).lease_batch == batch
 
 
+def test_a_concurrent_requests_that_is_no_number_is_named_when_the_lease_batch_follows_it():
+    with pytest.raises(ConfigError, match="CONCURRENT_REQUESTS"):
+        config({"CONCURRENT_REQUESTS": "many"})
+    assert config({"CONCURRENT_REQUESTS": "many", "IDEMPOTENT_LEASE_BATCH": 8}).lease_batch == 8
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [
