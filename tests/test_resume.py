@@ -35,27 +35,38 @@ def test_requests_in_flight_at_a_kill_are_replayed_at_full_concurrency(
     (before, each ran alone, with nothing else in flight, one after the other)."""
     db = crawl_database
     settings = ("CONCURRENT_REQUESTS=24", "CONCURRENT_REQUESTS_PER_DOMAIN=24")
+
+    def suspects() -> set[str]:
+        """URL paths of the requests leased with their start written (an attempt begun)."""
+        return {entry.url.split("://", 1)[1].split("/", 1)[1]
+                for entry in frontier_entries(db)
+                if entry.state == "leased" and entry.unfinished > 0}
+
     with LocalSite(delay=0.2) as site:
         first = start_shop_crawl(site.url, db, tmp_path / "first.log", *settings)
         try:
-            wait_for(lambda: requests_done(db) >= 30 and site.in_flight >= 16, 120,
-                     "a crawl with many requests on the wire")
+            wait_for(lambda: requests_done(db) >= 30, 120, "30 requests done")
+            # no request is answered from now on: the requests on the wire stay there, and
+            # their starts are written with the next transaction (the completion of a page
+            # answered before, or the lease renewal's flush)
+            site.hold()
+            wait_for(lambda: site.in_flight >= 16 and len(suspects()) >= 8, 120,
+                     "many requests on the wire, their starts written")
             first.kill()
             first.wait()
         finally:
             if first.poll() is None:
                 first.kill()
                 first.wait()
-        suspects = {entry.url.split("://", 1)[1].split("/", 1)[1]
-                    for entry in frontier_entries(db)
-                    if entry.state == "leased" and entry.unfinished > 0}
-        assert len(suspects) >= 8
+            site.release()
+        begun = suspects()
+        assert len(begun) >= 8
         wait_for(lambda: site.in_flight == 0, 60, "the killed crawl's requests to end")
         site.reset_counts()
         second = start_shop_crawl(site.url, db, tmp_path / "second.log", *settings)
         assert second.wait(timeout=300) == 0
         replayed = [(path, others) for path, others in site.arrivals()
-                    if path.lstrip("/") in suspects]
+                    if path.lstrip("/") in begun]
     assert close_reason(tmp_path / "second.log") == "finished"
     assert len(stored_products(db)) == 500
     # the replayed pages that were downloaded again ran beside other requests
