@@ -150,7 +150,9 @@ def test_sigkilled_job_is_resumed_by_the_next_job(scrapyd: Scrapyd, crawl_databa
         pages = site.page_count
         killed = scrapyd.schedule(settings, url=site.url)
         pid = scrapyd.wait_running(killed)
-        assert is_job_process(pid)
+        assert is_job_process(pid), (f"job {killed} (pid {pid}) ended before it could be "
+                                     f"killed:\n{scrapyd.launcher_lines(killed)}\n"
+                                     f"{scrapyd.log(killed)}")
         wait_for_requests(scrapyd, killed, site, STOP_AFTER_REQUESTS)
         os.kill(pid, signal.SIGKILL)
         scrapyd.wait_finished(killed)

@@ -272,6 +272,14 @@ class Scrapyd:
         wait_until(lambda: not self.get("listjobs.json", project=PROJECT)["running"],
                    JOB_TIMEOUT, "the jobs of the test to end")
 
+    def launcher_lines(self, job: str) -> str:
+        """What scrapyd logged about ``job``: its process started, and how it ended."""
+        if self._output is None:
+            return "(scrapyd is not running)"
+        self._output.flush()
+        lines = Path(self._output.name).read_text(errors="replace").splitlines()
+        return "\n".join(line for line in lines if job in line)
+
     def log(self, job: str) -> str:
         path = self.logs_dir / PROJECT / SPIDER / f"{job}.log"
         return path.read_text(errors="replace") if path.is_file() else f"(no log at {path})"
