@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 from local_site import LocalSite
@@ -38,8 +39,7 @@ def test_requests_in_flight_at_a_kill_are_replayed_at_full_concurrency(
 
     def suspects() -> set[str]:
         """URL paths of the requests leased with their start written (an attempt begun)."""
-        return {entry.url.split("://", 1)[1].split("/", 1)[1]
-                for entry in frontier_entries(db)
+        return {urlsplit(entry.url).path.lstrip("/") for entry in frontier_entries(db)
                 if entry.state == "leased" and entry.unfinished > 0}
 
     with LocalSite(delay=0.2) as site:
