@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_URL_IGNORE_PARAMS",
+    "IDENTITY_SETTINGS",
     "SETTINGS",
     "SETTING_DEFINITIONS",
     "SETTING_SECTIONS",
@@ -165,6 +166,17 @@ or list of fields that identify the item on its site. Types without an entry use
 ``idempotent_natural_keys`` of the same shape overrides entries. A ``module.Class`` entry must
 import, and its key fields must be declared by the class when the class declares fields
 (``scrapy.Item``, dataclasses, attrs).""",
+    ),
+    Setting(
+        "IDEMPOTENT_RECORD_TYPES", {}, "dict", "Record identity",
+        '{"myproject.items.Product": "myproject.items.ProductItem"}',
+        doc="""
+Maps an item class (``"module.Class"`` or ``"Class"``: that class only, not its subclasses)
+to the record type its records are identified by. By default an item's record type is its
+class, ``module.QualName``, so a product and an offer with the same key are two records.
+Name the old type here when you rename or move an item class, so that its records are still
+found (see :ref:`changing-keys`). The record types and the natural key each one was stored
+under are kept in the database: a crawl that identifies them otherwise is refused at start.""",
     ),
     Setting(
         "IDEMPOTENT_SOURCE", None, "str or None", "Record identity", '"shop-eu"',
@@ -589,6 +601,7 @@ class IdempotentConfig:
     run_mode: RunMode
     natural_keys: dict[str, tuple[str, ...]]
     source: str
+    record_types: dict[str, str]
     record_id_field: str | None
     volatile_fields: frozenset[str]
     url_ignore_params: tuple[str, ...]
@@ -702,6 +715,7 @@ def _identity(settings: BaseSettings, spider: Spider) -> dict[str, Any]:
                               f" by {', '.join(fields)}), or None/'' to keep items unchanged")
     return {
         "natural_keys": natural_keys,
+        "record_types": _record_types(_get(settings, "IDEMPOTENT_RECORD_TYPES")),
         "source": source,
         "record_id_field": record_id_field,
         "volatile_fields": frozenset(_names(settings, "IDEMPOTENT_VOLATILE_FIELDS")),
@@ -943,16 +957,24 @@ def config_for(crawler: Crawler) -> IdempotentConfig:
     "Task exception was never retrieved" traceback follows the line.
     """
     reported = _REPORTED.setdefault(crawler, set())
-    if "names" not in reported:
-        reported.add("names")
-        for name, nearest in unknown_settings(crawler.settings).items():
-            logger.warning("Unknown setting %s ignored%s", name,
-                           f": did you mean {nearest}?" if nearest else "")
+    misspelt_identity: ConfigError | None = None
     spider: Any = crawler.spider if crawler.spider is not None else crawler.spidercls
     cached = _CONFIGS.get(crawler)
     if cached is not None and cached[0] is spider:
         return cached[1]
+    for name, nearest in unknown_settings(crawler.settings).items():
+        if nearest in IDENTITY_SETTINGS:
+            misspelt_identity = misspelt_identity or ConfigError(
+                name, crawler.settings[name],
+                f"no such setting: did you mean {nearest}? (a misspelt setting that decides "
+                "record identity would store every record under another ID)")
+        elif "names" not in reported:
+            logger.warning("Unknown setting %s ignored%s", name,
+                           f": did you mean {nearest}?" if nearest else "")
+    reported.add("names")
     try:
+        if misspelt_identity is not None:
+            raise misspelt_identity
         config = IdempotentConfig.from_settings(crawler.settings, spider)
     except ConfigError as exc:
         if "error" not in reported:
@@ -974,6 +996,12 @@ def _quiet_task_exception() -> None:
         return
     if task is not None:
         task.add_done_callback(lambda t: None if t.cancelled() else t.exception())
+
+
+#: The settings that decide record identity: a misspelt name near one of them stops the
+#: crawl (the others are warned about).
+IDENTITY_SETTINGS = frozenset(
+    setting.name for setting in SETTING_DEFINITIONS if setting.section == "Record identity")
 
 
 def unknown_settings(settings: BaseSettings) -> dict[str, str | None]:
@@ -1146,6 +1174,30 @@ def _natural_keys(name: str, given: Any) -> dict[str, tuple[str, ...]]:
         ):
             raise ConfigError(name, given, allowed)
         result[item_type] = tuple(fields)
+    return result
+
+
+def _record_types(given: Any) -> dict[str, str]:
+    name = "IDEMPOTENT_RECORD_TYPES"
+    allowed = ("a dict mapping an item class ('module.Class' or 'Class') to the record type "
+               "its records are identified by (a non-empty string, e.g. its former "
+               "'module.Class')")
+    raw = given
+    if isinstance(raw, str):  # a JSON string given with -s
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            raise ConfigError(name, given, allowed) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(name, given, allowed)
+    result: dict[str, str] = {}
+    for item_type, record_type in raw.items():
+        if isinstance(item_type, type):
+            item_type = f"{item_type.__module__}.{item_type.__qualname__}"
+        if not (isinstance(item_type, str) and item_type and item_type != "*"
+                and isinstance(record_type, str) and record_type.strip()):
+            raise ConfigError(name, given, allowed)
+        result[item_type] = record_type
     return result
 
 

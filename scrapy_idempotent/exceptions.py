@@ -14,10 +14,13 @@ __all__ = [
     "FeedNotStored",
     "IdempotentError",
     "MissingNaturalKey",
+    "NaturalKeyChanged",
     "StoreBusy",
     "StoreError",
     "UnstorableRequest",
     "UnsupportedScrapy",
+    "changed_key_message",
+    "describe_key",
 ]
 
 
@@ -75,6 +78,35 @@ class MissingNaturalKey(IdempotentError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0])
+
+
+def describe_key(fields: tuple[str, ...]) -> str:
+    """A natural key as users read it: ``sku``, ``sku + color``, or ``the page URL`` for
+    none configured (the page URL, or the content of an item of no page)."""
+    return " + ".join(fields) if fields else "the page URL"
+
+
+class NaturalKeyChanged(MissingNaturalKey):
+    """An item's record type was stored under other natural key fields than the crawl's
+    settings give it now: stored under the new key it would be a second record of the same
+    thing. The records are moved to the new key by ``scrapy idempotent rekey``."""
+
+    def __init__(self, record_type: str, stored: tuple[str, ...],
+                 configured: tuple[str, ...]) -> None:
+        self.record_type = record_type
+        self.stored = stored
+        self.configured = configured
+        field = configured[0] if configured else "<page url>"
+        super().__init__(record_type, field)
+        self.args = (changed_key_message(record_type, stored, configured),)
+
+
+def changed_key_message(record_type: str, stored: tuple[str, ...],
+                        configured: tuple[str, ...]) -> str:
+    """The one line that refuses a crawl whose natural key of ``record_type`` changed."""
+    return (f"the records of {record_type} are keyed by {describe_key(stored)}, the settings "
+            f"now key it by {describe_key(configured)}: run `scrapy idempotent rekey` to move "
+            "the records to the new key (or restore the old key)")
 
 
 class StoreError(IdempotentError, RuntimeError):

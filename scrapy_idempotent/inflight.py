@@ -562,7 +562,8 @@ class InflightTracker:
                 if position is not None:
                     key_values = [*key_values, *position]
             origin.key_values = key_values
-            origin.record_id = self.identity.record_id(key_values)
+            origin.record_id = self.identity.record_id(
+                key_values, self.identity.record_key(output).record_type)
             self._stamp(output, origin.record_id)
         self._items[id(output)] = origin
         if entry is not None:
@@ -649,7 +650,11 @@ class InflightTracker:
             entry = None
         origin = ItemOrigin(item=item, producer=entry, record_id=None, key_values=None,
                             page_url=page_url)
-        keyed = self.identity.key_fields(item) is not None
+        try:
+            keyed = self.identity.key_fields(item) is not None
+        except MissingNaturalKey as exc:  # (its record type was stored under another key)
+            origin.error = exc
+            return origin
         if not keyed and first is not None and first.record_id is not None:
             # keyed by its page (and rank) or its content: the item the pipelines started
             # with names the record, not the content an earlier pipeline changed
@@ -662,7 +667,8 @@ class InflightTracker:
                 return origin
         try:
             origin.key_values = self.identity.natural_key(item, page_url)
-            origin.record_id = self.identity.record_id(origin.key_values)
+            origin.record_id = self.identity.record_id(
+                origin.key_values, self.identity.record_key(item).record_type)
         except MissingNaturalKey as exc:
             origin.error = exc
         return origin
@@ -903,6 +909,7 @@ def tracker_for(config: IdempotentConfig, stats: StatsCollector,
             url_ignore_params=config.url_ignore_params,
             record_id_field=config.record_id_field,
             volatile_fields=config.volatile_fields,
+            record_types=config.record_types,
         ),
         fingerprints=fingerprints,
         order=config.queue_order,

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from scrapy.core.scheduler import BaseScheduler
 
-from . import engine_hooks, gc_freeze, scrapy_compat, workers
+from . import engine_hooks, gc_freeze, rekey, scrapy_compat, workers
 from ._dupes import DuplicateFilter
 from ._scheduler_kind import IdempotentSchedulerMark, is_idempotent_scheduler
 from ._version import __version__
@@ -180,6 +180,10 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             changed = retry_busy("opening", lambda: self.store.open(
                 fingerprinter=self.fingerprints.name, identity=identity,
                 record_id_scheme=RECORD_ID_SCHEME))
+            rekeyed = retry_busy("checking the record identity", lambda: rekey.open_identity(
+                self.store, self.tracker.identity,
+                rekey.FileStores.from_settings(self.crawler.settings),
+                redacted(self.config.database)))
             run = retry_busy("starting", lambda: self.store.begin_session(
                 self.worker, self.config.run_mode))
             downloader = getattr(self.crawler.engine, "downloader", None)
@@ -199,6 +203,12 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
                 "another one, so known requests may be fetched again.",
                 redacted(self.config.database), changed,
             )
+        if rekeyed is not None:
+            logger.info(
+                "scrapy_idempotent: re-identified %d records of %s by record ID scheme %s "
+                "(the item type is part of the record ID): %d given a new ID",
+                rekeyed.records, redacted(self.config.database), RECORD_ID_SCHEME,
+                rekeyed.moved)
         reclaimed = self.leases.reclaim_dead_workers()
         # begin_session counted the frontier already (a full scan on a big one): derive the
         # figures after the reclaim instead of counting again

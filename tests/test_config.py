@@ -53,6 +53,7 @@ def test_defaults():
         run_mode="auto",
         natural_keys={},
         source="x",
+        record_types={},
         record_id_field="record_id",
         volatile_fields=frozenset(),
         url_ignore_params=DEFAULT_URL_IGNORE_PARAMS,

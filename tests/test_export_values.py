@@ -39,7 +39,7 @@ def database(crawl_database: str) -> str:
     records = []
     for item in ITEMS:
         keys = identity.natural_key(item, None)
-        records.append((identity.record(item, identity.record_id(keys), keys), None))
+        records.append((identity.record(item, identity.record_id(keys, "dict"), keys), None))
     store.commit(UnitOfWork(records=records), "w1")
     store.end_session("w1", "finished")
     store.close()

@@ -78,14 +78,16 @@ def identity(natural_keys: dict[str, Any] | None = None, **options: Any) -> Reco
     return RecordIdentity(natural_keys=keys, **options)
 
 
-def expected_id(source: str, key_values: list[str]) -> str:
-    """The documented formula: sha256 of the canonical JSON of [source, key values], 32 hex."""
-    text = json.dumps([source, key_values], ensure_ascii=False, separators=(",", ":"))
+def expected_id(source: str, key_values: list[str], record_type: str = "dict") -> str:
+    """The documented formula: sha256 of the canonical JSON of [source, record type, key
+    values], 32 hex."""
+    text = json.dumps([source, record_type, key_values], ensure_ascii=False,
+                      separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
 
 
 def record_id_of(ident: RecordIdentity, item: Any, page_url: str | None = None) -> str:
-    return ident.record_id(ident.natural_key(item, page_url))
+    return ident.record_id(ident.natural_key(item, page_url), ident.record_key(item).record_type)
 
 
 # -- page_key -------------------------------------------------------------------------------
@@ -157,8 +159,8 @@ def test_page_key_removes_tracking_parameters_whose_names_need_quoting():
 def test_record_id_is_the_documented_hash():
     ident = identity()
     assert ident.natural_key({"sku": "A-1"}, None) == ["A-1"]
-    assert ident.record_id(["A-1"]) == expected_id("shop", ["A-1"])
-    assert len(ident.record_id(["A-1"])) == 32
+    assert ident.record_id(["A-1"], "dict") == expected_id("shop", ["A-1"])
+    assert len(ident.record_id(["A-1"], "dict")) == 32
 
 
 def test_record_id_is_deterministic():
@@ -180,18 +182,29 @@ def _item_factories() -> list[Any]:
 
 
 @pytest.mark.parametrize("make_item", _item_factories())
-def test_record_id_is_the_same_for_every_item_kind(make_item):
+def test_record_id_includes_the_item_type_of_every_item_kind(make_item):
     ident = identity()
     item = make_item("A-1")
     assert ident.natural_key(item, None) == ["A-1"]
-    assert ident.record_id(ident.natural_key(item, None)) == expected_id("shop", ["A-1"])
+    assert record_id_of(ident, item) == expected_id("shop", ["A-1"], item_type_name(item))
+
+
+def test_two_item_types_with_one_key_value_are_two_records() -> None:
+    """A product and its offer keyed by one SKU are two records; a record type named in
+    IDEMPOTENT_RECORD_TYPES makes two classes one (a renamed class keeps its records)."""
+    ident = identity({"*": ("sku",)})
+    product, offer = ProductItem(sku="A-1"), ProductData(sku="A-1")
+    assert record_id_of(ident, product) != record_id_of(ident, offer)
+    mapped = identity({"*": ("sku",)}, record_types={"ProductData": f"{__name__}.ProductItem"})
+    assert record_id_of(mapped, offer) == record_id_of(ident, product)
 
 
 def test_record_id_is_the_same_in_another_process():
     code = (
         "from scrapy_idempotent.records import RecordIdentity\n"
         "ident = RecordIdentity(source='shop', natural_keys={'*': ('sku', 'region')})\n"
-        "print(ident.record_id(ident.natural_key({'sku': 'A-1', 'region': 'eu'}, None)))\n"
+        "print(ident.record_id(ident.natural_key({'sku': 'A-1', 'region': 'eu'}, None),"
+        " 'dict'))\n"
     )
     ours = record_id_of(identity({"*": ("sku", "region")}), {"sku": "A-1", "region": "eu"})
     for seed in ("0", "4242"):
@@ -318,7 +331,7 @@ def test_without_configured_key_the_page_url_is_the_key():
     ident = identity({})
     key = ident.natural_key({"name": "x"}, "https://shop.example/p/1?utm_source=x&id=7#top")
     assert key == ["https://shop.example/p/1?id=7"]
-    assert ident.record_id(key) == expected_id("shop", ["https://shop.example/p/1?id=7"])
+    assert ident.record_id(key, "dict") == expected_id("shop", ["https://shop.example/p/1?id=7"])
 
 
 def test_page_url_key_same_for_tracking_variants():
@@ -369,8 +382,8 @@ def test_record_fields():
     ident = identity(volatile_fields=["seen_at"])
     item = product()
     key = ident.natural_key(item, None)
-    record = ident.record(item, ident.record_id(key), key)
-    assert record.record_id == expected_id("shop", ["A1"])
+    record = ident.record(item, ident.record_id(key, ident.record_key(item).record_type), key)
+    assert record.record_id == expected_id("shop", ["A1"], f"{__name__}.ProductItem")
     assert record.source == "shop"
     assert record.natural_key == '["A1"]'
     assert record.item_type == f"{__name__}.ProductItem"
@@ -460,17 +473,17 @@ def test_item_type_name():
 
 def test_a_boolean_or_list_key_is_not_the_string_that_looks_like_it() -> None:
     """``True`` and ``"true"`` are two keys (and ``[1, "a"]`` and its JSON text), while
-    text and number keys keep the record IDs they always had (hex values computed before the
-    rule came: the IDs of stored records do not change)."""
+    text and number keys keep the record IDs of their scheme (hex values of record ID scheme
+    2: the IDs of stored records do not change within a scheme)."""
     identity = RecordIdentity(source="shop", natural_keys={"dict": ("k",)})
 
     def rid(value: object) -> str:
-        return identity.record_id(identity.natural_key({"k": value}, None))
+        return identity.record_id(identity.natural_key({"k": value}, None), "dict")
 
-    assert rid("SKU-1") == "06db24a3491cee56834262f691f4077e"
-    assert rid(123) == rid("123") == rid(" 123 ") == "bc91d762b4a829824c0520f87f5d72de"
-    assert rid(1.5) == "0c1aa54d35401f8c5953412cbe54afbe"
-    assert rid("true") == "49be34291773df3766b2afcc58bc3c76"
+    assert rid("SKU-1") == "dc880f2feac42cb27207baaaca6560c2"
+    assert rid(123) == rid("123") == rid(" 123 ") == "8a1a8539c7012b92bfbf28370c50ac5c"
+    assert rid(1.5) == "89dc136b7d1f5ae917e70fe04c86dd50"
+    assert rid("true") == "c9cb28073ce15632e046ef658a974c2e"
     assert rid(True) != rid("true")
     assert rid(False) != rid("false")
     assert rid([1, "a"]) != rid('[1,"a"]')
@@ -479,15 +492,16 @@ def test_a_boolean_or_list_key_is_not_the_string_that_looks_like_it() -> None:
 
 
 def test_the_record_id_scheme_pins_every_derivation() -> None:
-    """Record IDs, content hashes, content keys, file URL keys and page ranks of scheme 1:
+    """Record IDs, content hashes, content keys, file URL keys and page ranks of scheme 2:
     a change to any of them changes what stored databases hold, so it comes with a new
-    RECORD_ID_SCHEME (databases of the old one are then refused, not silently doubled)."""
-    assert RECORD_ID_SCHEME == "1"
+    RECORD_ID_SCHEME (databases of the old one are then re-identified or refused, never
+    silently doubled)."""
+    assert RECORD_ID_SCHEME == "2"
     identity = RecordIdentity(source="shop", natural_keys={"dict": ("sku",)})
     item = {"sku": "A1", "name": "x"}
     key = identity.natural_key(item, None)
-    record = identity.record(item, identity.record_id(key), key)
-    assert (record.record_id, record.natural_key) == ("9c4e6419c52d17e8e7756d4a7bd9abb5",
+    record = identity.record(item, identity.record_id(key, "dict"), key)
+    assert (record.record_id, record.natural_key) == ("3b61f3fe5cad9b426e0a51d0c399799a",
                                                       '["A1"]')
     assert record.content_hash == (
         "9460bf7a3eeeb2647c4b03035670ac050d2c8ca97f7d05e042f66b0dbf2a92af")
@@ -519,7 +533,8 @@ from scrapy_idempotent.records import RecordIdentity
 ids = []
 for source, sku, region in json.load(sys.stdin):
     ident = RecordIdentity(source=source, natural_keys={"*": ("sku", "region")})
-    ids.append(ident.record_id(ident.natural_key({"sku": sku, "region": region}, None)))
+    ids.append(ident.record_id(ident.natural_key({"sku": sku, "region": region}, None),
+                               "product"))
 print(json.dumps(ids))
 """
 
@@ -558,10 +573,14 @@ def test_record_ids_are_the_same_in_another_process_and_for_every_item_type() ->
     @given(batch=st.lists(_keys, min_size=1, max_size=20),
            source=st.text(min_size=1, max_size=8).filter(lambda s: s.strip() != ""))
     def same_id_for_every_item_type(batch: list[tuple[Any, Any]], source: str) -> None:
-        ident = RecordIdentity(source=source, natural_keys={"*": ("sku", "region")})
+        ident = RecordIdentity(source=source, natural_keys={"*": ("sku", "region")},
+                               record_types={"dict": "product", "KeyedItem": "product",
+                                             "KeyedData": "product"})
         by_key: dict[tuple[str, str], str] = {}
         for a, b in batch:
-            found = {ident.record_id(ident.natural_key(make(a, b), None)) for make in kinds}
+            found = {ident.record_id(ident.natural_key(make(a, b), None),
+                                     ident.record_key(make(a, b)).record_type)
+                     for make in kinds}
             assert len(found) == 1, (a, b)
             record_id = found.pop()
             # the same normalised key (1, "1", " 1 ") always has the same ID

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import fnmatch
+import json
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -90,9 +91,12 @@ __all__ = [
     "OutboxRow",
     "OutboxState",
     "Record",
+    "RecordKey",
+    "RecordMove",
     "Reject",
     "RejectedItem",
     "RejectsRetried",
+    "Rekey",
     "RepeatedRequest",
     "RequestState",
     "RequestSummary",
@@ -107,6 +111,7 @@ __all__ = [
     "SessionInfo",
     "SlotLimits",
     "SlotState",
+    "StoredIdentity",
     "StoredRecord",
     "UnitOfWork",
     "change_key",
@@ -247,6 +252,18 @@ class Completion:
 
 
 @dataclass(frozen=True)
+class RecordKey:
+    """How the records of one record type are identified, as the database records it with
+    the type's first record: ``record_type`` (the name in their record IDs), ``item_type``
+    (``module.QualName`` of the item class that stored it first) and ``fields``, the natural
+    key fields (empty: none configured, the page URL or the item's content)."""
+
+    record_type: str
+    item_type: str
+    fields: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Record:
     """An item as it is stored: identity, type, data and content hash, and when the data
     was observed.
@@ -263,6 +280,62 @@ class Record:
     data: str  #: JSON object of the item's fields in its order (record ID field removed)
     content_hash: str  #: sha256 hex of the data without volatile fields
     observed_at: float | None = None
+    #: the record type and natural key fields it was identified by (recorded in the
+    #: database with the first record of its type; None: not recorded)
+    key: RecordKey | None = None
+
+
+@dataclass(frozen=True)
+class StoredIdentity:
+    """A stored record as re-identifying it reads it (:meth:`FrontierStore.stored_identities`):
+    its identity and data, when it was observed and first seen, the order of its first sight
+    in its run (``seen_seq``), the key of the request whose page stored it (None: an item of
+    ``start()``) and that page's URL when the frontier still has that request (else None)."""
+
+    record_id: str
+    item_type: str
+    natural_key: str
+    data: str
+    content_hash: str
+    observed_at: float
+    first_seen: float
+    seen_seq: int
+    request_key: str | None
+    page_url: str | None
+
+
+@dataclass(frozen=True)
+class RecordMove:
+    """One stored record given a new identity by :meth:`FrontierStore.rekey`: its new
+    record ID and natural key, and (None: unchanged) its data and content hash (file paths
+    named by the record ID) and its ``first_seen`` (the earliest of records merged into it)."""
+
+    record_id: str
+    new_record_id: str
+    natural_key: str
+    data: str | None = None
+    content_hash: str | None = None
+    first_seen: float | None = None
+
+
+@dataclass(frozen=True)
+class Rekey:
+    """What :meth:`FrontierStore.rekey` writes in one transaction: the records ``moves``
+    (to new IDs), the records ``merged`` into others (deleted; the outbox entries of each
+    follow ``outbox`` too), ``outbox`` (stored record ID -> new one, for every record whose
+    ID changes, merged ones included), ``keys`` (the record keys recorded from now on: they
+    replace those recorded), ``scheme`` (the record ID scheme from now on), ``records`` (how
+    many records were read: another count in the transaction means a crawl wrote meanwhile,
+    and nothing is written) and ``cleanup`` (file paths to remove once this is committed,
+    kept in the database until :meth:`FrontierStore.end_rekey_cleanup`)."""
+
+    moves: tuple[RecordMove, ...]
+    merged: tuple[str, ...]
+    outbox: dict[str, str]
+    keys: tuple[RecordKey, ...]
+    scheme: str
+    records: int
+    cleanup: tuple[str, ...] = ()
 
 
 def change_key(record: Record, version: int) -> str:
@@ -384,6 +457,8 @@ class CommitResult:
     leased: list[LeasedRequest] = field(default_factory=list)
     quarantined: list[str] = field(default_factory=list)  #: URLs failed as quarantined
     outbox_entries: int = 0  #: outbox entries written (changes x targets)
+    #: record types whose natural keys this transaction recorded (their first record)
+    record_keys_added: list[str] = field(default_factory=list, compare=False)
     #: the run this worker moved to with this transaction: its own run was finished by
     #: another worker and a newer one started meanwhile (None: it stays in its run)
     run_id: int | None = None
@@ -804,10 +879,39 @@ class FrontierStore(ABC):
         back, and reopen the run if it had finished (as :meth:`retry_failed`), in one
         transaction."""
 
+    # -- record identity (``scrapy idempotent rekey``) --------------------------------------
+
+    @abstractmethod
+    def record_keys(self) -> list[RecordKey]:
+        """The natural keys recorded per record type (by the first record of each), sorted
+        by record type."""
+
+    @abstractmethod
+    def stored_identities(self, after: str | None = None, batch: int = 5000
+                          ) -> list[StoredIdentity]:
+        """At most ``batch`` stored records in record ID order, after ``after`` (paging),
+        as re-identifying them reads them."""
+
+    @abstractmethod
+    def rekey(self, change: Rekey) -> None:
+        """Apply ``change`` in one transaction (see :class:`Rekey`): all of it or nothing.
+        Raises :class:`~.StoreError` when the records are not the ``change.records`` that
+        were read (a crawl wrote meanwhile)."""
+
+    def rekey_cleanup(self) -> list[str]:
+        """The file paths a committed :meth:`rekey` left to remove (see
+        :class:`Rekey`); empty when none."""
+        raw = self.meta().get("rekey_cleanup")
+        return list(json.loads(raw)) if raw else []
+
+    @abstractmethod
+    def end_rekey_cleanup(self) -> None:
+        """Forget the file paths of :meth:`rekey_cleanup`: they were removed."""
+
     # -- moving a crawl to another database (``scrapy idempotent migrate``) -----------------
     #: The tables :meth:`dump` yields, in the order :meth:`load` takes them.
     DUMP_TABLES = ("meta", "runs", "sessions", "requests", "records", "rejects", "feeds",
-                   "responses", "outbox", "samples")
+                   "responses", "outbox", "samples", "record_keys")
 
     def dump(self, batch: int = 1000) -> Iterator[tuple[str, list[dict[str, object]]]]:
         """Every row of the crawl, as ``(table, rows)`` batches of at most ``batch`` rows in

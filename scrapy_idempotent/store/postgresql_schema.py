@@ -7,7 +7,7 @@ from __future__ import annotations
 __all__ = ["ALL_COUNTERS", "APPLICATION", "COUNTERS", "LOADED", "MIGRATIONS", "SCHEMA_VERSION",
            "TABLES"]
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 #: ``meta.application`` of a schema this package made.
 APPLICATION = "scrapy_idempotent"
 
@@ -216,6 +216,17 @@ MIGRATIONS: list[list[str]] = [
         )""",
         "INSERT INTO slots (slot, concurrency) VALUES ('', 1000000)",
     ],
+    [
+        # Record identity: per record type (the name in its record IDs), the natural key
+        # fields its records were stored under (JSON list; [] for the page URL or the
+        # content), written with its first record; a crawl keyed otherwise is refused.
+        """CREATE TABLE record_keys (
+            record_type text COLLATE "C" PRIMARY KEY,
+            item_type text NOT NULL,
+            fields text NOT NULL,
+            recorded_at double precision NOT NULL
+        )""",
+    ],
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
@@ -230,6 +241,7 @@ TABLES[4] = TABLES[3]
 TABLES[5] = TABLES[4]
 TABLES[6] = TABLES[5] | {"samples"}
 TABLES[7] = TABLES[6] | {"slots"}
+TABLES[8] = TABLES[7] | {"record_keys"}
 assert set(TABLES) == set(range(1, SCHEMA_VERSION + 1))
 
 #: The counters of a session row a page commit adds to: its worker's share of the run's
@@ -254,6 +266,7 @@ LOADED: dict[str, tuple[str, ...]] = {
     "outbox": ("id", "target", "idempotency_key", "kind", "record_id", "content_hash",
                "item_type", "source", "natural_key", "data", "run_id", "created_at", "state",
                "attempts", "due_at", "settled_at", "detail"),
+    "record_keys": ("record_type", "item_type", "fields", "recorded_at"),
     "samples": ("run_id", "slot", "at", "leased", "done", "failed", "redirected",
                 "records_inserted", "records_updated", "records_unchanged", "records_stale",
                 "leases_reclaimed", "leases_lost", "in_flight"),

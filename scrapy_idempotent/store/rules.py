@@ -19,6 +19,7 @@ from .base import CrawlIdentity, LeasedRequest, RequestState, RunMode
 __all__ = [
     "CLAIMED_COLUMNS",
     "FIRST_RECORD_ID_SCHEME",
+    "MIGRATED_RECORD_ID_SCHEMES",
     "QUEUE_ORDER",
     "TERMINAL",
     "ClaimedRow",
@@ -110,6 +111,11 @@ def stored_record_id_scheme(recorded: str | None, has_records: bool, scheme: str
     if recorded is not None:
         return recorded
     return FIRST_RECORD_ID_SCHEME if has_records else scheme
+
+
+#: Record ID schemes whose databases are opened to be re-identified (the package's
+#: ``rekey``) rather than refused: scheme 1 left the record type out of record IDs.
+MIGRATED_RECORD_ID_SCHEMES = ("1",)
 
 
 def record_id_scheme_refusal(where: str, stored: str, scheme: str) -> str:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import re
 import threading
 from abc import abstractmethod
@@ -49,8 +50,10 @@ from .base import (
     LeaseHolder,
     NewRequest,
     Record,
+    RecordKey,
     RejectedItem,
     RejectsRetried,
+    Rekey,
     RepeatedRequest,
     RequestState,
     RequestSummary,
@@ -61,6 +64,7 @@ from .base import (
     SessionInfo,
     SlotLimits,
     SlotState,
+    StoredIdentity,
     StoredRecord,
     UnitOfWork,
     change_key,
@@ -68,6 +72,7 @@ from .base import (
 )
 from .rules import (
     CLAIMED_COLUMNS,
+    MIGRATED_RECORD_ID_SCHEMES,
     QUEUE_ORDER,
     TERMINAL,
     Enqueue,
@@ -384,7 +389,7 @@ class SqlStore(SqlOutbox, FrontierStore):
             stored = stored_record_id_scheme(None, bool(has_records), scheme)
             cur.execute(self._q("INSERT INTO meta VALUES ('record_id_scheme', ?)"
                                 " ON CONFLICT (key) DO NOTHING"), (stored,))
-        if stored != scheme:
+        if stored != scheme and stored not in MIGRATED_RECORD_ID_SCHEMES:
             raise StoreError(record_id_scheme_refusal(where, stored, scheme))
 
     # -- runs and sessions ----------------------------------------------------------------
@@ -467,8 +472,18 @@ class SqlStore(SqlOutbox, FrontierStore):
                 raise
             if result.slots_added:  # committed: their rows exist
                 self._slot_names().update(result.slots_added)
+            if result.record_keys_added:
+                self._record_types_stored().update(result.record_keys_added)
             self._learn_known(work, result, now)
         return result
+
+    def _record_types_stored(self) -> set[str]:
+        """The record types known to have their natural keys recorded (none are deleted but
+        by :meth:`rekey`, which forgets this)."""
+        names: set[str] | None = self.__dict__.get("_record_types")
+        if names is None:
+            names = self.__dict__["_record_types"] = set()
+        return names
 
     def _slot_names(self) -> set[str]:
         """The download slots known to have a row in the slots table (none are deleted)."""
@@ -675,6 +690,8 @@ class SqlStore(SqlOutbox, FrontierStore):
             rid = records[n][0].record_id
             if rid not in known:
                 fresh.setdefault(rid, n)
+        if fresh:
+            self._record_keys(cur, [records[n][0].key for n in fresh.values()], now, result)
         inserted = self._insert_records(cur, [
             (rid, records[n][0].source, records[n][0].natural_key, records[n][0].item_type,
              records[n][0].data, records[n][0].content_hash, records[n][1], seqs[n],
@@ -764,6 +781,23 @@ class SqlStore(SqlOutbox, FrontierStore):
             result.records_unchanged += 1
         known[rid] = after_write(current, decision, record.content_hash, observed, run_id)
         return (decision.value, current.version + 1) if decision.change else None
+
+    def _record_keys(self, cur: Any, keys: list[RecordKey | None], now: float,
+                     result: CommitResult) -> None:
+        """Record the natural keys of the record types of new records, unless known to be
+        recorded (the first record of a type records them; a type recorded already keeps
+        its keys: a crawl keyed otherwise was refused at its open)."""
+        stored = self._record_types_stored()
+        missing = {key.record_type: key for key in keys
+                   if key is not None and key.record_type not in stored}
+        if not missing:
+            return
+        cur.executemany(self._q(
+            "INSERT INTO record_keys (record_type, item_type, fields, recorded_at)"
+            " VALUES (?, ?, ?, ?) ON CONFLICT (record_type) DO NOTHING"),
+            [(key.record_type, key.item_type, json.dumps(list(key.fields)), now)
+             for _, key in sorted(missing.items())])
+        result.record_keys_added.extend(sorted(missing))
 
     def _write_outbox(self, cur: Any, changes: list[tuple[str, Record, int]],
                       targets: tuple[str, ...], now: float, run_id: int,
@@ -1230,6 +1264,82 @@ class SqlStore(SqlOutbox, FrontierStore):
 
     def meta(self) -> dict[str, str]:
         return dict(self._select("SELECT key, value FROM meta ORDER BY key"))
+
+    # -- record identity --------------------------------------------------------------------
+
+    def record_keys(self) -> list[RecordKey]:
+        return [RecordKey(record_type, item_type, tuple(json.loads(fields)))
+                for record_type, item_type, fields in self._select(
+                    "SELECT record_type, item_type, fields FROM record_keys"
+                    " ORDER BY record_type")]
+
+    def stored_identities(self, after: str | None = None, batch: int = 5000
+                          ) -> list[StoredIdentity]:
+        where = "" if after is None else "WHERE r.record_id > ?"
+        return [StoredIdentity(*row) for row in self._select(
+            "SELECT r.record_id, r.item_type, r.natural_key, r.data, r.content_hash,"
+            " r.observed_at, r.first_seen, r.seen_seq, r.request_key, q.url FROM records AS r"
+            " LEFT JOIN requests AS q ON q.key = r.request_key"
+            f" {where} ORDER BY r.record_id LIMIT ?",
+            (*(() if after is None else (after,)), batch))]
+
+    def rekey(self, change: Rekey) -> None:
+        with self._write("re-identifying the records") as cur:
+            (count,) = cur.execute("SELECT count(*) FROM records").fetchall()[0]
+            if int(count) != change.records:
+                raise StoreError(
+                    f"the records changed while they were re-identified ({change.records} "
+                    f"read, {count} now): a crawl wrote meanwhile; nothing was changed")
+            self._rekey_records(cur, change)
+            self._rekey_outbox(cur, change.outbox)
+            cur.execute("DELETE FROM record_keys")
+            now = self.clock()
+            cur.executemany(self._q(
+                "INSERT INTO record_keys (record_type, item_type, fields, recorded_at)"
+                " VALUES (?, ?, ?, ?)"),
+                [(key.record_type, key.item_type, json.dumps(list(key.fields)), now)
+                 for key in change.keys])
+            self._set_meta(cur, "record_id_scheme", change.scheme)
+            if change.cleanup:
+                self._set_meta(cur, "rekey_cleanup", json.dumps(list(change.cleanup)))
+        self._record_types_stored().clear()
+
+    def _rekey_records(self, cur: Any, change: Rekey) -> None:
+        """Delete the merged records, then move every other one to its new ID in two steps
+        (through a temporary ID no record ID can have: a new ID may be the stored ID of
+        another record that moves too)."""
+        for start in range(0, len(change.merged), 1000):
+            where, param = self._any("record_id", sorted(change.merged[start:start + 1000]))
+            cur.execute(f"DELETE FROM records WHERE {where}", (param,))
+        cur.executemany(self._q(
+            "UPDATE records SET record_id = ?, natural_key = ?,"
+            " data = coalesce(?, data), content_hash = coalesce(?, content_hash),"
+            " first_seen = CASE WHEN ? < first_seen THEN ? ELSE first_seen END"
+            " WHERE record_id = ?"),
+            [(f"~{move.new_record_id}", move.natural_key, move.data, move.content_hash,
+              move.first_seen, move.first_seen, move.record_id)
+             for move in change.moves])
+        cur.execute(self._q("UPDATE records SET record_id = substr(record_id, 2)"
+                            " WHERE record_id LIKE '~%'"))
+
+    def _rekey_outbox(self, cur: Any, moved: dict[str, str]) -> None:
+        """Outbox entries name the record by its new ID; their idempotency keys stay (a
+        receiver that had an entry must know it again when it is delivered again)."""
+        if not moved:
+            return
+        rows = cur.execute("SELECT id, record_id FROM outbox").fetchall()
+        cur.executemany(self._q("UPDATE outbox SET record_id = ? WHERE id = ?"),
+                        [(moved[record_id], id_) for id_, record_id in rows
+                         if record_id in moved])
+
+    def _set_meta(self, cur: Any, key: str, value: str) -> None:
+        cur.execute(self._q("INSERT INTO meta (key, value) VALUES (?, ?)"
+                            " ON CONFLICT (key) DO UPDATE SET value = excluded.value"),
+                    (key, value))
+
+    def end_rekey_cleanup(self) -> None:
+        with self._write("forgetting the files removed after re-identifying") as cur:
+            cur.execute("DELETE FROM meta WHERE key = 'rekey_cleanup'")
 
     def sessions(self) -> list[SessionInfo]:
         return [SessionInfo(*row) for row in self._select(

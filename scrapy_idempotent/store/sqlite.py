@@ -49,7 +49,7 @@ __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 #: Schema migrations: ``_MIGRATIONS[n]`` brings version n to n + 1, one transaction each.
 _MIGRATIONS: list[list[str]] = [
@@ -273,6 +273,17 @@ _MIGRATIONS: list[list[str]] = [
         ) WITHOUT ROWID""",
         """INSERT INTO slots (slot, concurrency) VALUES ('', 1000000)""",
     ],
+    [
+        # Record identity: per record type (the name in its record IDs), the natural key
+        # fields its records were stored under (JSON list; [] for the page URL or the
+        # content), written with its first record; a crawl keyed otherwise is refused.
+        """CREATE TABLE record_keys (
+            record_type TEXT PRIMARY KEY,
+            item_type TEXT NOT NULL,
+            fields TEXT NOT NULL,
+            recorded_at REAL NOT NULL
+        ) WITHOUT ROWID""",
+    ],
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -289,7 +300,9 @@ _TABLES: dict[int, frozenset[str]] = {1: _TABLES_1, 2: _TABLES_1 | {"feeds"},
                                       7: _TABLES_1 | {"feeds", "outbox"},
                                       8: _TABLES_1 | {"feeds", "outbox", "samples"},
                                       9: _TABLES_1 | {"feeds", "outbox", "samples"},
-                                      10: _TABLES_1 | {"feeds", "outbox", "samples", "slots"}}
+                                      10: _TABLES_1 | {"feeds", "outbox", "samples", "slots"},
+                                      11: _TABLES_1 | {"feeds", "outbox", "samples", "slots",
+                                                       "record_keys"}}
 assert set(_TABLES) == set(range(1, SCHEMA_VERSION + 1))
 #: Schema versions written before the application id was (files of those have none).
 _BEFORE_APPLICATION_ID = frozenset({1, 2, 3})
@@ -959,7 +972,8 @@ class SQLiteStore(SqlStore):
         # keyset paging on each table's key: one statement per batch
         keys = {"meta": "key", "runs": "run_id", "sessions": "session_id", "requests": "id",
                 "records": "record_id", "rejects": "id", "feeds": "rowid",
-                "responses": "key", "outbox": "id", "samples": "rowid"}
+                "responses": "key", "outbox": "id", "samples": "rowid",
+                "record_keys": "record_type"}
         for table in self.DUMP_TABLES:
             key = keys[table]
             after: object = None
