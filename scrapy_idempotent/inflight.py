@@ -903,14 +903,7 @@ def tracker_for(config: IdempotentConfig, stats: StatsCollector,
     """The in-flight tracker of a crawl with ``config``."""
     return InflightTracker(
         stats=stats,
-        identity=RecordIdentity(
-            source=config.source,
-            natural_keys=config.natural_keys,
-            url_ignore_params=config.url_ignore_params,
-            record_id_field=config.record_id_field,
-            volatile_fields=config.volatile_fields,
-            record_types=config.record_types,
-        ),
+        identity=RecordIdentity.from_config(config),
         fingerprints=fingerprints,
         order=config.queue_order,
         http_status=HttpStatusRule(allow_all=config.httperror_allow_all,

@@ -173,6 +173,14 @@ class RecordIdentity:
         self.stored_keys: dict[str, tuple[str, ...]] = {}
         self._keys_by_type: dict[type, RecordKey | NaturalKeyChanged] = {}
 
+    @classmethod
+    def from_config(cls, config: Any) -> RecordIdentity:
+        """The record identity of a crawl's :class:`~.config.IdempotentConfig`."""
+        return cls(source=config.source, natural_keys=config.natural_keys,
+                   url_ignore_params=config.url_ignore_params,
+                   record_id_field=config.record_id_field,
+                   volatile_fields=config.volatile_fields, record_types=config.record_types)
+
     def expect_keys(self, stored: Iterable[RecordKey]) -> None:
         """The natural keys the database recorded per record type: an item whose record type
         is among them and whose key fields differ is refused from now on."""

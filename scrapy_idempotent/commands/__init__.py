@@ -22,14 +22,17 @@ store and prints:
   ``IDEMPOTENT_OUTBOX_DRAIN_SECONDS``; exit code 1 when some are left;
 * ``migrate``: copy the crawl into another, empty database (``--to``), e.g. from SQLite to
   PostgreSQL, to continue it there;
+* ``rekey``: re-derive every record's ID from its stored data under the current settings
+  (a natural key changed, an item class renamed), merging records that now share an ID, in
+  one transaction; ``--dry-run`` prints what would change;
 * ``metrics``: serves the whole crawl's figures for Prometheus (``--listen HOST:PORT``),
   read from the database at each scrape.
 
 The database is the one the scheduler uses for ``SPIDER`` in the current project
 (``IDEMPOTENT_DATABASE``, ``{spider}`` replaced, default ``.scrapy/idempotent/<spider>.sqlite3``
-in the project data dir), or ``--db PATH`` anywhere. Every command but ``retry`` and
-``deliver`` opens it read-only; none creates or migrates it. ``--json`` prints one JSON
-document for scripts.
+in the project data dir), or ``--db PATH`` anywhere. Every command but ``retry``,
+``deliver`` and ``rekey`` opens it read-only; none creates or migrates it. ``--json``
+prints one JSON document for scripts.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from scrapy.exceptions import UsageError
 
 from .. import scrapy_compat
 from ..exceptions import IdempotentError, StoreError
-from . import check, deliver, export, failed, metrics, migrate, rejects, retry, status
+from . import check, deliver, export, failed, metrics, migrate, rejects, rekey, retry, status
 from ._common import FAILED_LIMIT, Opened, UnknownSpider, open_crawl_store
 from .export import FORMATS
 
@@ -57,7 +60,8 @@ __all__ = ["SUBCOMMANDS", "Command"]
 #: Sub-command -> its module (``DESCRIPTION``, ``run(opened, opts) -> exit code``).
 _MODULES: dict[str, ModuleType] = {
     "status": status, "failed": failed, "retry": retry, "rejects": rejects, "export": export,
-    "check": check, "deliver": deliver, "migrate": migrate, "metrics": metrics,
+    "check": check, "deliver": deliver, "migrate": migrate, "rekey": rekey,
+    "metrics": metrics,
 }
 
 #: Sub-command -> one-line description.
@@ -65,7 +69,7 @@ SUBCOMMANDS: dict[str, str] = {name: module.DESCRIPTION for name, module in _MOD
 
 #: Sub-commands that write to the database (``migrate`` locks the source it copies, writing
 #: nothing); the others open it read-only.
-_WRITING = ("retry", "deliver", "migrate")
+_WRITING = ("retry", "deliver", "migrate", "rekey")
 
 #: Options that only some sub-commands take (option dest -> sub-commands).
 _OPTION_SCOPE: dict[str, tuple[str, ...]] = {
@@ -79,6 +83,8 @@ _OPTION_SCOPE: dict[str, tuple[str, ...]] = {
     "run": ("export",),
     "to": ("migrate",),
     "undo": ("migrate",),
+    "dry_run": ("rekey",),
+    "keep_file_paths": ("rekey",),
     "listen": ("metrics",),
     "watch": ("status",),
     "chart": ("status",),
@@ -102,7 +108,7 @@ class Command(ScrapyCommand):
         return (
             f"Operator tools for a scrapy_idempotent frontier database. {commands}. The "
             "database is the one of SPIDER in the current project (IDEMPOTENT_DATABASE), or "
-            "--db PATH. Only retry and deliver write to it."
+            "--db PATH. Only retry, deliver and rekey write to it."
         )
 
     def add_options(self, parser: argparse.ArgumentParser) -> None:
@@ -148,6 +154,13 @@ class Command(ScrapyCommand):
         group.add_argument("--undo", action="store_true", default=None,
                            help="forget that the database was migrated: crawls of it are "
                                 "allowed again")
+        group = parser.add_argument_group("rekey")
+        group.add_argument("--dry-run", action="store_true", default=None,
+                           help="print what would change (new IDs, merges, files), change "
+                                "nothing")
+        group.add_argument("--keep-file-paths", action="store_true", default=None,
+                           help="re-identify records whose files are in a remote files store "
+                                "(S3, GCS, FTP) and keep their paths")
         group = parser.add_argument_group("status")
         group.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
                            help="a live view redrawn in place every SECONDS (default 2), with "
