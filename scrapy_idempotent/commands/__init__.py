@@ -47,6 +47,7 @@ from scrapy.exceptions import UsageError
 
 from .. import scrapy_compat
 from ..exceptions import IdempotentError, StoreError
+from ..store.base import SchemaInfo
 from . import check, deliver, export, failed, metrics, migrate, rejects, rekey, retry, status
 from ._common import FAILED_LIMIT, Opened, UnknownSpider, open_crawl_store
 from .export import FORMATS
@@ -233,6 +234,13 @@ class Command(ScrapyCommand):
                 # former)
                 info = store.open_existing(readonly=subcommand not in _WRITING,
                                            identity=located.identity)
+                if subcommand == "rekey" and info.version < info.supported:
+                    # the schema migrated forward as a crawl's open would (no data changes):
+                    # the records of an older release are what rekey is for
+                    fingerprinter = store.meta().get("fingerprinter", "")
+                    store.close()
+                    store.open(fingerprinter=fingerprinter, identity=located.identity)
+                    info = SchemaInfo(version=info.supported, supported=info.supported)
                 if subcommand != "check" and not info.current:
                     raise StoreError(
                         f"{path} has schema version {info.version}; this "

@@ -32,6 +32,8 @@ def run(opened: Opened, opts: argparse.Namespace) -> int:
     store, path = opened.store, opened.path
     removed = rekey.finish_cleanup(store) if not opts.dry_run else 0
     identity = RecordIdentity.from_config(opened.config)
+    # the source the crawl stored its records under (with --db, the settings cannot know it)
+    identity.source = store.meta().get("source") or identity.source
     plan = rekey.plan_rekey(store, identity, rekey.FileStores.from_settings(opened.settings))
     report = _report(path, plan, dry_run=bool(opts.dry_run))
     lines = _lines(path, plan, dry_run=bool(opts.dry_run))
