@@ -19,8 +19,6 @@ __all__ = [
     "StoreError",
     "UnstorableRequest",
     "UnsupportedScrapy",
-    "changed_key_message",
-    "describe_key",
 ]
 
 

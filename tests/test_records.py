@@ -632,3 +632,51 @@ def test_a_dict_item_is_stored_as_its_adapter_would_give_it() -> None:
     assert record.content_hash == hashlib.sha256(
         canonical_json(encoded).encode("utf-8")).hexdigest()
     assert loads(record.data)["nested"] == {"a": 1, "b": [{"x": 1, "y": [{"a": 2}]}]}
+
+
+def test_an_item_keyed_otherwise_than_its_stored_record_type_is_refused() -> None:
+    """The database recorded ``sku`` for the record type; an item of that type keyed by
+    ``sku`` and ``color`` now (a class the crawl's open could not check) raises
+    NaturalKeyChanged, a MissingNaturalKey: it is rejected, never stored twice."""
+    from scrapy_idempotent.exceptions import MissingNaturalKey, NaturalKeyChanged
+    from scrapy_idempotent.store.base import RecordKey
+
+    ident = identity({"dict": ("sku", "color")})
+    ident.expect_keys([RecordKey("dict", "dict", ("sku",))])
+    with pytest.raises(NaturalKeyChanged) as changed:
+        ident.natural_key({"sku": "A", "color": "red"}, None)
+    assert isinstance(changed.value, MissingNaturalKey)
+    assert str(changed.value) == (
+        "the records of dict are keyed by sku, the settings now key it by sku + color: run "
+        "`scrapy idempotent rekey` to move the records to the new key (or restore the old key)")
+    same = identity({"dict": ("sku",)})
+    same.expect_keys([RecordKey("dict", "dict", ("sku",))])
+    assert same.natural_key({"sku": "A"}, None) == ["A"]
+
+
+def test_a_stored_record_type_the_settings_key_otherwise_is_named_at_open(
+        tmp_path: Any) -> None:
+    """check_keys: one line per stored record type keyed otherwise, or mapped to another
+    record type by IDEMPOTENT_RECORD_TYPES; none when the settings agree."""
+    from scrapy_idempotent.rekey import check_keys
+    from scrapy_idempotent.store import SQLiteStore, UnitOfWork
+
+    store = SQLiteStore(str(tmp_path / "db.sqlite3"))
+    store.open(fingerprinter="x", record_id_scheme="2")
+    store.begin_session("w1", "auto")
+    stored = identity({"dict": ("sku",)})
+    product = ProductItem(sku="P")
+    records = []
+    for item in ({"sku": "A"}, product):
+        key = stored.natural_key(item, None)
+        records.append((stored.record(item, record_id_of(stored, item), key), None))
+    store.commit(UnitOfWork(records=records), "w1")
+    assert check_keys(store, stored) == []
+    assert check_keys(store, identity({"dict": ("sku", "color")})) == [
+        "the records of dict are keyed by sku, the settings now key it by sku + color: run "
+        "`scrapy idempotent rekey` to move the records to the new key (or restore the old key)"]
+    renamed = identity(record_types={"ProductItem": "product"})
+    [line] = check_keys(store, renamed)
+    assert line.startswith(f"the records of {__name__}.ProductItem are identified as record "
+                           f"type {__name__}.ProductItem, the settings now make it product")
+    store.close()

@@ -291,3 +291,96 @@ def test_rekey_dry_run_of_a_scheme_1_database_lists_what_would_change(tmp_path: 
            "key), 0 would be merged" in result.stdout
     with reading(database) as store:
         assert store.meta()["record_id_scheme"] == "1"
+
+
+# -- rekey killed at random moments ----------------------------------------------------------
+
+
+def _files_database(database: str, files_dir: Path, count: int) -> dict[str, str]:
+    """``count`` records keyed by their page URL (no key configured), each with a file named
+    by its record ID in the local files store ``files_dir``; returns SKU -> price."""
+    from scrapy_idempotent.store import UnitOfWork
+    from scrapy_idempotent.store.registry import open_store
+
+    store = open_store(database)
+    store.open(fingerprinter="x", record_id_scheme=RECORD_ID_SCHEME)
+    store.begin_session("w1", "auto")
+    by_url = RecordIdentity(source="spider", natural_keys={})
+    prices: dict[str, str] = {}
+    records = []
+    for n in range(count):
+        sku, price = f"SKU-{n:05d}", f"{n}.00"
+        item: dict[str, Any] = {"sku": sku, "price": price}
+        key = by_url.natural_key(item, f"https://shop.example/product/{sku}")
+        record_id = by_url.record_id(key, "dict")
+        path = f"full/{record_id}/{n}.jpg"
+        (files_dir / path).parent.mkdir(parents=True)
+        (files_dir / path).write_text(price)
+        item["files"] = [{"url": f"https://shop.example/{n}.jpg", "path": path,
+                          "checksum": "c", "status": "downloaded"}]
+        records.append((by_url.record(item, record_id, key), None))
+        prices[sku] = price
+    for start in range(0, count, 500):
+        store.commit(UnitOfWork(records=records[start:start + 500]), "w1")
+    store.end_session("w1", "finished")
+    store.close()
+    return prices
+
+
+@pytest.mark.slow
+def test_rekey_sigkilled_at_random_moments_then_rerun_moves_every_record_once(
+        tmp_path: Path) -> None:
+    """3,000 records with a file each move from the page URL to the SKU as their key; the
+    command is SIGKILLed 5 times at random moments of its run (start-up, planning, linking
+    files, the transaction, removing the old names), then run to the end: every record
+    once, under its new ID, with its file under the new name and none under the old."""
+    import random
+    import signal
+    import time
+
+    files_dir = tmp_path / "files"
+    database = str(tmp_path / "keys.sqlite3")
+    prices = _files_database(database, files_dir, 3000)
+    args = ("-s", f"FILES_STORE={files_dir}")
+    keys = {"dict": "sku"}
+    # how long a whole run takes, on a copy (the kills fall anywhere in such a run)
+    shutil.copytree(files_dir, tmp_path / "copy-files")
+    shutil.copy(database, tmp_path / "copy.sqlite3")
+    started = time.monotonic()
+    probe = rekey_command(str(tmp_path / "copy.sqlite3"), tmp_path, "-s",
+                          f"FILES_STORE={tmp_path / 'copy-files'}", natural_keys=keys)
+    whole = time.monotonic() - started
+    assert probe.returncode == 0, probe.stdout + probe.stderr
+    rng = random.Random(7)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "scrapy", "idempotent", "rekey", "--db", database,
+               "-s", f"IDEMPOTENT_NATURAL_KEYS={json.dumps(keys)}", *args]
+    killed = 0
+    for _ in range(5):
+        process = subprocess.Popen(command, cwd=tmp_path, env=env,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            process.wait(rng.uniform(0.3, 1.0) * whole)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+            killed += 1
+    final = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert final.returncode == 0, final.stdout + final.stderr
+    records = stored_records(database)
+    assert len(records) == len({r.record_id for r in records}) == 3000
+    by_sku = RecordIdentity(source="spider", natural_keys={"dict": ("sku",)})
+    assert {json.loads(r.data)["sku"]: json.loads(r.data)["price"] for r in records} == prices
+    names = {p.relative_to(files_dir).as_posix() for p in files_dir.rglob("*.jpg")}
+    for record in records:
+        data = json.loads(record.data)
+        assert record.record_id == by_sku.record_id([data["sku"]], "dict")
+        [entry] = data["files"]
+        assert entry["path"].startswith(f"full/{record.record_id}/")
+        assert (files_dir / entry["path"]).read_text() == data["price"]
+    assert names == {json.loads(r.data)["files"][0]["path"] for r in records}
+    with reading(database) as store:
+        assert store.rekey_cleanup() == []
+    assert killed >= 1  # (the kills fell inside runs: not every run finished first)
