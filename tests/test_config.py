@@ -318,15 +318,34 @@ def test_a_bad_setting_stops_the_crawl_with_one_critical_line_and_exit_code_1(
 def test_misspelt_setting_names_are_warned_about_with_the_nearest_known_name(
     tmp_path: Path
 ) -> None:
-    result = _crawl("IDEMPOTNET_LEASE_SECONDS=5", "IDEMPOTENT_NATURAL_KEY=sku",
+    result = _crawl("IDEMPOTNET_LEASE_SECONDS=5", "IDEMPOTENT_MAX_ATTEMPT=3",
                     f"IDEMPOTENT_DATABASE={tmp_path / 'db.sqlite3'}")
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert ("Unknown setting IDEMPOTNET_LEASE_SECONDS ignored: did you mean "
             "IDEMPOTENT_LEASE_SECONDS?") in output
-    assert ("Unknown setting IDEMPOTENT_NATURAL_KEY ignored: did you mean "
-            "IDEMPOTENT_NATURAL_KEYS?") in output
+    assert ("Unknown setting IDEMPOTENT_MAX_ATTEMPT ignored: did you mean "
+            "IDEMPOTENT_MAX_ATTEMPTS?") in output
     assert output.count("Unknown setting") == 2  # once each
+
+
+@pytest.mark.slow
+def test_a_misspelt_record_identity_setting_stops_the_crawl_before_it_starts(
+    tmp_path: Path
+) -> None:
+    """Every record would be stored under another ID (keyed by page URL instead of SKU):
+    one CRITICAL line naming the setting and the closest known one, exit code 1, nothing
+    created."""
+    result = _crawl("IDEMPOTENT_NATURAL_KEY=sku", "IDEMPOTNET_LEASE_SECONDS=5",
+                    f"IDEMPOTENT_DATABASE={tmp_path / 'db.sqlite3'}")
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    critical = [line for line in output.splitlines() if "CRITICAL" in line]
+    assert len(critical) == 1, output
+    assert ("IDEMPOTENT_NATURAL_KEY='sku' is not valid: no such setting: did you mean "
+            "IDEMPOTENT_NATURAL_KEYS?") in critical[0]
+    assert "Traceback" not in output and "never retrieved" not in output, output
+    assert not (tmp_path / "db.sqlite3").exists()
 
 
 @pytest.mark.slow

@@ -384,3 +384,57 @@ def test_rekey_sigkilled_at_random_moments_then_rerun_moves_every_record_once(
     with reading(database) as store:
         assert store.rekey_cleanup() == []
     assert killed >= 1  # (the kills fell inside runs: not every run finished first)
+
+
+@pytest.mark.slow
+@deferred_f_from_coro_f
+async def test_two_item_types_through_kills_and_a_rerun(
+        offers_site: LocalSite, crawl_database: str, tmp_path: Path) -> None:
+    """The crawl of products and offers keyed by one SKU, SIGKILLed 3 times at moments given
+    by its progress, then run to its end: 120 records; a rerun of the unchanged site updates
+    nothing and announces nothing."""
+    import random
+    import signal
+
+    from crawling import close_reason, wait_for
+
+    keys = json.dumps(NATURAL_KEYS)
+    command = [sys.executable, "-m", "scrapy", "runspider",
+               str(Path(__file__).parent / "record_types_spider.py"), "-a",
+               f"url={offers_site.url}", "-s", f"IDEMPOTENT_DATABASE={crawl_database}",
+               "-s", f"IDEMPOTENT_NATURAL_KEYS={keys}",
+               "-s", 'ADDONS={"scrapy_idempotent.Addon": 0}', "-s", "ROBOTSTXT_OBEY=False",
+               "-s", "TELNETCONSOLE_ENABLED=False", "-s", "CONCURRENT_REQUESTS=8"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    rng = random.Random(39)
+    for run in range(3):
+        log = tmp_path / f"run{run}.log"
+        target = offers_site.request_count + rng.randint(5, 15)
+        process = subprocess.Popen([*command, "-s", f"LOG_FILE={log}"], cwd=tmp_path, env=env,
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda t=target, p=process: offers_site.request_count >= t  # type: ignore[misc]
+                     or p.poll() is not None, 300, f"request {target}", log)
+        finally:
+            process.kill()
+            process.wait()
+        assert process.returncode == -signal.SIGKILL, log.read_text(errors="replace")[-3000:]
+    log = tmp_path / "final.log"
+    final = subprocess.run([*command, "-s", f"LOG_FILE={log}"], cwd=tmp_path, env=env,
+                           stdin=subprocess.DEVNULL, timeout=300, check=False)
+    assert final.returncode == 0, log.read_text(errors="replace")[-3000:]
+    assert close_reason(log) == "finished"
+    stored = by_type(crawl_database)
+    assert stored[PRODUCT] == stored[OFFER] and len(set(stored[OFFER])) == 60
+    assert len(stored_records(crawl_database)) == 120
+    CountingTarget.RECEIVED.clear()
+    rerun = await run_crawl(OffersSpider, settings(
+        crawl_database, IDEMPOTENT_OUTBOX_TARGETS=[f"{__name__}.CountingTarget"]),
+        url=offers_site.url)
+    stats = stats_of(rerun)
+    assert stats["idempotent/records/unchanged"] == 120
+    assert "idempotent/records/updated" not in stats
+    assert "idempotent/records/inserted" not in stats
+    assert CountingTarget.RECEIVED == [] and outbox_rows(crawl_database) == []
