@@ -1223,7 +1223,11 @@ class SqlStore(SqlOutbox, FrontierStore):
             errors = int(self._crawl_select(
                 "SELECT count(*) FROM requests WHERE state = 'failed'"
                 " AND substr(error_kind, 1, ?) = ?", (len(kind), kind))[0][0])
-        return RunTotals(run_id, *(int(n) for n in row), spider_errors=errors)
+        done, failed, redirected, inserted, updated, unchanged, stale = (int(n) for n in row)
+        return RunTotals(run_id, done=done, failed=failed, redirected=redirected,
+                         records_inserted=inserted, records_updated=updated,
+                         records_unchanged=unchanged, records_stale=stale,
+                         spider_errors=errors)
 
     def samples(self, run_id: int) -> list[Sample]:
         return [Sample(run_id, *row) for row in self._select(
