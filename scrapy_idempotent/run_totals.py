@@ -44,7 +44,8 @@ _ITEM_STATS = ("idempotent/records/inserted", "idempotent/records/updated",
                "idempotent/records/unchanged", "idempotent/records/stale")
 _PAGE_STATS = ("idempotent/requests/done", "idempotent/requests/failed",
                "idempotent/requests/redirected", "idempotent/requests/quarantined")
-_SPIDER_ERROR_STATS = "idempotent/failed/spider_error/"
+#: the ``idempotent/failed/<kind>`` stats of callback errors start so
+_SPIDER_ERROR_STATS = "/".join(("idempotent", "failed", "spider_error", ""))
 
 
 def set_run_stats(stats: StatsCollector, totals: RunTotals) -> None:
