@@ -22,6 +22,7 @@ from .middleware import RecordIdMiddleware
 from .outbox import OutboxDelivery, OutboxTarget
 from .pipeline import UpsertPipeline
 from .politeness import SlotBackoffMiddleware
+from .run_limits import RunCloseSpider
 from .scheduler import IdempotentScheduler
 from .store import SQLiteStore
 
@@ -40,6 +41,7 @@ __all__ = [
     "OutboxTarget",
     "RecordIdMiddleware",
     "ResponseJournalMiddleware",
+    "RunCloseSpider",
     "SQLiteStore",
     "SlotBackoffMiddleware",
     "StoreError",

@@ -95,7 +95,9 @@ class Addon:
                       # IDEMPOTENT_METRICS_LISTEN:
                       "scrapy_idempotent.worker_metrics.WorkerMetrics": 0,
                       "scrapy.extensions.feedexport.FeedExporter": None,
-                      "scrapy_idempotent.IdempotentFeedExporter": 0}
+                      "scrapy_idempotent.IdempotentFeedExporter": 0,
+                      "scrapy.extensions.closespider.CloseSpider": None,
+                      "scrapy_idempotent.RunCloseSpider": 0}
     """
 
     def __init__(self, crawler: Crawler | None = None) -> None:
@@ -144,6 +146,7 @@ class Addon:
 
             settings.set_in_component_priority_dict("EXTENSIONS", WorkerMetrics, 0)
         _replace_feed_exporter(settings)
+        _replace_close_spider(settings)
         _replace_media_pipelines(settings)
         if self.crawler is not None and self.crawler.spider is not None:
             # check every IDEMPOTENT_* setting before anything is built (a bad one is one
@@ -180,9 +183,26 @@ def _replace_feed_exporter(settings: BaseSettings) -> None:
     """Scrapy's ``FeedExporter`` off, :class:`~.IdempotentFeedExporter` in its place (at
     the priority it had), unless the project turned feed exports off."""
     from scrapy.extensions.feedexport import FeedExporter
-    from scrapy.utils.misc import load_object
 
     from .feeds import IdempotentFeedExporter
+
+    _replace_extension(settings, FeedExporter, IdempotentFeedExporter)
+
+
+def _replace_close_spider(settings: BaseSettings) -> None:
+    """Scrapy's ``CloseSpider`` off, :class:`~.RunCloseSpider` (the ``CLOSESPIDER_*``
+    counts of the run) in its place, unless the project turned it off."""
+    from scrapy.extensions.closespider import CloseSpider
+
+    from .run_limits import RunCloseSpider
+
+    _replace_extension(settings, CloseSpider, RunCloseSpider)
+
+
+def _replace_extension(settings: BaseSettings, scrapy_cls: type, ours: type) -> None:
+    """Scrapy's extension ``scrapy_cls`` off and ``ours`` in its place, at the priority it
+    had, unless the project turned it off (``None``)."""
+    from scrapy.utils.misc import load_object
 
     priority: Any = 0
     for name, value in scrapy_compat.component_priorities(settings, "EXTENSIONS").items():
@@ -190,9 +210,9 @@ def _replace_feed_exporter(settings: BaseSettings) -> None:
             cls = load_object(name) if isinstance(name, str) else name
         except (ImportError, NameError, ValueError, AttributeError):
             continue
-        if cls is FeedExporter:
+        if cls is scrapy_cls:
             if value is None:
-                return  # feed exports turned off by the project
+                return  # turned off by the project
             priority = value
-    scrapy_compat.disable_component(settings, "EXTENSIONS", FeedExporter)
-    settings.set_in_component_priority_dict("EXTENSIONS", IdempotentFeedExporter, priority)
+    scrapy_compat.disable_component(settings, "EXTENSIONS", scrapy_cls)
+    settings.set_in_component_priority_dict("EXTENSIONS", ours, priority)

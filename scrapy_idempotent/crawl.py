@@ -5,9 +5,10 @@ middlewares, the item pipelines and the extensions; it is handed the crawl's in-
 tracker and store (``IdempotentScheduler.from_crawler``). The other components find them
 here, once the spider is open: :func:`inflight_tracker` (``RecordIdMiddleware``,
 ``UpsertPipeline``, ``ResponseJournalMiddleware``), :func:`frontier_store` (the journal's
-replays, the progress line's counts) and :func:`start_intake` (``RecordIdMiddleware`` paces
-``start()`` with it). The feed exporter gets what it needs of the crawl as a
-:class:`FeedSession` (:func:`feed_session`), never the scheduler itself.
+replays, the progress line's counts), :func:`current_run` (the run-wide limits) and
+:func:`start_intake` (``RecordIdMiddleware`` paces ``start()`` with it). The feed exporter
+gets what it needs of the crawl as a :class:`FeedSession` (:func:`feed_session`), never the
+scheduler itself.
 
 They answer None for a crawler without an engine: the component is used outside a crawl
 (Scrapy's own tests drive middleware managers on a bare crawler), where there is nothing to
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FeedSession",
+    "current_run",
     "feed_session",
     "frontier_store",
     "idempotent_scheduler",
@@ -96,6 +98,13 @@ def frontier_store(crawler: Crawler, component: str) -> FrontierStore | None:
     """The crawl's store, for reads (see the module docstring)."""
     scheduler = idempotent_scheduler(crawler, component)
     return scheduler.store if scheduler is not None else None
+
+
+def current_run(crawler: Crawler, component: str) -> int | None:
+    """The run the crawl works on now (None outside a crawl, or before its store is open):
+    a crawl open across the run boundary goes on in the next run (see the scheduler)."""
+    scheduler = idempotent_scheduler(crawler, component)
+    return scheduler.run_id if scheduler is not None else None
 
 
 def read_after_writes(crawler: Crawler, component: str,

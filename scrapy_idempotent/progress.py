@@ -3,13 +3,16 @@
 Every ``IDEMPOTENT_LOG_INTERVAL_SECONDS`` (default 60; 0 disables it) one INFO line::
 
     Frontier: 310 pending, 16 leased, 190 done, 3 failed; records this crawl: 172 inserted,
-    0 updated, 0 unchanged (172 stored); 1140 pages/min, 1032 records/min
+    0 updated, 0 unchanged (172 stored); run: 193 pages, 172 items; 1140 pages/min,
+    1032 records/min
 
 The frontier counts are the whole frontier's (every worker), read with the store's
 ``counts()`` (one indexed ``GROUP BY``); done includes redirected entries. Records and rates
 are this crawl's, from the ``idempotent/...`` stats: pages are requests completed (done,
 failed or redirected), records are items upserted (inserted, updated or unchanged), both per
-minute over the last interval. The add-on enables it; with manual wiring add
+minute over the last interval. The run's pages and items are every crawl's and worker's of
+the run, as committed (:meth:`~.FrontierStore.run_totals`: what the run-wide
+``CLOSESPIDER_*`` limits count). The add-on enables it; with manual wiring add
 ``EXTENSIONS = {"scrapy_idempotent.progress.IdempotentLogStats": 0}``.
 """
 
@@ -26,7 +29,7 @@ from twisted.internet import task
 from . import scrapy_compat
 from ._scheduler_kind import is_idempotent_scheduler
 from .config import log_interval_seconds
-from .crawl import frontier_store, read_after_writes
+from .crawl import current_run, frontier_store, read_after_writes
 
 if TYPE_CHECKING:
     from scrapy import Spider
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
     from .store.base import FrontierStore
+    from .store.reads import RunTotals
 
 __all__ = ["IdempotentLogStats"]
 
@@ -103,8 +107,14 @@ class IdempotentLogStats:
         more stored than inserted by commits whose results were on their way."""
         if self.store is None:
             return None
-        counting = read_after_writes(self.crawler, type(self).__name__,
-                                     lambda store: store.counts())
+        run_id = current_run(self.crawler, type(self).__name__)
+        if run_id is None:
+            return None
+
+        def read(store: FrontierStore) -> tuple[dict[str, int], RunTotals]:
+            return store.counts(), store.run_totals(run_id)
+
+        counting = read_after_writes(self.crawler, type(self).__name__, read)
         if counting is None:
             return None
         return counting.addCallbacks(self._log_counts, self._no_line)
@@ -113,7 +123,8 @@ class IdempotentLogStats:
         logger.debug("scrapy_idempotent: no progress line: cannot read the frontier: %s",
                      failure.value)
 
-    def _log_counts(self, counts: dict[str, int]) -> None:
+    def _log_counts(self, read: tuple[dict[str, int], RunTotals]) -> None:
+        counts, run = read
         if self.store is None:  # the spider closed meanwhile
             return
         stats = self.crawler.stats
@@ -125,11 +136,13 @@ class IdempotentLogStats:
         self._previous = (now, pages, records)
         logger.info(
             "Frontier: %d pending, %d leased, %d done, %d failed; records this crawl: "
-            "%d inserted, %d updated, %d unchanged (%d stored); %d pages/min, %d records/min",
+            "%d inserted, %d updated, %d unchanged (%d stored); run: %d pages, %d items; "
+            "%d pages/min, %d records/min",
             counts["pending"], counts["leased"], counts["done"] + counts["redirected"],
             counts["failed"], stats.get_value("idempotent/records/inserted", 0),
             stats.get_value("idempotent/records/updated", 0),
             stats.get_value("idempotent/records/unchanged", 0), counts["records"],
+            run.pages, run.items,
             round((pages - pages_before) / minutes), round((records - records_before) / minutes),
             extra={"spider": self.crawler.spider},
         )

@@ -61,6 +61,7 @@ from .leases import ClaimedRequests, LeaseKeeper
 from .outbox import target_name
 from .politeness import Politeness
 from .records import RECORD_ID_SCHEME
+from .run_totals import set_run_stats
 from .store.base import CrawlIdentity, FrontierStore, UnitOfWork
 from .store.registry import open_store, redacted
 
@@ -333,6 +334,9 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
                 self.stats.inc_value("idempotent/requests/released", released)
             if not self.health.failed:
                 self.leases.final_sample()
+                if self.run_id is not None:  # every crawl's commits in, this one's included
+                    set_run_stats(self.stats, self.store.run_totals(self.run_id,
+                                                                     spider_errors=True))
             self.leases.reclaim_space(everything=True)
             self.claimed.clear()
             self._log_close(reason, released)

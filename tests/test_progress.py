@@ -18,8 +18,8 @@ from shop.spiders.shop import ShopSpider
 
 LINE = re.compile(
     r"Frontier: (\d+) pending, (\d+) leased, (\d+) done, (\d+) failed; records this crawl: "
-    r"(\d+) inserted, 0 updated, 0 unchanged \((\d+) stored\); (\d+) pages/min, "
-    r"(\d+) records/min"
+    r"(\d+) inserted, 0 updated, 0 unchanged \((\d+) stored\); run: (\d+) pages, "
+    r"(\d+) items; (\d+) pages/min, (\d+) records/min"
 )
 
 
@@ -45,7 +45,10 @@ async def test_the_progress_line_is_logged_every_interval(
         # a moment (a transaction committed by the writer thread whose result has not yet
         # reached the stats on the reactor thread)
         assert int(m[5]) <= int(m[6]) <= 20
-    assert any(m is not None and int(m[7]) > 0 and int(m[8]) > 0 for m in matches)
+        # one crawl of a new run: the run's items are what it inserted (committed), its
+        # pages the done ones
+        assert int(m[8]) == int(m[6]) and int(m[7]) == int(m[3])
+    assert any(m is not None and int(m[9]) > 0 and int(m[10]) > 0 for m in matches)
 
 
 def test_interval_zero_disables_it_and_a_bad_interval_is_refused() -> None:

@@ -941,6 +941,33 @@ def test_a_worker_open_across_the_run_boundary_writes_in_the_next_run(make_store
     assert open_runs == {2}
 
 
+def test_run_totals_add_up_every_session_of_the_run(make_store):
+    """The run's totals are what every worker committed in the run, a killed one's (its
+    session never ended) included, and only what was committed: a lease lost to another
+    worker counts nothing. Spider errors are the failed entries whose callback raised."""
+    w1, run = open_store(make_store, "w1")
+    enqueue(w1, req("a"), req("b"), req("c"), req("d"), req("e"))
+    a, b = claim_keys(w1, 2)
+    w1.commit(UnitOfWork(records=[(rec("r1", "h1"), a), (rec("r2", "h2"), a)],
+                         completions=[Completion(a, RequestState.DONE)]), "w1")
+    complete(w1, b, RequestState.FAILED, error_kind="spider_error/ValueError",
+             error_message="boom")
+    w1.close()  # killed: its session never ends
+    w2, _ = open_store(make_store, "w2")
+    c, d, e = claim_keys(w2, 3, worker="w2")
+    w2.commit(UnitOfWork(records=[(rec("r1", "h1"), c), (rec("r3", "h3"), c)],
+                         completions=[Completion(c, RequestState.DONE)]), "w2")
+    complete(w2, d, RequestState.FAILED, worker="w2", error_kind="http_status")
+    complete(w2, e, RequestState.REDIRECTED, worker="w2")
+    complete(w2, a, worker="w2")  # not its lease: nothing written, nothing counted
+    totals = w2.run_totals(run.run_id, spider_errors=True)
+    assert (totals.done, totals.failed, totals.redirected, totals.records_inserted,
+            totals.records_unchanged, totals.spider_errors) == (2, 2, 1, 3, 1, 1)
+    assert (totals.pages, totals.items) == (5, 4)
+    assert w2.run_totals(run.run_id).spider_errors is None
+    assert w2.run_totals(run.run_id + 1).pages == 0
+
+
 def test_end_session_finished_with_pending_requests_keeps_the_run_open(make_store):
     store, _ = open_store(make_store, "w1")
     enqueue(store, req("a"), req("b"))

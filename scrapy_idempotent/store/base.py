@@ -63,6 +63,7 @@ from .reads import (
     RetriedFailed,
     RunRecord,
     RunSummary,
+    RunTotals,
     Sample,
     SchemaInfo,
     SeqRecord,
@@ -105,6 +106,7 @@ __all__ = [
     "RunMode",
     "RunRecord",
     "RunSummary",
+    "RunTotals",
     "Sample",
     "SchemaInfo",
     "SeqRecord",
@@ -766,6 +768,13 @@ class FrontierStore(ABC):
     @abstractmethod
     def runs(self) -> list[RunSummary]:
         """Every run, oldest first."""
+
+    @abstractmethod
+    def run_totals(self, run_id: int, *, spider_errors: bool = False) -> RunTotals:
+        """Run ``run_id``'s counters as committed, summed over every session (one indexed
+        read, outside any transaction; a crawl makes it beside its writer). With
+        ``spider_errors`` also the failed entries of the frontier whose callback raised (a
+        count over the failed entries)."""
 
     @abstractmethod
     def sessions(self) -> list[SessionInfo]:

@@ -28,6 +28,7 @@ __all__ = [
     "RetriedFailed",
     "RunRecord",
     "RunSummary",
+    "RunTotals",
     "Sample",
     "SchemaInfo",
     "SeqRecord",
@@ -109,6 +110,38 @@ class RunSummary:
     records_stale: int = 0  #: records refused: the stored one was observed later
     leases_reclaimed: int = 0  #: leases taken back from expired or dead workers
     leases_lost: int = 0  #: completions refused: their lease was another worker's by then
+
+
+@dataclass(frozen=True)
+class RunTotals:
+    """What run ``run_id`` has committed so far, every worker and every session of it
+    together (:meth:`~.FrontierStore.run_totals`): what the run-wide ``CLOSESPIDER_*``
+    limits and the ``idempotent/run/...`` stats count. A page killed before its commit
+    counts nothing (it is fetched again and counted then)."""
+
+    run_id: int
+    done: int = 0
+    failed: int = 0
+    redirected: int = 0
+    records_inserted: int = 0
+    records_updated: int = 0
+    records_unchanged: int = 0
+    records_stale: int = 0
+    #: failed entries whose callback or errback raised (error kind ``spider_error/...``);
+    #: None when not read (a count over the failed entries)
+    spider_errors: int | None = None
+
+    @property
+    def pages(self) -> int:
+        """Requests completed: done, failed or redirected."""
+        return self.done + self.failed + self.redirected
+
+    @property
+    def items(self) -> int:
+        """Items that passed every pipeline and reached the store: records inserted,
+        updated, unchanged, or refused as stale (Scrapy's ``item_scraped`` of them)."""
+        return (self.records_inserted + self.records_updated + self.records_unchanged
+                + self.records_stale)
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,7 @@ from .base import (
     RetriedFailed,
     RunMode,
     RunRecord,
+    RunTotals,
     Sample,
     SessionInfo,
     SlotLimits,
@@ -1241,6 +1242,26 @@ class SqlStore(SqlOutbox, FrontierStore):
                 f" ON CONFLICT (run_id, slot) {conflict}"), (run_id, slot, now, run_id))
             written: int = cur.rowcount
         return written > 0
+
+    #: The run counters :class:`~.RunTotals` holds, as named in :attr:`COUNTER_TABLE`
+    _TOTALS = ("done", "failed", "redirected", "records_inserted", "records_updated",
+               "records_unchanged", "records_stale")
+
+    def run_totals(self, run_id: int, *, spider_errors: bool = False) -> RunTotals:
+        sums = ", ".join(f"coalesce(sum({c}), 0)" for c in self._TOTALS)
+        row = self._crawl_select(
+            f"SELECT {sums} FROM {self.COUNTER_TABLE} WHERE run_id = ?", (run_id,))[0]
+        errors = None
+        if spider_errors:
+            kind = "spider_error/"
+            errors = int(self._crawl_select(
+                "SELECT count(*) FROM requests WHERE state = 'failed'"
+                " AND substr(error_kind, 1, ?) = ?", (len(kind), kind))[0][0])
+        done, failed, redirected, inserted, updated, unchanged, stale = (int(n) for n in row)
+        return RunTotals(run_id, done=done, failed=failed, redirected=redirected,
+                         records_inserted=inserted, records_updated=updated,
+                         records_unchanged=unchanged, records_stale=stale,
+                         spider_errors=errors)
 
     def samples(self, run_id: int) -> list[Sample]:
         return [Sample(run_id, *row) for row in self._select(
