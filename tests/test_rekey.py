@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+from local_site import LocalSite
+from record_types_spider import NATURAL_KEYS, OfferItem, OffersSpider, ProductItem
 from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import crawl_settings, package_messages, run_crawl
 from helpers.stored import outbox_rows, reading, stored_records
-from local_site import LocalSite
-from record_types_spider import NATURAL_KEYS, OfferItem, OffersSpider, ProductItem
 from scrapy_idempotent import OutboxTarget
 from scrapy_idempotent.records import RECORD_ID_SCHEME, RecordIdentity, record_id_of
 from scrapy_idempotent.rekey import FileStores, apply_rekey, plan_rekey
