@@ -97,7 +97,9 @@ class Addon:
                       "scrapy.extensions.feedexport.FeedExporter": None,
                       "scrapy_idempotent.IdempotentFeedExporter": 0,
                       "scrapy.extensions.closespider.CloseSpider": None,
-                      "scrapy_idempotent.RunCloseSpider": 0}
+                      "scrapy_idempotent.RunCloseSpider": 0,
+                      # spider.state is restored from the database by the scheduler
+                      "scrapy.extensions.spiderstate.SpiderState": None}
     """
 
     def __init__(self, crawler: Crawler | None = None) -> None:
@@ -147,6 +149,7 @@ class Addon:
             settings.set_in_component_priority_dict("EXTENSIONS", WorkerMetrics, 0)
         _replace_feed_exporter(settings)
         _replace_close_spider(settings)
+        _spider_state_from_the_database(settings)
         _replace_media_pipelines(settings)
         if self.crawler is not None and self.crawler.spider is not None:
             # check every IDEMPOTENT_* setting before anything is built (a bad one is one
@@ -187,6 +190,15 @@ def _replace_feed_exporter(settings: BaseSettings) -> None:
     from .feeds import IdempotentFeedExporter
 
     _replace_extension(settings, FeedExporter, IdempotentFeedExporter)
+
+
+def _spider_state_from_the_database(settings: BaseSettings) -> None:
+    """Scrapy's ``SpiderState`` (``spider.state`` in a ``JOBDIR`` file, saved at a clean close
+    only) off: the scheduler restores ``spider.state`` from the crawl's database and commits
+    its changes with the pages that made them (:mod:`.spider_state`)."""
+    from scrapy.extensions.spiderstate import SpiderState
+
+    scrapy_compat.disable_component(settings, "EXTENSIONS", SpiderState)
 
 
 def _replace_close_spider(settings: BaseSettings) -> None:

@@ -50,6 +50,7 @@ from .exceptions import MissingNaturalKey, UnstorableRequest
 from .keys import RequestFingerprints
 from .records import RecordIdentity, is_record_id, item_type_name, page_position
 from .scrapy_compat import failure_name, stat_counter
+from .spider_state import StateTracker
 from .store.base import (
     Completion,
     LeasedRequest,
@@ -57,6 +58,7 @@ from .store.base import (
     Record,
     Reject,
     RequestState,
+    StateChange,
     UnitOfWork,
     observation_clock,
 )
@@ -110,6 +112,8 @@ class InflightRequest:
     children: list[NewRequest] = field(default_factory=list)
     records: list[tuple[Record, str | None]] = field(default_factory=list)
     rejects: list[Reject] = field(default_factory=list)
+    #: changes its callback made to the spider's state (:mod:`.spider_state`)
+    state_changes: list[StateChange] = field(default_factory=list)
     tracked: dict[int, Any] = field(default_factory=dict)  #: id -> object attributed to it
     dont_filter_counts: Counter[str] = field(default_factory=Counter)
     page_keys: Counter[str] = field(default_factory=Counter)
@@ -168,7 +172,8 @@ class InflightRequest:
     def unit_of_work(self) -> UnitOfWork:
         """Everything this entry produced with its completion: one transaction."""
         return UnitOfWork(requests=self.children, records=self.records,
-                          rejects=self.rejects, completions=[self.completion()])
+                          rejects=self.rejects, completions=[self.completion()],
+                          state_changes=[(change, self.key) for change in self.state_changes])
 
 
 @dataclass
@@ -181,22 +186,27 @@ class UnattributedWrites:
     records: list[tuple[Record, str | None]] = field(default_factory=list)
     rejects: list[Reject] = field(default_factory=list)
     completions: list[Completion] = field(default_factory=list)
+    state_changes: list[tuple[StateChange, str | None]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.requests or self.records or self.rejects or self.completions)
+        return bool(self.requests or self.records or self.rejects or self.completions
+                    or self.state_changes)
 
     def drain_into(self, work: UnitOfWork) -> None:
         work.requests[:0] = self.requests
         work.records[:0] = self.records
         work.rejects[:0] = self.rejects
         work.completions[:0] = self.completions
+        work.state_changes[:0] = self.state_changes
         self.requests, self.records, self.rejects, self.completions = [], [], [], []
+        self.state_changes = []
 
     def restore_from(self, work: UnitOfWork) -> None:
         """Put the orphan part of a failed unit of work back (nothing of it was written)."""
         self.requests[:0] = work.requests
         self.records[:0] = work.records
         self.rejects[:0] = work.rejects
+        self.state_changes[:0] = [(c, k) for c, k in work.state_changes if k is None]
 
 
 class RequestOrigin(NamedTuple):
@@ -271,6 +281,8 @@ class InflightTracker:
         #: told of each request a callback yielded, before the request reaches the engine
         self.child_request: Callable[[Request], None] = lambda request: None
         self.unattributed = UnattributedWrites()
+        #: the spider's state as last seen (see :mod:`.spider_state`)
+        self.state = StateTracker(stats)
         self._inflight: dict[int, InflightRequest] = {}  # id(handed-out request) -> entry
         self._by_fingerprint: dict[str, InflightRequest] = {}
         #: id(child request) -> its producer
@@ -427,6 +439,7 @@ class InflightTracker:
         """Add every buffered write to ``work`` (and forget them here): the unattributed
         writes, the attempts started and replayed, and the journaled responses of requests
         still in flight (a completed one needs no journal entry)."""
+        self.state_boundary(None)  # changes made outside callbacks go with this one
         self.unattributed.drain_into(work)
         work.started[:0] = self._started
         self._started = []
@@ -537,6 +550,18 @@ class InflightTracker:
             entry.failure = (f"{kind}/{failure_name(exc)}", str(exc)[:1000])
 
     # -- attribution (the spider middleware and the errback hook) ---------------------------
+
+    def state_boundary(self, entry: InflightRequest | None) -> None:
+        """Give what the spider's state changed since the last boundary to ``entry`` (whose
+        callback just ran a step: its page's commit carries it), or with ``None`` to the
+        next transaction (see :mod:`.spider_state`)."""
+        changes = self.state.changes()
+        if not changes:
+            return
+        if entry is not None and id(entry.request) in self._inflight:
+            entry.state_changes.extend(changes)
+        else:
+            self.unattributed.state_changes.extend((change, None) for change in changes)
 
     def track(self, output: Any, entry: InflightRequest | None, page_url: str | None) -> None:
         """Attribute one output of a callback (or errback) to the entry that produced it; for
@@ -861,12 +886,14 @@ class InflightTracker:
         records = [(record, key) for record, _ in entry.records]
         rejects = [dataclasses.replace(r, request_key=key) for r in entry.rejects]
         if owner is None:
-            self.complete(UnitOfWork(requests=children, records=records, rejects=rejects),
+            self.complete(UnitOfWork(requests=children, records=records, rejects=rejects,
+                                     state_changes=[(c, None) for c in entry.state_changes]),
                           None)
             return
         owner.children.extend(children)
         owner.records.extend(records)
         owner.rejects.extend(rejects)
+        owner.state_changes.extend(entry.state_changes)
         self._pass_outcome(entry, owner)
         owner.waiting -= 1
         self._settle_if_done(owner)

@@ -95,6 +95,7 @@ class RecordIdMiddleware:
                         held = intake is not None and intake.hold(output)
                     else:
                         tracker.track(output, None, None)
+                    tracker.state_boundary(None)
                 if not held:
                     if intake is not None:
                         intake.flush()  # (held start requests first: the order yielded)
@@ -116,6 +117,18 @@ class RecordIdMiddleware:
                 yield output
             return
         entry = tracker.for_response(response)
-        async for output in result:
-            tracker.track(output, entry, response.url)
-            yield output
+        tracker.state_boundary(entry)  # what the callback did before it returned
+        try:
+            async for output in result:
+                tracker.state_boundary(entry)  # what its step until this output did
+                tracker.track(output, entry, response.url)
+                yield output
+        finally:
+            tracker.state_boundary(entry)
+
+    def process_spider_input(self, response: Response, spider: Spider | None = None) -> None:
+        """Before the callback runs (this middleware's input hook runs first): what the
+        spider's state changed since the last step was no callback's."""
+        tracker = self.tracker
+        if tracker is not None:
+            tracker.state_boundary(None)

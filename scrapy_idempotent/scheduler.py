@@ -190,6 +190,7 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             downloader = getattr(self.crawler.engine, "downloader", None)
             retry_busy("setting the download slots' limits",
                        lambda: self.politeness.open(downloader, self.store))
+            stored_state = retry_busy("reading the spider's state", self.store.spider_state)
         except IdempotentError as exc:
             # the database was refused (not ours, another crawl's, disk full, a path that
             # cannot be created...): one ERROR line, nothing fetched, the spider closed as
@@ -198,6 +199,12 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             return
         workers.declare_live(self.worker)
         self._session = True
+        self.tracker.state.restore(spider, stored_state)
+        if self.crawler.settings.get("JOBDIR"):
+            logger.warning(
+                "scrapy_idempotent: JOBDIR is set and not used: the frontier, the records and "
+                "spider.state live in %s (Scrapy's JOBDIR queues and spider.state file are "
+                "left alone)", redacted(self.config.database))
         if changed is not None:
             logger.warning(
                 "The frontier in %s was built with request fingerprinter %s; this crawl uses "

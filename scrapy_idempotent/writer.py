@@ -105,6 +105,7 @@ def merge_work(into: UnitOfWork, work: UnitOfWork) -> None:
     into.started.extend(work.started)
     into.responses.extend(work.responses)
     into.replayed.extend(work.replayed)
+    into.state_changes.extend(work.state_changes)
     into.claim = max(into.claim, work.claim)
     for key in work.give_back:
         if key not in into.give_back:

@@ -44,6 +44,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..exceptions import StoreError
 from .reads import (
@@ -113,6 +114,7 @@ __all__ = [
     "SessionInfo",
     "SlotLimits",
     "SlotState",
+    "StateChange",
     "StoredIdentity",
     "StoredRecord",
     "UnitOfWork",
@@ -402,6 +404,18 @@ class Reject:
     page_url: str | None = None  #: URL of the page that produced the item, if known
 
 
+@dataclass(frozen=True)
+class StateChange:
+    """One change of the spider's ``state`` dict (see :mod:`.spider_state`): at ``path``
+    (the keys from the top), ``op`` is ``"add"`` (the number ``value`` added to the number
+    there: counters of several workers add up), ``"set"`` (``value``, a tagged-JSON value,
+    put there) or ``"delete"`` (the key removed)."""
+
+    op: str
+    path: tuple[str, ...]
+    value: Any = None
+
+
 @dataclass
 class UnitOfWork:
     """Everything one transaction writes. ``claim`` asks for that many new leases;
@@ -427,11 +441,14 @@ class UnitOfWork:
     #: targets to announce every record inserted or changed by this unit to (one outbox
     #: entry per target and change); empty: no outbox entries
     outbox_targets: tuple[str, ...] = ()
+    #: (change of the spider's state, key of the request whose callback made it; None: of
+    #: no request), applied in order to the stored state (fenced as records are)
+    state_changes: list[tuple[StateChange, str | None]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.requests or self.records or self.rejects or self.completions
                     or self.started or self.responses or self.replayed or self.claim
-                    or self.give_back)
+                    or self.give_back or self.state_changes)
 
 
 @dataclass
@@ -889,6 +906,11 @@ class FrontierStore(ABC):
         transaction."""
 
     # -- record identity (``scrapy idempotent rekey``) --------------------------------------
+
+    def spider_state(self) -> Any:
+        """The spider's ``state`` as committed (tagged-JSON values; ``{}`` before any)."""
+        raw = self.meta().get("spider_state")
+        return json.loads(raw) if raw else {}
 
     @abstractmethod
     def record_keys(self) -> list[RecordKey]:

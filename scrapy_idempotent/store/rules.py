@@ -14,7 +14,7 @@ import random
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from .base import CrawlIdentity, LeasedRequest, RequestState, RunMode
+from .base import CrawlIdentity, LeasedRequest, RequestState, RunMode, StateChange
 
 __all__ = [
     "CLAIMED_COLUMNS",
@@ -28,6 +28,7 @@ __all__ = [
     "StoredState",
     "after_write",
     "anomaly_checks",
+    "apply_state_changes",
     "claim_order",
     "enqueue_decision",
     "is_older",
@@ -350,3 +351,34 @@ def anomaly_checks() -> dict[str, str]:
         "record_times": "SELECT count(*) FROM records WHERE last_changed < first_seen"
                         " OR changed_run_id < first_run_id",
     }
+
+
+# -- the spider's state ---------------------------------------------------------------------
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def apply_state_changes(state: dict[str, Any], changes: Sequence[StateChange]
+                        ) -> dict[str, Any]:
+    """``state`` (the stored spider state: tagged-JSON values) with ``changes`` applied in
+    order: ``add`` adds its number to the number at its path (sets it where there is none:
+    counters of several workers add up), ``set`` puts its value there (the last committed
+    write wins), ``delete`` removes the key. The dicts on a path are made where missing (a
+    value that is no dict on the way is replaced by one)."""
+    for change in changes:
+        node = state
+        *parents, key = change.path
+        for name in parents:
+            child = node.get(name)
+            if not isinstance(child, dict):
+                child = node[name] = {}
+            node = child
+        if change.op == "delete":
+            node.pop(key, None)
+        elif change.op == "add" and _number(node.get(key)):
+            node[key] = node[key] + change.value
+        else:
+            node[key] = change.value
+    return state

@@ -65,6 +65,7 @@ from .base import (
     SessionInfo,
     SlotLimits,
     SlotState,
+    StateChange,
     StoredIdentity,
     StoredRecord,
     UnitOfWork,
@@ -81,6 +82,7 @@ from .rules import (
     StoredState,
     after_write,
     anomaly_checks,
+    apply_state_changes,
     enqueue_decision,
     known_request_answer,
     pause_seconds,
@@ -526,6 +528,9 @@ class SqlStore(SqlOutbox, FrontierStore):
         changes = self._upsert_records(cur, records, now, run_id, result)
         if work.outbox_targets and changes:
             self._write_outbox(cur, changes, work.outbox_targets, now, run_id, result)
+        state_changes = [change for change, key in work.state_changes if key not in lost]
+        if state_changes:
+            self._write_state(cur, state_changes)
         rejects = [r for r in work.rejects if r.request_key not in lost]
         if rejects:
             cur.executemany(self._q(
@@ -782,6 +787,18 @@ class SqlStore(SqlOutbox, FrontierStore):
             result.records_unchanged += 1
         known[rid] = after_write(current, decision, record.content_hash, observed, run_id)
         return (decision.value, current.version + 1) if decision.change else None
+
+    def _write_state(self, cur: Any, changes: list[StateChange]) -> None:
+        """Apply the spider's state ``changes`` to the stored state (its ``meta`` row, made
+        first if missing, locked where rows are: the commits of several workers apply
+        theirs one after the other)."""
+        cur.execute(self._q("INSERT INTO meta (key, value) VALUES ('spider_state', '{}')"
+                            " ON CONFLICT (key) DO NOTHING"))
+        [(raw,)] = self._lookup(
+            cur, f"SELECT value FROM meta WHERE key = 'spider_state'{self.LOCK_ROWS}")
+        state = apply_state_changes(json.loads(raw), changes)
+        cur.execute(self._q("UPDATE meta SET value = ? WHERE key = 'spider_state'"),
+                    (json.dumps(state, ensure_ascii=False, separators=(",", ":")),))
 
     def _record_keys(self, cur: Any, keys: list[RecordKey | None], now: float,
                      result: CommitResult) -> None:
