@@ -11,15 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
+from state_spider import StateSpider
 
 from crawling import close_reason, crawl_settings, run_crawl, wait_for
 from helpers.stored import reading, stored_records
-from local_site import LocalSite
 from scrapy_idempotent.spider_state import state_changes
 from scrapy_idempotent.store.base import StateChange
 from scrapy_idempotent.store.rules import apply_state_changes
-from state_spider import StateSpider
 
 STATE_SPIDER = Path(__file__).parent / "state_spider.py"
 
