@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from scrapy.statscollectors import StatsCollector
     from twisted.internet.defer import Deferred
 
+    from .cookies import CookieKeeper
     from .engine_hooks import EngineWakeup
     from .inflight import InflightRequest, InflightTracker
     from .leases import ClaimedRequests
@@ -112,7 +113,8 @@ class CommitPath:
 
     def __init__(self, store: FrontierStore, worker: str, *, tracker: InflightTracker,
                  claimed: ClaimedRequests, outcomes: CommitOutcomes, health: CrawlHealth,
-                 wakeup: EngineWakeup, outbox_targets: Any, threaded: bool = True) -> None:
+                 wakeup: EngineWakeup, outbox_targets: Any, threaded: bool = True,
+                 cookies: CookieKeeper | None = None) -> None:
         self.store = store
         self.tracker = tracker
         self.claimed = claimed
@@ -120,6 +122,8 @@ class CommitPath:
         self.health = health
         self.wakeup = wakeup
         self.outbox_targets = outbox_targets
+        #: the cookie jars written with the transactions (None: not kept)
+        self.cookies = cookies
         #: every write of the crawl (see :mod:`.writer`); ``threaded=False`` writes at once
         #: on the calling thread (a scheduler driven by hand, outside a crawl)
         self.writer = WriterThread(store, worker, prepare=self._prepare,
@@ -269,6 +273,10 @@ class CommitPath:
                 self._note_order(seq, work.requests[:len(work.requests) - pages], ())
         self.claimed.prepare(work, self.health.closing)
         work.outbox_targets = self.outbox_targets  # announce its record changes
+        if self.cookies is not None:
+            jars = self.cookies.changed(force=self.health.closing)
+            if jars is not None:
+                work.meta["cookies"] = jars
 
     def _committed(self, work: UnitOfWork, result: CommitResult) -> None:
         """The writer's ``committed``: count, announce, take the claimed requests."""

@@ -268,6 +268,15 @@ callback once it is written (with the transaction of another page's completion, 
 being processed.""",
     ),
     Setting(
+        "IDEMPOTENT_KEEP_COOKIES", True, "bool", "Frontier, leases and runs", "False",
+        allowed="``True``/``False``, ``1``/``0``, ``'true'``/``'false'``",
+        doc="""
+Copy the cookie jars of Scrapy's ``CookiesMiddleware`` into the database (at most once a
+second, when a cookie changed) and put them back when a crawl opens, so that a crawl that
+logged in resumes logged in (:ref:`resume-cookies`). ``False`` writes no cookie to the
+database: a resumed crawl starts with empty jars, as Scrapy does.""",
+    ),
+    Setting(
         "IDEMPOTENT_GC_FREEZE", True, "bool", "Frontier, leases and runs", "False",
         allowed="``True``/``False``, ``1``/``0``, ``'true'``/``'false'``",
         doc="""
@@ -615,6 +624,7 @@ class IdempotentConfig:
     metrics_listen: tuple[str, int] | None = None
     recrawl_seconds: float | None = None
     response_journal: bool = True
+    keep_cookies: bool = True
     feed_streaming: bool = True
     #: IDEMPOTENT_GC_FREEZE: start-up's objects frozen while the crawl runs (:mod:`.gc_freeze`)
     gc_freeze: bool = True
@@ -667,6 +677,7 @@ class IdempotentConfig:
             sample_seconds=_sample_seconds(settings),
             metrics_listen=metrics_listen(settings),
             response_journal=_boolean(settings, "IDEMPOTENT_RESPONSE_JOURNAL"),
+            keep_cookies=_boolean(settings, "IDEMPOTENT_KEEP_COOKIES"),
             feed_streaming=_boolean(settings, "IDEMPOTENT_FEED_STREAMING"),
             gc_freeze=_boolean(settings, "IDEMPOTENT_GC_FREEZE"),
             **_outbox(settings),

@@ -53,6 +53,7 @@ from .admission import START_AHEAD, Admission, StartIntake
 from .codec import RequestCodec, describe
 from .commits import STORE_ERROR_REASON, CommitOutcomes, CommitPath, CrawlHealth, retry_busy
 from .config import IdempotentConfig, config_for
+from .cookies import CookieKeeper
 from .exceptions import IdempotentError, StoreBusy
 from .handout import HandOut, RecentRequests
 from .inflight import InflightTracker, tracker_for
@@ -104,11 +105,13 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         self.wakeup = engine_hooks.EngineWakeup(crawler)
         self.outcomes = CommitOutcomes(crawler, stats, config.max_attempts)
         self.claimed = ClaimedRequests(config.lease_batch)
+        #: the cookie jars kept across a resume (None: IDEMPOTENT_KEEP_COOKIES is off)
+        self.cookies = CookieKeeper(crawler) if config.keep_cookies else None
         self.commits = CommitPath(
             self.store, workers.new_worker_id(), tracker=self.tracker, claimed=self.claimed,
             outcomes=self.outcomes, health=self.health, wakeup=self.wakeup,
             outbox_targets=tuple(target_name(spec) for spec in config.outbox_targets),
-            threaded=threaded_writes)
+            threaded=threaded_writes, cookies=self.cookies)
         self.writer = self.commits.writer
         self.leases = LeaseKeeper(
             self.store, self.writer, tracker=self.tracker, claimed=self.claimed, stats=stats,
@@ -191,6 +194,8 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             retry_busy("setting the download slots' limits",
                        lambda: self.politeness.open(downloader, self.store))
             stored_state = retry_busy("reading the spider's state", self.store.spider_state)
+            stored_cookies = (retry_busy("reading the cookies", self.store.meta).get("cookies")
+                              if self.cookies is not None else None)
         except IdempotentError as exc:
             # the database was refused (not ours, another crawl's, disk full, a path that
             # cannot be created...): one ERROR line, nothing fetched, the spider closed as
@@ -200,6 +205,11 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         workers.declare_live(self.worker)
         self._session = True
         self.tracker.state.restore(spider, stored_state)
+        if self.cookies is not None:
+            restored = self.cookies.restore(stored_cookies)
+            if restored:
+                logger.info("scrapy_idempotent: %d cookies restored into the cookie jars",
+                            restored)
         if self.crawler.settings.get("JOBDIR"):
             logger.warning(
                 "scrapy_idempotent: JOBDIR is set and not used: the frontier, the records and "

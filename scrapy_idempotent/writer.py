@@ -106,6 +106,7 @@ def merge_work(into: UnitOfWork, work: UnitOfWork) -> None:
     into.responses.extend(work.responses)
     into.replayed.extend(work.replayed)
     into.state_changes.extend(work.state_changes)
+    into.meta.update(work.meta)
     into.claim = max(into.claim, work.claim)
     for key in work.give_back:
         if key not in into.give_back:

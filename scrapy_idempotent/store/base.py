@@ -444,11 +444,13 @@ class UnitOfWork:
     #: (change of the spider's state, key of the request whose callback made it; None: of
     #: no request), applied in order to the stored state (fenced as records are)
     state_changes: list[tuple[StateChange, str | None]] = field(default_factory=list)
+    #: ``meta`` rows to write (key -> text; the cookie jars: :mod:`.cookies`)
+    meta: dict[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.requests or self.records or self.rejects or self.completions
                     or self.started or self.responses or self.replayed or self.claim
-                    or self.give_back or self.state_changes)
+                    or self.give_back or self.state_changes or self.meta)
 
 
 @dataclass

@@ -531,6 +531,8 @@ class SqlStore(SqlOutbox, FrontierStore):
         state_changes = [change for change, key in work.state_changes if key not in lost]
         if state_changes:
             self._write_state(cur, state_changes)
+        for key, value in sorted(work.meta.items()):
+            self._set_meta(cur, key, value)
         rejects = [r for r in work.rejects if r.request_key not in lost]
         if rejects:
             cur.executemany(self._q(
