@@ -142,12 +142,18 @@ async def test_a_changed_key_is_refused_before_the_first_request_until_rekey_mov
         assert record.record_id == identity.record_id([sku], record.item_type)
     assert sorted(r.first_seen for r in after) == sorted(r.first_seen for r in before.values())
 
-    third = await run_crawl(OffersSpider, settings(crawl_database), url=offers_site.url)
+    feed = tmp_path / "records.jsonl"
+    third = await run_crawl(OffersSpider, settings(
+        crawl_database, FEEDS={str(feed): {"format": "jsonlines", "overwrite": True}}),
+        url=offers_site.url)
     stats = stats_of(third)
     assert stats["finish_reason"] == "finished"
     assert stats["idempotent/records/unchanged"] == 120
     assert "idempotent/records/inserted" not in stats
     assert "idempotent/records/updated" not in stats
+    # the run's feed: every record once, under its new record ID
+    entries = [json.loads(line) for line in feed.read_text().splitlines()]
+    assert sorted(entry["record_id"] for entry in entries) == sorted(r.record_id for r in after)
 
 
 def rekey_command(database: str, tmp_path: Path, *args: str,
