@@ -55,6 +55,13 @@ def run(opened: Opened, opts: argparse.Namespace) -> int:
 
 
 def _refusal(plan: rekey.RekeyPlan, *, keep_file_paths: bool) -> str | None:
+    changed_types = {key.item_type for key in plan.change.keys
+                     if key.record_type in plan.changed_keys}
+    unresolved = [name for name in plan.missing_classes if name in changed_types]
+    if unresolved:
+        return (f"the item class {unresolved[0]} does not import here, and its records would "
+                "get another key: run the command in the project's directory with the "
+                "spider's name (its key may come from a base class the settings name)")
     if plan.unkeyable:
         record_id, item_type, why = plan.unkeyable[0]
         return (f"{plural(len(plan.unkeyable), 'record has', 'records have')} no natural key "
