@@ -120,6 +120,13 @@ class RunCloseSpider(CloseSpider):
         reached = self._reached()
         if reached is not None:
             self._closing = True
+            assert self.count.base is not None
+            logger.warning(
+                "scrapy_idempotent: run %d reached its %s limit before this crawl: it closes "
+                "without fetching anything; raise or remove the limit to go on with the run, "
+                "or start a new one with -s IDEMPOTENT_RUN_MODE=fresh",
+                self.count.base.run_id, reached.removeprefix("closespider_"),
+                extra={"spider": self.crawler.spider})
             raise CloseSpiderError(reached)
         self._refresh_task = task.LoopingCall(self._refresh)
         self._refresh_task.start(REFRESH_SECONDS, now=False)
