@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 import scrapy
+from local_site import LocalSite, Received
 from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import crawl_settings, run_crawl
 from helpers.stored import stored_products
-from local_site import LocalSite, Received
 
 PAGES = 10
 
