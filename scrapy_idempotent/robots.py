@@ -198,9 +198,8 @@ class CrawlRobotsTxtMiddleware:
         except IgnoreRequest:  # another middleware refused it: nothing to obey
             return None, self.max_age_seconds
         except Exception as exc:
-            logger.error("Error downloading %(request)s: %(f_exception)s",
-                         {"request": robots_request, "f_exception": exc}, exc_info=True,
-                         extra={"spider": self.crawler.spider})
+            logger.error("Error downloading %s: %s", robots_request, exc, exc_info=True,
+                         extra={"spider": self.crawler.spider})  # Scrapy's line
             self.stats.inc_value(f"robotstxt/exception_count/{type(exc)}")
             return None, self.max_age_seconds  # Scrapy's behaviour, in this process only
         self.stats.inc_value("robotstxt/response_count")
