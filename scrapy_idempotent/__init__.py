@@ -22,6 +22,7 @@ from .middleware import RecordIdMiddleware
 from .outbox import OutboxDelivery, OutboxTarget
 from .pipeline import UpsertPipeline
 from .politeness import SlotBackoffMiddleware
+from .robots import CrawlRobotsTxtMiddleware
 from .run_limits import RunCloseSpider
 from .scheduler import IdempotentScheduler
 from .store import SQLiteStore
@@ -29,6 +30,7 @@ from .store import SQLiteStore
 __all__ = [
     "Addon",
     "ConfigError",
+    "CrawlRobotsTxtMiddleware",
     "DeliveryRefused",
     "DeliveryRetry",
     "IdempotentError",

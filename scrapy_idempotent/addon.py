@@ -84,7 +84,11 @@ class Addon:
 
         SCHEDULER = "scrapy_idempotent.IdempotentScheduler"
         SPIDER_MIDDLEWARES = {"scrapy_idempotent.RecordIdMiddleware": 10}
-        DOWNLOADER_MIDDLEWARES = {"scrapy_idempotent.ResponseJournalMiddleware": 950}
+        DOWNLOADER_MIDDLEWARES = {"scrapy_idempotent.ResponseJournalMiddleware": 950,
+            "scrapy_idempotent.SlotBackoffMiddleware": 560,  # IDEMPOTENT_POLITENESS
+            # ROBOTSTXT_OBEY:
+            "scrapy.downloadermiddlewares.robotstxt.RobotsTxtMiddleware": None,
+            "scrapy_idempotent.CrawlRobotsTxtMiddleware": 100}
         ITEM_PIPELINES = {"scrapy_idempotent.UpsertPipeline": 1000}
         # and, where the project enables them, at their priority:
         # "scrapy_idempotent.IdempotentFilesPipeline" for FilesPipeline,
@@ -150,6 +154,7 @@ class Addon:
         _replace_feed_exporter(settings)
         _replace_close_spider(settings)
         _spider_state_from_the_database(settings)
+        _replace_robots_txt(settings)
         _replace_media_pipelines(settings)
         if self.crawler is not None and self.crawler.spider is not None:
             # check every IDEMPOTENT_* setting before anything is built (a bad one is one
@@ -211,13 +216,27 @@ def _replace_close_spider(settings: BaseSettings) -> None:
     _replace_extension(settings, CloseSpider, RunCloseSpider)
 
 
-def _replace_extension(settings: BaseSettings, scrapy_cls: type, ours: type) -> None:
-    """Scrapy's extension ``scrapy_cls`` off and ``ours`` in its place, at the priority it
-    had, unless the project turned it off (``None``)."""
+def _replace_robots_txt(settings: BaseSettings) -> None:
+    """Scrapy's ``RobotsTxtMiddleware`` off, :class:`~.CrawlRobotsTxtMiddleware` (robots.txt
+    kept for the crawl, every request waiting for its site's rules) in its place, unless the
+    project turned it off. Like Scrapy's, it does nothing without ``ROBOTSTXT_OBEY``."""
+    from scrapy.downloadermiddlewares.robotstxt import RobotsTxtMiddleware
+
+    from .robots import CrawlRobotsTxtMiddleware
+
+    _replace_extension(settings, RobotsTxtMiddleware, CrawlRobotsTxtMiddleware,
+                       "DOWNLOADER_MIDDLEWARES")
+
+
+def _replace_extension(settings: BaseSettings, scrapy_cls: type, ours: type,
+                       setting: str = "EXTENSIONS") -> None:
+    """Scrapy's component ``scrapy_cls`` (an extension, or another component of the
+    priority dict ``setting``) off and ``ours`` in its place, at the priority it had, unless
+    the project turned it off (``None``)."""
     from scrapy.utils.misc import load_object
 
     priority: Any = 0
-    for name, value in scrapy_compat.component_priorities(settings, "EXTENSIONS").items():
+    for name, value in scrapy_compat.component_priorities(settings, setting).items():
         try:
             cls = load_object(name) if isinstance(name, str) else name
         except (ImportError, NameError, ValueError, AttributeError):
@@ -226,5 +245,5 @@ def _replace_extension(settings: BaseSettings, scrapy_cls: type, ours: type) -> 
             if value is None:
                 return  # turned off by the project
             priority = value
-    scrapy_compat.disable_component(settings, "EXTENSIONS", scrapy_cls)
-    settings.set_in_component_priority_dict("EXTENSIONS", ours, priority)
+    scrapy_compat.disable_component(settings, setting, scrapy_cls)
+    settings.set_in_component_priority_dict(setting, ours, priority)

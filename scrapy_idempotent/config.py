@@ -504,6 +504,18 @@ The longest pause of a download slot after 429 (or 503) answers, ``Retry-After``
 included.""",
     ),
     Setting(
+        "IDEMPOTENT_ROBOTSTXT_MAX_AGE_SECONDS", 86400.0, "float, seconds", "Politeness",
+        "3600", allowed='1 to 31536000 (a year)',
+        doc="""
+With ``ROBOTSTXT_OBEY = True``: how long a site's robots.txt, fetched once and kept in the
+crawl's database, is obeyed by every worker and every resume before it is fetched again
+(24 hours by default, the longest RFC 9309 allows a cached robots.txt to be used). A
+request of a site waits until the site's rules are known, so no page robots.txt disallows
+is downloaded, however many requests start at once. A 4xx answer allows everything and is
+kept as well; a 5xx or a network error is obeyed as Scrapy does (everything allowed) by the
+process that met it only, and the next worker or resume asks again. See :ref:`robots`.""",
+    ),
+    Setting(
         "IDEMPOTENT_LOG_INTERVAL_SECONDS", 60.0, "float, seconds", "Logging", "30",
         allowed='0 (no progress line), or 0.1 to 86400',
         doc="""
@@ -650,6 +662,8 @@ class IdempotentConfig:
     slot_limits: SlotLimits = _DEFAULT_SLOT_LIMITS
     backoff_seconds: float = 10.0
     backoff_max_seconds: float = 600.0
+    #: IDEMPOTENT_ROBOTSTXT_MAX_AGE_SECONDS: how long a kept robots.txt is obeyed
+    robotstxt_max_age_seconds: float = 86400.0
 
     def store_options(self) -> dict[str, Any]:
         """The keyword options of :func:`~.store.open_store` these settings give (see
@@ -866,7 +880,9 @@ def _politeness(settings: BaseSettings) -> dict[str, Any]:
                           "at least 1 for every download slot (with IDEMPOTENT_POLITENESS "
                           "'crawl')")
     return {"politeness": mode, "slot_limits": limits, "backoff_seconds": first,
-            "backoff_max_seconds": most}
+            "backoff_max_seconds": most,
+            "robotstxt_max_age_seconds": _number(
+                settings, "IDEMPOTENT_ROBOTSTXT_MAX_AGE_SECONDS", minimum=1, maximum=_YEAR)}
 
 
 def log_interval_seconds(settings: BaseSettings) -> float:

@@ -5,7 +5,8 @@ middlewares, the item pipelines and the extensions; it is handed the crawl's in-
 tracker and store (``IdempotentScheduler.from_crawler``). The other components find them
 here, once the spider is open: :func:`inflight_tracker` (``RecordIdMiddleware``,
 ``UpsertPipeline``, ``ResponseJournalMiddleware``), :func:`frontier_store` (the journal's
-replays, the progress line's counts), :func:`current_run` (the run-wide limits) and
+replays, the progress line's counts), :func:`store_call` (robots.txt of the crawl),
+:func:`current_run` (the run-wide limits) and
 :func:`start_intake` (``RecordIdMiddleware`` paces ``start()`` with it). The feed exporter
 gets what it needs of the crawl as a :class:`FeedSession` (:func:`feed_session`), never the
 scheduler itself.
@@ -46,6 +47,7 @@ __all__ = [
     "inflight_tracker",
     "read_after_writes",
     "start_intake",
+    "store_call",
     "store_refused",
 ]
 
@@ -118,6 +120,23 @@ def read_after_writes(crawler: Crawler, component: str,
         return None
     try:
         return scheduler.writer.call("reading the frontier", read)
+    except IdempotentError as exc:  # the writer is not running (yet, or any more)
+        from twisted.internet.defer import fail
+
+        return fail(exc)
+
+
+def store_call(crawler: Crawler, component: str, what: str,
+               action: Callable[[FrontierStore], _T]) -> Deferred[_T] | None:
+    """``action(store)`` (a read or a write: ``what`` says which, for the log) on the crawl's
+    writer thread, in order with its writes; the Deferred fires on the reactor thread. None
+    outside a crawl (or before the spider is open); a failed Deferred when the store cannot
+    be used."""
+    scheduler = idempotent_scheduler(crawler, component)
+    if scheduler is None or scheduler.run_id is None:
+        return None
+    try:
+        return scheduler.writer.call(what, action)
     except IdempotentError as exc:  # the writer is not running (yet, or any more)
         from twisted.internet.defer import fail
 

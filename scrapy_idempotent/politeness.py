@@ -275,28 +275,40 @@ class SlotBackoffMiddleware:
             politeness.crawl_delay(politeness.slot_of(request), delay)
 
     def _crawl_delay(self, request: Request) -> float | None:
-        """robots.txt's Crawl-delay for ``request``'s site, once RobotsTxtMiddleware has it
-        parsed (its parsers by netloc: ``RobotsTxtMiddleware._parsers``, private, read
-        only when present)."""
+        """robots.txt's Crawl-delay for ``request``'s site, once the robots.txt middleware
+        has it parsed: the package's :class:`~.CrawlRobotsTxtMiddleware` (which the add-on
+        puts in place of Scrapy's), or Scrapy's ``RobotsTxtMiddleware`` wired by hand (its
+        parsers by netloc: ``RobotsTxtMiddleware._parsers``, private, read only when
+        present)."""
         robots = self._robots
         if robots is None:
             from scrapy.downloadermiddlewares.robotstxt import RobotsTxtMiddleware
+
+            from .robots import CrawlRobotsTxtMiddleware
 
             engine = self.crawler.engine
             middlewares = getattr(getattr(getattr(engine, "downloader", None), "middleware",
                                           None), "middlewares", ())
             robots = self._robots = next(
-                (mw for mw in middlewares if isinstance(mw, RobotsTxtMiddleware)), False)
+                (mw for mw in middlewares
+                 if isinstance(mw, (CrawlRobotsTxtMiddleware, RobotsTxtMiddleware))), False)
         if not robots:
             return None
         from scrapy.utils.httpobj import urlparse_cached
 
-        parser = getattr(robots, "_parsers", {}).get(urlparse_cached(request).netloc)
+        from .robots import CrawlRobotsTxtMiddleware
+
+        netloc = urlparse_cached(request).netloc
+        if isinstance(robots, CrawlRobotsTxtMiddleware):
+            parser: Any = robots.parser_of(netloc)
+            agent: Any = robots.useragent_of(request)
+        else:
+            parser = getattr(robots, "_parsers", {}).get(netloc)
+            agent = getattr(robots, "_robotstxt_useragent", None) or request.headers.get(
+                b"User-Agent", self.crawler.settings.get("USER_AGENT"))
         crawl_delay = getattr(getattr(parser, "rp", None), "crawl_delay", None)
         if crawl_delay is None:
             return None
-        agent = getattr(robots, "_robotstxt_useragent", None) or request.headers.get(
-            b"User-Agent", self.crawler.settings.get("USER_AGENT"))
         if isinstance(agent, bytes):
             agent = agent.decode("latin-1")
         try:

@@ -103,6 +103,7 @@ __all__ = [
     "RequestState",
     "RequestSummary",
     "RetriedFailed",
+    "RobotsTxt",
     "RunInfo",
     "RunMode",
     "RunRecord",
@@ -521,6 +522,19 @@ class SlotState:
 
 
 @dataclass(frozen=True)
+class RobotsTxt:
+    """A site's robots.txt as the crawl keeps it (:meth:`FrontierStore.robots_txt`): the
+    answer to ``/robots.txt`` of the site ``netloc`` (host, and port when given: the key of
+    Scrapy's parsers), fetched once for the crawl and read by every worker and resume."""
+
+    netloc: str
+    url: str  #: the URL that answered (after redirects)
+    status: int  #: its HTTP status
+    body: bytes  #: the robots.txt as received (empty for a 4xx: everything is allowed)
+    age_seconds: float  #: how long ago it was fetched, on the store's clock
+
+
+@dataclass(frozen=True)
 class FrontierStatus:
     """``claimable``: pending entries exist; ``leased_elsewhere``: other workers hold leases,
     or leases (this worker's included) have expired and can be reclaimed."""
@@ -702,6 +716,20 @@ class FrontierStore(ABC):
         """Every download slot with requests leased or pending, or paused (operator read),
         the busiest first."""
         return []
+
+    # -- robots.txt (the crawl's, not a process's) ------------------------------------------
+
+    @abstractmethod
+    def robots_txt(self, netloc: str) -> RobotsTxt | None:
+        """The robots.txt kept for the site ``netloc``, however old (None: never kept)."""
+
+    @abstractmethod
+    def keep_robots_txt(self, netloc: str, url: str, status: int, body: bytes, *,
+                        max_age_seconds: float) -> RobotsTxt:
+        """Keep a robots.txt just fetched for ``netloc`` (one transaction), unless the store
+        holds one younger than ``max_age_seconds`` (another worker fetched it meanwhile:
+        theirs is kept, so every worker applies the same rules). Returns the robots.txt kept
+        now: this one, or the other worker's."""
 
     @abstractmethod
     def counts(self) -> dict[str, int]:
@@ -944,7 +972,7 @@ class FrontierStore(ABC):
     # -- moving a crawl to another database (``scrapy idempotent migrate``) -----------------
     #: The tables :meth:`dump` yields, in the order :meth:`load` takes them.
     DUMP_TABLES = ("meta", "runs", "sessions", "requests", "records", "rejects", "feeds",
-                   "responses", "outbox", "samples", "record_keys")
+                   "responses", "outbox", "samples", "record_keys", "robots")
 
     def dump(self, batch: int = 1000) -> Iterator[tuple[str, list[dict[str, object]]]]:
         """Every row of the crawl, as ``(table, rows)`` batches of at most ``batch`` rows in

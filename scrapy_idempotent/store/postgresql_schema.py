@@ -7,7 +7,7 @@ from __future__ import annotations
 __all__ = ["ALL_COUNTERS", "APPLICATION", "COUNTERS", "LOADED", "MIGRATIONS", "SCHEMA_VERSION",
            "TABLES"]
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 #: ``meta.application`` of a schema this package made.
 APPLICATION = "scrapy_idempotent"
 
@@ -227,6 +227,18 @@ MIGRATIONS: list[list[str]] = [
             recorded_at double precision NOT NULL
         )""",
     ],
+    [
+        # robots.txt of the crawl: per site (host[:port], as Scrapy keys its parsers) the
+        # answer to /robots.txt (its final URL, status and body) and when it was fetched, on
+        # the store's clock; every worker and every resume reads it instead of fetching.
+        """CREATE TABLE robots (
+            netloc text COLLATE "C" PRIMARY KEY,
+            url text NOT NULL,
+            status integer NOT NULL,
+            body bytea NOT NULL,
+            fetched_at double precision NOT NULL
+        )""",
+    ],
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
@@ -242,6 +254,7 @@ TABLES[5] = TABLES[4]
 TABLES[6] = TABLES[5] | {"samples"}
 TABLES[7] = TABLES[6] | {"slots"}
 TABLES[8] = TABLES[7] | {"record_keys"}
+TABLES[9] = TABLES[8] | {"robots"}
 assert set(TABLES) == set(range(1, SCHEMA_VERSION + 1))
 
 #: The counters of a session row a page commit adds to: its worker's share of the run's
@@ -267,6 +280,7 @@ LOADED: dict[str, tuple[str, ...]] = {
                "item_type", "source", "natural_key", "data", "run_id", "created_at", "state",
                "attempts", "due_at", "settled_at", "detail"),
     "record_keys": ("record_type", "item_type", "fields", "recorded_at"),
+    "robots": ("netloc", "url", "status", "body", "fetched_at"),
     "samples": ("run_id", "slot", "at", "leased", "done", "failed", "redirected",
                 "records_inserted", "records_updated", "records_unchanged", "records_stale",
                 "leases_reclaimed", "leases_lost", "in_flight"),

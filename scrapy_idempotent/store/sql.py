@@ -58,6 +58,7 @@ from .base import (
     RequestState,
     RequestSummary,
     RetriedFailed,
+    RobotsTxt,
     RunMode,
     RunRecord,
     RunTotals,
@@ -1055,6 +1056,36 @@ class SqlStore(SqlOutbox, FrontierStore):
                     " s.backoffs, s.crawl_delay FROM slots s) AS t"
                     " WHERE leased > 0 OR pending > 0 OR paused_until > ?"
                     f" ORDER BY leased DESC, pending DESC, slot{self.TEXT_ORDER}", (now,))]
+
+    # -- robots.txt -------------------------------------------------------------------------
+
+    def robots_txt(self, netloc: str) -> RobotsTxt | None:
+        rows = self._crawl_select(
+            "SELECT netloc, url, status, body, fetched_at FROM robots WHERE netloc = ?",
+            (netloc,))
+        return self._robots_of(rows[0], self.clock()) if rows else None
+
+    def keep_robots_txt(self, netloc: str, url: str, status: int, body: bytes, *,
+                        max_age_seconds: float) -> RobotsTxt:
+        now = self.clock()
+        with self._write("keeping a robots.txt") as cur:
+            # insert if absent, replace only a row too old to use: two workers fetching at
+            # once both end with the first one's (the same file, or one moment apart)
+            cur.execute(self._q(
+                "INSERT INTO robots (netloc, url, status, body, fetched_at)"
+                " VALUES (?, ?, ?, ?, ?) ON CONFLICT (netloc) DO UPDATE"
+                " SET url = excluded.url, status = excluded.status, body = excluded.body,"
+                " fetched_at = excluded.fetched_at WHERE robots.fetched_at < ?"),
+                (netloc, url, status, body, now, now - max_age_seconds))
+            row = cur.execute(self._q(
+                "SELECT netloc, url, status, body, fetched_at FROM robots WHERE netloc = ?"),
+                (netloc,)).fetchone()
+        return self._robots_of(row, now)
+
+    @staticmethod
+    def _robots_of(row: Any, now: float) -> RobotsTxt:
+        return RobotsTxt(netloc=row[0], url=row[1], status=int(row[2]), body=bytes(row[3]),
+                         age_seconds=max(0.0, now - float(row[4])))
 
     # -- frontier reads and leases --------------------------------------------------------
 

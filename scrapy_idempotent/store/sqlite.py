@@ -49,7 +49,7 @@ __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 
 #: Schema migrations: ``_MIGRATIONS[n]`` brings version n to n + 1, one transaction each.
 _MIGRATIONS: list[list[str]] = [
@@ -284,6 +284,18 @@ _MIGRATIONS: list[list[str]] = [
             recorded_at REAL NOT NULL
         ) WITHOUT ROWID""",
     ],
+    [
+        # robots.txt of the crawl: per site (host[:port], as Scrapy keys its parsers) the
+        # answer to /robots.txt (its final URL, status and body) and when it was fetched, on
+        # the store's clock; every worker and every resume reads it instead of fetching.
+        """CREATE TABLE robots (
+            netloc TEXT PRIMARY KEY,
+            url TEXT NOT NULL,
+            status INTEGER NOT NULL,
+            body BLOB NOT NULL,
+            fetched_at REAL NOT NULL
+        ) WITHOUT ROWID""",
+    ],
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -302,7 +314,9 @@ _TABLES: dict[int, frozenset[str]] = {1: _TABLES_1, 2: _TABLES_1 | {"feeds"},
                                       9: _TABLES_1 | {"feeds", "outbox", "samples"},
                                       10: _TABLES_1 | {"feeds", "outbox", "samples", "slots"},
                                       11: _TABLES_1 | {"feeds", "outbox", "samples", "slots",
-                                                       "record_keys"}}
+                                                       "record_keys"},
+                                      12: _TABLES_1 | {"feeds", "outbox", "samples", "slots",
+                                                       "record_keys", "robots"}}
 assert set(_TABLES) == set(range(1, SCHEMA_VERSION + 1))
 #: Schema versions written before the application id was (files of those have none).
 _BEFORE_APPLICATION_ID = frozenset({1, 2, 3})
@@ -973,7 +987,7 @@ class SQLiteStore(SqlStore):
         keys = {"meta": "key", "runs": "run_id", "sessions": "session_id", "requests": "id",
                 "records": "record_id", "rejects": "id", "feeds": "rowid",
                 "responses": "key", "outbox": "id", "samples": "rowid",
-                "record_keys": "record_type"}
+                "record_keys": "record_type", "robots": "netloc"}
         for table in self.DUMP_TABLES:
             key = keys[table]
             after: object = None
