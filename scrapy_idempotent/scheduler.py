@@ -340,8 +340,13 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             self.leases.reclaim_space(everything=True)
             self.claimed.clear()
             self._log_close(reason, released)
-        except Exception:
-            logger.exception("scrapy_idempotent: error while closing the frontier")
+        except Exception as exc:
+            # a store error is its message (what failed the crawl was logged with its
+            # cause); anything else its traceback. Either way the crawl did not close as it
+            # says: scrapy crawl exits with 1
+            logger.error("scrapy_idempotent: error while closing the frontier: %s", exc,
+                         exc_info=not isinstance(exc, IdempotentError))
+            engine_hooks.exit_nonzero(self.crawler)
         finally:
             workers.forget_live(self.worker)
             self.admission.keys.close()
