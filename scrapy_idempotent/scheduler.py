@@ -321,6 +321,8 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
                 # an error already reported (feeds not stored) is one line, not a traceback
                 logger.error("scrapy_idempotent: %s", exc,
                              exc_info=not getattr(exc, "reported", False))
+        if hook_failed:  # what the run needed at its close was not done: not a success
+            engine_hooks.exit_nonzero(self.crawler)
         return hook_failed
 
     def _end_session(self, reason: str, finish_run: bool = True) -> None:
