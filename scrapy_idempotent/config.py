@@ -835,7 +835,9 @@ def _scrapy_rules(settings: BaseSettings) -> dict[str, Any]:
     """The Scrapy settings the frontier follows as Scrapy does: which responses reach their
     callback (``HTTPERROR_ALLOW_ALL``, ``HTTPERROR_ALLOWED_CODES``, as ``HttpErrorMiddleware``
     reads them) and the queue order (``SCHEDULER_MEMORY_QUEUE``,
-    ``SCHEDULER_START_MEMORY_QUEUE``)."""
+    ``SCHEDULER_START_MEMORY_QUEUE``). Refuses Scrapy's reactorless mode
+    (:func:`_check_reactor`)."""
+    _check_reactor(settings)
     try:
         allow_all = settings.getbool("HTTPERROR_ALLOW_ALL")
     except ValueError:
@@ -849,6 +851,22 @@ def _scrapy_rules(settings: BaseSettings) -> dict[str, Any]:
                           "a list of HTTP status codes (integers)") from None
     return {"httperror_allow_all": allow_all, "httperror_allowed_codes": allowed,
             "queue_order": QueueOrder.from_settings(settings)}
+
+
+def _check_reactor(settings: BaseSettings) -> None:
+    """``TWISTED_REACTOR_ENABLED = False`` (Scrapy 2.15+: the crawl runs on asyncio alone) is
+    refused: the frontier's writer thread hands its results to Twisted's reactor
+    (``callFromThread``), and the lease renewals, the streamed feeds and the engine wake-ups
+    are reactor timers, so such a crawl would open the database and then crash. The setting
+    is read as Scrapy reads it (absent before 2.15: the reactor is on)."""
+    try:
+        enabled = settings.getbool("TWISTED_REACTOR_ENABLED", True)
+    except ValueError:
+        enabled = True  # Scrapy refuses the value itself
+    if not enabled:
+        raise ConfigError("TWISTED_REACTOR_ENABLED", settings.get("TWISTED_REACTOR_ENABLED"),
+                          "True (the default): scrapy_idempotent needs Twisted's reactor "
+                          "and does not run in Scrapy's reactorless mode")
 
 
 def _politeness(settings: BaseSettings) -> dict[str, Any]:

@@ -24,6 +24,7 @@ The differences between Scrapy releases are in :mod:`scrapy_idempotent.scrapy_co
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -44,6 +45,7 @@ __all__ = [
     "EngineWakeup",
     "check_engine",
     "close_spider_failed",
+    "exit_nonzero",
     "schedule_next_request",
 ]
 
@@ -236,15 +238,30 @@ class EngineWakeup:
 
 def close_spider_failed(crawler: Crawler, reason: str) -> None:
     """Close the spider with ``reason`` as a failed crawl: ``scrapy crawl`` (and
-    ``runspider``) then exits with 1. Scrapy (2.12 to 2.19) exits non-zero only when the
-    crawl failed to start, which it tells by the crawler having no spider once the crawl is
-    over (``CrawlerProcess._crawl``: ``bootstrap_failed |= not crawler.spider``), so the
-    crawler forgets its spider when the engine has stopped: the last signal of a crawl,
-    after every extension's close work."""
+    ``runspider``) then exits with 1 (see :func:`exit_nonzero`)."""
+    exit_nonzero(crawler)
+    close_spider(crawler, reason)
+
+
+#: The crawlers :func:`exit_nonzero` was called for.
+_EXITS_NONZERO: weakref.WeakSet[Crawler] = weakref.WeakSet()
+
+
+def exit_nonzero(crawler: Crawler) -> None:
+    """Make ``scrapy crawl`` (and ``runspider``) exit with 1 once this crawl is over, whatever
+    its close reason (a failure found while the spider closes, when the reason is set
+    already). Scrapy (2.12 to 2.19) exits non-zero only when the crawl failed to start, which
+    it tells by the crawler having no spider once the crawl is over
+    (``CrawlerProcess._crawl``: ``bootstrap_failed |= not crawler.spider``), so the crawler
+    forgets its spider when the engine has stopped: the last signal of a crawl, after every
+    extension's close work. Calling it again changes nothing."""
     from scrapy import signals
+
+    if crawler in _EXITS_NONZERO:
+        return
+    _EXITS_NONZERO.add(crawler)
 
     def forget_spider() -> None:
         crawler.spider = None
 
     crawler.signals.connect(forget_spider, signal=signals.engine_stopped, weak=False)
-    close_spider(crawler, reason)

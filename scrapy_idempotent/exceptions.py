@@ -139,6 +139,5 @@ class FeedNotStored(IdempotentError):
     def __init__(self, failed: list[str]) -> None:
         super().__init__(
             f"{len(failed)} feed(s) not stored: {'; '.join(failed)}; the run is left "
-            "unfinished, and the next `scrapy crawl` (nothing left to fetch) writes the feeds "
-            "again")
+            "unfinished, and the next `scrapy crawl` of the run writes the feeds again")
         self.failed = failed

@@ -48,12 +48,19 @@ if TYPE_CHECKING:
 
     from .store.base import FeedMark, FrontierStore, RunRecord, SeqRecord
 
-__all__ = ["FeedStream", "StreamedFile", "streamable"]
+__all__ = ["FeedFileLost", "FeedStream", "StreamedFile", "streamable"]
 
 logger = logging.getLogger(__name__)
 
 #: Records read from the store per query while a feed is written.
 PAGE = 500
+
+
+class FeedFileLost(OSError):
+    """A streamed feed's file is not what the feed's mark says was durably written: deleted
+    (or its directory), cut below the mark, or replaced by another file while this process
+    had it open. The mark was moved back to the start of that file (in the same transaction
+    that found it), so the next write rewrites the file's entries from the run's records."""
 
 
 def streamable(storage: object, options: dict[str, Any]) -> bool:
@@ -167,6 +174,7 @@ class FeedStream:
         self.mark: FeedMark | None = None  # the last mark this process wrote or read
         self._more = False
         self._touched = False  # the file was cut back to the mark by this write
+        self._lost: FeedFileLost | None = None  # found by the last write (see _check_file)
         #: at the last close, another live worker held the feed (it writes the rest)
         self.held = False
         self.format = str(factory.options["format"])
@@ -198,6 +206,7 @@ class FeedStream:
         self.completed = []
         while True:
             self._more = False
+            self._lost = None
             mark = store.stream_feed(
                 run_id, self.key, worker, lease_seconds=lease_seconds, base=self._base,
                 holder_gone=worker_is_dead,
@@ -206,6 +215,10 @@ class FeedStream:
                 self._close_file()
                 return False
             self.mark = mark
+            if self._lost is not None:  # its mark moved back: the next crawl rewrites it
+                self._close_file()
+                self.completed = []
+                raise self._lost
             if not self._more:
                 break
         if final:
@@ -230,6 +243,10 @@ class FeedStream:
         """From ``mark``: the records committed since, then the closing bytes, synced; the
         new mark. Stops after a full batch (the caller writes the next one)."""
         self._touched = False
+        lost = self._check_file(mark)
+        if lost is not None:
+            self._lost = FeedFileLost(lost)
+            return self._restart_file(mark)
         rows = fetch(mark.seq, PAGE)
         while rows:
             for row in rows:
@@ -355,6 +372,45 @@ class FeedStream:
         return StreamedFile(target.uri, self.format, mark.items, slot, target)
 
     # -- the file ---------------------------------------------------------------------------
+
+    def _check_file(self, mark: FeedMark) -> str | None:
+        """Why the file of the mark's batch is not what the mark says was durably written
+        (None: it is). The file this process has open must still be the one at its path (a
+        file deleted, or renamed over, would take every later entry with it while the crawl
+        reports them stored); any other must exist and hold at least the mark's bytes. One
+        ``stat`` per write (about once a second)."""
+        path = self.target(mark.batch_id).path
+        try:
+            found = os.stat(path)
+        except FileNotFoundError:
+            found = None
+        if self._file is not None and self._file_batch == mark.batch_id:
+            opened = os.fstat(self._file.fileno())
+            if found is None or (found.st_dev, found.st_ino) != (opened.st_dev,
+                                                                   opened.st_ino):
+                return (f"the feed file {path} was "
+                        f"{'deleted' if found is None else 'replaced'} while the crawl was "
+                        "writing it")
+            return None
+        if mark.offset and (found is None or found.st_size < mark.offset):
+            return (f"the feed file {path} holds {found.st_size if found else 0} bytes, "
+                    f"fewer than the {mark.offset} written to it durably: it was "
+                    f"{'deleted' if found is None else 'cut or replaced'}")
+        return None
+
+    def _restart_file(self, mark: FeedMark) -> FeedMark:
+        """The mark of the file of ``mark``'s batch written again from its first entry: the
+        records from that entry on are exported again (an appended feed's first file keeps
+        what it held before the run, as far as it still holds it)."""
+        self._close_file()
+        target = self.target(mark.batch_id)
+        base = 0
+        if target.append and mark.batch_id == 1:
+            with contextlib.suppress(FileNotFoundError):
+                base = min(mark.base, target.path.stat().st_size)
+        seq = mark.first_seq - 1 if mark.items and mark.first_seq else mark.seq
+        return replace(mark, seq=seq, offset=base, items=0, first_seq=0,
+                       total=mark.total - mark.items)
 
     def _open(self, mark: FeedMark) -> BinaryIO:
         """The file of the mark's batch, cut back to the mark and positioned there."""

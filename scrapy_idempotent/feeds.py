@@ -19,9 +19,11 @@ process's buffer), or is not valid JSON at all. With the add-on, a feed is a vie
   (``.NAME.<worker>.<token>.partial``), and renamed over it once complete, so a kill never
   leaves a half-written file in its place; a temporary file is removed only once the worker
   that wrote it is gone, so workers closing at the same time never remove each other's;
-* a feed that cannot be stored (a storage, exporter or rename error) is logged at ERROR and
-  leaves the run unfinished: the next ``scrapy crawl`` (which has nothing left to fetch) writes
-  the feeds again, as after a kill while writing them.
+* a feed that cannot be stored (a storage, exporter or rename error; a streamed file that
+  cannot be written, or was deleted, cut or replaced under the crawl) is logged at ERROR,
+  leaves the run unfinished and makes ``scrapy crawl`` exit with 1 (a streamed one stops
+  the crawl at once: :data:`FEED_ERROR_REASON`): the next ``scrapy crawl`` writes the feeds
+  again, as after a kill while writing them.
 
 ``overwrite`` keeps Scrapy's meaning, applied per run: ``-O`` (overwrite) replaces the file
 with the run's records; ``-o`` (append) leaves what the file held before the run started and
@@ -65,11 +67,18 @@ from scrapy.utils.misc import load_object
 from twisted.internet.defer import Deferred
 from twisted.internet.task import LoopingCall
 
-from . import scrapy_compat
+from . import engine_hooks, scrapy_compat
 from .codec import loads
 from .crawl import FeedSession, feed_session
 from .exceptions import FeedNotStored
-from .feed_stream import FeedStream, FeedTarget, SlotFactory, StreamedFile, streamable
+from .feed_stream import (
+    FeedFileLost,
+    FeedStream,
+    FeedTarget,
+    SlotFactory,
+    StreamedFile,
+    streamable,
+)
 from .workers import worker_is_dead
 
 if TYPE_CHECKING:
@@ -79,7 +88,7 @@ if TYPE_CHECKING:
 
     from .store.base import FrontierStore, RunRecord
 
-__all__ = ["FeedNotStored", "IdempotentFeedExporter"]
+__all__ = ["FEED_ERROR_REASON", "FeedNotStored", "IdempotentFeedExporter"]
 
 logger = logging.getLogger(__name__)
 
@@ -217,8 +226,9 @@ class IdempotentFeedExporter(FeedExporter):
     def _write_streams(self, store: FrontierStore, run_id: int, *,
                        final: bool = False) -> list[StreamedFile]:
         """Advance every streamed feed (where the store may be used); the files completed.
-        A feed whose file cannot be written is given up for this process, its cause logged
-        once; the others go on."""
+        A feed whose file cannot be written (deleted, cut or replaced: :class:`FeedFileLost`;
+        a full disk) is given up for this process, its cause logged once, and the crawl is
+        stopped (:meth:`_stop_crawl`) unless it is closing already; the others go on."""
         session = self._session
         assert session is not None
         if run_id != self._streams_run:  # the first write, or this crawl moved to a newer run
@@ -235,16 +245,30 @@ class IdempotentFeedExporter(FeedExporter):
                 held = not stream.advance(store, run_id, session.worker,
                                           session.lease_seconds, final=final)
             except OSError as exc:
-                logger.error("Error writing the feed %s: this feed is not stored by this "
-                             "process (the other feeds are)", stream.uri, exc_info=True,
+                # a file found deleted, cut or replaced is its message; an I/O error (a full
+                # disk) its traceback
+                logger.error("Error writing the feed %s: the crawl stops, and the run is left "
+                             "unfinished (the other feeds get the records committed so far); "
+                             "the next crawl of the run goes on with this feed: %s",
+                             stream.uri, exc, exc_info=not isinstance(exc, FeedFileLost),
                              extra={"spider": self._spider})
                 stream.error = exc
                 stream.close()
+                if not final:
+                    from twisted.internet import reactor
+
+                    reactor.callFromThread(self._stop_crawl)
                 continue
             completed.extend(stream.completed)
             if held and final:
                 stream.held = True
         return completed
+
+    def _stop_crawl(self) -> None:
+        """A streamed feed could not be written (logged): the spider is closed with
+        :data:`FEED_ERROR_REASON` and ``scrapy crawl`` exits with 1 (the close leaves the
+        run unfinished: the feed is in ``_failed``)."""
+        engine_hooks.close_spider_failed(self.crawler, FEED_ERROR_REASON)
 
     def _report_streamed(self, completed: list[StreamedFile]) -> Deferred[None]:
         from scrapy.utils.defer import deferred_from_coro
@@ -260,7 +284,8 @@ class IdempotentFeedExporter(FeedExporter):
             name = type(storage).__name__ if storage is not None else "FileFeedStorage"
             try:
                 if storage is not None and done.target is not None:
-                    await _wait(storage.store(done.target.path.open("ab")))
+                    # "r+b": a file gone since it was written is an error, never created empty
+                    await _wait(storage.store(done.target.path.open("r+b")))
             except Exception as exc:
                 logger.error("Error storing %s", what, exc_info=True,
                              extra={"spider": self._spider})
@@ -498,6 +523,10 @@ class IdempotentFeedExporter(FeedExporter):
                 ItemAdapter(item)[self._record_id_field] = row.record_id
         return item
 
+
+#: The close reason of a crawl stopped because a streamed feed could not be written (its
+#: file deleted, cut or replaced, a full disk): ``scrapy crawl`` exits with 1.
+FEED_ERROR_REASON = "idempotent_feed_error"
 
 #: How often the records committed since are written into the streamed feeds: the most a
 #: committed record waits to be in them (plus the write itself).

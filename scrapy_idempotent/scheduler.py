@@ -338,6 +338,8 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
                 # an error already reported (feeds not stored) is one line, not a traceback
                 logger.error("scrapy_idempotent: %s", exc,
                              exc_info=not getattr(exc, "reported", False))
+        if hook_failed:  # what the run needed at its close was not done: not a success
+            engine_hooks.exit_nonzero(self.crawler)
         return hook_failed
 
     def _end_session(self, reason: str, finish_run: bool = True) -> None:
@@ -357,8 +359,13 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             self.leases.reclaim_space(everything=True)
             self.claimed.clear()
             self._log_close(reason, released)
-        except Exception:
-            logger.exception("scrapy_idempotent: error while closing the frontier")
+        except Exception as exc:
+            # a store error is its message (what failed the crawl was logged with its
+            # cause); anything else its traceback. Either way the crawl did not close as it
+            # says: scrapy crawl exits with 1
+            logger.error("scrapy_idempotent: error while closing the frontier: %s", exc,
+                         exc_info=not isinstance(exc, IdempotentError))
+            engine_hooks.exit_nonzero(self.crawler)
         finally:
             workers.forget_live(self.worker)
             self.admission.keys.close()

@@ -256,6 +256,21 @@ def test_a_database_refused_at_open_closes_the_spider_with_one_error_line(
         assert db.read_bytes() == before
 
 
+@pytest.mark.slow
+def test_reactorless_mode_is_refused_before_the_database_is_touched(tmp_path: Path) -> None:
+    """Scrapy 2.15+'s ``TWISTED_REACTOR_ENABLED = False``: one CRITICAL line naming the
+    setting, exit code 1, no database file created (it used to open the database, start a
+    run, then crash with four tracebacks)."""
+    from scrapy.settings import default_settings
+
+    if not hasattr(default_settings, "TWISTED_REACTOR_ENABLED"):
+        pytest.skip("this Scrapy has no reactorless mode")
+    db = tmp_path / "db.sqlite3"
+    result = crawl("TWISTED_REACTOR_ENABLED=False", f"IDEMPOTENT_DATABASE={db}")
+    assert_one_line(result, "TWISTED_REACTOR_ENABLED=", "reactorless")
+    assert not db.exists()
+
+
 def test_a_database_path_with_a_nul_is_refused_naming_the_setting() -> None:
     with pytest.raises(ConfigError, match=r"IDEMPOTENT_DATABASE.*without a NUL"):
         config({"IDEMPOTENT_DATABASE": "/tmp/a\x00b.sqlite3"})

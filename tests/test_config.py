@@ -177,6 +177,18 @@ def test_config_error_says_what_is_allowed(name, value, allowed):
     assert str(caught.value) == f"{name}={value!r} is not valid: {allowed}"
 
 
+@pytest.mark.parametrize("value", [False, "False", "0"])
+def test_reactorless_mode_is_refused_naming_the_setting(value: Any) -> None:
+    with pytest.raises(ConfigError) as caught:
+        config({"TWISTED_REACTOR_ENABLED": value})
+    assert caught.value.setting == "TWISTED_REACTOR_ENABLED"
+    assert "reactorless" in caught.value.allowed
+
+
+def test_the_reactor_enabled_setting_is_accepted() -> None:
+    assert config({"TWISTED_REACTOR_ENABLED": True}) == config()
+
+
 @pytest.mark.parametrize("text", ['["sku"]', '{"Product": 3}'])
 def test_natural_keys_json_string_of_the_wrong_shape_is_reported_as_given(text):
     # the value named is the one found in the settings (the string given with -s)

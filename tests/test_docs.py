@@ -330,3 +330,33 @@ def test_the_docs_use_no_api_roles() -> None:
     found = {f"docs/{name}": role for name, text in PAGES.items()
              for role in re.findall(r":(?:py:)?(?:meth|class|func|mod|attr|exc|data):`", text)}
     assert not found, f"Python-domain roles in the docs (use ``literals``): {found}"
+
+
+def test_the_install_commands_work_from_inside_the_clone() -> None:
+    """``pip install <path>`` in the README and the install page names a directory that is a
+    project (it holds ``setup.cfg``) when run inside the clone: ``./scrapy_idempotent`` there
+    is the package's own directory, which pip refuses."""
+    texts = {"README.md": README, "install.rst": PAGES["install.rst"]}
+    checked = 0
+    for name, text in texts.items():
+        for line in text.splitlines():
+            match = re.match(r"\s*pip install (?:-e )?['\"]?([^\s'\"\[]+)", line)
+            if match is None or not match.group(1).startswith("."):
+                continue
+            checked += 1
+            assert (ROOT / match.group(1) / "setup.cfg").exists(), f"{name}: {line.strip()}"
+    assert checked >= 3
+
+
+@pytest.mark.parametrize("page", ["README.md", "getting-started.rst"])
+def test_the_feeds_summary_says_local_feeds_stream(page: str) -> None:
+    """On SQLite a local feed is written while the crawl runs (about every second), not
+    only when a crawl process closes (docs/feeds.rst, ``STREAM_INTERVAL_SECONDS``)."""
+    from scrapy_idempotent.feeds import STREAM_INTERVAL_SECONDS
+
+    text = README if page == "README.md" else PAGES[page]
+    start = text.index("**Feeds**")
+    summary = re.sub(r"\s+", " ", text[start:text.index("\n*", start)])
+    assert "while the crawl runs" in summary, summary
+    assert STREAM_INTERVAL_SECONDS == 1.0 and "every second" in summary, summary
+    assert "exit code 1" in summary, summary  # a feed that cannot be written is an error

@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 from local_site import LocalSite
 
-from crawling import EXAMPLE_PROJECT, close_reason, db_rows, start_shop_crawl, wait_for
+from crawling import (
+    EXAMPLE_PROJECT,
+    close_reason,
+    db_rows,
+    done_requests,
+    start_shop_crawl,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -98,3 +105,44 @@ def test_a_crawl_closed_by_a_store_error_exits_non_zero_and_the_next_one_complet
     assert close_reason(tmp_path / "second.log") == "finished"
     assert db_rows(db, "SELECT state, count(*) FROM requests GROUP BY state") == [("done", 525)]
     assert db_rows(db, "SELECT count(*) FROM records") == [(500,)]
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_database_file_deleted_or_replaced_under_a_running_crawl_stops_it(
+    tmp_path: Path, how: str
+) -> None:
+    """The database file itself removed (or a backup renamed over it) while a crawl runs:
+    SQLite in WAL mode writes on into the unlinked file, and the crawl used to log
+    ``finished``, exit 0 and leave nothing behind. It now stops writing at its next
+    transaction, names the path, closes with ``idempotent_store_error`` and exits 1."""
+    import sqlite3
+
+    db = tmp_path / "shop.sqlite3"
+    log = tmp_path / "crawl.log"
+    with LocalSite() as site:
+        worker = start_shop_crawl(site.url, db, log, "CONCURRENT_REQUESTS=4", "LOG_LEVEL=INFO")
+        try:
+            wait_for(lambda: done_requests(db) >= 20, 120, "the crawl to commit pages", log)
+            site.hold()  # the crawl cannot finish meanwhile
+            if how == "deleted":
+                os.unlink(db)
+            else:
+                backup = tmp_path / "backup.sqlite3"
+                source = sqlite3.connect(db)
+                target = sqlite3.connect(backup)
+                source.backup(target)
+                source.close()
+                target.close()
+                os.replace(backup, db)
+            site.release()
+            code = worker.wait(timeout=120)
+        finally:
+            site.release()
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+    text = log.read_text()
+    assert code == 1, text[-3000:]
+    assert f"the database {db} was deleted or replaced" in text
+    assert close_reason(log) == "idempotent_store_error"
+    assert "(finished)" not in text

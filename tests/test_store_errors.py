@@ -109,6 +109,27 @@ def test_a_deleted_write_ahead_log_stops_the_writes(tmp_path: Path) -> None:
     store.close()
 
 
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_database_file_deleted_or_replaced_stops_the_writes(tmp_path: Path, how: str) -> None:
+    """SQLite in WAL mode goes on writing into a database file deleted (or renamed over) under
+    its connection: every later commit lands in a file no one will read. The store compares
+    the path's file with the one it opened before each write and refuses to write."""
+    path = tmp_path / "db.sqlite3"
+    store = opened(path)
+    store.commit(UnitOfWork(requests=[new_request("a")]), "w1")
+    if how == "deleted":
+        os.unlink(path)
+    else:
+        other = tmp_path / "other.sqlite3"
+        sqlite3.connect(other).close()
+        os.replace(other, path)
+    with pytest.raises(StoreError) as caught:
+        store.commit(UnitOfWork(requests=[new_request("b")]), "w1")
+    assert not isinstance(caught.value, StoreBusy)
+    assert f"the database {path} was deleted or replaced" in str(caught.value)
+    store.close()
+
+
 def test_only_a_lock_held_elsewhere_is_busy(tmp_path: Path) -> None:
     path = tmp_path / "db.sqlite3"
     store = opened(path, busy_timeout_seconds=0.05)
