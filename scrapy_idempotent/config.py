@@ -1193,9 +1193,10 @@ def _headers(settings: BaseSettings, name: str) -> tuple[tuple[str, str], ...]:
     return tuple(raw.items())
 
 
-def _natural_keys(name: str, given: Any) -> dict[str, tuple[str, ...]]:
-    allowed = ("a dict mapping an item class ('module.Class', 'Class' or '*') to a field name "
-               "or a list of field names")
+def _by_item_class(name: str, given: Any, allowed: str) -> dict[Any, Any]:
+    """A setting mapping item classes to something: a dict (or its JSON text, as ``-s``
+    gives it) whose class keys are given as ``module.QualName``; raises
+    :class:`~.ConfigError` for anything else."""
     raw = given
     if isinstance(raw, str):  # a JSON string given with -s
         try:
@@ -1204,10 +1205,15 @@ def _natural_keys(name: str, given: Any) -> dict[str, tuple[str, ...]]:
             raise ConfigError(name, given, allowed) from None
     if not isinstance(raw, dict):
         raise ConfigError(name, given, allowed)
+    return {f"{key.__module__}.{key.__qualname__}" if isinstance(key, type) else key: value
+            for key, value in raw.items()}
+
+
+def _natural_keys(name: str, given: Any) -> dict[str, tuple[str, ...]]:
+    allowed = ("a dict mapping an item class ('module.Class', 'Class' or '*') to a field name "
+               "or a list of field names")
     result: dict[str, tuple[str, ...]] = {}
-    for item_type, fields in raw.items():
-        if isinstance(item_type, type):
-            item_type = f"{item_type.__module__}.{item_type.__qualname__}"
+    for item_type, fields in _by_item_class(name, given, allowed).items():
         if isinstance(fields, str):
             fields = (fields,)
         if (
@@ -1227,18 +1233,8 @@ def _record_types(given: Any) -> dict[str, str]:
     allowed = ("a dict mapping an item class ('module.Class' or 'Class') to the record type "
                "its records are identified by (a non-empty string, e.g. its former "
                "'module.Class')")
-    raw = given
-    if isinstance(raw, str):  # a JSON string given with -s
-        try:
-            raw = json.loads(raw)
-        except ValueError:
-            raise ConfigError(name, given, allowed) from None
-    if not isinstance(raw, dict):
-        raise ConfigError(name, given, allowed)
     result: dict[str, str] = {}
-    for item_type, record_type in raw.items():
-        if isinstance(item_type, type):
-            item_type = f"{item_type.__module__}.{item_type.__qualname__}"
+    for item_type, record_type in _by_item_class(name, given, allowed).items():
         if not (isinstance(item_type, str) and item_type and item_type != "*"
                 and isinstance(record_type, str) and record_type.strip()):
             raise ConfigError(name, given, allowed)

@@ -156,6 +156,39 @@ def kill_shop_crawls(site: Any, database: str | Path, log_dir: Path, rng: Any, k
     assert close_reason(log) == "finished"
 
 
+def kill_crawls(site: Any, command: list[str], log_dir: Path, rng: Any, kills: int, *,
+                more: tuple[int, int] = (5, 15), env: dict[str, str] | None = None) -> Path:
+    """``command`` (a crawl of ``site`` in a subprocess, run in ``log_dir``, logging to
+    ``log_dir/run<n>.log``) started ``kills`` times, each SIGKILLed once the site has served
+    ``more`` more requests (a number drawn from ``rng`` between the two: a moment given by
+    the crawl's progress, never by time), then run once more to its end, which must exit 0
+    with reason ``finished``; returns that run's log (``final.log``)."""
+    import signal
+    import subprocess
+
+    for run in range(kills):
+        log = log_dir / f"run{run}.log"
+        target = site.request_count + rng.randint(*more)
+        process = subprocess.Popen([*command, "-s", f"LOG_FILE={log}"], cwd=log_dir, env=env,
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda t=target, p=process: site.request_count >= t  # type: ignore[misc]
+                     or p.poll() is not None, 300, f"request {target}", log)
+        finally:
+            process.kill()
+            process.wait()
+        assert process.returncode == -signal.SIGKILL, (
+            f"run {run} ended by itself ({process.returncode}) before its kill:\n"
+            + (log.read_text(errors="replace")[-3000:] if log.exists() else "no log"))
+    log = log_dir / "final.log"
+    final = subprocess.run([*command, "-s", f"LOG_FILE={log}"], cwd=log_dir, env=env,
+                           stdin=subprocess.DEVNULL, timeout=300, check=False)
+    assert final.returncode == 0, log.read_text(errors="replace")[-3000:]
+    assert close_reason(log) == "finished"
+    return log
+
+
 POISON_SPIDER = Path(__file__).resolve().parent / "poison_spider.py"
 
 

@@ -388,3 +388,21 @@ def test_a_record_id_field_naming_a_natural_key_field_is_refused(keys):
         config({"IDEMPOTENT_NATURAL_KEYS": keys, "IDEMPOTENT_RECORD_ID_FIELD": "sku"})
     assert (caught.value.setting, caught.value.value) == ("IDEMPOTENT_RECORD_ID_FIELD", "sku")
     assert "no natural key field" in str(caught.value)
+
+
+@pytest.mark.parametrize("value", [["A"], {"*": "x"}, {"A": ""}, {"A": 1}, "{not json"])
+def test_a_bad_record_types_setting_names_it(value: Any) -> None:
+    with pytest.raises(ConfigError) as caught:
+        config({"IDEMPOTENT_RECORD_TYPES": value})
+    assert caught.value.setting == "IDEMPOTENT_RECORD_TYPES"
+    assert "the record type its records are identified by" in str(caught.value)
+
+
+def test_record_types_map_classes_given_as_classes_or_json_text() -> None:
+    class Renamed(scrapy.Item):
+        pass
+
+    assert config({"IDEMPOTENT_RECORD_TYPES": {Renamed: "old.Item"}}).record_types == {
+        f"{__name__}.{Renamed.__qualname__}": "old.Item"}
+    assert config({"IDEMPOTENT_RECORD_TYPES": '{"New": "old.Item"}'}).record_types == {
+        "New": "old.Item"}

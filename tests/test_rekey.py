@@ -21,7 +21,7 @@ from local_site import LocalSite
 from record_types_spider import NATURAL_KEYS, OfferItem, OffersSpider, ProductItem
 from scrapy.utils.defer import deferred_f_from_coro_f
 
-from crawling import crawl_settings, package_messages, run_crawl
+from crawling import crawl_settings, kill_crawls, package_messages, run_crawl
 from helpers.stored import outbox_rows, reading, stored_records
 from scrapy_idempotent import OutboxTarget
 from scrapy_idempotent.records import RECORD_ID_SCHEME, RecordIdentity, record_id_of
@@ -400,9 +400,6 @@ async def test_two_item_types_through_kills_and_a_rerun(
     by its progress, then run to its end: 120 records; a rerun of the unchanged site updates
     nothing and announces nothing."""
     import random
-    import signal
-
-    from crawling import close_reason, wait_for
 
     keys = json.dumps(NATURAL_KEYS)
     command = [sys.executable, "-m", "scrapy", "runspider",
@@ -413,25 +410,7 @@ async def test_two_item_types_through_kills_and_a_rerun(
                "-s", "TELNETCONSOLE_ENABLED=False", "-s", "CONCURRENT_REQUESTS=8"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    rng = random.Random(39)
-    for run in range(3):
-        log = tmp_path / f"run{run}.log"
-        target = offers_site.request_count + rng.randint(5, 15)
-        process = subprocess.Popen([*command, "-s", f"LOG_FILE={log}"], cwd=tmp_path, env=env,
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.STDOUT)
-        try:
-            wait_for(lambda t=target, p=process: offers_site.request_count >= t  # type: ignore[misc]
-                     or p.poll() is not None, 300, f"request {target}", log)
-        finally:
-            process.kill()
-            process.wait()
-        assert process.returncode == -signal.SIGKILL, log.read_text(errors="replace")[-3000:]
-    log = tmp_path / "final.log"
-    final = subprocess.run([*command, "-s", f"LOG_FILE={log}"], cwd=tmp_path, env=env,
-                           stdin=subprocess.DEVNULL, timeout=300, check=False)
-    assert final.returncode == 0, log.read_text(errors="replace")[-3000:]
-    assert close_reason(log) == "finished"
+    kill_crawls(offers_site, command, tmp_path, random.Random(39), 3, env=env)
     stored = by_type(crawl_database)
     assert stored[PRODUCT] == stored[OFFER] and len(set(stored[OFFER])) == 60
     assert len(stored_records(crawl_database)) == 120

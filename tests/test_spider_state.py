@@ -4,7 +4,6 @@ changes; several workers' counters add up."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 from state_spider import StateSpider
 
-from crawling import close_reason, crawl_settings, run_crawl, wait_for
+from crawling import crawl_settings, kill_crawls, run_crawl
 from helpers.stored import reading, stored_records
 from scrapy_idempotent.spider_state import state_changes
 from scrapy_idempotent.store.base import StateChange
@@ -99,25 +98,7 @@ def test_spider_state_after_kills_matches_the_committed_pages(
                "-s", 'ADDONS={"scrapy_idempotent.Addon": 0}', "-s", "ROBOTSTXT_OBEY=False",
                "-s", "TELNETCONSOLE_ENABLED=False", "-s", "CONCURRENT_REQUESTS=8"]
     small_shop.delay = 0.05
-    rng = random.Random(40)
-    for run in range(5):
-        log = tmp_path / f"run{run}.log"
-        target = small_shop.request_count + rng.randint(4, 10)
-        process = subprocess.Popen([*command, "-s", f"LOG_FILE={log}"], cwd=tmp_path,
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.STDOUT)
-        try:
-            wait_for(lambda t=target, p=process: small_shop.request_count >= t  # type: ignore[misc]
-                     or p.poll() is not None, 300, f"request {target}", log)
-        finally:
-            process.kill()
-            process.wait()
-        assert process.returncode == -signal.SIGKILL, log.read_text(errors="replace")[-3000:]
-    log = tmp_path / "final.log"
-    final = subprocess.run([*command, "-s", f"LOG_FILE={log}"], cwd=tmp_path,
-                           stdin=subprocess.DEVNULL, timeout=300, check=False)
-    assert final.returncode == 0, log.read_text(errors="replace")[-3000:]
-    assert close_reason(log) == "finished"
+    kill_crawls(small_shop, command, tmp_path, random.Random(40), 5, more=(4, 10))
     state = stored_state(crawl_database)
     assert len(stored_records(crawl_database)) == 60
     assert (state["products"], state["listings"]) == (60, 3)
