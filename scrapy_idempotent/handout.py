@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from . import scrapy_compat
@@ -86,10 +87,20 @@ class HandOut:
         self.stats = stats
         self._count = scrapy_compat.stat_counter(stats)  # (for every page)
         self.codec: RequestCodec | None = None
+        #: ``gate(in_flight)``: False holds the hand-out (see :meth:`add_gate`)
+        self._gates: list[Callable[[int], bool]] = []
+
+    def add_gate(self, gate: Callable[[int], bool]) -> None:
+        """Hand nothing out while ``gate(requests in flight)`` is False (the run's
+        ``CLOSESPIDER_*`` limits: no more pages than the limit leaves room for). The engine
+        asks again when a request in flight finishes."""
+        self._gates.append(gate)
 
     def next(self) -> Request | None:
         """The next request to send, or None when none may go now."""
         tracker, claimed, commits = self.tracker, self.claimed, self.commits
+        if self._gates and not all(gate(tracker.in_flight_count) for gate in self._gates):
+            return None
         if self.leases.renewing and not self.writer.stalled:
             # which leases are still this worker's is being asked: nothing is handed out
             # under a lease that may be lost (asked again when the renewal is back)

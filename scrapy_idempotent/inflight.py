@@ -339,6 +339,11 @@ class InflightTracker:
         return bool(self._inflight)
 
     @property
+    def in_flight_count(self) -> int:
+        """Requests handed out that the engine has not finished (memory requests included)."""
+        return len(self._inflight)
+
+    @property
     def suspects_in_flight(self) -> int:
         """Suspects handed out and not completed (their memory requests included)."""
         return self._suspects

@@ -16,9 +16,12 @@ process committed since):
 A page counts once its commit is durable, so a page a kill interrupted counts nothing (it is
 fetched again and counted then). The check runs after every committed final state
 (:data:`~.signals.request_done`); other workers' commits are read every
-:data:`REFRESH_SECONDS`. The spider closes with Scrapy's reason (``closespider_itemcount``,
-...) once a count reaches its limit; what is in flight then still completes. A run that
-reached a limit before is closed when the crawl opens, before anything is fetched.
+:data:`REFRESH_SECONDS`, every :data:`NEAR_REFRESH_SECONDS` near an item or page limit. The
+spider closes with Scrapy's reason (``closespider_itemcount``, ...) once a count reaches its
+limit; what is in flight then still completes. So that little is in flight then, the
+scheduler hands out no page while the count plus the pages in flight reach an item or page
+limit (:meth:`RunCloseSpider.room_for`). A run that reached a limit before is closed when the
+crawl opens, before anything is fetched.
 
 ``CLOSESPIDER_TIMEOUT``, ``CLOSESPIDER_TIMEOUT_NO_ITEM`` and ``CLOSESPIDER_PAGECOUNT_NO_ITEM``
 keep Scrapy's meaning: they count within this process, from its start.
@@ -27,6 +30,7 @@ keep Scrapy's meaning: they count within this process, from its start.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from scrapy import signals
@@ -49,13 +53,17 @@ if TYPE_CHECKING:
 
     from .store.reads import RunTotals
 
-__all__ = ["REFRESH_SECONDS", "RUN_LIMITS", "RunCloseSpider"]
+__all__ = ["NEAR", "NEAR_REFRESH_SECONDS", "REFRESH_SECONDS", "RUN_LIMITS", "RunCloseSpider"]
 
 logger = logging.getLogger(__name__)
 
 #: How often (seconds) the run's counters are read again while a limit is set: other
 #: workers' commits count from their next read
 REFRESH_SECONDS = 1.0
+#: ... and this often (seconds) once the run is within :data:`NEAR` items or pages of an
+#: item or page limit: other workers' last pages count sooner, where they decide the stop
+NEAR_REFRESH_SECONDS = 0.1
+NEAR = 64
 
 #: (Scrapy's ``close_on`` key, the setting, the :class:`~.run_totals.LocalCounts` figure, the
 #: close reason) of the limits counted for the run
@@ -89,6 +97,7 @@ class RunCloseSpider(CloseSpider):
         self.count = RunCount(crawler.stats, spider_errors="errorcount" in self.run_limits)
         self._refresh_task: task.LoopingCall | None = None
         self._reading = False
+        self._read_at = float("-inf")  #: time.monotonic() of the last refresh
         self._closing = False
         if self.run_limits:
             connect = crawler.signals.connect
@@ -128,8 +137,25 @@ class RunCloseSpider(CloseSpider):
                 self.count.base.run_id, reached.removeprefix("closespider_"),
                 extra={"spider": self.crawler.spider})
             raise CloseSpiderError(reached)
+        if "itemcount" in self.run_limits or "pagecount" in self.run_limits:
+            scheduler.add_hand_out_gate(self.room_for)
         self._refresh_task = task.LoopingCall(self._refresh)
-        self._refresh_task.start(REFRESH_SECONDS, now=False)
+        self._refresh_task.start(NEAR_REFRESH_SECONDS, now=False)
+
+    def room_for(self, in_flight: int) -> bool:
+        """Whether one more page may be handed out: the run's items and pages so far plus
+        the ``in_flight`` pages (each counted as one more page and at most one more item)
+        stay below their limits. Near a limit fewer pages are sent at once, so the run
+        stops at it rather than at the limit plus everything in flight (a page of several
+        items can still pass an item limit by its other items)."""
+        if self.count.base is None:
+            return True
+        counts = self.count.now()
+        for key, figure in (("itemcount", counts.items), ("pagecount", counts.pages)):
+            limit = self.run_limits.get(key)
+            if limit and figure + in_flight >= limit:
+                return False
+        return True
 
     def run_item_scraped(self) -> None:
         self.count.saw(items=1)
@@ -156,9 +182,22 @@ class RunCloseSpider(CloseSpider):
     def _refresh(self) -> None:
         if self._reading or self._closing:
             return
+        now = time.monotonic()
+        if now - self._read_at < REFRESH_SECONDS and not self._near():
+            return
+        self._read_at = now
         reading = self._read()
         if reading is not None:
             reading.addCallback(lambda _: self._close_if_reached())
+
+    def _near(self) -> bool:
+        """Whether the run is within :data:`NEAR` of its item or page limit."""
+        if self.count.base is None:
+            return False
+        counts = self.count.now()
+        return any(limit and limit - figure <= NEAR for limit, figure in (
+            (self.run_limits.get("itemcount"), counts.items),
+            (self.run_limits.get("pagecount"), counts.pages)))
 
     def _read(self) -> Deferred[None] | None:
         """Read the run's counters (after this process's writes); the Deferred fires once

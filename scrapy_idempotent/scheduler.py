@@ -449,6 +449,12 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             self.health.fail("cannot lease the next request")
             return None
 
+    def add_hand_out_gate(self, gate: Callable[[int], bool]) -> None:
+        """Hand nothing out while ``gate(requests in flight)`` is False: the run's
+        ``CLOSESPIDER_*`` limits keep the pages in flight within what the limit leaves
+        (:class:`~.run_limits.RunCloseSpider`)."""
+        self.hand_out.add_gate(gate)
+
     def request_state(self, fingerprint: str) -> str | None:
         """What this crawl knows of requests with ``fingerprint`` (hex), for inputs that
         wait on a request they fed: ``"buffered"`` (accepted by this worker, written with its
