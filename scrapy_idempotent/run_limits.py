@@ -34,7 +34,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from scrapy import signals
-from scrapy.exceptions import CloseSpider as CloseSpiderError
 from scrapy.extensions.closespider import CloseSpider
 from twisted.internet import task
 
@@ -99,6 +98,7 @@ class RunCloseSpider(CloseSpider):
         self._reading = False
         self._read_at = float("-inf")  #: time.monotonic() of the last refresh
         self._closing = False
+        self._closed_at_once = False
         if self.run_limits:
             connect = crawler.signals.connect
             connect(self.open_run_limits, signal=signals.spider_opened)
@@ -136,22 +136,37 @@ class RunCloseSpider(CloseSpider):
                 "or start a new one with -s IDEMPOTENT_RUN_MODE=fresh",
                 self.count.base.run_id, reached.removeprefix("closespider_"),
                 extra={"spider": self.crawler.spider})
-            raise CloseSpiderError(reached)
-        if "itemcount" in self.run_limits or "pagecount" in self.run_limits:
-            scheduler.add_hand_out_gate(self.room_for)
+            # nothing handed out, and the spider closed once the engine asks for a request
+            # (a CloseSpider raised from spider_opened closes it on Scrapy 2.14 and later
+            # only; closing while the engine opens it would leave it half open)
+            scheduler.add_hand_out_gate(lambda in_flight: self._close_at_once(reached))
+            return
+        scheduler.add_hand_out_gate(self.room_for)
         self._refresh_task = task.LoopingCall(self._refresh)
         self._refresh_task.start(NEAR_REFRESH_SECONDS, now=False)
 
+    def _close_at_once(self, reason: str) -> bool:
+        """The hand-out gate of a run that reached its limit before this crawl: close the
+        spider (in the next turn of the reactor, once); nothing is handed out."""
+        if not self._closed_at_once:
+            self._closed_at_once = True
+            from twisted.internet import reactor as installed
+
+            reactor: Any = installed
+            reactor.callLater(0, scrapy_compat.close_spider, self.crawler, reason)
+        return False
+
     def room_for(self, in_flight: int) -> bool:
-        """Whether one more page may be handed out: the run's items and pages so far plus
-        the ``in_flight`` pages (each counted as one more page and at most one more item)
-        stay below their limits. Near a limit fewer pages are sent at once, so the run
+        """Whether one more page may be handed out: the run's items, pages and callback
+        errors so far plus the ``in_flight`` pages (each counted as one more page, at most
+        one more item and at most one more error) stay below their limits. Near a limit fewer pages are sent at once, so the run
         stops at it rather than at the limit plus everything in flight (a page of several
         items can still pass an item limit by its other items)."""
         if self.count.base is None:
             return True
         counts = self.count.now()
-        for key, figure in (("itemcount", counts.items), ("pagecount", counts.pages)):
+        for key, figure in (("itemcount", counts.items), ("pagecount", counts.pages),
+                            ("errorcount", counts.spider_errors)):
             limit = self.run_limits.get(key)
             if limit and figure + in_flight >= limit:
                 return False
