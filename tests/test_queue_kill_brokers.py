@@ -3,9 +3,11 @@ processes fed from an SQS queue (moto's server mode) or a RabbitMQ queue (Debian
 rabbitmq-server), SIGKILLed. A message is acknowledged only once its page is committed (checked
 at the broker after every kill), delivered again after a kill, and a repeated delivery is
 harmless (one frontier entry, one record); a broker restarted mid-crawl is ridden out (there
-on Redis too, a persistent server of the test's own). The killed delivery runs on each store
-backend; the ten kills and the broker restart, on SQLite (what they check is the broker's: the
-ten kills run on PostgreSQL with Redis in tests/test_queue_kill.py)."""
+on Redis too, a persistent server of the test's own); stop messages read in one batch are all
+acknowledged when the crawl finishes, so none ends the next crawl (on Redis too). The killed
+delivery runs on each store backend; the ten kills, the broker restart and the stop messages,
+on SQLite (what they check is the broker's: the ten kills run on PostgreSQL with Redis in
+tests/test_queue_kill.py)."""
 
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ pytestmark = pytest.mark.slow
 GROUP = "scrapy_idempotent"  #: the queue input's default consumer group
 
 SPIDER_FILE = Path(__file__).resolve().parent / "queue_spiders.py"
+
+STOP = {"stop": True}  #: the stop message (a body; on Redis, a field stop)
 
 
 class BrokerQueue(Protocol):
@@ -100,7 +104,10 @@ class RedisKillQueue:
         self.client.xgroup_create(self.key, GROUP, id="0", mkstream=True)
 
     def push(self, body: str | dict[str, Any]) -> Any:
-        fields = {"url": body} if isinstance(body, str) else {"request": json.dumps(body)}
+        if body == STOP:
+            fields = {"stop": "1"}
+        else:
+            fields = {"url": body} if isinstance(body, str) else {"request": json.dumps(body)}
         return self.client.xadd(self.key, fields)
 
     def in_flight(self) -> int:
@@ -331,3 +338,34 @@ def test_a_broker_restarted_mid_crawl(broker_queue: BrokerQueue, tmp_path: Path)
     assert requests <= 200 + 4, requests
     text = log.read_text()
     assert "reachable again" in text, text[-3000:]
+
+
+@pytest.mark.parametrize("broker_queue", ["redis", "sqs", "amqp"], indirect=True)
+def test_two_stop_messages_read_in_one_batch_are_both_acknowledged(
+        broker_queue: BrokerQueue, tmp_path: Path) -> None:
+    """Two stop messages among three products, all read in the worker's first batch: the
+    crawl finishes once the three are done, and every message read is acknowledged, both
+    stop messages too. So the next crawl is not ended by a stale stop message: it crawls the
+    messages pushed for it."""
+    db = str(tmp_path / "frontier.sqlite3")
+    with LocalSite() as shop:
+        for body in (product_body(shop, 1), STOP, product_body(shop, 2), STOP,
+                     product_body(shop, 3)):
+            broker_queue.push(body)
+        for run, products in (("run1", (1, 2, 3)), ("run2", (4, 5, 6))):
+            if run == "run2":
+                for number in products:
+                    broker_queue.push(product_body(shop, number))
+                broker_queue.push(STOP)
+            log = tmp_path / f"{run}.log"
+            worker = start_worker(broker_queue, db, log)
+            try:
+                assert worker.wait(timeout=240) == 0
+            finally:
+                if worker.poll() is None:
+                    kill(worker)
+            assert close_reason(log) == "finished"
+            assert committed(db) >= {product_body(shop, n)["url"] for n in products}, run
+            assert broker_queue.remaining() == 0, run  # every message read acknowledged
+    assert sorted(p["sku"] for p in stored_products(db)) == [
+        f"SKU-{n:05d}" for n in range(1, 7)]

@@ -21,7 +21,10 @@ A message is either a URL (fetched with ``GET`` and the spider's ``parse``), or 
 ``cb_kwargs`` (object), ``callback`` and ``errback`` (names of spider methods), ``priority``
 (integer); on a Redis stream an entry with a field ``url`` or a field ``request`` holding the
 JSON object, elsewhere the message body. A message ``stop`` (a field ``stop``, or the body
-``{"stop": true}``) ends the crawl (``finished``) once every message read before it is done.
+``{"stop": true}``) ends the crawl (``finished``) once every message read before it, or in
+its batch, is done; nothing new is read after it. Every stop message read is acknowledged
+when the crawl finishes (several in one batch end one crawl: none is left to end the next);
+a crawl ended otherwise acknowledges none, so they are delivered again.
 A message that is not one of these, or whose request cannot be built, is parked with its
 error: logged and counted, never dropped in silence, and the crawl goes on.
 
@@ -233,7 +236,9 @@ class QueueInput:
         self._broker_calls = SerialThread("scrapy_idempotent-queue")
         self._closed = False
         self._reconciled_at = 0.0
-        self._stop_id: str | None = None  # a stop message read
+        #: the stop messages read, in order: held unacknowledged until the crawl finishes,
+        #: then acknowledged all together (a stop left unacknowledged would end the next crawl)
+        self._stop_ids: list[str] = []
         self._finishing = False  # the crawl was let close: read nothing more
         self._empty_since: float | None = None  # the queue had nothing for us since then
         self._broker_error: str | None = None  # the last broker error logged (None: none)
@@ -288,7 +293,7 @@ class QueueInput:
         reachable)."""
         if self._messages:
             raise DontCloseSpider  # their requests are still being done (elsewhere)
-        if self._stop_id is not None:
+        if self._stop_ids:
             self._finishing = True
             return
         timeout = self.config.idle_timeout_seconds
@@ -317,8 +322,8 @@ class QueueInput:
         if self._poll is not None and self._poll.running:
             self._poll.stop()
         ids, self._unacked = self._unacked, []
-        if self._stop_id is not None and reason == "finished":
-            ids.append(self._stop_id)
+        if reason == "finished":
+            ids += self._stop_ids  # every stop message read ended this crawl
         if self._messages:
             logger.info("scrapy_idempotent: %d queue message(s) not acknowledged (their "
                         "requests are not done): they will be delivered again",
@@ -354,12 +359,11 @@ class QueueInput:
 
     def _plan(self) -> _PollPlan:
         acks, self._unacked = self._unacked, []
-        known = frozenset(self._messages) | (
-            {self._stop_id} if self._stop_id is not None else frozenset())
+        known = frozenset(self._messages) | frozenset(self._stop_ids)
         return _PollPlan(
             acks=acks, extend=list(known), take=not self._finishing,
             room=self.config.prefetch - len(self._messages) if not self._finishing else 0,
-            read=not self._finishing and self._stop_id is None, known=known)
+            read=not self._finishing and not self._stop_ids, known=known)
 
     def _poll_broker(self, plan: _PollPlan) -> _Polled:
         """On the broker's thread: the calls of one poll. A broker error ends it early,
@@ -391,8 +395,8 @@ class QueueInput:
             message = self._messages.get(message_id)
             if message is not None:
                 self._forget(message)
-            if message_id == self._stop_id:
-                self._stop_id = None
+            if message_id in self._stop_ids:
+                self._stop_ids.remove(message_id)
         if self._closed:
             return  # read while closing: not acknowledged, so delivered again
         for message_id, fields in taken.entries:
@@ -428,14 +432,15 @@ class QueueInput:
 
     def _take(self, message_id: str, fields: Mapping[str, str]) -> None:
         """Feed one message to the crawl, or park it."""
-        if message_id in self._messages or message_id == self._stop_id:
+        if message_id in self._messages or message_id in self._stop_ids:
             return
         assert self.spider is not None and self.scheduler is not None
         self.stats.inc_value("idempotent/queue/received")
         if set(fields) == {"stop"}:
-            self._stop_id = message_id
+            self._stop_ids.append(message_id)
             logger.info("scrapy_idempotent: stop message %s read: the crawl finishes once "
-                        "the requests of the messages before it are done", message_id)
+                        "the requests of the messages read before it and in its batch are "
+                        "done", message_id)
             return
         try:
             request = request_from_message(fields, self.spider)
