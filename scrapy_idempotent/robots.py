@@ -245,10 +245,13 @@ class CrawlRobotsTxtMiddleware:
 
     async def _parse(self, body: bytes, request: Request) -> RobotParser:
         parser: RobotParser = build_from_crawler(self.parser_class, self.crawler, body)
+        robots_parsed = getattr(signals, "robots_parsed", None)  # Scrapy 2.14
+        if robots_parsed is None:
+            return parser
         send = getattr(self.crawler.signals, "send_catch_log_async", None)
         if send is not None:  # Scrapy 2.14
-            await send(signal=signals.robots_parsed, robotparser=parser, request=request)
+            await send(signal=robots_parsed, robotparser=parser, request=request)
         else:
             await maybe_deferred_to_future(self.crawler.signals.send_catch_log_deferred(
-                signal=signals.robots_parsed, robotparser=parser, request=request))
+                signal=robots_parsed, robotparser=parser, request=request))
         return parser
