@@ -159,9 +159,10 @@ class RunCloseSpider(CloseSpider):
     def room_for(self, in_flight: int) -> bool:
         """Whether one more page may be handed out: the run's items, pages and callback
         errors so far plus the ``in_flight`` pages (each counted as one more page, at most
-        one more item and at most one more error) stay below their limits. Near a limit fewer pages are sent at once, so the run
-        stops at it rather than at the limit plus everything in flight (a page of several
-        items can still pass an item limit by its other items)."""
+        one more item and at most one more error) stay below their limits. Near a limit
+        fewer pages are sent at once, so the run stops at it rather than at the limit plus
+        everything in flight (a page of several items can still pass an item limit by its
+        other items)."""
         if self.count.base is None:
             return True
         counts = self.count.now()
