@@ -14,7 +14,7 @@ from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f
 from state_spider import StateSpider
 
-from crawling import crawl_settings, kill_crawls, run_crawl
+from crawling import crawl_settings, kill_crawls, run_crawl, wait_for
 from helpers.stored import reading, stored_records
 from scrapy_idempotent.spider_state import state_changes
 from scrapy_idempotent.store.base import StateChange
@@ -120,10 +120,18 @@ def test_two_postgresql_workers_add_their_counts_up(
                "-a", f"url={small_shop.url}", "-s", f"IDEMPOTENT_DATABASE={database}",
                "-s", 'ADDONS={"scrapy_idempotent.Addon": 0}', "-s", "ROBOTSTXT_OBEY=False",
                "-s", "TELNETCONSOLE_ENABLED=False", "-s", "CONCURRENT_REQUESTS=4"]
+    small_shop.hold()  # nothing is answered until both workers run in the run
     workers = [subprocess.Popen([*command, "-s", f"LOG_FILE={tmp_path / f'w{n}.log'}"],
                                 cwd=tmp_path, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
                for n in range(2)]
+    try:
+        for n in range(2):
+            log = tmp_path / f"w{n}.log"
+            wait_for(lambda log=log: log.exists() and " run 1 in " in log.read_text(  # type: ignore[misc]
+                errors="replace"), 300, f"worker {n} in run 1", log)
+    finally:
+        small_shop.release()
     codes = [worker.wait(timeout=300) for worker in workers]
     logs = [(tmp_path / f"w{n}.log").read_text(errors="replace") for n in range(2)]
     assert codes == [0, 0], "\n".join(log[-2000:] for log in logs)
