@@ -130,38 +130,23 @@ def kill_shop_crawls(site: Any, database: str | Path, log_dir: Path, rng: Any, k
     more requests (drawn from ``rng``: a moment given by the crawl's progress, never by
     time), then run once more to its end; logs ``log_dir/run<n>.log`` and ``final.log``.
     Every kill must hit a crawl still running, and the last crawl must finish."""
-    import signal
+    import sys
 
-    for run in range(kills):
-        log = log_dir / f"run{run}.log"
-        target = site.request_count + rng.randint(5, 120)
-        process = start_shop_crawl(site.url, database, log, *settings)
-        try:
-            wait_for(lambda t=target, p=process: site.request_count >= t  # type: ignore[misc]
-                     or p.poll() is not None, 300, f"request {target}", log)
-        finally:
-            process.kill()
-            process.wait()
-        assert process.returncode == -signal.SIGKILL, (
-            f"run {run} ended by itself ({process.returncode}) before its kill:\n"
-            + (log.read_text(errors="replace")[-3000:] if log.exists() else "no log"))
-    log = log_dir / "final.log"
-    final = start_shop_crawl(site.url, database, log, *settings)
-    try:
-        assert final.wait(timeout=300) == 0, log.read_text(errors="replace")[-3000:]
-    finally:
-        if final.poll() is None:
-            final.kill()
-            final.wait()
-    assert close_reason(log) == "finished"
+    command = [sys.executable, "-m", "scrapy", "crawl", "shop", "-a", f"url={site.url}",
+               "-s", f"IDEMPOTENT_DATABASE={database}"]
+    for setting in settings:
+        command += ["-s", setting]
+    kill_crawls(site, command, log_dir, rng, kills, more=(5, 120), cwd=EXAMPLE_PROJECT)
 
 
 def kill_crawls(site: Any, command: list[str], log_dir: Path, rng: Any, kills: int, *,
-                more: tuple[int, int] = (5, 15), env: dict[str, str] | None = None) -> Path:
-    """``command`` (a crawl of ``site`` in a subprocess, run in ``log_dir``, logging to
-    ``log_dir/run<n>.log``) started ``kills`` times, each SIGKILLed once the site has served
-    ``more`` more requests (a number drawn from ``rng`` between the two: a moment given by
-    the crawl's progress, never by time), then run once more to its end, which must exit 0
+                more: tuple[int, int] = (5, 15), env: dict[str, str] | None = None,
+                cwd: Path | None = None) -> Path:
+    """``command`` (a crawl of ``site`` in a subprocess, run in ``cwd``, default
+    ``log_dir``, logging to ``log_dir/run<n>.log``) started ``kills`` times, each SIGKILLed
+    once the site has served ``more`` more requests (a number drawn from ``rng`` between the
+    two: a moment given by the crawl's progress, never by time), then run once more to its
+    end, which must exit 0
     with reason ``finished``; returns that run's log (``final.log``)."""
     import signal
     import subprocess
@@ -169,7 +154,8 @@ def kill_crawls(site: Any, command: list[str], log_dir: Path, rng: Any, kills: i
     for run in range(kills):
         log = log_dir / f"run{run}.log"
         target = site.request_count + rng.randint(*more)
-        process = subprocess.Popen([*command, "-s", f"LOG_FILE={log}"], cwd=log_dir, env=env,
+        process = subprocess.Popen([*command, "-s", f"LOG_FILE={log}"], cwd=cwd or log_dir,
+                                   env=env,
                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                    stderr=subprocess.STDOUT)
         try:
@@ -182,7 +168,7 @@ def kill_crawls(site: Any, command: list[str], log_dir: Path, rng: Any, kills: i
             f"run {run} ended by itself ({process.returncode}) before its kill:\n"
             + (log.read_text(errors="replace")[-3000:] if log.exists() else "no log"))
     log = log_dir / "final.log"
-    final = subprocess.run([*command, "-s", f"LOG_FILE={log}"], cwd=log_dir, env=env,
+    final = subprocess.run([*command, "-s", f"LOG_FILE={log}"], cwd=cwd or log_dir, env=env,
                            stdin=subprocess.DEVNULL, timeout=300, check=False)
     assert final.returncode == 0, log.read_text(errors="replace")[-3000:]
     assert close_reason(log) == "finished"
