@@ -139,6 +139,7 @@ class CommitPath:
         self.slots_wait: Callable[[float], None] | None = None
         tracker.complete = self.completed
         tracker.flush_soon = self.flush_soon
+        tracker.write_soon = self.write_soon
 
     def start(self) -> None:
         """From now on the writer's thread uses the write connection, and responses wait
@@ -333,6 +334,14 @@ class CommitPath:
             clock: Any = installed
             self._flush_call = clock.callLater(0, self._flush)
         return 0
+
+    def write_soon(self) -> None:
+        """The tracker's ``write_soon``: what it buffered goes with the writer's next batch,
+        sent within the linger even when no page completes meanwhile."""
+        if self.writer.threaded and self.writer.running:
+            self.writer.commit(linger=LINGER_SECONDS)
+        else:
+            self.flush_soon()
 
     def _flush(self) -> None:
         if self.tracker.has_attempt_writes and not self.health.stopped:

@@ -59,6 +59,11 @@ class EngineObserver(Protocol):
         """``_Slot.remove_request(request)``: Scrapy is done with ``request`` (its items went
         through the pipelines, its children were enqueued), whatever the outcome."""
 
+    def request_sent(self, request: Request) -> None:
+        """The downloader hands ``request`` to its download handler: it goes to the network
+        now (a request answered by a downloader middleware, Scrapy's HTTP cache for one,
+        never gets here)."""
+
     def downloader_output(self, result: Request | Response | Failure,
                           request: Request) -> Deferred[None] | None:
         """What the downloader (its middlewares) answered for ``request``: a response, a
@@ -99,7 +104,21 @@ def _hooked_methods(engine: Any) -> list[tuple[Any, str, str]]:
         (scraper, "Scraper", "handle_spider_output_async"),  # Scrapy 2.13
         (scraper, "Scraper", "handle_spider_error"),
         (scraper, "Scraper", _itemproc_name(scraper)),
+        (_download_handlers(engine), "DownloadHandlers", _send_name(engine)),
     ]
+
+
+def _download_handlers(engine: Any) -> Any:
+    return getattr(getattr(engine, "downloader", None), "handlers", None)
+
+
+def _send_name(engine: Any) -> str:
+    """The download handlers' method the downloader sends each request with:
+    ``download_request_async(request)`` from Scrapy 2.14 on, ``download_request(request,
+    spider)`` (returning a Deferred) in 2.13."""
+    if callable(getattr(_download_handlers(engine), "download_request_async", None)):
+        return "download_request_async"
+    return "download_request"
 
 
 def check_engine(engine: Any) -> None:
@@ -141,6 +160,9 @@ class EngineHooks:
         spider_output = scraper.handle_spider_output_async
         spider_error = scraper.handle_spider_error
         itemproc = _async_itemproc(scraper)
+        handlers = _download_handlers(engine)
+        send_name = _send_name(engine)
+        send = getattr(handlers, send_name)
 
         def hooked_remove_request(request: Request) -> None:
             observer.request_finished(request)
@@ -168,6 +190,17 @@ class EngineHooks:
 
         self._shadow(slot, "remove_request", hooked_remove_request)
         self._shadow(engine, "_handle_downloader_output", hooked_handle_output)
+        if send_name == "download_request_async":
+            async def download_request_async(request: Request) -> Response:
+                observer.request_sent(request)
+                response: Response = await send(request)
+                return response
+            self._shadow(handlers, send_name, download_request_async)
+        else:  # Scrapy 2.13: returns a Deferred
+            def download_request(request: Request, spider: Any) -> Any:
+                observer.request_sent(request)
+                return send(request, spider)
+            self._shadow(handlers, send_name, download_request)
         self._shadow(scraper, "handle_spider_output_async", hooked_spider_output)
         self._shadow(scraper, "handle_spider_error", hooked_spider_error)
         if _itemproc_name(scraper) == "start_itemproc_async":

@@ -105,7 +105,8 @@ class InflightRequest:
     attempts: int
     request: Request
     suspect: bool = False  #: in flight when a worker died before
-    downloads: int = 0  #: times it was sent to the network before this lease
+    #: responses the network gave it (before this lease, and in it so far)
+    downloads: int = 0
     #: the batch of writes (:class:`~.writer.WriterThread`) that carries its latest attempt
     #: write (its start, its journaled response, its replay): its callback waits for it
     write_seq: int = 0
@@ -277,6 +278,9 @@ class InflightTracker:
         self.complete: Callable[[UnitOfWork, InflightRequest | None], None] = \
             lambda work, entry: None
         self.flush_soon: Callable[[], int] = lambda: 0
+        #: told when something was buffered that no response waits for (a download's
+        #: count): it is written with the next transaction, soon
+        self.write_soon: Callable[[], None] = lambda: None
         self.writes_durable: Callable[[int], Deferred[None] | None] = lambda seq: None
         #: told of each request a callback yielded, before the request reaches the engine
         self.child_request: Callable[[Request], None] = lambda request: None
@@ -292,6 +296,7 @@ class InflightTracker:
         self._start_requests: dict[int, Request] = {}
         self._started: list[str] = []  # keys handed out since the last transaction
         self._replayed: list[str] = []  # keys answered from the journal since then
+        self._downloaded: list[str] = []  # keys answered by the network since then
         self._journal: list[tuple[InflightRequest, str, bytes]] = []  # responses to keep
         #: fingerprints of filtered requests buffered for a transaction (duplicates of these
         #: are refused before they reach the database)
@@ -435,10 +440,26 @@ class InflightTracker:
         self._replayed.append(entry.key)
         entry.write_seq = self.flush_soon()
 
+    def request_sent(self, request: Request) -> None:
+        """The downloader sends ``request`` to the network (its download handler): a
+        download of its entry, whatever comes back (never an answer of the response journal
+        or of Scrapy's HTTP cache: those do not reach the handler). Counted in the frontier
+        with the next transaction, written soon; nothing waits for it."""
+        entry = self._inflight.get(id(request))
+        if entry is None or entry.memory:
+            return
+        self._count("idempotent/requests/downloaded")
+        if entry.downloads:
+            self._count("idempotent/requests/downloaded_again")
+        entry.downloads += 1
+        self._downloaded.append(entry.key)
+        self.write_soon()
+
     @property
     def has_attempt_writes(self) -> bool:
-        """Attempts started, replayed or journaled responses wait for a transaction."""
-        return bool(self._started or self._journal or self._replayed)
+        """Attempts started, replayed or journaled responses (or downloads) wait for a
+        transaction."""
+        return bool(self._started or self._journal or self._replayed or self._downloaded)
 
     def drain_into(self, work: UnitOfWork) -> None:
         """Add every buffered write to ``work`` (and forget them here): the unattributed
@@ -450,6 +471,8 @@ class InflightTracker:
         self._started = []
         work.replayed[:0] = self._replayed
         self._replayed = []
+        work.downloaded[:0] = self._downloaded
+        self._downloaded = []
         if self._journal:
             inflight = self._inflight
             work.responses = [(e.key, data, body) for e, data, body in self._journal
@@ -461,6 +484,7 @@ class InflightTracker:
         self.unattributed.restore_from(work)
         self._started[:0] = work.started
         self._replayed[:0] = work.replayed
+        self._downloaded[:0] = work.downloaded
 
     def written(self, work: UnitOfWork) -> None:
         """``work`` was committed: its requests are no longer buffered (written, or known)."""
@@ -485,7 +509,6 @@ class InflightTracker:
         entry = self._inflight.get(id(request))
         if entry is None:
             return None
-        self._count_download(entry)
         self._observe(entry, result)
         if isinstance(result, Request):
             return None  # a retry or redirect: its own attempt comes later
@@ -530,14 +553,6 @@ class InflightTracker:
             yield
         finally:
             _ITEM_IN_PIPELINES.reset(token)
-
-    def _count_download(self, entry: InflightRequest) -> None:
-        """The downloader answered ``entry``: a download, unless the journal answered."""
-        if entry.replayed:
-            return
-        self._count("idempotent/requests/downloaded")
-        if entry.downloads:
-            self._count("idempotent/requests/downloaded_again")
 
     def _observe(self, entry: InflightRequest, result: Any) -> None:
         if isinstance(result, Request):  # a redirect or retry from a downloader middleware

@@ -105,6 +105,7 @@ def merge_work(into: UnitOfWork, work: UnitOfWork) -> None:
     into.started.extend(work.started)
     into.responses.extend(work.responses)
     into.replayed.extend(work.replayed)
+    into.downloaded.extend(work.downloaded)
     into.state_changes.extend(work.state_changes)
     into.meta.update(work.meta)
     into.claim = max(into.claim, work.claim)

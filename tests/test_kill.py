@@ -6,12 +6,20 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 from local_site import LocalSite
 
 from crawling import kill_shop_crawls
-from helpers.stored import frontier_counts, journaled_responses, stored_products, stored_runs
+from helpers.stored import (
+    frontier_counts,
+    frontier_entries,
+    journaled_responses,
+    reading,
+    stored_products,
+    stored_runs,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -57,5 +65,17 @@ def test_sigkill_at_full_concurrency_repeats_at_most_what_was_on_the_wire(
                          f"CONCURRENT_REQUESTS={concurrency}",
                          f"CONCURRENT_REQUESTS_PER_DOMAIN={concurrency}")
         requests = site.request_count
+        served = site.counts_by_path()
         assert_all_products_once(crawl_database, site)
         assert requests <= 525 + kills * concurrency, repeated_paths(site)
+    # The frontier's download counts are what the site answered: per page never more than
+    # the site served it, in all short of it by at most what was on the wire at each kill.
+    entries = frontier_entries(crawl_database)
+    over = {e.url: (e.downloads, served.get(urlsplit(e.url).path, 0)) for e in entries
+            if e.downloads > served.get(urlsplit(e.url).path, 0)}
+    assert not over, over
+    with reading(crawl_database) as store:
+        summary = store.request_summary()
+    twice = sum(1 for n in served.values() if n > 1)
+    assert requests - kills * concurrency <= summary.downloads <= requests
+    assert twice - kills * concurrency <= summary.downloaded_again <= twice, (summary, twice)

@@ -68,6 +68,9 @@ def test_kill_after_items_reached_the_pipeline_before_the_page_finished(
         wait_for(lambda: len(marker_lines(tmp_path / "marker1.txt")) == 3
                  and site.hits("/block/stock1") == 1, 30, "the 3 items", tmp_path / "run1.log")
         time.sleep(0.3)  # let them reach UpsertPipeline too
+        # the page's download is counted soon after its response, its callback not waiting
+        wait_for(lambda: [e.downloads for e in frontier_entries(db)] == [1],
+                 30, "the download counted", tmp_path / "run1.log")
         assert first.poll() is None, (tmp_path / "run1.log").read_text()
     finally:
         first.kill()

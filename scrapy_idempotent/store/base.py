@@ -225,8 +225,8 @@ class LeasedRequest:
     suspect: bool = False
     #: when the lease ends unless renewed (unix seconds, the store's clock)
     leased_until: float = field(default=0.0, compare=False)
-    #: times it was sent to the network before this lease (attempts not answered from the
-    #: response journal)
+    #: responses the network gave it before this lease (not answers of the response
+    #: journal or of Scrapy's HTTP cache)
     downloads: int = 0
     #: it is in the start requests' queue (see :mod:`scrapy_idempotent._order`)
     is_start: bool = field(default=False, compare=False)
@@ -435,6 +435,9 @@ class UnitOfWork:
     #: leased requests answered from the response journal since the last transaction (each
     #: attempt of theirs was not a download)
     replayed: list[str] = field(default_factory=list)
+    #: leased requests answered by the network since the last transaction: a key once per
+    #: response (a retry's included), added to its ``downloads``
+    downloaded: list[str] = field(default_factory=list)
     claim: int = 0
     #: requests the worker claimed ahead and never started, put back to pending before the
     #: claim, so that the claim takes the first requests in queue order, new ones included
@@ -450,7 +453,8 @@ class UnitOfWork:
 
     def __bool__(self) -> bool:
         return bool(self.requests or self.records or self.rejects or self.completions
-                    or self.started or self.responses or self.replayed or self.claim
+                    or self.started or self.responses or self.replayed or self.downloaded
+                or self.claim
                     or self.give_back or self.state_changes or self.meta)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 __all__ = ["ALL_COUNTERS", "APPLICATION", "COUNTERS", "LOADED", "MIGRATIONS", "SCHEMA_VERSION",
            "TABLES"]
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 #: ``meta.application`` of a schema this package made.
 APPLICATION = "scrapy_idempotent"
 
@@ -239,6 +239,13 @@ MIGRATIONS: list[list[str]] = [
             fetched_at double precision NOT NULL
         )""",
     ],
+    [
+        # Responses received from the network per request (retries included; not answers
+        # of the response journal or of Scrapy's HTTP cache), written with the transaction
+        # after they arrive. Before, downloads were estimated as leases minus replays.
+        """ALTER TABLE requests ADD COLUMN downloads integer NOT NULL DEFAULT 0""",
+        """UPDATE requests SET downloads = greatest(attempts - replays, 0)""",
+    ],
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
@@ -255,6 +262,7 @@ TABLES[6] = TABLES[5] | {"samples"}
 TABLES[7] = TABLES[6] | {"slots"}
 TABLES[8] = TABLES[7] | {"record_keys"}
 TABLES[9] = TABLES[8] | {"robots"}
+TABLES[10] = TABLES[9]
 assert set(TABLES) == set(range(1, SCHEMA_VERSION + 1))
 
 #: The counters of a session row a page commit adds to: its worker's share of the run's
@@ -268,7 +276,7 @@ LOADED: dict[str, tuple[str, ...]] = {
     "requests": ("id", "key", "fingerprint", "url", "priority", "is_start", "fifo", "state",
                  "data", "parent_key", "worker", "leased_until", "attempts", "unfinished",
                  "replays", "enqueued_at", "finished_at", "error_kind", "error_message",
-                 "run_id", "slot"),
+                 "run_id", "slot", "downloads"),
     "records": ("record_id", "source", "natural_key", "item_type", "data", "content_hash",
                 "first_seen", "last_changed", "first_run_id", "changed_run_id", "request_key",
                 "seen_run_id", "seen_at", "seen_seq", "observed_at", "version"),

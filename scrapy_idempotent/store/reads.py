@@ -168,8 +168,8 @@ class RequestSummary:
     expired_leases: int  #: leased, lease time over
     journaled_responses: int
     replays: int  #: attempts answered from the response journal
-    downloads: int  #: attempts sent to the network: leases minus replays
-    downloaded_again: int  #: entries sent to the network more than once
+    downloads: int  #: responses received from the network (recorded: see ``downloaded``)
+    downloaded_again: int  #: entries the network answered more than once
 
 
 @dataclass(frozen=True)
@@ -257,6 +257,8 @@ class FrontierEntry:
     error_kind: str | None
     error_message: str | None
     run_id: int
+    #: responses the network gave it (recorded with the transaction after each arrived)
+    downloads: int = 0
 
 
 @dataclass(frozen=True)

@@ -194,11 +194,12 @@ class ClaimedRow(NamedTuple):
     url: str
     replays: int
     fifo: Any  #: a boolean (SQLite gives 0 or 1)
+    downloads: int  #: responses received from the network so far
 
 
 #: The columns a claim returns, in :class:`ClaimedRow`'s order.
 CLAIMED_COLUMNS = ("id", "key", "fingerprint", "data", "priority", "is_start", "attempts",
-                   "unfinished", "url", "replays", "fifo")
+                   "unfinished", "url", "replays", "fifo", "downloads")
 
 
 def claim_order(row: ClaimedRow) -> tuple[int, bool, int]:
@@ -229,7 +230,7 @@ def split_claim(rows: Sequence[Sequence[Any]], max_attempts: int, leased_until: 
     leased = [
         LeasedRequest(key=r.key, fingerprint=r.fingerprint, data=r.data, priority=r.priority,
                       attempts=r.attempts, suspect=r.unfinished >= suspect_at,
-                      downloads=r.attempts - 1 - r.replays, leased_until=leased_until,
+                      downloads=r.downloads, leased_until=leased_until,
                       is_start=bool(r.is_start), rank=r.id if r.fifo else -r.id)
         for r in claimed if r.unfinished < max_attempts]
     return leased, [r for r in claimed if r.unfinished >= max_attempts]

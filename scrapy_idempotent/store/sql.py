@@ -35,6 +35,7 @@ import json
 import re
 import threading
 from abc import abstractmethod
+from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, cast
 
@@ -130,7 +131,7 @@ _Known = tuple[Any, str, Any]
 #: the columns of a frontier entry (:class:`~.FrontierEntry`)
 _ENTRY = ("SELECT key, fingerprint, url, state, priority, is_start, data, parent_key, worker,"
           " leased_until, attempts, unfinished, replays, enqueued_at, finished_at, error_kind,"
-          " error_message, run_id FROM requests")
+          " error_message, run_id, downloads FROM requests")
 _LAST_RUN = "SELECT run_id, finished_at FROM runs ORDER BY run_id DESC LIMIT 1"
 #: the run counters a progress sample keeps (:class:`~.Sample`)
 _SAMPLE_COUNTERS = ("leased", "done", "failed", "redirected", "records_inserted",
@@ -553,6 +554,7 @@ class SqlStore(SqlOutbox, FrontierStore):
         self._leased_update(cur, "unfinished = unfinished + 1", started, worker)
         self._leased_update(cur, "replays = replays + 1",
                             [key for key in work.replayed if key not in lost], worker)
+        self._count_downloads(cur, [key for key in work.downloaded if key not in lost], worker)
         completing = self._complete(cur, work.completions, lost, worker, now)
         # claimed ahead, never handed out: their claim's attempt is taken back
         self._leased_update(cur, "state = 'pending', worker = NULL, leased_until = NULL,"
@@ -567,6 +569,15 @@ class SqlStore(SqlOutbox, FrontierStore):
         if (result.requests_added or result.requests_due_again
                 or result.completed.get(RequestState.PENDING.value)):
             self._notify(cur)
+
+    def _count_downloads(self, cur: Any, keys: Sequence[str], worker: str) -> None:
+        """Add the network responses of ``keys`` (a key once per response) to their
+        requests' ``downloads``."""
+        by_count: dict[int, list[str]] = {}
+        for key, n in Counter(keys).items():
+            by_count.setdefault(n, []).append(key)
+        for n, same in sorted(by_count.items()):
+            self._leased_update(cur, f"downloads = downloads + {int(n)}", same, worker)
 
     def _leased_update(self, cur: Any, assignments: str, keys: Sequence[str],
                        worker: str) -> None:
@@ -649,7 +660,8 @@ class SqlStore(SqlOutbox, FrontierStore):
             # in id order: page commits locking the same rows lock them in one order
             cur.executemany(self._q(
                 "UPDATE requests SET state = 'pending', data = ?, priority = ?,"
-                " is_start = ?, fifo = ?, attempts = 0, finished_at = NULL,"
+                " is_start = ?, fifo = ?, attempts = 0, replays = 0, downloads = 0,"
+                " finished_at = NULL,"
                 " error_kind = NULL, error_message = NULL, enqueued_at = ?, run_id = ?"
                 " WHERE id = ?"),
                 [(req.data, req.priority, req.is_start, req.fifo, now, run_id, id_)
@@ -1423,15 +1435,16 @@ class SqlStore(SqlOutbox, FrontierStore):
             " coalesce(sum(CASE WHEN attempts > 1 THEN 1 ELSE 0 END), 0),"
             " coalesce(max(attempts), 0),"
             " coalesce(sum(CASE WHEN state = 'leased' AND leased_until < ? THEN 1 ELSE 0 END),"
-            "  0), coalesce(sum(replays), 0),"
-            " coalesce(sum(CASE WHEN attempts - replays > 1 THEN 1 ELSE 0 END), 0)"
+            "  0), coalesce(sum(replays), 0), coalesce(sum(downloads), 0),"
+            " coalesce(sum(CASE WHEN downloads > 1 THEN 1 ELSE 0 END), 0)"
             " FROM requests", (self.clock(),))[0]
-        requests, leases, repeated, most, expired, replays, again = (int(v) for v in row)
+        requests, leases, repeated, most, expired, replays, downloads, again = (
+            int(v) for v in row)
         journaled = int(self._select("SELECT count(*) FROM responses")[0][0])
         return RequestSummary(requests=requests, leases=leases, repeated=repeated,
                               most_attempts=most, expired_leases=expired,
                               journaled_responses=journaled, replays=replays,
-                              downloads=leases - replays, downloaded_again=again)
+                              downloads=downloads, downloaded_again=again)
 
     def failure_counts(self) -> dict[str, int]:
         return {kind: int(n) for kind, n in self._select(
@@ -1485,7 +1498,8 @@ class SqlStore(SqlOutbox, FrontierStore):
         where, params = self._failed_filter(kinds, url_glob, url_regex)
         with self._write("putting failed requests back") as cur:
             cur.execute(self._q(
-                f"{_PENDING_AGAIN}, attempts = 0, finished_at = NULL, error_kind = NULL,"
+                f"{_PENDING_AGAIN}, attempts = 0, replays = 0, downloads = 0, finished_at = NULL,"
+                " error_kind = NULL,"
                 f" error_message = NULL WHERE {where}"), params)
             retried: int = cur.rowcount
             if retried:
@@ -1595,7 +1609,7 @@ class SqlStore(SqlOutbox, FrontierStore):
                 return RejectsRetried(pages=0, rejects=0, without_page=0, run_id=None,
                                       reopened=False)
             cur.execute(self._q(
-                f"{_PENDING_AGAIN}, attempts = 0, replays = 0, unfinished = 0,"
+                f"{_PENDING_AGAIN}, attempts = 0, replays = 0, downloads = 0, unfinished = 0,"
                 " finished_at = NULL, error_kind = NULL, error_message = NULL WHERE key IN"
                 " (SELECT request_key FROM rejects WHERE run_id = ? AND retried_at IS NULL)"
                 " AND state IN ('done', 'failed', 'redirected')"), (last[0],))

@@ -49,7 +49,7 @@ __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 
 #: Schema migrations: ``_MIGRATIONS[n]`` brings version n to n + 1, one transaction each.
 _MIGRATIONS: list[list[str]] = [
@@ -296,6 +296,13 @@ _MIGRATIONS: list[list[str]] = [
             fetched_at REAL NOT NULL
         ) WITHOUT ROWID""",
     ],
+    [
+        # Responses received from the network per request (retries included; not answers
+        # of the response journal or of Scrapy's HTTP cache), written with the transaction
+        # after they arrive. Before, downloads were estimated as leases minus replays.
+        """ALTER TABLE requests ADD COLUMN downloads INTEGER NOT NULL DEFAULT 0""",
+        """UPDATE requests SET downloads = max(attempts - replays, 0)""",
+    ],
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -317,6 +324,7 @@ _TABLES: dict[int, frozenset[str]] = {1: _TABLES_1, 2: _TABLES_1 | {"feeds"},
                                                        "record_keys"},
                                       12: _TABLES_1 | {"feeds", "outbox", "samples", "slots",
                                                        "record_keys", "robots"}}
+_TABLES[13] = _TABLES[12]
 assert set(_TABLES) == set(range(1, SCHEMA_VERSION + 1))
 #: Schema versions written before the application id was (files of those have none).
 _BEFORE_APPLICATION_ID = frozenset({1, 2, 3})
