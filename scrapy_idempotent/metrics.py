@@ -275,13 +275,13 @@ def _frontier(m: CrawlMetrics) -> Iterator[Metric]:
     yield CounterMetricFamily("idempotent_leases", "Leases of the frontier's entries (attempts)",
                               value=s.leases)
     yield CounterMetricFamily("idempotent_downloads",
-                              "Responses the network gave the frontier's entries (not answers "
-                              "of the response journal or of Scrapy's HTTP cache)",
+                              "Frontier entries' requests sent to the network (not answered "
+                              "by the response journal or Scrapy's HTTP cache)",
                               value=s.downloads)
     yield CounterMetricFamily("idempotent_replays",
                               "Attempts answered from the response journal", value=s.replays)
     yield GaugeMetricFamily("idempotent_requests_downloaded_again",
-                            "Frontier entries the network answered more than once (retries, "
+                            "Frontier entries sent to the network more than once (retries, "
                             "requests in flight when a worker was killed)",
                             value=s.downloaded_again)
     yield GaugeMetricFamily("idempotent_requests_repeated",
