@@ -26,6 +26,7 @@ The differences between Scrapy releases are in :mod:`scrapy_idempotent.scrapy_co
 from __future__ import annotations
 
 import inspect
+import logging
 import weakref
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ __all__ = [
     "check_engine",
     "close_spider_failed",
     "exit_nonzero",
+    "report_close_reason",
     "schedule_next_request",
     "shape_problem",
 ]
@@ -342,6 +344,52 @@ def close_spider_failed(crawler: Crawler, reason: str) -> None:
     ``runspider``) then exits with 1 (see :func:`exit_nonzero`)."""
     exit_nonzero(crawler)
     close_spider(crawler, reason)
+
+
+def report_close_reason(crawler: Crawler, reason: str) -> None:
+    """Make the close under way (its ``spider_closed`` signal not sent yet) say ``reason``
+    where it tells how the crawl ended, instead of the reason it started with (``finished``
+    when a feed fails only at the close): the ``finish_reason`` stat, which Scrapy's
+    ``CoreStats`` sets from the signal (set again by a handler connected after it), and
+    Scrapy's ``Spider closed (...)`` line (a filter on the engine's logger gives that record
+    this reason). The engine's own reason, as its close passes it to the scheduler and to
+    the ``spider_closed`` handlers, cannot change (a local variable of
+    ``ExecutionEngine.close_spider_async``); a Scrapy that words the line otherwise logs its
+    own reason. Both are undone when the engine stops."""
+    from scrapy import signals
+
+    spider = crawler.spider
+    stats = crawler.stats
+    engine_logger = logging.getLogger("scrapy.core.engine")
+    said = _CloseReasonFilter(spider, reason)
+
+    def set_stat() -> None:
+        if stats is not None:
+            stats.set_value("finish_reason", reason)
+
+    def remove() -> None:
+        engine_logger.removeFilter(said)
+        crawler.signals.disconnect(set_stat, signal=signals.spider_closed)
+        crawler.signals.disconnect(remove, signal=signals.engine_stopped)
+
+    engine_logger.addFilter(said)
+    crawler.signals.connect(set_stat, signal=signals.spider_closed, weak=False)
+    crawler.signals.connect(remove, signal=signals.engine_stopped, weak=False)
+
+
+class _CloseReasonFilter(logging.Filter):
+    """Gives Scrapy's ``Spider closed (%(reason)s)`` record of ``spider`` ``reason``."""
+
+    def __init__(self, spider: Any, reason: str) -> None:
+        super().__init__()
+        self.spider = spider
+        self.reason = reason
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (record.msg == "Spider closed (%(reason)s)" and isinstance(record.args, dict)
+                and getattr(record, "spider", None) is self.spider):
+            record.args = {**record.args, "reason": self.reason}
+        return True
 
 
 #: The crawlers :func:`exit_nonzero` was called for.
