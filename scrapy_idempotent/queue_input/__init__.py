@@ -445,6 +445,7 @@ class QueueInput:
             return
         assert self.spider is not None and self.scheduler is not None
         self.stats.inc_value("idempotent/queue/received")
+        logger.debug("scrapy_idempotent: queue message %s read", message_id)
         if set(fields) == {"stop"}:
             self._stop_ids.append(message_id)
             logger.info("scrapy_idempotent: stop message %s read: the crawl finishes once "
