@@ -111,7 +111,8 @@ def test_two_workers_in_one_group_killed_ten_times(
     settings = (f"CONCURRENT_REQUESTS={concurrency}",
                 f"CONCURRENT_REQUESTS_PER_DOMAIN={concurrency}",
                 "IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=12")
-    with LocalSite(delay=0.01) as shop:
+    # pages slow enough that the other worker leaves work for the ten kills
+    with LocalSite(delay=0.2) as shop:
         bodies: list[Any] = [f"{shop.url}/list/{n}" for n in range(1, 26)] + [
             product_body(shop, n) for n in range(1, 501)]
         rng.shuffle(bodies)
@@ -120,23 +121,30 @@ def test_two_workers_in_one_group_killed_ten_times(
 
         def launch(slot: int) -> Any:
             starts[slot] += 1
+            # each worker's requests told apart by the site (its user agent)
             return start_worker(queue, db, tmp_path / f"worker{slot}-{starts[slot]}.log",
-                                *settings)
+                                *settings, f"USER_AGENT=worker{slot}-{starts[slot]}")
+
+        def fetched_by(slot: int) -> int:
+            agent = f"worker{slot}-{starts[slot]}"
+            return sum(1 for headers in list(shop.headers_seen)
+                       if headers.get("User-Agent") == agent)
 
         workers = [launch(0), launch(1)]
         problems: list[str] = []
+        at_kills: list[int] = []
         try:
             for run in range(kills):
                 slot = rng.randrange(2)
-                if workers[slot].poll() is not None:  # ran out of work by itself: again
-                    workers[slot] = launch(slot)
-                before = shop.request_count
-                pages = rng.randint(5, 40)
+                pages = rng.randint(3, 12)
+                # killed once it has fetched that many pages itself, with more in flight
                 wait_for(running(workers[slot],
-                                 lambda b=before, n=pages: shop.request_count - b >= n),
-                         300, f"{pages} pages before kill {run}",
+                                 lambda s=slot, n=pages: fetched_by(s) >= n
+                                 and shop.in_flight > 0),
+                         300, f"{pages} pages of worker {slot} before kill {run}",
                          tmp_path / f"worker{slot}-{starts[slot]}.log")
                 kill(workers[slot])
+                at_kills.append(shop.request_count)
                 problems += [f"kill {run}: {p}" for p in queue.committed_past_unfinished(db)]
                 workers[slot] = launch(slot)
             for slot, worker in enumerate(workers):
@@ -159,4 +167,5 @@ def test_two_workers_in_one_group_killed_ten_times(
     assert topic.parked() == []
     assert requests <= 525 + kills * concurrency, requests
     print(f"\nkafka kill test: {kills} kills of 2 workers, {requests} requests (bound "
-          f"{525 + kills * concurrency}), {len(rows)} records, {sum(starts)} worker starts")
+          f"{525 + kills * concurrency}), {len(rows)} records, {sum(starts)} worker starts; "
+          f"requests at the kills: {at_kills}")
