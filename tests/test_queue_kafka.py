@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,9 @@ from scrapy.utils.test import get_crawler
 from crawling import crawl_settings, crawl_to_end
 from helpers.queues import NATURAL_KEYS, QueueSpider, product, reactor_wait_for
 from helpers.stored import frontier_counts, request_states, stored_products
+from scrapy_idempotent.config import config_for
+from scrapy_idempotent.exceptions import ConfigError
+from scrapy_idempotent.queue_input import broker_for
 
 
 def kafka_settings(db_path: str, topic: KafkaTopic, **extra: Any) -> dict[str, Any]:
@@ -183,3 +187,81 @@ async def test_pages_slower_than_the_poll_interval_keep_the_partitions(
     assert sum("assigned to this worker" in line for line in lines) == 1, lines
     assert not any("lost" in line for line in lines), lines
     assert topic.all_acknowledged()
+
+
+def queue_config(**settings: Any) -> Any:
+    return config_for(get_crawler(QueueSpider, settings)).queue
+
+
+def test_a_kafka_url_names_its_servers_topic_and_client_options() -> None:
+    pytest.importorskip("confluent_kafka")
+    config = queue_config(IDEMPOTENT_QUEUE_URL=(
+        "kafka://crawler:s%40cret@k1:9093,k2:9093/shop.requests?security.protocol=SASL_SSL"
+        "&sasl.mechanism=SCRAM-SHA-512&session.timeout.ms=10000"),
+        IDEMPOTENT_QUEUE_GROUP="shop-workers")
+    assert (config.broker, config.key, config.parked_key) == (
+        "kafka", "shop.requests", "shop.requests-parked")
+    broker: Any = broker_for(config, "worker-1")
+    assert broker.options == {
+        "bootstrap.servers": "k1:9093,k2:9093", "client.id": "worker-1",
+        "auto.offset.reset": "earliest", "security.protocol": "SASL_SSL",
+        "sasl.mechanism": "SCRAM-SHA-512", "session.timeout.ms": "10000",
+        "sasl.username": "crawler", "sasl.password": "s@cret"}
+    assert "s@cret" not in broker.describe() and "k1:9093,k2:9093" in broker.describe()
+    # the topic from IDEMPOTENT_QUEUE_KEY when the URL names none, else the spider's
+    assert queue_config(IDEMPOTENT_QUEUE_URL="kafka://k1:9092",
+                        IDEMPOTENT_QUEUE_KEY="jobs.{spider}").key == "jobs.queue_shop"
+    assert queue_config(IDEMPOTENT_QUEUE_URL="kafka://k1:9092/").key == "queue_shop-requests"
+
+
+@pytest.mark.parametrize(("settings", "setting", "message"), [
+    ({"IDEMPOTENT_QUEUE_URL": "kafka:///topic"}, "IDEMPOTENT_QUEUE_URL",
+     "names its bootstrap servers"),
+    ({"IDEMPOTENT_QUEUE_URL": "kafka://k:9092/a:b"}, "IDEMPOTENT_QUEUE_URL",
+     "a Kafka topic name"),
+    ({"IDEMPOTENT_QUEUE_URL": "kafka://k:9092", "IDEMPOTENT_QUEUE_KEY": "shop:requests"},
+     "IDEMPOTENT_QUEUE_KEY", "a Kafka topic name"),
+])
+def test_a_wrong_kafka_url_or_topic_is_refused_naming_the_setting(
+        settings: dict[str, str], setting: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as raised:
+        queue_config(**settings)
+    assert raised.value.setting == setting
+
+
+@pytest.mark.parametrize(("query", "message"), [
+    ("group.id=other", "the option group.id is the queue input's own"),
+    ("enable.auto.commit=true", "the option enable.auto.commit is the queue input's own"),
+    ("no.such.option=1", "No such configuration property"),
+    ("session.timeout.ms=soon", "session.timeout.ms"),
+])
+def test_client_options_are_checked_before_the_crawl(query: str, message: str) -> None:
+    """A wrong option is refused when the input is built (before the crawl starts), naming
+    the setting; a password in the URL is not shown."""
+    pytest.importorskip("confluent_kafka")
+    config = queue_config(IDEMPOTENT_QUEUE_URL=f"kafka://u:secret@k:9092/t?{query}")
+    with pytest.raises(ConfigError, match=message) as raised:
+        broker_for(config, "worker-1")
+    assert raised.value.setting == "IDEMPOTENT_QUEUE_URL"
+    assert "secret" not in str(raised.value) and "u:***@k:9092" in str(raised.value)
+
+
+@deferred_f_from_coro_f
+async def test_the_idle_timeout_ends_a_crawl_whose_cluster_cannot_be_reached(
+        db_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("confluent_kafka")
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    crawler = get_crawler(QueueSpider, crawl_settings(
+        str(db_path), IDEMPOTENT_QUEUE_URL=f"kafka://127.0.0.1:{port}/t",
+        IDEMPOTENT_QUEUE_POLL_SECONDS=0.05, IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=1,
+        CLOSESPIDER_TIMEOUT=60))
+    with caplog.at_level(logging.ERROR, logger="scrapy_idempotent.queue_input"):
+        await crawl_to_end(crawler)
+    stats = crawler.stats.get_stats()
+    assert stats["finish_reason"] == "idempotent_queue_unreachable"
+    assert stats["idempotent/queue/kafka_errors"] >= 1
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("Kafka queue 't': KafkaException" in e for e in errors), errors
+    assert any("could not be reached for 1.0 s" in e for e in errors), errors
