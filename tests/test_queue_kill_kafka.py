@@ -16,8 +16,8 @@ from kafka_server import KafkaServer, KafkaTopic, kafka_server  # noqa: F401  (t
 from local_site import LocalSite
 
 from crawling import close_reason, wait_for
+from helpers.queue_workers import body_url, kill, product_body, running, start_worker
 from helpers.stored import frontier_counts, request_states, stored_products
-from test_queue_kill_brokers import body_url, kill, product_body, running, start_worker
 
 pytestmark = pytest.mark.slow
 
