@@ -140,24 +140,26 @@ class KafkaTopic:
 
         producer = Producer({"bootstrap.servers": self.server.servers,
                              "enable.idempotence": True})
-        delivered: list[tuple[int, int]] = []
+        delivered: dict[int, tuple[int, int]] = {}  # body index -> (partition, offset)
         errors: list[Any] = []
 
-        def report(error: Any, message: Any) -> None:
+        def report(index: int, error: Any, message: Any) -> None:
             if error is not None:
                 errors.append(error)
             else:
-                delivered.append((message.partition(), message.offset()))
+                delivered[index] = (message.partition(), message.offset())
 
-        for number, body in enumerate(bodies):
+        for index, body in enumerate(bodies):
             text = body if isinstance(body, str) else json.dumps(body)
-            target = partition if partition is not None else number % self.partitions
+            target = partition if partition is not None else index % self.partitions
             producer.produce(self.name, value=text.encode(), partition=target,
-                             on_delivery=report)
+                             on_delivery=lambda error, message, i=index: report(
+                                 i, error, message))
         assert producer.flush(30) == 0 and errors == [], errors
-        for number, offset in delivered:
+        for number, offset in delivered.values():
             self.ends[number] = max(self.ends[number], offset + 1)
-        return delivered
+        # (delivery reports come per partition, not in the order produced)
+        return [delivered[index] for index in range(len(bodies))]
 
     def committed(self) -> dict[int, int]:
         """The group's committed offset per partition (-1001 where none is)."""
