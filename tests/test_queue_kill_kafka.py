@@ -112,7 +112,7 @@ def test_two_workers_in_one_group_killed_ten_times(
                 f"CONCURRENT_REQUESTS_PER_DOMAIN={concurrency}",
                 "IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=12")
     # pages slow enough that the other worker leaves work for the ten kills
-    with LocalSite(delay=0.2) as shop:
+    with LocalSite(delay=0.6) as shop:
         bodies: list[Any] = [f"{shop.url}/list/{n}" for n in range(1, 26)] + [
             product_body(shop, n) for n in range(1, 501)]
         rng.shuffle(bodies)
@@ -136,11 +136,14 @@ def test_two_workers_in_one_group_killed_ten_times(
         try:
             for run in range(kills):
                 slot = rng.randrange(2)
-                pages = rng.randint(3, 12)
-                # killed once it has fetched that many pages itself, with more in flight
+                pages = rng.randint(2, 8)
+                # killed once it is a member holding partitions and has fetched that many
+                # pages itself, with more in flight
+                log = tmp_path / f"worker{slot}-{starts[slot]}.log"
                 wait_for(running(workers[slot],
-                                 lambda s=slot, n=pages: fetched_by(s) >= n
-                                 and shop.in_flight > 0),
+                                 lambda s=slot, n=pages, log=log: fetched_by(s) >= n
+                                 and shop.in_flight > 0 and log.exists()
+                                 and "assigned to this worker" in log.read_text()),
                          300, f"{pages} pages of worker {slot} before kill {run}",
                          tmp_path / f"worker{slot}-{starts[slot]}.log")
                 kill(workers[slot])
