@@ -370,7 +370,11 @@ class KafkaBroker(QueueBroker):
             logger.warning("scrapy_idempotent: Kafka topic %r: cannot commit the offsets of "
                            "the messages done before a rebalance (%s): they will be read "
                            "again", self.topic, exc)
-        self._give_up(numbers)
+        held = self._give_up(numbers)
+        if numbers:
+            logger.info("scrapy_idempotent: Kafka topic %r: partition(s) %s revoked (a "
+                        "rebalance): %d message(s) held are left to their next owner",
+                        self.topic, ", ".join(map(str, numbers)), held)
 
     def _on_lost(self, consumer: Any, partitions: list[Any]) -> None:
         """``partitions`` were lost (this member's session timed out: they may be another's
@@ -380,8 +384,11 @@ class KafkaBroker(QueueBroker):
                        self.topic, ", ".join(str(tp.partition) for tp in partitions))
         self._give_up([tp.partition for tp in partitions])
 
-    def _give_up(self, numbers: list[int]) -> None:
+    def _give_up(self, numbers: list[int]) -> int:
+        """Forget the partitions ``numbers`` and the messages held from them (those handed
+        out are reported lost at the end of the take); how many were held."""
         self._settled = False  # until the rebalance assigns partitions again
+        count = 0
         gone = set(numbers)
         for number in numbers:
             self._partitions.pop(number, None)
@@ -391,9 +398,11 @@ class KafkaBroker(QueueBroker):
         for message_id, held in list(self._held.items()):
             if held.partition in gone:
                 del self._held[message_id]
+                count += 1
                 self._owed_parks.pop(message_id, None)
                 if message_id not in kept:
                     self._lost.append(message_id)
+        return count
 
     def _on_error(self, error: Any) -> None:
         """An error the client reports (a broker that cannot be reached, a wrong password):
