@@ -62,6 +62,11 @@ _CONSUMER_ONLY = frozenset({
     "fetch.max.bytes", "fetch.message.max.bytes", "fetch.error.backoff.ms",
     "fetch.queue.backoff.ms", "queued.min.messages", "queued.max.messages.kbytes",
     "coordinator.query.interval.ms", "auto.commit.interval.ms", "allow.auto.create.topics"})
+#: Commit errors of a member whose partitions a rebalance moved on: not errors (the
+#: partitions' next owner commits them).
+_REBALANCED = frozenset({"REBALANCE_IN_PROGRESS", "ILLEGAL_GENERATION", "UNKNOWN_MEMBER_ID",
+                         "_ASSIGNMENT_LOST", "_NO_OFFSET", "FENCED_INSTANCE_ID",
+                         "STALE_MEMBER_EPOCH"})
 #: The longest a metadata request (is the cluster reachable, does the topic exist) waits.
 _METADATA_SECONDS = 5.0
 #: The longest a parked message's delivery, or the commits at a rebalance or the close, wait.
@@ -101,12 +106,6 @@ def _message_id(topic: str, partition: int, offset: int) -> str:
     return f"{topic}/{partition}/{offset}"
 
 
-def _position(message_id: str) -> tuple[int, int]:
-    """(partition, offset) of a message id."""
-    _, partition, offset = message_id.rsplit("/", 2)
-    return int(partition), int(offset)
-
-
 class KafkaBroker(QueueBroker):
     """A member of a Kafka consumer group reading one topic (see the module docstring)."""
 
@@ -118,7 +117,7 @@ class KafkaBroker(QueueBroker):
         self.config = config
         self.topic = config.key
         self.parked_topic = config.parked_key
-        self.options = options  #: the client's options (the producer's less the consumer's)
+        self.options = options  #: the client's options (the URL's, with the servers)
         self.client: Any = None  #: the confluent_kafka Consumer, made at the first take
         self._producer: Any = None
         self._partitions: dict[int, _Partition] = {}
@@ -127,8 +126,11 @@ class KafkaBroker(QueueBroker):
         self._lost: list[str] = []  #: ids handed out and given up since the last take
         self._settled = False  #: an assignment is known (after a revoke: once assigned again)
         self._paused = False
-        self._errors: list[Any] = []  #: errors the client reported since the last take
-        self._check_reachable = False  #: a metadata request must answer before reading on
+        self._errors: list[Any] = []  #: errors met since the last take (reads, commits)
+        #: the last error the client reported by itself (a broker not reachable, a failed
+        #: authentication...): a metadata request must answer before reading on
+        self._client_error: Any = None
+        self._check_reachable = False
         self._owed_parks: dict[str, str] = {}  #: bad messages not parked yet: id -> error
 
     @classmethod
@@ -169,25 +171,23 @@ class KafkaBroker(QueueBroker):
     # -- the contract -----------------------------------------------------------------------
 
     def take(self, room: int, read: bool, known: frozenset[str]) -> Taken:
+        """Up to ``room`` messages; the consumer is polled whatever happens before (the group
+        served, within ``max.poll.interval.ms``), its partitions paused when nothing is to be
+        read."""
         taken = Taken()
         try:
             self._open()
-            if self._check_reachable:
-                try:
-                    self._metadata()
-                except Exception:
-                    self._read(0, taken)  # the group served all the same
-                    raise
-                self._check_reachable = False
-            self._park_owed()
-            self._commit_due()
-            if read and room > 0 and self._kept:
-                handed, self._kept = self._kept[:room], self._kept[room:]
-                taken.entries += handed
-                room -= len(handed)
-            self._read(room if read else 0, taken)
+            reachable = self._reachable(taken)
+            if reachable:
+                self._park_owed(taken)
+                self._commit_due()
+                if read and room > 0 and self._kept:
+                    handed, self._kept = self._kept[:room], self._kept[room:]
+                    taken.entries += handed
+                    room -= len(handed)
+            self._read(room if read and reachable else 0, taken)
         except Exception as exc:
-            taken.error = exc
+            taken.error = taken.error or exc
         self._after_call(taken)
         return taken
 
@@ -197,11 +197,12 @@ class KafkaBroker(QueueBroker):
         taken = Taken()
         try:
             if self.client is not None:
-                self._park_owed()
-                self._commit_due()
+                if self._reachable(taken):
+                    self._park_owed(taken)
+                    self._commit_due()
                 self._read(0, taken)
         except Exception as exc:
-            taken.error = exc
+            taken.error = taken.error or exc
         self._after_call(taken)
         return taken
 
@@ -215,7 +216,10 @@ class KafkaBroker(QueueBroker):
         if message_id not in self._held:
             return  # given up in a rebalance: delivered again to the partition's owner
         self._owed_parks[message_id] = error
-        self._park_owed()
+        taken = Taken()
+        self._park_owed(taken)
+        if taken.error is not None:
+            raise taken.error
 
     def close(self) -> None:
         """Commit what may be committed (waiting for it), then leave the group (the
@@ -342,15 +346,17 @@ class KafkaBroker(QueueBroker):
 
     def _on_commit(self, error: Any, partitions: list[Any]) -> None:
         """A commit's answer (served by the poll): a partition whose commit failed is sent
-        again at the next poll."""
+        again at the next poll, while it is this member's. A commit refused because a
+        rebalance moved on (the partitions' next owner commits them) is not an error."""
         failed = [tp for tp in partitions if error is not None or tp.error is not None]
         for tp in failed:
             partition = self._partitions.get(tp.partition)
             if partition is not None and partition.committed is not None \
                     and partition.committed <= tp.offset:
                 partition.committed = None  # not known committed: sent again
-        if failed:
-            self._errors.append(error or failed[0].error)
+        reason = error or (failed[0].error if failed else None)
+        if reason is not None and reason.name() not in _REBALANCED:
+            self._errors.append(reason)
 
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
         for tp in partitions:
@@ -405,9 +411,31 @@ class KafkaBroker(QueueBroker):
         return count
 
     def _on_error(self, error: Any) -> None:
-        """An error the client reports (a broker that cannot be reached, a wrong password):
-        the next take asks for the cluster's metadata before reading on."""
-        self._errors.append(error)
+        """An error the client reports by itself (a broker that cannot be reached, a wrong
+        password; mostly recovered from by the client): the next take asks for the cluster's
+        metadata before reading on, and reports this error if that fails too."""
+        self._client_error = error
+        self._check_reachable = True
+        if error.fatal():
+            self._errors.append(error)
+
+    def _reachable(self, taken: Taken) -> bool:
+        """Whether the cluster answers and knows the topic, asked only after the client
+        reported an error (a metadata request, at most ``_METADATA_SECONDS``): if not, the
+        error goes in ``taken``."""
+        if not self._check_reachable:
+            return True
+        try:
+            self._metadata()
+        except Exception as exc:
+            from confluent_kafka import KafkaException
+
+            taken.error = KafkaException(self._client_error) \
+                if self._client_error is not None else exc
+            return False
+        self._check_reachable = False
+        self._client_error = None
+        return True
 
     def _after_call(self, taken: Taken) -> None:
         """What every take ends with: the messages given up, the client's errors, whether the
@@ -419,7 +447,7 @@ class KafkaBroker(QueueBroker):
                 from confluent_kafka import KafkaException
 
                 taken.error = KafkaException(errors[-1])
-            if any(getattr(error, "fatal", lambda: False)() for error in errors):
+            if any(error.fatal() for error in errors):
                 self._reopen()
         taken.lost, self._lost = taken.lost + self._lost, []
         taken.settling = taken.error is None and not self._settled
@@ -435,10 +463,18 @@ class KafkaBroker(QueueBroker):
             raise KafkaException(topic.error if topic is not None else
                                  f"the topic {self.topic!r} does not exist")
 
-    def _park_owed(self) -> None:
-        """Produce the bad messages owed to the parked topic, each waited for, then done."""
+    def _park_owed(self, taken: Taken) -> None:
+        """Produce the bad messages owed to the parked topic, each waited for, then done; an
+        error goes in ``taken`` (the messages are sent again at the next poll)."""
         if not self._owed_parks:
             return
+        try:
+            self._produce_owed()
+        except Exception as exc:
+            self._producer = None  # made again for the next attempt
+            taken.error = exc
+
+    def _produce_owed(self) -> None:
         producer = self._parking_producer()
         delivered: dict[str, Any] = {}
         for message_id, error in list(self._owed_parks.items()):
@@ -461,7 +497,6 @@ class KafkaBroker(QueueBroker):
             else:
                 failures.append(delivered.get(message_id) or "not delivered in time")
         if failures:
-            self._producer = None  # made again for the next attempt
             raise RuntimeError(f"cannot park {len(failures)} message(s) in "
                                f"{self.parked_topic!r} yet ({failures[0]}): sent again at "
                                "the next poll")
