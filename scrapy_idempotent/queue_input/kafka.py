@@ -32,8 +32,10 @@ A bad message is produced to the topic ``<topic>-parked`` (created if missing) a
 is sent again at the next poll: its offset holds its partition's commit until then.
 
 The client is used on the queue input's thread only; librdkafka's own log lines go to the
-``scrapy_idempotent.queue_input.kafka`` logger at DEBUG (errors reach the queue input's log
-through its error callback: logged once, counted in ``idempotent/queue/kafka_errors``).
+``scrapy_idempotent.queue_input.kafka.librdkafka`` logger at DEBUG. An error the client
+reports by itself (it recovers from most) makes the next poll ask for the topic's metadata;
+only if that fails too is it the poll's error (logged once by the queue input, counted in
+``idempotent/queue/kafka_errors``), as a failed read or commit is.
 """
 
 from __future__ import annotations
