@@ -21,6 +21,7 @@ from scrapy.exceptions import NotConfigured
 from scrapy.utils.conf import closest_scrapy_cfg
 from scrapy.utils.project import data_path
 
+from ._kafka_url import redacted_kafka_url
 from ._order import QueueOrder
 from .exceptions import ConfigError
 from .store.base import RunMode, SlotLimits
@@ -335,7 +336,10 @@ a Redis URL (``redis://host:port/db``, ``rediss://...``, ``unix://...``) reads a
 optional) or a queue's URL (``https://sqs.<region>.amazonaws.com/<account>/<name>``; another
 host is taken as the endpoint, as LocalStack's) reads an SQS queue (needs the ``sqs``
 extra); ``amqp://user:password@host:port/vhost`` (or ``amqps://``, pika's URL parameters
-accepted) reads a RabbitMQ queue (needs the ``amqp`` extra).""",
+accepted) reads a RabbitMQ queue (needs the ``amqp`` extra);
+``kafka://host:port,host2:port/topic`` reads a Kafka topic through a consumer group (needs the
+``kafka`` extra; the client's options, such as ``security.protocol`` or ``sasl.mechanism``, as
+query parameters named as librdkafka names them: :ref:`queue-kafka`).""",
     ),
     Setting(
         "IDEMPOTENT_QUEUE_KEY", None, "str or None", "Queue input", '"{spider}:urls"',
@@ -343,13 +347,17 @@ accepted) reads a RabbitMQ queue (needs the ``amqp`` extra).""",
         doc="""
 The stream to read, or on RabbitMQ the queue to consume (``{spider}`` is replaced by the
 spider name). Bad messages are parked in ``<key>:parked`` (RabbitMQ: the dead-letter exchange
-and queue of that name). Not used by SQS (the URL names the queue).""",
+and queue of that name). Not used by SQS (the URL names the queue). On Kafka, the topic when
+the URL names none (default ``<spider name>-requests``: a topic name has only letters, digits,
+``.``, ``_`` and ``-``); bad messages go to the topic ``<topic>-parked``.""",
     ),
     Setting(
         "IDEMPOTENT_QUEUE_GROUP", "scrapy_idempotent", "str", "Queue input", '"shop-workers"',
         doc="""
 The consumer group the workers share (created with the stream if missing, reading from the
-stream's start).""",
+stream's start). On Kafka, the consumer group (``group.id``), which reads a partition it has
+no committed offset for from its start (``auto.offset.reset`` ``earliest``, unless the URL
+says otherwise).""",
     ),
     Setting(
         "IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS", None, "float, seconds, or None",
@@ -379,7 +387,9 @@ live worker's message is harmless (its request is one frontier entry), only wast
 
 On SQS this is the visibility timeout asked for (whole seconds, at most 12 hours): a held
 message's is extended every third of it while its request is in progress, and a dead worker's
-messages are received again once it runs out.""",
+messages are received again once it runs out. Not used by Kafka, whose group hands a dead
+member's partitions to the others once its session times out (``session.timeout.ms``, a query
+parameter of the URL: :ref:`queue-kafka`).""",
     ),
     Setting(
         "IDEMPOTENT_QUEUE_PREFETCH", 100, "int", "Queue input", "20",
@@ -388,7 +398,8 @@ messages are received again once it runs out.""",
 At most this many messages are held, not yet acknowledged, at once per worker,
 whatever brought them: read from the stream, or taken over from a dead worker or once idle
 (:setting:`IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS`); a dead worker's longer pending list is taken
-over by the next polls, and by other workers meanwhile.""",
+over by the next polls, and by other workers meanwhile. On Kafka, the worker pauses its
+partitions while it holds this many.""",
     ),
     Setting(
         "IDEMPOTENT_QUEUE_POLL_SECONDS", 0.2, "float, seconds", "Queue input", "1.0",
@@ -554,8 +565,10 @@ _SCRAPY_QUEUE_ORDER = QueueOrder(start_queue=True, start_fifo=True, other_fifo=F
 #: ``Redis.from_url``), an SQS queue (``sqs://name``; its ``https://`` queue URL is told by its
 #: path, ``/<account>/<name>``), a RabbitMQ queue (pika's ``URLParameters``).
 _QUEUE_SCHEMES = {"redis": "redis", "rediss": "redis", "unix": "redis", "sqs": "sqs",
-                  "amqp": "amqp", "amqps": "amqp"}
-_BROKER_NAMES = {"redis": "Redis", "sqs": "SQS", "amqp": "RabbitMQ (AMQP)"}
+                  "amqp": "amqp", "amqps": "amqp", "kafka": "kafka"}
+_BROKER_NAMES = {"redis": "Redis", "sqs": "SQS", "amqp": "RabbitMQ (AMQP)", "kafka": "Kafka"}
+#: A Kafka topic name (Kafka's own rule: at most 249 of these characters).
+_KAFKA_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 #: The most an SQS long poll may wait (ReceiveMessage's WaitTimeSeconds).
 _SQS_LONGEST_WAIT = 20.0
 
@@ -588,11 +601,13 @@ class QueueConfig:
 
     @property
     def parked_key(self) -> str:
-        return f"{self.key}:parked"
+        """Where bad messages are parked: ``<key>:parked``; on Kafka the topic
+        ``<topic>-parked`` (a topic name has no ``:``)."""
+        return f"{self.key}-parked" if self.broker == "kafka" else f"{self.key}:parked"
 
     @property
     def broker(self) -> str:
-        """The broker of :attr:`url`: "redis", "sqs" or "amqp"."""
+        """The broker of :attr:`url`: "redis", "sqs", "amqp" or "kafka"."""
         return queue_broker(self.url) or "redis"
 
     @property
@@ -797,10 +812,13 @@ def _queue(settings: BaseSettings, spider_name: str) -> QueueConfig | None:
     if not isinstance(url, str) or queue_broker(url) is None:
         raise ConfigError("IDEMPOTENT_QUEUE_URL", url,
                           "a Redis URL (redis://host:port/db, rediss://... or unix://...), "
-                          "an SQS queue (sqs://name, or the queue's https:// URL) or a "
-                          "RabbitMQ URL (amqp://user:password@host:port/vhost, amqps://...)")
+                          "an SQS queue (sqs://name, or the queue's https:// URL), a "
+                          "RabbitMQ URL (amqp://user:password@host:port/vhost, amqps://...) "
+                          "or a Kafka URL (kafka://host:port,host2:port/topic)")
     key = _get(settings, "IDEMPOTENT_QUEUE_KEY")
-    if key in (None, ""):
+    if queue_broker(url) == "kafka":
+        key = _kafka_topic(url, key)
+    elif key in (None, ""):
         key = "{spider}:requests"
     elif not isinstance(key, str) or not key.strip():
         raise ConfigError("IDEMPOTENT_QUEUE_KEY", key,
@@ -824,6 +842,28 @@ def _queue(settings: BaseSettings, spider_name: str) -> QueueConfig | None:
                              maximum=60.0),
         wait_seconds=_queue_wait(settings),
     )
+
+
+def _kafka_topic(url: str, key: object) -> str:
+    """The topic of a ``kafka://`` URL: its path, else ``IDEMPOTENT_QUEUE_KEY``, else
+    ``{spider}-requests`` (``{spider}`` replaced by the caller). A URL without bootstrap
+    servers, or a topic name Kafka refuses, is a :class:`~.ConfigError`."""
+    parts = urlsplit(url)
+    if not parts.netloc.rpartition("@")[2]:
+        raise ConfigError("IDEMPOTENT_QUEUE_URL", redacted_kafka_url(url),
+                          "a Kafka URL names its bootstrap servers: "
+                          "kafka://host:port,host2:port/topic")
+    topic: object = parts.path.strip("/")
+    setting = "IDEMPOTENT_QUEUE_URL"
+    if not topic:
+        if key in (None, ""):
+            return "{spider}-requests"
+        setting, topic = "IDEMPOTENT_QUEUE_KEY", key
+    if not isinstance(topic, str) or not _KAFKA_TOPIC.match(topic.replace("{spider}", "x")):
+        raise ConfigError(setting, redacted_kafka_url(url) if setting.endswith("URL") else topic,
+                          "a Kafka topic name: 1 to 249 letters, digits, '.', '_' or '-' (may "
+                          "contain {spider})")
+    return topic
 
 
 def _queue_wait(settings: BaseSettings) -> float:

@@ -12,11 +12,7 @@ tests/test_queue_kill.py)."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +23,8 @@ from local_site import LocalSite
 from rabbitmq_server import rabbitmq_server  # noqa: F401  (the fixture)
 from sqs_server import SqsQueue, SqsServer, sqs_server  # noqa: F401  (the fixture)
 
-from crawling import EXAMPLE_PROJECT, close_reason, wait_for
+from crawling import close_reason, wait_for
+from helpers.queue_workers import body_url, kill, product_body, running, start_worker
 from helpers.stored import frontier_counts, request_states, stored_products
 from redis_server import INSTALL as REDIS_INSTALL
 from redis_server import RedisServer, redis_server_binary
@@ -35,8 +32,6 @@ from redis_server import RedisServer, redis_server_binary
 pytestmark = pytest.mark.slow
 
 GROUP = "scrapy_idempotent"  #: the queue input's default consumer group
-
-SPIDER_FILE = Path(__file__).resolve().parent / "queue_spiders.py"
 
 STOP = {"stop": True}  #: the stop message (a body; on Redis, a field stop)
 
@@ -160,44 +155,6 @@ def broker_queue(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Bro
                             "pip install -e '.[test]'")
         server = request.getfixturevalue("rabbitmq_server")
         yield AmqpKillQueue(server)
-
-
-def start_worker(queue: BrokerQueue, db: str, log: Path, *settings: str) -> Any:
-    """``scrapy runspider`` of the queue spider in the example project, fed from ``queue``."""
-    command = [sys.executable, "-m", "scrapy", "runspider", str(SPIDER_FILE),
-               "-s", f"IDEMPOTENT_DATABASE={db}", "-s", f"LOG_FILE={log}",
-               "-s", f"IDEMPOTENT_QUEUE_URL={queue.url}",
-               "-s", "IDEMPOTENT_QUEUE_POLL_SECONDS=0.05", "-s", "LOG_LEVEL=INFO"]
-    for setting in (*queue.settings(), *settings):
-        command += ["-s", setting]
-    return subprocess.Popen(command, cwd=EXAMPLE_PROJECT, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                            env=dict(os.environ))
-
-
-def kill(process: Any) -> None:
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-
-
-def running(worker: Any, condition: Any) -> Any:
-    """``condition``, failing at once if ``worker`` exited (a worker that could not start
-    would otherwise be waited for until the timeout)."""
-    def check() -> bool:
-        if worker.poll() is not None:
-            raise AssertionError(f"the worker exited with {worker.returncode}")
-        return bool(condition())
-    return check
-
-
-def product_body(shop: LocalSite, number: int) -> dict[str, Any]:
-    return {"url": f"{shop.url}/product/SKU-{number:05d}", "callback": "parse_product"}
-
-
-def body_url(body: str) -> str:
-    """The URL a message body asks for (a URL, or a JSON request object)."""
-    text = body.strip()
-    return str(json.loads(text)["url"]) if text.startswith("{") else text
 
 
 def committed(db: str) -> set[str]:

@@ -4,7 +4,8 @@ acknowledging a message only once the request it produced is done.
 Enabled by ``IDEMPOTENT_QUEUE_URL`` (the add-on adds the extension; without the setting it is
 off); its scheme picks the broker: ``redis://``, ``rediss://``, ``unix://`` a Redis stream
 (:mod:`.redis_stream`), ``sqs://`` or a queue's ``https://`` URL an SQS queue (:mod:`.sqs`),
-``amqp://``, ``amqps://`` a RabbitMQ queue (:mod:`.amqp`). Each broker keeps the contract of
+``amqp://``, ``amqps://`` a RabbitMQ queue (:mod:`.amqp`), ``kafka://`` a Kafka topic read
+by a consumer group (:mod:`.kafka`). Each broker keeps the contract of
 :mod:`.broker`: take a batch, extend a held message's invisibility while its request is in
 progress, acknowledge after the commit, park a bad message with its error, take over a dead
 consumer's messages.
@@ -61,6 +62,7 @@ from scrapy.utils.defer import maybe_deferred_to_future
 from twisted.internet import task
 
 from .. import scrapy_compat, signals
+from .._kafka_url import redacted_kafka_url
 from .._scheduler_kind import is_idempotent_scheduler
 from .._serial_thread import SerialThread
 from ..config import QueueConfig, config_for
@@ -192,12 +194,13 @@ def broker_for(config: QueueConfig, consumer: str) -> QueueBroker:
     library imported here: :class:`~.ConfigError` naming the extra to install without it."""
     kind = config.broker
     module, extra = {"redis": ("redis", "redis"), "sqs": ("boto3", "sqs"),
-                     "amqp": ("pika", "amqp")}[kind]
+                     "amqp": ("pika", "amqp"), "kafka": ("confluent_kafka", "kafka")}[kind]
     try:
         importlib.import_module(module)
     except ImportError:
         raise ConfigError(
-            "IDEMPOTENT_QUEUE_URL", config.url,
+            "IDEMPOTENT_QUEUE_URL",
+            redacted_kafka_url(config.url) if kind == "kafka" else config.url,
             f"a {config.broker_name} URL, with its client installed: pip install "
             f"'scrapy-idempotent[{extra}]' (or pip install {module})") from None
     if kind == "sqs":
@@ -208,6 +211,10 @@ def broker_for(config: QueueConfig, consumer: str) -> QueueBroker:
         from .amqp import AmqpBroker
 
         return AmqpBroker.from_config(config, consumer)
+    if kind == "kafka":
+        from .kafka import KafkaBroker
+
+        return KafkaBroker.from_config(config, consumer)
     from .redis_stream import RedisStreamBroker
 
     return RedisStreamBroker.from_config(config, consumer)
@@ -379,7 +386,9 @@ class QueueInput:
             return polled
         if plan.take:
             polled.taken = self.broker.take(plan.room, plan.read, plan.known)
-            polled.error = polled.taken.error
+        else:
+            polled.taken = self.broker.upkeep()
+        polled.error = polled.taken.error
         return polled
 
     def _polled(self, polled: _Polled, plan: _PollPlan, now: float) -> None:
@@ -401,7 +410,7 @@ class QueueInput:
             return  # read while closing: not acknowledged, so delivered again
         for message_id, fields in taken.entries:
             self._take(message_id, fields)
-        if taken.entries or self._messages:
+        if taken.entries or self._messages or taken.settling:
             self._empty_since = None
         elif self._empty_since is None:
             self._empty_since = now  # nothing to do: counts as idle, reachable or not
@@ -436,6 +445,7 @@ class QueueInput:
             return
         assert self.spider is not None and self.scheduler is not None
         self.stats.inc_value("idempotent/queue/received")
+        logger.debug("scrapy_idempotent: queue message %s read", message_id)
         if set(fields) == {"stop"}:
             self._stop_ids.append(message_id)
             logger.info("scrapy_idempotent: stop message %s read: the crawl finishes once "

@@ -19,10 +19,11 @@ the other in the order they were made, never on the reactor; its calls block. It
   before;
 * **parks** (:meth:`~QueueBroker.park`) a message that is not a request this crawl can make,
   with its error, where operators find it (a parked stream, a parked queue, a dead-letter
-  exchange), and no longer holds it.
+  exchange, a parked topic), and no longer holds it.
 
 A message is read as fields (:data:`Fields`): ``{"url": URL}``, ``{"request": JSON object}``
-or ``{"stop": ...}``; :func:`fields_from_body` turns a message body (SQS, RabbitMQ) into them.
+or ``{"stop": ...}``; :func:`fields_from_body` turns a message body (SQS, RabbitMQ, Kafka)
+into them.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class Taken:
     #: delivers them again); never acknowledged
     lost: list[str] = field(default_factory=list)
     error: BaseException | None = None  #: the broker error that ended the take early
+    #: the broker cannot tell yet whether messages wait for this consumer (a Kafka group
+    #: rebalancing, or joined and not assigned yet): not an empty queue
+    settling: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,12 @@ class QueueBroker(abc.ABC):
     def park(self, message_id: str, fields: Fields, error: str) -> None:
         """Move the bad message ``message_id`` where operators find it, with ``error``; it
         is no longer held by this consumer."""
+
+    def upkeep(self) -> Taken:
+        """Called at every poll that takes nothing (the crawl is finishing): the broker's own
+        upkeep (Kafka serves its consumer group there, which it must keep doing). Messages
+        held that the broker gave up come back in :attr:`Taken.lost`. Never raises."""
+        return Taken()
 
     def close(self) -> None:  # noqa: B027  (nothing to close unless overridden)
         """Close the connection (after the last acknowledgements)."""
