@@ -213,7 +213,7 @@ class CommitPath:
     def refill(self) -> bool:
         """Claim requests, when the store may have some: at once when the writer's thread is
         idle, else with the batch after the one in flight (it wakes the engine)."""
-        if not self.claimed.may_refill(time.time(), bool(self.tracker.unattributed)):
+        if not self.claimed.may_refill(time.monotonic(), bool(self.tracker.unattributed)):
             return False
         if self.writer.threaded and not self.writer.idle:
             self.writer.commit()  # the batch being filled claims: send it without lingering
@@ -284,7 +284,7 @@ class CommitPath:
         self.tracker.written(work)
         self.claimed.accept(work, result)
         if work.claim and not result.leased and not work.requests:
-            self.claimed.found_none(time.time())
+            self.claimed.found_none(time.monotonic())
         if result.claim_again_in is not None and self.slots_wait is not None:
             self.slots_wait(result.claim_again_in)
         self.wakeup.if_asked_in_vain()

@@ -130,14 +130,14 @@ class HandOut:
                 # flight at one death are replayed at full concurrency: a resume after a
                 # kill is not serialised.
                 return None
-            if claimed.head_expired(time.time()):
+            if claimed.head_expired(time.monotonic()):
                 # The batch claimed ahead sat here past its lease (the process was stopped,
                 # or the reactor blocked): another worker may have it now.
                 self.leases.renew()
                 if self.leases.renewing:
                     return None  # the renewal wakes the engine when it is back
                 continue
-            if claimed.give_back_head_if_late(time.time()):
+            if claimed.give_back_head_if_late(time.monotonic()):
                 # of a slot with a delay, too late to be sent: another claim of its slot
                 # may already count on it being gone (given back with the next transaction)
                 self.stats.inc_value("idempotent/requests/given_back_late")

@@ -78,12 +78,17 @@ class ClaimedRequests:
         #: something may have changed that: new requests, a pending completion, a reclaim)
         self.maybe_claimable = True
         self._recheck_at = 0.0  #: ask the store again from then on, even without a change
-        #: the leases held at the last renewal last until then (unix seconds)
+        #: the leases held at the last renewal last until then (``time.monotonic()``)
         self.renewed_until = 0.0
         #: the last claim left requests of download slots that wait (a delay, a pause)
-        #: until then (unix seconds): a frontier read showing pending requests does not make
-        #: a claim worth a transaction before
+        #: until then (``time.monotonic()``): a frontier read showing pending requests does
+        #: not make a claim worth a transaction before
         self.slots_ready_at = 0.0
+        #: claimed key -> what turns its store times into ``time.monotonic()`` (added):
+        #: every time compared here is on this process's monotonic clock, so neither a
+        #: skew from the database server's clock nor a step of the wall clock makes a
+        #: claimed request look late or live when it is not
+        self._to_local: dict[str, float] = {}
 
     def __len__(self) -> int:
         return len(self._claimed)
@@ -96,24 +101,28 @@ class ClaimedRequests:
         return self._claimed[0]
 
     def pop(self) -> LeasedRequest:
-        return self._claimed.popleft()
+        leased = self._claimed.popleft()
+        self._to_local.pop(leased.key, None)
+        return leased
 
     def give_back_head_if_late(self, now: float) -> bool:
         """Give the next request back (unsent, with the next transaction) when it is of a
         download slot with a delay and its time to be sent has passed (see
-        :attr:`.LeasedRequest.send_by`); True when it was."""
+        :attr:`.LeasedRequest.send_by`; ``now``: ``time.monotonic()``); True when it was."""
         head = self._claimed[0]
-        if not head.send_by or now <= head.send_by:
+        if not head.send_by or now <= head.send_by + self._to_local.get(head.key, 0.0):
             return False
-        self._claimed.popleft()
+        self.pop()
         self._give_back.append(head.key)
         self.maybe_claimable = True
         return True
 
     def head_expired(self, now: float) -> bool:
         """Whether the next request sat here past its lease (the process was stopped, or the
-        reactor blocked): another worker may have it now."""
-        return max(self._claimed[0].leased_until, self.renewed_until) <= now
+        reactor blocked; ``now``: ``time.monotonic()``): another worker may have it now."""
+        head = self._claimed[0]
+        return max(head.leased_until + self._to_local.get(head.key, 0.0),
+                   self.renewed_until) <= now
 
     def claim_size(self, closing: bool, *, after_completion: bool = False) -> int:
         """How many requests to claim with the next transaction: none while closing, while
@@ -149,13 +158,19 @@ class ClaimedRequests:
         leased = result.leased
         if not leased:
             return
+        store_now, local_now = result.claimed_at
+        to_local = local_now - store_now
+        self._to_local.update((r.key, to_local) for r in leased)
         merged = sorted([*self._claimed, *leased], key=queue_rank)
         added = len(work.requests) + sum(
             1 for c in work.completions if c.state is RequestState.PENDING)
         if self._claimed and added > work.claim and len(leased) >= work.claim:
             last = max(queue_rank(r) for r in leased)
             keep = [r for r in merged if queue_rank(r) <= last]
-            self._give_back.extend(r.key for r in merged if queue_rank(r) > last)
+            for r in merged:
+                if queue_rank(r) > last:
+                    self._give_back.append(r.key)
+                    self._to_local.pop(r.key, None)
             merged = keep
         self._claimed = deque(merged)
 
@@ -189,12 +204,15 @@ class ClaimedRequests:
         stale = sum(1 for leased in self._claimed if leased.key not in held)
         if stale:
             self._claimed = deque(leased for leased in self._claimed if leased.key in held)
+            self._to_local = {leased.key: self._to_local[leased.key]
+                              for leased in self._claimed if leased.key in self._to_local}
             self.maybe_claimable = True
         return stale
 
     def clear(self) -> None:
         self._claimed.clear()
         self._give_back.clear()
+        self._to_local.clear()
 
     @property
     def has_give_back(self) -> bool:
@@ -288,7 +306,7 @@ class LeaseKeeper:
         if self.renewing:
             return
         self.renewing = True
-        began = time.time()
+        began = time.monotonic()  # (the store writes its clock's now + lease_seconds)
         worker = self.writer.worker
         renewing = self.writer.call("renewing leases",
                                     lambda store: store.renew_leases(worker))
@@ -339,7 +357,7 @@ class LeaseKeeper:
         """Other workers hold leases: put those of dead workers and the expired ones back to
         pending (on the writer's thread, at most once a second); the claim that follows may
         take them."""
-        now = time.time()
+        now = time.monotonic()
         if now < self._dead_check_at:
             return
         self._dead_check_at = now + 1.0

@@ -181,7 +181,7 @@ class Politeness:
             if call.getTime() <= clock.seconds() + seconds:
                 return
             call.cancel()
-        self.claimed.slots_wait_until(time.time() + seconds)
+        self.claimed.slots_wait_until(time.monotonic() + seconds)
         self._wake_call = clock.callLater(max(seconds, 0.0), self._slot_ready)
 
     def _slot_ready(self) -> None:

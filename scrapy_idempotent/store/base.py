@@ -489,6 +489,12 @@ class CommitResult:
     claim_again_in: float | None = None
     #: slots this transaction added to the slots table (known to exist once committed)
     slots_added: list[str] = field(default_factory=list, compare=False)
+    #: ``(store clock, time.monotonic())`` read together as the claim was made: the times
+    #: of :attr:`leased` (``leased_until``, ``send_by``, on the store's clock) are turned
+    #: into this host's monotonic clock with it (``t - store + monotonic``), so that a
+    #: worker decides when a claimed request expires or is too late to send whatever its
+    #: wall clock says (skewed from the database server's, or stepped); (0, 0) before a claim
+    claimed_at: tuple[float, float] = field(default=(0.0, 0.0), compare=False)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ import dataclasses
 import json
 import re
 import threading
+import time
 from abc import abstractmethod
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, cast
@@ -908,7 +909,11 @@ class SqlStore(SqlOutbox, FrontierStore):
     def _claim(self, cur: Any, worker: str, count: int, now: float,
                result: CommitResult) -> None:
         """Lease up to ``count`` requests; those started too often without finishing are
-        failed as ``quarantined`` instead (:func:`.rules.split_claim`)."""
+        failed as ``quarantined`` instead (:func:`.rules.split_claim`). The claim's times
+        are read here, inside the transaction (its locks held: a wait for them does not
+        age them), with the monotonic clock beside (:attr:`.CommitResult.claimed_at`)."""
+        now = max(now, self.clock())
+        result.claimed_at = (now, time.monotonic())
         until = now + self.lease_seconds
         send_by: dict[Any, float] = {}  # row id -> when it must be sent (slots with a delay)
         rows = (self._claim_rows(cur, worker, count, until) if self.slot_limits is None
