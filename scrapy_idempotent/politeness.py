@@ -37,6 +37,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from .scrapy_compat import downloader_slots, slot_key_of
 from .store.base import SlotLimits
 
 if TYPE_CHECKING:
@@ -75,10 +76,13 @@ def slot_limits(settings: BaseSettings) -> SlotLimits:
     """The crawl's per-slot limits from Scrapy's settings, as the downloader reads them
     (scrapy/core/downloader/__init__.py, ``Downloader._get_slot``): the concurrency is
     ``CONCURRENT_REQUESTS_PER_IP`` when set, else ``CONCURRENT_REQUESTS_PER_DOMAIN``; the
-    delay ``DOWNLOAD_DELAY``; ``DOWNLOAD_SLOTS`` entries' ``concurrency`` and ``delay``."""
+    delay ``DOWNLOAD_DELAY``; ``DOWNLOAD_SLOTS`` entries' ``concurrency`` and ``delay``,
+    and ``THROTTLING_SCOPES`` entries' where the installed Scrapy has that setting
+    (:func:`.scrapy_compat.per_slot_settings`)."""
+    from .scrapy_compat import per_slot_settings
+
     per_slot: list[tuple[str, int | None, float | None]] = []
-    for slot, given in sorted(settings.getdict("DOWNLOAD_SLOTS").items()):
-        given = given or {}
+    for slot, given in sorted(per_slot_settings(settings).items()):
         concurrency = given.get("concurrency")
         delay = given.get("delay")
         per_slot.append((str(slot), int(concurrency) if concurrency is not None else None,
@@ -145,19 +149,24 @@ class Politeness:
         """The download slot ``request`` is stored with ("" when limits are per worker)."""
         if not self.crawl_wide or self._downloader is None:
             return ""
-        return str(self._downloader.get_slot_key(request))
+        return slot_key_of(self._downloader, request)
 
     def handing_out(self, request: Request) -> None:
         """``request`` goes to the downloader: the crawl's claim kept the slot's delay, so
         the worker's downloader slot has none of its own (AutoThrottle's delay stays)."""
         if not self.crawl_wide or self.autothrottle or self._downloader is None:
             return
-        slots = self._downloader.slots
-        slot = slots.get(self._downloader.get_slot_key(request))
+        slots = downloader_slots(self._downloader)
+        if slots is None:
+            # Scrapy's throttler keeps this worker's delay: it holds a request only until
+            # the delay has passed since this worker's previous one of the slot, which the
+            # crawl's claims have already waited out (their delay is the crawl's)
+            return
+        key = slot_key_of(self._downloader, request)
+        slot = slots.get(key)
         if slot is None:
             from scrapy.core.downloader import Slot
 
-            key = self._downloader.get_slot_key(request)
             slots[key] = Slot(self._concurrency_of(key), 0.0, 0)
         elif slot.delay:
             slot.delay = 0.0
