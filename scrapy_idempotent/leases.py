@@ -188,6 +188,17 @@ class ClaimedRequests:
         self.maybe_claimable = False
         self._recheck_at = now + 1.0
 
+    def pending_seen(self, now: float) -> None:
+        """A read of the frontier (``now``: ``time.monotonic()``) shows pending requests:
+        worth a claim once the slots the last claim left wait no more and the bound after a
+        claim that found none has passed. Not at once: with the crawl's limits, pending
+        requests are often not claimable (their slot full or paused), and an idle worker
+        would commit claims in a loop (the engine asks for the next request after each).
+        A completion of this worker's, a notification of another's, or the end of a
+        slot's wait asks the store sooner."""
+        if now >= self.slots_ready_at and now >= self._recheck_at:
+            self.maybe_claimable = True
+
     def slots_wait_until(self, when: float) -> None:
         """The requests left pending wait for their slots until ``when`` (unix seconds)."""
         self.slots_ready_at = when

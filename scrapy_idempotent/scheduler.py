@@ -403,8 +403,7 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         try:
             status = self.store.status(self.worker)  # the read connection: never waits
             if status.claimable:
-                if time.monotonic() >= self.claimed.slots_ready_at:  # (not while slots wait)
-                    self.claimed.maybe_claimable = True
+                self.claimed.pending_seen(time.monotonic())
                 return True
             if status.leased_elsewhere:
                 self.leases.reclaim_soon()

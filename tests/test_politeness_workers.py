@@ -9,6 +9,7 @@ store backend)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -197,3 +198,49 @@ def test_a_worker_whose_clock_is_off_keeps_the_limits_and_finishes(
     # hand-out to the network, longer under load: measured up to 0.12 s here while a
     # worker starts), at most the slot's margin (see docs/politeness.rst)
     assert min(delayed.intervals()) >= 0.5 - 0.125 - RESOLUTION, delayed.intervals()
+
+
+def closing_stat(log: Path, name: str) -> int:
+    """A worker's stat as its log's stats dump at close has it (0 when absent)."""
+    found = re.search(rf"'{re.escape(name)}': (\d+)", log.read_text(errors="replace"))
+    return int(found.group(1)) if found else 0
+
+
+PAUSE_SECONDS = int(os.environ.get("IDLE_PAUSE_SECONDS", "8"))
+
+
+def test_idle_workers_wait_instead_of_committing_in_a_loop(tmp_path: Path,
+                                                           crawl_database: str) -> None:
+    # 4 workers (3 on PostgreSQL), one site paused by a 429 for PAUSE_SECONDS, the other
+    # soon done: nothing is claimable, and the workers wait for the pause's end
+    # (a timer), another worker's change or a bound of a second, not in a loop of claims
+    workers_count = 4 if sqlite_path(crawl_database) is not None else 3
+    pages = 4
+    with sites("127.0.0.5", "127.0.0.6", delay=0.05) as (paused, other):
+        lock = threading.Lock()
+        answered: list[float] = []
+
+        def answer(received: Received) -> tuple[int, dict[str, str], str]:
+            with lock:
+                if not answered:
+                    answered.append(time.monotonic())
+                    return 429, {"Retry-After": str(PAUSE_SECONDS),
+                                 "Content-Type": "text/html"}, "slow down"
+            return 200, {"Content-Type": "text/html"}, "<html>ok</html>"
+
+        for n in range(pages):
+            paused.add_responder(f"/ok/p{n}", answer)
+        logs = [tmp_path / f"worker{n}.log" for n in range(workers_count)]
+        workers = [start_worker([paused, other], crawl_database, log, pages,
+                                "CONCURRENT_REQUESTS_PER_DOMAIN=1",
+                                "IDEMPOTENT_RUN_MODE=resume") for log in logs]
+        with running(workers):
+            for worker, log in zip(workers, logs, strict=True):
+                assert worker.wait(timeout=300) == 0, log.read_text(errors="replace")[-3000:]
+    transactions = [closing_stat(log, "idempotent/transactions") for log in logs]
+    renewals = [closing_stat(log, "idempotent/leases/renewals") for log in logs]
+    print(f"{PAUSE_SECONDS} s paused, {workers_count} workers: transactions {transactions},"
+          f" renewals {renewals}")
+    # a few a second at most for each, over the pause (and the crawl's pages)
+    for count in transactions:
+        assert count <= 3 * PAUSE_SECONDS + 4 * pages + 20, transactions
