@@ -224,7 +224,7 @@ class CommitPath:
         # longer than the writer's STALL_SECONDS: a claim that waits for the database (a
         # lock another process holds) goes on without the reactor, and its batch wakes the
         # engine when it is written.
-        self.commit(UnitOfWork(claim=self.claimed.claim_size(self.health.closing)))
+        self.commit(UnitOfWork(claim=self.claimed.claim_size(self.health.closing, asked=True)))
         if self.writer.running:
             self.writer.commit_now()
         return bool(self.claimed)

@@ -69,8 +69,13 @@ def queue_rank_of_new(new: NewRequest) -> QueueRank:
 class ClaimedRequests:
     """The lease buffer of one worker, in claim order."""
 
-    def __init__(self, batch: int) -> None:
+    def __init__(self, batch: int, *, sendable: Callable[[], int] | None = None) -> None:
         self.batch = batch  #: IDEMPOTENT_LEASE_BATCH
+        #: with the crawl's slot limits, how many more requests the worker's downloader
+        #: takes now (``CONCURRENT_REQUESTS`` less those in flight): a claim takes no more
+        #: than that, so that a slot's places claimed ahead are places this worker fills
+        #: soon, not places other workers could send in (None: a full batch)
+        self.sendable = sendable
         self._claimed: deque[LeasedRequest] = deque()  #: in Scrapy's order
         #: claimed requests to give back with the next transaction (never handed out)
         self._give_back: list[str] = []
@@ -124,15 +129,28 @@ class ClaimedRequests:
         return max(head.leased_until + self._to_local.get(head.key, 0.0),
                    self.renewed_until) <= now
 
-    def claim_size(self, closing: bool, *, after_completion: bool = False) -> int:
+    def claim_size(self, closing: bool, *, after_completion: bool = False,
+                   asked: bool = False) -> int:
         """How many requests to claim with the next transaction: none while closing, while
         the store is known to have none (unless ``after_completion``: a completion freed a
-        place in a download slot), or while at least half a batch is claimed ahead."""
+        place in a download slot), or while at least half a batch is claimed ahead; with
+        :attr:`sendable`, no more than the downloader takes now (at least one when
+        ``asked``: the engine asks for a request, so its downloader has room)."""
         if closing or not (self.maybe_claimable or after_completion):
             return 0
         if len(self._claimed) >= max(1, self.batch // 2):
             return 0
-        return self.batch - len(self._claimed)
+        room = self._room(after_completion)
+        if asked:
+            room = max(room, 1)
+        return max(0, min(self.batch, room) - len(self._claimed))
+
+    def _room(self, after_completion: bool = False) -> int:
+        """How many requests may be claimed ahead at most (see :attr:`sendable`); a
+        completion being written frees its place."""
+        if self.sendable is None:
+            return self.batch
+        return max(0, self.sendable() + int(after_completion))
 
     def prepare(self, work: UnitOfWork, closing: bool) -> None:
         """Set ``work``'s claim and give-back. Requests the transaction adds, and requests it
@@ -148,7 +166,7 @@ class ClaimedRequests:
         added = len(work.requests) + sum(
             1 for c in work.completions if c.state is RequestState.PENDING)
         if added and self._claimed:
-            claim = max(claim, min(added, self.batch))
+            claim = max(claim, min(added, self.batch, self._room()))
         work.claim = claim
 
     def accept(self, work: UnitOfWork, result: CommitResult) -> None:

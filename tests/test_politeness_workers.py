@@ -244,3 +244,40 @@ def test_idle_workers_wait_instead_of_committing_in_a_loop(tmp_path: Path,
     # a few a second at most for each, over the pause (and the crawl's pages)
     for count in transactions:
         assert count <= 3 * PAUSE_SECONDS + 4 * pages + 20, transactions
+
+
+def test_claims_ahead_leave_a_sites_places_to_the_workers_that_can_send(
+        tmp_path: Path, crawl_database: str) -> None:
+    # 3 workers that each send 2 requests at once, 3 sites with a limit of 2 each: 6 in
+    # flight at once. A worker's claim takes no more places than it can send soon (else
+    # the first worker's claim holds the 6 places of the 3 sites while it sends 2)
+    pages = 6
+    workers_count = 3
+    with sites("127.0.0.2", "127.0.0.3", "127.0.0.4", delay=0.0) as crawled:
+        condition = threading.Condition()
+        in_flight = [0, 0]  # now, most
+
+        def answer(received: Received) -> tuple[int, dict[str, str], str]:
+            with condition:
+                in_flight[0] += 1
+                in_flight[1] = max(in_flight[1], in_flight[0])
+                condition.notify_all()
+                # held until 6 are in flight at once (or a while: the last pages never are)
+                condition.wait_for(lambda: in_flight[1] >= 6, timeout=3)
+                in_flight[0] -= 1
+            return 200, {"Content-Type": "text/html"}, "<html>ok</html>"
+
+        for site in crawled:
+            for n in range(pages):
+                site.add_responder(f"/ok/p{n}", answer)
+        logs = [tmp_path / f"worker{n}.log" for n in range(workers_count)]
+        workers = [start_worker(crawled, crawl_database, log, pages,
+                                "CONCURRENT_REQUESTS=2", "CONCURRENT_REQUESTS_PER_DOMAIN=2",
+                                "IDEMPOTENT_RUN_MODE=resume") for log in logs]
+        with running(workers):
+            for worker, log in zip(workers, logs, strict=True):
+                assert worker.wait(timeout=300) == 0, log.read_text(errors="replace")[-3000:]
+    assert in_flight[1] == 6
+    for site in crawled:
+        assert site.request_count == pages
+        assert site.most_in_flight <= 2
