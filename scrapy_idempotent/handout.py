@@ -142,6 +142,13 @@ class HandOut:
                 # may already count on it being gone (given back with the next transaction)
                 self.stats.inc_value("idempotent/requests/given_back_late")
                 continue
+            if self.politeness.holding(claimed.head().slot):
+                # of a slot its site paused a moment ago (a 429): not sent, whether the
+                # pause is written yet or not; given back with a transaction after the
+                # pause's, so no claim takes it before the pause holds
+                claimed.give_back_head()
+                self.stats.inc_value("idempotent/requests/given_back_paused")
+                continue
             request = self._load(claimed.pop())
             if request is not None:
                 return request

@@ -117,10 +117,14 @@ class ClaimedRequests:
         head = self._claimed[0]
         if not head.send_by or now <= head.send_by + self._to_local.get(head.key, 0.0):
             return False
-        self.pop()
+        self.give_back_head()
+        return True
+
+    def give_back_head(self) -> None:
+        """Give the next request back unsent (with the next transaction)."""
+        head = self.pop()
         self._give_back.append(head.key)
         self.maybe_claimable = True
-        return True
 
     def head_expired(self, now: float) -> bool:
         """Whether the next request sat here past its lease (the process was stopped, or the

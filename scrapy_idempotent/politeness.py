@@ -132,6 +132,9 @@ class Politeness:
         self._downloader: Any = None
         self._wake_call: Any = None
         self._backing_off: set[str] = set()  #: slots this worker paused (backoff to reset)
+        #: slot -> until when (``time.monotonic()``) this worker sends none of its requests:
+        #: a site's pause binds here from the answer on, before it is written
+        self._holds: dict[str, float] = {}
         self._crawl_delays: dict[str, float] = {}  #: robots.txt Crawl-delay kept, per slot
 
     def open(self, downloader: Any, store: FrontierStore) -> None:
@@ -200,10 +203,28 @@ class Politeness:
 
     # -- what sites say -------------------------------------------------------------------
 
+    def holding(self, slot: str) -> bool:
+        """Whether this worker holds back requests of ``slot``: its site paused it (a 429)
+        and the pause is not over."""
+        if not self._holds or not slot:
+            return False
+        until = self._holds.get(slot)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        del self._holds[slot]
+        return False
+
     def throttled(self, slot: str, retry_after: float | None) -> Deferred[float]:
         """A site answered ``slot``'s request with 429 (or 503): pause the slot for every
-        worker; the Deferred fires with the seconds paused once the pause is durable."""
+        worker; the Deferred fires with the seconds paused once the pause is durable. The
+        pause binds this worker at once (:meth:`holding`): for the shortest it can be
+        until it is written, then for the pause written."""
         self.stats.inc_value("idempotent/requests/throttled")
+        self._holds[slot] = time.monotonic() + min(
+            retry_after if retry_after is not None else self.first_backoff_seconds,
+            self.max_backoff_seconds)
         self._backing_off.add(slot)
         first, most = self.first_backoff_seconds, self.max_backoff_seconds
         pausing = self.writer.call("pausing a download slot", lambda store: store.pause_slot(
@@ -213,6 +234,7 @@ class Politeness:
         return pausing
 
     def _paused(self, seconds: float, slot: str) -> float:
+        self._holds[slot] = max(self._holds.get(slot, 0.0), time.monotonic() + seconds)
         self.stats.inc_value("idempotent/slots/paused")
         logger.info("scrapy_idempotent: download slot %s paused for %.1f s for every worker "
                     "(the site answered 429 or 503)", slot, seconds)

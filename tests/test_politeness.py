@@ -318,3 +318,34 @@ def test_the_backoff_middleware_runs_only_with_politeness_for_the_crawl(
     manager = DownloaderMiddlewareManager.from_crawler(crawler)
     found = [mw for mw in manager.middlewares if isinstance(mw, SlotBackoffMiddleware)]
     assert bool(found) is installed
+
+
+def test_a_pause_binds_the_worker_that_got_the_429_before_it_is_written() -> None:
+    # the pause is written by the writer's thread; until then (and after) the worker holds
+    # back what it claimed of the slot: no request of it is handed out in between
+    from twisted.internet.defer import Deferred
+
+    from scrapy_idempotent.politeness import Politeness
+
+    class Writer:
+        def __init__(self) -> None:
+            self.pausing: Deferred[float] = Deferred()
+
+        def call(self, what: str, action: Any) -> Deferred[float]:
+            return self.pausing
+
+    class Stats:
+        def inc_value(self, *args: Any) -> None:
+            pass
+
+    politeness = Politeness.__new__(Politeness)
+    politeness.stats, politeness.writer = Stats(), Writer()
+    politeness.first_backoff_seconds, politeness.max_backoff_seconds = 10.0, 600.0
+    politeness._holds, politeness._backing_off = {}, set()
+    assert not politeness.holding("a.example")
+    politeness.throttled("a.example", 5.0)  # not written yet
+    assert politeness.holding("a.example") and not politeness.holding("b.example")
+    politeness.writer.pausing.callback(5.0)
+    assert politeness.holding("a.example")
+    politeness._holds["a.example"] = time.monotonic() - 1  # the pause is over
+    assert not politeness.holding("a.example")

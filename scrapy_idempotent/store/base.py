@@ -234,6 +234,9 @@ class LeasedRequest:
     #: seconds, the store's clock) or given back unsent, since the slot's next claim counts
     #: on it being sent by then (0: no such bound)
     send_by: float = field(default=0.0, compare=False)
+    #: its download slot, when claimed by the crawl's slot limits ("" otherwise): a worker
+    #: holds back what it claimed of a slot a site just paused
+    slot: str = field(default="", compare=False)
     #: its place in its queue (same priority, same queue): a smaller rank is taken first.
     #: The entry's insertion order, negated for a last-in-first-out entry; so
     #: ``(-priority, is_start, rank)`` orders claimed requests as the claim order does
