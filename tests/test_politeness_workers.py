@@ -23,6 +23,7 @@ import pytest
 from local_site import LocalSite, Received
 
 from crawling import wait_for
+from scrapy_idempotent.scrapy_compat import has_throttling_scopes
 from scrapy_idempotent.store.registry import sqlite_path
 
 pytestmark = pytest.mark.slow
@@ -283,3 +284,15 @@ def test_claims_ahead_leave_a_sites_places_to_the_workers_that_can_send(
     for site in crawled:
         assert site.request_count == pages
         assert site.most_in_flight <= 2
+
+
+@pytest.mark.skipif(not has_throttling_scopes(),
+                    reason="the installed Scrapy has no THROTTLING_SCOPES (its throttling work)")
+def test_workers_keep_the_limits_of_throttling_scopes(tmp_path: Path) -> None:
+    # Scrapy's throttling work renames DOWNLOAD_SLOTS to THROTTLING_SCOPES: its limits bind
+    # the crawl as the old setting's did (4 workers on one SQLite file)
+    hosts = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+    crawled = crawl_with_workers(
+        tmp_path, str(tmp_path / "crawl.sqlite3"), 4, hosts, LIMITS[0],
+        'THROTTLING_SCOPES={"%s": {"concurrency": 1, "delay": 0.5}}' % hosts[2])
+    assert_limits_held(crawled)
