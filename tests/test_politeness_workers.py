@@ -8,6 +8,7 @@ store backend)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -294,5 +295,5 @@ def test_workers_keep_the_limits_of_throttling_scopes(tmp_path: Path) -> None:
     hosts = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
     crawled = crawl_with_workers(
         tmp_path, str(tmp_path / "crawl.sqlite3"), 4, hosts, LIMITS[0],
-        'THROTTLING_SCOPES={"%s": {"concurrency": 1, "delay": 0.5}}' % hosts[2])
+        "THROTTLING_SCOPES=" + json.dumps({hosts[2]: {"concurrency": 1, "delay": 0.5}}))
     assert_limits_held(crawled)
