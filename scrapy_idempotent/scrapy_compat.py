@@ -32,7 +32,7 @@ The differences, by the release that changed them:
 * 2.19: ``ExecutionEngine.scheduler`` (:func:`engine_scheduler`), ``Response.to_dict`` and
   ``response_from_dict`` (:func:`response_to_dict`, :func:`response_from_dict`); the stats
   collector's methods wrapped on each lookup (:func:`stat_counter`).
-* Later (Scrapy's throttling work, scrapy/scrapy#6931, not in 2.19.0): a throttler on the
+* Later (Scrapy's throttling pull request, not in 2.19.0): a throttler on the
   crawler decides a request's throttling scopes (``throttling_scopes`` meta key in place of
   ``download_slot``; ``THROTTLING_SCOPES`` in place of ``DOWNLOAD_SLOTS``;
   ``Downloader.get_slot_key`` and ``Downloader.slots`` deprecated): :func:`slot_key_of`,
@@ -498,8 +498,8 @@ def _install_forced_stop_handlers(process: Any, shutdown: Any) -> None:
 
 
 def has_throttling_scopes() -> bool:
-    """Whether the installed Scrapy knows ``THROTTLING_SCOPES`` (its throttling work,
-    scrapy/scrapy#6931: the setting that replaces ``DOWNLOAD_SLOTS``)."""
+    """Whether the installed Scrapy knows ``THROTTLING_SCOPES`` (its throttling work:
+    the setting that replaces ``DOWNLOAD_SLOTS``)."""
     from scrapy.settings import default_settings
 
     return hasattr(default_settings, "THROTTLING_SCOPES")

@@ -191,7 +191,7 @@ def test_the_slot_limits_are_scrapys_settings() -> None:
 
 def test_the_slot_limits_read_throttling_scopes_where_scrapy_has_them(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # Scrapy's throttling work (scrapy/scrapy#6931) renames DOWNLOAD_SLOTS to
+    # Scrapy's throttling work (after 2.19.0) renames DOWNLOAD_SLOTS to
     # THROTTLING_SCOPES: the limits a user sets there bind the crawl too, an entry of the new
     # setting winning key by key; a Scrapy without it (2.13 to 2.19.0) does not read it
     from scrapy.settings import Settings, default_settings

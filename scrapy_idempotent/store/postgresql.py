@@ -276,7 +276,7 @@ class PostgreSQLStore(SqlStore):
         #: the server's clock minus this process's observation clock (which a stepped wall
         #: clock does not move), in seconds: the store's clock, and workers' observation
         #: times put on the server's clock (until the first connection: this host's clock)
-        self._observed_offset = time.time() - observation_clock()
+        self._observed_offset = 0.0 if clock is not None else time.time() - observation_clock()
         self.synchronous = synchronous
         self.busy_timeout_seconds = busy_timeout_seconds
         self.recrawl_seconds = recrawl_seconds
