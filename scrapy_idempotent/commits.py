@@ -217,7 +217,7 @@ class CommitPath:
     def refill(self) -> bool:
         """Claim requests, when the store may have some: at once when the writer's thread is
         idle, else with the batch after the one in flight (it wakes the engine)."""
-        if not self.claimed.may_refill(time.time(), bool(self.tracker.unattributed)):
+        if not self.claimed.may_refill(time.monotonic(), bool(self.tracker.unattributed)):
             return False
         if self.writer.threaded and not self.writer.idle:
             self.writer.commit()  # the batch being filled claims: send it without lingering
@@ -228,7 +228,7 @@ class CommitPath:
         # longer than the writer's STALL_SECONDS: a claim that waits for the database (a
         # lock another process holds) goes on without the reactor, and its batch wakes the
         # engine when it is written.
-        self.commit(UnitOfWork(claim=self.claimed.claim_size(self.health.closing)))
+        self.commit(UnitOfWork(claim=self.claimed.claim_size(self.health.closing, asked=True)))
         if self.writer.running:
             self.writer.commit_now()
         return bool(self.claimed)
@@ -288,7 +288,7 @@ class CommitPath:
         self.tracker.written(work)
         self.claimed.accept(work, result)
         if work.claim and not result.leased and not work.requests:
-            self.claimed.found_none(time.time())
+            self.claimed.found_none(time.monotonic())
         if result.claim_again_in is not None and self.slots_wait is not None:
             self.slots_wait(result.claim_again_in)
         self.wakeup.if_asked_in_vain()

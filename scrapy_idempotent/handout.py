@@ -130,17 +130,24 @@ class HandOut:
                 # flight at one death are replayed at full concurrency: a resume after a
                 # kill is not serialised.
                 return None
-            if claimed.head_expired(time.time()):
+            if claimed.head_expired(time.monotonic()):
                 # The batch claimed ahead sat here past its lease (the process was stopped,
                 # or the reactor blocked): another worker may have it now.
                 self.leases.renew()
                 if self.leases.renewing:
                     return None  # the renewal wakes the engine when it is back
                 continue
-            if claimed.give_back_head_if_late(time.time()):
+            if claimed.give_back_head_if_late(time.monotonic()):
                 # of a slot with a delay, too late to be sent: another claim of its slot
                 # may already count on it being gone (given back with the next transaction)
                 self.stats.inc_value("idempotent/requests/given_back_late")
+                continue
+            if self.politeness.holding(claimed.head().slot):
+                # of a slot its site paused a moment ago (a 429): not sent, whether the
+                # pause is written yet or not; given back with a transaction after the
+                # pause's, so no claim takes it before the pause holds
+                claimed.give_back_head()
+                self.stats.inc_value("idempotent/requests/given_back_paused")
                 continue
             request = self._load(claimed.pop())
             if request is not None:

@@ -69,8 +69,13 @@ def queue_rank_of_new(new: NewRequest) -> QueueRank:
 class ClaimedRequests:
     """The lease buffer of one worker, in claim order."""
 
-    def __init__(self, batch: int) -> None:
+    def __init__(self, batch: int, *, sendable: Callable[[], int] | None = None) -> None:
         self.batch = batch  #: IDEMPOTENT_LEASE_BATCH
+        #: with the crawl's slot limits, how many more requests the worker's downloader
+        #: takes now (``CONCURRENT_REQUESTS`` less those in flight): a claim takes no more
+        #: than that, so that a slot's places claimed ahead are places this worker fills
+        #: soon, not places other workers could send in (None: a full batch)
+        self.sendable = sendable
         self._claimed: deque[LeasedRequest] = deque()  #: in Scrapy's order
         #: claimed requests to give back with the next transaction (never handed out)
         self._give_back: list[str] = []
@@ -78,12 +83,17 @@ class ClaimedRequests:
         #: something may have changed that: new requests, a pending completion, a reclaim)
         self.maybe_claimable = True
         self._recheck_at = 0.0  #: ask the store again from then on, even without a change
-        #: the leases held at the last renewal last until then (unix seconds)
+        #: the leases held at the last renewal last until then (``time.monotonic()``)
         self.renewed_until = 0.0
         #: the last claim left requests of download slots that wait (a delay, a pause)
-        #: until then (unix seconds): a frontier read showing pending requests does not make
-        #: a claim worth a transaction before
+        #: until then (``time.monotonic()``): a frontier read showing pending requests does
+        #: not make a claim worth a transaction before
         self.slots_ready_at = 0.0
+        #: claimed key -> what turns its store times into ``time.monotonic()`` (added):
+        #: every time compared here is on this process's monotonic clock, so neither a
+        #: skew from the database server's clock nor a step of the wall clock makes a
+        #: claimed request look late or live when it is not
+        self._to_local: dict[str, float] = {}
 
     def __len__(self) -> int:
         return len(self._claimed)
@@ -96,34 +106,55 @@ class ClaimedRequests:
         return self._claimed[0]
 
     def pop(self) -> LeasedRequest:
-        return self._claimed.popleft()
+        leased = self._claimed.popleft()
+        self._to_local.pop(leased.key, None)
+        return leased
 
     def give_back_head_if_late(self, now: float) -> bool:
         """Give the next request back (unsent, with the next transaction) when it is of a
         download slot with a delay and its time to be sent has passed (see
-        :attr:`.LeasedRequest.send_by`); True when it was."""
+        :attr:`.LeasedRequest.send_by`; ``now``: ``time.monotonic()``); True when it was."""
         head = self._claimed[0]
-        if not head.send_by or now <= head.send_by:
+        if not head.send_by or now <= head.send_by + self._to_local.get(head.key, 0.0):
             return False
-        self._claimed.popleft()
+        self.give_back_head()
+        return True
+
+    def give_back_head(self) -> None:
+        """Give the next request back unsent (with the next transaction)."""
+        head = self.pop()
         self._give_back.append(head.key)
         self.maybe_claimable = True
-        return True
 
     def head_expired(self, now: float) -> bool:
         """Whether the next request sat here past its lease (the process was stopped, or the
-        reactor blocked): another worker may have it now."""
-        return max(self._claimed[0].leased_until, self.renewed_until) <= now
+        reactor blocked; ``now``: ``time.monotonic()``): another worker may have it now."""
+        head = self._claimed[0]
+        return max(head.leased_until + self._to_local.get(head.key, 0.0),
+                   self.renewed_until) <= now
 
-    def claim_size(self, closing: bool, *, after_completion: bool = False) -> int:
+    def claim_size(self, closing: bool, *, after_completion: bool = False,
+                   asked: bool = False) -> int:
         """How many requests to claim with the next transaction: none while closing, while
         the store is known to have none (unless ``after_completion``: a completion freed a
-        place in a download slot), or while at least half a batch is claimed ahead."""
+        place in a download slot), or while at least half a batch is claimed ahead; with
+        :attr:`sendable`, no more than the downloader takes now (at least one when
+        ``asked``: the engine asks for a request, so its downloader has room)."""
         if closing or not (self.maybe_claimable or after_completion):
             return 0
         if len(self._claimed) >= max(1, self.batch // 2):
             return 0
-        return self.batch - len(self._claimed)
+        room = self._room(after_completion)
+        if asked:
+            room = max(room, 1)
+        return max(0, min(self.batch, room) - len(self._claimed))
+
+    def _room(self, after_completion: bool = False) -> int:
+        """How many requests may be claimed ahead at most (see :attr:`sendable`); a
+        completion being written frees its place."""
+        if self.sendable is None:
+            return self.batch
+        return max(0, self.sendable() + int(after_completion))
 
     def prepare(self, work: UnitOfWork, closing: bool) -> None:
         """Set ``work``'s claim and give-back. Requests the transaction adds, and requests it
@@ -139,7 +170,7 @@ class ClaimedRequests:
         added = len(work.requests) + sum(
             1 for c in work.completions if c.state is RequestState.PENDING)
         if added and self._claimed:
-            claim = max(claim, min(added, self.batch))
+            claim = max(claim, min(added, self.batch, self._room()))
         work.claim = claim
 
     def accept(self, work: UnitOfWork, result: CommitResult) -> None:
@@ -149,13 +180,19 @@ class ClaimedRequests:
         leased = result.leased
         if not leased:
             return
+        store_now, local_now = result.claimed_at
+        to_local = local_now - store_now
+        self._to_local.update((r.key, to_local) for r in leased)
         merged = sorted([*self._claimed, *leased], key=queue_rank)
         added = len(work.requests) + sum(
             1 for c in work.completions if c.state is RequestState.PENDING)
         if self._claimed and added > work.claim and len(leased) >= work.claim:
             last = max(queue_rank(r) for r in leased)
             keep = [r for r in merged if queue_rank(r) <= last]
-            self._give_back.extend(r.key for r in merged if queue_rank(r) > last)
+            for r in merged:
+                if queue_rank(r) > last:
+                    self._give_back.append(r.key)
+                    self._to_local.pop(r.key, None)
             merged = keep
         self._claimed = deque(merged)
 
@@ -173,6 +210,17 @@ class ClaimedRequests:
         self.maybe_claimable = False
         self._recheck_at = now + 1.0
 
+    def pending_seen(self, now: float) -> None:
+        """A read of the frontier (``now``: ``time.monotonic()``) shows pending requests:
+        worth a claim once the slots the last claim left wait no more and the bound after a
+        claim that found none has passed. Not at once: with the crawl's limits, pending
+        requests are often not claimable (their slot full or paused), and an idle worker
+        would commit claims in a loop (the engine asks for the next request after each).
+        A completion of this worker's, a notification of another's, or the end of a
+        slot's wait asks the store sooner."""
+        if now >= self.slots_ready_at and now >= self._recheck_at:
+            self.maybe_claimable = True
+
     def slots_wait_until(self, when: float) -> None:
         """The requests left pending wait for their slots until ``when`` (unix seconds)."""
         self.slots_ready_at = when
@@ -189,12 +237,15 @@ class ClaimedRequests:
         stale = sum(1 for leased in self._claimed if leased.key not in held)
         if stale:
             self._claimed = deque(leased for leased in self._claimed if leased.key in held)
+            self._to_local = {leased.key: self._to_local[leased.key]
+                              for leased in self._claimed if leased.key in self._to_local}
             self.maybe_claimable = True
         return stale
 
     def clear(self) -> None:
         self._claimed.clear()
         self._give_back.clear()
+        self._to_local.clear()
 
     @property
     def has_give_back(self) -> bool:
@@ -288,7 +339,7 @@ class LeaseKeeper:
         if self.renewing:
             return
         self.renewing = True
-        began = time.time()
+        began = time.monotonic()  # (the store writes its clock's now + lease_seconds)
         worker = self.writer.worker
         renewing = self.writer.call("renewing leases",
                                     lambda store: store.renew_leases(worker))
@@ -339,7 +390,7 @@ class LeaseKeeper:
         """Other workers hold leases: put those of dead workers and the expired ones back to
         pending (on the writer's thread, at most once a second); the claim that follows may
         take them."""
-        now = time.time()
+        now = time.monotonic()
         if now < self._dead_check_at:
             return
         self._dead_check_at = now + 1.0

@@ -37,6 +37,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from .scrapy_compat import downloader_slots, slot_key_of
 from .store.base import SlotLimits
 
 if TYPE_CHECKING:
@@ -75,10 +76,13 @@ def slot_limits(settings: BaseSettings) -> SlotLimits:
     """The crawl's per-slot limits from Scrapy's settings, as the downloader reads them
     (scrapy/core/downloader/__init__.py, ``Downloader._get_slot``): the concurrency is
     ``CONCURRENT_REQUESTS_PER_IP`` when set, else ``CONCURRENT_REQUESTS_PER_DOMAIN``; the
-    delay ``DOWNLOAD_DELAY``; ``DOWNLOAD_SLOTS`` entries' ``concurrency`` and ``delay``."""
+    delay ``DOWNLOAD_DELAY``; ``DOWNLOAD_SLOTS`` entries' ``concurrency`` and ``delay``,
+    and ``THROTTLING_SCOPES`` entries' where the installed Scrapy has that setting
+    (:func:`.scrapy_compat.per_slot_settings`)."""
+    from .scrapy_compat import per_slot_settings
+
     per_slot: list[tuple[str, int | None, float | None]] = []
-    for slot, given in sorted(settings.getdict("DOWNLOAD_SLOTS").items()):
-        given = given or {}
+    for slot, given in sorted(per_slot_settings(settings).items()):
         concurrency = given.get("concurrency")
         delay = given.get("delay")
         per_slot.append((str(slot), int(concurrency) if concurrency is not None else None,
@@ -128,6 +132,9 @@ class Politeness:
         self._downloader: Any = None
         self._wake_call: Any = None
         self._backing_off: set[str] = set()  #: slots this worker paused (backoff to reset)
+        #: slot -> until when (``time.monotonic()``) this worker sends none of its requests:
+        #: a site's pause binds here from the answer on, before it is written
+        self._holds: dict[str, float] = {}
         self._crawl_delays: dict[str, float] = {}  #: robots.txt Crawl-delay kept, per slot
 
     def open(self, downloader: Any, store: FrontierStore) -> None:
@@ -145,19 +152,24 @@ class Politeness:
         """The download slot ``request`` is stored with ("" when limits are per worker)."""
         if not self.crawl_wide or self._downloader is None:
             return ""
-        return str(self._downloader.get_slot_key(request))
+        return slot_key_of(self._downloader, request)
 
     def handing_out(self, request: Request) -> None:
         """``request`` goes to the downloader: the crawl's claim kept the slot's delay, so
         the worker's downloader slot has none of its own (AutoThrottle's delay stays)."""
         if not self.crawl_wide or self.autothrottle or self._downloader is None:
             return
-        slots = self._downloader.slots
-        slot = slots.get(self._downloader.get_slot_key(request))
+        slots = downloader_slots(self._downloader)
+        if slots is None:
+            # Scrapy's throttler keeps this worker's delay: it holds a request only until
+            # the delay has passed since this worker's previous one of the slot, which the
+            # crawl's claims have already waited out (their delay is the crawl's)
+            return
+        key = slot_key_of(self._downloader, request)
+        slot = slots.get(key)
         if slot is None:
             from scrapy.core.downloader import Slot
 
-            key = self._downloader.get_slot_key(request)
             slots[key] = Slot(self._concurrency_of(key), 0.0, 0)
         elif slot.delay:
             slot.delay = 0.0
@@ -181,7 +193,7 @@ class Politeness:
             if call.getTime() <= clock.seconds() + seconds:
                 return
             call.cancel()
-        self.claimed.slots_wait_until(time.time() + seconds)
+        self.claimed.slots_wait_until(time.monotonic() + seconds)
         self._wake_call = clock.callLater(max(seconds, 0.0), self._slot_ready)
 
     def _slot_ready(self) -> None:
@@ -191,10 +203,28 @@ class Politeness:
 
     # -- what sites say -------------------------------------------------------------------
 
+    def holding(self, slot: str) -> bool:
+        """Whether this worker holds back requests of ``slot``: its site paused it (a 429)
+        and the pause is not over."""
+        if not self._holds or not slot:
+            return False
+        until = self._holds.get(slot)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        del self._holds[slot]
+        return False
+
     def throttled(self, slot: str, retry_after: float | None) -> Deferred[float]:
         """A site answered ``slot``'s request with 429 (or 503): pause the slot for every
-        worker; the Deferred fires with the seconds paused once the pause is durable."""
+        worker; the Deferred fires with the seconds paused once the pause is durable. The
+        pause binds this worker at once (:meth:`holding`): for the shortest it can be
+        until it is written, then for the pause written."""
         self.stats.inc_value("idempotent/requests/throttled")
+        self._holds[slot] = time.monotonic() + min(
+            retry_after if retry_after is not None else self.first_backoff_seconds,
+            self.max_backoff_seconds)
         self._backing_off.add(slot)
         first, most = self.first_backoff_seconds, self.max_backoff_seconds
         pausing = self.writer.call("pausing a download slot", lambda store: store.pause_slot(
@@ -204,6 +234,7 @@ class Politeness:
         return pausing
 
     def _paused(self, seconds: float, slot: str) -> float:
+        self._holds[slot] = max(self._holds.get(slot, 0.0), time.monotonic() + seconds)
         self.stats.inc_value("idempotent/slots/paused")
         logger.info("scrapy_idempotent: download slot %s paused for %.1f s for every worker "
                     "(the site answered 429 or 503)", slot, seconds)

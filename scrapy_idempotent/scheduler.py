@@ -104,7 +104,14 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         self.health = CrawlHealth(crawler, stats)
         self.wakeup = engine_hooks.EngineWakeup(crawler)
         self.outcomes = CommitOutcomes(crawler, stats, config.max_attempts)
-        self.claimed = ClaimedRequests(config.lease_batch)
+        # with the crawl's limits, claims ahead take the places of the slots this worker
+        # can send in soon only (the downloader's room: CONCURRENT_REQUESTS less in flight)
+        concurrent = crawler.settings.getint("CONCURRENT_REQUESTS")
+        tracker = self.tracker
+        self.claimed = ClaimedRequests(
+            config.lease_batch,
+            sendable=(lambda: concurrent - tracker.in_flight_count)
+            if config.politeness == "crawl" else None)
         #: the cookie jars kept across a resume (None: IDEMPOTENT_KEEP_COOKIES is off)
         self.cookies = CookieKeeper(crawler) if config.keep_cookies else None
         self.commits = CommitPath(
@@ -407,8 +414,7 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         try:
             status = self.store.status(self.worker)  # the read connection: never waits
             if status.claimable:
-                if time.time() >= self.claimed.slots_ready_at:  # (not while slots wait)
-                    self.claimed.maybe_claimable = True
+                self.claimed.pending_seen(time.monotonic())
                 return True
             if status.leased_elsewhere:
                 self.leases.reclaim_soon()

@@ -33,6 +33,11 @@ The differences, by the release that changed them:
 * 2.19: ``ExecutionEngine.scheduler`` (:func:`engine_scheduler`), ``Response.to_dict`` and
   ``response_from_dict`` (:func:`response_to_dict`, :func:`response_from_dict`); the stats
   collector's methods wrapped on each lookup (:func:`stat_counter`).
+* Later (Scrapy's throttling pull request, not in 2.19.0): a throttler on the
+  crawler decides a request's throttling scopes (``throttling_scopes`` meta key in place of
+  ``download_slot``; ``THROTTLING_SCOPES`` in place of ``DOWNLOAD_SLOTS``;
+  ``Downloader.get_slot_key`` and ``Downloader.slots`` deprecated): :func:`slot_key_of`,
+  :func:`per_slot_settings`, :func:`downloader_slots`.
 """
 from __future__ import annotations
 
@@ -488,3 +493,49 @@ def _install_forced_stop_handlers(process: Any, shutdown: Any) -> None:
         install_shutdown_handlers(_forced_stop_kill)
 
     install_shutdown_handlers(_forced_stop_shutdown)
+
+
+# -- download slots, or throttling scopes (Scrapy's throttling work) --------------------------
+
+
+def has_throttling_scopes() -> bool:
+    """Whether the installed Scrapy knows ``THROTTLING_SCOPES`` (its throttling work:
+    the setting that replaces ``DOWNLOAD_SLOTS``)."""
+    from scrapy.settings import default_settings
+
+    return hasattr(default_settings, "THROTTLING_SCOPES")
+
+
+def per_slot_settings(settings: BaseSettings) -> dict[str, dict[str, Any]]:
+    """The per-slot entries of ``settings`` (slot -> its ``concurrency`` and ``delay``):
+    ``DOWNLOAD_SLOTS``, and where the installed Scrapy has it ``THROTTLING_SCOPES``, whose
+    entry for a slot wins key by key (as Scrapy merges them). Raises TypeError, ValueError or
+    AttributeError on a malformed value."""
+    merged: dict[str, dict[str, Any]] = {
+        str(slot): dict(given or {}) for slot, given in settings.getdict("DOWNLOAD_SLOTS").items()}
+    if has_throttling_scopes():
+        for scope, given in settings.getdict("THROTTLING_SCOPES").items():
+            merged[str(scope)] = {**merged.get(str(scope), {}), **dict(given or {})}
+    return merged
+
+
+def slot_key_of(downloader: Any, request: Any) -> str:
+    """The key Scrapy's downloader throttles ``request`` under: with Scrapy's throttler (its
+    throttling work), its scopes key (``throttling_scopes``, else a ``download_slot`` the
+    user set, else the host name; several scopes as one JSON list); before it,
+    ``Downloader.get_slot_key`` (``download_slot``, else the host name or its IP)."""
+    throttler = getattr(getattr(downloader, "crawler", None), "throttler", None)
+    scopes_key = getattr(throttler, "get_scopes_key", None)
+    if scopes_key is not None:
+        return str(scopes_key(request))
+    return str(downloader.get_slot_key(request))
+
+
+def downloader_slots(downloader: Any) -> dict[str, Any] | None:
+    """The downloader's own slots (slot key -> ``scrapy.core.downloader.Slot``), or None
+    where Scrapy's throttler keeps the limits instead (its throttling work deprecates
+    ``Downloader.slots``)."""
+    if getattr(getattr(downloader, "crawler", None), "throttler", None) is not None:
+        return None
+    slots: dict[str, Any] | None = getattr(downloader, "slots", None)
+    return slots

@@ -189,6 +189,63 @@ def test_the_slot_limits_are_scrapys_settings() -> None:
         per_slot=(("a.example", None, 2.0), ("b.example", 1, None)))
 
 
+def test_the_slot_limits_read_throttling_scopes_where_scrapy_has_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Scrapy's throttling work (after 2.19.0) renames DOWNLOAD_SLOTS to
+    # THROTTLING_SCOPES: the limits a user sets there bind the crawl too, an entry of the new
+    # setting winning key by key; a Scrapy without it (2.13 to 2.19.0) does not read it
+    from scrapy.settings import Settings, default_settings
+
+    given = {"DOWNLOAD_SLOTS": {"a.example": {"delay": 2, "concurrency": 4}},
+             "THROTTLING_SCOPES": {"a.example": {"concurrency": 1},
+                                   "api": {"concurrency": 2, "delay": 0.5}}}
+    if not hasattr(default_settings, "THROTTLING_SCOPES"):
+        assert slot_limits(Settings(given)).per_slot == (("a.example", 4, 2.0),)
+        monkeypatch.setattr(default_settings, "THROTTLING_SCOPES", {}, raising=False)
+    assert slot_limits(Settings(given)).per_slot == (("a.example", 1, 2.0),
+                                                     ("api", 2, 0.5))
+
+
+class _Throttler:
+    """Scrapy's throttler as its throttling work has it: the key of a request's scopes."""
+
+    def get_scopes_key(self, request: Any) -> str:
+        scopes = request.meta.get("throttling_scopes")
+        if scopes is None:
+            return "host-of-" + request.url
+        return scopes if isinstance(scopes, str) else json.dumps(sorted(scopes))
+
+
+class _Downloader:
+    """A downloader whose crawler has Scrapy's throttler: its deprecated slot API must not
+    be used (it warns)."""
+
+    def __init__(self) -> None:
+        self.crawler = type("Crawler", (), {"throttler": _Throttler()})()
+
+    def get_slot_key(self, request: Any) -> str:
+        raise AssertionError("Downloader.get_slot_key is deprecated with a throttler")
+
+    @property
+    def slots(self) -> dict[str, Any]:
+        raise AssertionError("Downloader.slots is deprecated with a throttler")
+
+
+def test_a_request_is_stored_with_its_throttling_scopes_where_scrapy_has_a_throttler(
+        ) -> None:
+    from scrapy import Request
+
+    from scrapy_idempotent.politeness import Politeness
+
+    politeness = Politeness.__new__(Politeness)
+    politeness.crawl_wide, politeness.autothrottle = True, False
+    politeness._downloader = _Downloader()
+    assert politeness.slot_of(Request("https://a.example/1")) == "host-of-https://a.example/1"
+    request = Request("https://a.example/2", meta={"throttling_scopes": "api"})
+    assert politeness.slot_of(request) == "api"
+    politeness.handing_out(request)  # the throttler keeps the worker's delay: left alone
+
+
 @pytest.mark.parametrize(("settings", "name"), [
     ({"IDEMPOTENT_POLITENESS": "site"}, "IDEMPOTENT_POLITENESS"),
     ({"IDEMPOTENT_BACKOFF_SECONDS": 0}, "IDEMPOTENT_BACKOFF_SECONDS"),
@@ -261,3 +318,34 @@ def test_the_backoff_middleware_runs_only_with_politeness_for_the_crawl(
     manager = DownloaderMiddlewareManager.from_crawler(crawler)
     found = [mw for mw in manager.middlewares if isinstance(mw, SlotBackoffMiddleware)]
     assert bool(found) is installed
+
+
+def test_a_pause_binds_the_worker_that_got_the_429_before_it_is_written() -> None:
+    # the pause is written by the writer's thread; until then (and after) the worker holds
+    # back what it claimed of the slot: no request of it is handed out in between
+    from twisted.internet.defer import Deferred
+
+    from scrapy_idempotent.politeness import Politeness
+
+    class Writer:
+        def __init__(self) -> None:
+            self.pausing: Deferred[float] = Deferred()
+
+        def call(self, what: str, action: Any) -> Deferred[float]:
+            return self.pausing
+
+    class Stats:
+        def inc_value(self, *args: Any) -> None:
+            pass
+
+    politeness = Politeness.__new__(Politeness)
+    politeness.stats, politeness.writer = Stats(), Writer()
+    politeness.first_backoff_seconds, politeness.max_backoff_seconds = 10.0, 600.0
+    politeness._holds, politeness._backing_off = {}, set()
+    assert not politeness.holding("a.example")
+    politeness.throttled("a.example", 5.0)  # not written yet
+    assert politeness.holding("a.example") and not politeness.holding("b.example")
+    politeness.writer.pausing.callback(5.0)
+    assert politeness.holding("a.example")
+    politeness._holds["a.example"] = time.monotonic() - 1  # the pause is over
+    assert not politeness.holding("a.example")

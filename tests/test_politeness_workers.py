@@ -8,6 +8,9 @@ store backend)."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +24,7 @@ import pytest
 from local_site import LocalSite, Received
 
 from crawling import wait_for
+from scrapy_idempotent.scrapy_compat import has_throttling_scopes
 from scrapy_idempotent.store.registry import sqlite_path
 
 pytestmark = pytest.mark.slow
@@ -32,7 +36,7 @@ RESOLUTION = 0.02
 
 
 def start_worker(sites: Sequence[LocalSite], database: str, log: Path, pages: int,
-                 *settings: str) -> subprocess.Popen[bytes]:
+                 *settings: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "scrapy", "runspider", str(SPIDER),
                "-a", "sites=" + ",".join(site.url for site in sites), "-a", f"pages={pages}",
                "-s", f"IDEMPOTENT_DATABASE={database}", "-s", f"LOG_FILE={log}",
@@ -40,7 +44,8 @@ def start_worker(sites: Sequence[LocalSite], database: str, log: Path, pages: in
     for setting in settings:
         command += ["-s", setting]
     return subprocess.Popen(command, cwd=log.parent, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            env=None if env is None else {**os.environ, **env})
 
 
 @contextmanager
@@ -149,3 +154,146 @@ def test_a_429_with_retry_after_pauses_the_site_for_every_worker_across_a_kill(
         # (the killed worker's request in flight to it, if any, is fetched again)
         assert pages <= other.request_count <= pages + 1
         assert any(answered[0] < t < answered[0] + 5.0 for t in other.arrival_times())
+
+
+#: libfaketime from Debian's faketime package: it moves one process's wall clock
+FAKETIME_LIBRARY = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+
+
+def skewed(offset: str) -> dict[str, str]:
+    """The environment of a worker whose wall clock is ``offset`` (``+0.2``, ``-120``) seconds
+    off (its monotonic clock is left alone, as a host's NTP leaves it)."""
+    return {"LD_PRELOAD": str(FAKETIME_LIBRARY), "FAKETIME": offset,
+            "FAKETIME_DONT_FAKE_MONOTONIC": "1", "FAKETIME_DONT_RESET": "1"}
+
+
+@pytest.mark.skipif(not FAKETIME_LIBRARY.exists(), reason="needs Debian's faketime")
+@pytest.mark.parametrize("offset", ["+0", "+0.2", "-0.2", "+2", "-2", "+120", "-120"])
+def test_a_worker_whose_clock_is_off_keeps_the_limits_and_finishes(
+        tmp_path: Path, postgres_url: str, offset: str) -> None:
+    # PostgreSQL: a worker whose clock is off from the server's, beside one whose clock is
+    # right, both on a site with a delay: every time compared is the server's, so the crawl
+    # finishes at the pace of the delay, no request is early, and nothing is given back as
+    # late (a worker 0.2 s ahead used to give back every request of a slot with a delay)
+    hosts = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+    pages = 8
+    with sites(*hosts, delay=0.1) as crawled:
+        logs = [tmp_path / "skewed.log", tmp_path / "right.log"]
+        # (the second worker joins the first one's run, even if it has finished it)
+        workers = [start_worker(crawled, postgres_url, logs[0], pages, LIMITS[0],
+                                LIMITS[1] % hosts[2], "IDEMPOTENT_RUN_MODE=resume",
+                                env=skewed(offset))]
+        with running(workers):
+            # alone, the skewed worker sends to the site with a delay at its pace
+            wait_for(lambda: crawled[2].request_count >= 3, 60,
+                     "the skewed worker's requests to the site with a delay")
+            alone = crawled[2].intervals()[:2]
+            workers.append(start_worker(crawled, postgres_url, logs[1], pages, LIMITS[0],
+                                        LIMITS[1] % hosts[2], "IDEMPOTENT_RUN_MODE=resume"))
+            for worker, log in zip(workers, logs, strict=True):
+                code = worker.wait(timeout=300)
+                assert code == 0, log.read_text(errors="replace")[-3000:]
+    for site in crawled:
+        assert site.request_count == pages, site.counts_by_path()
+    busy, other, delayed = crawled
+    assert busy.most_in_flight <= 2 and other.most_in_flight <= 2
+    assert delayed.most_in_flight == 1
+    assert min(alone) >= 0.5 - RESOLUTION, alone
+    # (once two workers send, the delay holds between their hand-outs; at the site a
+    # request of a worker starved of CPU, another starting beside it, may come closer
+    # after the other's: see docs/politeness.rst, Sizing a crawl)
+
+
+def closing_stat(log: Path, name: str) -> int:
+    """A worker's stat as its log's stats dump at close has it (0 when absent)."""
+    found = re.search(rf"'{re.escape(name)}': (\d+)", log.read_text(errors="replace"))
+    return int(found.group(1)) if found else 0
+
+
+PAUSE_SECONDS = int(os.environ.get("IDLE_PAUSE_SECONDS", "8"))
+
+
+def test_idle_workers_wait_instead_of_committing_in_a_loop(tmp_path: Path,
+                                                           crawl_database: str) -> None:
+    # 4 workers (3 on PostgreSQL), one site paused by a 429 for PAUSE_SECONDS, the other
+    # soon done: nothing is claimable, and the workers wait for the pause's end
+    # (a timer), another worker's change or a bound of a second, not in a loop of claims
+    workers_count = 4 if sqlite_path(crawl_database) is not None else 3
+    pages = 4
+    with sites("127.0.0.5", "127.0.0.6", delay=0.05) as (paused, other):
+        lock = threading.Lock()
+        answered: list[float] = []
+
+        def answer(received: Received) -> tuple[int, dict[str, str], str]:
+            with lock:
+                if not answered:
+                    answered.append(time.monotonic())
+                    return 429, {"Retry-After": str(PAUSE_SECONDS),
+                                 "Content-Type": "text/html"}, "slow down"
+            return 200, {"Content-Type": "text/html"}, "<html>ok</html>"
+
+        for n in range(pages):
+            paused.add_responder(f"/ok/p{n}", answer)
+        logs = [tmp_path / f"worker{n}.log" for n in range(workers_count)]
+        workers = [start_worker([paused, other], crawl_database, log, pages,
+                                "CONCURRENT_REQUESTS_PER_DOMAIN=1",
+                                "IDEMPOTENT_RUN_MODE=resume") for log in logs]
+        with running(workers):
+            for worker, log in zip(workers, logs, strict=True):
+                assert worker.wait(timeout=300) == 0, log.read_text(errors="replace")[-3000:]
+    transactions = [closing_stat(log, "idempotent/transactions") for log in logs]
+    renewals = [closing_stat(log, "idempotent/leases/renewals") for log in logs]
+    print(f"{PAUSE_SECONDS} s paused, {workers_count} workers: transactions {transactions},"
+          f" renewals {renewals}")
+    # a few a second at most for each, over the pause (and the crawl's pages)
+    for count in transactions:
+        assert count <= 3 * PAUSE_SECONDS + 4 * pages + 20, transactions
+
+
+def test_claims_ahead_leave_a_sites_places_to_the_workers_that_can_send(
+        tmp_path: Path, crawl_database: str) -> None:
+    # 3 workers that each send 2 requests at once, 3 sites with a limit of 2 each: 6 in
+    # flight at once. A worker's claim takes no more places than it can send soon (else
+    # the first worker's claim holds the 6 places of the 3 sites while it sends 2)
+    pages = 6
+    workers_count = 3
+    with sites("127.0.0.2", "127.0.0.3", "127.0.0.4", delay=0.0) as crawled:
+        condition = threading.Condition()
+        in_flight = [0, 0]  # now, most
+
+        def answer(received: Received) -> tuple[int, dict[str, str], str]:
+            with condition:
+                in_flight[0] += 1
+                in_flight[1] = max(in_flight[1], in_flight[0])
+                condition.notify_all()
+                # held until 6 are in flight at once (or a while: the last pages never are)
+                condition.wait_for(lambda: in_flight[1] >= 6, timeout=3)
+                in_flight[0] -= 1
+            return 200, {"Content-Type": "text/html"}, "<html>ok</html>"
+
+        for site in crawled:
+            for n in range(pages):
+                site.add_responder(f"/ok/p{n}", answer)
+        logs = [tmp_path / f"worker{n}.log" for n in range(workers_count)]
+        workers = [start_worker(crawled, crawl_database, log, pages,
+                                "CONCURRENT_REQUESTS=2", "CONCURRENT_REQUESTS_PER_DOMAIN=2",
+                                "IDEMPOTENT_RUN_MODE=resume") for log in logs]
+        with running(workers):
+            for worker, log in zip(workers, logs, strict=True):
+                assert worker.wait(timeout=300) == 0, log.read_text(errors="replace")[-3000:]
+    assert in_flight[1] == 6
+    for site in crawled:
+        assert site.request_count == pages
+        assert site.most_in_flight <= 2
+
+
+@pytest.mark.skipif(not has_throttling_scopes(),
+                    reason="the installed Scrapy has no THROTTLING_SCOPES (its throttling work)")
+def test_workers_keep_the_limits_of_throttling_scopes(tmp_path: Path) -> None:
+    # Scrapy's throttling work renames DOWNLOAD_SLOTS to THROTTLING_SCOPES: its limits bind
+    # the crawl as the old setting's did (4 workers on one SQLite file)
+    hosts = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+    crawled = crawl_with_workers(
+        tmp_path, str(tmp_path / "crawl.sqlite3"), 4, hosts, LIMITS[0],
+        "THROTTLING_SCOPES=" + json.dumps({hosts[2]: {"concurrency": 1, "delay": 0.5}}))
+    assert_limits_held(crawled)

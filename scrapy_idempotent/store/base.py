@@ -234,6 +234,9 @@ class LeasedRequest:
     #: seconds, the store's clock) or given back unsent, since the slot's next claim counts
     #: on it being sent by then (0: no such bound)
     send_by: float = field(default=0.0, compare=False)
+    #: its download slot, when claimed by the crawl's slot limits ("" otherwise): a worker
+    #: holds back what it claimed of a slot a site just paused
+    slot: str = field(default="", compare=False)
     #: its place in its queue (same priority, same queue): a smaller rank is taken first.
     #: The entry's insertion order, negated for a last-in-first-out entry; so
     #: ``(-priority, is_start, rank)`` orders claimed requests as the claim order does
@@ -493,6 +496,12 @@ class CommitResult:
     claim_again_in: float | None = None
     #: slots this transaction added to the slots table (known to exist once committed)
     slots_added: list[str] = field(default_factory=list, compare=False)
+    #: ``(store clock, time.monotonic())`` read together as the claim was made: the times
+    #: of :attr:`leased` (``leased_until``, ``send_by``, on the store's clock) are turned
+    #: into this host's monotonic clock with it (``t - store + monotonic``), so that a
+    #: worker decides when a claimed request expires or is too late to send whatever its
+    #: wall clock says (skewed from the database server's, or stepped); (0, 0) before a claim
+    claimed_at: tuple[float, float] = field(default=(0.0, 0.0), compare=False)
 
 
 @dataclass(frozen=True)

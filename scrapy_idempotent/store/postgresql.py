@@ -29,8 +29,12 @@ machines need on top:
 * **Records** are upserted: an insert that meets a record ID another worker inserted
   meanwhile (the unique index is the backstop) is counted as a conflict
   (``CommitResult.records_conflicts``) and becomes an update or nothing, never a second row.
-* **Times** are the database server's clock (measured once per connection), so workers on
-  hosts whose clocks disagree still agree on lease expiry.
+* **Times** are the database server's clock: this process's monotonic clock plus its offset
+  from the server's ``clock_timestamp()``, measured at each connection. Workers on hosts whose
+  clocks disagree (by any amount) still agree on lease expiry, heartbeats, slot delays and
+  pauses, and a wall clock stepped while a worker runs (an NTP step) moves none of them: the
+  error is the measurement's, at most half a round trip to the server, plus the drift of the
+  monotonic clock between connections (NTP slews it with the wall clock).
 * **Connections**: one per thread, autocommit outside explicit transactions (no transaction
   is ever left open between calls). A connection lost outside a commit is reopened and the
   operation raises :class:`~.StoreBusy` (retried by the caller: the transaction did not
@@ -222,8 +226,9 @@ class PostgreSQLStore(SqlStore):
     :param lease_seconds: how long a claim lasts unless renewed.
     :param max_attempts: as on SQLite: a request started this many times without finishing
         is failed as ``quarantined``.
-    :param clock: unix seconds; injected by tests. Default: this host's clock corrected by
-        its offset from the database server's, measured at each connection.
+    :param clock: unix seconds; injected by tests. Default: the database server's clock, as
+        this process's monotonic clock plus its offset from the server's, measured at each
+        connection (a stepped wall clock does not move it).
     :param synchronous: ``NORMAL`` leaves the server's ``synchronous_commit`` as configured
         (by default ``on``: a committed page survives a crash of the server); ``FULL`` turns
         a configured ``off`` (a commit returning before it is on disk) into ``on`` for the
@@ -268,11 +273,10 @@ class PostgreSQLStore(SqlStore):
         self.max_attempts = max_attempts
         self.isolate_after = isolate_after(max_attempts)
         self._fixed_clock = clock
-        self._offset = 0.0  #: the database server's clock minus this host's, in seconds
         #: the server's clock minus this process's observation clock (which a stepped wall
-        #: clock does not move), in seconds: workers' observation times are put on the
-        #: server's clock with it
-        self._observed_offset = 0.0
+        #: clock does not move), in seconds: the store's clock, and workers' observation
+        #: times put on the server's clock (until the first connection: this host's clock)
+        self._observed_offset = 0.0 if clock is not None else time.time() - observation_clock()
         self.synchronous = synchronous
         self.busy_timeout_seconds = busy_timeout_seconds
         self.recrawl_seconds = recrawl_seconds
@@ -319,7 +323,7 @@ class PostgreSQLStore(SqlStore):
         """Unix seconds: the injected clock, or the database server's (see the class)."""
         if self._fixed_clock is not None:
             return self._fixed_clock()
-        return time.time() + self._offset
+        return observation_clock() + self._observed_offset
 
     def _connect(self, *, set_path: bool = True) -> psycopg.Connection[Any]:
         try:
@@ -365,14 +369,13 @@ class PostgreSQLStore(SqlStore):
             if set_path:
                 conn.execute("SELECT set_config('search_path', %s, false)",
                              (f'"{self.schema}"',))
-            self._connected_since = self.clock()  # (again) after a break: see reclaim_expired
             if self._fixed_clock is None:
-                before, observed_before = time.time(), observation_clock()
+                observed_before = observation_clock()
                 (server,) = conn.execute(
                     "SELECT extract(epoch FROM clock_timestamp())::float8").fetchone() or (0,)
-                self._offset = float(server) - (before + time.time()) / 2
                 self._observed_offset = (
                     float(server) - (observed_before + observation_clock()) / 2)
+            self._connected_since = self.clock()  # (again) after a break: see reclaim_expired
         except psycopg.Error as exc:
             conn.close()
             raise self._error(exc, "opening") from exc

@@ -34,6 +34,7 @@ import dataclasses
 import json
 import re
 import threading
+import time
 from abc import abstractmethod
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -920,15 +921,21 @@ class SqlStore(SqlOutbox, FrontierStore):
     def _claim(self, cur: Any, worker: str, count: int, now: float,
                result: CommitResult) -> None:
         """Lease up to ``count`` requests; those started too often without finishing are
-        failed as ``quarantined`` instead (:func:`.rules.split_claim`)."""
+        failed as ``quarantined`` instead (:func:`.rules.split_claim`). The claim's times
+        are read here, inside the transaction (its locks held: a wait for them does not
+        age them), with the monotonic clock beside (:attr:`.CommitResult.claimed_at`)."""
+        now = max(now, self.clock())
+        result.claimed_at = (now, time.monotonic())
         until = now + self.lease_seconds
         send_by: dict[Any, float] = {}  # row id -> when it must be sent (slots with a delay)
+        slots: dict[Any, str] = {}  # row id -> its slot (claimed by the slots' limits)
         rows = (self._claim_rows(cur, worker, count, until) if self.slot_limits is None
-                else self._claim_by_slot(cur, worker, count, until, now, result, send_by))
+                else self._claim_by_slot(cur, worker, count, until, now, result, send_by,
+                                         slots))
         leased, over = split_claim(rows, self.max_attempts, until)
-        if send_by:
-            by_key = {row[1]: send_by[row[0]] for row in rows if row[0] in send_by}
-            leased = [dataclasses.replace(r, send_by=by_key[r.key]) if r.key in by_key else r
+        if slots:
+            by_key = {row[1]: (send_by.get(row[0], 0.0), slots[row[0]]) for row in rows}
+            leased = [dataclasses.replace(r, send_by=by_key[r.key][0], slot=by_key[r.key][1])
                       for r in leased]
         if over:
             cur.executemany(self._q(
@@ -941,7 +948,8 @@ class SqlStore(SqlOutbox, FrontierStore):
         result.leased.extend(leased)
 
     def _claim_by_slot(self, cur: Any, worker: str, count: int, until: float, now: float,
-                       result: CommitResult, send_by: dict[Any, float]) -> list[Any]:
+                       result: CommitResult, send_by: dict[Any, float],
+                       slot_of: dict[Any, str]) -> list[Any]:
         """Lease up to ``count`` requests keeping every slot's limits over all workers: from
         the slots that may send now (not paused, their delay waited out, fewer leased than
         their concurrency), the longest waiting first, each slot's first pending requests in
@@ -991,6 +999,7 @@ class SqlStore(SqlOutbox, FrontierStore):
             if not taken:
                 continue
             rows.extend(taken)
+            slot_of.update((row[0], slot) for row in taken)
             if wait > 0:  # sent by now + margin, so the next one after that + delay
                 margin = send_margin(wait)
                 send_by.update((row[0], now + margin) for row in taken)
