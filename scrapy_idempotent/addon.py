@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import scrapy_compat
+from .conditional import CONDITIONAL_PRIORITY, ConditionalRequestMiddleware
 from .journal import ResponseJournalMiddleware
 from .middleware import RecordIdMiddleware
 from .pipeline import UpsertPipeline
@@ -85,6 +86,8 @@ class Addon:
         SCHEDULER = "scrapy_idempotent.IdempotentScheduler"
         SPIDER_MIDDLEWARES = {"scrapy_idempotent.RecordIdMiddleware": 10}
         DOWNLOADER_MIDDLEWARES = {"scrapy_idempotent.ResponseJournalMiddleware": 950,
+            # IDEMPOTENT_CONDITIONAL_REQUESTS:
+            "scrapy_idempotent.ConditionalRequestMiddleware": 940,
             "scrapy_idempotent.SlotBackoffMiddleware": 560,  # IDEMPOTENT_POLITENESS
             # ROBOTSTXT_OBEY:
             "scrapy.downloadermiddlewares.robotstxt.RobotsTxtMiddleware": None,
@@ -134,6 +137,8 @@ class Addon:
             "DOWNLOADER_MIDDLEWARES", ResponseJournalMiddleware, JOURNAL_PRIORITY)
         settings.set_in_component_priority_dict(
             "DOWNLOADER_MIDDLEWARES", SlotBackoffMiddleware, BACKOFF_PRIORITY)
+        settings.set_in_component_priority_dict(
+            "DOWNLOADER_MIDDLEWARES", ConditionalRequestMiddleware, CONDITIONAL_PRIORITY)
         settings.set_in_component_priority_dict(
             "ITEM_PIPELINES", UpsertPipeline, PIPELINE_PRIORITY)
         from .progress import IdempotentLogStats  # the progress line

@@ -421,6 +421,7 @@ class CommitOutcomes:
             ("requests/leases_lost", result.leases_lost),
             ("requests/quarantined", len(result.quarantined)),
             ("outbox/written", result.outbox_entries),
+            ("conditional/relinked", result.requests_relinked),
         ):
             if value:
                 inc(f"idempotent/{name}", value)
