@@ -1,0 +1,127 @@
+"""Conditional requests in real crawls of a static site (nginx when installed): a recrawl
+after 1% of the products changed downloads the changed pages only, updates exactly their
+records, sees every other record unchanged and writes an exact feed; a site that ignores
+validators is crawled as without them; Scrapy's HTTP cache and the conditional requests do
+not fool each other."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from crawling import run_crawl
+from helpers.stored import run_products, stored_products
+from scrapy.utils.defer import deferred_f_from_coro_f
+from static_shop import (
+    StaticShopSpider,
+    StaticSite,
+    change_products,
+    new_price,
+    old_price,
+    shop_settings,
+    sku,
+    write_shop,
+)
+
+LISTINGS, PER_PAGE = 10, 30
+PRODUCTS = LISTINGS * PER_PAGE
+PAGES = PRODUCTS + LISTINGS
+CHANGED = [7, 150, 283]  # 1% of the products
+
+
+def feed(path: Path) -> dict[str, int]:
+    """sku -> price of a JSON lines feed (every sku once)."""
+    entries = [json.loads(line) for line in path.read_text().splitlines()]
+    prices = {e["sku"]: e["price"] for e in entries}
+    assert len(prices) == len(entries), "an entry twice in the feed"
+    return prices
+
+
+def expected_prices(changed: list[int]) -> dict[str, int]:
+    return {sku(n): new_price(n) if n in changed else old_price(n)
+            for n in range(1, PRODUCTS + 1)}
+
+
+async def crawl(site: StaticSite, database: str, feed_path: Path, **settings: Any) -> Any:
+    crawler = await run_crawl(StaticShopSpider, shop_settings(
+        database, FEEDS={str(feed_path): {"format": "jsonlines"}}, **settings), url=site.url)
+    assert crawler.stats.get_value("finish_reason") == "finished"
+    return crawler.stats
+
+
+@deferred_f_from_coro_f
+async def test_a_recrawl_downloads_only_what_changed(tmp_path: Path,
+                                                    crawl_database: str) -> None:
+    write_shop(tmp_path / "site", listings=LISTINGS, per_page=PER_PAGE)
+    with StaticSite(tmp_path / "site", tmp_path / "nginx") as site:
+        full = await crawl(site, crawl_database, tmp_path / "run1.jsonl")
+        assert full.get_value("idempotent/conditional/sent") is None  # nothing known yet
+        assert feed(tmp_path / "run1.jsonl") == expected_prices([])
+        change_products(tmp_path / "site", CHANGED)
+        recrawl = await crawl(site, crawl_database, tmp_path / "run2.jsonl")
+    get = recrawl.get_value
+    assert get("idempotent/conditional/sent") == PAGES
+    assert get("idempotent/conditional/not_modified") == PAGES - len(CHANGED)
+    assert get("downloader/response_status_count/200") == len(CHANGED)
+    assert get("idempotent/records/updated") == len(CHANGED)
+    assert get("idempotent/records/unchanged") == PRODUCTS - len(CHANGED)
+    assert get("idempotent/records/inserted") is None
+    assert get("idempotent/requests/done") == PAGES
+    # the bytes received: the changed pages and a header per unchanged page
+    full_bytes = full.get_value("downloader/response_bytes")
+    assert get("downloader/response_bytes") <= 0.05 * full_bytes, (
+        get("downloader/response_bytes"), full_bytes)
+    # the recrawl's feed holds every product once, the changed ones at their new price
+    assert feed(tmp_path / "run2.jsonl") == expected_prices(CHANGED)
+    assert {p["sku"]: p["price"] for p in run_products(crawl_database, 2)} \
+        == expected_prices(CHANGED)
+
+
+@deferred_f_from_coro_f
+async def test_a_site_ignoring_validators_is_crawled_as_without_them(
+    tmp_path: Path, crawl_database: str
+) -> None:
+    write_shop(tmp_path / "site", listings=LISTINGS, per_page=PER_PAGE)
+    with StaticSite(tmp_path / "site", tmp_path / "nginx", honour_validators=False) as site:
+        await crawl(site, crawl_database, tmp_path / "run1.jsonl")
+        change_products(tmp_path / "site", CHANGED)
+        recrawl = await crawl(site, crawl_database, tmp_path / "run2.jsonl")
+    get = recrawl.get_value
+    assert get("idempotent/conditional/not_modified") is None
+    assert get("downloader/response_status_count/200") == PAGES
+    assert (get("idempotent/records/updated"), get("idempotent/records/unchanged")) \
+        == (len(CHANGED), PRODUCTS - len(CHANGED))
+    assert feed(tmp_path / "run2.jsonl") == expected_prices(CHANGED)
+
+
+@deferred_f_from_coro_f
+async def test_scrapy_http_cache_and_conditional_requests_do_not_fool_each_other(
+    tmp_path: Path,
+) -> None:
+    database = str(tmp_path / "crawl.sqlite3")
+    write_shop(tmp_path / "site", listings=2, per_page=10)
+    cache = {"HTTPCACHE_ENABLED": True, "HTTPCACHE_DIR": str(tmp_path / "cache")}
+    with StaticSite(tmp_path / "site", tmp_path / "nginx") as site:
+        await crawl(site, database, tmp_path / "run1.jsonl")
+        change_products(tmp_path / "site", [3])
+        # an empty cache (Scrapy's default policy stores every answer): the 304s asked for
+        # are not stored as the pages
+        second = await crawl(site, database, tmp_path / "run2.jsonl", **cache)
+        assert second.get_value("idempotent/conditional/not_modified") == 21
+        assert second.get_value("httpcache/store") == 1  # the changed page only
+        # the cache answers the page it stored; the others are asked conditionally again
+        third = await crawl(site, database, tmp_path / "run3.jsonl", **cache)
+        assert third.get_value("httpcache/hit") == 1
+        assert third.get_value("idempotent/conditional/not_modified") == 21
+        assert third.get_value("idempotent/requests/failed") is None
+        # RFC 2616 policy: the cache's own conditional requests are its own
+        rfc = {**cache, "HTTPCACHE_POLICY": "scrapy.extensions.httpcache.RFC2616Policy",
+               "HTTPCACHE_DIR": str(tmp_path / "rfc-cache")}
+        fourth = await crawl(site, database, tmp_path / "run4.jsonl", **rfc)
+        assert fourth.get_value("idempotent/requests/failed") is None
+    prices = {n: new_price(n) if n == 3 else old_price(n) for n in range(1, 21)}
+    for run in ("run2", "run3", "run4"):
+        assert feed(tmp_path / f"{run}.jsonl") == {sku(n): p for n, p in prices.items()}
+    assert {p["sku"]: p["price"] for p in stored_products(database)} \
+        == {sku(n): p for n, p in prices.items()}
