@@ -99,7 +99,7 @@ error_log {conf_dir}/error.log warn;
 pid {conf_dir}/nginx.pid;
 events {{ worker_connections 1024; }}
 http {{
-    access_log off;
+    access_log {conf_dir}/access.log;
     client_body_temp_path {conf_dir}/client_body;
     proxy_temp_path {conf_dir}/proxy;
     fastcgi_temp_path {conf_dir}/fastcgi;
@@ -131,8 +131,10 @@ def _free_port() -> int:
 
 class _Handler(SimpleHTTPRequestHandler):
     honour_validators = True
+    served: list[str] = []  # (a list of the site's own: see StaticSite.__enter__)
 
     def send_head(self) -> Any:
+        self.served.append(self.path)
         if not self.honour_validators:
             del self.headers["If-Modified-Since"]
             del self.headers["If-None-Match"]
@@ -155,13 +157,23 @@ class StaticSite:
         self.url = ""
         self._proc: subprocess.Popen[bytes] | None = None
         self._server: ThreadingHTTPServer | None = None
+        self._served: list[str] = []
+
+    @property
+    def request_count(self) -> int:
+        """Requests the site answered so far."""
+        if self.nginx:
+            log = self.conf_dir / "access.log"
+            return log.read_bytes().count(b"\n") if log.exists() else 0
+        return len(self._served)
 
     def __enter__(self) -> StaticSite:
         if self.nginx:
             self._start_nginx(self.nginx)
         else:
             handler = type("Handler", (_Handler,),
-                           {"honour_validators": self.honour_validators})
+                           {"honour_validators": self.honour_validators,
+                            "served": self._served})
             self._server = ThreadingHTTPServer(("127.0.0.1", 0),
                                                partial(handler, directory=str(self.root)))
             self._server.daemon_threads = True
@@ -239,13 +251,21 @@ def shop_settings(db: str, **extra: Any) -> dict[str, Any]:
     return settings
 
 
+def _setting(text: str) -> tuple[str, Any]:
+    name, value = text.split("=", 1)
+    try:
+        return name, json.loads(value)
+    except ValueError:  # a plain string (LOG_FILE=...)
+        return name, value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--url", required=True)
     parser.add_argument("--db", required=True)
     parser.add_argument("-s", action="append", default=[], metavar="NAME=JSON")
     args = parser.parse_args()
-    extra = {name: json.loads(value) for name, value in (s.split("=", 1) for s in args.s)}
+    extra = dict(_setting(s) for s in args.s)
     from scrapy.crawler import CrawlerProcess
 
     process = CrawlerProcess(shop_settings(args.db, **{"LOG_LEVEL": "INFO", **extra}))

@@ -7,10 +7,14 @@ not fool each other."""
 from __future__ import annotations
 
 import json
+import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
-from crawling import run_crawl
+import pytest
+from crawling import kill_crawls, run_crawl
 from helpers.stored import run_products, stored_products
 from scrapy.utils.defer import deferred_f_from_coro_f
 from static_shop import (
@@ -28,6 +32,7 @@ LISTINGS, PER_PAGE = 10, 30
 PRODUCTS = LISTINGS * PER_PAGE
 PAGES = PRODUCTS + LISTINGS
 CHANGED = [7, 150, 283]  # 1% of the products
+STATIC_SHOP = Path(__file__).resolve().parent / "static_shop.py"
 
 
 def feed(path: Path) -> dict[str, int]:
@@ -125,3 +130,37 @@ async def test_scrapy_http_cache_and_conditional_requests_do_not_fool_each_other
         assert feed(tmp_path / f"{run}.jsonl") == {sku(n): p for n, p in prices.items()}
     assert {p["sku"]: p["price"] for p in stored_products(database)} \
         == {sku(n): p for n, p in prices.items()}
+
+
+@pytest.mark.slow
+def test_kills_during_a_recrawl_repeat_only_what_was_in_flight(tmp_path: Path,
+                                                               crawl_database: str) -> None:
+    listings, per_page, kills, concurrency = 5, 20, 5, 8
+    products = listings * per_page
+    write_shop(tmp_path / "site", listings=listings, per_page=per_page)
+
+    def command(url: str, feed: str) -> list[str]:
+        return [sys.executable, str(STATIC_SHOP), "--url", url, "--db", crawl_database,
+                "-s", "FEEDS=" + json.dumps({str(tmp_path / feed): {"format": "jsonlines"}}),
+                "-s", f"CONCURRENT_REQUESTS={concurrency}"]
+
+    with StaticSite(tmp_path / "site", tmp_path / "nginx") as site:
+        first = subprocess.run([*command(site.url, "run-1.jsonl"),
+                                "-s", f"LOG_FILE={tmp_path / 'first.log'}"],
+                               cwd=tmp_path, stdin=subprocess.DEVNULL, timeout=300)
+        assert first.returncode == 0
+        change_products(tmp_path / "site", [1, 42])
+        before = site.request_count
+        kill_crawls(site, command(site.url, "run-2.jsonl"), tmp_path, random.Random(41),
+                    kills)
+        recrawl_requests = site.request_count - before
+    # each kill repeats at most the requests on the wire (a 304 received before a kill is
+    # journaled, not asked again)
+    assert recrawl_requests <= products + listings + kills * concurrency
+    prices = {sku(n): new_price(n) if n in (1, 42) else old_price(n)
+              for n in range(1, products + 1)}
+    assert {p["sku"]: p["price"] for p in run_products(crawl_database, 2)} == prices
+    entries = [json.loads(line)
+               for line in (tmp_path / "run-2.jsonl").read_text().splitlines()]
+    assert {e["sku"]: e["price"] for e in entries} == prices
+    assert len(entries) == products
