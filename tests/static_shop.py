@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import scrapy
 
@@ -131,7 +131,7 @@ def _free_port() -> int:
 
 class _Handler(SimpleHTTPRequestHandler):
     honour_validators = True
-    served: list[str] = []  # (a list of the site's own: see StaticSite.__enter__)
+    served: ClassVar[list[str]] = []  # (each site's own list: see StaticSite.__enter__)
 
     def send_head(self) -> Any:
         self.served.append(self.path)
@@ -217,7 +217,7 @@ class StaticSite:
 
 class StaticShopSpider(scrapy.Spider):
     name = "static_shop"
-    custom_settings = {"IDEMPOTENT_NATURAL_KEYS": {"dict": "sku"}}
+    custom_settings: ClassVar[dict[str, Any]] = {"IDEMPOTENT_NATURAL_KEYS": {"dict": "sku"}}
 
     def __init__(self, url: str = "", **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -14,8 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from crawling import kill_crawls, run_crawl
-from helpers.stored import run_products, stored_products
 from scrapy.utils.defer import deferred_f_from_coro_f
 from static_shop import (
     StaticShopSpider,
@@ -27,6 +25,9 @@ from static_shop import (
     sku,
     write_shop,
 )
+
+from crawling import kill_crawls, run_crawl
+from helpers.stored import run_products, stored_products
 
 LISTINGS, PER_PAGE = 10, 30
 PRODUCTS = LISTINGS * PER_PAGE
