@@ -11,9 +11,11 @@ import random
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
+import scrapy
+from local_site import LocalSite, Received
 from scrapy.utils.defer import deferred_f_from_coro_f
 from static_shop import (
     StaticShopSpider,
@@ -165,3 +167,64 @@ def test_kills_during_a_recrawl_repeat_only_what_was_in_flight(tmp_path: Path,
                for line in (tmp_path / "run-2.jsonl").read_text().splitlines()]
     assert {e["sku"]: e["price"] for e in entries} == prices
     assert len(entries) == products
+
+
+class CallsSpider(scrapy.Spider):
+    """Fetches ``/v/plain``, ``/v/opt-out`` (meta ``idempotent_conditional = False``) and
+    ``/v/moved``; records each callback and errback call in ``calls``."""
+
+    name = "calls"
+    custom_settings: ClassVar[dict[str, Any]] = {"IDEMPOTENT_NATURAL_KEYS": {"dict": "url"}}
+    calls: ClassVar[list[str]] = []
+
+    def __init__(self, url: str = "", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.base = url
+
+    async def start(self) -> Any:
+        yield scrapy.Request(f"{self.base}/v/plain", errback=self.failed)
+        yield scrapy.Request(f"{self.base}/v/opt-out", errback=self.failed,
+                             meta={"idempotent_conditional": False})
+        yield scrapy.Request(f"{self.base}/v/moved", errback=self.failed)
+
+    def parse(self, response: Any) -> Any:
+        self.calls.append(f"parse {response.status} {response.url.split('/v/')[1]}")
+        yield {"url": response.url}
+
+    def failed(self, failure: Any) -> None:
+        self.calls.append(f"errback {failure.request.url}")
+
+
+@deferred_f_from_coro_f
+async def test_no_callback_for_a_304_opt_out_and_redirects(tmp_path: Path) -> None:
+    received: dict[str, list[dict[str, str]]] = {}
+    moved = [False]
+
+    def validated(path: str) -> Any:
+        def answer(request: Received) -> tuple[int, dict[str, str], str]:
+            received.setdefault(path, []).append(dict(request.headers))
+            if moved[0] and path == "/v/moved":
+                return 301, {"Location": "/v/target", "Content-Type": "text/html"}, ""
+            headers = {"ETag": '"v1"', "Content-Type": "text/html"}
+            if request.headers.get("If-None-Match") == '"v1"':
+                return 304, headers, ""
+            return 200, headers, f"<html><body>{path}</body></html>"
+        return answer
+
+    database = str(tmp_path / "crawl.sqlite3")
+    with LocalSite() as site:
+        for path in ("/v/plain", "/v/opt-out", "/v/moved", "/v/target"):
+            site.add_responder(path, validated(path))
+        await run_crawl(CallsSpider, shop_settings(database), url=site.url)
+        assert sorted(CallsSpider.calls) == ["parse 200 moved", "parse 200 opt-out",
+                                             "parse 200 plain"]
+        CallsSpider.calls.clear()
+        moved[0] = True
+        second = await run_crawl(CallsSpider, shop_settings(database), url=site.url)
+    # the unchanged page: no callback, no errback; the opted-out one: sent plain, parsed
+    assert sorted(CallsSpider.calls) == ["parse 200 opt-out", "parse 200 target"]
+    assert second.stats.get_value("idempotent/conditional/not_modified") == 1
+    assert "If-None-Match" not in received["/v/opt-out"][-1]
+    # the redirect of a conditional request is not conditional
+    assert received["/v/moved"][-1].get("If-None-Match") == '"v1"'
+    assert "If-None-Match" not in received["/v/target"][-1]
