@@ -1390,6 +1390,8 @@ class SqlStore(SqlOutbox, SqlPageValidators, FrontierStore):
                     f"read, {count} now): a crawl wrote meanwhile; nothing was changed")
             self._rekey_records(cur, change)
             self._rekey_outbox(cur, change.outbox)
+            # pages' validators name their records by the old IDs: fetched in full next time
+            cur.execute("DELETE FROM page_validators")
             cur.execute("DELETE FROM record_keys")
             now = self.clock()
             cur.executemany(self._q(
