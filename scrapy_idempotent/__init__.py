@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ._version import __version__
 from .addon import Addon
-from .conditional import ConditionalRequestMiddleware
+from .conditional import ConditionalRequestMiddleware, SitemapLastmodMiddleware
 from .exceptions import (
     ConfigError,
     DeliveryRefused,
@@ -47,6 +47,7 @@ __all__ = [
     "ResponseJournalMiddleware",
     "RunCloseSpider",
     "SQLiteStore",
+    "SitemapLastmodMiddleware",
     "SlotBackoffMiddleware",
     "StoreError",
     "UnstorableRequest",

@@ -8,7 +8,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import scrapy_compat
-from .conditional import CONDITIONAL_PRIORITY, ConditionalRequestMiddleware
+from .conditional import (
+    CONDITIONAL_PRIORITY,
+    SITEMAP_PRIORITY,
+    ConditionalRequestMiddleware,
+    SitemapLastmodMiddleware,
+)
 from .journal import ResponseJournalMiddleware
 from .middleware import RecordIdMiddleware
 from .pipeline import UpsertPipeline
@@ -84,7 +89,9 @@ class Addon:
     """``ADDONS = {"scrapy_idempotent.Addon": 0}`` is the same as::
 
         SCHEDULER = "scrapy_idempotent.IdempotentScheduler"
-        SPIDER_MIDDLEWARES = {"scrapy_idempotent.RecordIdMiddleware": 10}
+        SPIDER_MIDDLEWARES = {"scrapy_idempotent.RecordIdMiddleware": 10,
+            # IDEMPOTENT_CONDITIONAL_REQUESTS and IDEMPOTENT_SITEMAP_LASTMOD:
+            "scrapy_idempotent.SitemapLastmodMiddleware": 990}
         DOWNLOADER_MIDDLEWARES = {"scrapy_idempotent.ResponseJournalMiddleware": 950,
             # IDEMPOTENT_CONDITIONAL_REQUESTS:
             "scrapy_idempotent.ConditionalRequestMiddleware": 940,
@@ -139,6 +146,8 @@ class Addon:
             "DOWNLOADER_MIDDLEWARES", SlotBackoffMiddleware, BACKOFF_PRIORITY)
         settings.set_in_component_priority_dict(
             "DOWNLOADER_MIDDLEWARES", ConditionalRequestMiddleware, CONDITIONAL_PRIORITY)
+        settings.set_in_component_priority_dict(
+            "SPIDER_MIDDLEWARES", SitemapLastmodMiddleware, SITEMAP_PRIORITY)
         settings.set_in_component_priority_dict(
             "ITEM_PIPELINES", UpsertPipeline, PIPELINE_PRIORITY)
         from .progress import IdempotentLogStats  # the progress line

@@ -281,6 +281,16 @@ request opts out with the ``idempotent_conditional`` meta key ``False``. See
 :doc:`/recrawls`.""",
     ),
     Setting(
+        "IDEMPOTENT_SITEMAP_LASTMOD", True, "bool", "Frontier, leases and runs", "False",
+        allowed="``True``/``False``, ``1``/``0``, ``'true'``/``'false'``",
+        doc="""
+With :setting:`IDEMPOTENT_CONDITIONAL_REQUESTS`: a ``SitemapSpider`` page whose sitemap entry
+has a ``lastmod`` not later than the page's last fetch is not fetched again; it is done as
+unchanged, as if it had answered ``304`` (``SitemapLastmodMiddleware``, counted in
+``idempotent/sitemap/skipped``). ``False`` asks the site about every such page. See
+:doc:`/recrawls`.""",
+    ),
+    Setting(
         "IDEMPOTENT_KEEP_COOKIES", True, "bool", "Frontier, leases and runs", "False",
         allowed="``True``/``False``, ``1``/``0``, ``'true'``/``'false'``",
         doc="""
@@ -651,6 +661,8 @@ class IdempotentConfig:
     response_journal: bool = True
     #: IDEMPOTENT_CONDITIONAL_REQUESTS: requests sent with their page's validators
     conditional_requests: bool = False
+    #: IDEMPOTENT_SITEMAP_LASTMOD: a sitemap's lastmod skips pages not changed since fetched
+    sitemap_lastmod: bool = True
     keep_cookies: bool = True
     feed_streaming: bool = True
     #: IDEMPOTENT_GC_FREEZE: start-up's objects frozen while the crawl runs (:mod:`.gc_freeze`)
@@ -707,6 +719,7 @@ class IdempotentConfig:
             metrics_listen=metrics_listen(settings),
             response_journal=_boolean(settings, "IDEMPOTENT_RESPONSE_JOURNAL"),
             conditional_requests=_boolean(settings, "IDEMPOTENT_CONDITIONAL_REQUESTS"),
+            sitemap_lastmod=_boolean(settings, "IDEMPOTENT_SITEMAP_LASTMOD"),
             keep_cookies=_boolean(settings, "IDEMPOTENT_KEEP_COOKIES"),
             feed_streaming=_boolean(settings, "IDEMPOTENT_FEED_STREAMING"),
             gc_freeze=_boolean(settings, "IDEMPOTENT_GC_FREEZE"),

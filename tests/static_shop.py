@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import scrapy
+from scrapy.spiders import SitemapSpider
 
 #: product pages' mtime steps: a changed page's Last-Modified differs from its old one
 _MTIME_STEP = 10
@@ -80,6 +81,16 @@ def change_products(root: Path, numbers: list[int], *, filler: int = 8000) -> No
         before = product.stat().st_mtime
         product.write_text(_product_page(n, 5000 + n, filler))
         os.utime(product, (before + _MTIME_STEP, before + _MTIME_STEP))
+
+
+def write_sitemap(root: Path, url: str, lastmods: dict[str, str]) -> None:
+    """``/sitemap.xml`` listing the product pages of ``lastmods`` (sku -> lastmod) of the
+    shop served at ``url``."""
+    entries = "".join(f"<url><loc>{url}/product/{code}.html</loc><lastmod>{lastmod}</lastmod>"
+                      "</url>\n" for code, lastmod in lastmods.items())
+    (root / "sitemap.xml").write_text(
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        f'<urlset xmlns="http://www.sitemaps.org/schemas/sitemap/0.9">\n{entries}</urlset>\n')
 
 
 def new_price(n: int) -> int:
@@ -232,6 +243,20 @@ class StaticShopSpider(scrapy.Spider):
     def parse_product(self, response: Any) -> Iterator[Any]:
         yield {"sku": response.css(".sku::text").get(),
                "price": int(response.css(".price::text").get())}
+
+
+class SitemapShopSpider(SitemapSpider):
+    """The shop's products, found through its sitemap."""
+
+    name = "sitemap_shop"
+    custom_settings: ClassVar[dict[str, Any]] = {"IDEMPOTENT_NATURAL_KEYS": {"dict": "sku"}}
+    sitemap_rules: ClassVar[list[tuple[str, str]]] = [("/product/", "parse_product")]
+
+    def __init__(self, url: str = "", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.sitemap_urls = [f"{url}/sitemap.xml"]
+
+    parse_product = StaticShopSpider.parse_product
 
 
 def shop_settings(db: str, **extra: Any) -> dict[str, Any]:

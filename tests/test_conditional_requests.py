@@ -6,6 +6,7 @@ not fool each other."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import random
 import subprocess
@@ -18,6 +19,7 @@ import scrapy
 from local_site import LocalSite, Received
 from scrapy.utils.defer import deferred_f_from_coro_f
 from static_shop import (
+    SitemapShopSpider,
     StaticShopSpider,
     StaticSite,
     change_products,
@@ -26,10 +28,12 @@ from static_shop import (
     shop_settings,
     sku,
     write_shop,
+    write_sitemap,
 )
 
 from crawling import kill_crawls, run_crawl
 from helpers.stored import run_products, stored_products
+from scrapy_idempotent.conditional import not_modified_since
 
 LISTINGS, PER_PAGE = 10, 30
 PRODUCTS = LISTINGS * PER_PAGE
@@ -228,3 +232,45 @@ async def test_no_callback_for_a_304_opt_out_and_redirects(tmp_path: Path) -> No
     # the redirect of a conditional request is not conditional
     assert received["/v/moved"][-1].get("If-None-Match") == '"v1"'
     assert "If-None-Match" not in received["/v/target"][-1]
+
+
+@deferred_f_from_coro_f
+async def test_a_sitemap_lastmod_skips_pages_not_changed_since_their_fetch(
+    tmp_path: Path, crawl_database: str
+) -> None:
+    write_shop(tmp_path / "site", listings=1, per_page=20)
+    old = (datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=10)).date()
+    lastmods = {sku(n): old.isoformat() for n in range(1, 21)}
+    with StaticSite(tmp_path / "site", tmp_path / "nginx") as site:
+        write_sitemap(tmp_path / "site", site.url, lastmods)
+        settings = shop_settings(crawl_database)
+        first = await run_crawl(SitemapShopSpider, settings, url=site.url)
+        assert first.stats.get_value("idempotent/records/inserted") == 20
+        change_products(tmp_path / "site", [3])
+        lastmods[sku(3)] = (datetime.datetime.now(datetime.timezone.utc)
+                            + datetime.timedelta(minutes=1)).isoformat(timespec="seconds")
+        write_sitemap(tmp_path / "site", site.url, lastmods)
+        before = site.request_count
+        second = await run_crawl(SitemapShopSpider, settings, url=site.url)
+        # the site saw the sitemap (changed) and the changed product, nothing else
+        assert site.request_count - before == 2
+    get = second.stats.get_value
+    assert get("idempotent/sitemap/skipped") == 19
+    assert (get("idempotent/records/updated"), get("idempotent/records/unchanged")) == (1, 19)
+    assert {p["sku"]: p["price"] for p in run_products(crawl_database, 2)} == {
+        sku(n): new_price(n) if n == 3 else old_price(n) for n in range(1, 21)}
+
+
+@pytest.mark.parametrize(("lastmod", "fetched_at", "skipped"), [
+    ("2026-12-01", datetime.datetime(2026, 12, 2, tzinfo=datetime.timezone.utc), True),
+    ("2026-12-01", datetime.datetime(2026, 12, 1, 23, tzinfo=datetime.timezone.utc), False),
+    ("2026-12-01T10:00:00+01:00",
+     datetime.datetime(2026, 12, 1, 9, 30, tzinfo=datetime.timezone.utc), True),
+    ("2026-12-01T10:00:00Z",
+     datetime.datetime(2026, 12, 1, 9, 30, tzinfo=datetime.timezone.utc), False),
+    ("2026-12", datetime.datetime(2027, 1, 1, tzinfo=datetime.timezone.utc), False),
+    ("yesterday", datetime.datetime(2027, 1, 1, tzinfo=datetime.timezone.utc), False),
+])
+def test_lastmod_against_the_last_fetch(lastmod: str, fetched_at: datetime.datetime,
+                                        skipped: bool) -> None:
+    assert not_modified_since(lastmod, fetched_at.timestamp()) is skipped

@@ -136,7 +136,7 @@ def test_a_page_that_ends_otherwise_forgets_its_validators(store_factory: Stores
     assert claim_one(store).validators is None  # fetched in full next time
 
 
-def test_a_page_without_validators_keeps_none(store_factory: Stores) -> None:
+def test_a_page_without_validators_is_kept_unusable(store_factory: Stores) -> None:
     clock = Clock(1000.0)
     store = open_store(store_factory, clock)
     store.commit(UnitOfWork(requests=[new("list")]), "w1")
@@ -146,7 +146,10 @@ def test_a_page_without_validators_keeps_none(store_factory: Stores) -> None:
     store.end_session("w1", "finished")
     store.begin_session("w1", "auto")
     store.commit(UnitOfWork(requests=[new("list")]), "w1")
-    assert claim_one(store).validators is None
+    validators = claim_one(store).validators
+    # sent unconditionally; what it produced kept (a sitemap's lastmod may skip it)
+    assert validators is not None and not validators.usable
+    assert validators.fetched_at == 1000.0
 
 
 def test_claims_load_no_validators_unless_asked(store_factory: Stores) -> None:

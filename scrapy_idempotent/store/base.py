@@ -248,11 +248,15 @@ class LeasedRequest:
 class PageValidators:
     """What a page answered with, kept per done request for a later run's conditional
     request: its ``ETag`` and ``Last-Modified`` headers (text, as sent; None when absent) and
-    the sha256 (hex) of its body. A page with neither header keeps none (``forget``)."""
+    the sha256 (hex) of its body. A page with neither header is sent unconditionally
+    (``usable`` False), but a sitemap's ``lastmod`` may still skip it."""
 
     etag: str | None
     last_modified: str | None
     body_hash: str = ""
+    #: when the page was last fetched or confirmed unchanged (unix seconds, the store's
+    #: clock; 0 when not known): a sitemap's ``lastmod`` is compared with it
+    fetched_at: float = field(default=0.0, compare=False)
 
     @property
     def usable(self) -> bool:
@@ -275,8 +279,8 @@ class Completion:
     data: str | None = None
     priority: int | None = None
     #: a done page's validators to keep (replacing the earlier ones, with the records and
-    #: the new requests of its page), or those to forget (``usable`` False: it answered
-    #: without any, or it did not end done); None: nothing changes (the feature is off)
+    #: the new requests of its page); those of a page that did not end done are forgotten;
+    #: None: nothing changes (the feature is off, or no 2xx answer came)
     validators: PageValidators | None = None
     #: the page answered ``304 Not Modified`` to a conditional request: it is done as
     #: unchanged, its stored records seen in this run and the requests it added when last

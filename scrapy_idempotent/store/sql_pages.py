@@ -102,7 +102,7 @@ class SqlPageValidators:
                 confirmed.append(done.key)
             elif done.validators is None:
                 continue
-            elif done.validators.usable and done.state is RequestState.DONE:
+            elif done.state is RequestState.DONE:
                 keep.append(self._validators_row(done.key, done.validators, requests,
                                                  records, run_id, now))
             else:
@@ -138,10 +138,10 @@ class SqlPageValidators:
         if not self.claims_load_validators or not result.leased:
             return
         where, param = self._any("key", sorted({r.key for r in result.leased}))
-        found = {key: PageValidators(etag, last_modified, body_hash)
-                 for key, etag, last_modified, body_hash in self._lookup(
-                     cur, "SELECT key, etag, last_modified, body_hash FROM page_validators"
-                          f" WHERE {where}", (param,))}
+        found = {key: PageValidators(etag, last_modified, body_hash, float(stored_at))
+                 for key, etag, last_modified, body_hash, stored_at in self._lookup(
+                     cur, "SELECT key, etag, last_modified, body_hash, stored_at"
+                          f" FROM page_validators WHERE {where}", (param,))}
         if found:
             result.leased[:] = [dataclasses.replace(r, validators=found[r.key])
                                 if r.key in found else r for r in result.leased]
