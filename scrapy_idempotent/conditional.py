@@ -119,8 +119,8 @@ class ConditionalRequestMiddleware:
     def from_crawler(cls, crawler: Crawler) -> Self:
         with start_failure_exits_nonzero(crawler):
             config = config_for(crawler)
-        if not config.conditional_requests:
-            raise NotConfigured("IDEMPOTENT_CONDITIONAL_REQUESTS is off")
+        if not config.conditional_requests:  # (off by default: no warning for it)
+            raise NotConfigured
         return cls(crawler, sitemap_lastmod=config.sitemap_lastmod)
 
     def _entry(self, request: Request) -> InflightRequest | None:
@@ -201,8 +201,7 @@ class SitemapLastmodMiddleware:
         with start_failure_exits_nonzero(crawler):
             config = config_for(crawler)
         if not (config.conditional_requests and config.sitemap_lastmod):
-            raise NotConfigured("IDEMPOTENT_CONDITIONAL_REQUESTS or IDEMPOTENT_SITEMAP_LASTMOD"
-                                " is off")
+            raise NotConfigured
         return cls(crawler)
 
     def _spider_opened(self, spider: Spider) -> None:

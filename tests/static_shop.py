@@ -7,9 +7,10 @@ whose validators match.
   characters of description (a product page's usual weight);
   :func:`change_products` rewrites some products with a new price (and a later mtime);
 * :class:`StaticSite`: serves a directory with nginx when it is installed (as Debian ships
-  it: ``ETag`` and ``Last-Modified``, both honoured), else with the standard library's
-  ``SimpleHTTPRequestHandler`` (``Last-Modified`` and ``If-Modified-Since`` only); with
-  ``honour_validators=False`` a site that sends ``Last-Modified`` and always answers 200;
+  it: ``ETag`` and ``Last-Modified``, both honoured; ``IDEMPOTENT_TESTS_NGINX=0`` in the
+  environment does without), else with the tests' local site
+  answering as nginx does; with ``honour_validators=False`` a site that ignores the
+  validators it is sent and always answers 200;
 * :class:`StaticShopSpider`: crawls the listing pages and yields one product item per
   product page (natural key: ``sku``);
 * ``python tests/static_shop.py --url URL --db DB [-s NAME=JSON]`` runs that spider with the
@@ -26,16 +27,16 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from functools import partial
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
 import scrapy
 from scrapy.spiders import SitemapSpider
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from local_site import LocalSite, Received
 
 #: product pages' mtime steps: a changed page's Last-Modified differs from its old one
 _MTIME_STEP = 10
@@ -140,35 +141,46 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class _Handler(SimpleHTTPRequestHandler):
-    honour_validators = True
-    served: ClassVar[list[str]] = []  # (each site's own list: see StaticSite.__enter__)
+def _file_responder(root: Path, path: str, honour_validators: bool) -> Any:
+    """A responder of the local site serving the file at ``path`` under ``root`` as a static
+    file server does: ``ETag`` (mtime and size, as nginx makes it) and ``Last-Modified``, a
+    304 when the request's validators match (unless ``honour_validators`` is False)."""
+    from email.utils import formatdate, parsedate_to_datetime
 
-    def send_head(self) -> Any:
-        self.served.append(self.path)
-        if not self.honour_validators:
-            del self.headers["If-Modified-Since"]
-            del self.headers["If-None-Match"]
-        return super().send_head()
+    def answer(request: Received) -> tuple[int, dict[str, str], bytes]:
+        file = root / path.lstrip("/")
+        if not file.is_file():
+            return 404, {"Content-Type": "text/html"}, b"not found"
+        stat = file.stat()
+        etag = f'"{int(stat.st_mtime):x}-{stat.st_size:x}"'
+        headers = {"Content-Type": "text/xml" if path.endswith(".xml") else "text/html",
+                   "ETag": etag,
+                   "Last-Modified": formatdate(int(stat.st_mtime), usegmt=True)}
+        if honour_validators:
+            if request.headers.get("If-None-Match") == etag:
+                return 304, headers, b""
+            since = request.headers.get("If-Modified-Since")
+            if since and "If-None-Match" not in request.headers \
+                    and parsedate_to_datetime(since).timestamp() >= int(stat.st_mtime):
+                return 304, headers, b""
+        return 200, headers, file.read_bytes()
 
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
+    return answer
 
 
 class StaticSite:
     """``root`` served on 127.0.0.1 (see the module docstring); a context manager."""
 
     def __init__(self, root: Path, conf_dir: Path, *, honour_validators: bool = True,
-                 use_nginx: bool = True) -> None:
+                 use_nginx: bool = os.environ.get("IDEMPOTENT_TESTS_NGINX") != "0") -> None:
         self.root = root
         self.conf_dir = conf_dir
         self.honour_validators = honour_validators
         self.nginx = nginx_path() if use_nginx else None
-        self.kind = "nginx" if self.nginx else "http.server"
+        self.kind = "nginx" if self.nginx else "the tests' local site"
         self.url = ""
         self._proc: subprocess.Popen[bytes] | None = None
-        self._server: ThreadingHTTPServer | None = None
-        self._served: list[str] = []
+        self._site: LocalSite | None = None
 
     @property
     def request_count(self) -> int:
@@ -176,20 +188,19 @@ class StaticSite:
         if self.nginx:
             log = self.conf_dir / "access.log"
             return log.read_bytes().count(b"\n") if log.exists() else 0
-        return len(self._served)
+        return self._site.request_count if self._site is not None else 0
 
     def __enter__(self) -> StaticSite:
         if self.nginx:
             self._start_nginx(self.nginx)
         else:
-            handler = type("Handler", (_Handler,),
-                           {"honour_validators": self.honour_validators,
-                            "served": self._served})
-            self._server = ThreadingHTTPServer(("127.0.0.1", 0),
-                                               partial(handler, directory=str(self.root)))
-            self._server.daemon_threads = True
-            threading.Thread(target=self._server.serve_forever, daemon=True).start()
-            self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+            self._site = LocalSite().start()
+            paths = {"/" + str(f.relative_to(self.root)) for f in self.root.rglob("*")
+                     if f.is_file()} | {"/sitemap.xml"}
+            for path in paths:
+                self._site.add_responder(path, _file_responder(self.root, path,
+                                                               self.honour_validators))
+            self.url = self._site.url
         return self
 
     def _start_nginx(self, nginx: str) -> None:
@@ -218,9 +229,8 @@ class StaticSite:
         if self._proc is not None:
             self._proc.terminate()
             self._proc.wait()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+        if self._site is not None:
+            self._site.stop()
 
 
 # -- the spider ------------------------------------------------------------------------------
