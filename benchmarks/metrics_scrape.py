@@ -11,8 +11,9 @@ exporter's scrape is timed ``--scrapes`` times: open the
 database read-only, :meth:`~scrapy_idempotent.store.base.FrontierStore.crawl_metrics`, close,
 and render the Prometheus text (``prometheus_client.generate_latest``), as the HTTP server does
 for each scrape (the first scrape, not timed, reads the frontier-wide figures; later ones
-read the cheap figures and start a background read of the frontier-wide ones once ten times
-that read's duration has passed); then the frontier-wide read
+read the cheap figures and start a read of the frontier-wide ones on a thread once ten times
+that read's duration has passed, waited for when it took a second or less: the timed
+scrapes come sooner than that, so they measure the cheap part); then the frontier-wide read
 (:meth:`~scrapy_idempotent.store.base.FrontierStore.crawl_metrics`) and each of the reads it is
 made of, once; and the read of the chart of ``status --chart`` (from the samples; with
 ``--chart-rows`` also counted from the stored rows, as for a run without samples). Prints

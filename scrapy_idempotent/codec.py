@@ -17,7 +17,17 @@ set, frozenset     ``{"$set": [...]}`` / ``{"$frozenset": [...]}`` (sorted)
 datetime.datetime  ``{"$datetime": "<ISO 8601>"}`` (timezone kept)
 datetime.date      ``{"$date": "YYYY-MM-DD"}``
 decimal.Decimal    ``{"$decimal": "<str>"}``
+an item            ``{"$item": [module, class, {field: value}]}``
 =================  =======================================
+
+An item is an object of a class :mod:`itemadapter` knows (``scrapy.Item``, a dataclass, an
+attrs class, a pydantic model) defined at the top level of a module (or nested in such a
+class): its class and its fields' values are stored, and it comes back as an equal object of
+that class, built from its fields (:func:`_build_item`). The class is looked up among the
+modules already imported, never imported because the database names it; a class whose
+objects cannot be built from their fields (one of its own ``__init__``), found on the first
+object of that class, is refused as any other value is. With ``items=True`` (records) an
+item is stored as the dict of its fields instead.
 
 Anything else (generators, open files, sockets, arbitrary objects) is refused with the path of
 the value, e.g. ``meta['page'].cursor``. Nothing is ever pickled: reading the database must
@@ -27,10 +37,12 @@ not execute code (Scrapy's disk queues pickle).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import datetime
 import decimal
 import inspect
 import json
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -155,9 +167,81 @@ def _encode(value: Any, path: str, items: bool) -> Any:
         return {"$date": value.isoformat()}
     if isinstance(value, decimal.Decimal):
         return {"$decimal": str(value)}
-    if items and ItemAdapter.is_item(value):
-        return _json_items(ItemAdapter(value).asdict(), path, items)
+    if ItemAdapter.is_item(value):
+        if items:
+            return _json_items(ItemAdapter(value).asdict(), path, items)
+        return _tagged_item(value, path)
     raise EncodeError(path, value)
+
+
+#: item class -> None when its objects are built again from their fields, else why not
+#: (found on the first object of that class stored)
+_ITEM_CLASSES: dict[type, str | None] = {}
+
+
+def _tagged_item(value: Any, path: str) -> Any:
+    """``{"$item": [module, qualname, fields]}`` of an item (see the module docstring)."""
+    cls = type(value)
+    if _item_class(cls.__module__, cls.__qualname__) is not cls:
+        raise EncodeError(path, value)  # defined in a function, or not where it says
+    fields = _json_items(dict(ItemAdapter(value).items()), path, False)
+    if cls not in _ITEM_CLASSES:
+        try:
+            _build_item(cls, decode_value(fields))
+        except Exception as exc:
+            _ITEM_CLASSES[cls] = f"{type(exc).__name__}: {exc}"
+        else:
+            _ITEM_CLASSES[cls] = None
+    if _ITEM_CLASSES[cls] is not None:
+        raise EncodeError(path, value)
+    return {"$item": [cls.__module__, cls.__qualname__, fields]}
+
+
+def _item_class(module_name: str, qualname: str) -> Any:
+    """The class ``qualname`` of the module ``module_name`` if that module is imported, else
+    None (nothing is imported: the names come from the database)."""
+    found: Any = sys.modules.get(module_name)
+    for name in qualname.split("."):
+        if found is None or name == "<locals>":
+            return None
+        found = getattr(found, name, None)
+    return found if isinstance(found, type) else None
+
+
+def _build_item(cls: type, fields: dict[str, Any]) -> Any:
+    """An object of the item class ``cls`` with ``fields``: its constructor given the fields
+    it takes (a dataclass's or attrs class's fields with ``init=False`` set afterwards, an
+    attrs field ``_x`` given as ``x``)."""
+    later: dict[str, Any] = {}
+    if dataclasses.is_dataclass(cls):
+        init = {f.name for f in dataclasses.fields(cls) if f.init}
+        later = {k: v for k, v in fields.items() if k not in init}
+        kwargs = {k: v for k, v in fields.items() if k in init}
+    elif hasattr(cls, "__attrs_attrs__"):
+        kwargs = {}
+        for attribute in cls.__attrs_attrs__:
+            if attribute.name not in fields:
+                continue
+            if attribute.init:
+                alias = getattr(attribute, "alias", None) or attribute.name.lstrip("_")
+                kwargs[alias] = fields[attribute.name]
+            else:
+                later[attribute.name] = fields[attribute.name]
+    else:
+        kwargs = fields
+    item = cls(**kwargs)
+    for name, value in later.items():
+        object.__setattr__(item, name, value)
+    return item
+
+
+def _decode_item(value: list[Any]) -> Any:
+    module_name, qualname, fields = value
+    cls = _item_class(module_name, qualname)
+    if cls is None or not ItemAdapter.is_item_class(cls):
+        raise ValueError(f"stored item class {module_name}.{qualname} is not an item class "
+                         "of the modules loaded (was it renamed or removed?)")
+    return _build_item(cls, decode_value(fields))
 
 
 _DECODERS: dict[str, Callable[[Any], Any]] = {
@@ -169,6 +253,7 @@ _DECODERS: dict[str, Callable[[Any], Any]] = {
     "$date": datetime.date.fromisoformat,
     "$decimal": decimal.Decimal,
     "$dict": lambda v: {decode_value(k): decode_value(x) for k, x in v},
+    "$item": _decode_item,
 }
 
 
@@ -206,6 +291,8 @@ def plain_value(value: Any, leaf: Callable[[Any], Any] = lambda v: v) -> Any:
                 return [plain_value(v, leaf) for v in inner]
             if tag in _PLAIN_TEXT:
                 return leaf(inner)
+            if tag == "$item":
+                return plain_value(inner[2], leaf)
             if tag == "$dict":
                 return {k if isinstance(k := plain_value(key, leaf), str)
                         else json.dumps(k, sort_keys=True): plain_value(v, leaf)

@@ -57,6 +57,9 @@ logger = logging.getLogger(__name__)
 
 #: Reason the spider closes with when the store keeps failing.
 STORE_ERROR_REASON = "idempotent_store_error"
+#: How long a write nothing waits for (a download's count) may wait for a page's completion
+#: to go with, before it is sent in a transaction of its own.
+COUNT_LINGER_SECONDS = 0.05
 
 
 class CrawlHealth:
@@ -339,9 +342,9 @@ class CommitPath:
 
     def write_soon(self) -> None:
         """The tracker's ``write_soon``: what it buffered goes with the writer's next batch,
-        sent within the linger even when no page completes meanwhile."""
+        sent within :data:`COUNT_LINGER_SECONDS` even when no page completes meanwhile."""
         if self.writer.threaded and self.writer.running:
-            self.writer.commit(linger=LINGER_SECONDS)
+            self.writer.commit(linger=COUNT_LINGER_SECONDS)
         else:
             self.flush_soon()
 

@@ -11,8 +11,9 @@ the spider's final output and errors (errback output bypasses every spider middl
 each item's trip through the item pipelines.
 
 :class:`EngineHooks` is the one place that installs and removes these hooks: it checks that
-every private method exists on the running Scrapy (:func:`check_engine`, refusing to run
-otherwise with :class:`~.UnsupportedScrapy`), shadows each with an instance attribute that
+every private method exists on the running Scrapy in the shape the hooks call it
+(:data:`HOOKED_METHODS`, :func:`check_engine`: refusing to run otherwise with
+:class:`~.UnsupportedScrapy`, naming the method), shadows each with an instance attribute that
 reports to an :class:`EngineObserver` and then calls the engine's own method, and deletes
 those attributes again at close. :func:`close_spider_failed` closes a crawl that failed
 after it started (a store error) so that ``scrapy crawl`` exits non-zero;
@@ -24,8 +25,11 @@ The differences between Scrapy releases are in :mod:`scrapy_idempotent.scrapy_co
 
 from __future__ import annotations
 
+import inspect
+import logging
 import weakref
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .scrapy_compat import close_spider, refuse_release, warn_if_untested
@@ -40,13 +44,17 @@ if TYPE_CHECKING:
     from twisted.python.failure import Failure
 
 __all__ = [
+    "HOOKED_METHODS",
     "EngineHooks",
     "EngineObserver",
     "EngineWakeup",
+    "HookedMethod",
     "check_engine",
     "close_spider_failed",
     "exit_nonzero",
+    "report_close_reason",
     "schedule_next_request",
+    "shape_problem",
 ]
 
 
@@ -93,19 +101,103 @@ def _itemproc_name(scraper: Any) -> str:
     return "start_itemproc"
 
 
-def _hooked_methods(engine: Any) -> list[tuple[Any, str, str]]:
-    """(object, its label, method name) of every private method the hooks wrap."""
-    slot = getattr(engine, "_slot", None)
-    scraper = getattr(engine, "scraper", None)
-    return [
-        (slot, "ExecutionEngine._slot", "remove_request"),
-        (getattr(slot, "nextcall", None), "ExecutionEngine._slot.nextcall", "schedule"),
-        (engine, "ExecutionEngine", "_handle_downloader_output"),
-        (scraper, "Scraper", "handle_spider_output_async"),  # Scrapy 2.13
-        (scraper, "Scraper", "handle_spider_error"),
-        (scraper, "Scraper", _itemproc_name(scraper)),
-        (_download_handlers(engine), "DownloadHandlers", _send_name(engine)),
-    ]
+@dataclass(frozen=True)
+class HookedMethod:
+    """A private method of the engine the hooks wrap (or call), and the shape they rely on:
+    the parameters they pass by position (``positional``, names as Scrapy 2.13 to 2.19 give
+    them, a leading ``_`` ignored) and by keyword (``keywords``), and whether it is a
+    coroutine function (the hook awaits it) or not (the hook returns what it returns). Any
+    other parameter must have a default; ``shadowed``: replaced by an instance attribute,
+    so the object must take one."""
+
+    label: str  #: the owner as the messages name it: ``Scraper``, ``ExecutionEngine._slot``
+    name: str
+    positional: tuple[str, ...]
+    keywords: tuple[str, ...] = ()
+    coroutine: bool = False
+    shadowed: bool = True
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.label}.{self.name}"
+
+
+#: Every private method the hooks rely on, with its owner's path from the engine.
+HOOKED_METHODS: tuple[tuple[str, HookedMethod], ...] = (
+    ("_slot", HookedMethod("ExecutionEngine._slot", "remove_request", ("request",))),
+    ("_slot.nextcall", HookedMethod("ExecutionEngine._slot.nextcall", "schedule", (),
+                                    shadowed=False)),
+    ("", HookedMethod("ExecutionEngine", "_handle_downloader_output", ("result", "request"))),
+    ("scraper", HookedMethod("Scraper", "handle_spider_output_async",
+                             ("result", "request", "response"), coroutine=True)),
+    ("scraper", HookedMethod("Scraper", "handle_spider_error",
+                             ("failure", "request", "response"))),
+    ("scraper", HookedMethod("Scraper", "start_itemproc_async", ("item",), ("response",),
+                             coroutine=True)),  # Scrapy 2.14
+    ("scraper", HookedMethod("Scraper", "start_itemproc", ("item",), ("response",))),
+    ("downloader.handlers", HookedMethod("DownloadHandlers", "download_request_async",
+                                         ("request",), coroutine=True)),  # Scrapy 2.14
+    ("downloader.handlers", HookedMethod("DownloadHandlers", "download_request",
+                                         ("request", "spider"))),
+)
+#: the methods of which a release has one or the other: (2.14 on, 2.13)
+_ALTERNATIVES = (("start_itemproc_async", "start_itemproc"),
+                 ("download_request_async", "download_request"))
+
+
+def _owner(engine: Any, path: str) -> Any:
+    owner = engine
+    for attribute in filter(None, path.split(".")):
+        owner = getattr(owner, attribute, None)
+    return owner
+
+
+def _hooked_methods(engine: Any) -> list[tuple[Any, HookedMethod]]:
+    """(owner, its description) of every private method the hooks wrap or call on
+    ``engine``'s release (the scraper's item method is the one of that release)."""
+    chosen = {_itemproc_name(getattr(engine, "scraper", None)), _send_name(engine)}
+    alternatives = {name for pair in _ALTERNATIVES for name in pair}
+    return [(_owner(engine, path), method) for path, method in HOOKED_METHODS
+            if method.name not in alternatives or method.name in chosen]
+
+
+def shape_problem(function: Any, method: HookedMethod) -> str | None:
+    """How ``function`` (the method as found, bound) differs from the shape the hooks rely
+    on (``method``), None when it does not: the first difference, in words."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return "its signature cannot be read"
+    if inspect.iscoroutinefunction(function) != method.coroutine:
+        return ("it is a coroutine function" if not method.coroutine
+                else "it is not a coroutine function")
+    parameters = list(signature.parameters.values())
+    by_position = [p for p in parameters
+                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    count = len(method.positional)
+    shown = f"its parameters are ({_shown(signature)})"
+    if tuple(p.name.lstrip("_") for p in by_position[:count]) != method.positional:
+        return shown
+    rest = [p for p in parameters if p not in by_position[:count]
+            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in parameters)
+    by_keyword = {p.name for p in rest if p.kind is not p.POSITIONAL_ONLY}
+    if not takes_kwargs and not set(method.keywords) <= by_keyword:
+        return shown
+    for p in rest:
+        if p.default is p.empty and p.name not in method.keywords:
+            return f"it needs {p.name!r} too: {shown}"
+    return None
+
+
+def _shown(signature: inspect.Signature) -> str:
+    return ", ".join(str(p).split(":")[0].split("=")[0].strip()
+                     for p in signature.parameters.values())
+
+
+def _expected(method: HookedMethod) -> str:
+    parameters = [*method.positional, *(["*"] if method.keywords else []), *method.keywords]
+    return f"{'async ' if method.coroutine else ''}{method.qualname}({', '.join(parameters)})"
 
 
 def _download_handlers(engine: Any) -> Any:
@@ -123,13 +215,30 @@ def _send_name(engine: Any) -> str:
 
 def check_engine(engine: Any) -> None:
     """Raise :class:`~.UnsupportedScrapy` unless ``engine`` (an open ``ExecutionEngine``)
-    has every private method the completion hooks wrap (present from Scrapy 2.13 on); warn
-    once about a release outside the tested range."""
-    missing = [f"{label}.{name}()" for obj, label, name in _hooked_methods(engine)
-               if not callable(getattr(obj, name, None))]
+    has every private method the completion hooks wrap or call (present from Scrapy 2.13
+    on), in the shape they rely on (:data:`HOOKED_METHODS`: its parameters, whether it is a
+    coroutine function, an owner that takes an instance attribute); warn once about a
+    release outside the tested range. The error names each method that differs and how, in
+    one line: a changed method would otherwise complete requests wrongly, not fail."""
+    missing: list[str] = []
+    changed: list[str] = []
+    for owner, method in _hooked_methods(engine):
+        function = getattr(owner, method.name, None)
+        if not callable(function):
+            missing.append(f"{method.qualname}()")
+            continue
+        problem = shape_problem(function, method)
+        if problem is None and method.shadowed and not hasattr(owner, "__dict__"):
+            problem = "its object takes no instance attribute (__slots__)"
+        if problem is not None:
+            changed.append(f"{_expected(method)} ({problem})")
     if missing:
         raise refuse_release(
             f"the engine internals that exact completion hooks ({', '.join(missing)})")
+    if changed:
+        raise refuse_release(
+            "the engine internals that exact completion hooks, in the shape it calls them: "
+            + "; ".join(changed))
     warn_if_untested()
 
 
@@ -274,6 +383,52 @@ def close_spider_failed(crawler: Crawler, reason: str) -> None:
     ``runspider``) then exits with 1 (see :func:`exit_nonzero`)."""
     exit_nonzero(crawler)
     close_spider(crawler, reason)
+
+
+def report_close_reason(crawler: Crawler, reason: str) -> None:
+    """Make the close under way (its ``spider_closed`` signal not sent yet) say ``reason``
+    where it tells how the crawl ended, instead of the reason it started with (``finished``
+    when a feed fails only at the close): the ``finish_reason`` stat, which Scrapy's
+    ``CoreStats`` sets from the signal (set again by a handler connected after it), and
+    Scrapy's ``Spider closed (...)`` line (a filter on the engine's logger gives that record
+    this reason). The engine's own reason, as its close passes it to the scheduler and to
+    the ``spider_closed`` handlers, cannot change (a local variable of
+    ``ExecutionEngine.close_spider_async``); a Scrapy that words the line otherwise logs its
+    own reason. Both are undone when the engine stops."""
+    from scrapy import signals
+
+    spider = crawler.spider
+    stats = crawler.stats
+    engine_logger = logging.getLogger("scrapy.core.engine")
+    said = _CloseReasonFilter(spider, reason)
+
+    def set_stat() -> None:
+        if stats is not None:
+            stats.set_value("finish_reason", reason)
+
+    def remove() -> None:
+        engine_logger.removeFilter(said)
+        crawler.signals.disconnect(set_stat, signal=signals.spider_closed)
+        crawler.signals.disconnect(remove, signal=signals.engine_stopped)
+
+    engine_logger.addFilter(said)
+    crawler.signals.connect(set_stat, signal=signals.spider_closed, weak=False)
+    crawler.signals.connect(remove, signal=signals.engine_stopped, weak=False)
+
+
+class _CloseReasonFilter(logging.Filter):
+    """Gives Scrapy's ``Spider closed (%(reason)s)`` record of ``spider`` ``reason``."""
+
+    def __init__(self, spider: Any, reason: str) -> None:
+        super().__init__()
+        self.spider = spider
+        self.reason = reason
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (record.msg == "Spider closed (%(reason)s)" and isinstance(record.args, dict)
+                and getattr(record, "spider", None) is self.spider):
+            record.args = {**record.args, "reason": self.reason}
+        return True
 
 
 #: The crawlers :func:`exit_nonzero` was called for.

@@ -135,6 +135,8 @@ class FeedNotStored(IdempotentError):
     when it happened): the run is left unfinished, so the next crawl writes them again."""
 
     reported = True
+    #: the close reason the crawl reports (``finish_reason``, ``Spider closed (...)``)
+    close_reason = "idempotent_feed_error"
 
     def __init__(self, failed: list[str]) -> None:
         super().__init__(

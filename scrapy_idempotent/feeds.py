@@ -525,8 +525,11 @@ class IdempotentFeedExporter(FeedExporter):
 
 
 #: The close reason of a crawl stopped because a streamed feed could not be written (its
-#: file deleted, cut or replaced, a full disk): ``scrapy crawl`` exits with 1.
-FEED_ERROR_REASON = "idempotent_feed_error"
+#: file deleted, cut or replaced, a full disk), and the one a crawl that would have closed
+#: as ``finished`` reports when a feed could not be stored at its close (the
+#: ``finish_reason`` stat, Scrapy's ``Spider closed (...)`` line): ``scrapy crawl`` exits
+#: with 1.
+FEED_ERROR_REASON = FeedNotStored.close_reason
 
 #: How often the records committed since are written into the streamed feeds: the most a
 #: committed record waits to be in them (plus the write itself).

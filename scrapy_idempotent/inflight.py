@@ -106,7 +106,7 @@ class InflightRequest:
     attempts: int
     request: Request
     suspect: bool = False  #: in flight when a worker died before
-    #: responses the network gave it (before this lease, and in it so far)
+    #: times it was sent to the network (before this lease, and in it so far)
     downloads: int = 0
     #: the batch of writes (:class:`~.writer.WriterThread`) that carries its latest attempt
     #: write (its start, its journaled response, its replay): its callback waits for it
@@ -308,7 +308,7 @@ class InflightTracker:
         self._start_requests: dict[int, Request] = {}
         self._started: list[str] = []  # keys handed out since the last transaction
         self._replayed: list[str] = []  # keys answered from the journal since then
-        self._downloaded: list[str] = []  # keys answered by the network since then
+        self._downloaded: list[str] = []  # keys sent to the network since then
         self._journal: list[tuple[InflightRequest, str, bytes]] = []  # responses to keep
         #: fingerprints of filtered requests buffered for a transaction (duplicates of these
         #: are refused before they reach the database)

@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from .queue_input.broker import QueueBroker, QueueDepth
     from .store.base import CrawlMetrics, FrontierStore
 
-__all__ = ["QueueProbe", "StoreCollector", "metric_families"]
+__all__ = ["FRONTIER_READ_SHARE", "FRONTIER_WAIT_SECONDS", "QueueProbe", "StoreCollector",
+           "metric_families"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,13 @@ _RUN_COUNTERS: dict[str, tuple[str, str]] = {
 #: that they keep the database busy for at most a tenth of the time however big the
 #: frontier (a read of 40 ms is repeated at every scrape, one of 4 s every 40 s).
 FRONTIER_READ_SHARE = 10
+
+
+#: A scrape that finds the frontier-wide figures due waits for their new reading when the
+#: last one took at most this many seconds (so it serves figures read for it, not those of
+#: the scrape before), and at most this long; after a slower reading it serves the last one
+#: and the new one is read in the background.
+FRONTIER_WAIT_SECONDS = 1.0
 
 
 #: The queue input's broker is asked for its depth at most once per this many seconds.
@@ -144,8 +152,15 @@ class StoreCollector(Collector):
     heartbeats (cheap at any frontier size). The frontier-wide figures
     (:meth:`~.FrontierStore.crawl_metrics`: requests by state, failures by kind, attempts,
     the outbox) are read by the first scrape, then again on a thread of their own once
-    :data:`FRONTIER_READ_SHARE` times their read time has passed: a scrape never waits for
-    them, and ``idempotent_frontier_read_age_seconds`` says how old they are."""
+    :data:`FRONTIER_READ_SHARE` times their read time has passed. A scrape that starts (or
+    finds running) such a reading waits for it when the last one took at most
+    :data:`FRONTIER_WAIT_SECONDS`, and at most that long, so it serves the figures read
+    for it; after a slower reading it serves the last one without waiting.
+    ``idempotent_frontier_read_age_seconds`` says how old they are.
+
+    A store that cannot be opened or read (no database yet, removed, the server down) is
+    ``idempotent_store_up 0`` and one WARNING line, logged again only after the store was
+    read (or with another reason)."""
 
     def __init__(self, open_store: Callable[[], FrontierStore], *,
                  clock: Callable[[], float] = time.monotonic,
@@ -158,6 +173,7 @@ class StoreCollector(Collector):
         self._read_at = 0.0  #: clock when the last frontier read started
         self._read_seconds = 0.0
         self._reading: threading.Thread | None = None
+        self._failure: str | None = None  #: the reason last logged, until a read succeeds
 
     def collect(self) -> Iterator[Metric]:
         if self._queue is not None:  # first: the broker is not asked while a store is read
@@ -176,10 +192,11 @@ class StoreCollector(Collector):
             finally:
                 store.close()
         except Exception as exc:  # the scrape answers; the failure is a figure and a line
-            logger.warning("scrapy_idempotent: metrics: cannot read the store: %s", exc)
+            self._failed(exc)
             up.add_metric([], 0)
             yield up
             return
+        self._failure = None
         up.add_metric([], 1)
         yield up
         yield from metric_families(metrics)
@@ -194,9 +211,18 @@ class StoreCollector(Collector):
                                 "Time this scrape took to read the frontier database",
                                 value=time.perf_counter() - started)
 
+    def _failed(self, exc: Exception) -> None:
+        """One WARNING per reason, until a read succeeds again (a database not created yet
+        is not a line per scrape)."""
+        reason = str(exc)
+        if reason != self._failure:
+            self._failure = reason
+            logger.warning("scrapy_idempotent: metrics: cannot read the store: %s", exc)
+
     def _frontier_figures(self) -> CrawlMetrics:
-        """The last frontier-wide reading; the first one is read here, later ones are
-        started on a thread when due."""
+        """The frontier-wide reading this scrape serves: the first one is read here; a later
+        one, when due, on a thread, waited for when the last reading was quick
+        (:data:`FRONTIER_WAIT_SECONDS`)."""
         with self._lock:
             frontier = self._frontier
             due = (self._clock() - self._read_at
@@ -206,15 +232,22 @@ class StoreCollector(Collector):
                                                  daemon=True,
                                                  name="idempotent-metrics-frontier")
                 self._reading.start()
+            reading = self._reading if due else None
+            quick = self._read_seconds <= FRONTIER_WAIT_SECONDS
         if frontier is None:
             return self._read_frontier()
+        if reading is not None and quick:
+            reading.join(FRONTIER_WAIT_SECONDS)
+            with self._lock:
+                frontier = self._frontier
+        assert frontier is not None
         return frontier
 
     def _read_in_background(self) -> None:
         try:
             self._read_frontier()
         except Exception as exc:  # the last reading stays; the next scrape tries again
-            logger.warning("scrapy_idempotent: metrics: cannot read the store: %s", exc)
+            self._failed(exc)
 
     def _read_frontier(self) -> CrawlMetrics:
         started = self._clock()
@@ -275,13 +308,13 @@ def _frontier(m: CrawlMetrics) -> Iterator[Metric]:
     yield CounterMetricFamily("idempotent_leases", "Leases of the frontier's entries (attempts)",
                               value=s.leases)
     yield CounterMetricFamily("idempotent_downloads",
-                              "Responses the network gave the frontier's entries (not answers "
-                              "of the response journal or of Scrapy's HTTP cache)",
+                              "Frontier entries' requests sent to the network (not answered "
+                              "by the response journal or Scrapy's HTTP cache)",
                               value=s.downloads)
     yield CounterMetricFamily("idempotent_replays",
                               "Attempts answered from the response journal", value=s.replays)
     yield GaugeMetricFamily("idempotent_requests_downloaded_again",
-                            "Frontier entries the network answered more than once (retries, "
+                            "Frontier entries sent to the network more than once (retries, "
                             "requests in flight when a worker was killed)",
                             value=s.downloaded_again)
     yield GaugeMetricFamily("idempotent_requests_repeated",

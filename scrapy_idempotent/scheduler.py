@@ -332,16 +332,20 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             counts = self.store.counts()
             finishing = not counts["pending"] and not counts["leased"]
         hook_failed = False
+        failed_reason = None
         for hook in self._before_end:
             try:
                 await hook(self.store, run_id, finishing)
             except Exception as exc:
                 hook_failed = True
+                failed_reason = failed_reason or getattr(exc, "close_reason", None)
                 # an error already reported (feeds not stored) is one line, not a traceback
                 logger.error("scrapy_idempotent: %s", exc,
                              exc_info=not getattr(exc, "reported", False))
         if hook_failed:  # what the run needed at its close was not done: not a success
             engine_hooks.exit_nonzero(self.crawler)
+            if failed_reason is not None and reason == "finished":  # not a success
+                engine_hooks.report_close_reason(self.crawler, failed_reason)
         return hook_failed
 
     def _end_session(self, reason: str, finish_run: bool = True) -> None:

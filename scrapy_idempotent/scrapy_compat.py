@@ -8,7 +8,8 @@ the method exist?) wherever that is possible and by version only where the diffe
 behaviour, not a name.
 
 Supported: Scrapy 2.13 (the first with the asynchronous ``Spider.start()``) to 2.19, each
-minor release tested by the CI matrix. An older Scrapy, or one that lacks a hook, is refused
+minor release tested by the CI matrix. An older Scrapy, or one that lacks a hook or changed its
+shape (:func:`~.engine_hooks.check_engine`), is refused
 at start with :class:`~.UnsupportedScrapy`; a newer one that still has every hook runs with
 one warning.
 

@@ -333,10 +333,10 @@ def test_the_docs_use_no_api_roles() -> None:
 
 
 def test_the_install_commands_work_from_inside_the_clone() -> None:
-    """``pip install <path>`` in the README and the install page names a directory that is a
+    """``pip install <path>`` in the README and every docs page names a directory that is a
     project (it holds ``setup.cfg``) when run inside the clone: ``./scrapy_idempotent`` there
     is the package's own directory, which pip refuses."""
-    texts = {"README.md": README, "install.rst": PAGES["install.rst"]}
+    texts = {"README.md": README, **PAGES}
     checked = 0
     for name, text in texts.items():
         for line in text.splitlines():

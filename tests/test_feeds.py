@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -497,13 +498,20 @@ async def test_a_feed_whose_temporary_file_vanished_is_not_stored_and_the_run_st
                               FEED_EXPORTERS={"thief": "feed_helpers.PartialThief"},
                               IDEMPOTENT_FEED_STREAMING=False)
     with LocalSite(listing_pages=2, products_per_page=5) as site:
-        crawler = await run_crawl(ShopSpider, settings, url=site.url)
+        with caplog.at_level(logging.INFO):
+            crawler = await run_crawl(ShopSpider, settings, url=site.url)
         stats = crawler.stats.get_stats()
         assert "feedexport/success_count/FileFeedStorage" not in stats
         assert stats["feedexport/failed_count/FileFeedStorage"] == 1
         assert feed.read_text() == "before\n"
         assert [run.finished_at for run in stored_runs(db)] == [None]
         assert not [r for r in caplog.records if r.getMessage().startswith("Stored ")]
+        # found only at the close: the crawl does not say it finished
+        assert stats["finish_reason"] == "idempotent_feed_error"
+        closed = [r.getMessage() for r in caplog.records
+                  if r.getMessage().startswith("Spider closed")]
+        assert closed == ["Spider closed (idempotent_feed_error)"]
+        assert not logging.getLogger("scrapy.core.engine").filters  # undone at the stop
 
         settings["FEED_EXPORTERS"] = {}
         settings["FEEDS"] = {str(feed): {"format": "jsonlines", "overwrite": True}}

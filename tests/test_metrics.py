@@ -4,6 +4,7 @@ while two workers crawl and one is killed with SIGKILL, and the killed worker's 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -209,8 +211,8 @@ def test_prometheus_scrapes_the_crawl_of_two_workers_one_killed(tmp_path: Path) 
             wait_for(lambda: _query(api, "idempotent_current_run_finished") == 1, 60,
                      "the finished run, scraped")
             wait_for(lambda: _query(api, done) == run["done"], 60, "the final count, scraped")
-            # the frontier-wide counts of a scrape are those read in the background after the
-            # scrape before it: wait for a reading taken after the end
+            # the frontier-wide counts are read again at most once per ten times their read
+            # time: wait for a reading taken after the end
             wait_for(lambda: _query(api, 'idempotent_requests{state="done"}') == 525, 60,
                      "the frontier's final count, scraped")
             assert _query(api, 'idempotent_requests{state="done"}') == \
@@ -342,6 +344,106 @@ def test_the_frontier_wide_figures_are_read_again_in_the_background_when_due(
     wait_for(lambda: len(reads) == 2 and collector._reading is None, 30,
              "the background read")
     assert scrape()[("idempotent_store_up", ())] == 1
+
+
+def _counting_collector(database: str, now: list[float], *, read_seconds: float = 0.0,
+                        hold: threading.Event | None = None) -> tuple[Any, list[int]]:
+    """A collector whose frontier-wide reads are counted, each serving its number as
+    ``idempotent_records`` and taking ``read_seconds`` on the injected clock ``now``; with
+    ``hold``, reads after the first wait for it."""
+    reads: list[int] = []
+
+    def opened() -> Any:
+        opened_store = open_store(database)
+        opened_store.open_existing(readonly=True)
+        real = opened_store.crawl_metrics
+
+        def counted() -> Any:
+            if reads and hold is not None:
+                assert hold.wait(60)
+            reads.append(len(reads) + 1)
+            now[0] += read_seconds
+            return dataclasses.replace(real(), records=len(reads))
+
+        opened_store.crawl_metrics = counted  # type: ignore[method-assign]
+        return opened_store
+
+    collector = StoreCollector(opened, clock=lambda: now[0])
+    registry = prometheus_client.CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry, reads
+
+
+def test_a_scrape_serves_the_frontier_figures_read_for_it(crawl_database: str) -> None:
+    """A quick frontier-wide read that is due is waited for: each scrape serves the reading
+    taken for it, not the one taken after the scrape before."""
+    store = open_store(crawl_database)
+    store.open(fingerprinter="SHA1")
+    store.close()
+    now = [1000.0]
+    registry, reads = _counting_collector(crawl_database, now, read_seconds=0.01)
+    for n in (1, 2, 3):
+        got = samples(prometheus_client.generate_latest(registry).decode())
+        assert got[("idempotent_records", ())] == n == len(reads)
+        now[0] += 60.0  # due again at the next scrape
+
+
+def test_a_slow_frontier_read_does_not_hold_the_scrape(crawl_database: str) -> None:
+    """After a read that took longer than FRONTIER_WAIT_SECONDS the scrape serves the last
+    reading while the next one runs in the background."""
+    from scrapy_idempotent.metrics import FRONTIER_WAIT_SECONDS
+
+    store = open_store(crawl_database)
+    store.open(fingerprinter="SHA1")
+    store.close()
+    now = [1000.0]
+    hold = threading.Event()
+    registry, reads = _counting_collector(crawl_database, now,
+                                          read_seconds=FRONTIER_WAIT_SECONDS + 1, hold=hold)
+
+    def records() -> float:
+        return samples(prometheus_client.generate_latest(registry).decode())[
+            ("idempotent_records", ())]
+
+    assert records() == 1
+    now[0] += 60.0
+    assert records() == 1  # the second read is held: not waited for
+    hold.set()
+    wait_for(lambda: len(reads) == 2, 30, "the background read")
+    wait_for(lambda: records() == 2, 30, "the background reading served")
+
+
+def test_the_metrics_command_waits_for_the_database(tmp_path: Path) -> None:
+    """Started before the first crawl, the exporter serves ``idempotent_store_up 0`` (one
+    warning, not one per scrape) until the database exists, then its figures."""
+    db = tmp_path / "later.sqlite3"
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}/metrics"
+    with (tmp_path / "exporter.log").open("wb") as log:
+        exporter = subprocess.Popen(
+            [sys.executable, "-m", "scrapy", "idempotent", "metrics", "--db", str(db),
+             "--listen", f"127.0.0.1:{port}"], cwd=EXAMPLE_PROJECT,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        wait_for(lambda: exporter.poll() is not None or _up(endpoint), 60,
+                 "the metrics endpoint", tmp_path / "exporter.log")
+        assert exporter.poll() is None, (tmp_path / "exporter.log").read_text()
+        for _ in range(3):
+            assert samples(_get(endpoint)) == {("idempotent_store_up", ()): 0}
+        assert not db.exists()  # nothing created
+        store = open_store(str(db))
+        store.open(fingerprinter="SHA1")
+        store.close()
+        got = samples(_get(endpoint))
+        assert got[("idempotent_store_up", ())] == 1
+        assert got[("idempotent_records", ())] == 0
+    finally:
+        exporter.send_signal(signal.SIGTERM)
+        exporter.wait(timeout=60)
+    assert exporter.returncode == 0
+    warnings = [line for line in (tmp_path / "exporter.log").read_text().splitlines()
+                if "cannot read the store" in line]
+    assert len(warnings) == 1 and f"no frontier database at {db}" in warnings[0], warnings
 
 
 @pytest.mark.slow

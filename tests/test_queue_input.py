@@ -414,3 +414,36 @@ def test_a_held_message_is_kept_from_a_peer_while_its_request_is_in_progress(
     for broker in (here, peer):
         broker.close()
     client.close()
+
+
+def test_consumers_of_dead_workers_elsewhere_leave_the_group(
+        redis_server: RedisServer) -> None:  # noqa: F811
+    """A worker of another host that died stays a consumer of the group until its messages
+    are taken over (XAUTOCLAIM after IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS); then it is removed,
+    as one that held nothing is; a consumer that holds a message is kept."""
+    from scrapy_idempotent.config import QueueConfig
+    from scrapy_idempotent.queue_input.redis_stream import RedisStreamBroker
+
+    key = f"q-{uuid.uuid4().hex}"
+    client = redis_server.client()
+    config = QueueConfig(url=redis_server.url, key=key, group=GROUP, idle_timeout_seconds=None,
+                         claim_idle_seconds=1, prefetch=10, poll_seconds=0.05)
+    here_name, busy = "host-a:101:1:aaaa:ns", "host-b:202:1:bbbb:ns"
+    dead_holding, dead_empty = "host-c:303:1:cccc:ns", "host-d:404:1:dddd:ns"
+    client.xgroup_create(key, GROUP, id="0", mkstream=True)
+    held = [client.xadd(key, {"url": f"https://example.com/{n}"}) for n in (1, 2)]
+    client.xreadgroup(GROUP, dead_holding, {key: ">"})  # both, never acknowledged
+    client.xreadgroup(GROUP, dead_empty, {key: ">"})  # nothing left to read
+    wait_for(lambda: min(c["idle"] for c in client.xinfo_consumers(key, GROUP)) >= 1000
+             and min(p["time_since_delivered"] for p in client.xpending_range(
+                 key, GROUP, "-", "+", 10)) >= 1000, 60, "the consumers idle for a second")
+    kept = client.xadd(key, {"url": "https://example.com/3"})
+    client.xreadgroup(GROUP, busy, {key: ">"})  # a live worker holding a message
+    here = RedisStreamBroker.from_config(config, here_name)
+    taken = here.take(10, False, frozenset())
+    assert [i for i, _ in taken.entries] == held
+    assert {c["name"] for c in client.xinfo_consumers(key, GROUP)} == {here_name, busy}
+    assert {p["message_id"]: p["consumer"] for p in client.xpending_range(
+        key, GROUP, "-", "+", 10)} == {held[0]: here_name, held[1]: here_name, kept: busy}
+    here.close()
+    client.close()

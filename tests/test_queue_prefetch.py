@@ -97,6 +97,7 @@ async def test_messages_taken_over_are_bounded_by_the_prefetch(
     # never more than the prefetch held (the stop message, read last, is acknowledged alone)
     assert len(held.held) >= MESSAGES // PREFETCH
     assert max(held.held) <= PREFETCH, held.held
-    if owner == "dead_consumer_of_this_host":  # removed once it had nothing left
-        assert consumer not in {c["name"] for c in client.xinfo_consumers(key, GROUP)}
+    # removed once it had nothing left: at once when it ran on this host, once its
+    # messages were taken over by idle time when it ran elsewhere
+    assert consumer not in {c["name"] for c in client.xinfo_consumers(key, GROUP)}
     client.close()

@@ -767,6 +767,7 @@ def test_renewal_does_not_revive_an_expired_lease(store, clock):
 def test_pending_completion_is_a_continuation(store):
     enqueue(store, req("a", priority=0))
     claim(store, 1)
+    store.commit(UnitOfWork(downloaded=["a"]), "w1")  # sent to the network
     result = complete(store, "a", RequestState.PENDING, data='{"url":"retry"}', priority=-3)
     assert result == CommitResult(completed={"pending": 1})
     assert row(store, "a") == ("pending", None, 1)
@@ -779,10 +780,10 @@ def test_pending_completion_without_data_keeps_the_stored_request(store):
     new = req("a", priority=2)
     enqueue(store, new)
     claim(store, 1)
-    complete(store, "a", RequestState.PENDING)
+    complete(store, "a", RequestState.PENDING)  # never sent: no download counted
     assert claim(store, 1) == [
         LeasedRequest(key="a", fingerprint="fp-a", data=new.data, priority=2, attempts=2,
-                      downloads=1)]
+                      downloads=0)]
 
 
 # -- attempts and quarantine ----------------------------------------------------------------
@@ -846,21 +847,36 @@ def test_claimed_but_never_started_leases_do_not_count_towards_quarantine(make_s
 
 def test_a_lease_lost_before_its_start_was_written_counts_as_an_attempt(make_store):
     """A worker killed while downloading, before the transaction writing the attempt's start:
-    the claim counted the attempt, so the download its successor makes again is a repeat
-    (attempts and repeats are upper bounds of what the site saw)."""
+    the claim counted the attempt (leases are an upper bound of what the site saw); the
+    downloads count what was recorded as sent (a lower bound)."""
     store, _ = open_store(make_store, "w1")
     enqueue(store, req("a"))
     (leased,) = store.commit(UnitOfWork(claim=1), "w1").leased  # handed out, then killed
     assert leased.attempts == 1
     assert store.release_leases(["w1"]) == 1  # its dead worker's leases taken back
     (again,) = claim(store, 1, worker="w2")
-    assert (again.attempts, again.downloads, again.suspect) == (2, 1, False)
+    assert (again.attempts, again.downloads, again.suspect) == (2, 0, False)
+    store.commit(UnitOfWork(started=["a"], downloaded=["a"]), "w2")
     complete(store, "a", worker="w2")
     summary = store.request_summary()
     assert (summary.leases, summary.repeated, summary.downloads,
-            summary.downloaded_again) == (2, 1, 2, 1)
+            summary.downloaded_again) == (2, 1, 1, 0)
     assert [r.key for r in store.repeated_requests(10)] == ["a"]
     assert [r.leased for r in store.runs()] == [2]
+
+
+def test_downloads_count_each_sending_of_a_held_lease(make_store):
+    """``downloaded`` names a leased request once per sending (a retry within one batch
+    twice); a request the worker does not hold any more counts nothing."""
+    store, _ = open_store(make_store, "w1")
+    enqueue(store, req("a"), req("b"))
+    store.commit(UnitOfWork(claim=2), "w1")
+    store.commit(UnitOfWork(started=["a", "b"], downloaded=["a", "b", "a"]), "w1")
+    assert store.release_leases(["w1"]) == 2
+    store.commit(UnitOfWork(downloaded=["b"]), "w1")  # not its lease any more
+    assert {e.key: e.downloads for e in entries(store)} == {"a": 2, "b": 1}
+    summary = store.request_summary()
+    assert (summary.downloads, summary.downloaded_again) == (3, 1)
 
 
 def test_leases_put_back_never_started_count_no_attempt(make_store):

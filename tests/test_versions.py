@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import scrapy
@@ -81,6 +82,28 @@ async def test_an_engine_without_a_hook_is_refused_before_any_request(
     critical = [r for r in caplog.records if r.levelno == logging.CRITICAL
                 and "lacks the engine internals" in r.getMessage()]
     assert len(critical) == 1
+
+
+@deferred_f_from_coro_f
+async def test_an_engine_whose_hook_changed_shape_is_refused_before_any_request(
+    small_shop: LocalSite, crawl_database: str, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    # a release whose scraper's method takes the spider again, in the middle: the hooks would
+    # pass the response where the spider is expected and complete requests wrongly
+    def handle_spider_error(self: Scraper, failure: Any, spider: Any, request: Any,
+                            response: Any) -> None:
+        pass
+
+    monkeypatch.setattr(Scraper, "handle_spider_error", handle_spider_error)
+    with pytest.raises(UnsupportedScrapy, match=r"in the shape it calls them: "
+                       r"Scraper\.handle_spider_error\(failure, request, response\) \(its "
+                       r"parameters are \(failure, spider, request, response\)\)"):
+        await run_crawl(ShopSpider, crawl_settings(crawl_database, **NATURAL_KEYS),
+                        url=small_shop.url)
+    assert small_shop.request_count == 0
+    critical = [r.getMessage() for r in caplog.records if r.levelno == logging.CRITICAL]
+    assert len(critical) == 1 and "\n" not in critical[0]
 
 
 @deferred_f_from_coro_f

@@ -4,8 +4,9 @@ back, get the records out and check the database, without opening SQLite by hand
 Registered as a Scrapy command through the ``scrapy.commands`` entry point (``setup.cfg``);
 Scrapy has no sub-commands, so the first argument names one, and each is a module of this
 package (as Scrapy's own commands are modules of ``scrapy.commands``), with its
-``DESCRIPTION`` and ``run(opened, opts)`` returning the exit code; ``_common`` opens the
-store and prints:
+``DESCRIPTION`` and ``run(opened, opts)`` returning the exit code (``metrics``, which
+waits for a database not created yet, has ``serve(located, settings, opts)`` instead);
+``_common`` opens the store and prints:
 
 * ``status``: runs, frontier by state, leases and their owners, records, outbox deliveries
   by target and state, failures by kind, repeated requests, totals over all runs;
@@ -26,13 +27,13 @@ store and prints:
   (a natural key changed, an item class renamed), merging records that now share an ID, in
   one transaction; ``--dry-run`` prints what would change;
 * ``metrics``: serves the whole crawl's figures for Prometheus (``--listen HOST:PORT``),
-  read from the database at each scrape.
+  read from the database at each scrape (``idempotent_store_up 0`` until it exists).
 
 The database is the one the scheduler uses for ``SPIDER`` in the current project
 (``IDEMPOTENT_DATABASE``, ``{spider}`` replaced, default ``.scrapy/idempotent/<spider>.sqlite3``
 in the project data dir), or ``--db PATH`` anywhere. Every command but ``retry``,
-``deliver`` and ``rekey`` opens it read-only; none creates or migrates it. ``--json``
-prints one JSON document for scripts.
+``deliver`` and ``rekey`` opens it read-only; none creates or migrates it, and all but
+``metrics`` stop when it does not exist. ``--json`` prints one JSON document for scripts.
 """
 
 from __future__ import annotations
@@ -227,6 +228,10 @@ class Command(ScrapyCommand):
             located = open_crawl_store(self.settings, args[1] if len(args) > 1 else None,
                                        opts.db)
             store, path = located.store, located.path
+            if subcommand == "metrics":  # serves before the database exists (store_up 0)
+                store.close()
+                self.exitcode = metrics.serve(located, self.settings, opts)
+                return
             try:
                 # only retry and deliver write (and migrate locks the source it copies,
                 # writing nothing): they refuse, untouched, a file that is not ours or

@@ -1,12 +1,14 @@
 """``scrapy idempotent metrics --listen HOST:PORT``: the whole crawl's figures for Prometheus
 at ``http://HOST:PORT/metrics``, read from the database at each scrape
 (:class:`~scrapy_idempotent.metrics.StoreCollector`), so any host that reaches the database
-can serve them, and a killed worker's figures are not lost. Runs until SIGINT or SIGTERM."""
+can serve them, and a killed worker's figures are not lost. A database that does not exist
+yet (the exporter started before the first crawl) is ``idempotent_store_up 0`` until a crawl
+creates it. Runs until SIGINT or SIGTERM."""
 
 from __future__ import annotations
 
 import signal
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from scrapy.exceptions import UsageError
 
@@ -17,7 +19,7 @@ if TYPE_CHECKING:
     import argparse
 
     from ..store.base import FrontierStore
-    from ._common import Opened
+    from ._common import Located
 
 DESCRIPTION = ("serve the whole crawl's figures, read from the database at each scrape, for "
                "Prometheus (--listen HOST:PORT, path /metrics)")
@@ -36,7 +38,9 @@ def listen_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def run(opened: Opened, opts: argparse.Namespace) -> int:
+def serve(located: Located, command_settings: Any, opts: argparse.Namespace) -> int:
+    """Serve until SIGINT or SIGTERM; the exit code. ``located``: the crawl's store, not
+    opened (each scrape opens its own, read-only)."""
     try:
         from prometheus_client import CollectorRegistry, start_http_server
     except ImportError:
@@ -44,19 +48,23 @@ def run(opened: Opened, opts: argparse.Namespace) -> int:
                          "'scrapy_idempotent[metrics]'") from None
     from ..metrics import StoreCollector
 
-    command_settings, spider, db = opened.command_settings, opts.spider, opts.db
+    spider, db = opts.spider, opts.db
 
     def open_store() -> FrontierStore:  # one per scrape, on the HTTP server's thread
-        located = open_crawl_store(command_settings, spider, db)
+        opened = open_crawl_store(command_settings, spider, db)
         try:
-            located.store.open_existing(readonly=True, identity=located.identity)
+            info = opened.store.open_existing(readonly=True, identity=opened.identity)
+            if not info.current:
+                raise StoreError(
+                    f"{opened.path} has schema version {info.version}; this "
+                    f"scrapy_idempotent reads version {info.supported}")
         except BaseException:
-            located.store.close()
+            opened.store.close()
             raise
-        return located.store
+        return opened.store
 
     probe = None
-    queue = opened.config.queue
+    queue = located.config.queue
     if queue is not None:  # the queue input's depth, read in the background
         from ..metrics import QueueProbe
         from ..queue_input import broker_for
@@ -69,7 +77,7 @@ def run(opened: Opened, opts: argparse.Namespace) -> int:
         server, thread = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
         raise StoreError(f"cannot listen on {host}:{port}: {exc}") from None
-    print(f"scrapy idempotent metrics: serving {opened.path} at "
+    print(f"scrapy idempotent metrics: serving {located.path} at "
           f"http://{host}:{server.server_port}/metrics", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: server.shutdown())
     try:

@@ -5,7 +5,9 @@ Each worker reads the stream ``IDEMPOTENT_QUEUE_KEY`` as a consumer of the group
 that consumer in the stream's pending entries list until it is acknowledged (``XACK``). A
 message of a dead consumer is taken over at once from a consumer of the same host whose
 process is gone (``XCLAIM``), or with ``XAUTOCLAIM`` once it has been idle
-``IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS``; so that a message held here is never idle that long
+``IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS`` (and the consumer, once it holds nothing and has
+been idle that long, is removed from the group); so that a message held here is never idle
+that long
 while its request is in progress, its idle time is reset (``XCLAIM`` to this consumer,
 ``JUSTID``) once it reaches a third of that time. A bad message is added to the stream
 ``<IDEMPOTENT_QUEUE_KEY>:parked`` with its id, fields and error, and acknowledged, in one
@@ -49,6 +51,14 @@ _DEAD_CHECK_SECONDS = 5.0
 _EXTEND_BATCH = 500
 
 
+#: Removes a consumer only while nothing is pending for it (check and removal atomic).
+_DELETE_IF_IDLE = """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then return 0 end
+redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+
 def _is_nogroup(exc: BaseException) -> bool:
     import redis
 
@@ -73,6 +83,7 @@ class RedisStreamBroker(QueueBroker):
         #: this consumer's pending entries to read again (a take failed: a read's answer
         #: may be lost, its messages pending here unknown); the id to go on after
         self._own_from: str | None = None
+        self._delete_script: Any = None  #: registered on first use
 
     @classmethod
     def from_config(cls, config: QueueConfig, consumer: str) -> RedisStreamBroker:
@@ -321,8 +332,37 @@ class RedisStreamBroker(QueueBroker):
                 self._autoclaim_cursor = "0-0"
                 self._autoclaimed_at = time.monotonic() + max(
                     1.0, self.config.claim_idle_seconds / 4)
+                self._remove_idle_consumers()
                 return count
             self._autoclaim_cursor = cursor  # more to scan: at the next poll
             if not entries:
                 break
         return count
+
+    def _remove_idle_consumers(self) -> None:
+        """Remove from the group every other consumer that holds nothing and has not been
+        heard of for ``IDEMPOTENT_QUEUE_CLAIM_IDLE_SECONDS``: a worker of another host (or
+        PID namespace) that died, once :meth:`_autoclaim` took its pending messages over (a
+        dead one of this host goes at once, :meth:`_claim_from_dead`). Without this the
+        group keeps one consumer per dead worker for ever. The check and the removal are one
+        script, so a consumer that took a message meanwhile keeps it; a live worker that was
+        only idle is a consumer again at its next read."""
+        min_idle_ms = int(self.config.claim_idle_seconds * 1000)
+        for consumer in self.client.xinfo_consumers(self.config.key, self.config.group):
+            name = consumer["name"]
+            if (name == self.consumer or int(consumer.get("pending", 0))
+                    or int(consumer.get("idle", 0)) < min_idle_ms):  # since it last asked
+                continue
+            if self._delete_if_idle(keys=[self.config.key],
+                                    args=[self.config.group, name]) == 1:
+                logger.info("scrapy_idempotent: consumer %s has held nothing for %d s or "
+                            "more: removed from the group", name,
+                            self.config.claim_idle_seconds)
+
+    @property
+    def _delete_if_idle(self) -> Any:
+        """The script removing consumer ``ARGV[2]`` of group ``ARGV[1]`` of stream
+        ``KEYS[1]`` only while nothing is pending for it: 1 when removed, else 0."""
+        if self._delete_script is None:
+            self._delete_script = self.client.register_script(_DELETE_IF_IDLE)
+        return self._delete_script

@@ -226,8 +226,8 @@ class LeasedRequest:
     suspect: bool = False
     #: when the lease ends unless renewed (unix seconds, the store's clock)
     leased_until: float = field(default=0.0, compare=False)
-    #: responses the network gave it before this lease (not answers of the response
-    #: journal or of Scrapy's HTTP cache)
+    #: times it was sent to the network before this lease (not answered by the response
+    #: journal or Scrapy's HTTP cache)
     downloads: int = 0
     #: it is in the start requests' queue (see :mod:`scrapy_idempotent._order`)
     is_start: bool = field(default=False, compare=False)
@@ -467,8 +467,8 @@ class UnitOfWork:
     #: leased requests answered from the response journal since the last transaction (each
     #: attempt of theirs was not a download)
     replayed: list[str] = field(default_factory=list)
-    #: leased requests answered by the network since the last transaction: a key once per
-    #: response (a retry's included), added to its ``downloads``
+    #: leased requests sent to the network since the last transaction: a key once per
+    #: sending (a retry's included), added to its ``downloads``
     downloaded: list[str] = field(default_factory=list)
     claim: int = 0
     #: requests the worker claimed ahead and never started, put back to pending before the

