@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ._version import __version__
 from .addon import Addon
+from .conditional import ConditionalRequestMiddleware, SitemapLastmodMiddleware
 from .exceptions import (
     ConfigError,
     DeliveryRefused,
@@ -29,6 +30,7 @@ from .store import SQLiteStore
 
 __all__ = [
     "Addon",
+    "ConditionalRequestMiddleware",
     "ConfigError",
     "CrawlRobotsTxtMiddleware",
     "DeliveryRefused",
@@ -45,6 +47,7 @@ __all__ = [
     "ResponseJournalMiddleware",
     "RunCloseSpider",
     "SQLiteStore",
+    "SitemapLastmodMiddleware",
     "SlotBackoffMiddleware",
     "StoreError",
     "UnstorableRequest",

@@ -8,6 +8,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import scrapy_compat
+from .conditional import (
+    CONDITIONAL_PRIORITY,
+    SITEMAP_PRIORITY,
+    ConditionalRequestMiddleware,
+    SitemapLastmodMiddleware,
+)
 from .journal import ResponseJournalMiddleware
 from .middleware import RecordIdMiddleware
 from .pipeline import UpsertPipeline
@@ -83,8 +89,12 @@ class Addon:
     """``ADDONS = {"scrapy_idempotent.Addon": 0}`` is the same as::
 
         SCHEDULER = "scrapy_idempotent.IdempotentScheduler"
-        SPIDER_MIDDLEWARES = {"scrapy_idempotent.RecordIdMiddleware": 10}
+        SPIDER_MIDDLEWARES = {"scrapy_idempotent.RecordIdMiddleware": 10,
+            # IDEMPOTENT_CONDITIONAL_REQUESTS and IDEMPOTENT_SITEMAP_LASTMOD:
+            "scrapy_idempotent.SitemapLastmodMiddleware": 990}
         DOWNLOADER_MIDDLEWARES = {"scrapy_idempotent.ResponseJournalMiddleware": 950,
+            # IDEMPOTENT_CONDITIONAL_REQUESTS:
+            "scrapy_idempotent.ConditionalRequestMiddleware": 940,
             "scrapy_idempotent.SlotBackoffMiddleware": 560,  # IDEMPOTENT_POLITENESS
             # ROBOTSTXT_OBEY:
             "scrapy.downloadermiddlewares.robotstxt.RobotsTxtMiddleware": None,
@@ -134,6 +144,10 @@ class Addon:
             "DOWNLOADER_MIDDLEWARES", ResponseJournalMiddleware, JOURNAL_PRIORITY)
         settings.set_in_component_priority_dict(
             "DOWNLOADER_MIDDLEWARES", SlotBackoffMiddleware, BACKOFF_PRIORITY)
+        settings.set_in_component_priority_dict(
+            "DOWNLOADER_MIDDLEWARES", ConditionalRequestMiddleware, CONDITIONAL_PRIORITY)
+        settings.set_in_component_priority_dict(
+            "SPIDER_MIDDLEWARES", SitemapLastmodMiddleware, SITEMAP_PRIORITY)
         settings.set_in_component_priority_dict(
             "ITEM_PIPELINES", UpsertPipeline, PIPELINE_PRIORITY)
         from .progress import IdempotentLogStats  # the progress line

@@ -108,7 +108,9 @@ class CrawlHealth:
 
 
 def _adds_pending(work: UnitOfWork) -> bool:
-    return bool(work.requests) or any(c.state is RequestState.PENDING for c in work.completions)
+    # (a page answered 304 enqueues the requests of its last fetch again)
+    return bool(work.requests) or any(c.state is RequestState.PENDING or c.not_modified
+                                      for c in work.completions)
 
 
 class CommitPath:
@@ -424,6 +426,7 @@ class CommitOutcomes:
             ("requests/leases_lost", result.leases_lost),
             ("requests/quarantined", len(result.quarantined)),
             ("outbox/written", result.outbox_entries),
+            ("conditional/relinked", result.requests_relinked),
         ):
             if value:
                 inc(f"idempotent/{name}", value)

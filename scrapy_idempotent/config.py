@@ -269,6 +269,29 @@ callback once it is written (with the transaction of another page's completion, 
 being processed.""",
     ),
     Setting(
+        "IDEMPOTENT_CONDITIONAL_REQUESTS", False, "bool", "Frontier, leases and runs", "True",
+        allowed="``True``/``False``, ``1``/``0``, ``'true'``/``'false'``",
+        doc="""
+Send a later run's request for a page done before with that page's validators
+(``If-None-Match``, ``If-Modified-Since``), and complete a ``304 Not Modified`` answer as the
+page unchanged, without running its callback: its stored records are seen in the run, the
+requests it added when last fetched are enqueued again (``ConditionalRequestMiddleware``,
+priority 940). Off by default, since a callback that does not run is a change from Scrapy's
+behaviour (its side effects, its ``spider.state`` changes and its logging do not happen). A
+request opts out with the ``idempotent_conditional`` meta key ``False``. See
+:doc:`/recrawls`.""",
+    ),
+    Setting(
+        "IDEMPOTENT_SITEMAP_LASTMOD", True, "bool", "Frontier, leases and runs", "False",
+        allowed="``True``/``False``, ``1``/``0``, ``'true'``/``'false'``",
+        doc="""
+With :setting:`IDEMPOTENT_CONDITIONAL_REQUESTS`: a ``SitemapSpider`` page whose sitemap entry
+has a ``lastmod`` not later than the page's last fetch is not fetched again; it is done as
+unchanged, as if it had answered ``304`` (``SitemapLastmodMiddleware``, counted in
+``idempotent/sitemap/skipped``). ``False`` asks the site about every such page. See
+:doc:`/recrawls`.""",
+    ),
+    Setting(
         "IDEMPOTENT_KEEP_COOKIES", True, "bool", "Frontier, leases and runs", "False",
         allowed="``True``/``False``, ``1``/``0``, ``'true'``/``'false'``",
         doc="""
@@ -651,6 +674,10 @@ class IdempotentConfig:
     metrics_listen: tuple[str, int] | None = None
     recrawl_seconds: float | None = None
     response_journal: bool = True
+    #: IDEMPOTENT_CONDITIONAL_REQUESTS: requests sent with their page's validators
+    conditional_requests: bool = False
+    #: IDEMPOTENT_SITEMAP_LASTMOD: a sitemap's lastmod skips pages not changed since fetched
+    sitemap_lastmod: bool = True
     keep_cookies: bool = True
     feed_streaming: bool = True
     #: IDEMPOTENT_GC_FREEZE: start-up's objects frozen while the crawl runs (:mod:`.gc_freeze`)
@@ -706,6 +733,8 @@ class IdempotentConfig:
             sample_seconds=_sample_seconds(settings),
             metrics_listen=metrics_listen(settings),
             response_journal=_boolean(settings, "IDEMPOTENT_RESPONSE_JOURNAL"),
+            conditional_requests=_boolean(settings, "IDEMPOTENT_CONDITIONAL_REQUESTS"),
+            sitemap_lastmod=_boolean(settings, "IDEMPOTENT_SITEMAP_LASTMOD"),
             keep_cookies=_boolean(settings, "IDEMPOTENT_KEEP_COOKIES"),
             feed_streaming=_boolean(settings, "IDEMPOTENT_FEED_STREAMING"),
             gc_freeze=_boolean(settings, "IDEMPOTENT_GC_FREEZE"),

@@ -55,6 +55,7 @@ from .store.base import (
     Completion,
     LeasedRequest,
     NewRequest,
+    PageValidators,
     Record,
     Reject,
     RequestState,
@@ -150,25 +151,36 @@ class InflightRequest:
     #: fingerprints of the filtered memory requests under this entry's lease (duplicates of
     #: these are refused while it holds the lease)
     memory_seen: set[str] = field(default_factory=set)
+    # conditional requests (:mod:`.conditional`)
+    #: the validators its page answered with when last done (loaded with its claim)
+    validators: PageValidators | None = None
+    conditional: bool = False  #: it was sent with those validators
+    not_modified: bool = False  #: it was answered 304 to them: done as unchanged
+    #: the validators of the page it was answered with now (its 2xx response)
+    answered: PageValidators | None = None
 
     def completion(self) -> Completion:
         """The frontier state this entry ends in, from what was observed."""
         if self.continuation is not None:
             data, priority = self.continuation
-            return Completion(self.key, RequestState.PENDING, data=data, priority=priority)
+            return Completion(self.key, RequestState.PENDING, data=data, priority=priority,
+                              validators=self.answered)
         if self.interrupted:  # released: the next run processes it again
             return Completion(self.key, RequestState.PENDING, "interrupted",
-                              "the callback raised CloseSpider")
+                              "the callback raised CloseSpider", validators=self.answered)
         if self.failure is not None:
-            return Completion(self.key, RequestState.FAILED, *self.failure)
+            return Completion(self.key, RequestState.FAILED, *self.failure,
+                              validators=self.answered)
         if self.redirected:
             return Completion(self.key, RequestState.REDIRECTED)
         if self.http_error:
             return Completion(self.key, RequestState.FAILED, "http_status",
                               f"HTTP {self.status} not handled by the spider")
         if self.spider_error is not None:
-            return Completion(self.key, RequestState.FAILED, *self.spider_error)
-        return Completion(self.key, RequestState.DONE)
+            return Completion(self.key, RequestState.FAILED, *self.spider_error,
+                              validators=self.answered)
+        return Completion(self.key, RequestState.DONE, validators=self.answered,
+                          not_modified=self.not_modified)
 
     def unit_of_work(self) -> UnitOfWork:
         """Everything this entry produced with its completion: one transaction."""
@@ -392,7 +404,7 @@ class InflightTracker:
         entry = InflightRequest(key=leased.key, fingerprint=leased.fingerprint,
                                 priority=leased.priority, attempts=leased.attempts,
                                 request=request, suspect=leased.suspect,
-                                downloads=leased.downloads)
+                                downloads=leased.downloads, validators=leased.validators)
         if leased.suspect:
             self._suspects += 1
         self._inflight[id(request)] = entry

@@ -187,6 +187,8 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         self.admission.codec = self.hand_out.codec = self.codec
         identity = CrawlIdentity(project=str(self.crawler.settings.get("BOT_NAME") or ""),
                                  spider=spider.name, source=self.config.source)
+        # claims load the validators of pages done before (ConditionalRequestMiddleware)
+        self.store.load_validators_with_claims(self.config.conditional_requests)
         try:
             changed = retry_busy("opening", lambda: self.store.open(
                 fingerprinter=self.fingerprints.name, identity=identity,

@@ -40,6 +40,7 @@ def as_earlier_version(path: Path, *, schema_3: bool, journal_mode: str) -> None
     ``schema_3``, also the schema (and no application id) of version 3."""
     conn = sqlite3.connect(path, isolation_level=None)
     if schema_3:
+        conn.execute("DROP TABLE page_validators")  # schema 14
         conn.execute("ALTER TABLE requests DROP COLUMN downloads")  # schema 13
         conn.execute("DROP TABLE robots")  # schema 12
         conn.execute("DROP TABLE record_keys")  # schema 11

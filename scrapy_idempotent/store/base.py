@@ -92,6 +92,7 @@ __all__ = [
     "OutboxOutcome",
     "OutboxRow",
     "OutboxState",
+    "PageValidators",
     "Record",
     "RecordKey",
     "RecordMove",
@@ -241,6 +242,29 @@ class LeasedRequest:
     #: The entry's insertion order, negated for a last-in-first-out entry; so
     #: ``(-priority, is_start, rank)`` orders claimed requests as the claim order does
     rank: int = field(default=0, compare=False)
+    #: the validators its page answered with when it was last done (claims load them only
+    #: with :setting:`IDEMPOTENT_CONDITIONAL_REQUESTS`): None when none are kept
+    validators: PageValidators | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class PageValidators:
+    """What a page answered with, kept per done request for a later run's conditional
+    request: its ``ETag`` and ``Last-Modified`` headers (text, as sent; None when absent) and
+    the sha256 (hex) of its body. A page with neither header is sent unconditionally
+    (``usable`` False), but a sitemap's ``lastmod`` may still skip it."""
+
+    etag: str | None
+    last_modified: str | None
+    body_hash: str = ""
+    #: when the page was last fetched or confirmed unchanged (unix seconds, the store's
+    #: clock; 0 when not known): a sitemap's ``lastmod`` is compared with it
+    fetched_at: float = field(default=0.0, compare=False)
+
+    @property
+    def usable(self) -> bool:
+        """Whether a conditional request can be made from these."""
+        return self.etag is not None or self.last_modified is not None
 
 
 @dataclass(frozen=True)
@@ -257,6 +281,14 @@ class Completion:
     error_message: str | None = None
     data: str | None = None
     priority: int | None = None
+    #: a done page's validators to keep (replacing the earlier ones, with the records and
+    #: the new requests of its page); those of a page that did not end done are forgotten;
+    #: None: nothing changes (the feature is off, or no 2xx answer came)
+    validators: PageValidators | None = None
+    #: the page answered ``304 Not Modified`` to a conditional request: it is done as
+    #: unchanged, its stored records seen in this run and the requests it added when last
+    #: fetched enqueued again
+    not_modified: bool = False
 
 
 @dataclass(frozen=True)
@@ -502,6 +534,10 @@ class CommitResult:
     #: worker decides when a claimed request expires or is too late to send whatever its
     #: wall clock says (skewed from the database server's, or stepped); (0, 0) before a claim
     claimed_at: tuple[float, float] = field(default=(0.0, 0.0), compare=False)
+    #: pages done as unchanged (``304 Not Modified``)
+    pages_not_modified: int = 0
+    #: requests of those pages' last fetches enqueued again (new, or due again, or known)
+    requests_relinked: int = 0
 
 
 @dataclass(frozen=True)
@@ -693,6 +729,15 @@ class FrontierStore(ABC):
 
     @abstractmethod
     def lease_holders(self) -> list[LeaseHolder]: ...
+
+    # -- conditional requests -------------------------------------------------------------
+    #: claims load the validators of the pages they lease (LeasedRequest.validators)
+    claims_load_validators: bool = False
+
+    def load_validators_with_claims(self, on: bool) -> None:
+        """Whether claims load the validators of the pages they lease, for conditional
+        requests (:setting:`IDEMPOTENT_CONDITIONAL_REQUESTS`)."""
+        self.claims_load_validators = on
 
     # -- download slots (politeness for the whole crawl) ----------------------------------
     #: the limits claims keep per slot; None: claims take the head of the frontier whatever

@@ -7,7 +7,7 @@ from __future__ import annotations
 __all__ = ["ALL_COUNTERS", "APPLICATION", "COUNTERS", "LOADED", "MIGRATIONS", "SCHEMA_VERSION",
            "TABLES"]
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 #: ``meta.application`` of a schema this package made.
 APPLICATION = "scrapy_idempotent"
 
@@ -246,6 +246,21 @@ MIGRATIONS: list[list[str]] = [
         """ALTER TABLE requests ADD COLUMN downloads integer NOT NULL DEFAULT 0""",
         """UPDATE requests SET downloads = greatest(attempts - replays, 0)""",
     ],
+    [
+        # Conditional requests: per request done with validators (ETag, Last-Modified) what
+        # its page answered with and produced (its records' IDs and the requests it added,
+        # JSON lists), kept from run to run; a 304 answer is completed from it.
+        """CREATE TABLE page_validators (
+            key text COLLATE "C" PRIMARY KEY,
+            etag text,
+            last_modified text,
+            body_hash text NOT NULL,
+            record_ids text NOT NULL,
+            children text NOT NULL,
+            run_id bigint NOT NULL,
+            stored_at double precision NOT NULL
+        )""",
+    ],
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
@@ -263,6 +278,7 @@ TABLES[7] = TABLES[6] | {"slots"}
 TABLES[8] = TABLES[7] | {"record_keys"}
 TABLES[9] = TABLES[8] | {"robots"}
 TABLES[10] = TABLES[9]
+TABLES[11] = TABLES[10] | {"page_validators"}
 assert set(TABLES) == set(range(1, SCHEMA_VERSION + 1))
 
 #: The counters of a session row a page commit adds to: its worker's share of the run's
@@ -289,6 +305,8 @@ LOADED: dict[str, tuple[str, ...]] = {
                "attempts", "due_at", "settled_at", "detail"),
     "record_keys": ("record_type", "item_type", "fields", "recorded_at"),
     "robots": ("netloc", "url", "status", "body", "fetched_at"),
+    "page_validators": ("key", "etag", "last_modified", "body_hash", "record_ids", "children",
+                        "run_id", "stored_at"),
     "samples": ("run_id", "slot", "at", "leased", "done", "failed", "redirected",
                 "records_inserted", "records_updated", "records_unchanged", "records_stale",
                 "leases_reclaimed", "leases_lost", "in_flight"),

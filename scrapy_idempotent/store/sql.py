@@ -99,6 +99,7 @@ from .rules import (
     window_start,
 )
 from .sql_outbox import SqlOutbox
+from .sql_pages import SqlPageValidators
 
 __all__ = ["Answer", "SqlStore"]
 
@@ -227,7 +228,7 @@ def _limits_of(limits: SlotLimits, slot: str) -> tuple[int, float]:
     return limits.concurrency, limits.delay_seconds
 
 
-class SqlStore(SqlOutbox, FrontierStore):
+class SqlStore(SqlOutbox, SqlPageValidators, FrontierStore):
     """The :class:`~.FrontierStore` statements every SQL backend shares (see the module
     docstring for what a backend gives)."""
 
@@ -514,8 +515,15 @@ class SqlStore(SqlOutbox, FrontierStore):
         # leased before are its own run's, and fenced if that frontier is gone)
         latest = (self._send(cur, "SELECT max(run_id) FROM runs")
                   if self.run_id is not None and work.claim else None)
+        # pages answered 304: what they produced when last fetched (their requests are
+        # enqueued again as this transaction's, their records seen)
+        unchanged = self._unchanged_pages(cur, work.completions)
+        requests = work.requests
+        if unchanged:
+            requests = requests + [new for _, children in unchanged.values()
+                                   for new in children]
         fence = self._send_fence(cur, work, worker)
-        lookups = self._send_lookups(cur, work.requests)
+        lookups = self._send_lookups(cur, requests)
         lost = fence()
         if latest is not None:
             newest = latest()[0][0]
@@ -524,11 +532,17 @@ class SqlStore(SqlOutbox, FrontierStore):
                 run_id = int(newest)
                 self._join_run(cur, worker, run_id, now)
                 result.run_id = run_id
-        requests = [r for r in work.requests if r.parent_key not in lost] if lost \
-            else work.requests
+        if lost:
+            requests = [r for r in requests if r.parent_key not in lost]
+            unchanged = {key: page for key, page in unchanged.items() if key not in lost}
         inserted = self._insert_requests(cur, requests, now, run_id, result, lookups)
         records = [r for r in work.records if r[1] not in lost] if lost else work.records
         changes = self._upsert_records(cur, records, now, run_id, result)
+        if unchanged:
+            self._see_unchanged(cur, unchanged, run_id, now, result)
+            result.pages_not_modified += len(unchanged)
+            result.requests_relinked += sum(len(children) for _, children in unchanged.values())
+        self._keep_validators(cur, work.completions, requests, records, lost, run_id, now)
         if work.outbox_targets and changes:
             self._write_outbox(cur, changes, work.outbox_targets, now, run_id, result)
         state_changes = [change for change, key in work.state_changes if key not in lost]
@@ -562,6 +576,7 @@ class SqlStore(SqlOutbox, FrontierStore):
                             " attempts = attempts - 1", work.give_back, worker)
         if work.claim:
             self._claim(cur, worker, work.claim, now, result)
+            self._load_validators(cur, result)
         added = inserted[0]()  # the keys inserted; the others: inserted meanwhile elsewhere
         result.requests_added += added
         result.requests_duplicate += inserted[1] - added
@@ -1384,6 +1399,8 @@ class SqlStore(SqlOutbox, FrontierStore):
                     f"read, {count} now): a crawl wrote meanwhile; nothing was changed")
             self._rekey_records(cur, change)
             self._rekey_outbox(cur, change.outbox)
+            # pages' validators name their records by the old IDs: fetched in full next time
+            cur.execute("DELETE FROM page_validators")
             cur.execute("DELETE FROM record_keys")
             now = self.clock()
             cur.executemany(self._q(

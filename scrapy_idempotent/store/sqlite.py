@@ -49,7 +49,7 @@ __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 
 #: Schema migrations: ``_MIGRATIONS[n]`` brings version n to n + 1, one transaction each.
 _MIGRATIONS: list[list[str]] = [
@@ -303,6 +303,21 @@ _MIGRATIONS: list[list[str]] = [
         """ALTER TABLE requests ADD COLUMN downloads INTEGER NOT NULL DEFAULT 0""",
         """UPDATE requests SET downloads = max(attempts - replays, 0)""",
     ],
+    [
+        # Conditional requests: per request done with validators (ETag, Last-Modified) what
+        # its page answered with and produced (its records' IDs and the requests it added,
+        # JSON lists), kept from run to run; a 304 answer is completed from it.
+        """CREATE TABLE page_validators (
+            key TEXT PRIMARY KEY,
+            etag TEXT,
+            last_modified TEXT,
+            body_hash TEXT NOT NULL,
+            record_ids TEXT NOT NULL,
+            children TEXT NOT NULL,
+            run_id INTEGER NOT NULL,
+            stored_at REAL NOT NULL
+        ) WITHOUT ROWID""",
+    ],
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -325,6 +340,7 @@ _TABLES: dict[int, frozenset[str]] = {1: _TABLES_1, 2: _TABLES_1 | {"feeds"},
                                       12: _TABLES_1 | {"feeds", "outbox", "samples", "slots",
                                                        "record_keys", "robots"}}
 _TABLES[13] = _TABLES[12]
+_TABLES[14] = _TABLES[13] | {"page_validators"}
 assert set(_TABLES) == set(range(1, SCHEMA_VERSION + 1))
 #: Schema versions written before the application id was (files of those have none).
 _BEFORE_APPLICATION_ID = frozenset({1, 2, 3})

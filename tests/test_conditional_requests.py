@@ -1,0 +1,276 @@
+"""Conditional requests in real crawls of a static site (nginx when installed): a recrawl
+after 1% of the products changed downloads the changed pages only, updates exactly their
+records, sees every other record unchanged and writes an exact feed; a site that ignores
+validators is crawled as without them; Scrapy's HTTP cache and the conditional requests do
+not fool each other."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import scrapy
+from local_site import LocalSite, Received
+from scrapy.utils.defer import deferred_f_from_coro_f
+from static_shop import (
+    SitemapShopSpider,
+    StaticShopSpider,
+    StaticSite,
+    change_products,
+    new_price,
+    old_price,
+    shop_settings,
+    sku,
+    write_shop,
+    write_sitemap,
+)
+
+from crawling import kill_crawls, run_crawl
+from helpers.stored import run_products, stored_products
+from scrapy_idempotent.conditional import not_modified_since
+
+LISTINGS, PER_PAGE = 10, 30
+PRODUCTS = LISTINGS * PER_PAGE
+PAGES = PRODUCTS + LISTINGS
+CHANGED = [7, 150, 283]  # 1% of the products
+STATIC_SHOP = Path(__file__).resolve().parent / "static_shop.py"
+
+
+def feed(path: Path) -> dict[str, int]:
+    """sku -> price of a JSON lines feed (every sku once)."""
+    entries = [json.loads(line) for line in path.read_text().splitlines()]
+    prices = {e["sku"]: e["price"] for e in entries}
+    assert len(prices) == len(entries), "an entry twice in the feed"
+    return prices
+
+
+def expected_prices(changed: list[int]) -> dict[str, int]:
+    return {sku(n): new_price(n) if n in changed else old_price(n)
+            for n in range(1, PRODUCTS + 1)}
+
+
+async def crawl(site: StaticSite, database: str, feed_path: Path, **settings: Any) -> Any:
+    crawler = await run_crawl(StaticShopSpider, shop_settings(
+        database, FEEDS={str(feed_path): {"format": "jsonlines"}}, **settings), url=site.url)
+    assert crawler.stats.get_value("finish_reason") == "finished"
+    return crawler.stats
+
+
+@deferred_f_from_coro_f
+async def test_a_recrawl_downloads_only_what_changed(tmp_path: Path,
+                                                    crawl_database: str) -> None:
+    write_shop(tmp_path / "site", listings=LISTINGS, per_page=PER_PAGE)
+    with StaticSite(tmp_path / "site", tmp_path / "nginx") as site:
+        full = await crawl(site, crawl_database, tmp_path / "run1.jsonl")
+        assert full.get_value("idempotent/conditional/sent") is None  # nothing known yet
+        assert feed(tmp_path / "run1.jsonl") == expected_prices([])
+        change_products(tmp_path / "site", CHANGED)
+        recrawl = await crawl(site, crawl_database, tmp_path / "run2.jsonl")
+    get = recrawl.get_value
+    assert get("idempotent/conditional/sent") == PAGES
+    assert get("idempotent/conditional/not_modified") == PAGES - len(CHANGED)
+    assert get("downloader/response_status_count/200") == len(CHANGED)
+    assert get("idempotent/records/updated") == len(CHANGED)
+    assert get("idempotent/records/unchanged") == PRODUCTS - len(CHANGED)
+    assert get("idempotent/records/inserted") is None
+    assert get("idempotent/requests/done") == PAGES
+    # the bytes received: the changed pages and a header per unchanged page
+    full_bytes = full.get_value("downloader/response_bytes")
+    assert get("downloader/response_bytes") <= 0.05 * full_bytes, (
+        get("downloader/response_bytes"), full_bytes)
+    # the recrawl's feed holds every product once, the changed ones at their new price
+    assert feed(tmp_path / "run2.jsonl") == expected_prices(CHANGED)
+    assert {p["sku"]: p["price"] for p in run_products(crawl_database, 2)} \
+        == expected_prices(CHANGED)
+
+
+@deferred_f_from_coro_f
+async def test_a_site_ignoring_validators_is_crawled_as_without_them(
+    tmp_path: Path, crawl_database: str
+) -> None:
+    write_shop(tmp_path / "site", listings=LISTINGS, per_page=PER_PAGE)
+    with StaticSite(tmp_path / "site", tmp_path / "nginx", honour_validators=False) as site:
+        await crawl(site, crawl_database, tmp_path / "run1.jsonl")
+        change_products(tmp_path / "site", CHANGED)
+        recrawl = await crawl(site, crawl_database, tmp_path / "run2.jsonl")
+    get = recrawl.get_value
+    assert get("idempotent/conditional/not_modified") is None
+    assert get("downloader/response_status_count/200") == PAGES
+    assert (get("idempotent/records/updated"), get("idempotent/records/unchanged")) \
+        == (len(CHANGED), PRODUCTS - len(CHANGED))
+    assert feed(tmp_path / "run2.jsonl") == expected_prices(CHANGED)
+
+
+@deferred_f_from_coro_f
+async def test_scrapy_http_cache_and_conditional_requests_do_not_fool_each_other(
+    tmp_path: Path,
+) -> None:
+    database = str(tmp_path / "crawl.sqlite3")
+    write_shop(tmp_path / "site", listings=2, per_page=10)
+    cache = {"HTTPCACHE_ENABLED": True, "HTTPCACHE_DIR": str(tmp_path / "cache")}
+    with StaticSite(tmp_path / "site", tmp_path / "nginx") as site:
+        await crawl(site, database, tmp_path / "run1.jsonl")
+        change_products(tmp_path / "site", [3])
+        # an empty cache (Scrapy's default policy stores every answer): the 304s asked for
+        # are not stored as the pages
+        second = await crawl(site, database, tmp_path / "run2.jsonl", **cache)
+        assert second.get_value("idempotent/conditional/not_modified") == 21
+        assert second.get_value("httpcache/store") == 1  # the changed page only
+        # the cache answers the page it stored; the others are asked conditionally again
+        third = await crawl(site, database, tmp_path / "run3.jsonl", **cache)
+        assert third.get_value("httpcache/hit") == 1
+        assert third.get_value("idempotent/conditional/not_modified") == 21
+        assert third.get_value("idempotent/requests/failed") is None
+        # RFC 2616 policy: the cache's own conditional requests are its own
+        rfc = {**cache, "HTTPCACHE_POLICY": "scrapy.extensions.httpcache.RFC2616Policy",
+               "HTTPCACHE_DIR": str(tmp_path / "rfc-cache")}
+        fourth = await crawl(site, database, tmp_path / "run4.jsonl", **rfc)
+        assert fourth.get_value("idempotent/requests/failed") is None
+    prices = {n: new_price(n) if n == 3 else old_price(n) for n in range(1, 21)}
+    for run in ("run2", "run3", "run4"):
+        assert feed(tmp_path / f"{run}.jsonl") == {sku(n): p for n, p in prices.items()}
+    assert {p["sku"]: p["price"] for p in stored_products(database)} \
+        == {sku(n): p for n, p in prices.items()}
+
+
+@pytest.mark.slow
+def test_kills_during_a_recrawl_repeat_only_what_was_in_flight(tmp_path: Path,
+                                                               crawl_database: str) -> None:
+    listings, per_page, kills, concurrency = 5, 20, 5, 8
+    products = listings * per_page
+    write_shop(tmp_path / "site", listings=listings, per_page=per_page)
+
+    def command(url: str, feed: str) -> list[str]:
+        return [sys.executable, str(STATIC_SHOP), "--url", url, "--db", crawl_database,
+                "-s", "FEEDS=" + json.dumps({str(tmp_path / feed): {"format": "jsonlines"}}),
+                "-s", f"CONCURRENT_REQUESTS={concurrency}"]
+
+    with StaticSite(tmp_path / "site", tmp_path / "nginx") as site:
+        first = subprocess.run([*command(site.url, "run-1.jsonl"),
+                                "-s", f"LOG_FILE={tmp_path / 'first.log'}"],
+                               cwd=tmp_path, stdin=subprocess.DEVNULL, timeout=300)
+        assert first.returncode == 0
+        change_products(tmp_path / "site", [1, 42])
+        before = site.request_count
+        kill_crawls(site, command(site.url, "run-2.jsonl"), tmp_path, random.Random(41),
+                    kills)
+        recrawl_requests = site.request_count - before
+    # each kill repeats at most the requests on the wire (a 304 received before a kill is
+    # journaled, not asked again)
+    assert recrawl_requests <= products + listings + kills * concurrency
+    prices = {sku(n): new_price(n) if n in (1, 42) else old_price(n)
+              for n in range(1, products + 1)}
+    assert {p["sku"]: p["price"] for p in run_products(crawl_database, 2)} == prices
+    entries = [json.loads(line)
+               for line in (tmp_path / "run-2.jsonl").read_text().splitlines()]
+    assert {e["sku"]: e["price"] for e in entries} == prices
+    assert len(entries) == products
+
+
+class CallsSpider(scrapy.Spider):
+    """Fetches ``/v/plain``, ``/v/opt-out`` (meta ``idempotent_conditional = False``) and
+    ``/v/moved``; records each callback and errback call in ``calls``."""
+
+    name = "calls"
+    custom_settings: ClassVar[dict[str, Any]] = {"IDEMPOTENT_NATURAL_KEYS": {"dict": "url"}}
+    calls: ClassVar[list[str]] = []
+
+    def __init__(self, url: str = "", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.base = url
+
+    async def start(self) -> Any:
+        yield scrapy.Request(f"{self.base}/v/plain", errback=self.failed)
+        yield scrapy.Request(f"{self.base}/v/opt-out", errback=self.failed,
+                             meta={"idempotent_conditional": False})
+        yield scrapy.Request(f"{self.base}/v/moved", errback=self.failed)
+
+    def parse(self, response: Any) -> Any:
+        self.calls.append(f"parse {response.status} {response.url.split('/v/')[1]}")
+        yield {"url": response.url}
+
+    def failed(self, failure: Any) -> None:
+        self.calls.append(f"errback {failure.request.url}")
+
+
+@deferred_f_from_coro_f
+async def test_no_callback_for_a_304_opt_out_and_redirects(tmp_path: Path) -> None:
+    received: dict[str, list[dict[str, str]]] = {}
+    moved = [False]
+
+    def validated(path: str) -> Any:
+        def answer(request: Received) -> tuple[int, dict[str, str], str]:
+            received.setdefault(path, []).append(dict(request.headers))
+            if moved[0] and path == "/v/moved":
+                return 301, {"Location": "/v/target", "Content-Type": "text/html"}, ""
+            headers = {"ETag": '"v1"', "Content-Type": "text/html"}
+            if request.headers.get("If-None-Match") == '"v1"':
+                return 304, headers, ""
+            return 200, headers, f"<html><body>{path}</body></html>"
+        return answer
+
+    database = str(tmp_path / "crawl.sqlite3")
+    with LocalSite() as site:
+        for path in ("/v/plain", "/v/opt-out", "/v/moved", "/v/target"):
+            site.add_responder(path, validated(path))
+        await run_crawl(CallsSpider, shop_settings(database), url=site.url)
+        assert sorted(CallsSpider.calls) == ["parse 200 moved", "parse 200 opt-out",
+                                             "parse 200 plain"]
+        CallsSpider.calls.clear()
+        moved[0] = True
+        second = await run_crawl(CallsSpider, shop_settings(database), url=site.url)
+    # the unchanged page: no callback, no errback; the opted-out one: sent plain, parsed
+    assert sorted(CallsSpider.calls) == ["parse 200 opt-out", "parse 200 target"]
+    assert second.stats.get_value("idempotent/conditional/not_modified") == 1
+    assert "If-None-Match" not in received["/v/opt-out"][-1]
+    # the redirect of a conditional request is not conditional
+    assert received["/v/moved"][-1].get("If-None-Match") == '"v1"'
+    assert "If-None-Match" not in received["/v/target"][-1]
+
+
+@deferred_f_from_coro_f
+async def test_a_sitemap_lastmod_skips_pages_not_changed_since_their_fetch(
+    tmp_path: Path, crawl_database: str
+) -> None:
+    write_shop(tmp_path / "site", listings=1, per_page=20)
+    old = (datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=10)).date()
+    lastmods = {sku(n): old.isoformat() for n in range(1, 21)}
+    with StaticSite(tmp_path / "site", tmp_path / "nginx") as site:
+        write_sitemap(tmp_path / "site", site.url, lastmods)
+        settings = shop_settings(crawl_database)
+        first = await run_crawl(SitemapShopSpider, settings, url=site.url)
+        assert first.stats.get_value("idempotent/records/inserted") == 20
+        change_products(tmp_path / "site", [3])
+        lastmods[sku(3)] = (datetime.datetime.now(datetime.timezone.utc)
+                            + datetime.timedelta(minutes=1)).isoformat(timespec="seconds")
+        write_sitemap(tmp_path / "site", site.url, lastmods)
+        before = site.request_count
+        second = await run_crawl(SitemapShopSpider, settings, url=site.url)
+        # the site saw the sitemap (changed) and the changed product, nothing else
+        assert site.request_count - before == 2
+    get = second.stats.get_value
+    assert get("idempotent/sitemap/skipped") == 19
+    assert (get("idempotent/records/updated"), get("idempotent/records/unchanged")) == (1, 19)
+    assert {p["sku"]: p["price"] for p in run_products(crawl_database, 2)} == {
+        sku(n): new_price(n) if n == 3 else old_price(n) for n in range(1, 21)}
+
+
+@pytest.mark.parametrize(("lastmod", "fetched_at", "skipped"), [
+    ("2026-12-01", datetime.datetime(2026, 12, 2, tzinfo=datetime.timezone.utc), True),
+    ("2026-12-01", datetime.datetime(2026, 12, 1, 23, tzinfo=datetime.timezone.utc), False),
+    ("2026-12-01T10:00:00+01:00",
+     datetime.datetime(2026, 12, 1, 9, 30, tzinfo=datetime.timezone.utc), True),
+    ("2026-12-01T10:00:00Z",
+     datetime.datetime(2026, 12, 1, 9, 30, tzinfo=datetime.timezone.utc), False),
+    ("2026-12", datetime.datetime(2027, 1, 1, tzinfo=datetime.timezone.utc), False),
+    ("yesterday", datetime.datetime(2027, 1, 1, tzinfo=datetime.timezone.utc), False),
+])
+def test_lastmod_against_the_last_fetch(lastmod: str, fetched_at: datetime.datetime,
+                                        skipped: bool) -> None:
+    assert not_modified_since(lastmod, fetched_at.timestamp()) is skipped

@@ -1,0 +1,162 @@
+"""Pages' validators at the store level (no Scrapy): kept with a done page, loaded with the
+claims of a later run, and a page answered ``304 Not Modified`` completed from them in its
+page transaction. Part of the store contract: every test runs against each store backend."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from conftest import FakeClock as Clock
+
+from scrapy_idempotent.store import (
+    Completion,
+    FrontierStore,
+    NewRequest,
+    RequestState,
+    UnitOfWork,
+)
+from scrapy_idempotent.store.base import PageValidators, Record
+
+Stores = Callable[..., FrontierStore]
+VALIDATORS = PageValidators('"5f-1a2b"', "Sat, 05 Dec 2026 10:00:00 GMT", "ab" * 32)
+
+
+def new(name: str, parent: str | None = None) -> NewRequest:
+    return NewRequest(key=name, fingerprint=name, url=f"https://example.com/{name}",
+                      priority=0, data=f'{{"url": "{name}"}}', parent_key=parent,
+                      is_start=parent is None)
+
+
+def record(n: int, price: int = 1) -> Record:
+    return Record(record_id=f"r{n}", source="s", natural_key=f'["{n}"]', item_type="Product",
+                  data=f'{{"sku": "{n}", "price": {price}}}', content_hash=f"h{n}-{price}")
+
+
+def open_store(store_factory: Stores, clock: Clock, worker: str = "w1",
+               **kwargs: Any) -> FrontierStore:
+    store = store_factory(clock=clock, **kwargs)
+    store.open(fingerprinter="f")
+    store.load_validators_with_claims(True)
+    store.begin_session(worker, "auto")
+    return store
+
+
+def claim_one(store: FrontierStore, worker: str = "w1") -> Any:
+    (leased,) = store.commit(UnitOfWork(claim=1), worker).leased
+    store.commit(UnitOfWork(started=[leased.key]), worker)
+    return leased
+
+
+def first_run(store: FrontierStore) -> None:
+    """Run 1: the listing page (with validators) adds two products and stores a record;
+    each product stores its own."""
+    store.commit(UnitOfWork(requests=[new("list")]), "w1")
+    listing = claim_one(store)
+    assert listing.validators is None  # never done before
+    store.commit(UnitOfWork(
+        requests=[new("p1", "list"), new("p2", "list")],
+        records=[(record(0), "list")],
+        completions=[Completion("list", RequestState.DONE, validators=VALIDATORS)]), "w1")
+    for _ in (1, 2):
+        product = claim_one(store)
+        n = int(product.key[1:])
+        store.commit(UnitOfWork(records=[(record(n), product.key)], completions=[
+            Completion(product.key, RequestState.DONE, validators=VALIDATORS)]), "w1")
+    store.end_session("w1", "finished")
+
+
+def test_a_304_completes_the_page_from_what_it_produced_last_time(
+    store_factory: Stores,
+) -> None:
+    clock = Clock(1000.0)
+    store = open_store(store_factory, clock)
+    first_run(store)
+    clock.now += 100
+    assert store.begin_session("w1", "auto").run_id == 2
+    store.commit(UnitOfWork(requests=[new("list")]), "w1")
+    listing = claim_one(store)
+    assert listing.validators == VALIDATORS  # loaded with the claim
+    result = store.commit(UnitOfWork(completions=[
+        Completion("list", RequestState.DONE, not_modified=True)]), "w1")
+    # its products are enqueued again, its record seen (unchanged) in run 2
+    assert (result.pages_not_modified, result.requests_relinked,
+            result.requests_added, result.records_unchanged) == (1, 2, 2, 1)
+    assert [r.record_id for r in store.run_records(2)] == ["r0"]
+    products = [claim_one(store), claim_one(store)]
+    assert sorted(p.key for p in products) == ["p1", "p2"]
+    assert all(p.validators == VALIDATORS for p in products)
+    store.commit(UnitOfWork(completions=[
+        Completion("p1", RequestState.DONE, not_modified=True)]), "w1")
+    store.commit(UnitOfWork(records=[(record(2, price=2), "p2")], completions=[
+        Completion("p2", RequestState.DONE, validators=VALIDATORS)]), "w1")
+    store.end_session("w1", "finished")
+    (_, run) = store.runs()
+    assert (run.done, run.records_updated, run.records_unchanged) == (3, 1, 2)
+    assert sorted(r.record_id for r in store.run_records(2)) == ["r0", "r1", "r2"]
+    # the unchanged page keeps its requests for the run after
+    clock.now += 100
+    store.begin_session("w1", "auto")
+    store.commit(UnitOfWork(requests=[new("list")]), "w1")
+    claim_one(store)
+    assert store.commit(UnitOfWork(completions=[
+        Completion("list", RequestState.DONE, not_modified=True)]), "w1").requests_added == 2
+
+
+def test_a_304_of_a_lost_lease_writes_nothing(store_factory: Stores) -> None:
+    clock = Clock(1000.0)
+    store = open_store(store_factory, clock)
+    first_run(store)
+    store.begin_session("w1", "auto")
+    store.commit(UnitOfWork(requests=[new("list")]), "w1")
+    claim_one(store)
+    store.release_leases(["w1"])  # its lease lost; another worker takes the page
+    other = open_store(store_factory, clock, "w2")
+    assert claim_one(other, "w2").key == "list"
+    result = store.commit(UnitOfWork(completions=[
+        Completion("list", RequestState.DONE, not_modified=True)]), "w1")
+    assert (result.leases_lost, result.requests_added, result.records_unchanged) == (1, 0, 0)
+    assert list(store.run_records(2)) == []
+
+
+def test_a_page_that_ends_otherwise_forgets_its_validators(store_factory: Stores) -> None:
+    clock = Clock(1000.0)
+    store = open_store(store_factory, clock)
+    first_run(store)
+    store.begin_session("w1", "auto")
+    store.commit(UnitOfWork(requests=[new("list")]), "w1")
+    claim_one(store)
+    # answered 200 with new validators, then its callback failed
+    store.commit(UnitOfWork(completions=[
+        Completion("list", RequestState.FAILED, "spider_error/ValueError", "boom",
+                   validators=PageValidators('"new"', None, "cd" * 32))]), "w1")
+    store.end_session("w1", "finished")
+    store.begin_session("w1", "auto")
+    store.commit(UnitOfWork(requests=[new("list")]), "w1")
+    assert claim_one(store).validators is None  # fetched in full next time
+
+
+def test_a_page_without_validators_is_kept_unusable(store_factory: Stores) -> None:
+    clock = Clock(1000.0)
+    store = open_store(store_factory, clock)
+    store.commit(UnitOfWork(requests=[new("list")]), "w1")
+    claim_one(store)
+    store.commit(UnitOfWork(completions=[Completion(
+        "list", RequestState.DONE, validators=PageValidators(None, None, "ef" * 32))]), "w1")
+    store.end_session("w1", "finished")
+    store.begin_session("w1", "auto")
+    store.commit(UnitOfWork(requests=[new("list")]), "w1")
+    validators = claim_one(store).validators
+    # sent unconditionally; what it produced kept (a sitemap's lastmod may skip it)
+    assert validators is not None and not validators.usable
+    assert validators.fetched_at == 1000.0
+
+
+def test_claims_load_no_validators_unless_asked(store_factory: Stores) -> None:
+    clock = Clock(1000.0)
+    store = open_store(store_factory, clock)
+    first_run(store)
+    store.load_validators_with_claims(False)
+    store.begin_session("w1", "auto")
+    store.commit(UnitOfWork(requests=[new("list")]), "w1")
+    assert claim_one(store).validators is None
