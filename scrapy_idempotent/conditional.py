@@ -117,6 +117,8 @@ class ConditionalRequestMiddleware:
 
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> Self:
+        if crawler.spider is None:  # built outside a crawl (Scrapy's own tests)
+            raise NotConfigured
         with start_failure_exits_nonzero(crawler):
             config = config_for(crawler)
         if not config.conditional_requests:  # (off by default: no warning for it)
@@ -198,6 +200,8 @@ class SitemapLastmodMiddleware:
 
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> Self:
+        if crawler.spider is None:  # built outside a crawl (Scrapy's own tests)
+            raise NotConfigured
         with start_failure_exits_nonzero(crawler):
             config = config_for(crawler)
         if not (config.conditional_requests and config.sitemap_lastmod):

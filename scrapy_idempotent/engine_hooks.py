@@ -164,11 +164,17 @@ def _hooked_methods(engine: Any) -> list[tuple[Any, HookedMethod]]:
 def shape_problem(function: Any, method: HookedMethod) -> str | None:
     """How ``function`` (the method as found, bound) differs from the shape the hooks rely
     on (``method``), None when it does not: the first difference, in words."""
+    if not (inspect.isfunction(function) or inspect.ismethod(function)):
+        return None  # not a Python function (a test's mock): nothing to judge
     try:
         signature = inspect.signature(function)
     except (TypeError, ValueError):
         return "its signature cannot be read"
-    if inspect.iscoroutinefunction(function) != method.coroutine:
+    kinds = {p.kind for p in signature.parameters.values()}
+    # (*args, **kwargs): a wrapper (or a test's stand-in) may return an awaitable whatever
+    # it is; its other parameters are still judged
+    generic = {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} <= kinds
+    if not generic and inspect.iscoroutinefunction(function) != method.coroutine:
         return ("it is a coroutine function" if not method.coroutine
                 else "it is not a coroutine function")
     parameters = list(signature.parameters.values())
@@ -176,7 +182,10 @@ def shape_problem(function: Any, method: HookedMethod) -> str | None:
                    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     count = len(method.positional)
     shown = f"its parameters are ({_shown(signature)})"
-    if tuple(p.name.lstrip("_") for p in by_position[:count]) != method.positional:
+    names = tuple(p.name.lstrip("_") for p in by_position[:count])
+    takes_args = any(p.kind is p.VAR_POSITIONAL for p in parameters)
+    if names != method.positional and not (  # a wrapper's (*args) takes the rest
+            takes_args and method.positional[:len(names)] == names):
         return shown
     rest = [p for p in parameters if p not in by_position[:count]
             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]

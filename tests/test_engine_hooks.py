@@ -128,7 +128,7 @@ def _with_spider(self: Any, *args: Any) -> None:
     """A private method that grew a required parameter."""
 
 
-async def _a_coroutine(self: Any, *args: Any, **kwargs: Any) -> None:
+async def _a_coroutine(self: Any, *args: Any) -> None:
     """A private method that became a coroutine function."""
 
 
@@ -175,4 +175,25 @@ def test_an_engine_whose_slot_takes_no_attributes_is_refused() -> None:
     engine._slot = SlotWithSlots(engine._slot.nextcall)
     with pytest.raises(UnsupportedScrapy, match=r"ExecutionEngine\._slot\.remove_request\("
                        r"request\) \(its object takes no instance attribute"):
+        check_engine(engine)
+
+
+@pytest.mark.parametrize(("path", "method"), _used_methods())
+def test_a_mock_or_a_wrapper_taking_any_arguments_is_accepted(
+        path: str, method: HookedMethod, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scrapy's own tests patch these methods with mocks, and a project may wrap one with
+    ``(*args, **kwargs)``: neither shows a shape to refuse."""
+    from unittest import mock
+
+    engine = _engine()
+    cls = type(_owner(engine, path))
+
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        pass
+
+    async def async_wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        pass
+
+    for replacement in (mock.MagicMock(), wrapper, async_wrapper):
+        monkeypatch.setattr(cls, method.name, replacement)
         check_engine(engine)
