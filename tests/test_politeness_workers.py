@@ -33,6 +33,8 @@ SPIDER = Path(__file__).resolve().parent / "sites_spider.py"
 #: the sites' measuring resolution (their accept loop and clock): a gap may look this much
 #: shorter than it was at the worker
 RESOLUTION = 0.02
+#: how much later than sent a loaded machine may read a request at the site
+ARRIVAL_JITTER = 0.1
 
 
 def start_worker(sites: Sequence[LocalSite], database: str, log: Path, pages: int,
@@ -198,7 +200,10 @@ def test_a_worker_whose_clock_is_off_keeps_the_limits_and_finishes(
     busy, other, delayed = crawled
     assert busy.most_in_flight <= 2 and other.most_in_flight <= 2
     assert delayed.most_in_flight == 1
-    assert min(alone) >= 0.5 - RESOLUTION, alone
+    # measured at the site, whose accept loop shares a loaded machine with the workers: a
+    # request it reads late makes the next gap look shorter by as much (a clock off by 0.2 s
+    # or more shows far beyond this)
+    assert min(alone) >= 0.5 - ARRIVAL_JITTER, alone
     # (once two workers send, the delay holds between their hand-outs; at the site a
     # request of a worker starved of CPU, another starting beside it, may come closer
     # after the other's: see docs/politeness.rst, Sizing a crawl)
