@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from ._redact import redact_url
+
 __all__ = ["RESERVED_OPTIONS", "KafkaUrl", "parse_kafka_url", "redacted_kafka_url"]
 
 #: Options the queue input sets itself: the URL may not name them. Offsets are committed by
@@ -52,15 +54,4 @@ def parse_kafka_url(url: str) -> KafkaUrl:
 def redacted_kafka_url(url: str) -> str:
     """``url`` as logs and errors show it: the password before the host and every secret
     option (``sasl.password``, ``ssl.key.password``, ...) replaced by ``***``."""
-    shown = re.sub(r"^(kafka://[^/?#@:]*:)[^/?#]*@", r"\1***@", url, count=1)
-    base, mark, rest = shown.partition("?")
-    if not mark:
-        return shown
-    query, hash_, fragment = rest.partition("#")
-    parts = []
-    for part in query.split("&"):
-        name, equals, _ = part.partition("=")
-        if equals and _SECRET.search(unquote(name)):
-            part = f"{name}=***"
-        parts.append(part)
-    return f"{base}?{'&'.join(parts)}{hash_}{fragment}"
+    return redact_url(url, lambda name: bool(_SECRET.search(name)))

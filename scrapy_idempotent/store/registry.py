@@ -22,8 +22,8 @@ import importlib
 import re
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote
 
+from .._redact import redact_url
 from ..exceptions import ConfigError
 from .base import FrontierStore
 
@@ -119,24 +119,11 @@ def redacted(database: str) -> str:
     those libpq takes as query parameters (``?password=***``, ``?sslpassword=***``)."""
     if not _URL.match(database):
         return database  # a path: nothing in it is a password
-    shown = _PASSWORD.sub(r"\1***@", database, count=1)
-    base, mark, rest = shown.partition("?")
-    if not mark:
-        return shown
-    query, hash_, fragment = rest.partition("#")
-    parts = []
-    for part in query.split("&"):
-        name, equals, _ = part.partition("=")
-        if equals and unquote(name).lower() in _SECRET_PARAMETERS:
-            part = f"{name}=***"
-        parts.append(part)
-    return f"{base}?{'&'.join(parts)}{hash_}{fragment}"
+    return redact_url(database, lambda name: name.lower() in _SECRET_PARAMETERS)
 
 
 #: ``scheme://...``
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-#: the password of ``scheme://user:password@host...``
-_PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^/?#@:]*:)[^/?#]*@")
 #: the query parameters of a libpq URI that carry a secret
 _SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
 
