@@ -324,16 +324,21 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         return None
 
     async def _close_after_hooks(self, reason: str) -> None:
-        hook_failed = False
+        failed: str | None = None
         try:
             self.commits.commit(UnitOfWork())
             if not self.health.failed and self.run_id is not None:
-                hook_failed = await self._run_before_end_hooks(reason, self.run_id)
+                failed = await self._run_before_end_hooks(reason, self.run_id)
         finally:
-            self._end_session(reason, finish_run=not hook_failed)
+            # the session ends with the reason the crawl reports (a feed not stored is not
+            # ``finished``), and the run stays open
+            self._end_session(reason if failed is None else failed,
+                              finish_run=failed is None)
 
-    async def _run_before_end_hooks(self, reason: str, run_id: int) -> bool:
-        """Run every :meth:`before_session_end` hook; True when one of them failed."""
+    async def _run_before_end_hooks(self, reason: str, run_id: int) -> str | None:
+        """Run every :meth:`before_session_end` hook; None when none failed, else the reason
+        the close now has (``idempotent_feed_error`` when the feeds were not stored and the
+        crawl had ``finished``)."""
         finishing = False
         if reason == "finished":
             counts = self.store.counts()
@@ -349,11 +354,14 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
                 # an error already reported (feeds not stored) is one line, not a traceback
                 logger.error("scrapy_idempotent: %s", exc,
                              exc_info=not getattr(exc, "reported", False))
-        if hook_failed:  # what the run needed at its close was not done: not a success
-            engine_hooks.exit_nonzero(self.crawler)
-            if failed_reason is not None and reason == "finished":  # not a success
-                engine_hooks.report_close_reason(self.crawler, failed_reason)
-        return hook_failed
+        if not hook_failed:
+            return None
+        # what the run needed at its close was not done: not a success
+        engine_hooks.exit_nonzero(self.crawler)
+        if failed_reason is not None and reason == "finished":
+            engine_hooks.report_close_reason(self.crawler, failed_reason)
+            return str(failed_reason)
+        return reason
 
     def _end_session(self, reason: str, finish_run: bool = True) -> None:
         try:

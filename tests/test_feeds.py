@@ -31,6 +31,7 @@ from helpers.stored import (
     stored_products,
     stored_records,
     stored_runs,
+    stored_sessions,
 )
 from scrapy_idempotent.store import open_store
 from shop.spiders.shop import ShopSpider
@@ -505,6 +506,8 @@ async def test_a_feed_whose_temporary_file_vanished_is_not_stored_and_the_run_st
         assert stats["feedexport/failed_count/FileFeedStorage"] == 1
         assert feed.read_text() == "before\n"
         assert [run.finished_at for run in stored_runs(db)] == [None]
+        # nor does its session, as `scrapy idempotent status` shows it
+        assert [s.reason for s in stored_sessions(db)] == ["idempotent_feed_error"]
         assert not [r for r in caplog.records if r.getMessage().startswith("Stored ")]
         # found only at the close: the crawl does not say it finished
         assert stats["finish_reason"] == "idempotent_feed_error"
