@@ -178,6 +178,9 @@ class FeedSession:
     #: IDEMPOTENT_FEED_STREAMING (local feeds written while the crawl runs, where the store
     #: can)
     streaming: bool
+    #: ``close_before_fetching(reason, failed=...)``: close the spider before anything is
+    #: handed out (a feed that could never be written)
+    close_before_fetching: Callable[..., None]
 
 
 def feed_session(crawler: Crawler) -> FeedSession | None:
@@ -201,4 +204,5 @@ def feed_session(crawler: Crawler) -> FeedSession | None:
                        current_run=lambda: scheduler.run_id,
                        follow_commits=scheduler.writer.follow_commits,
                        lease_seconds=scheduler.config.lease_seconds,
-                       streaming=scheduler.config.feed_streaming)
+                       streaming=scheduler.config.feed_streaming,
+                       close_before_fetching=scheduler.close_before_fetching)

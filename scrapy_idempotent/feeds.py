@@ -136,6 +136,15 @@ class IdempotentFeedExporter(FeedExporter):
         self._session = session
         self._record_id_field = session.record_id_field
         self._worker = session.worker
+        unformattable = self._unformattable_uris(spider)
+        if unformattable:
+            # Scrapy logs its KeyError and crawls without the feed; written from the run at
+            # the close, it would fail every close and keep the run open for ever: stop now
+            logger.error("%s; the crawl stops before fetching anything and the run stays "
+                         "open: correct FEEDS and crawl again", "; ".join(unformattable),
+                         extra={"spider": spider})
+            session.close_before_fetching(FEED_ERROR_REASON, failed=True)
+            return
         session.before_session_end(self.export_run)
         if session.streaming and session.store.STREAMS_FEEDS:
             self._open_streams(spider)
@@ -436,6 +445,26 @@ class IdempotentFeedExporter(FeedExporter):
         run_slot.append_only_remote = (target is None
                                        and getattr(storage, "overwrite", True) is False)
         return run_slot
+
+    def _unformattable_uris(self, spider: Spider) -> list[str]:
+        """Why each feed URI template of FEEDS cannot be formatted for ``spider`` (a
+        placeholder that is neither a spider attribute nor one of Scrapy's, nor set by the
+        feed's ``uri_params`` function)."""
+        now = datetime.now(timezone.utc)
+        problems = []
+        for uri_template, options in self.feeds.items():
+            try:
+                scrapy_compat.feed_uri(uri_template, self._run_uri_params(
+                    spider, options["uri_params"], now, 1))
+            except KeyError as exc:
+                problems.append(
+                    f"FEEDS: the feed URI {uri_template!r} names %({exc.args[0]})s, which is "
+                    "not an attribute of the spider, nor time, batch_time or batch_id, nor "
+                    "set by the feed's uri_params function")
+            except (TypeError, ValueError) as exc:
+                problems.append(f"FEEDS: the feed URI {uri_template!r} cannot be formatted: "
+                                f"{exc}")
+        return problems
 
     def _run_uri_params(self, spider: Spider, function: Any, run_start: datetime,
                         batch_id: int) -> dict[str, Any]:

@@ -98,7 +98,6 @@ class RunCloseSpider(CloseSpider):
         self._reading = False
         self._read_at = float("-inf")  #: time.monotonic() of the last refresh
         self._closing = False
-        self._closed_at_once = False
         if self.run_limits:
             connect = crawler.signals.connect
             connect(self.open_run_limits, signal=signals.spider_opened)
@@ -136,25 +135,13 @@ class RunCloseSpider(CloseSpider):
                 "or start a new one with -s IDEMPOTENT_RUN_MODE=fresh",
                 self.count.base.run_id, reached.removeprefix("closespider_"),
                 extra={"spider": self.crawler.spider})
-            # nothing handed out, and the spider closed once the engine asks for a request
             # (a CloseSpider raised from spider_opened closes it on Scrapy 2.14 and later
-            # only; closing while the engine opens it would leave it half open)
-            scheduler.add_hand_out_gate(lambda in_flight: self._close_at_once(reached))
+            # only)
+            scheduler.close_before_fetching(reached)
             return
         scheduler.add_hand_out_gate(self.room_for)
         self._refresh_task = task.LoopingCall(self._refresh)
         self._refresh_task.start(NEAR_REFRESH_SECONDS, now=False)
-
-    def _close_at_once(self, reason: str) -> bool:
-        """The hand-out gate of a run that reached its limit before this crawl: close the
-        spider (in the next turn of the reactor, once); nothing is handed out."""
-        if not self._closed_at_once:
-            self._closed_at_once = True
-            from twisted.internet import reactor as installed
-
-            reactor: Any = installed
-            reactor.callLater(0, scrapy_compat.close_spider, self.crawler, reason)
-        return False
 
     def room_for(self, in_flight: int) -> bool:
         """Whether one more page may be handed out: the run's items, pages and callback

@@ -475,6 +475,27 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         (:class:`~.run_limits.RunCloseSpider`)."""
         self.hand_out.add_gate(gate)
 
+    def close_before_fetching(self, reason: str, *, failed: bool = False) -> None:
+        """Close the spider with ``reason`` before anything is handed out (``failed``: as a
+        failed crawl, ``scrapy crawl`` exits with 1). Called while the engine opens the
+        spider (from ``spider_opened``), where closing at once would leave it half open on
+        Scrapy 2.13: the spider is closed in the reactor turn after the engine first asks
+        for a request, and nothing is handed out."""
+        closing: list[bool] = []
+
+        def close_at_once(in_flight: int) -> bool:
+            if not closing:
+                closing.append(True)
+                from twisted.internet import reactor as installed
+
+                reactor: Any = installed
+                close = engine_hooks.close_spider_failed if failed else \
+                    scrapy_compat.close_spider
+                reactor.callLater(0, close, self.crawler, reason)
+            return False
+
+        self.add_hand_out_gate(close_at_once)
+
     def request_state(self, fingerprint: str) -> str | None:
         """What this crawl knows of requests with ``fingerprint`` (hex), for inputs that
         wait on a request they fed: ``"buffered"`` (accepted by this worker, written with its

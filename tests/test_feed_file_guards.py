@@ -6,6 +6,7 @@ reports a success it did not have)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -174,4 +175,37 @@ async def test_a_feed_file_lost_between_crawls_fails_the_next_one_then_is_writte
     assert crawler.stats.get_value("idempotent/run_id") == 1
     skus = [json.loads(line)["sku"] for line in feed.read_text().splitlines()]
     assert skus == _run_skus(db) and len(set(skus)) == 500
+    assert [run.reason for run in stored_runs(db)] == ["finished"]
+
+
+@deferred_f_from_coro_f
+async def test_a_feed_uri_with_an_unknown_placeholder_stops_the_crawl_at_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Scrapy logs the ``KeyError`` and crawls without the feed; written from the run, such a
+    feed would fail every close and keep the run open: the crawl stops before fetching, says
+    which placeholder, and the corrected crawl goes on in the same run."""
+    db = tmp_path / "db.sqlite3"
+    wrong = str(tmp_path / "%(shop_name)s.jsonl")  # the spider has no such attribute
+    with LocalSite(listing_pages=2, products_per_page=5) as site:
+        settings = crawl_settings(db, FEEDS={wrong: {"format": "jsonlines"}}, **NATURAL_KEYS)
+        with caplog.at_level(logging.INFO):
+            crawler = await run_crawl(ShopSpider, settings, url=site.url)
+        stats = crawler.stats.get_stats()
+        assert stats["finish_reason"] == "idempotent_feed_error"
+        assert site.request_count == 0
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert errors == [
+            f"FEEDS: the feed URI {wrong!r} names %(shop_name)s, which is not an attribute "
+            "of the spider, nor time, batch_time or batch_id, nor set by the feed's "
+            "uri_params function; the crawl stops before fetching anything and the run "
+            "stays open: correct FEEDS and crawl again"]
+        assert [run.finished_at for run in stored_runs(db)] == [None]
+
+        right = tmp_path / "%(name)s.jsonl"
+        settings["FEEDS"] = {str(right): {"format": "jsonlines"}}
+        crawler = await run_crawl(ShopSpider, settings, url=site.url)
+        assert crawler.stats.get_value("finish_reason") == "finished"
+        assert crawler.stats.get_value("idempotent/run_id") == 1
+    assert len((tmp_path / "shop.jsonl").read_text().splitlines()) == 10
     assert [run.reason for run in stored_runs(db)] == ["finished"]
