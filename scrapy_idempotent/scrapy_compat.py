@@ -78,6 +78,7 @@ __all__ = [
     "spider_loader",
     "start_failure_exits_nonzero",
     "supported_range",
+    "supported_requirement",
     "warn_if_untested",
 ]
 
@@ -102,13 +103,20 @@ def supported_range() -> str:
     return "{}.{} to {}.{}".format(*OLDEST_SUPPORTED, *NEWEST_TESTED)
 
 
+def supported_requirement() -> str:
+    """``"scrapy>=2.13,<2.20"``: the requirement that installs a tested release (a Scrapy
+    too new to have a hook is refused as one too old is, so ``>=`` alone would not do)."""
+    return "scrapy>={}.{},<{}.{}".format(*OLDEST_SUPPORTED, NEWEST_TESTED[0],
+                                         NEWEST_TESTED[1] + 1)
+
+
 def refuse_release(lacks: str) -> UnsupportedScrapy:
     """The error refusing this Scrapy, logged first as one CRITICAL line (as a bad setting
     is), so the reason is the first thing ``scrapy crawl`` says."""
     error = UnsupportedScrapy(
         f"scrapy_idempotent {__version__} supports Scrapy {supported_range()}; the installed "
         f"Scrapy {scrapy.__version__} lacks {lacks}. Install a supported release "
-        f"(pip install 'scrapy>={OLDEST_SUPPORTED[0]}.{OLDEST_SUPPORTED[1]}') or remove "
+        f"(pip install '{supported_requirement()}') or remove "
         "scrapy_idempotent from the settings"
     )
     logger.critical("%s; the crawl was not started", error)

@@ -61,7 +61,7 @@ def test_a_scrapy_without_async_start_is_refused_by_the_add_on(
     message = str(raised.value)
     assert "supports Scrapy 2.13 to 2.19" in message
     assert "Scrapy 2.12.0 lacks the asynchronous Spider.start() (Scrapy 2.13)" in message
-    assert "pip install 'scrapy>=2.13'" in message
+    assert "pip install 'scrapy>=2.13,<2.20'" in message
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.CRITICAL] == [
         f"{message}; the crawl was not started"]
     assert settings["SCHEDULER"] != "scrapy_idempotent.IdempotentScheduler"  # nothing wired
