@@ -49,9 +49,9 @@ if TYPE_CHECKING:
     from ._dupes import DuplicateFilter
     from .codec import RequestCodec
     from .commits import CommitOutcomes
-    from .handout import RecentRequests
     from .inflight import InflightRequest, InflightTracker, RequestOrigin
     from .keys import RequestFingerprints, RequestKeys
+    from .recent_requests import RecentRequests
     from .store.base import FrontierStore
     from .writer import WriterThread
 

@@ -11,9 +11,6 @@ batches not written yet stand in Scrapy's order (:meth:`CommitPath.order_wait`).
 :class:`CommitOutcomes` is what follows a commit, on the reactor thread: the stats of what
 it wrote, the warnings about quarantined requests and lost leases, and the
 :data:`~.signals.request_done` signal of each final state it wrote.
-
-:class:`CrawlHealth` is whether writes may go on (closing, or failed: the spider is closed with
-reason :data:`STORE_ERROR_REASON`).
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from scrapy.utils.url import strip_url
 
-from . import engine_hooks, signals
+from . import signals
 from .exceptions import StoreError
 from .leases import QueueRank, queue_rank, queue_rank_of_new
 from .scrapy_compat import stat_counter
@@ -40,71 +37,23 @@ if TYPE_CHECKING:
 
     from .cookies import CookieKeeper
     from .engine_hooks import EngineWakeup
+    from .health import CrawlHealth
     from .inflight import InflightRequest, InflightTracker
     from .leases import ClaimedRequests
     from .store.base import CommitResult, Completion, FrontierStore, LeasedRequest, NewRequest
 
 __all__ = [
     "COMMIT_ATTEMPTS",
-    "STORE_ERROR_REASON",
     "CommitOutcomes",
     "CommitPath",
-    "CrawlHealth",
     "retry_busy",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: Reason the spider closes with when the store keeps failing.
-STORE_ERROR_REASON = "idempotent_store_error"
 #: How long a write nothing waits for (a download's count) may wait for a page's completion
 #: to go with, before it is sent in a transaction of its own.
 COUNT_LINGER_SECONDS = 0.05
-
-
-class CrawlHealth:
-    """Whether the crawl's writes may go on: not once the scheduler is ``closing``, nor once
-    the store kept failing (``failed``: :meth:`fail` closes the spider, once)."""
-
-    def __init__(self, crawler: Crawler, stats: StatsCollector) -> None:
-        self._crawler = crawler
-        self._stats = stats
-        self.closing = False
-        self.failed = False
-        self._refused = False  #: the store was refused at open; the spider not closed yet
-
-    @property
-    def stopped(self) -> bool:
-        return self.failed or self.closing
-
-    def fail(self, reason: str) -> None:
-        """Close the spider with :data:`STORE_ERROR_REASON` (``reason`` goes to the log and to
-        the ``idempotent/error`` stat)."""
-        if self.failed:
-            return
-        self.failed = True
-        self._stats.set_value("idempotent/error", reason)
-        logger.error("scrapy_idempotent: closing the spider: %s", reason)
-        engine_hooks.close_spider_failed(self._crawler, STORE_ERROR_REASON)
-
-    def fail_at_open(self, reason: str) -> None:
-        """:meth:`fail` for a store refused while the spider opens: from now on nothing is
-        taken or handed out, and the spider is closed with :data:`STORE_ERROR_REASON` when
-        the running engine first asks for a request (:meth:`close_if_refused`): closing it
-        while the engine still opens it would leave Scrapy's scraper and stats half open
-        (four tracebacks, reason ``shutdown``)."""
-        if self.failed:
-            return
-        self.failed = True
-        self._refused = True
-        self._stats.set_value("idempotent/error", reason)
-        logger.error("scrapy_idempotent: closing the spider: %s", reason)
-
-    def close_if_refused(self) -> None:
-        """Close the spider (once) after :meth:`fail_at_open`; nothing otherwise."""
-        if self._refused:
-            self._refused = False
-            engine_hooks.close_spider_failed(self._crawler, STORE_ERROR_REASON)
 
 
 def _adds_pending(work: UnitOfWork) -> bool:

@@ -24,6 +24,7 @@ from scrapy.utils.project import data_path
 from ._kafka_url import redacted_kafka_url
 from ._order import QueueOrder
 from .exceptions import ConfigError
+from .scrapy_compat import per_slot_settings
 from .store.base import RunMode, SlotLimits
 from .store.registry import check_driver, sqlite_path
 
@@ -700,7 +701,7 @@ class IdempotentConfig:
     queue_order: QueueOrder = _SCRAPY_QUEUE_ORDER
     #: IDEMPOTENT_POLITENESS: ``crawl`` (limits kept by the claims) or ``worker``
     politeness: str = "worker"
-    #: the per-slot limits from Scrapy's settings (see :func:`.politeness.slot_limits`)
+    #: the per-slot limits from Scrapy's settings (see :func:`slot_limits`)
     slot_limits: SlotLimits = _DEFAULT_SLOT_LIMITS
     backoff_seconds: float = 10.0
     backoff_max_seconds: float = 600.0
@@ -952,8 +953,6 @@ def _politeness(settings: BaseSettings) -> dict[str, Any]:
         raise ConfigError("IDEMPOTENT_BACKOFF_MAX_SECONDS",
                           _get(settings, "IDEMPOTENT_BACKOFF_MAX_SECONDS"),
                           "at least IDEMPOTENT_BACKOFF_SECONDS")
-    from .politeness import slot_limits
-
     try:
         limits = slot_limits(settings)
     except (TypeError, ValueError, AttributeError):
@@ -970,6 +969,26 @@ def _politeness(settings: BaseSettings) -> dict[str, Any]:
             "backoff_max_seconds": most,
             "robotstxt_max_age_seconds": _number(
                 settings, "IDEMPOTENT_ROBOTSTXT_MAX_AGE_SECONDS", minimum=1, maximum=_YEAR)}
+
+
+def slot_limits(settings: BaseSettings) -> SlotLimits:
+    """The crawl's per-slot limits from Scrapy's settings, as the downloader reads them
+    (scrapy/core/downloader/__init__.py, ``Downloader._get_slot``): the concurrency is
+    ``CONCURRENT_REQUESTS_PER_IP`` when set, else ``CONCURRENT_REQUESTS_PER_DOMAIN``; the
+    delay ``DOWNLOAD_DELAY``; ``DOWNLOAD_SLOTS`` entries' ``concurrency`` and ``delay``,
+    and ``THROTTLING_SCOPES`` entries' where the installed Scrapy has that setting
+    (:func:`.scrapy_compat.per_slot_settings`)."""
+    per_slot: list[tuple[str, int | None, float | None]] = []
+    for slot, given in sorted(per_slot_settings(settings).items()):
+        concurrency = given.get("concurrency")
+        delay = given.get("delay")
+        per_slot.append((str(slot), int(concurrency) if concurrency is not None else None,
+                         float(delay) if delay is not None else None))
+    return SlotLimits(
+        concurrency=(settings.getint("CONCURRENT_REQUESTS_PER_IP")
+                     or settings.getint("CONCURRENT_REQUESTS_PER_DOMAIN")),
+        delay_seconds=settings.getfloat("DOWNLOAD_DELAY"),
+        per_slot=tuple(per_slot))
 
 
 def log_interval_seconds(settings: BaseSettings) -> float:

@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     from scrapy.statscollectors import StatsCollector
     from twisted.python.failure import Failure
 
-    from .commits import CrawlHealth
     from .engine_hooks import EngineWakeup
+    from .health import CrawlHealth
     from .inflight import InflightTracker
     from .store.base import CommitResult, FrontierStore, LeasedRequest, NewRequest, UnitOfWork
     from .writer import WriterThread

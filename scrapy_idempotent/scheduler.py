@@ -51,16 +51,18 @@ from ._scheduler_kind import IdempotentSchedulerMark, is_idempotent_scheduler
 from ._version import __version__
 from .admission import START_AHEAD, Admission, StartIntake
 from .codec import RequestCodec, describe
-from .commits import STORE_ERROR_REASON, CommitOutcomes, CommitPath, CrawlHealth, retry_busy
+from .commits import CommitOutcomes, CommitPath, retry_busy
 from .config import IdempotentConfig, config_for
 from .cookies import CookieKeeper
 from .exceptions import IdempotentError, StoreBusy
-from .handout import HandOut, RecentRequests
+from .handout import HandOut
+from .health import STORE_ERROR_REASON, CrawlHealth
 from .inflight import InflightTracker, tracker_for
 from .keys import RequestFingerprints, RequestKeys
 from .leases import ClaimedRequests, LeaseKeeper
 from .outbox import target_name
 from .politeness import Politeness
+from .recent_requests import RecentRequests
 from .records import RECORD_ID_SCHEME
 from .run_totals import set_run_stats
 from .store.base import CrawlIdentity, FrontierStore, UnitOfWork
