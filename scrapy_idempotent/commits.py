@@ -68,7 +68,8 @@ class CommitPath:
     def __init__(self, store: FrontierStore, worker: str, *, tracker: InflightTracker,
                  claimed: ClaimedRequests, outcomes: CommitOutcomes, health: CrawlHealth,
                  wakeup: EngineWakeup, outbox_targets: Any, threaded: bool = True,
-                 cookies: CookieKeeper | None = None) -> None:
+                 cookies: CookieKeeper | None = None,
+                 slots_wait: Callable[[float], None] | None = None) -> None:
         self.store = store
         self.tracker = tracker
         self.claimed = claimed
@@ -90,15 +91,11 @@ class CommitPath:
         self._flush_call: Any = None
         #: told the seconds until a download slot that waits may send (see .politeness);
         #: None without the crawl's slot limits
-        self.slots_wait: Callable[[float], None] | None = None
-        tracker.complete = self.completed
-        tracker.flush_soon = self.flush_soon
-        tracker.write_soon = self.write_soon
+        self.slots_wait = slots_wait
 
     def start(self) -> None:
         """From now on the writer's thread uses the write connection, and responses wait
-        for their attempt's writes."""
-        self.tracker.writes_durable = self.writes_durable
+        for their attempt's writes (:meth:`writes_durable`)."""
         self.writer.start()
         if self.writer.threaded:
             # and reconnects after a lost connection: the reads here never wait for it
@@ -127,7 +124,7 @@ class CommitPath:
         """The tracker's ``complete``: ``entry`` (with its memory requests) finished, or a
         memory request of no stored request did (``entry`` None)."""
         if _adds_pending(work):
-            self.claimed.maybe_claimable = True
+            self.claimed.claimable_again()
         elif self.slots_wait is not None and work.completions and not work.claim:
             # with the crawl's slot limits a completion frees a place in its slot: its own
             # transaction claims, even after a claim found the slots full (no claim of its
@@ -223,7 +220,7 @@ class CommitPath:
         pages = len(work.requests)
         self.tracker.drain_into(work)  # (the requests of no page go first)
         if _adds_pending(work):
-            self.claimed.maybe_claimable = True
+            self.claimed.claimable_again()
             if seq:  # the pages' requests were noted when they were committed
                 self._note_order(seq, work.requests[:len(work.requests) - pages], ())
         self.claimed.prepare(work, self.health.closing)
@@ -305,14 +302,15 @@ class CommitPath:
 class CommitOutcomes:
     """What follows a commit (see the module docstring)."""
 
-    def __init__(self, crawler: Crawler, stats: StatsCollector, max_attempts: int) -> None:
+    def __init__(self, crawler: Crawler, stats: StatsCollector, max_attempts: int, *,
+                 spider: Spider | None, next_run: Callable[[int], None]) -> None:
         self.crawler = crawler
         self.stats = stats
         self._count = stat_counter(stats)  # (for every page)
         self.max_attempts = max_attempts  #: IDEMPOTENT_MAX_ATTEMPTS, for the log
-        self.spider: Spider | None = None
+        self.spider = spider
         #: ``next_run(run_id)``: this worker moved to a newer run (see CommitResult.run_id)
-        self.next_run: Callable[[int], None] = lambda run_id: None
+        self.next_run = next_run
         #: key -> (request, fingerprint) of final states on their way to the database: the
         #: request_done signal is sent for each once the transaction writing it committed
         self._announce: dict[str, tuple[Request | None, str]] = {}

@@ -39,11 +39,11 @@ __all__ = ["HandOut"]
 logger = logging.getLogger(__name__)
 
 class HandOut:
-    """The scheduler's ``next_request`` below the contract (the codec is set at open)."""
+    """The scheduler's ``next_request`` below the contract."""
 
     def __init__(self, *, tracker: InflightTracker, claimed: ClaimedRequests,
                  commits: CommitPath, leases: LeaseKeeper, outcomes: CommitOutcomes,
-                 politeness: Politeness, stats: StatsCollector,
+                 politeness: Politeness, stats: StatsCollector, codec: RequestCodec,
                  recent: RecentRequests | None = None) -> None:
         self.tracker, self.claimed, self.commits = tracker, claimed, commits
         self.recent = recent if recent is not None else RecentRequests()
@@ -51,7 +51,7 @@ class HandOut:
         self.writer = commits.writer
         self.stats = stats
         self._count = scrapy_compat.stat_counter(stats)  # (for every page)
-        self.codec: RequestCodec | None = None
+        self.codec = codec
         #: ``gate(in_flight)``: False holds the hand-out (see :meth:`add_gate`)
         self._gates: list[Callable[[int], bool]] = []
 
@@ -119,7 +119,6 @@ class HandOut:
                 return request
 
     def _load(self, leased: LeasedRequest) -> Request | None:
-        assert self.codec is not None
         request = self.recent.take(leased.key, leased.data)
         if request is not None and self.tracker.for_request(request) is not None:
             request = None  # the same object yielded twice (dont_filter): a copy for this one

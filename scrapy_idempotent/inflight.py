@@ -76,6 +76,7 @@ __all__ = [
     "InflightTracker",
     "ItemOrigin",
     "RequestOrigin",
+    "TrackerOutlets",
     "UnattributedWrites",
     "tracker_for",
 ]
@@ -263,6 +264,27 @@ _ITEM_IN_PIPELINES: ContextVar[ItemOrigin | None] = ContextVar("_ITEM_IN_PIPELIN
 _MemoryRequest = tuple[int, int, int, int, InflightRequest]
 
 
+@dataclass(frozen=True)
+class TrackerOutlets:
+    """Where the tracker's writes and requests go (see :class:`InflightTracker`): the commit
+    path's and the admission's methods, given by the scheduler that builds them all."""
+
+    #: ``complete(work, entry)``: a unit of work became ready to write
+    complete: Callable[[UnitOfWork, InflightRequest | None], None]
+    #: ``flush_soon()``: something was buffered that its response waits for; the number of
+    #: the batch of writes that will carry it
+    flush_soon: Callable[[], int]
+    #: ``write_soon()``: something was buffered that no response waits for (a download's
+    #: count): it is written with the next transaction, soon
+    write_soon: Callable[[], None]
+    #: ``writes_durable(number)``: None once that batch is written, else a Deferred that
+    #: fires then
+    writes_durable: Callable[[int], Deferred[None] | None]
+    #: ``child_request(request)``: told of each request a callback yielded, before the
+    #: request reaches the engine
+    child_request: Callable[[Request], None]
+
+
 class InflightTracker:
     """The bookkeeping of requests in flight (see the module docstring).
 
@@ -279,23 +301,20 @@ class InflightTracker:
 
     def __init__(self, *, stats: StatsCollector, identity: RecordIdentity,
                  fingerprints: RequestFingerprints, order: QueueOrder,
-                 http_status: HttpStatusRule) -> None:
+                 http_status: HttpStatusRule, spider: object,
+                 outlets: TrackerOutlets) -> None:
         self.stats = stats
         self._count = stat_counter(stats)  # (for every page)
         self.identity = identity
         self.fingerprints = fingerprints
         self.order = order
         self.http_status = http_status
-        self.spider: object = None
-        self.complete: Callable[[UnitOfWork, InflightRequest | None], None] = \
-            lambda work, entry: None
-        self.flush_soon: Callable[[], int] = lambda: 0
-        #: told when something was buffered that no response waits for (a download's
-        #: count): it is written with the next transaction, soon
-        self.write_soon: Callable[[], None] = lambda: None
-        self.writes_durable: Callable[[int], Deferred[None] | None] = lambda seq: None
-        #: told of each request a callback yielded, before the request reaches the engine
-        self.child_request: Callable[[Request], None] = lambda request: None
+        self.spider = spider
+        self.complete = outlets.complete
+        self.flush_soon = outlets.flush_soon
+        self.write_soon = outlets.write_soon
+        self.writes_durable = outlets.writes_durable
+        self.child_request = outlets.child_request
         self.unattributed = UnattributedWrites()
         #: the spider's state as last seen (see :mod:`.spider_state`)
         self.state = StateTracker(stats)
@@ -958,7 +977,8 @@ def _stamped_id(item: Any, field_name: str | None) -> str | None:
 
 
 def tracker_for(config: IdempotentConfig, stats: StatsCollector,
-                fingerprints: RequestFingerprints) -> InflightTracker:
+                fingerprints: RequestFingerprints, *, spider: object,
+                outlets: TrackerOutlets) -> InflightTracker:
     """The in-flight tracker of a crawl with ``config``."""
     return InflightTracker(
         stats=stats,
@@ -967,4 +987,6 @@ def tracker_for(config: IdempotentConfig, stats: StatsCollector,
         order=config.queue_order,
         http_status=HttpStatusRule(allow_all=config.httperror_allow_all,
                                    allowed=config.httperror_allowed_codes),
+        spider=spider,
+        outlets=outlets,
     )
