@@ -628,18 +628,8 @@ class InflightTracker:
             return  # not an item (Scrapy passes such output on as it is): nothing to key
         origin = ItemOrigin(item=output, producer=entry, record_id=None, key_values=None,
                             page_url=page_url)
-        try:
-            key_values = self.identity.natural_key(output, page_url)
-        except MissingNaturalKey as exc:
-            origin.error = exc
-        else:
-            if entry is not None and self.identity.key_fields(output) is None:
-                position = self._page_position(entry, key_values[0], output)
-                if position is not None:
-                    key_values = [*key_values, *position]
-            origin.key_values = key_values
-            origin.record_id = self.identity.record_id(
-                key_values, self.identity.record_key(output).record_type)
+        self._identify(origin, output, page_url, entry)
+        if origin.record_id is not None:
             self._stamp(output, origin.record_id)
         self._items[id(output)] = origin
         if entry is not None:
@@ -741,13 +731,26 @@ class InflightTracker:
             if stamped is not None:
                 origin.record_id, origin.key_values = stamped, []
                 return origin
+        self._identify(origin, item, page_url)
+        return origin
+
+    def _identify(self, origin: ItemOrigin, item: Any, page_url: str | None,
+                  entry: InflightRequest | None = None) -> None:
+        """The record ``item`` is: ``origin``'s key values and record ID, derived from its
+        natural key (with its rank among the page's items when ``entry``'s page keys it: see
+        :meth:`_page_position`), or ``origin.error`` when it has none."""
         try:
-            origin.key_values = self.identity.natural_key(item, page_url)
-            origin.record_id = self.identity.record_id(
-                origin.key_values, self.identity.record_key(item).record_type)
+            key_values = self.identity.natural_key(item, page_url)
+            if entry is not None and self.identity.key_fields(item) is None:
+                position = self._page_position(entry, key_values[0], item)
+                if position is not None:
+                    key_values = [*key_values, *position]
+            record_type = self.identity.record_key(item).record_type
         except MissingNaturalKey as exc:
             origin.error = exc
-        return origin
+            return
+        origin.key_values = key_values
+        origin.record_id = self.identity.record_id(key_values, record_type)
 
     def add_record(self, origin: ItemOrigin, record: Record) -> None:
         """Queue a record for the transaction that completes its request, with the time its

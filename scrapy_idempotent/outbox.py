@@ -281,7 +281,8 @@ def build_targets(config: IdempotentConfig, crawler: Crawler) -> list[OutboxTarg
     return targets
 
 
-#: Runs a store call somewhere and gives its result as a Deferred (see :class:`StoreThread`).
+#: Runs a store call somewhere and gives its result as a Deferred (see
+#: :class:`~._serial_thread.SerialThread`).
 StoreRunner = Callable[[Callable[[], Any]], "Deferred[Any]"]
 
 
@@ -290,38 +291,6 @@ def run_inline(action: Callable[[], Any]) -> Deferred[Any]:
     from twisted.internet.defer import maybeDeferred
 
     return maybeDeferred(action)
-
-
-class StoreThread:
-    """A :data:`StoreRunner` with one thread of its own: every store call of a deliverer runs
-    there, one after the other (a SQLite connection stays on the thread that opened it), so
-    the reactor never waits on the database (a write lock held by the crawl's writer)."""
-
-    def __init__(self) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        self._executor = ThreadPoolExecutor(max_workers=1,
-                                            thread_name_prefix="scrapy_idempotent-outbox")
-
-    def __call__(self, action: Callable[[], Any]) -> Deferred[Any]:
-        from twisted.internet import reactor
-        from twisted.internet.defer import Deferred
-        done: Deferred[Any] = Deferred()
-
-        def fire(future: Any) -> None:
-            exc = future.exception()
-            if exc is not None:
-                done.errback(exc)
-            else:
-                done.callback(future.result())
-
-        self._executor.submit(action).add_done_callback(
-            lambda future: reactor.callFromThread(fire, future))
-        return done
-
-    def shutdown(self) -> None:
-        """Let what was submitted finish, then end the thread and wait for it to be gone."""
-        self._executor.shutdown(wait=True)
 
 
 def _bounded(deferred: Deferred[_T], seconds: float) -> Deferred[_T]:
@@ -366,7 +335,7 @@ class Deliverer:
     """Claims due outbox entries of ``targets`` from ``store`` and delivers them, at most
     ``concurrency`` at once per target; records each outcome as it comes (one transaction
     each). Runs on the reactor and never blocks it on a target; store calls run through
-    ``run_store`` (the crawl's extension gives a :class:`StoreThread`).
+    ``run_store`` (the crawl's extension gives a :class:`~._serial_thread.SerialThread`).
 
     One delivery at a time per entry: an attempt ends after ``timeout_seconds`` at the
     latest (the target is cancelled and the entry tried again later), and a claim holds the

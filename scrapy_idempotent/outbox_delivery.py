@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING, Any
 from scrapy import signals
 from scrapy.exceptions import NotConfigured
 
+from ._serial_thread import SerialThread
 from .config import config_for
 from .crawl import store_refused
 from .exceptions import StoreError
-from .outbox import POLL_SECONDS, Deliverer, StoreThread, build_targets, open_outbox_store
+from .outbox import POLL_SECONDS, Deliverer, build_targets, open_outbox_store
 from .store.base import CrawlIdentity, OutboxState
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ class OutboxDelivery:
         self.targets = build_targets(config, crawler)
         self.deliverer: Deliverer | None = None
         self._loop: Any = None
-        self._thread: StoreThread | None = None
+        self._thread: SerialThread | None = None
         crawler.signals.connect(self.spider_opened, signal=signals.spider_opened)
         crawler.signals.connect(self.spider_closed, signal=signals.spider_closed)
 
@@ -63,7 +64,10 @@ class OutboxDelivery:
             return  # the same database, refused: the scheduler said why, once
         identity = CrawlIdentity(project=str(self.crawler.settings.get("BOT_NAME") or ""),
                                  spider=self.crawler.spider.name, source=self.config.source)
-        thread = self._thread = StoreThread()
+        # every store call of the deliverer runs there, one after the other (a SQLite
+        # connection stays on the thread that opened it), so the reactor never waits on the
+        # database (a write lock held by the crawl's writer)
+        thread = self._thread = SerialThread("scrapy_idempotent-outbox")
         try:
             store = await maybe_deferred_to_future(
                 thread(lambda: open_outbox_store(self.config, identity)))
