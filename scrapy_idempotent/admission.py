@@ -49,7 +49,8 @@ if TYPE_CHECKING:
     from ._dupes import DuplicateFilter
     from .codec import RequestCodec
     from .commits import CommitOutcomes
-    from .inflight import InflightRequest, InflightTracker, RequestOrigin
+    from .inflight import InflightTracker
+    from .inflight_entries import InflightRequest, RequestOrigin
     from .keys import RequestFingerprints, RequestKeys
     from .recent_requests import RecentRequests
     from .store.base import FrontierStore

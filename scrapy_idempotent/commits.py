@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from .cookies import CookieKeeper
     from .engine_hooks import EngineWakeup
     from .health import CrawlHealth
-    from .inflight import InflightRequest, InflightTracker
+    from .inflight import InflightTracker
+    from .inflight_entries import InflightRequest
     from .leases import ClaimedRequests
     from .store.base import CommitResult, Completion, FrontierStore, LeasedRequest, NewRequest
 
