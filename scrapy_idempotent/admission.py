@@ -316,7 +316,7 @@ class Admission:
                                         "a retry of a request fetched from memory")
             data = self.codec.encode(request)
         except UnstorableRequest as exc:
-            return self.tracker.hold_in_memory(
+            return self.tracker.memory.hold(
                 request, exc,
                 key=key if key is not None else self._key(fingerprint, False, origin),
                 fingerprint=fingerprint, origin=origin, filtered=filtered,

@@ -79,10 +79,10 @@ class HandOut:
             if tracker.suspects_in_flight:
                 # a suspect runs alone (see below), with its own memory requests (each
                 # holds the suspect's lease)
-                return tracker.hand_out_memory() if tracker.memory_requests else None
+                return tracker.hand_out_memory() if len(tracker.memory) else None
             if not claimed and not commits.refill():
-                return tracker.hand_out_memory() if tracker.memory_requests else None
-            if tracker.memory_requests and tracker.memory_goes_before(claimed.head()):
+                return tracker.hand_out_memory() if len(tracker.memory) else None
+            if len(tracker.memory) and tracker.memory.goes_before(claimed.head()):
                 return tracker.hand_out_memory()
             if commits.order_wait(claimed.head()):
                 # requests being written go before the next one claimed here: they are

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import heapq
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -44,9 +43,9 @@ from scrapy.exceptions import CloseSpider, IgnoreRequest
 from scrapy.http import Response
 from twisted.python.failure import Failure
 
-from ._order import QueueOrder, queue_position
+from ._order import QueueOrder
 from .codec import describe
-from .exceptions import MissingNaturalKey, UnstorableRequest
+from .exceptions import MissingNaturalKey
 from .inflight_entries import (
     HttpStatusRule,
     InflightRequest,
@@ -55,6 +54,7 @@ from .inflight_entries import (
     UnattributedWrites,
 )
 from .keys import RequestFingerprints
+from .memory_requests import MemoryRequests
 from .records import RecordIdentity, is_record_id, item_type_name, page_position
 from .scrapy_compat import failure_name, stat_counter
 from .spider_state import StateTracker
@@ -95,8 +95,6 @@ logger = logging.getLogger(__name__)
 _ITEM_IN_PIPELINES: ContextVar[ItemOrigin | None] = ContextVar("_ITEM_IN_PIPELINES",
                                                                 default=None)
 
-#: a memory request waiting to be handed out: (*queue_position, sequence, entry)
-_MemoryRequest = tuple[int, int, int, int, InflightRequest]
 
 
 @dataclass(frozen=True)
@@ -169,16 +167,9 @@ class InflightTracker:
         self._buffered: Counter[str] = Counter()
         self._suspects = 0
         self._warned_page_key = False
-        #: requests that cannot be stored, to fetch from memory, in Scrapy's order
-        self._memory: list[_MemoryRequest] = []
-        self._memory_sequence = 0
-        #: fingerprint of a filtered memory request -> the entry it lives under (None: of
-        #: start(), for the whole crawl); forgotten when that entry is lost, or completed
-        #: other than done (a later lease of it yields the request again)
-        self._memory_seen: dict[str, InflightRequest | None] = {}
-        self._unstorable_causes: set[str] = set()  # logged
-        #: id(entry) -> entry whose own request is finished, waiting for its memory requests
-        self._waiting: dict[int, InflightRequest] = {}
+        #: requests that cannot be stored, fetched from memory under the lease of the entry
+        #: they came from
+        self.memory = MemoryRequests(stats, order)
 
     # -- lookups ----------------------------------------------------------------------------
 
@@ -201,7 +192,7 @@ class InflightTracker:
         """Entries handed out and not completed: in flight, or waiting for their memory
         requests (not the memory requests: they have no lease)."""
         entries = [entry for entry in self._inflight.values() if not entry.memory]
-        entries.extend(self._waiting.values())
+        entries.extend(self.memory.waiting())
         return entries
 
     @property
@@ -243,7 +234,7 @@ class InflightTracker:
     def is_buffered(self, fingerprint: str) -> bool:
         """Whether a filtered request of ``fingerprint`` waits for a transaction or is a
         memory request (a duplicate of it is refused without asking the store)."""
-        return bool(self._buffered[fingerprint]) or fingerprint in self._memory_seen
+        return bool(self._buffered[fingerprint]) or self.memory.seen(fingerprint)
 
     def buffer_request(self, new: NewRequest, parent: InflightRequest | None) -> None:
         """Queue ``new`` for the transaction of its parent (or the next one)."""
@@ -625,10 +616,14 @@ class InflightTracker:
             self._tracked.pop(oid, None)
             self._items.pop(oid, None)
         if entry.memory:
-            self._finish_memory(entry)
+            work, owner = self.memory.finished(entry)
+            if work is not None:  # of no stored request: written now
+                self.complete(work, None)
+            if owner is not None:  # its last memory request: the owner is done
+                self._complete(owner)
         elif entry.waiting:  # done only when its memory requests are
             entry.own_finished = True
-            self._waiting[id(entry)] = entry
+            self.memory.wait_for(entry)
         else:
             self._complete(entry)
 
@@ -639,7 +634,7 @@ class InflightTracker:
             self._suspects -= 1
         if entry.lost or entry.completion().state is not RequestState.DONE:
             # a later lease of it fetches it again, which yields its memory requests again
-            self._forget_memory_seen(entry)
+            self.memory.forget_seen(entry)
         if entry.lost:
             # its lease was found lost at a renewal: nothing of its work is written (this
             # process may hold the entry again under a new lease by now, which the store's
@@ -657,154 +652,19 @@ class InflightTracker:
         lost = [entry for entry in self.leased() if entry.key not in held and not entry.lost]
         for entry in lost:
             entry.lost = True
-            self._forget_memory_seen(entry)
+            self.memory.forget_seen(entry)
         if lost:
-            self._drop_memory_of_lost()
+            for owner in self.memory.drop_of_lost():
+                self._complete(owner)
         return len(lost)
-
-    def _drop_memory_of_lost(self) -> None:
-        kept = [m for m in self._memory if m[-1].owner is None or not m[-1].owner.lost]
-        dropped = len(self._memory) - len(kept)
-        if not dropped:
-            return
-        owners = []
-        for *_, memory in self._memory:
-            if memory.owner is not None and memory.owner.lost:
-                memory.owner.waiting -= 1
-                owners.append(memory.owner)
-        heapq.heapify(kept)
-        self._memory = kept
-        self.stats.inc_value("idempotent/requests/lease_lost_dropped", dropped)
-        for owner in {id(owner): owner for owner in owners}.values():
-            self._settle_if_done(owner)
-
-    def _forget_memory_seen(self, entry: InflightRequest) -> None:
-        for fingerprint in entry.memory_seen:
-            if self._memory_seen.get(fingerprint) is entry:
-                del self._memory_seen[fingerprint]
-        entry.memory_seen.clear()
 
     # -- requests fetched from memory -------------------------------------------------------
 
-    @property
-    def memory_requests(self) -> int:
-        """Memory requests waiting to be handed out."""
-        return len(self._memory)
-
-    def hold_in_memory(self, request: Request, exc: UnstorableRequest, *, key: str,
-                       fingerprint: str, origin: RequestOrigin, filtered: bool,
-                       continues: bool) -> bool:
-        """Keep a request that cannot be stored in memory, to be fetched under the lease of
-        the stored entry it came from (its owner; see the module docstring). A memory
-        request of ``start()`` (or of no request) has no owner: ``start()`` yields it again
-        on every crawl. Counted, and logged once per cause. Refused (False) when its owner's
-        lease is lost: nothing more is fetched under it."""
-        parent = origin.parent
-        owner = parent.owner if parent is not None and parent.memory else parent
-        if owner is not None and owner.lost:
-            self.stats.inc_value("idempotent/requests/lease_lost_dropped")
-            return False
-        self._count_unstorable(exc)
-        entry = InflightRequest(key=key, fingerprint=fingerprint, priority=request.priority,
-                                attempts=1, request=request, memory=True, owner=owner,
-                                continues_owner=continues and parent is not None and (
-                                    parent is owner or parent.continues_owner))
-        if continues and parent is not None:
-            # the retry or redirect supersedes what its request's attempt observed
-            parent.failure = parent.spider_error = None
-            parent.http_error = False
-        if owner is not None:
-            owner.waiting += 1
-        if filtered:
-            self._memory_seen[fingerprint] = owner
-            if owner is not None:
-                owner.memory_seen.add(fingerprint)
-        is_start, fifo = self.order.place(request)
-        self._memory_sequence += 1
-        heapq.heappush(self._memory, (
-            *queue_position(request.priority, is_start, fifo, self._memory_sequence),
-            self._memory_sequence, entry))
-        return True
-
-    def _count_unstorable(self, exc: UnstorableRequest) -> None:
-        self.stats.inc_value("idempotent/requests/unstorable")
-        cause = exc.path if exc.path in ("callback", "errback", "_class", "request") \
-            else f"{exc.path}: {exc.reason}"
-        if cause not in self._unstorable_causes:
-            self._unstorable_causes.add(cause)
-            logger.warning(
-                "scrapy_idempotent: %s; it is fetched from memory, under the lease of the "
-                "request that yielded it: if the crawl stops first, that request is fetched "
-                "again and yields it again (further requests with this cause are counted in "
-                "idempotent/requests/unstorable)", exc)
-
-    def memory_goes_before(self, head: LeasedRequest) -> bool:
-        """Whether the next memory request goes before ``head``, the next request claimed
-        ahead: the claim's rule (:func:`~._order.queue_position`: priority, then other
-        requests before start ones), and at an equal place the newer first for a LIFO
-        queue, the older for a FIFO one (a memory request is newer than what was claimed
-        before it was yielded). Before a suspect, memory requests go first: they hold
-        leases already taken."""
-        if head.suspect:
-            return True
-        neg_priority, start_queue, order, *_ = self._memory[0]
-        mine = (neg_priority, start_queue)
-        theirs = queue_position(head.priority, head.is_start, True, 0)[:2]
-        if mine != theirs:
-            return mine < theirs
-        return order < 0  # LIFO: the memory request is the newer
-
     def hand_out_memory(self) -> Request:
         """The next memory request (there must be one), now in flight."""
-        *_, entry = heapq.heappop(self._memory)
+        entry = self.memory.pop()
         self._inflight[id(entry.request)] = entry
-        self.stats.inc_value("idempotent/requests/from_memory")
         return entry.request
-
-    def _finish_memory(self, entry: InflightRequest) -> None:
-        """A memory request is finished: what it produced goes to its owner's transaction
-        (or, without an owner, is written now); its failure fails its owner."""
-        owner = entry.owner
-        if owner is not None and owner.lost:
-            # its lease is gone: nothing it produced can be written under it
-            owner.waiting -= 1
-            self._settle_if_done(owner)
-            return
-        key = owner.key if owner is not None else None
-        children = [dataclasses.replace(c, parent_key=key) for c in entry.children]
-        records = [(record, key) for record, _ in entry.records]
-        rejects = [dataclasses.replace(r, request_key=key) for r in entry.rejects]
-        if owner is None:
-            self.complete(UnitOfWork(requests=children, records=records, rejects=rejects,
-                                     state_changes=[(c, None) for c in entry.state_changes]),
-                          None)
-            return
-        owner.children.extend(children)
-        owner.records.extend(records)
-        owner.rejects.extend(rejects)
-        owner.state_changes.extend(entry.state_changes)
-        self._pass_outcome(entry, owner)
-        owner.waiting -= 1
-        self._settle_if_done(owner)
-
-    @staticmethod
-    def _pass_outcome(entry: InflightRequest, owner: InflightRequest) -> None:
-        """A memory request's interruption or failure is its owner's."""
-        completion = entry.completion()
-        if entry.interrupted:
-            owner.interrupted = True
-        elif completion.state is RequestState.FAILED and owner.failure is None:
-            kind = completion.error_kind or "failed"
-            owner.failure = (
-                kind if entry.continues_owner else f"unstorable_child/{kind}",
-                f"{describe(entry.request)} (fetched from memory: it cannot be stored): "
-                f"{completion.error_message or kind}"[:1000])
-
-    def _settle_if_done(self, owner: InflightRequest) -> None:
-        """Complete ``owner`` once its own request and its memory requests are finished."""
-        if owner.waiting == 0 and owner.own_finished:
-            del self._waiting[id(owner)]
-            self._complete(owner)
 
 
 def _stamped_id(item: Any, field_name: str | None) -> str | None:

@@ -421,7 +421,7 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             self.health.close_if_refused()
             return False
         if (self.claimed or self.claimed.has_give_back or self.tracker.unattributed.requests
-                or self.tracker.memory_requests
+                or len(self.tracker.memory)
                 or self.writer.busy):  # (a batch being written may claim requests)
             return True
         try:
@@ -496,4 +496,4 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
                 self._last_counts = self.store.counts()
         counts = self._last_counts
         return (counts.get("pending", 0) + counts.get("leased", 0)
-                + len(self.tracker.unattributed.requests) + self.tracker.memory_requests)
+                + len(self.tracker.unattributed.requests) + len(self.tracker.memory))
