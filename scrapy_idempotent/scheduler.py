@@ -7,8 +7,8 @@ and child requests its response produced ("done is the last write").
 
 This module is the scheduler contract (``open``, ``close``, ``enqueue_request``,
 ``next_request``, ``has_pending_requests``, ``__len__``) and the crawl's session in the
-store. Its collaborators are built by :meth:`IdempotentScheduler.from_crawler` and each is
-handed only the others it uses:
+store. Its collaborators are built in one place, the scheduler's constructor, and each is
+handed the others it uses at construction (nothing is wired into one afterwards):
 
 * the store (:class:`~.FrontierStore`): the durable frontier;
 * :class:`~.InflightTracker` (:mod:`.inflight`): what each handed-out request produced and
@@ -24,7 +24,8 @@ handed only the others it uses:
   goes to the engine next;
 * :class:`~.RequestKeys` and :class:`~.RequestFingerprints` (:mod:`.keys`): request identity;
 * :class:`~.Politeness` (:mod:`.politeness`): each request's download slot, and the crawl's
-  per-slot limits the claims keep.
+  per-slot limits the claims keep;
+* :class:`~.CrawlHealth` (:mod:`.health`): whether writes may go on (closing, or failed).
 
 When is a request finished? Not when a spider middleware's output iterator ends: items are
 processed concurrently and child requests reach the scheduler later. The exact moment is the
