@@ -20,12 +20,13 @@ from .feeds import IdempotentFeedExporter
 from .files import IdempotentFilesPipeline, IdempotentImagesPipeline
 from .journal import ResponseJournalMiddleware
 from .middleware import RecordIdMiddleware
-from .outbox import OutboxDelivery, OutboxTarget
+from .outbox import OutboxTarget
+from .outbox_delivery import OutboxDelivery
 from .pipeline import UpsertPipeline
-from .politeness import SlotBackoffMiddleware
 from .robots import CrawlRobotsTxtMiddleware
 from .run_limits import RunCloseSpider
 from .scheduler import IdempotentScheduler
+from .slot_backoff import SlotBackoffMiddleware
 from .store import SQLiteStore
 
 __all__ = [

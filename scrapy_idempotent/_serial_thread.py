@@ -57,11 +57,22 @@ class SerialThread:
         self._jobs.put((_Stop, d))
         return d
 
+    def shutdown(self) -> None:
+        """No more calls; returns once every call submitted before has run and the thread
+        is gone (the caller waits: not on the reactor thread while a call may wait for
+        it)."""
+        self._stopped = True
+        if self._thread is None:
+            return
+        self._jobs.put((_Stop, None))
+        self._thread.join()
+
     def _run(self, reactor: Any) -> None:
         while True:
             action, d = self._jobs.get()
             if action is _Stop:
-                reactor.callFromThread(d.callback, None)
+                if d is not None:
+                    reactor.callFromThread(d.callback, None)
                 return
             try:
                 result = action()

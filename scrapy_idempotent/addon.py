@@ -17,8 +17,8 @@ from .conditional import (
 from .journal import ResponseJournalMiddleware
 from .middleware import RecordIdMiddleware
 from .pipeline import UpsertPipeline
-from .politeness import BACKOFF_PRIORITY, SlotBackoffMiddleware
 from .scheduler import IdempotentScheduler
+from .slot_backoff import BACKOFF_PRIORITY, SlotBackoffMiddleware
 
 if TYPE_CHECKING:
     from scrapy.crawler import Crawler
@@ -158,7 +158,7 @@ class Addon:
 
             settings.set_in_component_priority_dict("EXTENSIONS", QueueInput, 0)
         if settings.get("IDEMPOTENT_OUTBOX_TARGETS"):  # delivery only with a target
-            from .outbox import OutboxDelivery
+            from .outbox_delivery import OutboxDelivery
 
             settings.set_in_component_priority_dict("EXTENSIONS", OutboxDelivery, 0)
         if settings.get("IDEMPOTENT_METRICS_LISTEN"):  # this process's own endpoint

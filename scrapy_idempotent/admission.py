@@ -49,9 +49,10 @@ if TYPE_CHECKING:
     from ._dupes import DuplicateFilter
     from .codec import RequestCodec
     from .commits import CommitOutcomes
-    from .handout import RecentRequests
-    from .inflight import InflightRequest, InflightTracker, RequestOrigin
+    from .inflight import InflightTracker
+    from .inflight_entries import InflightRequest, RequestOrigin
     from .keys import RequestFingerprints, RequestKeys
+    from .recent_requests import RecentRequests
     from .store.base import FrontierStore
     from .writer import WriterThread
 
@@ -78,12 +79,15 @@ class StartIntake:
     """How fast ``start()`` is taken in (see the module docstring)."""
 
     def __init__(self, tracker: InflightTracker, writer: WriterThread,
-                 admission: Admission | None = None, *, window: int = START_WINDOW,
-                 slice_seconds: float = START_SLICE_SECONDS,
+                 admission: Admission | None = None, *,
+                 hand_on: Callable[[Request], object] | None = None,
+                 window: int = START_WINDOW, slice_seconds: float = START_SLICE_SECONDS,
                  check_batch: int = START_CHECK_BATCH, ahead: int = START_AHEAD) -> None:
         self.tracker = tracker
         self.writer = writer
         self.admission = admission
+        #: ``ExecutionEngine.crawl``: where the unknown held start requests go
+        self.hand_on = hand_on
         self.window = window
         self.slice_seconds = slice_seconds
         self.check_batch = check_batch
@@ -92,10 +96,9 @@ class StartIntake:
         self._slice_began = time.monotonic()
         self._buffered_before = 0  #: the admission's count of buffered requests at a slice
         self._held: list[Request] = []  #: start requests waiting for their check
-        #: ``ExecutionEngine.crawl``, set once the engine runs (None: nothing is held)
-        self.hand_on: Callable[[Request], object] | None = None
-        if admission is not None:
-            admission.before_enqueue = self.flush
+        #: start requests are held for a check (see :meth:`hold`): from :meth:`open` (the
+        #: engine runs, the frontier knows requests) to :meth:`close`
+        self._checking = False
 
     def hold(self, request: Request) -> bool:
         """Whether ``request`` (a start request, marked as such) is held for the check of
@@ -104,8 +107,8 @@ class StartIntake:
         writer runs. The batch is checked once full or when the reactor's turn is due; its
         unknown requests then go to the engine (``ExecutionEngine.crawl``, as the engine
         does with a start request)."""
-        if (self.admission is None or self.hand_on is None or not self.writer.running
-                or not self.admission.unfiltered(request)):
+        if (not self._checking or self.admission is None or self.hand_on is None
+                or not self.writer.running or not self.admission.unfiltered(request)):
             return False
         self._held.append(request)
         if len(self._held) >= self.check_batch or (
@@ -125,9 +128,15 @@ class StartIntake:
         for request in self.admission.check_starts(held):
             self.hand_on(request)
 
-    def drop_held(self) -> None:
-        """Forget the held start requests (the crawl closes: they are not taken in, as the
-        rest of ``start()``; the next crawl's ``start()`` yields them again)."""
+    def open(self) -> None:
+        """From now on start requests are held for their check (see :meth:`hold`)."""
+        self._checking = True
+
+    def close(self) -> None:
+        """Nothing is held any more, and the held start requests are forgotten (the crawl
+        closes: they are not taken in, as the rest of ``start()``; the next crawl's
+        ``start()`` yields them again)."""
+        self._checking = False
         self._held = []
 
     def pause(self) -> Deferred[None] | None:
@@ -192,14 +201,14 @@ def _retry_times(request: Request) -> int:
 
 
 class Admission:
-    """The enqueue decision of one worker (see the module docstring). ``codec`` is set when
-    the spider opens."""
+    """The enqueue decision of one worker (see the module docstring)."""
 
     def __init__(self, store: FrontierStore, *, tracker: InflightTracker,
                  fingerprints: RequestFingerprints, keys: RequestKeys, dupes: DuplicateFilter,
-                 outcomes: CommitOutcomes, stats: StatsCollector,
+                 outcomes: CommitOutcomes, stats: StatsCollector, codec: RequestCodec,
                  slot_of: Callable[[Request], str] | None = None,
-                 recent: RecentRequests | None = None) -> None:
+                 recent: RecentRequests | None = None,
+                 before_enqueue: Callable[[], None] | None = None) -> None:
         self.store = store
         self.buffered = 0  #: requests taken into the frontier (buffered for a write) so far
         #: a request's download slot, stored with it (see :mod:`.politeness`)
@@ -211,13 +220,15 @@ class Admission:
         self.outcomes = outcomes
         self.stats = stats
         self._count = scrapy_compat.stat_counter(stats)  # (for every link)
-        self.codec: RequestCodec | None = None
+        self.codec = codec
         #: the requests taken into the frontier last, for the hand-out
         self.recent = recent
         #: start requests checked by :meth:`check_starts` and handed on: their key
         self._checked: weakref.WeakKeyDictionary[Request, str] = weakref.WeakKeyDictionary()
         #: called before each enqueue decision (the start intake's flush of held requests)
-        self.before_enqueue: Callable[[], None] | None = None
+        #: called before each request is taken in (the start intake's held requests go
+        #: first, in Scrapy's order)
+        self.before_enqueue = before_enqueue
 
     def expect(self, request: Request) -> None:
         """A callback yielded ``request``: it is enqueued soon, with the page's other links,
@@ -272,7 +283,6 @@ class Admission:
 
     def enqueue(self, request: Request) -> bool:
         """Whether ``request`` is accepted (False: a duplicate, or unidentifiable)."""
-        assert self.codec is not None
         if self.before_enqueue is not None:
             self.before_enqueue()  # held start requests go first (Scrapy's order)
         self._count("idempotent/requests/enqueued")
@@ -306,7 +316,7 @@ class Admission:
                                         "a retry of a request fetched from memory")
             data = self.codec.encode(request)
         except UnstorableRequest as exc:
-            return self.tracker.hold_in_memory(
+            return self.tracker.memory.hold(
                 request, exc,
                 key=key if key is not None else self._key(fingerprint, False, origin),
                 fingerprint=fingerprint, origin=origin, filtered=filtered,

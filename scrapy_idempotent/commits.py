@@ -11,9 +11,6 @@ batches not written yet stand in Scrapy's order (:meth:`CommitPath.order_wait`).
 :class:`CommitOutcomes` is what follows a commit, on the reactor thread: the stats of what
 it wrote, the warnings about quarantined requests and lost leases, and the
 :data:`~.signals.request_done` signal of each final state it wrote.
-
-:class:`CrawlHealth` is whether writes may go on (closing, or failed: the spider is closed with
-reason :data:`STORE_ERROR_REASON`).
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from scrapy.utils.url import strip_url
 
-from . import engine_hooks, signals
+from . import signals
 from .exceptions import StoreError
 from .leases import QueueRank, queue_rank, queue_rank_of_new
 from .scrapy_compat import stat_counter
@@ -40,71 +37,24 @@ if TYPE_CHECKING:
 
     from .cookies import CookieKeeper
     from .engine_hooks import EngineWakeup
-    from .inflight import InflightRequest, InflightTracker
+    from .health import CrawlHealth
+    from .inflight import InflightTracker
+    from .inflight_entries import InflightRequest
     from .leases import ClaimedRequests
     from .store.base import CommitResult, Completion, FrontierStore, LeasedRequest, NewRequest
 
 __all__ = [
     "COMMIT_ATTEMPTS",
-    "STORE_ERROR_REASON",
     "CommitOutcomes",
     "CommitPath",
-    "CrawlHealth",
     "retry_busy",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: Reason the spider closes with when the store keeps failing.
-STORE_ERROR_REASON = "idempotent_store_error"
 #: How long a write nothing waits for (a download's count) may wait for a page's completion
 #: to go with, before it is sent in a transaction of its own.
 COUNT_LINGER_SECONDS = 0.05
-
-
-class CrawlHealth:
-    """Whether the crawl's writes may go on: not once the scheduler is ``closing``, nor once
-    the store kept failing (``failed``: :meth:`fail` closes the spider, once)."""
-
-    def __init__(self, crawler: Crawler, stats: StatsCollector) -> None:
-        self._crawler = crawler
-        self._stats = stats
-        self.closing = False
-        self.failed = False
-        self._refused = False  #: the store was refused at open; the spider not closed yet
-
-    @property
-    def stopped(self) -> bool:
-        return self.failed or self.closing
-
-    def fail(self, reason: str) -> None:
-        """Close the spider with :data:`STORE_ERROR_REASON` (``reason`` goes to the log and to
-        the ``idempotent/error`` stat)."""
-        if self.failed:
-            return
-        self.failed = True
-        self._stats.set_value("idempotent/error", reason)
-        logger.error("scrapy_idempotent: closing the spider: %s", reason)
-        engine_hooks.close_spider_failed(self._crawler, STORE_ERROR_REASON)
-
-    def fail_at_open(self, reason: str) -> None:
-        """:meth:`fail` for a store refused while the spider opens: from now on nothing is
-        taken or handed out, and the spider is closed with :data:`STORE_ERROR_REASON` when
-        the running engine first asks for a request (:meth:`close_if_refused`): closing it
-        while the engine still opens it would leave Scrapy's scraper and stats half open
-        (four tracebacks, reason ``shutdown``)."""
-        if self.failed:
-            return
-        self.failed = True
-        self._refused = True
-        self._stats.set_value("idempotent/error", reason)
-        logger.error("scrapy_idempotent: closing the spider: %s", reason)
-
-    def close_if_refused(self) -> None:
-        """Close the spider (once) after :meth:`fail_at_open`; nothing otherwise."""
-        if self._refused:
-            self._refused = False
-            engine_hooks.close_spider_failed(self._crawler, STORE_ERROR_REASON)
 
 
 def _adds_pending(work: UnitOfWork) -> bool:
@@ -119,7 +69,8 @@ class CommitPath:
     def __init__(self, store: FrontierStore, worker: str, *, tracker: InflightTracker,
                  claimed: ClaimedRequests, outcomes: CommitOutcomes, health: CrawlHealth,
                  wakeup: EngineWakeup, outbox_targets: Any, threaded: bool = True,
-                 cookies: CookieKeeper | None = None) -> None:
+                 cookies: CookieKeeper | None = None,
+                 slots_wait: Callable[[float], None] | None = None) -> None:
         self.store = store
         self.tracker = tracker
         self.claimed = claimed
@@ -141,15 +92,11 @@ class CommitPath:
         self._flush_call: Any = None
         #: told the seconds until a download slot that waits may send (see .politeness);
         #: None without the crawl's slot limits
-        self.slots_wait: Callable[[float], None] | None = None
-        tracker.complete = self.completed
-        tracker.flush_soon = self.flush_soon
-        tracker.write_soon = self.write_soon
+        self.slots_wait = slots_wait
 
     def start(self) -> None:
         """From now on the writer's thread uses the write connection, and responses wait
-        for their attempt's writes."""
-        self.tracker.writes_durable = self.writes_durable
+        for their attempt's writes (:meth:`writes_durable`)."""
         self.writer.start()
         if self.writer.threaded:
             # and reconnects after a lost connection: the reads here never wait for it
@@ -178,7 +125,7 @@ class CommitPath:
         """The tracker's ``complete``: ``entry`` (with its memory requests) finished, or a
         memory request of no stored request did (``entry`` None)."""
         if _adds_pending(work):
-            self.claimed.maybe_claimable = True
+            self.claimed.claimable_again()
         elif self.slots_wait is not None and work.completions and not work.claim:
             # with the crawl's slot limits a completion frees a place in its slot: its own
             # transaction claims, even after a claim found the slots full (no claim of its
@@ -274,7 +221,7 @@ class CommitPath:
         pages = len(work.requests)
         self.tracker.drain_into(work)  # (the requests of no page go first)
         if _adds_pending(work):
-            self.claimed.maybe_claimable = True
+            self.claimed.claimable_again()
             if seq:  # the pages' requests were noted when they were committed
                 self._note_order(seq, work.requests[:len(work.requests) - pages], ())
         self.claimed.prepare(work, self.health.closing)
@@ -356,14 +303,15 @@ class CommitPath:
 class CommitOutcomes:
     """What follows a commit (see the module docstring)."""
 
-    def __init__(self, crawler: Crawler, stats: StatsCollector, max_attempts: int) -> None:
+    def __init__(self, crawler: Crawler, stats: StatsCollector, max_attempts: int, *,
+                 spider: Spider | None, next_run: Callable[[int], None]) -> None:
         self.crawler = crawler
         self.stats = stats
         self._count = stat_counter(stats)  # (for every page)
         self.max_attempts = max_attempts  #: IDEMPOTENT_MAX_ATTEMPTS, for the log
-        self.spider: Spider | None = None
+        self.spider = spider
         #: ``next_run(run_id)``: this worker moved to a newer run (see CommitResult.run_id)
-        self.next_run: Callable[[int], None] = lambda run_id: None
+        self.next_run = next_run
         #: key -> (request, fingerprint) of final states on their way to the database: the
         #: request_done signal is sent for each once the transaction writing it committed
         self._announce: dict[str, tuple[Request | None, str]] = {}

@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from scrapy.crawler import Crawler
     from typing_extensions import Self
 
-    from .inflight import InflightRequest, InflightTracker
+    from .inflight import InflightTracker
+    from .inflight_entries import InflightRequest
 
 __all__ = ["CONDITIONAL_META_KEY", "CONDITIONAL_PRIORITY", "LASTMOD_META_KEY",
            "SITEMAP_PRIORITY", "ConditionalRequestMiddleware", "SitemapLastmodMiddleware",

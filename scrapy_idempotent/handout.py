@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from . import scrapy_compat
+from .recent_requests import RecentRequests
 
 if TYPE_CHECKING:
     from scrapy import Request
@@ -33,52 +34,16 @@ if TYPE_CHECKING:
     from .politeness import Politeness
     from .store.base import LeasedRequest
 
-__all__ = ["RECENT_REQUESTS", "HandOut", "RecentRequests"]
+__all__ = ["HandOut"]
 
 logger = logging.getLogger(__name__)
 
-#: How many of the requests taken into the frontier last :class:`RecentRequests` keeps.
-RECENT_REQUESTS = 4096
-
-
-class RecentRequests:
-    """The requests this process took into the frontier last, by key, with their stored
-    text; at most ``limit`` (the oldest forgotten first). Bounded: the frontier itself keeps
-    nothing in memory per request."""
-
-    def __init__(self, limit: int = RECENT_REQUESTS) -> None:
-        self.limit = limit
-        self._requests: dict[str, tuple[str, Request]] = {}
-
-    def __len__(self) -> int:
-        return len(self._requests)
-
-    def keep(self, key: str, data: str, request: Request) -> None:
-        """``request``, stored as ``data`` under ``key``, was taken into the frontier."""
-        requests = self._requests
-        requests.pop(key, None)  # (a replayed page's request: the newest object, at the end)
-        requests[key] = (data, request)
-        if len(requests) > self.limit:
-            del requests[next(iter(requests))]
-
-    def take(self, key: str, data: str) -> Request | None:
-        """The request kept under ``key`` if it was stored as ``data`` (forgotten here
-        either way), else None."""
-        kept = self._requests.pop(key, None)
-        if kept is None or kept[0] != data:
-            return None
-        return kept[1]
-
-    def clear(self) -> None:
-        self._requests.clear()
-
-
 class HandOut:
-    """The scheduler's ``next_request`` below the contract (the codec is set at open)."""
+    """The scheduler's ``next_request`` below the contract."""
 
     def __init__(self, *, tracker: InflightTracker, claimed: ClaimedRequests,
                  commits: CommitPath, leases: LeaseKeeper, outcomes: CommitOutcomes,
-                 politeness: Politeness, stats: StatsCollector,
+                 politeness: Politeness, stats: StatsCollector, codec: RequestCodec,
                  recent: RecentRequests | None = None) -> None:
         self.tracker, self.claimed, self.commits = tracker, claimed, commits
         self.recent = recent if recent is not None else RecentRequests()
@@ -86,7 +51,7 @@ class HandOut:
         self.writer = commits.writer
         self.stats = stats
         self._count = scrapy_compat.stat_counter(stats)  # (for every page)
-        self.codec: RequestCodec | None = None
+        self.codec = codec
         #: ``gate(in_flight)``: False holds the hand-out (see :meth:`add_gate`)
         self._gates: list[Callable[[int], bool]] = []
 
@@ -114,10 +79,10 @@ class HandOut:
             if tracker.suspects_in_flight:
                 # a suspect runs alone (see below), with its own memory requests (each
                 # holds the suspect's lease)
-                return tracker.hand_out_memory() if tracker.memory_requests else None
+                return tracker.hand_out_memory() if len(tracker.memory) else None
             if not claimed and not commits.refill():
-                return tracker.hand_out_memory() if tracker.memory_requests else None
-            if tracker.memory_requests and tracker.memory_goes_before(claimed.head()):
+                return tracker.hand_out_memory() if len(tracker.memory) else None
+            if len(tracker.memory) and tracker.memory.goes_before(claimed.head()):
                 return tracker.hand_out_memory()
             if commits.order_wait(claimed.head()):
                 # requests being written go before the next one claimed here: they are
@@ -154,7 +119,6 @@ class HandOut:
                 return request
 
     def _load(self, leased: LeasedRequest) -> Request | None:
-        assert self.codec is not None
         request = self.recent.take(leased.key, leased.data)
         if request is not None and self.tracker.for_request(request) is not None:
             request = None  # the same object yielded twice (dont_filter): a copy for this one

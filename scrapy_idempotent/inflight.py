@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import heapq
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextvars import ContextVar
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from itemadapter import ItemAdapter, is_item
 from scrapy import Request
@@ -44,10 +43,18 @@ from scrapy.exceptions import CloseSpider, IgnoreRequest
 from scrapy.http import Response
 from twisted.python.failure import Failure
 
-from ._order import QueueOrder, queue_position
+from ._order import QueueOrder
 from .codec import describe
-from .exceptions import MissingNaturalKey, UnstorableRequest
+from .exceptions import MissingNaturalKey
+from .inflight_entries import (
+    HttpStatusRule,
+    InflightRequest,
+    ItemOrigin,
+    RequestOrigin,
+    UnattributedWrites,
+)
 from .keys import RequestFingerprints
+from .memory_requests import MemoryRequests
 from .records import RecordIdentity, is_record_id, item_type_name, page_position
 from .scrapy_compat import failure_name, stat_counter
 from .spider_state import StateTracker
@@ -55,11 +62,9 @@ from .store.base import (
     Completion,
     LeasedRequest,
     NewRequest,
-    PageValidators,
     Record,
     Reject,
     RequestState,
-    StateChange,
     UnitOfWork,
     observation_clock,
 )
@@ -76,181 +81,12 @@ __all__ = [
     "InflightTracker",
     "ItemOrigin",
     "RequestOrigin",
+    "TrackerOutlets",
     "UnattributedWrites",
     "tracker_for",
 ]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ItemOrigin:
-    """Where an item comes from (the request and page that produced it) and its record
-    identity, as the spider middleware learnt them."""
-
-    item: Any
-    producer: InflightRequest | None  #: the in-flight request whose page yielded it
-    record_id: str | None
-    key_values: list[Any] | None
-    error: Exception | None = None
-    page_url: str | None = None
-
-
-@dataclass
-class InflightRequest:
-    """One leased request while Scrapy works on it, and everything its processing produced."""
-
-    key: str
-    fingerprint: str
-    priority: int
-    attempts: int
-    request: Request
-    suspect: bool = False  #: in flight when a worker died before
-    #: times it was sent to the network (before this lease, and in it so far)
-    downloads: int = 0
-    #: the batch of writes (:class:`~.writer.WriterThread`) that carries its latest attempt
-    #: write (its start, its journaled response, its replay): its callback waits for it
-    write_seq: int = 0
-    children: list[NewRequest] = field(default_factory=list)
-    records: list[tuple[Record, str | None]] = field(default_factory=list)
-    rejects: list[Reject] = field(default_factory=list)
-    #: changes its callback made to the spider's state (:mod:`.spider_state`)
-    state_changes: list[StateChange] = field(default_factory=list)
-    tracked: dict[int, Any] = field(default_factory=dict)  #: id -> object attributed to it
-    dont_filter_counts: Counter[str] = field(default_factory=Counter)
-    page_keys: Counter[str] = field(default_factory=Counter)
-    #: when it was handed to the engine (unix seconds)
-    handed_out_at: float = field(default_factory=observation_clock)
-    #: when its latest response reached the engine (unix seconds): what its items were
-    #: observed at (see :attr:`~.store.base.Record.observed_at`)
-    received_at: float | None = None
-    # outcome, as observed through the engine
-    status: int | None = None
-    http_error: bool = False
-    failure: tuple[str, str] | None = None  #: (error kind, message)
-    spider_error: tuple[str, str] | None = None
-    redirected: bool = False
-    replayed: bool = False  #: answered from the response journal
-    interrupted: bool = False  #: its callback raised CloseSpider
-    continuation: tuple[str, int] | None = None  #: (request data, priority) of a retry
-    # requests that cannot be stored, fetched from memory under the lease of a stored entry
-    #: this is such a request (its key is derived, never written)
-    memory: bool = False
-    #: for a memory request: the leased entry whose lease it lives under (None for one of
-    #: start() or of no request: start() yields it again on every crawl)
-    owner: InflightRequest | None = None
-    #: for a memory request: it is a retry or redirect of its owner (its outcome is the
-    #: owner's own)
-    continues_owner: bool = False
-    #: memory requests under this entry's lease not finished yet: it is done after them
-    waiting: int = 0
-    own_finished: bool = False  #: Scrapy has finished with this entry's own request
-    #: its lease was found lost (another worker has it, or it was released): its memory
-    #: requests are dropped and nothing more is fetched under it
-    lost: bool = False
-    #: fingerprints of the filtered memory requests under this entry's lease (duplicates of
-    #: these are refused while it holds the lease)
-    memory_seen: set[str] = field(default_factory=set)
-    # conditional requests (:mod:`.conditional`)
-    #: the validators its page answered with when last done (loaded with its claim)
-    validators: PageValidators | None = None
-    conditional: bool = False  #: it was sent with those validators
-    not_modified: bool = False  #: it was answered 304 to them: done as unchanged
-    #: the validators of the page it was answered with now (its 2xx response)
-    answered: PageValidators | None = None
-
-    def completion(self) -> Completion:
-        """The frontier state this entry ends in, from what was observed."""
-        if self.continuation is not None:
-            data, priority = self.continuation
-            return Completion(self.key, RequestState.PENDING, data=data, priority=priority,
-                              validators=self.answered)
-        if self.interrupted:  # released: the next run processes it again
-            return Completion(self.key, RequestState.PENDING, "interrupted",
-                              "the callback raised CloseSpider", validators=self.answered)
-        if self.failure is not None:
-            return Completion(self.key, RequestState.FAILED, *self.failure,
-                              validators=self.answered)
-        if self.redirected:
-            return Completion(self.key, RequestState.REDIRECTED)
-        if self.http_error:
-            return Completion(self.key, RequestState.FAILED, "http_status",
-                              f"HTTP {self.status} not handled by the spider")
-        if self.spider_error is not None:
-            return Completion(self.key, RequestState.FAILED, *self.spider_error,
-                              validators=self.answered)
-        return Completion(self.key, RequestState.DONE, validators=self.answered,
-                          not_modified=self.not_modified)
-
-    def unit_of_work(self) -> UnitOfWork:
-        """Everything this entry produced with its completion: one transaction."""
-        return UnitOfWork(requests=self.children, records=self.records,
-                          rejects=self.rejects, completions=[self.completion()],
-                          state_changes=[(change, self.key) for change in self.state_changes])
-
-
-@dataclass
-class UnattributedWrites:
-    """Writes not tied to an in-flight request (start requests, items from ``start()``,
-    completions of requests that could not be loaded). They go into the next transaction,
-    which is at the latest the completion of whatever request produced them."""
-
-    requests: list[NewRequest] = field(default_factory=list)
-    records: list[tuple[Record, str | None]] = field(default_factory=list)
-    rejects: list[Reject] = field(default_factory=list)
-    completions: list[Completion] = field(default_factory=list)
-    state_changes: list[tuple[StateChange, str | None]] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.requests or self.records or self.rejects or self.completions
-                    or self.state_changes)
-
-    def drain_into(self, work: UnitOfWork) -> None:
-        work.requests[:0] = self.requests
-        work.records[:0] = self.records
-        work.rejects[:0] = self.rejects
-        work.completions[:0] = self.completions
-        work.state_changes[:0] = self.state_changes
-        self.requests, self.records, self.rejects, self.completions = [], [], [], []
-        self.state_changes = []
-
-    def restore_from(self, work: UnitOfWork) -> None:
-        """Put the orphan part of a failed unit of work back (nothing of it was written)."""
-        self.requests[:0] = work.requests
-        self.records[:0] = work.records
-        self.rejects[:0] = work.rejects
-        self.state_changes[:0] = [(c, k) for c, k in work.state_changes if k is None]
-
-
-class RequestOrigin(NamedTuple):
-    """What produced a request reaching the scheduler (one for every request enqueued: a
-    tuple, made several times faster than a frozen dataclass)."""
-
-    parent: InflightRequest | None  #: the in-flight request it came from
-    is_start: bool  #: it came from ``Spider.start()``
-    #: it is the parent's retry or redirect, returned by a downloader middleware
-    from_downloader: bool
-
-
-@dataclass(frozen=True)
-class HttpStatusRule:
-    """Whether the callback sees a response (``HttpErrorMiddleware``'s rule)."""
-
-    allow_all: bool  #: ``HTTPERROR_ALLOW_ALL``
-    allowed: tuple[int, ...]  #: ``HTTPERROR_ALLOWED_CODES``
-
-    def handled(self, response: Response, spider: object) -> bool:
-        if 200 <= response.status < 300:
-            return True
-        meta = response.meta
-        if meta.get("handle_httpstatus_all", False):
-            return True
-        if "handle_httpstatus_list" in meta:
-            return response.status in meta["handle_httpstatus_list"]
-        if self.allow_all:
-            return True
-        allowed = getattr(spider, "handle_httpstatus_list", self.allowed)
-        return response.status in allowed
 
 
 #: The origin of the item the item pipelines are processing (set around the pipeline chain,
@@ -259,8 +95,27 @@ class HttpStatusRule:
 _ITEM_IN_PIPELINES: ContextVar[ItemOrigin | None] = ContextVar("_ITEM_IN_PIPELINES",
                                                                 default=None)
 
-#: a memory request waiting to be handed out: (*queue_position, sequence, entry)
-_MemoryRequest = tuple[int, int, int, int, InflightRequest]
+
+
+@dataclass(frozen=True)
+class TrackerOutlets:
+    """Where the tracker's writes and requests go (see :class:`InflightTracker`): the commit
+    path's and the admission's methods, given by the scheduler that builds them all."""
+
+    #: ``complete(work, entry)``: a unit of work became ready to write
+    complete: Callable[[UnitOfWork, InflightRequest | None], None]
+    #: ``flush_soon()``: something was buffered that its response waits for; the number of
+    #: the batch of writes that will carry it
+    flush_soon: Callable[[], int]
+    #: ``write_soon()``: something was buffered that no response waits for (a download's
+    #: count): it is written with the next transaction, soon
+    write_soon: Callable[[], None]
+    #: ``writes_durable(number)``: None once that batch is written, else a Deferred that
+    #: fires then
+    writes_durable: Callable[[int], Deferred[None] | None]
+    #: ``child_request(request)``: told of each request a callback yielded, before the
+    #: request reaches the engine
+    child_request: Callable[[Request], None]
 
 
 class InflightTracker:
@@ -279,23 +134,20 @@ class InflightTracker:
 
     def __init__(self, *, stats: StatsCollector, identity: RecordIdentity,
                  fingerprints: RequestFingerprints, order: QueueOrder,
-                 http_status: HttpStatusRule) -> None:
+                 http_status: HttpStatusRule, spider: object,
+                 outlets: TrackerOutlets) -> None:
         self.stats = stats
         self._count = stat_counter(stats)  # (for every page)
         self.identity = identity
         self.fingerprints = fingerprints
         self.order = order
         self.http_status = http_status
-        self.spider: object = None
-        self.complete: Callable[[UnitOfWork, InflightRequest | None], None] = \
-            lambda work, entry: None
-        self.flush_soon: Callable[[], int] = lambda: 0
-        #: told when something was buffered that no response waits for (a download's
-        #: count): it is written with the next transaction, soon
-        self.write_soon: Callable[[], None] = lambda: None
-        self.writes_durable: Callable[[int], Deferred[None] | None] = lambda seq: None
-        #: told of each request a callback yielded, before the request reaches the engine
-        self.child_request: Callable[[Request], None] = lambda request: None
+        self.spider = spider
+        self.complete = outlets.complete
+        self.flush_soon = outlets.flush_soon
+        self.write_soon = outlets.write_soon
+        self.writes_durable = outlets.writes_durable
+        self.child_request = outlets.child_request
         self.unattributed = UnattributedWrites()
         #: the spider's state as last seen (see :mod:`.spider_state`)
         self.state = StateTracker(stats)
@@ -315,16 +167,9 @@ class InflightTracker:
         self._buffered: Counter[str] = Counter()
         self._suspects = 0
         self._warned_page_key = False
-        #: requests that cannot be stored, to fetch from memory, in Scrapy's order
-        self._memory: list[_MemoryRequest] = []
-        self._memory_sequence = 0
-        #: fingerprint of a filtered memory request -> the entry it lives under (None: of
-        #: start(), for the whole crawl); forgotten when that entry is lost, or completed
-        #: other than done (a later lease of it yields the request again)
-        self._memory_seen: dict[str, InflightRequest | None] = {}
-        self._unstorable_causes: set[str] = set()  # logged
-        #: id(entry) -> entry whose own request is finished, waiting for its memory requests
-        self._waiting: dict[int, InflightRequest] = {}
+        #: requests that cannot be stored, fetched from memory under the lease of the entry
+        #: they came from
+        self.memory = MemoryRequests(stats, order)
 
     # -- lookups ----------------------------------------------------------------------------
 
@@ -347,7 +192,7 @@ class InflightTracker:
         """Entries handed out and not completed: in flight, or waiting for their memory
         requests (not the memory requests: they have no lease)."""
         entries = [entry for entry in self._inflight.values() if not entry.memory]
-        entries.extend(self._waiting.values())
+        entries.extend(self.memory.waiting())
         return entries
 
     @property
@@ -389,7 +234,7 @@ class InflightTracker:
     def is_buffered(self, fingerprint: str) -> bool:
         """Whether a filtered request of ``fingerprint`` waits for a transaction or is a
         memory request (a duplicate of it is refused without asking the store)."""
-        return bool(self._buffered[fingerprint]) or fingerprint in self._memory_seen
+        return bool(self._buffered[fingerprint]) or self.memory.seen(fingerprint)
 
     def buffer_request(self, new: NewRequest, parent: InflightRequest | None) -> None:
         """Queue ``new`` for the transaction of its parent (or the next one)."""
@@ -609,18 +454,8 @@ class InflightTracker:
             return  # not an item (Scrapy passes such output on as it is): nothing to key
         origin = ItemOrigin(item=output, producer=entry, record_id=None, key_values=None,
                             page_url=page_url)
-        try:
-            key_values = self.identity.natural_key(output, page_url)
-        except MissingNaturalKey as exc:
-            origin.error = exc
-        else:
-            if entry is not None and self.identity.key_fields(output) is None:
-                position = self._page_position(entry, key_values[0], output)
-                if position is not None:
-                    key_values = [*key_values, *position]
-            origin.key_values = key_values
-            origin.record_id = self.identity.record_id(
-                key_values, self.identity.record_key(output).record_type)
+        self._identify(origin, output, page_url, entry)
+        if origin.record_id is not None:
             self._stamp(output, origin.record_id)
         self._items[id(output)] = origin
         if entry is not None:
@@ -722,13 +557,26 @@ class InflightTracker:
             if stamped is not None:
                 origin.record_id, origin.key_values = stamped, []
                 return origin
+        self._identify(origin, item, page_url)
+        return origin
+
+    def _identify(self, origin: ItemOrigin, item: Any, page_url: str | None,
+                  entry: InflightRequest | None = None) -> None:
+        """The record ``item`` is: ``origin``'s key values and record ID, derived from its
+        natural key (with its rank among the page's items when ``entry``'s page keys it: see
+        :meth:`_page_position`), or ``origin.error`` when it has none."""
         try:
-            origin.key_values = self.identity.natural_key(item, page_url)
-            origin.record_id = self.identity.record_id(
-                origin.key_values, self.identity.record_key(item).record_type)
+            key_values = self.identity.natural_key(item, page_url)
+            if entry is not None and self.identity.key_fields(item) is None:
+                position = self._page_position(entry, key_values[0], item)
+                if position is not None:
+                    key_values = [*key_values, *position]
+            record_type = self.identity.record_key(item).record_type
         except MissingNaturalKey as exc:
             origin.error = exc
-        return origin
+            return
+        origin.key_values = key_values
+        origin.record_id = self.identity.record_id(key_values, record_type)
 
     def add_record(self, origin: ItemOrigin, record: Record) -> None:
         """Queue a record for the transaction that completes its request, with the time its
@@ -768,10 +616,14 @@ class InflightTracker:
             self._tracked.pop(oid, None)
             self._items.pop(oid, None)
         if entry.memory:
-            self._finish_memory(entry)
+            work, owner = self.memory.finished(entry)
+            if work is not None:  # of no stored request: written now
+                self.complete(work, None)
+            if owner is not None:  # its last memory request: the owner is done
+                self._complete(owner)
         elif entry.waiting:  # done only when its memory requests are
             entry.own_finished = True
-            self._waiting[id(entry)] = entry
+            self.memory.wait_for(entry)
         else:
             self._complete(entry)
 
@@ -782,7 +634,7 @@ class InflightTracker:
             self._suspects -= 1
         if entry.lost or entry.completion().state is not RequestState.DONE:
             # a later lease of it fetches it again, which yields its memory requests again
-            self._forget_memory_seen(entry)
+            self.memory.forget_seen(entry)
         if entry.lost:
             # its lease was found lost at a renewal: nothing of its work is written (this
             # process may hold the entry again under a new lease by now, which the store's
@@ -800,154 +652,19 @@ class InflightTracker:
         lost = [entry for entry in self.leased() if entry.key not in held and not entry.lost]
         for entry in lost:
             entry.lost = True
-            self._forget_memory_seen(entry)
+            self.memory.forget_seen(entry)
         if lost:
-            self._drop_memory_of_lost()
+            for owner in self.memory.drop_of_lost():
+                self._complete(owner)
         return len(lost)
-
-    def _drop_memory_of_lost(self) -> None:
-        kept = [m for m in self._memory if m[-1].owner is None or not m[-1].owner.lost]
-        dropped = len(self._memory) - len(kept)
-        if not dropped:
-            return
-        owners = []
-        for *_, memory in self._memory:
-            if memory.owner is not None and memory.owner.lost:
-                memory.owner.waiting -= 1
-                owners.append(memory.owner)
-        heapq.heapify(kept)
-        self._memory = kept
-        self.stats.inc_value("idempotent/requests/lease_lost_dropped", dropped)
-        for owner in {id(owner): owner for owner in owners}.values():
-            self._settle_if_done(owner)
-
-    def _forget_memory_seen(self, entry: InflightRequest) -> None:
-        for fingerprint in entry.memory_seen:
-            if self._memory_seen.get(fingerprint) is entry:
-                del self._memory_seen[fingerprint]
-        entry.memory_seen.clear()
 
     # -- requests fetched from memory -------------------------------------------------------
 
-    @property
-    def memory_requests(self) -> int:
-        """Memory requests waiting to be handed out."""
-        return len(self._memory)
-
-    def hold_in_memory(self, request: Request, exc: UnstorableRequest, *, key: str,
-                       fingerprint: str, origin: RequestOrigin, filtered: bool,
-                       continues: bool) -> bool:
-        """Keep a request that cannot be stored in memory, to be fetched under the lease of
-        the stored entry it came from (its owner; see the module docstring). A memory
-        request of ``start()`` (or of no request) has no owner: ``start()`` yields it again
-        on every crawl. Counted, and logged once per cause. Refused (False) when its owner's
-        lease is lost: nothing more is fetched under it."""
-        parent = origin.parent
-        owner = parent.owner if parent is not None and parent.memory else parent
-        if owner is not None and owner.lost:
-            self.stats.inc_value("idempotent/requests/lease_lost_dropped")
-            return False
-        self._count_unstorable(exc)
-        entry = InflightRequest(key=key, fingerprint=fingerprint, priority=request.priority,
-                                attempts=1, request=request, memory=True, owner=owner,
-                                continues_owner=continues and parent is not None and (
-                                    parent is owner or parent.continues_owner))
-        if continues and parent is not None:
-            # the retry or redirect supersedes what its request's attempt observed
-            parent.failure = parent.spider_error = None
-            parent.http_error = False
-        if owner is not None:
-            owner.waiting += 1
-        if filtered:
-            self._memory_seen[fingerprint] = owner
-            if owner is not None:
-                owner.memory_seen.add(fingerprint)
-        is_start, fifo = self.order.place(request)
-        self._memory_sequence += 1
-        heapq.heappush(self._memory, (
-            *queue_position(request.priority, is_start, fifo, self._memory_sequence),
-            self._memory_sequence, entry))
-        return True
-
-    def _count_unstorable(self, exc: UnstorableRequest) -> None:
-        self.stats.inc_value("idempotent/requests/unstorable")
-        cause = exc.path if exc.path in ("callback", "errback", "_class", "request") \
-            else f"{exc.path}: {exc.reason}"
-        if cause not in self._unstorable_causes:
-            self._unstorable_causes.add(cause)
-            logger.warning(
-                "scrapy_idempotent: %s; it is fetched from memory, under the lease of the "
-                "request that yielded it: if the crawl stops first, that request is fetched "
-                "again and yields it again (further requests with this cause are counted in "
-                "idempotent/requests/unstorable)", exc)
-
-    def memory_goes_before(self, head: LeasedRequest) -> bool:
-        """Whether the next memory request goes before ``head``, the next request claimed
-        ahead: the claim's rule (:func:`~._order.queue_position`: priority, then other
-        requests before start ones), and at an equal place the newer first for a LIFO
-        queue, the older for a FIFO one (a memory request is newer than what was claimed
-        before it was yielded). Before a suspect, memory requests go first: they hold
-        leases already taken."""
-        if head.suspect:
-            return True
-        neg_priority, start_queue, order, *_ = self._memory[0]
-        mine = (neg_priority, start_queue)
-        theirs = queue_position(head.priority, head.is_start, True, 0)[:2]
-        if mine != theirs:
-            return mine < theirs
-        return order < 0  # LIFO: the memory request is the newer
-
     def hand_out_memory(self) -> Request:
         """The next memory request (there must be one), now in flight."""
-        *_, entry = heapq.heappop(self._memory)
+        entry = self.memory.pop()
         self._inflight[id(entry.request)] = entry
-        self.stats.inc_value("idempotent/requests/from_memory")
         return entry.request
-
-    def _finish_memory(self, entry: InflightRequest) -> None:
-        """A memory request is finished: what it produced goes to its owner's transaction
-        (or, without an owner, is written now); its failure fails its owner."""
-        owner = entry.owner
-        if owner is not None and owner.lost:
-            # its lease is gone: nothing it produced can be written under it
-            owner.waiting -= 1
-            self._settle_if_done(owner)
-            return
-        key = owner.key if owner is not None else None
-        children = [dataclasses.replace(c, parent_key=key) for c in entry.children]
-        records = [(record, key) for record, _ in entry.records]
-        rejects = [dataclasses.replace(r, request_key=key) for r in entry.rejects]
-        if owner is None:
-            self.complete(UnitOfWork(requests=children, records=records, rejects=rejects,
-                                     state_changes=[(c, None) for c in entry.state_changes]),
-                          None)
-            return
-        owner.children.extend(children)
-        owner.records.extend(records)
-        owner.rejects.extend(rejects)
-        owner.state_changes.extend(entry.state_changes)
-        self._pass_outcome(entry, owner)
-        owner.waiting -= 1
-        self._settle_if_done(owner)
-
-    @staticmethod
-    def _pass_outcome(entry: InflightRequest, owner: InflightRequest) -> None:
-        """A memory request's interruption or failure is its owner's."""
-        completion = entry.completion()
-        if entry.interrupted:
-            owner.interrupted = True
-        elif completion.state is RequestState.FAILED and owner.failure is None:
-            kind = completion.error_kind or "failed"
-            owner.failure = (
-                kind if entry.continues_owner else f"unstorable_child/{kind}",
-                f"{describe(entry.request)} (fetched from memory: it cannot be stored): "
-                f"{completion.error_message or kind}"[:1000])
-
-    def _settle_if_done(self, owner: InflightRequest) -> None:
-        """Complete ``owner`` once its own request and its memory requests are finished."""
-        if owner.waiting == 0 and owner.own_finished:
-            del self._waiting[id(owner)]
-            self._complete(owner)
 
 
 def _stamped_id(item: Any, field_name: str | None) -> str | None:
@@ -958,7 +675,8 @@ def _stamped_id(item: Any, field_name: str | None) -> str | None:
 
 
 def tracker_for(config: IdempotentConfig, stats: StatsCollector,
-                fingerprints: RequestFingerprints) -> InflightTracker:
+                fingerprints: RequestFingerprints, *, spider: object,
+                outlets: TrackerOutlets) -> InflightTracker:
     """The in-flight tracker of a crawl with ``config``."""
     return InflightTracker(
         stats=stats,
@@ -967,4 +685,6 @@ def tracker_for(config: IdempotentConfig, stats: StatsCollector,
         order=config.queue_order,
         http_status=HttpStatusRule(allow_all=config.httperror_allow_all,
                                    allowed=config.httperror_allowed_codes),
+        spider=spider,
+        outlets=outlets,
     )

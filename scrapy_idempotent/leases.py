@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     from scrapy.statscollectors import StatsCollector
     from twisted.python.failure import Failure
 
-    from .commits import CrawlHealth
     from .engine_hooks import EngineWakeup
+    from .health import CrawlHealth
     from .inflight import InflightTracker
     from .store.base import CommitResult, FrontierStore, LeasedRequest, NewRequest, UnitOfWork
     from .writer import WriterThread
@@ -81,7 +81,7 @@ class ClaimedRequests:
         self._give_back: list[str] = []
         #: the store may hold claimable requests (False after a claim found none, until
         #: something may have changed that: new requests, a pending completion, a reclaim)
-        self.maybe_claimable = True
+        self._maybe_claimable = True
         self._recheck_at = 0.0  #: ask the store again from then on, even without a change
         #: the leases held at the last renewal last until then (``time.monotonic()``)
         self.renewed_until = 0.0
@@ -124,7 +124,7 @@ class ClaimedRequests:
         """Give the next request back unsent (with the next transaction)."""
         head = self.pop()
         self._give_back.append(head.key)
-        self.maybe_claimable = True
+        self._maybe_claimable = True
 
     def head_expired(self, now: float) -> bool:
         """Whether the next request sat here past its lease (the process was stopped, or the
@@ -140,7 +140,7 @@ class ClaimedRequests:
         place in a download slot), or while at least half a batch is claimed ahead; with
         :attr:`sendable`, no more than the downloader takes now (at least one when
         ``asked``: the engine asks for a request, so its downloader has room)."""
-        if closing or not (self.maybe_claimable or after_completion):
+        if closing or not (self._maybe_claimable or after_completion):
             return 0
         if len(self._claimed) >= max(1, self.batch // 2):
             return 0
@@ -196,18 +196,28 @@ class ClaimedRequests:
             merged = keep
         self._claimed = deque(merged)
 
+    @property
+    def maybe_claimable(self) -> bool:
+        """Whether the store may hold claimable requests (see :meth:`claimable_again`)."""
+        return self._maybe_claimable
+
+    def claimable_again(self) -> None:
+        """Requests may be claimable again (new or pending requests on their way to the
+        store, leases reclaimed): the next claim asks the store."""
+        self._maybe_claimable = True
+
     def may_refill(self, now: float, buffered_writes: bool) -> bool:
         """Whether a claim is worth a transaction now (after one found nothing, only once a
         second has passed or writes are buffered that may make requests claimable)."""
-        if not self.maybe_claimable and now < self._recheck_at and not buffered_writes:
+        if not self._maybe_claimable and now < self._recheck_at and not buffered_writes:
             return False
-        self.maybe_claimable = True
+        self._maybe_claimable = True
         return True
 
     def found_none(self, now: float) -> None:
         """A claim returned nothing: do not ask again for a second unless something
         changes."""
-        self.maybe_claimable = False
+        self._maybe_claimable = False
         self._recheck_at = now + 1.0
 
     def pending_seen(self, now: float) -> None:
@@ -219,7 +229,7 @@ class ClaimedRequests:
         A completion of this worker's, a notification of another's, or the end of a
         slot's wait asks the store sooner."""
         if now >= self.slots_ready_at and now >= self._recheck_at:
-            self.maybe_claimable = True
+            self._maybe_claimable = True
 
     def slots_wait_until(self, when: float) -> None:
         """The requests left pending wait for their slots until ``when`` (unix seconds)."""
@@ -228,7 +238,7 @@ class ClaimedRequests:
     def wake(self) -> None:
         """Another worker may have made requests claimable (the store said so): ask the
         store at the next chance, without waiting for the recheck."""
-        self.maybe_claimable = True
+        self._maybe_claimable = True
         self._recheck_at = 0.0
 
     def keep_held(self, held: set[str]) -> int:
@@ -239,7 +249,7 @@ class ClaimedRequests:
             self._claimed = deque(leased for leased in self._claimed if leased.key in held)
             self._to_local = {leased.key: self._to_local[leased.key]
                               for leased in self._claimed if leased.key in self._to_local}
-            self.maybe_claimable = True
+            self._maybe_claimable = True
         return stale
 
     def clear(self) -> None:
@@ -381,7 +391,7 @@ class LeaseKeeper:
         reclaimed = self.store.release_leases(dead) if dead else 0
         if reclaimed:
             self.stats.inc_value("idempotent/requests/reclaimed", reclaimed)
-            self.claimed.maybe_claimable = True
+            self.claimed.claimable_again()
             logger.info("scrapy_idempotent: reclaimed %d leases of dead workers %s",
                         reclaimed, ", ".join(dead))
         return reclaimed
@@ -411,7 +421,7 @@ class LeaseKeeper:
             logger.info("scrapy_idempotent: reclaimed %d leases of dead workers %s",
                         released, ", ".join(dead))
         if released or expired:
-            self.claimed.maybe_claimable = True
+            self.claimed.claimable_again()
             self.wakeup.if_asked_in_vain()
 
     def reclaim_space(self, *, everything: bool) -> None:

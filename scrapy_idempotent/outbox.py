@@ -24,7 +24,6 @@ apply to it, and delivery also runs after the downloader closed), or the import 
 from __future__ import annotations
 
 import base64
-import email.utils
 import functools
 import json
 import logging
@@ -38,9 +37,7 @@ from io import BytesIO
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from scrapy import signals
-from scrapy.exceptions import NotConfigured
-
+from ._retry_after import retry_after_seconds
 from ._version import __version__
 from .exceptions import DeliveryRefused, DeliveryRetry, StoreError
 from .store.base import (
@@ -62,14 +59,13 @@ if TYPE_CHECKING:
 __all__ = [
     "Announcement",
     "Deliverer",
-    "OutboxDelivery",
     "OutboxTarget",
     "WebhookTarget",
     "build_targets",
     "open_outbox_store",
     "payload_of",
-    "retry_after_seconds",
     "target_label",
+    "webhook_retry_after",
 ]
 
 logger = logging.getLogger(__name__)
@@ -205,9 +201,8 @@ class WebhookTarget(OutboxTarget):
         if 200 <= status < 300:
             return answer
         if status >= 500 or status in RETRIED_STATUSES:
-            value = response.headers.getRawHeaders(b"retry-after", [b""])[0]
-            raise DeliveryRetry(answer, retry_after_seconds=retry_after_seconds(
-                value.decode("latin-1")))
+            raise DeliveryRetry(answer, retry_after_seconds=webhook_retry_after(
+                response.headers.getRawHeaders(b"retry-after", [b""])[0]))
         raise DeliveryRefused(answer)
 
     async def close(self) -> None:
@@ -251,26 +246,11 @@ def _read_body(response: Any) -> Deferred[bytes]:
     return done
 
 
-def retry_after_seconds(value: str, now: float | None = None) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header value: a number of seconds or an HTTP
-    date (RFC 9110, 10.2.3); None when absent or unreadable. At most
-    :data:`MAX_RETRY_AFTER_SECONDS`, never negative."""
-    value = value.strip()
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError, IndexError):
-            return None
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=timezone.utc)
-        seconds = when.timestamp() - (time.time() if now is None else now)
-    if seconds != seconds:  # NaN
-        return None
-    return min(max(seconds, 0.0), MAX_RETRY_AFTER_SECONDS)
+def webhook_retry_after(value: bytes | str | None) -> float | None:
+    """The seconds a webhook's ``Retry-After`` asks for (:func:`.retry_after_seconds`), at
+    most :data:`MAX_RETRY_AFTER_SECONDS`."""
+    seconds = retry_after_seconds(value)
+    return None if seconds is None else min(seconds, MAX_RETRY_AFTER_SECONDS)
 
 
 def target_name(spec: str) -> str:
@@ -301,7 +281,8 @@ def build_targets(config: IdempotentConfig, crawler: Crawler) -> list[OutboxTarg
     return targets
 
 
-#: Runs a store call somewhere and gives its result as a Deferred (see :class:`StoreThread`).
+#: Runs a store call somewhere and gives its result as a Deferred (see
+#: :class:`~._serial_thread.SerialThread`).
 StoreRunner = Callable[[Callable[[], Any]], "Deferred[Any]"]
 
 
@@ -310,38 +291,6 @@ def run_inline(action: Callable[[], Any]) -> Deferred[Any]:
     from twisted.internet.defer import maybeDeferred
 
     return maybeDeferred(action)
-
-
-class StoreThread:
-    """A :data:`StoreRunner` with one thread of its own: every store call of a deliverer runs
-    there, one after the other (a SQLite connection stays on the thread that opened it), so
-    the reactor never waits on the database (a write lock held by the crawl's writer)."""
-
-    def __init__(self) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        self._executor = ThreadPoolExecutor(max_workers=1,
-                                            thread_name_prefix="scrapy_idempotent-outbox")
-
-    def __call__(self, action: Callable[[], Any]) -> Deferred[Any]:
-        from twisted.internet import reactor
-        from twisted.internet.defer import Deferred
-        done: Deferred[Any] = Deferred()
-
-        def fire(future: Any) -> None:
-            exc = future.exception()
-            if exc is not None:
-                done.errback(exc)
-            else:
-                done.callback(future.result())
-
-        self._executor.submit(action).add_done_callback(
-            lambda future: reactor.callFromThread(fire, future))
-        return done
-
-    def shutdown(self) -> None:
-        """Let what was submitted finish, then end the thread and wait for it to be gone."""
-        self._executor.shutdown(wait=True)
 
 
 def _bounded(deferred: Deferred[_T], seconds: float) -> Deferred[_T]:
@@ -386,7 +335,7 @@ class Deliverer:
     """Claims due outbox entries of ``targets`` from ``store`` and delivers them, at most
     ``concurrency`` at once per target; records each outcome as it comes (one transaction
     each). Runs on the reactor and never blocks it on a target; store calls run through
-    ``run_store`` (the crawl's extension gives a :class:`StoreThread`).
+    ``run_store`` (the crawl's extension gives a :class:`~._serial_thread.SerialThread`).
 
     One delivery at a time per entry: an attempt ends after ``timeout_seconds`` at the
     latest (the target is cancelled and the entry tried again later), and a claim holds the
@@ -708,94 +657,3 @@ def open_outbox_store(config: IdempotentConfig, identity: CrawlIdentity) -> Fron
                          f"{info.version}; this scrapy_idempotent reads "
                          f"{info.supported} (a crawl migrates it)")
     return store
-
-
-class OutboxDelivery:
-    """Extension: delivers the outbox while the crawl runs and drains it at close.
-
-    Enabled by the add-on; raises ``NotConfigured`` (off) when ``IDEMPOTENT_OUTBOX_TARGETS``
-    is empty. Starts when the spider opens (the scheduler has opened the database); at
-    ``spider_closed`` (after the scheduler's last commit) it delivers what is due for at most
-    ``IDEMPOTENT_OUTBOX_DRAIN_SECONDS``, then stops; what is left is delivered by the next
-    crawl or ``scrapy idempotent deliver``.
-    """
-
-    def __init__(self, crawler: Crawler, config: IdempotentConfig) -> None:
-        self.crawler = crawler
-        self.config = config
-        self.targets = build_targets(config, crawler)
-        self.deliverer: Deliverer | None = None
-        self._loop: Any = None
-        self._thread: StoreThread | None = None
-        crawler.signals.connect(self.spider_opened, signal=signals.spider_opened)
-        crawler.signals.connect(self.spider_closed, signal=signals.spider_closed)
-
-    @classmethod
-    def from_crawler(cls, crawler: Crawler) -> Self:
-        from .config import config_for
-
-        config = config_for(crawler)
-        if not config.outbox_targets:
-            raise NotConfigured("IDEMPOTENT_OUTBOX_TARGETS is empty")
-        return cls(crawler, config)
-
-    async def spider_opened(self) -> None:
-        from scrapy.utils.defer import maybe_deferred_to_future
-        from twisted.internet import task
-
-        from .crawl import store_refused
-
-        assert self.crawler.spider is not None
-        if store_refused(self.crawler):
-            return  # the same database, refused: the scheduler said why, once
-        identity = CrawlIdentity(project=str(self.crawler.settings.get("BOT_NAME") or ""),
-                                 spider=self.crawler.spider.name, source=self.config.source)
-        thread = self._thread = StoreThread()
-        try:
-            store = await maybe_deferred_to_future(
-                thread(lambda: open_outbox_store(self.config, identity)))
-        except StoreError as exc:
-            logger.error("scrapy_idempotent: outbox delivery is off for this crawl: %s "
-                         "(`scrapy idempotent deliver` sends what is pending)", exc)
-            thread.shutdown()
-            return
-        self.deliverer = Deliverer(
-            store, self.targets, concurrency=self.config.outbox_concurrency,
-            timeout_seconds=self.config.outbox_timeout_seconds,
-            retry_seconds=self.config.outbox_retry_seconds,
-            retry_max_seconds=self.config.outbox_retry_max_seconds,
-            on_outcome=self._count, run_store=thread)
-        self._loop = task.LoopingCall(self.deliverer.pump)
-        self._loop.start(POLL_SECONDS, now=True)
-
-    def _count(self, outcome: OutboxOutcome) -> None:
-        stats = self.crawler.stats
-        if stats is None:
-            return
-        name = {OutboxState.DELIVERED: "delivered", OutboxState.FAILED: "failed",
-                OutboxState.PENDING: "retried"}[outcome.state]
-        stats.inc_value(f"idempotent/outbox/{name}")
-
-    async def spider_closed(self) -> None:
-        deliverer = self.deliverer
-        if deliverer is None:
-            return
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
-        try:
-            left = await deliverer.drain(self.config.outbox_drain_seconds)
-            if self.crawler.stats is not None:
-                self.crawler.stats.set_value("idempotent/outbox/pending", left)
-            if left:
-                logger.warning(
-                    "scrapy_idempotent: outbox: %d announcement(s) not delivered yet "
-                    "(IDEMPOTENT_OUTBOX_DRAIN_SECONDS=%g); the next crawl or `scrapy "
-                    "idempotent deliver` sends them", left, self.config.outbox_drain_seconds)
-        finally:
-            from scrapy.utils.defer import maybe_deferred_to_future
-
-            await deliverer.close()
-            await maybe_deferred_to_future(deliverer.run_store(deliverer.store.close))
-            if self._thread is not None:
-                self._thread.shutdown()
-

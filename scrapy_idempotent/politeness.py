@@ -17,11 +17,11 @@ worker would forget that a site asked it to slow down. With ``IDEMPOTENT_POLITEN
 * the delay is the store's, so the worker's downloader does not add its own again (its slot
   delay is set to 0 as the request is handed out, unless AutoThrottle drives it);
 * a 429 (or a 503 with ``Retry-After``) pauses the slot in the store for every worker,
-  durable before the request is retried (:class:`SlotBackoffMiddleware`): for the site's
+  durable before the request is retried (:class:`~.SlotBackoffMiddleware`): for the site's
   ``Retry-After`` (seconds or an HTTP date), else ``IDEMPOTENT_BACKOFF_SECONDS`` doubled
   with every such answer in a row, up to ``IDEMPOTENT_BACKOFF_MAX_SECONDS``, with jitter.
   The request is retried without counting against ``RETRY_TIMES`` (up to
-  :data:`THROTTLED_RETRIES` times in a row; not with ``RETRY_ENABLED = False`` or
+  :data:`~.slot_backoff.THROTTLED_RETRIES` times in a row; not with ``RETRY_ENABLED = False`` or
   ``dont_retry``, where the pause alone holds);
 * with ``ROBOTSTXT_OBEY``, robots.txt's ``Crawl-delay`` for the crawl's user agent is the
   slot's delay when it is longer.
@@ -32,22 +32,16 @@ and claims the frontier's head whatever its slots.
 
 from __future__ import annotations
 
-import email.utils
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 from .scrapy_compat import downloader_slots, slot_key_of
-from .store.base import SlotLimits
 
 if TYPE_CHECKING:
     from scrapy import Request
-    from scrapy.crawler import Crawler
-    from scrapy.http import Response
-    from scrapy.settings import BaseSettings
     from scrapy.statscollectors import StatsCollector
     from twisted.internet.defer import Deferred
-    from typing_extensions import Self
 
     from .config import IdempotentConfig
     from .engine_hooks import EngineWakeup
@@ -55,61 +49,12 @@ if TYPE_CHECKING:
     from .store.base import FrontierStore
     from .writer import WriterThread
 
-__all__ = ["BACKOFF_PRIORITY", "THROTTLED_RETRIES", "Politeness", "SlotBackoffMiddleware",
-           "retry_after_seconds", "slot_limits", "throttled"]
+__all__ = ["Politeness"]
 
 logger = logging.getLogger(__name__)
 
-#: A request throttled this many times in a row goes on to RetryMiddleware (which counts
-#: RETRY_TIMES) instead of being retried once more after the pause.
-THROTTLED_RETRIES = 10
-#: Between RetryMiddleware (550) and RedirectMiddleware (600): it sees a 429 or 503 before
-#: RetryMiddleware does (process_response runs from the highest number down).
-BACKOFF_PRIORITY = 560
 #: A pause is lengthened by a random share of itself up to this (without Retry-After).
 BACKOFF_JITTER = 0.25
-#: meta key: how many times the request was throttled (retried after a 429 or 503)
-THROTTLED_META = "idempotent_throttled"
-
-
-def slot_limits(settings: BaseSettings) -> SlotLimits:
-    """The crawl's per-slot limits from Scrapy's settings, as the downloader reads them
-    (scrapy/core/downloader/__init__.py, ``Downloader._get_slot``): the concurrency is
-    ``CONCURRENT_REQUESTS_PER_IP`` when set, else ``CONCURRENT_REQUESTS_PER_DOMAIN``; the
-    delay ``DOWNLOAD_DELAY``; ``DOWNLOAD_SLOTS`` entries' ``concurrency`` and ``delay``,
-    and ``THROTTLING_SCOPES`` entries' where the installed Scrapy has that setting
-    (:func:`.scrapy_compat.per_slot_settings`)."""
-    from .scrapy_compat import per_slot_settings
-
-    per_slot: list[tuple[str, int | None, float | None]] = []
-    for slot, given in sorted(per_slot_settings(settings).items()):
-        concurrency = given.get("concurrency")
-        delay = given.get("delay")
-        per_slot.append((str(slot), int(concurrency) if concurrency is not None else None,
-                         float(delay) if delay is not None else None))
-    return SlotLimits(
-        concurrency=(settings.getint("CONCURRENT_REQUESTS_PER_IP")
-                     or settings.getint("CONCURRENT_REQUESTS_PER_DOMAIN")),
-        delay_seconds=settings.getfloat("DOWNLOAD_DELAY"),
-        per_slot=tuple(per_slot))
-
-
-def retry_after_seconds(value: bytes | str | None, now: float | None = None) -> float | None:
-    """The seconds a ``Retry-After`` header asks for (RFC 9110 10.2.3: a number of seconds,
-    or an HTTP date); None when absent or not understood."""
-    if value is None:
-        return None
-    text = value.decode("latin-1") if isinstance(value, bytes) else value
-    text = text.strip()
-    if text.isdigit():
-        return float(text)
-    try:
-        when = email.utils.parsedate_to_datetime(text)
-    except (TypeError, ValueError, IndexError):
-        return None
-    if when.tzinfo is None:
-        return None
-    return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
 class Politeness:
@@ -256,124 +201,3 @@ class Politeness:
         self.stats.inc_value("idempotent/slots/crawl_delay")
         self.writer.call("keeping a download slot's crawl delay",
                          lambda store: store.set_slot_delay(slot, delay))
-
-
-class SlotBackoffMiddleware:
-    """Downloader middleware (the add-on puts it at :data:`BACKOFF_PRIORITY`): a 429 (or a
-    503 with ``Retry-After``) pauses the request's download slot for the whole crawl, and
-    the request is retried without counting against ``RETRY_TIMES``; robots.txt's
-    ``Crawl-delay`` is kept as the slot's delay. Nothing with ``IDEMPOTENT_POLITENESS =
-    "worker"``."""
-
-    def __init__(self, crawler: Crawler) -> None:
-        self.crawler = crawler
-        self._politeness: Politeness | None = None
-        self._looked_up = False
-        self._robots: Any = None
-
-    @classmethod
-    def from_crawler(cls, crawler: Crawler) -> Self:
-        from scrapy.exceptions import NotConfigured
-
-        from .config import config_for
-        from .scrapy_compat import start_failure_exits_nonzero
-
-        with start_failure_exits_nonzero(crawler):
-            politeness = config_for(crawler).politeness
-        if politeness != "crawl":
-            # not in every response's way for nothing; without a message, Scrapy leaves it
-            # out of its list of middlewares silently (the default is no cause for a warning)
-            raise NotConfigured
-        return cls(crawler)
-
-    @property
-    def politeness(self) -> Politeness | None:
-        if not self._looked_up:
-            from .crawl import idempotent_scheduler
-
-            scheduler = idempotent_scheduler(self.crawler, type(self).__name__)
-            found = scheduler.politeness if scheduler is not None else None
-            self._politeness = found if found is not None and found.crawl_wide else None
-            self._looked_up = True
-        return self._politeness
-
-    def process_request(self, request: Request, spider: Any = None) -> None:
-        politeness = self.politeness
-        if politeness is None or not self.crawler.settings.getbool("ROBOTSTXT_OBEY"):
-            return
-        delay = self._crawl_delay(request)
-        if delay:
-            politeness.crawl_delay(politeness.slot_of(request), delay)
-
-    def _crawl_delay(self, request: Request) -> float | None:
-        """robots.txt's Crawl-delay for ``request``'s site, once the robots.txt middleware
-        has it parsed: the package's :class:`~.CrawlRobotsTxtMiddleware` (which the add-on
-        puts in place of Scrapy's), or Scrapy's ``RobotsTxtMiddleware`` wired by hand (its
-        parsers by netloc: ``RobotsTxtMiddleware._parsers``, private, read only when
-        present)."""
-        robots = self._robots
-        if robots is None:
-            from scrapy.downloadermiddlewares.robotstxt import RobotsTxtMiddleware
-
-            from .robots import CrawlRobotsTxtMiddleware
-
-            engine = self.crawler.engine
-            middlewares = getattr(getattr(getattr(engine, "downloader", None), "middleware",
-                                          None), "middlewares", ())
-            robots = self._robots = next(
-                (mw for mw in middlewares
-                 if isinstance(mw, (CrawlRobotsTxtMiddleware, RobotsTxtMiddleware))), False)
-        if not robots:
-            return None
-        from scrapy.utils.httpobj import urlparse_cached
-
-        from .robots import CrawlRobotsTxtMiddleware
-
-        netloc = urlparse_cached(request).netloc
-        if isinstance(robots, CrawlRobotsTxtMiddleware):
-            parser: Any = robots.parser_of(netloc)
-            agent: Any = robots.useragent_of(request)
-        else:
-            parser = getattr(robots, "_parsers", {}).get(netloc)
-            agent = getattr(robots, "_robotstxt_useragent", None) or request.headers.get(
-                b"User-Agent", self.crawler.settings.get("USER_AGENT"))
-        crawl_delay = getattr(getattr(parser, "rp", None), "crawl_delay", None)
-        if crawl_delay is None:
-            return None
-        if isinstance(agent, bytes):
-            agent = agent.decode("latin-1")
-        try:
-            delay = crawl_delay(agent)
-        except Exception:  # a parser's own failure: no delay known
-            return None
-        return float(delay) if delay else None
-
-    async def process_response(self, request: Request, response: Response,
-                               spider: Any = None) -> Request | Response:
-        politeness = self.politeness
-        if politeness is None:
-            return response
-        slot = request.meta.get("download_slot") or politeness.slot_of(request)
-        retry_after = retry_after_seconds(response.headers.get(b"Retry-After"))
-        if not throttled(response.status, retry_after is not None):
-            politeness.answered(slot)
-            return response
-        from scrapy.utils.defer import maybe_deferred_to_future
-
-        # durable before the request goes on: a kill after this leaves the pause stored
-        await maybe_deferred_to_future(politeness.throttled(slot, retry_after))
-        times = int(request.meta.get(THROTTLED_META, 0))
-        if (request.meta.get("dont_retry") or times >= THROTTLED_RETRIES
-                or not self.crawler.settings.getbool("RETRY_ENABLED")):
-            return response  # RetryMiddleware and HttpErrorMiddleware decide, as in Scrapy
-        retry = request.copy()
-        retry.dont_filter = True
-        retry.meta[THROTTLED_META] = times + 1
-        return retry
-
-
-def throttled(status: int, retry_after: bool) -> bool:
-    """Whether an answer asks for a pause: a 429, or a 503 with ``Retry-After`` (a 503
-    without it is a failing page as often as a busy site: RetryMiddleware retries it, as in
-    Scrapy, and the slot is not paused)."""
-    return status == 429 or (status == 503 and retry_after)

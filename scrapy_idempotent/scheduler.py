@@ -7,8 +7,8 @@ and child requests its response produced ("done is the last write").
 
 This module is the scheduler contract (``open``, ``close``, ``enqueue_request``,
 ``next_request``, ``has_pending_requests``, ``__len__``) and the crawl's session in the
-store. Its collaborators are built by :meth:`IdempotentScheduler.from_crawler` and each is
-handed only the others it uses:
+store. Its collaborators are built in one place, the scheduler's constructor, and each is
+handed the others it uses at construction (nothing is wired into one afterwards):
 
 * the store (:class:`~.FrontierStore`): the durable frontier;
 * :class:`~.InflightTracker` (:mod:`.inflight`): what each handed-out request produced and
@@ -24,7 +24,8 @@ handed only the others it uses:
   goes to the engine next;
 * :class:`~.RequestKeys` and :class:`~.RequestFingerprints` (:mod:`.keys`): request identity;
 * :class:`~.Politeness` (:mod:`.politeness`): each request's download slot, and the crawl's
-  per-slot limits the claims keep.
+  per-slot limits the claims keep;
+* :class:`~.CrawlHealth` (:mod:`.health`): whether writes may go on (closing, or failed).
 
 When is a request finished? Not when a spider middleware's output iterator ends: items are
 processed concurrently and child requests reach the scheduler later. The exact moment is the
@@ -51,16 +52,18 @@ from ._scheduler_kind import IdempotentSchedulerMark, is_idempotent_scheduler
 from ._version import __version__
 from .admission import START_AHEAD, Admission, StartIntake
 from .codec import RequestCodec, describe
-from .commits import STORE_ERROR_REASON, CommitOutcomes, CommitPath, CrawlHealth, retry_busy
+from .commits import CommitOutcomes, CommitPath, retry_busy
 from .config import IdempotentConfig, config_for
 from .cookies import CookieKeeper
 from .exceptions import IdempotentError, StoreBusy
-from .handout import HandOut, RecentRequests
-from .inflight import InflightTracker, tracker_for
+from .handout import HandOut
+from .health import STORE_ERROR_REASON, CrawlHealth
+from .inflight import TrackerOutlets, tracker_for
 from .keys import RequestFingerprints, RequestKeys
 from .leases import ClaimedRequests, LeaseKeeper
 from .outbox import target_name
 from .politeness import Politeness
+from .recent_requests import RecentRequests
 from .records import RECORD_ID_SCHEME
 from .run_totals import set_run_stats
 from .store.base import CrawlIdentity, FrontierStore, UnitOfWork
@@ -91,61 +94,74 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
     """
 
     def __init__(self, crawler: Crawler, config: IdempotentConfig,
-                 store: FrontierStore | None = None, *,
-                 tracker: InflightTracker | None = None, threaded_writes: bool = True) -> None:
+                 store: FrontierStore | None = None, *, threaded_writes: bool = True) -> None:
+        """The one place where the crawl's collaborators are built and handed each other.
+        The tracker, the commit path, the admission and the politeness use each other's
+        methods: each is given the others' at construction, as a call of the one built
+        later (``self.commits``, ``self.admission``, ``self.politeness``), never assigned
+        into it afterwards."""
         self.crawler = crawler
         self.config = config
         assert crawler.stats is not None
         self.stats = stats = crawler.stats
+        spider = crawler.spider  # (Scrapy builds the scheduler once the spider is created)
+        assert spider is not None
         self.store: FrontierStore = store or open_store(config.database,
                                                         **config.store_options())
         self.fingerprints = RequestFingerprints(crawler.request_fingerprinter)
-        self.tracker = tracker or tracker_for(config, stats, self.fingerprints)
+        self.codec = RequestCodec(spider, config.request_classes)
+        self.tracker = tracker = tracker_for(config, stats, self.fingerprints, spider=spider,
+                                             outlets=TrackerOutlets(
+            complete=lambda work, entry: self.commits.completed(work, entry),
+            flush_soon=lambda: self.commits.flush_soon(),
+            write_soon=lambda: self.commits.write_soon(),
+            writes_durable=lambda seq: self.commits.writes_durable(seq),
+            child_request=lambda request: self.admission.expect(request)))
         self.health = CrawlHealth(crawler, stats)
         self.wakeup = engine_hooks.EngineWakeup(crawler)
-        self.outcomes = CommitOutcomes(crawler, stats, config.max_attempts)
+        self.outcomes = CommitOutcomes(crawler, stats, config.max_attempts, spider=spider,
+                                       next_run=self._next_run)
+        crawl_wide = config.politeness == "crawl"
         # with the crawl's limits, claims ahead take the places of the slots this worker
         # can send in soon only (the downloader's room: CONCURRENT_REQUESTS less in flight)
         concurrent = crawler.settings.getint("CONCURRENT_REQUESTS")
-        tracker = self.tracker
         self.claimed = ClaimedRequests(
             config.lease_batch,
-            sendable=(lambda: concurrent - tracker.in_flight_count)
-            if config.politeness == "crawl" else None)
+            sendable=(lambda: concurrent - tracker.in_flight_count) if crawl_wide else None)
         #: the cookie jars kept across a resume (None: IDEMPOTENT_KEEP_COOKIES is off)
         self.cookies = CookieKeeper(crawler) if config.keep_cookies else None
         self.commits = CommitPath(
-            self.store, workers.new_worker_id(), tracker=self.tracker, claimed=self.claimed,
+            self.store, workers.new_worker_id(), tracker=tracker, claimed=self.claimed,
             outcomes=self.outcomes, health=self.health, wakeup=self.wakeup,
             outbox_targets=tuple(target_name(spec) for spec in config.outbox_targets),
-            threaded=threaded_writes, cookies=self.cookies)
+            threaded=threaded_writes, cookies=self.cookies,
+            slots_wait=(lambda seconds: self.politeness.claim_again_in(seconds))
+            if crawl_wide else None)
         self.writer = self.commits.writer
         self.leases = LeaseKeeper(
-            self.store, self.writer, tracker=self.tracker, claimed=self.claimed, stats=stats,
+            self.store, self.writer, tracker=tracker, claimed=self.claimed, stats=stats,
             health=self.health, wakeup=self.wakeup, lease_seconds=config.lease_seconds,
             flush=self.commits.flush_buffered, sample_seconds=config.sample_seconds)
         self.politeness = Politeness(
             config, stats=stats, claimed=self.claimed, wakeup=self.wakeup, writer=self.writer,
             autothrottle=crawler.settings.getbool("AUTOTHROTTLE_ENABLED"))
-        if self.politeness.crawl_wide:
-            self.commits.slots_wait = self.politeness.claim_again_in
         recent = RecentRequests()  # (what the admission took in, for the hand-out)
         self.admission = Admission(
-            self.store, tracker=self.tracker, fingerprints=self.fingerprints,
+            self.store, tracker=tracker, fingerprints=self.fingerprints,
             keys=RequestKeys(), dupes=DuplicateFilter.from_settings(crawler.settings, stats),
-            outcomes=self.outcomes, stats=stats, slot_of=self.politeness.slot_of,
-            recent=recent)
-        self.tracker.child_request = self.admission.expect
+            outcomes=self.outcomes, stats=stats, codec=self.codec,
+            slot_of=self.politeness.slot_of, recent=recent,
+            before_enqueue=lambda: self.start_intake.flush())
         # with the crawl's slot limits the pending requests may all be of slots that wait:
         # start() is taken in at the writer's speed, its other sites' requests with it
-        self.start_intake = StartIntake(self.tracker, self.writer, self.admission,
-                                        ahead=0 if self.politeness.crawl_wide else START_AHEAD)
+        self.start_intake = StartIntake(tracker, self.writer, self.admission,
+                                        hand_on=self._crawl_start_request,
+                                        ahead=0 if crawl_wide else START_AHEAD)
         self.hand_out = HandOut(
-            tracker=self.tracker, claimed=self.claimed, commits=self.commits,
+            tracker=tracker, claimed=self.claimed, commits=self.commits,
             leases=self.leases, outcomes=self.outcomes, politeness=self.politeness, stats=stats,
-            recent=recent)
+            codec=self.codec, recent=recent)
         self.spider: Spider | None = None
-        self.codec: RequestCodec | None = None
         self.run_id: int | None = None
         self._hooks: engine_hooks.EngineHooks | None = None
         self._session = False  # a session was begun in the store (open() got that far)
@@ -182,9 +198,7 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             self._open(spider)
 
     def _open(self, spider: Spider) -> None:
-        self.spider = self.tracker.spider = self.outcomes.spider = spider
-        self.codec = RequestCodec(spider, self.config.request_classes)
-        self.admission.codec = self.hand_out.codec = self.codec
+        self.spider = spider
         identity = CrawlIdentity(project=str(self.crawler.settings.get("BOT_NAME") or ""),
                                  spider=spider.name, source=self.config.source)
         # claims load the validators of pages done before (ConditionalRequestMiddleware)
@@ -244,7 +258,6 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         counts["leased"] -= reclaimed
         self.run_id = run.run_id
         self.stats.set_value("idempotent/run_id", run.run_id)
-        self.outcomes.next_run = self._next_run
         logger.info(
             "scrapy_idempotent %s: %s run %d in %s: %d pending, %d leased (%d reclaimed from "
             "dead workers), %d done, %d failed, %d records",
@@ -259,7 +272,7 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             # start requests are checked in batches only where the frontier may know them: on
             # an empty one each goes to the engine at once, as in Scrapy (the first is sent
             # before start() goes on)
-            self.start_intake.hand_on = self._crawl_start_request
+            self.start_intake.open()
         scrapy_compat.forced_stop_exits_nonzero()  # a second Ctrl+C: exit code 1
         if self.config.gc_freeze:
             gc_freeze.freeze()
@@ -295,8 +308,7 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         if self._gc_frozen:
             self._gc_frozen = False
             gc_freeze.thaw()
-        self.start_intake.drop_held()
-        self.start_intake.hand_on = None
+        self.start_intake.close()
         self.hand_out.recent.clear()
         self.leases.stop()
         self.politeness.close()
@@ -418,7 +430,7 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             self.health.close_if_refused()
             return False
         if (self.claimed or self.claimed.has_give_back or self.tracker.unattributed.requests
-                or self.tracker.memory_requests
+                or len(self.tracker.memory)
                 or self.writer.busy):  # (a batch being written may claim requests)
             return True
         try:
@@ -514,4 +526,4 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
                 self._last_counts = self.store.counts()
         counts = self._last_counts
         return (counts.get("pending", 0) + counts.get("leased", 0)
-                + len(self.tracker.unattributed.requests) + self.tracker.memory_requests)
+                + len(self.tracker.unattributed.requests) + len(self.tracker.memory))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from scrapy_idempotent import exceptions
-from scrapy_idempotent.config import SETTING_DEFINITIONS, SETTING_SECTIONS, SETTINGS
+from scrapy_idempotent.default_settings import SETTING_DEFINITIONS, SETTING_SECTIONS, SETTINGS
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "scrapy_idempotent"
@@ -113,21 +113,23 @@ def test_every_setting_definition_is_complete() -> None:
                 ast.literal_eval(setting.example)
             except (ValueError, SyntaxError) as exc:
                 bad[setting.name] = f"example {setting.example!r} is not a Python literal ({exc})"
-    assert not bad, f"incomplete setting definitions in config.py: {bad}"
+    assert not bad, f"incomplete setting definitions in default_settings.py: {bad}"
 
 
 def named_settings() -> dict[str, str]:
     """Every setting name the docs, the README and the definitions' texts mention, with where."""
     texts = {f"docs/{name}": text for name, text in PAGES.items()}
     texts["README.md"] = README
-    texts.update({f"{s.name} (config.py)": s.doc + s.default_text for s in SETTING_DEFINITIONS})
+    texts.update({f"{s.name} (default_settings.py)": s.doc + s.default_text
+                  for s in SETTING_DEFINITIONS})
     return {name: where for where, text in texts.items() for name in SETTING_NAME.findall(text)}
 
 
 def test_the_docs_name_only_settings_that_exist() -> None:
     unknown = {name: where for name, where in named_settings().items()
                if name not in SETTINGS and name not in NOT_SETTINGS}
-    assert not unknown, f"documented but not defined (config.py SETTING_DEFINITIONS): {unknown}"
+    assert not unknown, ("documented but not defined (default_settings.py "
+                         f"SETTING_DEFINITIONS): {unknown}")
     assert "IDEMPOTENT_LEASE_SECONDS" in named_settings()  # the scan sees the pages
 
 

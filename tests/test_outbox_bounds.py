@@ -23,7 +23,8 @@ from crawling import crawl_settings, run_crawl
 from helpers.stored import outbox_rows, outbox_states
 from helpers.stores import fetch_page, rec
 from scrapy_idempotent import DeliveryRetry, OutboxTarget
-from scrapy_idempotent.outbox import HOLD_MARGIN_SECONDS, Deliverer, StoreThread
+from scrapy_idempotent._serial_thread import SerialThread
+from scrapy_idempotent.outbox import HOLD_MARGIN_SECONDS, Deliverer
 from scrapy_idempotent.store import SQLiteStore
 from shop.spiders.shop import ShopSpider
 
@@ -268,8 +269,8 @@ def test_the_hold_outlasts_an_attempt() -> None:
     assert one.hold_seconds == one.timeout_seconds + HOLD_MARGIN_SECONDS > one.timeout_seconds
 
 
-def test_store_thread_shutdown_waits_for_the_thread_to_end() -> None:
-    thread = StoreThread()
+def test_the_store_threads_shutdown_waits_for_the_thread_to_end() -> None:
+    thread = SerialThread("scrapy_idempotent-outbox")
     started, release = threading.Event(), threading.Event()
     done: list[str] = []
 
@@ -278,24 +279,22 @@ def test_store_thread_shutdown_waits_for_the_thread_to_end() -> None:
         release.wait()
         done.append("action")
 
-    thread._executor.submit(slow)
+    thread(slow)
     started.wait()
-    releaser = threading.Thread(target=lambda: (wait_until_shut(thread), release.set()))
+    releaser = threading.Thread(target=lambda: (wait_until_stopped(thread), release.set()))
     releaser.start()
     thread.shutdown()
     done.append("shutdown returned")
     releaser.join()
     assert done == ["action", "shutdown returned"]
     assert outbox_threads() == []
+    with pytest.raises(RuntimeError):
+        thread(lambda: None)
 
 
-def wait_until_shut(thread: StoreThread) -> None:
-    """Until ``shutdown`` was called (the executor refuses new work)."""
-    while True:
-        try:
-            thread._executor.submit(lambda: None)
-        except RuntimeError:
-            return
+def wait_until_stopped(thread: SerialThread) -> None:
+    """Until ``shutdown`` was called (the thread takes no new call)."""
+    while not thread._stopped:
         threading.Event().wait(0.001)
 
 

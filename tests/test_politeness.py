@@ -5,7 +5,6 @@ store opened later; and the pieces the scheduler side reads (Retry-After, the se
 
 from __future__ import annotations
 
-import email.utils
 import json
 import time
 from collections.abc import Callable
@@ -14,8 +13,8 @@ from typing import Any
 import pytest
 from conftest import FakeClock
 
-from scrapy_idempotent.config import ConfigError, IdempotentConfig
-from scrapy_idempotent.politeness import retry_after_seconds, slot_limits, throttled
+from scrapy_idempotent.config import ConfigError, IdempotentConfig, slot_limits
+from scrapy_idempotent.slot_backoff import throttled
 from scrapy_idempotent.store.base import (
     Completion,
     FrontierStore,
@@ -168,16 +167,6 @@ def test_a_429_or_a_503_with_retry_after_asks_for_a_pause() -> None:
     assert not throttled(500, True)
 
 
-def test_retry_after_in_seconds_or_as_an_http_date() -> None:
-    assert retry_after_seconds(b"5") == 5.0
-    assert retry_after_seconds(" 120 ") == 120.0
-    date = email.utils.formatdate(1_000_030.0, usegmt=True)
-    assert retry_after_seconds(date.encode(), now=1_000_000.0) == pytest.approx(30.0)
-    assert retry_after_seconds(date, now=2_000_000.0) == 0.0  # a date in the past
-    assert retry_after_seconds(None) is None
-    assert retry_after_seconds(b"soon") is None
-
-
 def test_the_slot_limits_are_scrapys_settings() -> None:
     from scrapy.settings import Settings
 
@@ -307,7 +296,7 @@ def test_the_backoff_middleware_runs_only_with_politeness_for_the_crawl(
     from scrapy.core.downloader.middleware import DownloaderMiddlewareManager
     from scrapy.utils.test import get_crawler
 
-    from scrapy_idempotent.politeness import SlotBackoffMiddleware
+    from scrapy_idempotent.slot_backoff import SlotBackoffMiddleware
 
     crawler = get_crawler(scrapy.Spider, {
         "ADDONS": {"scrapy_idempotent.Addon": 0},

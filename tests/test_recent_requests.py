@@ -12,7 +12,7 @@ from scrapy.utils.test import get_crawler
 
 from crawling import crawl_settings, crawl_to_end, db_rows
 from scrapy_idempotent import codec as codec_module
-from scrapy_idempotent.handout import RecentRequests
+from scrapy_idempotent.recent_requests import RecentRequests
 
 
 def test_kept_requests_are_taken_once_and_only_with_their_stored_text() -> None:

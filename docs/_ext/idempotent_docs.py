@@ -1,7 +1,8 @@
 """The docs' own Sphinx extension: the ``setting`` cross-reference type (targets and
 cross-reference roles, as in Scrapy's docs), and the ``idempotent-settings`` directive, which
-renders the settings reference from ``scrapy_idempotent.config.SETTING_DEFINITIONS``: a setting
-is documented exactly when it is defined.
+renders the settings reference from
+``scrapy_idempotent.default_settings.SETTING_DEFINITIONS``: a setting is documented exactly
+when it is defined.
 
 :func:`settings_reference` is plain Python (no Sphinx), so the tests check what it renders.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import textwrap
 from typing import TYPE_CHECKING, Any
 
-from scrapy_idempotent.config import SETTING_DEFINITIONS, SETTING_SECTIONS, Setting
+from scrapy_idempotent.default_settings import SETTING_DEFINITIONS, SETTING_SECTIONS, Setting
 
 if TYPE_CHECKING:
     from docutils.nodes import Node
