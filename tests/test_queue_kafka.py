@@ -265,3 +265,32 @@ async def test_the_idle_timeout_ends_a_crawl_whose_cluster_cannot_be_reached(
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert any("Kafka queue 't': KafkaException" in e for e in errors), errors
     assert any("could not be reached for 1.0 s" in e for e in errors), errors
+
+
+@deferred_f_from_coro_f
+async def test_a_partition_whose_messages_are_all_done_is_committed_to_its_end(
+        kafka_server: KafkaServer, crawl_database: str) -> None:  # noqa: F811
+    """A worker reading partitions whose every message's request is done already (a
+    partition handed over after its pages were done, read again from an old committed
+    offset): each message is committed past without a fetch, to the end of every
+    partition."""
+    first = KafkaTopic(kafka_server, partitions=3)
+    with LocalSite() as shop:
+        bodies: list[Any] = [product_body(shop, n) for n in range(1, 31)]
+        first.push_many(bodies)
+        crawler = get_crawler(QueueSpider, kafka_settings(
+            crawl_database, first, IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=1))
+        await crawl_to_end(crawler)
+        assert first.all_acknowledged(), (first.committed(), first.ends)
+        # another group reads the same topic: every message's request is done
+        again = KafkaTopic.__new__(KafkaTopic)
+        again.__dict__.update(first.__dict__, group="second")
+        crawler = get_crawler(QueueSpider, kafka_settings(
+            crawl_database, again, IDEMPOTENT_QUEUE_GROUP="second", IDEMPOTENT_RUN_MODE="resume",
+            IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=1))
+        await crawl_to_end(crawler)
+        requests = shop.request_count
+    assert crawler.stats.get_value("finish_reason") == "finished"
+    assert requests == 30  # none fetched again
+    assert crawler.stats.get_value("idempotent/queue/acknowledged") == 30
+    assert again.all_acknowledged(), (again.committed(), again.ends)

@@ -108,6 +108,11 @@ def _message_id(topic: str, partition: int, offset: int) -> str:
     return f"{topic}/{partition}/{offset}"
 
 
+def _offsets(partitions: list[Any]) -> str:
+    """``partition:offset, ...`` of TopicPartitions, for log lines."""
+    return ", ".join(f"{tp.partition}:{tp.offset}" for tp in partitions)
+
+
 class KafkaBroker(QueueBroker):
     """A member of a Kafka consumer group reading one topic (see the module docstring)."""
 
@@ -290,6 +295,9 @@ class KafkaBroker(QueueBroker):
         offset = int(message.offset())
         body = message.value() or b""
         message_id = _message_id(self.topic, message.partition(), offset)
+        if partition.next_offset is None:
+            logger.info("scrapy_idempotent: Kafka topic %r: partition %d read from offset %d",
+                        self.topic, message.partition(), offset)
         partition.held.add(offset)
         partition.next_offset = max(offset + 1, partition.next_offset or 0)
         self._held[message_id] = _Held(message.partition(), offset, message.key(), body)
@@ -335,30 +343,58 @@ class KafkaBroker(QueueBroker):
             if partition is None:
                 continue
             target = min(partition.held) if partition.held else partition.next_offset
-            if target is not None and (partition.committed is None
+            # (waited for: sent again even if sent before, an asynchronous commit's answer
+            # may not be back yet)
+            if target is not None and (wait or partition.committed is None
                                        or target > partition.committed):
                 offsets.append(TopicPartition(self.topic, number, target))
                 partition.committed = target
         if not offsets:
             return
-        if wait:
-            consumer.commit(offsets=offsets, asynchronous=False)
-        else:
+        logger.debug("scrapy_idempotent: Kafka topic %r: committing offset(s) %s%s",
+                     self.topic, _offsets(offsets), " (waited for)" if wait else "")
+        if not wait:
             consumer.commit(offsets=offsets, asynchronous=True)
+            return
+        # (a synchronous commit raises for the request's error, and returns each
+        # partition's own)
+        failed = [tp for tp in consumer.commit(offsets=offsets, asynchronous=False) or ()
+                  if tp.error is not None]
+        if failed:
+            from confluent_kafka import KafkaException
+
+            for tp in failed:
+                self._uncommitted(tp)
+            raise KafkaException(failed[0].error)
 
     def _on_commit(self, error: Any, partitions: list[Any]) -> None:
         """A commit's answer (served by the poll): a partition whose commit failed is sent
         again at the next poll, while it is this member's. A commit refused because a
         rebalance moved on (the partitions' next owner commits them) is not an error."""
         failed = [tp for tp in partitions if error is not None or tp.error is not None]
+        done = [tp for tp in partitions if error is None and tp.error is None]
+        if done:
+            logger.debug("scrapy_idempotent: Kafka topic %r: offset(s) %s committed",
+                         self.topic, _offsets(done))
         for tp in failed:
-            partition = self._partitions.get(tp.partition)
-            if partition is not None and partition.committed is not None \
-                    and partition.committed <= tp.offset:
-                partition.committed = None  # not known committed: sent again
+            self._uncommitted(tp)
         reason = error or (failed[0].error if failed else None)
-        if reason is not None and reason.name() not in _REBALANCED:
+        if reason is None:
+            return
+        if reason.name() in _REBALANCED:
+            logger.info("scrapy_idempotent: Kafka topic %r: the commit of offset(s) %s was "
+                        "refused (%s, a rebalance): sent again while the partitions are "
+                        "this worker's", self.topic, _offsets(failed), reason.name())
+        else:
             self._errors.append(reason)
+
+    def _uncommitted(self, tp: Any) -> None:
+        """The commit of ``tp`` failed: its partition's offset, if still this worker's and
+        not committed further since, is sent again at the next poll."""
+        partition = self._partitions.get(tp.partition)
+        if partition is not None and partition.committed is not None \
+                and partition.committed <= tp.offset:
+            partition.committed = None  # not known committed: sent again
 
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
         for tp in partitions:
@@ -378,11 +414,15 @@ class KafkaBroker(QueueBroker):
             logger.warning("scrapy_idempotent: Kafka topic %r: cannot commit the offsets of "
                            "the messages done before a rebalance (%s): they will be read "
                            "again", self.topic, exc)
+        committed = ", ".join(
+            f"{number}:{self._partitions[number].committed}" for number in numbers
+            if number in self._partitions and self._partitions[number].committed is not None)
         held = self._give_up(numbers)
         if numbers:
             logger.info("scrapy_idempotent: Kafka topic %r: partition(s) %s revoked (a "
-                        "rebalance): %d message(s) held are left to their next owner",
-                        self.topic, ", ".join(map(str, numbers)), held)
+                        "rebalance or the close; offsets committed: %s): %d message(s) held "
+                        "are left to their next owner", self.topic,
+                        ", ".join(map(str, numbers)), committed or "none", held)
 
     def _on_lost(self, consumer: Any, partitions: list[Any]) -> None:
         """``partitions`` were lost (this member's session timed out: they may be another's
