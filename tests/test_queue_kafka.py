@@ -18,7 +18,7 @@ from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f, maybe_deferred_to_future
 from scrapy.utils.test import get_crawler
 
-from crawling import crawl_settings, crawl_to_end
+from crawling import crawl_settings, crawl_to_end, wait_for
 from helpers.queues import NATURAL_KEYS, QueueSpider, product, reactor_wait_for
 from helpers.stored import frontier_counts, request_states, stored_products
 from scrapy_idempotent.config import config_for
@@ -294,3 +294,57 @@ async def test_a_partition_whose_messages_are_all_done_is_committed_to_its_end(
     assert requests == 30  # none fetched again
     assert crawler.stats.get_value("idempotent/queue/acknowledged") == 30
     assert again.all_acknowledged(), (again.committed(), again.ends)
+
+
+def test_a_cooperative_sticky_rebalance_moves_one_partition_at_its_committed_offset(
+        kafka_server: KafkaServer) -> None:  # noqa: F811
+    """``partition.assignment.strategy=cooperative-sticky`` (incremental rebalances, which
+    tansu serves): a member joining takes one partition from the other, which commits what
+    is done of it, gives up only that partition's messages and keeps the others; the new
+    owner reads it from the committed offset. Two brokers driven directly, as the queue
+    input's thread drives them."""
+    topic = KafkaTopic(kafka_server, partitions=3)
+    topic.push_many([f"http://example.com/{n}" for n in range(30)])
+    config = queue_config(IDEMPOTENT_QUEUE_URL=f"{topic.url}&partition.assignment.strategy="
+                          "cooperative-sticky")
+    first: Any = broker_for(config, "worker-1")
+    second: Any = broker_for(config, "worker-2")
+    held: dict[str, Any] = {}  # id -> the broker holding it
+    lost: list[str] = []
+
+    def take(broker: Any) -> None:
+        taken = broker.take(100, True, frozenset())
+        assert taken.error is None, taken.error
+        held.update(dict.fromkeys((message_id for message_id, _ in taken.entries), broker))
+        for message_id in taken.lost:
+            lost.append(message_id)
+            del held[message_id]
+
+    def offset(message_id: str) -> int:
+        return int(message_id.rsplit("/", 1)[1])
+
+    try:
+        wait_for(lambda: take(first) or len(held) == 30, 120, "the 30 messages read")
+        # the first 5 messages of each partition done, the others still held
+        assert first.ack([i for i in held if offset(i) < 5]) == 15
+        for message_id in [i for i in held if offset(i) < 5]:
+            del held[message_id]
+        wait_for(lambda: take(first) or take(second) or second._partitions, 120,
+                 "a partition moved to the second member")
+        (moved,) = second._partitions
+        assert sorted(first._partitions) == sorted({0, 1, 2} - {moved})  # the others kept
+        assert sorted(lost) == sorted(f"{topic.name}/{moved}/{n}" for n in range(5, 10))
+        assert topic.committed()[moved] == 5  # committed by the first member as it left
+        wait_for(lambda: take(first) or take(second) or sum(
+            broker is second for broker in held.values()) == 5, 120, "the moved messages")
+        assert sorted(offset(i) for i, broker in held.items() if broker is second) == [
+            5, 6, 7, 8, 9]  # read again from the committed offset
+        for broker in (first, second):
+            assert broker.ack([i for i, b in held.items() if b is broker]) > 0
+        # (asynchronous commits: their answers come with the next polls)
+        wait_for(lambda: take(first) or take(second) or topic.committed() == topic.ends,
+                 120, "the offsets at the end")
+    finally:
+        first.close()
+        second.close()
+    assert topic.committed() == topic.ends
