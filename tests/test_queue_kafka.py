@@ -234,6 +234,7 @@ def test_a_wrong_kafka_url_or_topic_is_refused_naming_the_setting(
     ("enable.auto.commit=true", "the option enable.auto.commit is the queue input's own"),
     ("no.such.option=1", "No such configuration property"),
     ("session.timeout.ms=soon", "session.timeout.ms"),
+    ("group.instance.id=worker-1", "no group.instance.id \\(static membership\\)"),
 ])
 def test_client_options_are_checked_before_the_crawl(query: str, message: str) -> None:
     """A wrong option is refused when the input is built (before the crawl starts), naming

@@ -153,6 +153,11 @@ class KafkaBroker(QueueBroker):
                 raise ConfigError("IDEMPOTENT_QUEUE_URL", redacted_kafka_url(config.url),
                                   f"the option {name} is the queue input's own "
                                   f"({RESERVED_OPTIONS[name]})")
+        if "group.instance.id" in url.options:
+            raise ConfigError("IDEMPOTENT_QUEUE_URL", redacted_kafka_url(config.url),
+                              "no group.instance.id (static membership): every worker reads "
+                              "the same URL, so all would join as one static member and the "
+                              "group would fence all but one of them out")
         options = {"bootstrap.servers": url.servers, "client.id": consumer,
                    "auto.offset.reset": "earliest", **url.options}
         broker = cls(config, consumer, options)
