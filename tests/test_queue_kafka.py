@@ -349,3 +349,41 @@ def test_a_cooperative_sticky_rebalance_moves_one_partition_at_its_committed_off
         first.close()
         second.close()
     assert topic.committed() == topic.ends
+
+
+def test_a_partition_paused_before_a_rebalance_is_read_when_assigned_again(
+        kafka_server: KafkaServer) -> None:  # noqa: F811
+    """librdkafka keeps a partition paused across a revoke: a worker that paused its
+    partitions (its prefetch full), lost them in a rebalance, and is assigned one of them
+    again later must resume it. Without that, the partition was never read again: its
+    messages stayed uncommitted while the crawl found their pages through other links. Two
+    brokers driven directly, as the queue input's thread drives them."""
+    topic = KafkaTopic(kafka_server, partitions=2)
+    topic.push_many([f"http://example.com/{n}" for n in range(10)])
+    config = queue_config(IDEMPOTENT_QUEUE_URL=topic.url)
+    first: Any = broker_for(config, "worker-1")
+    second: Any = broker_for(config, "worker-2")
+    held: dict[Any, set[str]] = {first: set(), second: set()}
+
+    def take(broker: Any, room: int = 100) -> None:
+        taken = broker.take(room, True, frozenset())
+        assert taken.error is None, taken.error
+        held[broker].update(message_id for message_id, _ in taken.entries)
+        held[broker].difference_update(taken.lost)
+
+    try:
+        wait_for(lambda: take(first) or len(held[first]) == 10, 120, "the 10 messages read")
+        # a second member joins while the first's prefetch is full (its partitions paused):
+        # each gets one partition, the first gives up its messages
+        wait_for(lambda: take(first, room=0) or take(second) or bool(held[second]), 120,
+                 "the second member reading its partition")
+        (moved,) = second._partitions
+        # room again: the first member reads its partition from the start
+        wait_for(lambda: take(first) or len(held[first]) == 5, 120,
+                 "the first member reading its partition")
+        second.close()  # leaves: its partition goes back to the first member
+        wait_for(lambda: take(first) or len(held[first]) == 10, 120,
+                 f"partition {moved} read again by the first member")
+    finally:
+        first.close()
+        second.close()

@@ -310,7 +310,9 @@ class KafkaBroker(QueueBroker):
 
     def _pause(self, pause: bool) -> None:
         """Pause every assigned partition (again at every poll: a partition assigned since
-        starts unpaused), or resume them all once room is back."""
+        may be unpaused), or resume them all once room is back (and after any assignment:
+        librdkafka keeps a partition paused across a revoke, so a partition paused before a
+        rebalance comes back paused; see :meth:`_on_assign`)."""
         assert self.client is not None
         if pause:
             assignment = self.client.assignment()
@@ -321,7 +323,7 @@ class KafkaBroker(QueueBroker):
             assignment = self.client.assignment()
             if assignment:
                 self.client.resume(assignment)
-            self._paused = False
+                self._paused = False  # (none assigned: resumed once some are)
 
     def _done(self, message_id: str) -> bool:
         """Forget the held message ``message_id`` (its request done, or it is parked):
@@ -405,6 +407,9 @@ class KafkaBroker(QueueBroker):
         for tp in partitions:
             self._partitions[tp.partition] = _Partition()
         self._settled = True
+        # a partition this consumer paused before a revoke is assigned again paused (the
+        # client keeps the pause): the next read resumes the assignment, or pauses it all
+        self._paused = True
         if partitions:
             logger.info("scrapy_idempotent: Kafka topic %r: partition(s) %s assigned to this "
                         "worker", self.topic, ", ".join(str(tp.partition) for tp in partitions))
