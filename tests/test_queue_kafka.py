@@ -304,10 +304,12 @@ def test_a_cooperative_sticky_rebalance_moves_one_partition_at_its_committed_off
     is done of it, gives up only that partition's messages and keeps the others; the new
     owner reads it from the committed offset. Two brokers driven directly, as the queue
     input's thread drives them."""
-    topic = KafkaTopic(kafka_server, partitions=3)
+    # a group of its own: a group keeps its members' assignment protocol, which the other
+    # tests' groups chose (eager)
+    topic = KafkaTopic(kafka_server, partitions=3, group="cooperative")
     topic.push_many([f"http://example.com/{n}" for n in range(30)])
     config = queue_config(IDEMPOTENT_QUEUE_URL=f"{topic.url}&partition.assignment.strategy="
-                          "cooperative-sticky")
+                          "cooperative-sticky", IDEMPOTENT_QUEUE_GROUP=topic.group)
     first: Any = broker_for(config, "worker-1")
     second: Any = broker_for(config, "worker-2")
     held: dict[str, Any] = {}  # id -> the broker holding it
