@@ -124,8 +124,8 @@ def test_two_workers_in_one_group_killed_ten_times(
     # idle while its group is settling (joined and not assigned yet, or in a rebalance)
     settings = (f"CONCURRENT_REQUESTS={concurrency}",
                 f"CONCURRENT_REQUESTS_PER_DOMAIN={concurrency}",
-                "IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=20")
-    with LocalSite(delay=1.0) as shop:
+                "IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=15")
+    with LocalSite(delay=0.5) as shop:
         bodies: list[Any] = [f"{shop.url}/list/{n}" for n in range(1, 26)] + [
             product_body(shop, n) for n in range(1, 501)]
         rng.shuffle(bodies)
