@@ -23,8 +23,15 @@ The consumer is called at every poll of the queue input (``IDEMPOTENT_QUEUE_POLL
 whatever the pages do, which keeps the member within ``max.poll.interval.ms``: while the
 worker holds ``IDEMPOTENT_QUEUE_PREFETCH`` messages, or reads nothing more (a stop message
 read), its partitions are paused and the poll only serves the group (heartbeats,
-rebalances). A message the client returns that the worker has no room for is kept here,
-unacknowledged, until there is.
+rebalances). librdkafka keeps a partition paused across a revoke, so after every assignment
+the next poll pauses or resumes the whole assignment (a partition paused before a rebalance
+and assigned again would otherwise never be read). A message the client returns that the
+worker has no room for is kept here, unacknowledged, until there is.
+
+Each commit is logged at DEBUG, its answer too; the first offset read from each partition
+after an assignment, each revoke with the offsets committed by then, and a commit refused
+because a rebalance moved on, at INFO. ``group.instance.id`` (static membership) is refused:
+every worker reads the same URL, so all would be one static member.
 
 A bad message is produced to the topic ``<topic>-parked`` (created if missing) as JSON,
 ``{"id", "topic", "partition", "offset", "key", "body", "error", "consumer"}``, waited for
