@@ -395,6 +395,8 @@ class KafkaBroker(QueueBroker):
         reason = error or (failed[0].error if failed else None)
         if reason is None:
             return
+        if reason.name() == "_NO_OFFSET":
+            return  # nothing was due
         if reason.name() in _REBALANCED:
             logger.info("scrapy_idempotent: Kafka topic %r: the commit of offset(s) %s was "
                         "refused (%s, a rebalance): sent again while the partitions are "
