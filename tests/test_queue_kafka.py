@@ -304,8 +304,9 @@ def test_a_cooperative_sticky_rebalance_moves_one_partition_at_its_committed_off
     is done of it, gives up only that partition's messages and keeps the others; the new
     owner reads it from the committed offset. Two brokers driven directly, as the queue
     input's thread drives them."""
-    # a group of its own: a group keeps its members' assignment protocol, which the other
-    # tests' groups chose (eager)
+    # a group of its own: tansu keeps a group's assignment protocol after its last member
+    # left (Kafka forgets it once the group is empty), and the other tests' groups are eager
+    # (INCONSISTENT_GROUP_PROTOCOL otherwise)
     topic = KafkaTopic(kafka_server, partitions=3, group="cooperative")
     topic.push_many([f"http://example.com/{n}" for n in range(30)])
     config = queue_config(IDEMPOTENT_QUEUE_URL=f"{topic.url}&partition.assignment.strategy="
