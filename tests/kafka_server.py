@@ -6,7 +6,9 @@ install.
 One tansu fault to know: a partition's high-water mark reads wrong (1 after a batch of 50
 messages), so the tests never read lags or watermarks: a topic's last offsets are the ones
 its producer was told (:meth:`KafkaTopic.push_many`), and what is left for the group is told
-by its committed offsets against those."""
+by its committed offsets against those. Another: a group keeps its assignment protocol after
+its last member left (Kafka forgets it once the group is empty), so a test that needs
+another protocol (cooperative-sticky) uses a group of its own."""
 
 from __future__ import annotations
 

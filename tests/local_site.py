@@ -226,7 +226,8 @@ class _Handler(BaseHTTPRequestHandler):
             site.release()
             self._send(200, "released", "text/plain")
             return
-        hits = site._arrived(self.command, path, self.path, dict(self.headers.items()))
+        headers = dict(self.headers.items())
+        hits = site._arrived(self.command, path, self.path, headers)
         try:
             if site._holding:
                 site._released.wait(HOLD_SECONDS)
@@ -234,7 +235,7 @@ class _Handler(BaseHTTPRequestHandler):
                 time.sleep(site.delay)
             self._answer(path, parse_qs(split.query), body, hits)
         finally:
-            site._answered()
+            site._answered(headers.get("User-Agent", ""))
 
     def _answer(self, path: str, query: dict[str, list[str]], body: bytes, hits: int) -> None:
         site = self.server.site
@@ -385,6 +386,7 @@ class LocalSite:
         self._arrivals: list[tuple[str, int]] = []
         self._arrival_times: list[float] = []  #: time.monotonic() of each counted arrival
         self._in_flight = 0
+        self._in_flight_by_agent: Counter[str] = Counter()  #: by User-Agent header
         self._most_in_flight = 0
         self._released = threading.Event()
         self._holding = False  #: every request held (see :meth:`hold`)
@@ -529,12 +531,14 @@ class LocalSite:
             self._arrivals.append((path, self._in_flight))
             self._arrival_times.append(time.monotonic())
             self._in_flight += 1
+            self._in_flight_by_agent[headers.get("User-Agent", "")] += 1
             self._most_in_flight = max(self._most_in_flight, self._in_flight)
             return self._by_path[path]
 
-    def _answered(self) -> None:
+    def _answered(self, agent: str) -> None:
         with self._lock:
             self._in_flight -= 1
+            self._in_flight_by_agent[agent] -= 1
 
     def hits(self, path: str, method: str | None = None) -> int:
         """Requests received for ``path`` (with a ``?query``: for exactly that URL; with
@@ -568,6 +572,12 @@ class LocalSite:
         order (since the last reset)."""
         with self._lock:
             return list(self._arrivals)
+
+    def in_flight_of(self, user_agent: str) -> int:
+        """Requests received with that ``User-Agent`` header and not yet answered (one
+        crawler's, when each crawler has its own)."""
+        with self._lock:
+            return self._in_flight_by_agent[user_agent]
 
     @property
     def most_in_flight(self) -> int:

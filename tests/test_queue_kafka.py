@@ -18,7 +18,7 @@ from local_site import LocalSite
 from scrapy.utils.defer import deferred_f_from_coro_f, maybe_deferred_to_future
 from scrapy.utils.test import get_crawler
 
-from crawling import crawl_settings, crawl_to_end
+from crawling import crawl_settings, crawl_to_end, wait_for
 from helpers.queues import NATURAL_KEYS, QueueSpider, product, reactor_wait_for
 from helpers.stored import frontier_counts, request_states, stored_products
 from scrapy_idempotent.config import config_for
@@ -234,6 +234,7 @@ def test_a_wrong_kafka_url_or_topic_is_refused_naming_the_setting(
     ("enable.auto.commit=true", "the option enable.auto.commit is the queue input's own"),
     ("no.such.option=1", "No such configuration property"),
     ("session.timeout.ms=soon", "session.timeout.ms"),
+    ("group.instance.id=worker-1", "no group.instance.id \\(static membership\\)"),
 ])
 def test_client_options_are_checked_before_the_crawl(query: str, message: str) -> None:
     """A wrong option is refused when the input is built (before the crawl starts), naming
@@ -265,3 +266,127 @@ async def test_the_idle_timeout_ends_a_crawl_whose_cluster_cannot_be_reached(
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert any("Kafka queue 't': KafkaException" in e for e in errors), errors
     assert any("could not be reached for 1.0 s" in e for e in errors), errors
+
+
+@deferred_f_from_coro_f
+async def test_a_partition_whose_messages_are_all_done_is_committed_to_its_end(
+        kafka_server: KafkaServer, crawl_database: str) -> None:  # noqa: F811
+    """A worker reading partitions whose every message's request is done already (a
+    partition handed over after its pages were done, read again from an old committed
+    offset): each message is committed past without a fetch, to the end of every
+    partition."""
+    first = KafkaTopic(kafka_server, partitions=3)
+    with LocalSite() as shop:
+        bodies: list[Any] = [product_body(shop, n) for n in range(1, 31)]
+        first.push_many(bodies)
+        crawler = get_crawler(QueueSpider, kafka_settings(
+            crawl_database, first, IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=1))
+        await crawl_to_end(crawler)
+        assert first.all_acknowledged(), (first.committed(), first.ends)
+        # another group reads the same topic: every message's request is done
+        again = KafkaTopic.__new__(KafkaTopic)
+        again.__dict__.update(first.__dict__, group="second")
+        crawler = get_crawler(QueueSpider, kafka_settings(
+            crawl_database, again, IDEMPOTENT_QUEUE_GROUP="second", IDEMPOTENT_RUN_MODE="resume",
+            IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=1))
+        await crawl_to_end(crawler)
+        requests = shop.request_count
+    assert crawler.stats.get_value("finish_reason") == "finished"
+    assert requests == 30  # none fetched again
+    assert crawler.stats.get_value("idempotent/queue/acknowledged") == 30
+    assert again.all_acknowledged(), (again.committed(), again.ends)
+
+
+def test_a_cooperative_sticky_rebalance_moves_one_partition_at_its_committed_offset(
+        kafka_server: KafkaServer) -> None:  # noqa: F811
+    """``partition.assignment.strategy=cooperative-sticky`` (incremental rebalances, which
+    tansu serves): a member joining takes one partition from the other, which commits what
+    is done of it, gives up only that partition's messages and keeps the others; the new
+    owner reads it from the committed offset. Two brokers driven directly, as the queue
+    input's thread drives them."""
+    # a group of its own: tansu keeps a group's assignment protocol after its last member
+    # left (Kafka forgets it once the group is empty), and the other tests' groups are eager
+    # (INCONSISTENT_GROUP_PROTOCOL otherwise)
+    topic = KafkaTopic(kafka_server, partitions=3, group="cooperative")
+    topic.push_many([f"http://example.com/{n}" for n in range(30)])
+    config = queue_config(IDEMPOTENT_QUEUE_URL=f"{topic.url}&partition.assignment.strategy="
+                          "cooperative-sticky", IDEMPOTENT_QUEUE_GROUP=topic.group)
+    first: Any = broker_for(config, "worker-1")
+    second: Any = broker_for(config, "worker-2")
+    held: dict[str, Any] = {}  # id -> the broker holding it
+    lost: list[str] = []
+
+    def take(broker: Any) -> None:
+        taken = broker.take(100, True, frozenset())
+        assert taken.error is None, taken.error
+        held.update(dict.fromkeys((message_id for message_id, _ in taken.entries), broker))
+        for message_id in taken.lost:
+            lost.append(message_id)
+            del held[message_id]
+
+    def offset(message_id: str) -> int:
+        return int(message_id.rsplit("/", 1)[1])
+
+    try:
+        wait_for(lambda: take(first) or len(held) == 30, 120, "the 30 messages read")
+        # the first 5 messages of each partition done, the others still held
+        assert first.ack([i for i in held if offset(i) < 5]) == 15
+        for message_id in [i for i in held if offset(i) < 5]:
+            del held[message_id]
+        wait_for(lambda: take(first) or take(second) or second._partitions, 120,
+                 "a partition moved to the second member")
+        (moved,) = second._partitions
+        assert sorted(first._partitions) == sorted({0, 1, 2} - {moved})  # the others kept
+        assert sorted(lost) == sorted(f"{topic.name}/{moved}/{n}" for n in range(5, 10))
+        assert topic.committed()[moved] == 5  # committed by the first member as it left
+        wait_for(lambda: take(first) or take(second) or sum(
+            broker is second for broker in held.values()) == 5, 120, "the moved messages")
+        assert sorted(offset(i) for i, broker in held.items() if broker is second) == [
+            5, 6, 7, 8, 9]  # read again from the committed offset
+        for broker in (first, second):
+            assert broker.ack([i for i, b in held.items() if b is broker]) > 0
+        # (asynchronous commits: their answers come with the next polls)
+        wait_for(lambda: take(first) or take(second) or topic.committed() == topic.ends,
+                 120, "the offsets at the end")
+    finally:
+        first.close()
+        second.close()
+    assert topic.committed() == topic.ends
+
+
+def test_a_partition_paused_before_a_rebalance_is_read_when_assigned_again(
+        kafka_server: KafkaServer) -> None:  # noqa: F811
+    """librdkafka keeps a partition paused across a revoke: a worker that paused its
+    partitions (its prefetch full), lost them in a rebalance, and is assigned one of them
+    again later must resume it. Without that, the partition was never read again: its
+    messages stayed uncommitted while the crawl found their pages through other links. Two
+    brokers driven directly, as the queue input's thread drives them."""
+    topic = KafkaTopic(kafka_server, partitions=2)
+    topic.push_many([f"http://example.com/{n}" for n in range(10)])
+    config = queue_config(IDEMPOTENT_QUEUE_URL=topic.url)
+    first: Any = broker_for(config, "worker-1")
+    second: Any = broker_for(config, "worker-2")
+    held: dict[Any, set[str]] = {first: set(), second: set()}
+
+    def take(broker: Any, room: int = 100) -> None:
+        taken = broker.take(room, True, frozenset())
+        assert taken.error is None, taken.error
+        held[broker].update(message_id for message_id, _ in taken.entries)
+        held[broker].difference_update(taken.lost)
+
+    try:
+        wait_for(lambda: take(first) or len(held[first]) == 10, 120, "the 10 messages read")
+        # a second member joins while the first's prefetch is full (its partitions paused):
+        # each gets one partition, the first gives up its messages
+        wait_for(lambda: take(first, room=0) or take(second) or bool(held[second]), 120,
+                 "the second member reading its partition")
+        (moved,) = second._partitions
+        # room again: the first member reads its partition from the start
+        wait_for(lambda: take(first) or len(held[first]) == 5, 120,
+                 "the first member reading its partition")
+        second.close()  # leaves: its partition goes back to the first member
+        wait_for(lambda: take(first) or len(held[first]) == 10, 120,
+                 f"partition {moved} read again by the first member")
+    finally:
+        first.close()
+        second.close()

@@ -23,8 +23,15 @@ The consumer is called at every poll of the queue input (``IDEMPOTENT_QUEUE_POLL
 whatever the pages do, which keeps the member within ``max.poll.interval.ms``: while the
 worker holds ``IDEMPOTENT_QUEUE_PREFETCH`` messages, or reads nothing more (a stop message
 read), its partitions are paused and the poll only serves the group (heartbeats,
-rebalances). A message the client returns that the worker has no room for is kept here,
-unacknowledged, until there is.
+rebalances). librdkafka keeps a partition paused across a revoke, so after every assignment
+the next poll pauses or resumes the whole assignment (a partition paused before a rebalance
+and assigned again would otherwise never be read). A message the client returns that the
+worker has no room for is kept here, unacknowledged, until there is.
+
+Each commit is logged at DEBUG, its answer too; the first offset read from each partition
+after an assignment, each revoke with the offsets committed by then, and a commit refused
+because a rebalance moved on, at INFO. ``group.instance.id`` (static membership) is refused:
+every worker reads the same URL, so all would be one static member.
 
 A bad message is produced to the topic ``<topic>-parked`` (created if missing) as JSON,
 ``{"id", "topic", "partition", "offset", "key", "body", "error", "consumer"}``, waited for
@@ -108,6 +115,11 @@ def _message_id(topic: str, partition: int, offset: int) -> str:
     return f"{topic}/{partition}/{offset}"
 
 
+def _offsets(partitions: list[Any]) -> str:
+    """``partition:offset, ...`` of TopicPartitions, for log lines."""
+    return ", ".join(f"{tp.partition}:{tp.offset}" for tp in partitions)
+
+
 class KafkaBroker(QueueBroker):
     """A member of a Kafka consumer group reading one topic (see the module docstring)."""
 
@@ -148,6 +160,11 @@ class KafkaBroker(QueueBroker):
                 raise ConfigError("IDEMPOTENT_QUEUE_URL", redacted_kafka_url(config.url),
                                   f"the option {name} is the queue input's own "
                                   f"({RESERVED_OPTIONS[name]})")
+        if "group.instance.id" in url.options:
+            raise ConfigError("IDEMPOTENT_QUEUE_URL", redacted_kafka_url(config.url),
+                              "no group.instance.id (static membership): every worker reads "
+                              "the same URL, so all would join as one static member and the "
+                              "group would fence all but one of them out")
         options = {"bootstrap.servers": url.servers, "client.id": consumer,
                    "auto.offset.reset": "earliest", **url.options}
         broker = cls(config, consumer, options)
@@ -290,6 +307,9 @@ class KafkaBroker(QueueBroker):
         offset = int(message.offset())
         body = message.value() or b""
         message_id = _message_id(self.topic, message.partition(), offset)
+        if partition.next_offset is None:
+            logger.info("scrapy_idempotent: Kafka topic %r: partition %d read from offset %d",
+                        self.topic, message.partition(), offset)
         partition.held.add(offset)
         partition.next_offset = max(offset + 1, partition.next_offset or 0)
         self._held[message_id] = _Held(message.partition(), offset, message.key(), body)
@@ -297,7 +317,9 @@ class KafkaBroker(QueueBroker):
 
     def _pause(self, pause: bool) -> None:
         """Pause every assigned partition (again at every poll: a partition assigned since
-        starts unpaused), or resume them all once room is back."""
+        may be unpaused), or resume them all once room is back (and after any assignment:
+        librdkafka keeps a partition paused across a revoke, so a partition paused before a
+        rebalance comes back paused; see :meth:`_on_assign`)."""
         assert self.client is not None
         if pause:
             assignment = self.client.assignment()
@@ -308,7 +330,7 @@ class KafkaBroker(QueueBroker):
             assignment = self.client.assignment()
             if assignment:
                 self.client.resume(assignment)
-            self._paused = False
+                self._paused = False  # (none assigned: resumed once some are)
 
     def _done(self, message_id: str) -> bool:
         """Forget the held message ``message_id`` (its request done, or it is parked):
@@ -335,35 +357,68 @@ class KafkaBroker(QueueBroker):
             if partition is None:
                 continue
             target = min(partition.held) if partition.held else partition.next_offset
-            if target is not None and (partition.committed is None
+            # (waited for: sent again even if sent before, an asynchronous commit's answer
+            # may not be back yet)
+            if target is not None and (wait or partition.committed is None
                                        or target > partition.committed):
                 offsets.append(TopicPartition(self.topic, number, target))
                 partition.committed = target
         if not offsets:
             return
-        if wait:
-            consumer.commit(offsets=offsets, asynchronous=False)
-        else:
+        logger.debug("scrapy_idempotent: Kafka topic %r: committing offset(s) %s%s",
+                     self.topic, _offsets(offsets), " (waited for)" if wait else "")
+        if not wait:
             consumer.commit(offsets=offsets, asynchronous=True)
+            return
+        # (a synchronous commit raises for the request's error, and returns each
+        # partition's own)
+        failed = [tp for tp in consumer.commit(offsets=offsets, asynchronous=False) or ()
+                  if tp.error is not None]
+        if failed:
+            from confluent_kafka import KafkaException
+
+            for tp in failed:
+                self._uncommitted(tp)
+            raise KafkaException(failed[0].error)
 
     def _on_commit(self, error: Any, partitions: list[Any]) -> None:
         """A commit's answer (served by the poll): a partition whose commit failed is sent
         again at the next poll, while it is this member's. A commit refused because a
         rebalance moved on (the partitions' next owner commits them) is not an error."""
         failed = [tp for tp in partitions if error is not None or tp.error is not None]
+        done = [tp for tp in partitions if error is None and tp.error is None]
+        if done:
+            logger.debug("scrapy_idempotent: Kafka topic %r: offset(s) %s committed",
+                         self.topic, _offsets(done))
         for tp in failed:
-            partition = self._partitions.get(tp.partition)
-            if partition is not None and partition.committed is not None \
-                    and partition.committed <= tp.offset:
-                partition.committed = None  # not known committed: sent again
+            self._uncommitted(tp)
         reason = error or (failed[0].error if failed else None)
-        if reason is not None and reason.name() not in _REBALANCED:
+        if reason is None:
+            return
+        if reason.name() == "_NO_OFFSET":
+            return  # nothing was due
+        if reason.name() in _REBALANCED:
+            logger.info("scrapy_idempotent: Kafka topic %r: the commit of offset(s) %s was "
+                        "refused (%s, a rebalance): sent again while the partitions are "
+                        "this worker's", self.topic, _offsets(failed), reason.name())
+        else:
             self._errors.append(reason)
+
+    def _uncommitted(self, tp: Any) -> None:
+        """The commit of ``tp`` failed: its partition's offset, if still this worker's and
+        not committed further since, is sent again at the next poll."""
+        partition = self._partitions.get(tp.partition)
+        if partition is not None and partition.committed is not None \
+                and partition.committed <= tp.offset:
+            partition.committed = None  # not known committed: sent again
 
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
         for tp in partitions:
             self._partitions[tp.partition] = _Partition()
         self._settled = True
+        # a partition this consumer paused before a revoke is assigned again paused (the
+        # client keeps the pause): the next read resumes the assignment, or pauses it all
+        self._paused = True
         if partitions:
             logger.info("scrapy_idempotent: Kafka topic %r: partition(s) %s assigned to this "
                         "worker", self.topic, ", ".join(str(tp.partition) for tp in partitions))
@@ -378,11 +433,15 @@ class KafkaBroker(QueueBroker):
             logger.warning("scrapy_idempotent: Kafka topic %r: cannot commit the offsets of "
                            "the messages done before a rebalance (%s): they will be read "
                            "again", self.topic, exc)
+        committed = ", ".join(
+            f"{number}:{self._partitions[number].committed}" for number in numbers
+            if number in self._partitions and self._partitions[number].committed is not None)
         held = self._give_up(numbers)
         if numbers:
             logger.info("scrapy_idempotent: Kafka topic %r: partition(s) %s revoked (a "
-                        "rebalance): %d message(s) held are left to their next owner",
-                        self.topic, ", ".join(map(str, numbers)), held)
+                        "rebalance or the close; offsets committed: %s): %d message(s) held "
+                        "are left to their next owner", self.topic,
+                        ", ".join(map(str, numbers)), committed or "none", held)
 
     def _on_lost(self, consumer: Any, partitions: list[Any]) -> None:
         """``partitions`` were lost (this member's session timed out: they may be another's
