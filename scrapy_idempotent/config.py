@@ -24,7 +24,7 @@ from scrapy.utils.project import data_path
 from ._kafka_url import redacted_kafka_url
 from ._order import QueueOrder
 from .exceptions import ConfigError
-from .store.base import RunMode, SlotLimits
+from .store.base import RevisitBounds, RunMode, SlotLimits
 from .store.registry import check_driver, sqlite_path
 
 if TYPE_CHECKING:
@@ -290,6 +290,39 @@ has a ``lastmod`` not later than the page's last fetch is not fetched again; it 
 unchanged, as if it had answered ``304`` (``SitemapLastmodMiddleware``, counted in
 ``idempotent/sitemap/skipped``). ``False`` asks the site about every such page. See
 :doc:`/recrawls`.""",
+    ),
+    Setting(
+        "IDEMPOTENT_ADAPTIVE_REVISIT", False, "bool", "Frontier, leases and runs", "True",
+        allowed="``True``/``False``, ``1``/``0``, ``'true'``/``'false'``; ``True`` needs "
+                ":setting:`IDEMPOTENT_CONDITIONAL_REQUESTS`",
+        doc="""
+With :setting:`IDEMPOTENT_CONDITIONAL_REQUESTS`: each page that yields records gets a revisit
+interval of its own, between :setting:`IDEMPOTENT_REVISIT_MIN_SECONDS` and
+:setting:`IDEMPOTENT_REVISIT_MAX_SECONDS`: halved when its records changed since its last
+fetch, doubled when they did not. A later run fetches such a page only once its interval has
+passed since the start of the run that last fetched it (or confirmed it unchanged); before,
+it is done as unchanged without a request, as if it had answered ``304`` (counted in
+``idempotent/revisit/not_due``). Start requests and pages that yield no records (listings:
+how new pages are found) are fetched in every run. See :ref:`adaptive-revisits`.""",
+    ),
+    Setting(
+        "IDEMPOTENT_REVISIT_MIN_SECONDS", 3600.0, "float, seconds", "Frontier, leases and runs",
+        "86400",
+        allowed="1 to 315360000 (ten years), at most IDEMPOTENT_REVISIT_MAX_SECONDS",
+        doc="""
+With :setting:`IDEMPOTENT_ADAPTIVE_REVISIT`: the shortest revisit interval, the one a page
+starts with and the one a page that changes at every visit keeps. Set it to the spacing of
+your runs (a page is due up to a tenth of it early, so a run started a little before its
+schedule still fetches it).""",
+    ),
+    Setting(
+        "IDEMPOTENT_REVISIT_MAX_SECONDS", 604800.0, "float, seconds",
+        "Frontier, leases and runs", "2592000",
+        allowed="1 to 315360000 (ten years), at least IDEMPOTENT_REVISIT_MIN_SECONDS",
+        doc="""
+With :setting:`IDEMPOTENT_ADAPTIVE_REVISIT`: the longest revisit interval, the one a page that
+never changes reaches. No change of a page is found later than this after it happened (plus
+the time until the next run).""",
     ),
     Setting(
         "IDEMPOTENT_KEEP_COOKIES", True, "bool", "Frontier, leases and runs", "False",
@@ -678,6 +711,8 @@ class IdempotentConfig:
     conditional_requests: bool = False
     #: IDEMPOTENT_SITEMAP_LASTMOD: a sitemap's lastmod skips pages not changed since fetched
     sitemap_lastmod: bool = True
+    #: IDEMPOTENT_ADAPTIVE_REVISIT and its bounds: each page's own revisit interval (None: off)
+    revisit: RevisitBounds | None = None
     keep_cookies: bool = True
     feed_streaming: bool = True
     #: IDEMPOTENT_GC_FREEZE: start-up's objects frozen while the crawl runs (:mod:`.gc_freeze`)
@@ -735,6 +770,7 @@ class IdempotentConfig:
             response_journal=_boolean(settings, "IDEMPOTENT_RESPONSE_JOURNAL"),
             conditional_requests=_boolean(settings, "IDEMPOTENT_CONDITIONAL_REQUESTS"),
             sitemap_lastmod=_boolean(settings, "IDEMPOTENT_SITEMAP_LASTMOD"),
+            revisit=_revisit(settings),
             keep_cookies=_boolean(settings, "IDEMPOTENT_KEEP_COOKIES"),
             feed_streaming=_boolean(settings, "IDEMPOTENT_FEED_STREAMING"),
             gc_freeze=_boolean(settings, "IDEMPOTENT_GC_FREEZE"),
@@ -743,6 +779,26 @@ class IdempotentConfig:
             **_scrapy_rules(settings),
             **_politeness(settings),
         )
+
+
+def _revisit(settings: BaseSettings) -> RevisitBounds | None:
+    """IDEMPOTENT_ADAPTIVE_REVISIT and its bounds (validated even when it is off)."""
+    shortest = _number(settings, "IDEMPOTENT_REVISIT_MIN_SECONDS", minimum=1.0,
+                       maximum=10 * _YEAR)
+    longest = _number(settings, "IDEMPOTENT_REVISIT_MAX_SECONDS", minimum=1.0,
+                      maximum=10 * _YEAR)
+    if longest < shortest:
+        raise ConfigError("IDEMPOTENT_REVISIT_MAX_SECONDS",
+                          _get(settings, "IDEMPOTENT_REVISIT_MAX_SECONDS"),
+                          "at least IDEMPOTENT_REVISIT_MIN_SECONDS")
+    if not _boolean(settings, "IDEMPOTENT_ADAPTIVE_REVISIT"):
+        return None
+    if not _boolean(settings, "IDEMPOTENT_CONDITIONAL_REQUESTS"):
+        raise ConfigError("IDEMPOTENT_ADAPTIVE_REVISIT",
+                          _get(settings, "IDEMPOTENT_ADAPTIVE_REVISIT"),
+                          "False unless IDEMPOTENT_CONDITIONAL_REQUESTS is True (a page not "
+                          "due is answered from what its conditional request kept)")
+    return RevisitBounds(shortest, longest)
 
 
 def _lease_batch(settings: BaseSettings) -> int:

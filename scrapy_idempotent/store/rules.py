@@ -14,7 +14,7 @@ import random
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from .base import CrawlIdentity, LeasedRequest, RequestState, RunMode, StateChange
+from .base import CrawlIdentity, LeasedRequest, RequestState, RevisitBounds, RunMode, StateChange
 
 __all__ = [
     "CLAIMED_COLUMNS",
@@ -34,11 +34,13 @@ __all__ = [
     "is_older",
     "isolate_after",
     "known_request_answer",
+    "next_revisit",
     "other_owner",
     "pause_seconds",
     "quarantine_message",
     "record_id_scheme_refusal",
     "record_write",
+    "revisit_due",
     "send_margin",
     "split_claim",
     "starts_new_run",
@@ -156,6 +158,25 @@ class Enqueue(str, enum.Enum):
     DUPLICATE = "duplicate"  #: pending or leased
     ALREADY_DONE = "already_done"  #: finished in the current recrawl window (or without one)
     DUE_AGAIN = "due_again"  #: finished in an earlier recrawl window: pending again
+
+
+def next_revisit(interval: float | None, changed: bool, bounds: RevisitBounds) -> float:
+    """A page's next revisit interval (seconds) after a visit: half of ``interval`` when the
+    page's records changed since its last fetch, twice it when they did not, within
+    ``bounds``. A page without an interval yet (its first fetch, or kept before adaptive
+    revisits were on) starts at the shortest. (Nutch's ``AdaptiveFetchSchedule`` and
+    StormCrawler's ``AdaptiveScheduler`` adapt the same way, by rates of their own.)"""
+    if interval is None:
+        return bounds.min_seconds
+    interval = interval / 2 if changed else interval * 2
+    return min(max(interval, bounds.min_seconds), bounds.max_seconds)
+
+
+def revisit_due(due_at: float | None, now: float, bounds: RevisitBounds | None) -> bool:
+    """Whether a page whose revisit time is ``due_at`` (None: none, it is due every run) is
+    due at ``now`` (unix seconds, the store's clock), a little early counting
+    (:attr:`.RevisitBounds.early_seconds`)."""
+    return bounds is None or due_at is None or due_at - bounds.early_seconds <= now
 
 
 def enqueue_decision(state: str, finished_at: float | None,
