@@ -25,7 +25,7 @@ from .base import (
     RevisitBounds,
 )
 from .reads import RevisitReport
-from .rules import next_revisit, revisit_due
+from .rules import next_revisit, revisit_due, revisit_due_at
 
 __all__ = ["SqlPageValidators"]
 
@@ -170,7 +170,7 @@ class SqlPageValidators:
         interval and time (None, None for a page that yields no records: a listing is how
         new pages are found, it is due every run). A fetched page changed when one of its
         records was inserted or updated, or its records are not those of its last fetch;
-        the interval counts from the start of this run."""
+        the interval counts from the start of this run (:func:`.rules.revisit_due_at`)."""
         bounds = self.revisit_bounds
         assert bounds is not None
         keys = sorted({row[0] for row in keep} | set(confirmed))
@@ -189,13 +189,13 @@ class SqlPageValidators:
                             or any(rid in changed for rid in json.loads(record_ids)))
             seconds = next_revisit(None if before is None else float(before), page_changed,
                                    bounds)
-            out[key] = (seconds, started + seconds)
+            out[key] = (seconds, revisit_due_at(started, seconds, key, run_id))
         for key in confirmed:
             before_ids, before = stored.get(key, ("[]", None))
             if before_ids == "[]":
                 continue
             seconds = next_revisit(None if before is None else float(before), False, bounds)
-            out[key] = (seconds, started + seconds)
+            out[key] = (seconds, revisit_due_at(started, seconds, key, run_id))
         return out
 
     def _run_started_at(self, cur: Any, run_id: int) -> float:
