@@ -306,8 +306,8 @@ it is done as unchanged without a request, as if it had answered ``304`` (counte
 how new pages are found) are fetched in every run. See :ref:`adaptive-revisits`.""",
     ),
     Setting(
-        "IDEMPOTENT_REVISIT_MIN_SECONDS", 3600.0, "float, seconds", "Frontier, leases and runs",
-        "86400",
+        "IDEMPOTENT_REVISIT_MIN_SECONDS", 86400.0, "float, seconds",
+        "Frontier, leases and runs", "3600",
         allowed="1 to 315360000 (ten years), at most IDEMPOTENT_REVISIT_MAX_SECONDS",
         doc="""
 With :setting:`IDEMPOTENT_ADAPTIVE_REVISIT`: the shortest revisit interval, the one a page
@@ -316,8 +316,8 @@ your runs (a page is due up to a tenth of it early, so a run started a little be
 schedule still fetches it).""",
     ),
     Setting(
-        "IDEMPOTENT_REVISIT_MAX_SECONDS", 604800.0, "float, seconds",
-        "Frontier, leases and runs", "2592000",
+        "IDEMPOTENT_REVISIT_MAX_SECONDS", 2592000.0, "float, seconds",
+        "Frontier, leases and runs", "604800",
         allowed="1 to 315360000 (ten years), at least IDEMPOTENT_REVISIT_MIN_SECONDS",
         doc="""
 With :setting:`IDEMPOTENT_ADAPTIVE_REVISIT`: the longest revisit interval, the one a page that

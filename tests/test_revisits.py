@@ -197,3 +197,55 @@ def test_requests_per_round_fall_near_the_changed_pages(store_factory: Stores) -
     last = rounds[-20:]
     assert sum(r.requests for r in last) <= 1.5 * sum(r.changed for r in last)
     assert sum(r.detected for r in rounds[1:]) <= sum(r.changed for r in rounds)
+
+
+def test_adaptive_revisits_need_conditional_requests_and_ordered_bounds() -> None:
+    import scrapy
+    from scrapy.settings import Settings
+
+    from scrapy_idempotent.config import IdempotentConfig
+    from scrapy_idempotent.exceptions import ConfigError
+
+    spider: Any = type("S", (scrapy.Spider,), {"name": "x"})()
+
+    def config(**values: Any) -> IdempotentConfig:
+        return IdempotentConfig.from_settings(Settings(values), spider)
+
+    assert config().revisit is None
+    assert config(IDEMPOTENT_CONDITIONAL_REQUESTS=True, IDEMPOTENT_ADAPTIVE_REVISIT=True
+                  ).revisit == RevisitBounds(86400.0, 30 * 86400.0)
+    with pytest.raises(ConfigError, match="IDEMPOTENT_ADAPTIVE_REVISIT=True .* unless"
+                                          " IDEMPOTENT_CONDITIONAL_REQUESTS"):
+        config(IDEMPOTENT_ADAPTIVE_REVISIT=True)
+    with pytest.raises(ConfigError, match="IDEMPOTENT_REVISIT_MAX_SECONDS=60 .*at least"):
+        config(IDEMPOTENT_REVISIT_MIN_SECONDS=120, IDEMPOTENT_REVISIT_MAX_SECONDS=60)
+
+
+def test_a_revisit_of_a_lost_lease_writes_nothing(store_factory: Stores) -> None:
+    """Fencing covers the revisit time: a completion whose lease is another worker's by
+    then changes neither the page's schedule nor its records' sighting."""
+    clock = Clock(DAY)
+    store = open_store(store_factory, clock)
+    run(store, fetch({}))
+    clock.now += 2 * DAY
+    store.begin_session("w1", "auto")
+    store.commit(UnitOfWork(requests=[new("list")]), "w1")
+    [listing] = store.commit(UnitOfWork(claim=1), "w1").leased
+    store.commit(UnitOfWork(completions=[
+        Completion(listing.key, RequestState.DONE, not_modified=True)]), "w1")
+    leased = store.commit(UnitOfWork(claim=8), "w1").leased
+    assert sorted(p.key for p in leased) == ["p1", "p2"]
+    store.release_leases(["w1"])  # their leases lost: another worker takes them
+    other = open_store(store_factory, clock)
+    other.begin_session("w2", "auto")
+    assert len(other.commit(UnitOfWork(claim=8), "w2").leased) == 2
+    result = store.commit(UnitOfWork(
+        records=[(record(1, 5), "p1")],
+        completions=[Completion("p1", RequestState.DONE, validators=validators(5)),
+                     Completion("p2", RequestState.DONE, not_modified=True)]), "w1")
+    assert (result.leases_lost, result.records_updated, result.records_unchanged) == (2, 0, 0)
+    after = store.revisits()
+    assert after is not None
+    # both still due (a schedule written now would put them a day or more ahead)
+    assert (after.scheduled, after.due) == (2, 2)
+    assert (after.fetched, after.not_modified) == (0, 1)  # the listing's 304 only
