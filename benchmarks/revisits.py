@@ -34,7 +34,6 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 sys.path.insert(0, str(HERE.parent))
 
 from helpers.revisit_rounds import simulate_rounds  # noqa: E402
-
 from scrapy_idempotent.store import (  # noqa: E402
     Completion,
     FrontierStore,

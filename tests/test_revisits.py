@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 from conftest import FakeClock as Clock
-from helpers.revisit_rounds import BODY_BYTES, simulate_rounds
 
+from helpers.revisit_rounds import BODY_BYTES, simulate_rounds
 from scrapy_idempotent.store import (
     Completion,
     FrontierStore,
@@ -214,10 +214,10 @@ def test_adaptive_revisits_need_conditional_requests_and_ordered_bounds() -> Non
     assert config().revisit is None
     assert config(IDEMPOTENT_CONDITIONAL_REQUESTS=True, IDEMPOTENT_ADAPTIVE_REVISIT=True
                   ).revisit == RevisitBounds(86400.0, 30 * 86400.0)
-    with pytest.raises(ConfigError, match="IDEMPOTENT_ADAPTIVE_REVISIT=True .* unless"
+    with pytest.raises(ConfigError, match=r"IDEMPOTENT_ADAPTIVE_REVISIT=True .* unless"
                                           " IDEMPOTENT_CONDITIONAL_REQUESTS"):
         config(IDEMPOTENT_ADAPTIVE_REVISIT=True)
-    with pytest.raises(ConfigError, match="IDEMPOTENT_REVISIT_MAX_SECONDS=60 .*at least"):
+    with pytest.raises(ConfigError, match=r"IDEMPOTENT_REVISIT_MAX_SECONDS=60 .*at least"):
         config(IDEMPOTENT_REVISIT_MIN_SECONDS=120, IDEMPOTENT_REVISIT_MAX_SECONDS=60)
 
 
