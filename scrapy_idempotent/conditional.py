@@ -73,7 +73,7 @@ def page_validators(response: Response) -> PageValidators:
     return PageValidators(
         etag=etag.decode("latin-1") if etag else None,
         last_modified=last_modified.decode("latin-1") if last_modified else None,
-        body_hash=hashlib.sha256(response.body).hexdigest())
+        body_hash=hashlib.sha256(response.body).hexdigest(), body_bytes=len(response.body))
 
 
 def not_modified_since(lastmod: Any, fetched_at: float) -> bool:
@@ -139,6 +139,13 @@ class ConditionalRequestMiddleware:
             return None
         if request.meta.get(CONDITIONAL_META_KEY, True) is False:
             return None
+        if not entry.validators.due:
+            # adaptive revisits: its interval has not passed since it was last fetched or
+            # confirmed; it stands unchanged for this run without a request
+            entry.not_due = True
+            self._count("idempotent/revisit/not_due")
+            return self._not_modified(entry, request, Response(
+                request.url, status=304, request=request, flags=["not_due"]))
         if self.sitemap_lastmod and not_modified_since(request.meta.get(LASTMOD_META_KEY),
                                                        entry.validators.fetched_at):
             # the sitemap says the page did not change since it was fetched: not fetched
@@ -176,8 +183,11 @@ class ConditionalRequestMiddleware:
     def _not_modified(self, entry: InflightRequest, request: Request,
                       response: Response) -> Response:
         entry.not_modified = True
-        if "sitemap" not in response.flags:
+        if "sitemap" not in response.flags and "not_due" not in response.flags:
             self._count("idempotent/conditional/not_modified")
+        assert entry.validators is not None
+        if entry.validators.body_bytes:
+            self._count("idempotent/revisit/bytes_saved", entry.validators.body_bytes)
         request.meta["dont_cache"] = True  # no cache policy stores the 304 as the page
         # the response goes on with a request of its own: no callback or errback of the
         # spider's sees it, nor HttpErrorMiddleware (a 304 is not an error here)

@@ -33,7 +33,7 @@ from .default_settings import (
 )
 from .exceptions import ConfigError
 from .scrapy_compat import per_slot_settings
-from .store.base import RunMode, SlotLimits
+from .store.base import RevisitBounds, RunMode, SlotLimits
 from .store.registry import check_driver, sqlite_path
 
 if TYPE_CHECKING:
@@ -159,6 +159,8 @@ class IdempotentConfig:
     conditional_requests: bool = False
     #: IDEMPOTENT_SITEMAP_LASTMOD: a sitemap's lastmod skips pages not changed since fetched
     sitemap_lastmod: bool = True
+    #: IDEMPOTENT_ADAPTIVE_REVISIT and its bounds: each page's own revisit interval (None: off)
+    revisit: RevisitBounds | None = None
     keep_cookies: bool = True
     feed_streaming: bool = True
     #: IDEMPOTENT_GC_FREEZE: start-up's objects frozen while the crawl runs (:mod:`.gc_freeze`)
@@ -216,6 +218,7 @@ class IdempotentConfig:
             response_journal=_boolean(settings, "IDEMPOTENT_RESPONSE_JOURNAL"),
             conditional_requests=_boolean(settings, "IDEMPOTENT_CONDITIONAL_REQUESTS"),
             sitemap_lastmod=_boolean(settings, "IDEMPOTENT_SITEMAP_LASTMOD"),
+            revisit=_revisit(settings),
             keep_cookies=_boolean(settings, "IDEMPOTENT_KEEP_COOKIES"),
             feed_streaming=_boolean(settings, "IDEMPOTENT_FEED_STREAMING"),
             gc_freeze=_boolean(settings, "IDEMPOTENT_GC_FREEZE"),
@@ -224,6 +227,26 @@ class IdempotentConfig:
             **_scrapy_rules(settings),
             **_politeness(settings),
         )
+
+
+def _revisit(settings: BaseSettings) -> RevisitBounds | None:
+    """IDEMPOTENT_ADAPTIVE_REVISIT and its bounds (validated even when it is off)."""
+    shortest = _number(settings, "IDEMPOTENT_REVISIT_MIN_SECONDS", minimum=1.0,
+                       maximum=10 * _YEAR)
+    longest = _number(settings, "IDEMPOTENT_REVISIT_MAX_SECONDS", minimum=1.0,
+                      maximum=10 * _YEAR)
+    if longest < shortest:
+        raise ConfigError("IDEMPOTENT_REVISIT_MAX_SECONDS",
+                          _get(settings, "IDEMPOTENT_REVISIT_MAX_SECONDS"),
+                          "at least IDEMPOTENT_REVISIT_MIN_SECONDS")
+    if not _boolean(settings, "IDEMPOTENT_ADAPTIVE_REVISIT"):
+        return None
+    if not _boolean(settings, "IDEMPOTENT_CONDITIONAL_REQUESTS"):
+        raise ConfigError("IDEMPOTENT_ADAPTIVE_REVISIT",
+                          _get(settings, "IDEMPOTENT_ADAPTIVE_REVISIT"),
+                          "False unless IDEMPOTENT_CONDITIONAL_REQUESTS is True (a page not "
+                          "due is answered from what its conditional request kept)")
+    return RevisitBounds(shortest, longest)
 
 
 def _lease_batch(settings: BaseSettings) -> int:

@@ -257,6 +257,39 @@ unchanged, as if it had answered ``304`` (``SitemapLastmodMiddleware``, counted 
 :doc:`/recrawls`.""",
     ),
     Setting(
+        "IDEMPOTENT_ADAPTIVE_REVISIT", False, "bool", "Frontier, leases and runs", "True",
+        allowed="``True``/``False``, ``1``/``0``, ``'true'``/``'false'``; ``True`` needs "
+                ":setting:`IDEMPOTENT_CONDITIONAL_REQUESTS`",
+        doc="""
+With :setting:`IDEMPOTENT_CONDITIONAL_REQUESTS`: each page that yields records gets a revisit
+interval of its own, between :setting:`IDEMPOTENT_REVISIT_MIN_SECONDS` and
+:setting:`IDEMPOTENT_REVISIT_MAX_SECONDS`: halved when its records changed since its last
+fetch, doubled when they did not. A later run fetches such a page only once its interval has
+passed since the start of the run that last fetched it (or confirmed it unchanged); before,
+it is done as unchanged without a request, as if it had answered ``304`` (counted in
+``idempotent/revisit/not_due``). Start requests and pages that yield no records (listings:
+how new pages are found) are fetched in every run. See :ref:`adaptive-revisits`.""",
+    ),
+    Setting(
+        "IDEMPOTENT_REVISIT_MIN_SECONDS", 86400.0, "float, seconds",
+        "Frontier, leases and runs", "3600",
+        allowed="1 to 315360000 (ten years), at most IDEMPOTENT_REVISIT_MAX_SECONDS",
+        doc="""
+With :setting:`IDEMPOTENT_ADAPTIVE_REVISIT`: the shortest revisit interval, the one a page
+starts with and the one a page that changes at every visit keeps. Set it to the spacing of
+your runs (a page is due up to a tenth of it early, so a run started a little before its
+schedule still fetches it).""",
+    ),
+    Setting(
+        "IDEMPOTENT_REVISIT_MAX_SECONDS", 2592000.0, "float, seconds",
+        "Frontier, leases and runs", "604800",
+        allowed="1 to 315360000 (ten years), at least IDEMPOTENT_REVISIT_MIN_SECONDS",
+        doc="""
+With :setting:`IDEMPOTENT_ADAPTIVE_REVISIT`: the longest revisit interval, the one a page that
+never changes reaches. No change of a page is found later than this after it happened (plus
+the time until the next run).""",
+    ),
+    Setting(
         "IDEMPOTENT_KEEP_COOKIES", True, "bool", "Frontier, leases and runs", "False",
         allowed="``True``/``False``, ``1``/``0``, ``'true'``/``'false'``",
         doc="""

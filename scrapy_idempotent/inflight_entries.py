@@ -107,6 +107,8 @@ class InflightRequest:
     validators: PageValidators | None = None
     conditional: bool = False  #: it was sent with those validators
     not_modified: bool = False  #: it was answered 304 to them: done as unchanged
+    #: its revisit was not due: answered as unchanged without being fetched
+    not_due: bool = False
     #: the validators of the page it was answered with now (its 2xx response)
     answered: PageValidators | None = None
 
@@ -131,7 +133,7 @@ class InflightRequest:
             return Completion(self.key, RequestState.FAILED, *self.spider_error,
                               validators=self.answered)
         return Completion(self.key, RequestState.DONE, validators=self.answered,
-                          not_modified=self.not_modified)
+                          not_modified=self.not_modified, not_due=self.not_due)
 
     def unit_of_work(self) -> UnitOfWork:
         """Everything this entry produced with its completion: one transaction."""

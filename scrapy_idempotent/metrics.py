@@ -271,6 +271,7 @@ def metric_families(m: CrawlMetrics) -> Iterator[Metric]:
     yield from _frontier(m)
     yield from _runs(m)
     yield from _workers(m)
+    yield from _revisits(m)
     outbox = GaugeMetricFamily("idempotent_outbox_entries",
                                "Outbox announcements by delivery target and state",
                                labels=["target", "state"])
@@ -322,6 +323,33 @@ def _frontier(m: CrawlMetrics) -> Iterator[Metric]:
     yield GaugeMetricFamily("idempotent_leases_expired",
                             "Leased entries whose lease time is over (their worker stopped "
                             "renewing: they are taken back)", value=s.expired_leases)
+
+
+def _revisits(m: CrawlMetrics) -> Iterator[Metric]:
+    r = m.revisits
+    if r is None:
+        return
+    pages = GaugeMetricFamily("idempotent_revisit_pages",
+                              "Pages kept for conditional requests: all of them, those with "
+                              "a revisit time (adaptive revisits), those due now",
+                              labels=["state"])
+    for state, n in (("kept", r.pages), ("scheduled", r.scheduled), ("due", r.due)):
+        pages.add_metric([state], n)
+    yield pages
+    outcomes = GaugeMetricFamily("idempotent_revisit_run_pages",
+                                 "Pages kept, by how the latest run reached them",
+                                 labels=["outcome"])
+    for outcome, n in (("fetched", r.fetched), ("not_modified", r.not_modified),
+                       ("not_due", r.not_due)):
+        outcomes.add_metric([outcome], n)
+    yield outcomes
+    yield GaugeMetricFamily("idempotent_revisit_requests_saved",
+                            "Requests the latest run did not send (pages not due)",
+                            value=r.requests_saved)
+    yield GaugeMetricFamily("idempotent_revisit_bytes_saved",
+                            "Bytes the latest run did not download: the bodies of the pages "
+                            "answered 304 or not due, at their size when last downloaded",
+                            value=r.bytes_saved)
 
 
 def _runs(m: CrawlMetrics) -> Iterator[Metric]:

@@ -202,7 +202,8 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         identity = CrawlIdentity(project=str(self.crawler.settings.get("BOT_NAME") or ""),
                                  spider=spider.name, source=self.config.source)
         # claims load the validators of pages done before (ConditionalRequestMiddleware)
-        self.store.load_validators_with_claims(self.config.conditional_requests)
+        self.store.load_validators_with_claims(self.config.conditional_requests,
+                                               revisit=self.config.revisit)
         try:
             changed = retry_busy("opening", lambda: self.store.open(
                 fingerprinter=self.fingerprints.name, identity=identity,

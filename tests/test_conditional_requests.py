@@ -274,3 +274,47 @@ async def test_a_sitemap_lastmod_skips_pages_not_changed_since_their_fetch(
 def test_lastmod_against_the_last_fetch(lastmod: str, fetched_at: datetime.datetime,
                                         skipped: bool) -> None:
     assert not_modified_since(lastmod, fetched_at.timestamp()) is skipped
+
+
+@deferred_f_from_coro_f
+async def test_adaptive_revisits_fetch_only_the_pages_due(
+    tmp_path: Path, crawl_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With IDEMPOTENT_ADAPTIVE_REVISIT, a run within a day of the last (the shortest
+    interval) fetches the listing pages only (conditionally): the products are done as
+    unchanged without a request, their records seen, the feed exact; a run a day later
+    fetches them again and finds the change. The store's clock is moved forward a day
+    between runs (a crawl's components never read the wall clock for this)."""
+    import time
+
+    import scrapy_idempotent.scheduler as scheduler_module
+
+    offset = [0.0]
+    opened = scheduler_module.open_store
+
+    def store_at_offset(database: str, **options: Any) -> Any:
+        return opened(database, **{**options, "clock": lambda: time.time() + offset[0]})
+
+    monkeypatch.setattr(scheduler_module, "open_store", store_at_offset)
+    write_shop(tmp_path / "site", listings=2, per_page=10)
+    settings = {"IDEMPOTENT_ADAPTIVE_REVISIT": True, "IDEMPOTENT_REVISIT_MIN_SECONDS": 86400}
+    with StaticSite(tmp_path / "site", tmp_path / "nginx") as site:
+        await crawl(site, crawl_database, tmp_path / "run1.jsonl", **settings)
+        change_products(tmp_path / "site", [4])
+        offset[0] = 3600.0  # an hour later: nothing is due but the listings
+        before = site.request_count
+        early = await crawl(site, crawl_database, tmp_path / "run2.jsonl", **settings)
+        assert site.request_count - before == 2  # the two listing pages
+        offset[0] = 86400.0 + 3600.0
+        later = await crawl(site, crawl_database, tmp_path / "run3.jsonl", **settings)
+    get = early.get_value
+    assert get("idempotent/revisit/not_due") == 20
+    assert get("idempotent/conditional/not_modified") == 2
+    assert get("idempotent/revisit/bytes_saved") > 20 * 8000
+    assert (get("idempotent/records/unchanged"), get("idempotent/records/updated")) == (20, None)
+    assert feed(tmp_path / "run2.jsonl") == {sku(n): old_price(n) for n in range(1, 21)}
+    get = later.get_value
+    assert get("idempotent/revisit/not_due") is None
+    assert (get("idempotent/records/unchanged"), get("idempotent/records/updated")) == (19, 1)
+    assert feed(tmp_path / "run3.jsonl") == {sku(n): new_price(n) if n == 4 else old_price(n)
+                                             for n in range(1, 21)}

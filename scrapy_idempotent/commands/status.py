@@ -78,6 +78,7 @@ def _status_report(store: FrontierStore, path: str, info: SchemaInfo,
         },
         "failures": store.failure_counts(),
         "outbox": store.outbox_counts(),
+        "revisits": _revisit_report(store),
         "repeated": _repeated_report(store, current, records),
         "totals": _totals_report(runs, run_rows, [e for run_ends in ends.values()
                                                   for e in run_ends]),
@@ -105,6 +106,23 @@ def _slot_report(store: FrontierStore) -> list[dict[str, Any]]:
              "paused_for_seconds": round(max(s.paused_until - now, 0.0), 1),
              "backoffs": s.backoffs, "crawl_delay": s.crawl_delay}
             for s in slots if s.slot]
+
+
+def _revisit_report(store: FrontierStore) -> dict[str, Any] | None:
+    """The pages kept for conditional requests and adaptive revisits (None: none kept)."""
+    try:
+        revisits = store.revisits()
+    except StoreError:  # a database of an earlier schema, read as it is
+        return None
+    if revisits is None or not revisits.pages:
+        return None
+    return {
+        "pages": revisits.pages, "scheduled": revisits.scheduled, "due": revisits.due,
+        "next_due_at": iso(revisits.next_due_at) if revisits.next_due_at else None,
+        "run_id": revisits.run_id, "fetched": revisits.fetched,
+        "not_modified": revisits.not_modified, "not_due": revisits.not_due,
+        "requests_saved": revisits.requests_saved, "bytes_saved": revisits.bytes_saved,
+    }
 
 
 def _repeated_report(store: FrontierStore, current: dict[str, Any] | None,
@@ -146,6 +164,7 @@ def _status_lines(report: dict[str, Any], engine: Sequence[EngineSetting]) -> li
     for section in (_runs_section(report["runs"]), _frontier_section(report["frontier"]),
                     _leases_section(report["leases"]), _slots_section(report["slots"]),
                     _records_section(report["records"], run_label),
+                    _revisits_section(report["revisits"]),
                     _outbox_section(report["outbox"]), _failures_section(report["failures"]),
                     _repeated_section(report["repeated"], run_label),
                     _totals_section(report["totals"])):
@@ -214,6 +233,25 @@ def _records_section(rec: dict[str, Any], run_label: str) -> list[str]:
         (f"updated {run_label}", rec["updated"]),
         (f"unchanged {run_label}", rec["unchanged"]),
         (f"rejected {run_label}", rec["rejected"])])]
+
+
+def _revisits_section(rev: dict[str, Any] | None) -> list[str]:
+    """Conditional requests and adaptive revisits (shown once pages are kept for them)."""
+    if rev is None:
+        return []
+    run = f"in run {rev['run_id']}"
+    return ["Revisits (pages kept for conditional requests)", *pairs([
+        ("pages kept", rev["pages"]),
+        ("with a revisit time", rev["scheduled"], "(pages with records, adaptive revisits)"),
+        ("due now", rev["due"]),
+        ("next due", rev["next_due_at"] or "-"),
+        (f"downloaded {run}", rev["fetched"]),
+        (f"unchanged (304) {run}", rev["not_modified"]),
+        (f"not due {run}", rev["not_due"], "(no request sent)"),
+        (f"requests saved {run}", rev["requests_saved"]),
+        (f"bytes saved {run}", rev["bytes_saved"],
+         "(the bodies not downloaded, at their last size)"),
+    ])]
 
 
 def _outbox_section(outbox: dict[str, Any]) -> list[str]:

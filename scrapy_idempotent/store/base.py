@@ -62,6 +62,7 @@ from .reads import (
     RepeatedRequest,
     RequestSummary,
     RetriedFailed,
+    RevisitReport,
     RunRecord,
     RunSummary,
     RunTotals,
@@ -104,6 +105,8 @@ __all__ = [
     "RequestState",
     "RequestSummary",
     "RetriedFailed",
+    "RevisitBounds",
+    "RevisitReport",
     "RobotsTxt",
     "RunInfo",
     "RunMode",
@@ -260,6 +263,11 @@ class PageValidators:
     #: when the page was last fetched or confirmed unchanged (unix seconds, the store's
     #: clock; 0 when not known): a sitemap's ``lastmod`` is compared with it
     fetched_at: float = field(default=0.0, compare=False)
+    #: the size of its body when it was last downloaded in full (bytes; 0 when not known)
+    body_bytes: int = field(default=0, compare=False)
+    #: with adaptive revisits (:class:`RevisitBounds`): whether its revisit is due at the
+    #: claim that loaded these (False: it is done as unchanged without being fetched)
+    due: bool = field(default=True, compare=False)
 
     @property
     def usable(self) -> bool:
@@ -289,6 +297,28 @@ class Completion:
     #: unchanged, its stored records seen in this run and the requests it added when last
     #: fetched enqueued again
     not_modified: bool = False
+    #: with ``not_modified``: the page was not fetched at all, its revisit not being due
+    #: yet (:class:`RevisitBounds`): its validators and revisit time stay as they were
+    not_due: bool = False
+
+
+@dataclass(frozen=True)
+class RevisitBounds:
+    """Adaptive revisits (:setting:`IDEMPOTENT_ADAPTIVE_REVISIT`): each page that yields
+    records has a revisit interval of its own, within ``[min_seconds, max_seconds]``, halved
+    when its records changed since its last fetch and doubled when they did not
+    (:func:`.rules.next_revisit`); a later run fetches it only once the interval has passed
+    since the start of the run that last fetched it or confirmed it unchanged."""
+
+    min_seconds: float
+    max_seconds: float
+
+    @property
+    def early_seconds(self) -> float:
+        """How early a revisit counts as due (a tenth of the shortest interval), so that a
+        run started a little before its schedule (cron jitter, a slow start) does not leave
+        a page for the run after."""
+        return self.min_seconds / 10
 
 
 @dataclass(frozen=True)
@@ -734,10 +764,18 @@ class FrontierStore(ABC):
     #: claims load the validators of the pages they lease (LeasedRequest.validators)
     claims_load_validators: bool = False
 
-    def load_validators_with_claims(self, on: bool) -> None:
+    #: adaptive revisits: the bounds of each page's revisit interval (None: off, every
+    #: page is due in every run)
+    revisit_bounds: RevisitBounds | None = None
+
+    def load_validators_with_claims(self, on: bool, *,
+                                    revisit: RevisitBounds | None = None) -> None:
         """Whether claims load the validators of the pages they lease, for conditional
-        requests (:setting:`IDEMPOTENT_CONDITIONAL_REQUESTS`)."""
+        requests (:setting:`IDEMPOTENT_CONDITIONAL_REQUESTS`); with ``revisit``, page
+        commits keep each page's revisit interval and claims say whether it is due
+        (:setting:`IDEMPOTENT_ADAPTIVE_REVISIT`)."""
         self.claims_load_validators = on
+        self.revisit_bounds = revisit if on else None
 
     # -- download slots (politeness for the whole crawl) ----------------------------------
     #: the limits claims keep per slot; None: claims take the head of the frontier whatever
@@ -1078,7 +1116,12 @@ class FrontierStore(ABC):
             failures=self.failure_counts(), summary=self.request_summary(),
             leases=tuple(self.lease_holders()), live_workers=tuple(self.live_workers()),
             outbox=self.outbox_counts(), outbox_backlog=self.outbox_backlog(),
-            heartbeats=self.heartbeats())
+            heartbeats=self.heartbeats(), revisits=self.revisits())
+
+    def revisits(self) -> RevisitReport | None:
+        """The pages kept for conditional requests and adaptive revisits, and what the
+        latest run saved with them (None: this store keeps no pages)."""
+        return None
 
     def heartbeats(self) -> dict[str, float]:
         """Each live worker's latest heartbeat (unix seconds), for a store whose sessions

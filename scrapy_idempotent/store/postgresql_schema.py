@@ -7,7 +7,7 @@ from __future__ import annotations
 __all__ = ["ALL_COUNTERS", "APPLICATION", "COUNTERS", "LOADED", "MIGRATIONS", "SCHEMA_VERSION",
            "TABLES"]
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 #: ``meta.application`` of a schema this package made.
 APPLICATION = "scrapy_idempotent"
 
@@ -261,6 +261,15 @@ MIGRATIONS: list[list[str]] = [
             stored_at double precision NOT NULL
         )""",
     ],
+    [
+        # Adaptive revisits: per page kept, the size of its body when last downloaded in
+        # full, its revisit interval and when it is due (NULL: every run), and how the run
+        # of run_id last reached it ('fetched', 'not_modified', 'not_due').
+        """ALTER TABLE page_validators ADD COLUMN body_bytes bigint NOT NULL DEFAULT 0""",
+        """ALTER TABLE page_validators ADD COLUMN revisit_seconds double precision""",
+        """ALTER TABLE page_validators ADD COLUMN due_at double precision""",
+        """ALTER TABLE page_validators ADD COLUMN outcome text NOT NULL DEFAULT 'fetched'""",
+    ],
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
@@ -279,6 +288,7 @@ TABLES[8] = TABLES[7] | {"record_keys"}
 TABLES[9] = TABLES[8] | {"robots"}
 TABLES[10] = TABLES[9]
 TABLES[11] = TABLES[10] | {"page_validators"}
+TABLES[12] = TABLES[11]
 assert set(TABLES) == set(range(1, SCHEMA_VERSION + 1))
 
 #: The counters of a session row a page commit adds to: its worker's share of the run's
@@ -306,7 +316,8 @@ LOADED: dict[str, tuple[str, ...]] = {
     "record_keys": ("record_type", "item_type", "fields", "recorded_at"),
     "robots": ("netloc", "url", "status", "body", "fetched_at"),
     "page_validators": ("key", "etag", "last_modified", "body_hash", "record_ids", "children",
-                        "run_id", "stored_at"),
+                        "run_id", "stored_at", "body_bytes", "revisit_seconds", "due_at",
+                        "outcome"),
     "samples": ("run_id", "slot", "at", "leased", "done", "failed", "redirected",
                 "records_inserted", "records_updated", "records_unchanged", "records_stale",
                 "leases_reclaimed", "leases_lost", "in_flight"),

@@ -26,6 +26,7 @@ __all__ = [
     "RepeatedRequest",
     "RequestSummary",
     "RetriedFailed",
+    "RevisitReport",
     "RunRecord",
     "RunSummary",
     "RunTotals",
@@ -354,6 +355,36 @@ class OutboxBacklog:
 
 
 @dataclass(frozen=True)
+class RevisitReport:
+    """The pages kept for conditional requests and adaptive revisits
+    (:meth:`~.FrontierStore.revisits`), as of ``read_at`` (unix seconds, the store's clock).
+
+    ``pages``: pages kept; ``scheduled``: those with a revisit time (pages that yield
+    records, with :setting:`IDEMPOTENT_ADAPTIVE_REVISIT`); ``due``: the scheduled pages whose
+    revisit is due now; ``next_due_at``: the earliest revisit time not due yet (None: none).
+    For run ``run_id`` (the latest run): ``fetched`` pages downloaded in full,
+    ``not_modified`` pages confirmed unchanged by a ``304`` (or a sitemap's ``lastmod``),
+    ``not_due`` pages not fetched at all (their revisit not due), and ``bytes_saved``: the
+    bodies of the pages not downloaded in full, at their size when last downloaded."""
+
+    read_at: float
+    pages: int
+    scheduled: int
+    due: int
+    next_due_at: float | None
+    run_id: int | None
+    fetched: int
+    not_modified: int
+    not_due: int
+    bytes_saved: int
+
+    @property
+    def requests_saved(self) -> int:
+        """The requests the run did not send (pages not due)."""
+        return self.not_due
+
+
+@dataclass(frozen=True)
 class CrawlMetrics:
     """The crawl-wide figures of :meth:`~.FrontierStore.crawl_metrics`: what every worker
     (live, finished or killed) committed, read in one call. Times are unix seconds."""
@@ -371,3 +402,5 @@ class CrawlMetrics:
     outbox_backlog: dict[str, OutboxBacklog] = field(default_factory=dict)
     #: worker -> its latest heartbeat (unix seconds), for stores with heartbeats
     heartbeats: dict[str, float] = field(default_factory=dict)
+    #: the pages kept for conditional requests and revisits (None: the store keeps none)
+    revisits: RevisitReport | None = None

@@ -10,17 +10,19 @@ functions, and writes what they decided; nothing here touches a database.
 from __future__ import annotations
 
 import enum
+import hashlib
 import random
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from .base import CrawlIdentity, LeasedRequest, RequestState, RunMode, StateChange
+from .base import CrawlIdentity, LeasedRequest, RequestState, RevisitBounds, RunMode, StateChange
 
 __all__ = [
     "CLAIMED_COLUMNS",
     "FIRST_RECORD_ID_SCHEME",
     "MIGRATED_RECORD_ID_SCHEMES",
     "QUEUE_ORDER",
+    "REVISIT_SPREAD",
     "TERMINAL",
     "ClaimedRow",
     "Enqueue",
@@ -34,11 +36,14 @@ __all__ = [
     "is_older",
     "isolate_after",
     "known_request_answer",
+    "next_revisit",
     "other_owner",
     "pause_seconds",
     "quarantine_message",
     "record_id_scheme_refusal",
     "record_write",
+    "revisit_due",
+    "revisit_due_at",
     "send_margin",
     "split_claim",
     "starts_new_run",
@@ -156,6 +161,43 @@ class Enqueue(str, enum.Enum):
     DUPLICATE = "duplicate"  #: pending or leased
     ALREADY_DONE = "already_done"  #: finished in the current recrawl window (or without one)
     DUE_AGAIN = "due_again"  #: finished in an earlier recrawl window: pending again
+
+
+def next_revisit(interval: float | None, changed: bool, bounds: RevisitBounds) -> float:
+    """A page's next revisit interval (seconds) after a visit: half of ``interval`` when the
+    page's records changed since its last fetch, twice it when they did not, within
+    ``bounds``. A page without an interval yet (its first fetch, or kept before adaptive
+    revisits were on) starts at the shortest. (Nutch's ``AdaptiveFetchSchedule`` and
+    StormCrawler's ``AdaptiveScheduler`` adapt the same way, by rates of their own.)"""
+    if interval is None:
+        return bounds.min_seconds
+    interval = interval / 2 if changed else interval * 2
+    return min(max(interval, bounds.min_seconds), bounds.max_seconds)
+
+
+#: the share of a revisit interval by which a page's revisit may come early (see
+#: :func:`revisit_due_at`)
+REVISIT_SPREAD = 0.5
+
+
+def revisit_due_at(started_at: float, interval: float, key: str, run_id: int) -> float:
+    """When a page fetched (or confirmed unchanged) in the run started at ``started_at``
+    is due again: after ``interval`` less up to half of it (a share drawn from the page's
+    key and the run, so the same in every worker and every replay). The pages a first run
+    fetched together would otherwise come due together, every time, in one run; spread,
+    a site's unchanging pages are revisited a few each run, and never later than their
+    interval. (A quarter was measured to leave the waves of the first run for over a
+    hundred runs; half spreads them within about three longest intervals.)"""
+    digest = hashlib.blake2b(f"{run_id}|{key}".encode(), digest_size=8).digest()
+    share = int.from_bytes(digest, "big") / 2 ** 64
+    return started_at + interval * (1 - REVISIT_SPREAD * share)
+
+
+def revisit_due(due_at: float | None, now: float, bounds: RevisitBounds | None) -> bool:
+    """Whether a page whose revisit time is ``due_at`` (None: none, it is due every run) is
+    due at ``now`` (unix seconds, the store's clock), a little early counting
+    (:attr:`.RevisitBounds.early_seconds`)."""
+    return bounds is None or due_at is None or due_at - bounds.early_seconds <= now
 
 
 def enqueue_decision(state: str, finished_at: float | None,

@@ -542,7 +542,8 @@ class SqlStore(SqlOutbox, SqlPageValidators, FrontierStore):
             self._see_unchanged(cur, unchanged, run_id, now, result)
             result.pages_not_modified += len(unchanged)
             result.requests_relinked += sum(len(children) for _, children in unchanged.values())
-        self._keep_validators(cur, work.completions, requests, records, lost, run_id, now)
+        self._keep_validators(cur, work.completions, requests, records, lost,
+                              {record.record_id for _, record, _ in changes}, run_id, now)
         if work.outbox_targets and changes:
             self._write_outbox(cur, changes, work.outbox_targets, now, run_id, result)
         state_changes = [change for change, key in work.state_changes if key not in lost]

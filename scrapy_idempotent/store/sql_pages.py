@@ -12,10 +12,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-from .base import CommitResult, Completion, NewRequest, PageValidators, Record, RequestState
+from .base import (
+    CommitResult,
+    Completion,
+    NewRequest,
+    PageValidators,
+    Record,
+    RequestState,
+    RevisitBounds,
+)
+from .reads import RevisitReport
+from .rules import next_revisit, revisit_due, revisit_due_at
 
 __all__ = ["SqlPageValidators"]
 
@@ -38,6 +48,12 @@ class SqlPageValidators:
 
     #: claims load the validators of what they lease (``FrontierStore``'s)
     claims_load_validators: bool
+    #: adaptive revisits' bounds (``FrontierStore``'s; None: off)
+    revisit_bounds: RevisitBounds | None
+    clock: Callable[[], float]
+
+    def _select(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        raise NotImplementedError
 
     def _q(self, sql: str) -> str:
         raise NotImplementedError
@@ -88,17 +104,24 @@ class SqlPageValidators:
     def _keep_validators(self, cur: Any, completions: Sequence[Completion],
                          requests: Sequence[NewRequest],
                          records: Sequence[tuple[Record, str | None]], lost: Collection[str],
-                         run_id: int, now: float) -> None:
+                         changed: Collection[str], run_id: int, now: float) -> None:
         """Write the validators of the pages ``completions`` finished (with the records and
         the requests each produced), forget those of pages that ended otherwise, and renew
-        the row of each unchanged page (it was confirmed in this run)."""
+        the row of each unchanged page (it was confirmed in this run); a page not fetched
+        because its revisit was not due keeps its row as it was, but for the run that
+        reached it. With adaptive revisits, each page's next revisit follows whether its
+        records changed (``changed``: the record IDs this transaction inserted or
+        updated)."""
         keep: list[tuple[Any, ...]] = []
         forget: list[str] = []
         confirmed: list[str] = []
+        not_due: list[str] = []
         for done in completions:
             if done.key in lost:
                 continue
-            if done.not_modified:
+            if done.not_due:
+                not_due.append(done.key)
+            elif done.not_modified:
                 confirmed.append(done.key)
             elif done.validators is None:
                 continue
@@ -107,21 +130,82 @@ class SqlPageValidators:
                                                  records, run_id, now))
             else:
                 forget.append(done.key)
+        revisits = (self._next_revisits(cur, keep, confirmed, changed, run_id)
+                    if self.revisit_bounds is not None and (keep or confirmed) else {})
         if keep:
             cur.executemany(self._q(
                 "INSERT INTO page_validators (key, etag, last_modified, body_hash, record_ids,"
-                " children, run_id, stored_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+                " children, run_id, stored_at, body_bytes, revisit_seconds, due_at, outcome)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'fetched')"
                 " ON CONFLICT (key) DO UPDATE SET etag = excluded.etag,"
                 " last_modified = excluded.last_modified, body_hash = excluded.body_hash,"
                 " record_ids = excluded.record_ids, children = excluded.children,"
-                " run_id = excluded.run_id, stored_at = excluded.stored_at"), sorted(keep))
+                " run_id = excluded.run_id, stored_at = excluded.stored_at,"
+                " body_bytes = excluded.body_bytes, revisit_seconds = excluded.revisit_seconds,"
+                " due_at = excluded.due_at, outcome = excluded.outcome"),
+                sorted((*row, *revisits.get(row[0], (None, None))) for row in keep))
         if forget:
             where, param = self._any("key", sorted(forget))
             cur.execute(self._q(f"DELETE FROM page_validators WHERE {where}"), (param,))
-        if confirmed:
+        if confirmed and revisits:
+            cur.executemany(self._q(
+                "UPDATE page_validators SET run_id = ?, stored_at = ?, revisit_seconds = ?,"
+                " due_at = ?, outcome = 'not_modified' WHERE key = ?"),
+                [(run_id, now, *revisits.get(key, (None, None)), key)
+                 for key in sorted(confirmed)])
+        elif confirmed:
             where, param = self._any("key", sorted(confirmed))
-            cur.execute(self._q(f"UPDATE page_validators SET run_id = ?, stored_at = ?"
-                                f" WHERE {where}"), (run_id, now, param))
+            cur.execute(self._q(f"UPDATE page_validators SET run_id = ?, stored_at = ?,"
+                                f" outcome = 'not_modified' WHERE {where}"),
+                        (run_id, now, param))
+        if not_due:
+            where, param = self._any("key", sorted(not_due))
+            cur.execute(self._q(f"UPDATE page_validators SET run_id = ?, outcome = 'not_due'"
+                                f" WHERE {where}"), (run_id, param))
+
+    def _next_revisits(self, cur: Any, keep: Sequence[tuple[Any, ...]],
+                       confirmed: Sequence[str], changed: Collection[str], run_id: int
+                       ) -> dict[str, tuple[float | None, float | None]]:
+        """Per page fetched (``keep``: its new row) or confirmed unchanged, its next revisit
+        interval and time (None, None for a page that yields no records: a listing is how
+        new pages are found, it is due every run). A fetched page changed when one of its
+        records was inserted or updated, or its records are not those of its last fetch;
+        the interval counts from the start of this run (:func:`.rules.revisit_due_at`)."""
+        bounds = self.revisit_bounds
+        assert bounds is not None
+        keys = sorted({row[0] for row in keep} | set(confirmed))
+        where, param = self._any("key", keys)
+        stored = {key: (record_ids, seconds) for key, record_ids, seconds in self._lookup(
+            cur, "SELECT key, record_ids, revisit_seconds FROM page_validators"
+                 f" WHERE {where}", (param,))}
+        started = self._run_started_at(cur, run_id)
+        out: dict[str, tuple[float | None, float | None]] = {}
+        for row in keep:
+            key, record_ids = row[0], row[4]
+            if record_ids == "[]":
+                continue
+            before_ids, before = stored.get(key, (None, None))
+            page_changed = (before_ids != record_ids
+                            or any(rid in changed for rid in json.loads(record_ids)))
+            seconds = next_revisit(None if before is None else float(before), page_changed,
+                                   bounds)
+            out[key] = (seconds, revisit_due_at(started, seconds, key, run_id))
+        for key in confirmed:
+            before_ids, before = stored.get(key, ("[]", None))
+            if before_ids == "[]":
+                continue
+            seconds = next_revisit(None if before is None else float(before), False, bounds)
+            out[key] = (seconds, revisit_due_at(started, seconds, key, run_id))
+        return out
+
+    def _run_started_at(self, cur: Any, run_id: int) -> float:
+        """When run ``run_id`` started (unix seconds, the store's clock)."""
+        known: dict[int, float] = self.__dict__.setdefault("_run_starts", {})  # (per store)
+        if run_id not in known:
+            [(started,)] = self._lookup(cur, "SELECT started_at FROM runs WHERE run_id = ?",
+                                        (run_id,))
+            known[run_id] = float(started)
+        return known[run_id]
 
     @staticmethod
     def _validators_row(key: str, validators: PageValidators, requests: Sequence[NewRequest],
@@ -131,17 +215,46 @@ class SqlPageValidators:
         children = [_child_row(new) for new in requests if new.parent_key == key]
         return (key, validators.etag, validators.last_modified, validators.body_hash,
                 json.dumps(record_ids, separators=(",", ":")),
-                json.dumps(children, ensure_ascii=False, separators=(",", ":")), run_id, now)
+                json.dumps(children, ensure_ascii=False, separators=(",", ":")), run_id, now,
+                validators.body_bytes)
 
     def _load_validators(self, cur: Any, result: CommitResult) -> None:
-        """Give the requests this transaction's claim leased their page's validators."""
+        """Give the requests this transaction's claim leased their page's validators (and,
+        with adaptive revisits, whether the page is due: a start request always is)."""
         if not self.claims_load_validators or not result.leased:
             return
         where, param = self._any("key", sorted({r.key for r in result.leased}))
-        found = {key: PageValidators(etag, last_modified, body_hash, float(stored_at))
-                 for key, etag, last_modified, body_hash, stored_at in self._lookup(
-                     cur, "SELECT key, etag, last_modified, body_hash, stored_at"
-                          f" FROM page_validators WHERE {where}", (param,))}
+        now = result.claimed_at[0]
+        bounds = self.revisit_bounds
+        found = {key: PageValidators(etag, last_modified, body_hash, float(stored_at),
+                                     int(body_bytes), revisit_due(due_at, now, bounds))
+                 for key, etag, last_modified, body_hash, stored_at, body_bytes, due_at
+                 in self._lookup(
+                     cur, "SELECT key, etag, last_modified, body_hash, stored_at, body_bytes,"
+                          f" due_at FROM page_validators WHERE {where}", (param,))}
         if found:
-            result.leased[:] = [dataclasses.replace(r, validators=found[r.key])
-                                if r.key in found else r for r in result.leased]
+            result.leased[:] = [
+                dataclasses.replace(r, validators=found[r.key] if not r.is_start
+                                    else dataclasses.replace(found[r.key], due=True))
+                if r.key in found else r for r in result.leased]
+
+    def revisits(self) -> RevisitReport:
+        """See :meth:`.FrontierStore.revisits` (one pass over the pages kept)."""
+        now = self.clock()
+        early = self.revisit_bounds.early_seconds if self.revisit_bounds is not None else 0.0
+        [(run_id,)] = self._select("SELECT max(run_id) FROM runs")
+        [(pages, scheduled, due, next_due)] = self._select(
+            "SELECT count(*), count(due_at), coalesce(sum(CASE WHEN due_at <= ? THEN 1"
+            " ELSE 0 END), 0), min(CASE WHEN due_at > ? THEN due_at END)"
+            " FROM page_validators", (now + early, now + early))
+        outcomes = {outcome: (int(n), int(saved or 0)) for outcome, n, saved in self._select(
+            "SELECT outcome, count(*), sum(CASE WHEN outcome = 'fetched' THEN 0"
+            " ELSE body_bytes END) FROM page_validators WHERE run_id = ? GROUP BY outcome",
+            (run_id if run_id is not None else -1,))}
+        return RevisitReport(
+            read_at=now, pages=int(pages), scheduled=int(scheduled), due=int(due),
+            next_due_at=None if next_due is None else float(next_due), run_id=run_id,
+            fetched=outcomes.get("fetched", (0, 0))[0],
+            not_modified=outcomes.get("not_modified", (0, 0))[0],
+            not_due=outcomes.get("not_due", (0, 0))[0],
+            bytes_saved=sum(saved for _, saved in outcomes.values()))

@@ -49,7 +49,7 @@ __all__ = ["APPLICATION_ID", "SCHEMA_VERSION", "SQLiteStore"]
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 
 #: Schema migrations: ``_MIGRATIONS[n]`` brings version n to n + 1, one transaction each.
 _MIGRATIONS: list[list[str]] = [
@@ -318,6 +318,15 @@ _MIGRATIONS: list[list[str]] = [
             stored_at REAL NOT NULL
         ) WITHOUT ROWID""",
     ],
+    [
+        # Adaptive revisits: per page kept, the size of its body when last downloaded in
+        # full, its revisit interval and when it is due (NULL: every run), and how the run
+        # of run_id last reached it ('fetched', 'not_modified', 'not_due').
+        """ALTER TABLE page_validators ADD COLUMN body_bytes INTEGER NOT NULL DEFAULT 0""",
+        """ALTER TABLE page_validators ADD COLUMN revisit_seconds REAL""",
+        """ALTER TABLE page_validators ADD COLUMN due_at REAL""",
+        """ALTER TABLE page_validators ADD COLUMN outcome TEXT NOT NULL DEFAULT 'fetched'""",
+    ],
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -341,6 +350,7 @@ _TABLES: dict[int, frozenset[str]] = {1: _TABLES_1, 2: _TABLES_1 | {"feeds"},
                                                        "record_keys", "robots"}}
 _TABLES[13] = _TABLES[12]
 _TABLES[14] = _TABLES[13] | {"page_validators"}
+_TABLES[15] = _TABLES[14]
 assert set(_TABLES) == set(range(1, SCHEMA_VERSION + 1))
 #: Schema versions written before the application id was (files of those have none).
 _BEFORE_APPLICATION_ID = frozenset({1, 2, 3})
