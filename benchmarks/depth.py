@@ -1,7 +1,7 @@
 """A frontier at depth: bytes per row, claim and commit latency, and the operator commands.
 
     python benchmarks/depth.py --postgres --pending 1000000 --done 200000
-    python benchmarks/depth.py --database postgresql://... --pending 10000000 --done 2000000
+    python benchmarks/depth.py --postgres --pending 800000 --done 200000 --copies 9
     python benchmarks/depth.py --sqlite /big/disk/depth.sqlite3 --pending 1000000
 
 The frontier is built through the package's own write path (``FrontierStore.commit``, in
@@ -163,6 +163,70 @@ def build(db: str, pending: int, done: int, batch: int) -> dict[str, Any]:
     return {"insert_s": inserted_s, "complete_s": completed_s, "done": completed}
 
 
+_NEW_URL = "regexp_replace({url}, '/product/[0-9]+-', '/product/' || ({n} + %(shift)s) || '-')"
+_NEW_KEY = "left(encode(sha256(convert_to({url}, 'UTF8')), 'hex'), 40)"
+_REQUEST_COPY = f"""
+INSERT INTO requests (key, fingerprint, url, priority, is_start, fifo, state, data, parent_key,
+    worker, leased_until, attempts, unfinished, replays, enqueued_at, finished_at, error_kind,
+    error_message, run_id, slot, downloads)
+SELECT k, k, u, priority, is_start, fifo, state, replace(data, url, u), parent_key, worker,
+    leased_until, attempts, unfinished, replays, enqueued_at, finished_at, error_kind,
+    error_message, run_id, slot, downloads
+FROM (SELECT r.*, {_NEW_URL.format(url="r.url", n="r.n")} AS u
+      FROM (SELECT *, substring(url from '/product/([0-9]+)-')::bigint AS n FROM requests
+            WHERE id <= %(last)s) AS r) AS x,
+     LATERAL (SELECT {_NEW_KEY.format(url="x.u")} AS k) AS kk
+ORDER BY x.id"""
+_RECORD_COPY = f"""
+INSERT INTO records (record_id, source, natural_key, item_type, data, content_hash, first_seen,
+    last_changed, first_run_id, changed_run_id, request_key, seen_run_id, seen_at, seen_seq,
+    observed_at, version)
+SELECT left(encode(sha256(convert_to('["depth","dict",["' || sku || '"]]', 'UTF8')), 'hex'),
+            32),
+    source, '["' || sku || '"]', item_type, d, encode(sha256(convert_to(d, 'UTF8')), 'hex'),
+    first_seen, last_changed, first_run_id, changed_run_id, {_NEW_KEY.format(url="u")},
+    seen_run_id, seen_at, nextval('records_seen_seq'), observed_at, version
+FROM (SELECT x.*, replace(replace(x.data, x.old_sku, x.sku), x.old_url, x.u) AS d
+      FROM (SELECT r.*, r.data::json->>'url' AS old_url,
+                   {_NEW_URL.format(url="(r.data::json->>'url')", n="r.n")} AS u,
+                   'SKU-' || lpad((r.n + %(shift)s)::text, 9, '0') AS sku,
+                   'SKU-' || lpad(r.n::text, 9, '0') AS old_sku
+            FROM (SELECT *, substring(natural_key from 'SKU-([0-9]+)')::bigint AS n
+                  FROM records) AS r
+            WHERE r.seen_seq <= %(last_record)s) AS x) AS y
+ORDER BY seen_seq"""
+
+
+def replicate(db: str, copies: int) -> float:
+    """Copy the built rows (requests and records) ``copies`` times in SQL, each copy with
+    new URLs, keys, SKUs and record IDs computed as the write path computes them (the key
+    a hash of the URL of the same length as Scrapy's fingerprint): a frontier of the same
+    rows, as large as wanted, without waiting for the write path to store each one.
+    PostgreSQL only; returns the seconds it took."""
+    import psycopg
+
+    from scrapy_idempotent.store.postgresql import _split_url
+
+    url, schema = _split_url(db)
+    t0 = time.perf_counter()
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f'SET search_path TO "{schema}"')
+        last, count = conn.execute("SELECT max(id), count(*) FROM requests").fetchone()
+        last_record = conn.execute("SELECT coalesce(max(seen_seq), 0) FROM records"
+                                   ).fetchone()[0]
+        numbers = conn.execute("SELECT max(substring(url from '/product/([0-9]+)-')::bigint)"
+                               " FROM requests").fetchone()[0]
+        for copy in range(1, copies + 1):
+            shift = copy * (numbers + 1)
+            with conn.transaction():
+                conn.execute(_REQUEST_COPY, {"shift": shift, "last": last})
+                conn.execute(_RECORD_COPY, {"shift": shift, "last_record": last_record})
+            print(f"  copy {copy} of {copies}: {(copy + 1) * count:,} requests in "
+                  f"{time.perf_counter() - t0:.0f} s", flush=True)
+        conn.execute("VACUUM ANALYZE")
+    return time.perf_counter() - t0
+
+
 # -- bytes ----------------------------------------------------------------------------------
 
 PG_COLUMNS = ("key", "fingerprint", "url", "priority", "is_start", "fifo", "state", "data",
@@ -310,8 +374,10 @@ def latency(db: str, pages: int, postmaster: int | None, offset: int) -> dict[st
 
 # -- commands -------------------------------------------------------------------------------
 
-def commands(db: str, work: Path) -> dict[str, float]:
-    """Seconds of each operator command, run as a user runs it (a new process each)."""
+def commands(db: str, work: Path, migrate: bool) -> dict[str, float]:
+    """Seconds of each operator command, run as a user runs it (a new process each);
+    ``migrate`` (SQLite only, the command's source) copies the crawl into a new
+    file beside (then removed)."""
     (work / "depth_spider.py").write_text(SPIDER)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(work), env.get("PYTHONPATH")]))
@@ -325,21 +391,43 @@ def commands(db: str, work: Path) -> dict[str, float]:
         "check": ["check", "depth"],
         "failed": ["failed", "depth"],
         "export": ["export", "depth", "-o", "-", "--format", "jsonl"],
-        "migrate": ["migrate", "depth"],
     }
+    copy = None
+    if migrate and not db.startswith(("postgresql://", "postgres://")):
+        # (migrate copies from SQLite only: here into a new SQLite file beside)
+        copy = db + "-copy"
+        runs["migrate"] = ["migrate", "depth", "--to", copy]
     times: dict[str, float] = {}
     for name, argv in runs.items():
         t0 = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "scrapy", "idempotent", *argv], cwd=work,
-                              env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              env=env, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL if name == "export" else subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, check=False)
         times[name] = time.perf_counter() - t0
-        if done.returncode not in (0, 1):  # check answers 1 for a finding
-            print(f"  {name} exited {done.returncode}: {done.stderr[-1500:]}", flush=True)
+        if done.returncode:  # (check answers 1 for a problem that needs a person)
+            print(f"  {name} exited {done.returncode}: {(done.stdout or '')[-1500:]}"
+                  f"{done.stderr[-1500:]}", flush=True)
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", METRICS, db], env=env, check=True)
     times["metrics"] = time.perf_counter() - t0
+    if copy is not None:
+        drop_copy(copy)
     return times
+
+
+def drop_copy(copy: str) -> None:
+    if not copy.startswith(("postgresql://", "postgres://")):
+        for path in Path(copy).parent.glob(Path(copy).name + "*"):
+            path.unlink()
+        return
+    import psycopg
+
+    from scrapy_idempotent.store.postgresql import _split_url
+
+    url, schema = _split_url(copy)
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 METRICS = '''
@@ -361,17 +449,18 @@ assert b"idempotent_store_up 1.0" in generate_latest(registry)
 
 # -- main -----------------------------------------------------------------------------------
 
-def measure(db: str, args: argparse.Namespace, postmaster: int | None, work: Path,
-            built: bool) -> dict[str, Any]:
+def measure(db: str, args: argparse.Namespace, postmaster: int | None,
+            work: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     postgres = db.startswith(("postgresql://", "postgres://"))
     out["bytes"] = pg_bytes(db) if postgres else sqlite_bytes(db)
     print(json.dumps({"bytes": out["bytes"]}, indent=1), flush=True)
     if args.pages:
-        out["latency"] = latency(db, args.pages, postmaster, 10 * (args.pending + args.done))
+        out["latency"] = latency(db, args.pages, postmaster,
+                                 10 * (args.copies + 2) * (args.pending + args.done))
         print(json.dumps({"latency": out["latency"]}, indent=1), flush=True)
-    if not args.skip_commands and built:
-        out["commands"] = commands(db, work)
+    if not args.skip_commands:
+        out["commands"] = commands(db, work, args.migrate)
         print(json.dumps({"commands": out["commands"]}, indent=1), flush=True)
     return out
 
@@ -384,11 +473,13 @@ def run(args: argparse.Namespace, deep: str, empty: str, postmaster: int | None,
         if not args.reuse:
             t0 = time.perf_counter()
             built = build(db, pending, done, args.batch)
+            if name == "deep" and args.copies:
+                built["copies_s"] = replicate(db, args.copies)
             print(f"{name}: built {pending:,} + {done:,} in {time.perf_counter() - t0:.0f} s "
                   f"{built}", flush=True)
         sub = argparse.Namespace(**{**vars(args), "pending": pending, "done": done})
         print(f"== {name}", flush=True)
-        measure(db, sub, postmaster, work, name == "deep")
+        measure(db, sub, postmaster, work)
     print(f"load average after: {os.getloadavg()}", flush=True)
 
 
@@ -403,9 +494,13 @@ def main() -> None:
     parser.add_argument("--database", help="a postgresql:// URL (schemas depth_deep and "
                         "depth_empty are made in it)")
     parser.add_argument("--sqlite", help="the SQLite file to build (and PATH-empty beside)")
+    parser.add_argument("--copies", type=int, default=0,
+                        help="PostgreSQL: then copy the rows built this many times in SQL")
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--reuse", action="store_true")
     parser.add_argument("--skip-commands", action="store_true")
+    parser.add_argument("--migrate", action="store_true",
+                        help="also time `migrate --to` a new database (a copy of the crawl)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="depth-bench-") as tmp:
         work = Path(tmp)
