@@ -20,8 +20,10 @@ Then, on each database:
   (``pg_column_size`` on PostgreSQL, ``length()`` on SQLite; SQLite's table and index
   bytes from ``dbstat`` when the library has it);
 * latency: ``--pages`` page commits as the scheduler makes them (1 completion with its
-  record, 8 new child requests, a claim of 1), each timed; claims of 1 alone; the worker's
-  CPU per page (this process) and, on PostgreSQL, the server's (its processes' CPU time);
+  record, 8 new child requests, a claim of 1), each timed, and as many claims of 1 alone,
+  on the deep and the empty frontier in turns (blocks of 100: both under the same load);
+  the worker's CPU per page (this process) and, on PostgreSQL, the server's (its
+  processes' CPU time), and the ratios deep / empty;
 * commands: ``scrapy idempotent status``, ``check``, ``failed``, ``export`` (every record,
   JSON Lines, to /dev/null), one ``metrics`` scrape (:class:`~.metrics.StoreCollector`, as
   the HTTP exporter answers it) and ``migrate`` (of a database already at the current
@@ -329,47 +331,83 @@ def server_cpu(postmaster: int | None) -> float:
     return total
 
 
-def latency(db: str, pages: int, postmaster: int | None, offset: int) -> dict[str, Any]:
-    """Page commits and claims at the frontier's depth; ``offset`` numbers the new
-    children so they are new requests."""
-    from scrapy_idempotent.store.base import Completion, RequestState, UnitOfWork
+class Pages:
+    """Page commits as the scheduler makes them (1 completion with its record, 8 new child
+    requests, a claim of 1) and claims of 1, on one database, timed one by one."""
 
-    builder = Builder()
-    store = open_built(db)
-    children = iter(range(offset, offset + 10 * pages))
-    leased = list(store.commit(UnitOfWork(claim=1), WORKER).leased)
-    page_ms, claim_ms = [], []
-    work = [[builder.request(next(children)) for _ in range(8)] for _ in range(pages)]
-    records = [builder.record(offset + n) for n in range(pages)]
-    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
-    server0 = server_cpu(postmaster)
-    t_all = time.perf_counter()
-    for n in range(pages):
-        lease = leased.pop()
-        t0 = time.perf_counter()
-        result = store.commit(UnitOfWork(
-            requests=work[n], records=[(records[n], lease.key)],
-            completions=[Completion(lease.key, RequestState.DONE)], claim=1), WORKER)
-        page_ms.append(1000 * (time.perf_counter() - t0))
-        leased.extend(result.leased)
-    wall = time.perf_counter() - t_all
-    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-    server1 = server_cpu(postmaster)
-    for _ in range(pages):
-        t0 = time.perf_counter()
-        leased.extend(store.commit(UnitOfWork(claim=1), WORKER).leased)
-        claim_ms.append(1000 * (time.perf_counter() - t0))
-    store.close()
-    worker_s = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
+    def __init__(self, db: str, offset: int, postmaster: int | None) -> None:
+        from scrapy_idempotent.store.base import UnitOfWork
 
-    def pct(values: list[float], q: float) -> float:
-        return sorted(values)[min(len(values) - 1, int(q * len(values)))]
+        self.builder = Builder()
+        self.store = open_built(db)
+        self.numbers = iter(range(offset, offset + 10**9))
+        self.postmaster = postmaster
+        self.leased = list(self.store.commit(UnitOfWork(claim=1), WORKER).leased)
+        self.page_ms: list[float] = []
+        self.claim_ms: list[float] = []
+        self.worker_s = self.server_s = self.wall_s = 0.0
 
-    return {"pages": pages, "page_ms_median": statistics.median(page_ms),
-            "page_ms_p99": pct(page_ms, 0.99), "claim_ms_median": statistics.median(claim_ms),
-            "claim_ms_p99": pct(claim_ms, 0.99), "pages_per_s": pages / wall,
-            "worker_cpu_ms_per_page": 1000 * worker_s / pages,
-            "server_cpu_ms_per_page": 1000 * (server1 - server0) / pages}
+    def pages(self, count: int) -> None:
+        from scrapy_idempotent.store.base import Completion, RequestState, UnitOfWork
+
+        work = [([self.builder.request(next(self.numbers)) for _ in range(8)],
+                 self.builder.record(next(self.numbers))) for _ in range(count)]
+        cpu0, server0 = _cpu(), server_cpu(self.postmaster)
+        t_all = time.perf_counter()
+        for children, record in work:
+            lease = self.leased.pop()
+            t0 = time.perf_counter()
+            result = self.store.commit(UnitOfWork(
+                requests=children, records=[(record, lease.key)],
+                completions=[Completion(lease.key, RequestState.DONE)], claim=1), WORKER)
+            self.page_ms.append(1000 * (time.perf_counter() - t0))
+            self.leased.extend(result.leased)
+        self.wall_s += time.perf_counter() - t_all
+        self.worker_s += _cpu() - cpu0
+        self.server_s += server_cpu(self.postmaster) - server0
+
+    def claims(self, count: int) -> None:
+        from scrapy_idempotent.store.base import UnitOfWork
+
+        for _ in range(count):
+            t0 = time.perf_counter()
+            self.leased.extend(self.store.commit(UnitOfWork(claim=1), WORKER).leased)
+            self.claim_ms.append(1000 * (time.perf_counter() - t0))
+
+    def report(self) -> dict[str, Any]:
+        self.store.close()
+        pages = len(self.page_ms)
+
+        def pct(values: list[float], q: float) -> float:
+            return sorted(values)[min(len(values) - 1, int(q * len(values)))]
+
+        return {"pages": pages, "page_ms_median": statistics.median(self.page_ms),
+                "page_ms_p99": pct(self.page_ms, 0.99),
+                "claim_ms_median": statistics.median(self.claim_ms),
+                "claim_ms_p99": pct(self.claim_ms, 0.99), "pages_per_s": pages / self.wall_s,
+                "worker_cpu_ms_per_page": 1000 * self.worker_s / pages,
+                "server_cpu_ms_per_page": 1000 * self.server_s / pages}
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def latency(deep: str, empty: str, pages: int, postmaster: int | None,
+            offset: int) -> dict[str, Any]:
+    """Pages and claims on the deep and the empty frontier in turns (blocks of 100), so
+    both see the same load; ``offset`` numbers the new children so they are new requests."""
+    measured = {"deep": Pages(deep, offset, postmaster),
+                "empty": Pages(empty, 2 * offset, postmaster)}
+    for _ in range(max(1, pages // 100)):
+        for side in measured.values():
+            side.pages(100)
+            side.claims(100)
+    out = {name: side.report() for name, side in measured.items()}
+    out["ratio"] = {key: out["deep"][key] / out["empty"][key] for key in out["deep"]
+                    if key != "pages" and out["empty"][key]}
+    return out
 
 
 # -- commands -------------------------------------------------------------------------------
@@ -455,10 +493,6 @@ def measure(db: str, args: argparse.Namespace, postmaster: int | None,
     postgres = db.startswith(("postgresql://", "postgres://"))
     out["bytes"] = pg_bytes(db) if postgres else sqlite_bytes(db)
     print(json.dumps({"bytes": out["bytes"]}, indent=1), flush=True)
-    if args.pages:
-        out["latency"] = latency(db, args.pages, postmaster,
-                                 10 * (args.copies + 2) * (args.pending + args.done))
-        print(json.dumps({"latency": out["latency"]}, indent=1), flush=True)
     if not args.skip_commands:
         out["commands"] = commands(db, work, args.migrate)
         print(json.dumps({"commands": out["commands"]}, indent=1), flush=True)
@@ -480,6 +514,11 @@ def run(args: argparse.Namespace, deep: str, empty: str, postmaster: int | None,
         sub = argparse.Namespace(**{**vars(args), "pending": pending, "done": done})
         print(f"== {name}", flush=True)
         measure(db, sub, postmaster, work)
+    if args.pages:
+        print(f"== latency, deep and empty in turns (load {os.getloadavg()})", flush=True)
+        measured = latency(deep, empty, args.pages, postmaster,
+                           10 * (args.copies + 2) * (args.pending + args.done))
+        print(json.dumps({"latency": measured}, indent=1), flush=True)
     print(f"load average after: {os.getloadavg()}", flush=True)
 
 
