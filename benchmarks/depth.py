@@ -412,7 +412,7 @@ def latency(deep: str, empty: str, pages: int, postmaster: int | None,
 
 # -- commands -------------------------------------------------------------------------------
 
-def commands(db: str, work: Path, migrate: bool) -> dict[str, float]:
+def commands(db: str, work: Path, migrate: bool, only: set[str]) -> dict[str, float]:
     """Seconds of each operator command, run as a user runs it (a new process each);
     ``migrate`` (SQLite only, the command's source) copies the crawl into a new
     file beside (then removed)."""
@@ -437,6 +437,8 @@ def commands(db: str, work: Path, migrate: bool) -> dict[str, float]:
         runs["migrate"] = ["migrate", "depth", "--to", copy]
     times: dict[str, float] = {}
     for name, argv in runs.items():
+        if only and name not in only:
+            continue
         t0 = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "scrapy", "idempotent", *argv], cwd=work,
                               env=env, stdin=subprocess.DEVNULL,
@@ -446,9 +448,10 @@ def commands(db: str, work: Path, migrate: bool) -> dict[str, float]:
         if done.returncode:  # (check answers 1 for a problem that needs a person)
             print(f"  {name} exited {done.returncode}: {(done.stdout or '')[-1500:]}"
                   f"{done.stderr[-1500:]}", flush=True)
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", METRICS, db], env=env, check=True)
-    times["metrics"] = time.perf_counter() - t0
+    if not only or "metrics" in only:
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", METRICS, db], env=env, check=True)
+        times["metrics"] = time.perf_counter() - t0
     if copy is not None:
         drop_copy(copy)
     return times
@@ -494,7 +497,8 @@ def measure(db: str, args: argparse.Namespace, postmaster: int | None,
     out["bytes"] = pg_bytes(db) if postgres else sqlite_bytes(db)
     print(json.dumps({"bytes": out["bytes"]}, indent=1), flush=True)
     if not args.skip_commands:
-        out["commands"] = commands(db, work, args.migrate)
+        out["commands"] = commands(db, work, args.migrate,
+                                   set(filter(None, args.commands.split(","))))
         print(json.dumps({"commands": out["commands"]}, indent=1), flush=True)
     return out
 
@@ -535,9 +539,15 @@ def main() -> None:
     parser.add_argument("--sqlite", help="the SQLite file to build (and PATH-empty beside)")
     parser.add_argument("--copies", type=int, default=0,
                         help="PostgreSQL: then copy the rows built this many times in SQL")
+    parser.add_argument("--postmaster", type=int,
+                        help="with --database on this machine: the server's PID, to count "
+                        "its CPU")
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--reuse", action="store_true")
     parser.add_argument("--skip-commands", action="store_true")
+    parser.add_argument("--commands", default="",
+                        help="only these commands (comma-separated: status, check, failed, "
+                        "export, migrate, metrics)")
     parser.add_argument("--migrate", action="store_true",
                         help="also time `migrate --to` a new database (a copy of the crawl)")
     args = parser.parse_args()
@@ -552,7 +562,7 @@ def main() -> None:
         if args.database:
             sep = "&" if "?" in args.database else "?"
             run(args, f"{args.database}{sep}schema=depth_deep",
-                f"{args.database}{sep}schema=depth_empty", None, work)
+                f"{args.database}{sep}schema=depth_empty", args.postmaster, work)
             return
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
         from postgres_server import INSTALL_HINT, find_binaries, running_cluster
