@@ -267,7 +267,8 @@ def pg_bytes(db: str) -> dict[str, Any]:
                 f"SELECT avg(pg_column_size(requests.*)), {sums} FROM (SELECT * FROM requests"
                 " WHERE state = %s LIMIT 100000) AS requests", (state,)).fetchone()
             out[f"{state}_row"] = float(row[0] or 0)
-            out[f"{state}_columns"] = {c: float(v or 0) for c, v in zip(PG_COLUMNS, row[1:])}
+            out[f"{state}_columns"] = {c: float(v or 0) for c, v in
+                                       zip(PG_COLUMNS, row[1:], strict=True)}
         columns = [r[0] for r in conn.execute(
             "SELECT attname FROM pg_attribute WHERE attrelid = 'records'::regclass"
             " AND attnum > 0 AND NOT attisdropped ORDER BY attnum").fetchall()]
@@ -276,7 +277,7 @@ def pg_bytes(db: str) -> dict[str, Any]:
             + ", ".join(f"avg(pg_column_size({c}))" for c in columns)
             + " FROM (SELECT * FROM records LIMIT 100000) AS r").fetchone()
         out["record_row"] = float(row[0] or 0)
-        out["record_columns"] = {c: float(v or 0) for c, v in zip(columns, row[1:])}
+        out["record_columns"] = {c: float(v or 0) for c, v in zip(columns, row[1:], strict=True)}
         out["database"] = conn.execute("SELECT pg_database_size(current_database())"
                                        ).fetchone()[0]
     return out
@@ -299,12 +300,12 @@ def sqlite_bytes(path: str) -> dict[str, Any]:
             "SELECT " + ", ".join(f"avg(coalesce(length(CAST({c} AS BLOB)), 0))"
                                   for c in columns)
             + " FROM (SELECT * FROM requests WHERE state = ? LIMIT 100000)", (state,)).fetchone()
-        out[f"{state}_columns"] = dict(zip(columns, row))
+        out[f"{state}_columns"] = dict(zip(columns, row, strict=True))
     columns = [r[1] for r in conn.execute("PRAGMA table_info(records)")]
     row = conn.execute("SELECT " + ", ".join(f"avg(coalesce(length(CAST({c} AS BLOB)), 0))"
                                              for c in columns)
                        + " FROM (SELECT * FROM records LIMIT 100000)").fetchone()
-    out["record_columns"] = dict(zip(columns, row))
+    out["record_columns"] = dict(zip(columns, row, strict=True))
     out["records"] = conn.execute("SELECT count(*) FROM records").fetchone()[0]
     out["requests"] = sum(out["states"].values())
     conn.close()

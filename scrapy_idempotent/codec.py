@@ -37,6 +37,7 @@ not execute code (Scrapy's disk queues pickle).
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import datetime
 import decimal
@@ -454,13 +455,11 @@ def _compact(data: dict[str, Any]) -> dict[str, Any]:
     of base64-tagged bytes. Decoding needs nothing of its own: older, full forms decode as
     before."""
     headers = data.get("headers")
-    if headers:
-        try:
+    if headers:  # (not all ASCII bytes: tagged bytes, as given)
+        with contextlib.suppress(AttributeError, TypeError, UnicodeDecodeError):
             data["headers"] = {name.decode("ascii"): [value.decode("ascii")
                                                       for value in values]
                                for name, values in headers.items()}
-        except (AttributeError, TypeError, UnicodeDecodeError):
-            pass  # not all ASCII bytes: tagged bytes, as given
     if "_class" in data:
         return data
     return {key: value for key, value in data.items()
