@@ -29,7 +29,8 @@ Then, on each database:
   the HTTP exporter answers it) and ``migrate`` (of a database already at the current
   version: its checks), each timed as a user runs it (a new process).
 
-``--keep`` leaves the databases built (``--reuse`` measures them again without building);
+``--keep`` leaves the SQLite files built (``--reuse`` measures them, or a ``--database``'s,
+again without building: their open, timed, migrates them to this release's schema);
 ``--skip-commands`` measures bytes and latency only. The machine's load average is printed
 before and after. The package is imported from the environment: ``PYTHONPATH=/path/to/copy``
 measures a copy.
@@ -516,6 +517,11 @@ def run(args: argparse.Namespace, deep: str, empty: str, postmaster: int | None,
                 built["copies_s"] = replicate(db, args.copies)
             print(f"{name}: built {pending:,} + {done:,} in {time.perf_counter() - t0:.0f} s "
                   f"{built}", flush=True)
+        else:  # an existing database: its open migrates it to this release's schema
+            t0 = time.perf_counter()
+            open_built(db).close()
+            print(f"{name}: opened (and migrated) in {time.perf_counter() - t0:.1f} s",
+                  flush=True)
         sub = argparse.Namespace(**{**vars(args), "pending": pending, "done": done})
         print(f"== {name}", flush=True)
         measure(db, sub, postmaster, work)
