@@ -251,14 +251,15 @@ def pg_bytes(db: str) -> dict[str, Any]:
         out: dict[str, Any] = {"schema": schema}
         for table in ("requests", "records"):
             rows = conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+            # (the table of this schema: the search path names it)
             heap, toast = conn.execute(
                 "SELECT pg_relation_size(c.oid), coalesce(pg_total_relation_size("
-                "nullif(c.reltoastrelid, 0)), 0) FROM pg_class c WHERE c.relname = %s",
+                "nullif(c.reltoastrelid, 0)), 0) FROM pg_class c WHERE c.oid = %s::regclass",
                 (table,)).fetchone()
             indexes = dict(conn.execute(
                 "SELECT i.relname, pg_relation_size(i.oid) FROM pg_index x"
-                " JOIN pg_class i ON i.oid = x.indexrelid JOIN pg_class t ON t.oid = x.indrelid"
-                " WHERE t.relname = %s ORDER BY 1", (table,)).fetchall())
+                " JOIN pg_class i ON i.oid = x.indexrelid"
+                " WHERE x.indrelid = %s::regclass ORDER BY 1", (table,)).fetchall())
             out[table] = {"rows": rows, "heap": heap, "toast": toast, "indexes": indexes}
         states = dict(conn.execute("SELECT state, count(*) FROM requests GROUP BY 1").fetchall())
         out["states"] = states
