@@ -37,6 +37,7 @@ not execute code (Scrapy's disk queues pickle).
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import datetime
 import decimal
@@ -382,7 +383,7 @@ class RequestCodec:
                 f"request class {cls_path} is not allowed; add it to IDEMPOTENT_REQUEST_CLASSES",
             )
         try:
-            return dumps(data)
+            return dumps(_compact(data))
         except EncodeError as exc:
             raise UnstorableRequest(describe(request), _pretty_path(exc.path),
                                     f"{exc.type_name} cannot be stored as data") from None
@@ -434,6 +435,40 @@ def _request_dict(request: Request, spider: Spider) -> dict[str, Any]:
     if type(request) is not Request:
         data["_class"] = f"{type(request).__module__}.{type(request).__name__}"
     return data
+
+
+#: What a plain ``scrapy.Request`` built without the argument holds, per attribute of
+#: ``to_dict``: a stored request leaves these out (``request_from_dict`` passes only the keys
+#: it finds, so the constructor's defaults come back). A third to half of a plain link's
+#: stored text were these defaults.
+_REQUEST_DEFAULTS: dict[str, Any] = {
+    "errback": None, "body": b"", "cookies": {}, "meta": {}, "encoding": "utf-8",
+    "flags": [], "cb_kwargs": {}, "dont_filter": False, "method": "GET", "priority": 0,
+    "headers": {}}
+
+
+def _compact(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` (a request's ``to_dict``) in the form stored: for a plain ``scrapy.Request``
+    (no ``_class``: a subclass may have other defaults) without the attributes equal to the
+    constructor's defaults; headers whose names and values are all ASCII as text (the
+    ``Headers`` of the request built from them encodes them back to the same bytes) instead
+    of base64-tagged bytes. Decoding needs nothing of its own: older, full forms decode as
+    before."""
+    headers = data.get("headers")
+    if headers:  # (not all ASCII bytes: tagged bytes, as given)
+        with contextlib.suppress(AttributeError, TypeError, UnicodeDecodeError):
+            data["headers"] = {name.decode("ascii"): [value.decode("ascii")
+                                                      for value in values]
+                               for name, values in headers.items()}
+    if "_class" in data:
+        return data
+    return {key: value for key, value in data.items()
+            if key not in _REQUEST_DEFAULTS or not _is_default(value, _REQUEST_DEFAULTS[key])}
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    # the type too: 0 == False == 0.0, and b"" == "" is False but {} == {} whatever the kind
+    return type(value) is type(default) and value == default
 
 
 def describe(request: Request) -> str:

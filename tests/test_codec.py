@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from scrapy.http import JsonRequest
 from scrapy.http.request.form import FormRequest  # not scrapy.http: deprecated there in 2.16
 
+from scrapy_idempotent import codec as codec_module
 from scrapy_idempotent.codec import EncodeError, RequestCodec, dumps, loads
 from scrapy_idempotent.exceptions import UnstorableRequest
 
@@ -505,11 +506,39 @@ DICT_REQUEST_PATH = f"{DictRequest.__module__}.DictRequest"
 @pytest.mark.parametrize("spider_cls", [ShopSpider, InheritingSpider])
 def test_stored_dict_is_scrapys_to_dict(make, spider_cls):
     # the codec names the (checked) callbacks itself instead of searching the spider's
-    # members for every request: what it stores is still what Request.to_dict gives
+    # members for every request: what it stores is still what Request.to_dict gives (less
+    # the defaults of a plain Request, headers of ASCII as text), and it decodes to a
+    # request whose to_dict is Scrapy's
     spider = spider_cls()
     request = make(spider)
     codec = RequestCodec(spider, extra_classes=[TRACKED_PATH])
-    assert json.loads(codec.encode(request)) == json.loads(dumps(request.to_dict(spider=spider)))
+    full = request.to_dict(spider=spider)
+    stored = json.loads(codec.encode(request))
+    assert stored == json.loads(dumps(codec_module._compact(dict(full))))
+    assert codec.decode(codec.encode(request)).to_dict(spider=spider) == full
+    assert codec.decode(dumps(full)).to_dict(spider=spider) == full  # the full form too
+
+
+@pytest.mark.parametrize("make, stored", [
+    (lambda s: scrapy.Request("https://shop.example/"),
+     {"url": "https://shop.example/", "callback": None}),
+    (lambda s: scrapy.Request("https://shop.example/p", callback=s.parse, meta={"depth": 2},
+                              headers={"Referer": "https://shop.example/"}),
+     {"url": "https://shop.example/p", "callback": "parse", "meta": {"depth": 2},
+      "headers": {"Referer": ["https://shop.example/"]}}),
+    # bytes that are not ASCII stay tagged bytes; a value that is not the default stays
+    (lambda s: scrapy.Request("https://shop.example/", headers={"X": b"\xe9"}, priority=0,
+                              method="POST", body=b"a", encoding="latin-1"),
+     {"url": "https://shop.example/", "callback": None, "method": "POST",
+      "headers": {"$dict": [[{"$bytes": "WA=="}, [{"$bytes": "6Q=="}]]]},
+      "body": {"$bytes": "YQ=="}, "encoding": "latin-1"}),
+], ids=["bare", "link", "not-default"])
+def test_plain_request_is_stored_without_its_defaults(spider, make, stored):
+    codec = RequestCodec(spider)
+    request = make(spider)
+    assert json.loads(codec.encode(request)) == stored
+    assert codec.decode(codec.encode(request)).to_dict(spider=spider) == \
+        request.to_dict(spider=spider)
 
 
 def test_request_class_with_its_own_to_dict_keeps_it(spider):

@@ -40,6 +40,10 @@ def as_earlier_version(path: Path, *, schema_3: bool, journal_mode: str) -> None
     ``schema_3``, also the schema (and no application id) of version 3."""
     conn = sqlite3.connect(path, isolation_level=None)
     if schema_3:
+        for index in ("requests_failed", "requests_redirected"):  # schema 16
+            conn.execute(f"DROP INDEX {index}")
+        for column in ("body_bytes", "revisit_seconds", "due_at", "outcome"):  # schema 15
+            conn.execute(f"ALTER TABLE page_validators DROP COLUMN {column}")
         conn.execute("DROP TABLE page_validators")  # schema 14
         conn.execute("ALTER TABLE requests DROP COLUMN downloads")  # schema 13
         conn.execute("DROP TABLE robots")  # schema 12

@@ -7,7 +7,7 @@ from __future__ import annotations
 __all__ = ["ALL_COUNTERS", "APPLICATION", "COUNTERS", "LOADED", "MIGRATIONS", "SCHEMA_VERSION",
            "TABLES"]
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 #: ``meta.application`` of a schema this package made.
 APPLICATION = "scrapy_idempotent"
 
@@ -270,6 +270,14 @@ MIGRATIONS: list[list[str]] = [
         """ALTER TABLE page_validators ADD COLUMN due_at double precision""",
         """ALTER TABLE page_validators ADD COLUMN outcome text NOT NULL DEFAULT 'fetched'""",
     ],
+    [
+        # The failed and the redirected requests, each in an index of its own (few rows):
+        # with the pending and leased indexes they count the frontier exactly without
+        # reading its rows (SqlStore.counts: done is the rest), and `failed` lists its
+        # requests without a scan of the table.
+        "CREATE INDEX requests_failed ON requests (error_kind) WHERE state = 'failed'",
+        "CREATE INDEX requests_redirected ON requests (id) WHERE state = 'redirected'",
+    ],
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
@@ -289,6 +297,7 @@ TABLES[9] = TABLES[8] | {"robots"}
 TABLES[10] = TABLES[9]
 TABLES[11] = TABLES[10] | {"page_validators"}
 TABLES[12] = TABLES[11]
+TABLES[13] = TABLES[12]
 assert set(TABLES) == set(range(1, SCHEMA_VERSION + 1))
 
 #: The counters of a session row a page commit adds to: its worker's share of the run's

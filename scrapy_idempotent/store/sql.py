@@ -1291,12 +1291,23 @@ class SqlStore(SqlOutbox, SqlPageValidators, FrontierStore):
                                    " WHERE state = 'leased' GROUP BY worker ORDER BY worker")]
 
     def counts(self) -> dict[str, int]:
-        counts = {state.value: 0 for state in RequestState}
-        for state, n in self._crawl_select(
-                "SELECT state, count(*) FROM requests GROUP BY state"):
-            counts[state] = int(n)
-        counts["records"] = int(self._crawl_select("SELECT count(*) FROM records")[0][0])
-        return counts
+        # Exact, in one statement (one snapshot), without reading the rows: every count but
+        # done's is answered by a partial index of its state (the few failed and redirected
+        # requests, the pending and leased ones), the total by the table's smallest index;
+        # done is the rest. A state outside RequestState (only a hand-edited row: `check`
+        # reports it) is counted as done. A GROUP BY state read every row: 5 s and more at
+        # five million requests, on the writer's thread at each progress line.
+        total, pending, leased, failed, redirected, records = (int(n) for n in self._crawl_select(
+            "SELECT (SELECT count(*) FROM requests),"
+            " (SELECT count(*) FROM requests WHERE state = 'pending'),"
+            " (SELECT count(*) FROM requests WHERE state = 'leased'),"
+            " (SELECT count(*) FROM requests WHERE state = 'failed'),"
+            " (SELECT count(*) FROM requests WHERE state = 'redirected'),"
+            " (SELECT count(*) FROM records)")[0])
+        return {RequestState.PENDING.value: pending, RequestState.LEASED.value: leased,
+                RequestState.DONE.value: total - pending - leased - failed - redirected,
+                RequestState.FAILED.value: failed, RequestState.REDIRECTED.value: redirected,
+                "records": records}
 
     # -- progress samples -----------------------------------------------------------------
 
