@@ -127,7 +127,7 @@ class _Dedup:
         if self.redis is not None and asked:
             hits = self.redis.smismember(REDIS_SET, [r.fingerprint for r in asked])
             self.fast_hits += sum(hits)
-            asked = [r for r, hit in zip(asked, hits) if not hit]
+            asked = [r for r, hit in zip(asked, hits, strict=True) if not hit]
         self.store.expect_lookups([r.fingerprint for r in asked])
         admitted = [] if self.mode != "oracle-new" else list(new)
         for request in asked:
@@ -302,7 +302,8 @@ def run(url: str, workers: int, args: argparse.Namespace,
         "lock_waits_mean": round(sum(waits) / len(waits), 2) if waits else 0.0,
         "deadlocks": int(after[0] - before[0]), "rollbacks": int(after[1] - before[1]),
         "idle_claims": sum(o["idle_claims"] for o in outputs),
-        "dedup": args.dedup, "known_memory": args.known_memory, "links_asked": sum(o["lookups"] for o in outputs),
+        "dedup": args.dedup, "known_memory": args.known_memory,
+        "links_asked": sum(o["lookups"] for o in outputs),
         "fast_layer_hits": sum(o["fast_hits"] for o in outputs),
         "redis_cpu_ms_per_page": round(1000 * redis_cpu / pages, 3) if args.redis_pid else None,
         "exact": states == {"done": expected_pages} and pages == expected_pages
