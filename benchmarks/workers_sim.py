@@ -223,6 +223,11 @@ def _seed(database: str, listings: int) -> None:
     store.close()
 
 
+_DATABASE_STATS = ("SELECT deadlocks, xact_rollback, blks_hit + blks_read,"
+                   " tup_returned + tup_fetched FROM pg_stat_database"
+                   " WHERE datname = current_database()")
+
+
 def _redis_cpu(args: argparse.Namespace) -> float:
     """CPU seconds of the throwaway redis-server (0 without one)."""
     if not args.redis_pid:
@@ -252,8 +257,7 @@ def run(url: str, workers: int, args: argparse.Namespace,
     listings = max(1, args.pages // (args.links + 1))
     _seed(database, listings)
     with psycopg.connect(url, autocommit=True) as conn:
-        before = conn.execute("SELECT deadlocks, xact_rollback FROM pg_stat_database"
-                              " WHERE datname = current_database()").fetchone()
+        before = conn.execute(_DATABASE_STATS).fetchone()
     waits: list[int] = []
     stop = threading.Event()
 
@@ -283,8 +287,7 @@ def run(url: str, workers: int, args: argparse.Namespace,
     server_cpu = (server() - server_before) if server else None
     redis_cpu = _redis_cpu(args) - redis_before
     with psycopg.connect(url, autocommit=True) as conn:
-        after = conn.execute("SELECT deadlocks, xact_rollback FROM pg_stat_database"
-                             " WHERE datname = current_database()").fetchone()
+        after = conn.execute(_DATABASE_STATS).fetchone()
         conn.execute(f"SET search_path TO {SCHEMA}")
         states = dict(conn.execute("SELECT state, count(*) FROM requests GROUP BY 1"))
         (records,) = conn.execute("SELECT count(*) FROM records").fetchone() or (0,)
@@ -301,6 +304,10 @@ def run(url: str, workers: int, args: argparse.Namespace,
         "lock_waits_max": max(waits, default=0),
         "lock_waits_mean": round(sum(waits) / len(waits), 2) if waits else 0.0,
         "deadlocks": int(after[0] - before[0]), "rollbacks": int(after[1] - before[1]),
+        # buffer pages read from the cache and rows read: the server's work, which the
+        # machine's load does not inflate as it does CPU time
+        "server_blocks_per_page": round((after[2] - before[2]) / pages, 1),
+        "server_rows_per_page": round((after[3] - before[3]) / pages, 1),
         "idle_claims": sum(o["idle_claims"] for o in outputs),
         "dedup": args.dedup, "known_memory": args.known_memory,
         "links_asked": sum(o["lookups"] for o in outputs),
