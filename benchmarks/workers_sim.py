@@ -11,7 +11,7 @@ list of listing pages, each linking ``--links`` product pages of its own (new re
 ``--known-links`` links to products already known (rediscovered links); a product page stores
 one record and has ``--product-links`` links to products already known. ``--pages`` pages in all.
 
-How a listing's links are deduplicated (``--dedup``): ``commit`` hands every link to the page
+How a page's links are deduplicated (``--dedup``): ``commit`` hands every link to the page
 commit, whose lookups decide (the store's own backstop); ``scheduler`` does what a crawl's
 scheduler does: the page's fingerprints are announced (``expect_lookups``), each link is asked
 with ``known_request`` (the worker's memory of known entries, else one read for the page's
@@ -33,8 +33,9 @@ latencies are not the disk's). For each worker count, on a fresh schema: pages/s
 over the wall time), the server's CPU per page (its processes' CPU from ``/proc``, a local
 server only), the workers' CPU per page, commit latency percentiles (every worker's commits),
 lock waits (``pg_locks`` sampled every 0.1 s: the most seen at once and the mean), deadlocks
-and rolled-back transactions (``pg_stat_database``), and a check that every page is done
-exactly once with one record per product page.
+and rolled-back transactions, the buffer pages and rows the server read per page
+(``pg_stat_database``: the server's work, which the machine's load does not inflate), and a
+check that every page is done exactly once with one record per product page.
 """
 
 from __future__ import annotations
@@ -100,10 +101,12 @@ def _open(database: str, worker: str, mode: str) -> Any:
 
 
 DEDUP_MODES = ("commit", "scheduler", "redis", "oracle-new", "oracle-known")
+#: the Redis set of fingerprints durable in the frontier (``--dedup redis``)
+REDIS_SET = "workers_sim:known"
 
 
 class _Dedup:
-    """A listing's links as the crawl's scheduler would admit them (see ``--dedup``)."""
+    """A page's links as the crawl's scheduler would admit them (see ``--dedup``)."""
 
     def __init__(self, store: Any, mode: str, redis_url: str | None) -> None:
         self.store = store
@@ -146,9 +149,6 @@ class _Dedup:
         self.learned = []
         if fingerprints:
             self.redis.sadd(REDIS_SET, *fingerprints)
-
-
-REDIS_SET = "workers_sim:known"
 
 
 def child(database: str, worker: str, links: int, known_links: int, listings: int,
