@@ -5,7 +5,7 @@ Three sites on loopback addresses of their own (three download slots), each answ
 ``answer_seconds``; ``workers`` ``scrapy runspider`` processes of ``tests/sites_spider.py``
 on one frontier, with the package's default politeness and ``CONCURRENT_REQUESTS_PER_DOMAIN
 = 1`` (nothing else of the throttled site is in flight when it answers 429, so every request
-it receives after the 429 was sent after it). Once every worker has sent a request, the
+it receives after the 429 was sent after it). Once every worker has opened its spider, the
 throttled site answers its next request with ``429`` and ``Retry-After: retry_after``; the
 worker that sent it (each worker has a user agent of its own) is SIGKILLed ``kill_after``
 seconds after that answer was written (None: not killed). The run ends at the throttled
@@ -62,7 +62,7 @@ def _worker(sites: list[LocalSite], database: str, log: Path, pages: int, name: 
 
 
 def throttled_run(database: str, workdir: Path, kill_after: float | None, *,
-                  workers: int = 3, pages: int = 40, retry_after: int = 5,
+                  workers: int = 3, pages: int = 150, retry_after: int = 5,
                   answer_seconds: float = 0.2,
                   hosts: tuple[str, str, str] = ("127.0.0.21", "127.0.0.22", "127.0.0.23"),
                   timeout: float = 120.0) -> ThrottledRun:
@@ -72,7 +72,7 @@ def throttled_run(database: str, workdir: Path, kill_after: float | None, *,
     workdir.mkdir(parents=True, exist_ok=True)
     names = [f"worker-{n}" for n in range(workers)]
     lock = threading.Lock()
-    seen: set[str] = set()  # user agents that have sent a request
+    armed = threading.Event()  # every worker's spider is open
     answered = threading.Event()
     throttled_at: list[float] = []  # when the 429 was written (time.monotonic())
     killed_at: list[float] = []
@@ -82,20 +82,12 @@ def throttled_run(database: str, workdir: Path, kill_after: float | None, *,
                  for host in hosts]
         throttling = sites[0]
 
-        def note(received: Received) -> str:
-            agent = received.headers.get("User-Agent", "")
-            with lock:
-                seen.add(agent)
-            return agent
-
         def ok(received: Received) -> tuple[int, dict[str, str], str]:
-            note(received)
             return 200, {"Content-Type": "text/html"}, "<html>ok</html>"
 
         def throttle(received: Received) -> tuple[int, dict[str, str], str]:
-            note(received)
             with lock:
-                if not throttled_at and not answered.is_set() and seen >= set(names):
+                if armed.is_set() and not answered.is_set():
                     answered.set()
                     return 429, {"Retry-After": str(retry_after),
                                  "Content-Type": "text/html"}, "slow down"
@@ -131,6 +123,15 @@ def throttled_run(database: str, workdir: Path, kill_after: float | None, *,
             processes[name] = _worker(sites, database, workdir / f"{name}.log", pages, name)
         try:
             deadline = time.monotonic() + timeout
+            logs = [workdir / f"{name}.log" for name in names]
+            while not armed.is_set():
+                if all(log.exists() and "Spider opened" in log.read_text(errors="replace")
+                       for log in logs):
+                    armed.set()
+                elif time.monotonic() > deadline:
+                    raise RuntimeError("the workers did not open their spiders")
+                else:
+                    time.sleep(0.05)
             while not throttled_at:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the throttled site's 429 did not come")
