@@ -116,7 +116,12 @@ class HandOut:
                 # holds the suspect's lease)
                 return tracker.hand_out_memory() if tracker.memory_requests else None
             if not claimed and not commits.refill():
-                return tracker.hand_out_memory() if tracker.memory_requests else None
+                if tracker.memory_requests:
+                    return tracker.hand_out_memory()
+                # nothing claimable: a dead worker's leases may hold the places of the
+                # slots that have pending requests (a read at most once a second)
+                self.leases.reclaim_soon(dead_only=True)
+                return None
             if tracker.memory_requests and tracker.memory_goes_before(claimed.head()):
                 return tracker.hand_out_memory()
             if commits.order_wait(claimed.head()):

@@ -4,13 +4,16 @@
 Three sites on loopback addresses of their own (three download slots), each answering in
 ``answer_seconds``; ``workers`` ``scrapy runspider`` processes of ``tests/sites_spider.py``
 on one frontier, with the package's default politeness and ``CONCURRENT_REQUESTS_PER_DOMAIN
-= 1`` (nothing else of the throttled site is in flight when it answers 429, so every request
-it receives after the 429 was sent after it). Once every worker has opened its spider, the
-throttled site answers its next request with ``429`` and ``Retry-After: retry_after``; the
-worker that sent it (each worker has a user agent of its own) is SIGKILLed ``kill_after``
-seconds after that answer was written (None: not killed). The run ends at the throttled
-site's first request after the 429 (or ``retry_after + 15`` seconds after it), every worker
-killed then: what it measures is how long after the 429 that request came.
+= 1`` (nothing else of the throttled site is in flight when it answers 429, so every
+request it receives after the 429 was sent after it); the throttled site has ``pages``
+pages, the two others ``other_pages`` (soon done: the workers are then idle, and a dead
+worker's leases come back at once, so nothing but the pause holds the throttled site's next
+request). Once every worker has opened its spider, the throttled site answers its next
+request with ``429`` and ``Retry-After: retry_after``; the worker that sent it (each worker
+has a user agent of its own) is SIGKILLed ``kill_after`` seconds after that answer was
+written (None: not killed). The run ends at the throttled site's first request after the
+429 (or ``retry_after + 15`` seconds after it), every worker killed then: what it measures
+is how long after the 429 that request came.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class ThrottledRun:
         return self.earliest is not None and self.earliest < self.retry_after - RESOLUTION
 
 
-def _worker(sites: list[LocalSite], database: str, log: Path, pages: int, name: str,
+def _worker(sites: list[LocalSite], database: str, log: Path, pages: str, name: str,
             ) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "scrapy", "runspider", str(SPIDER),
                "-a", "sites=" + ",".join(site.url for site in sites), "-a", f"pages={pages}",
@@ -62,7 +65,8 @@ def _worker(sites: list[LocalSite], database: str, log: Path, pages: int, name: 
 
 
 def throttled_run(database: str, workdir: Path, kill_after: float | None, *,
-                  workers: int = 3, pages: int = 150, retry_after: int = 5,
+                  workers: int = 3, pages: int = 150, other_pages: int = 12,
+                  retry_after: int = 5,
                   answer_seconds: float = 0.2,
                   hosts: tuple[str, str, str] = ("127.0.0.21", "127.0.0.22", "127.0.0.23"),
                   timeout: float = 120.0) -> ThrottledRun:
@@ -99,6 +103,7 @@ def throttled_run(database: str, workdir: Path, kill_after: float | None, *,
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, signal.SIGKILL)
                     killed_at.append(time.monotonic())
+                process.wait()  # reaped, as a supervisor would: a zombie looks alive
 
         def on_answered(received: Received, status: int) -> None:
             if status != 429:
@@ -116,11 +121,13 @@ def throttled_run(database: str, workdir: Path, kill_after: float | None, *,
 
         for n in range(pages):
             throttling.add_responder(f"/ok/p{n}", throttle)
+        for n in range(other_pages):
             for site in sites[1:]:
                 site.add_responder(f"/ok/p{n}", ok)
         throttling.on_answered = on_answered
         for name in names:
-            processes[name] = _worker(sites, database, workdir / f"{name}.log", pages, name)
+            processes[name] = _worker(sites, database, workdir / f"{name}.log",
+                                      f"{pages},{other_pages},{other_pages}", name)
         try:
             deadline = time.monotonic() + timeout
             logs = [workdir / f"{name}.log" for name in names]
