@@ -6,9 +6,10 @@
 One of three sites answers ``429`` with ``Retry-After: 5`` to a request of one of three
 workers (``scrapy runspider`` processes on one new frontier, the package's default
 politeness, ``CONCURRENT_REQUESTS_PER_DOMAIN = 1``); that worker is SIGKILLed the given
-milliseconds after the answer was written (``none``: not killed). A run ends at the
-throttled site's next request. Printed per store and kill delay: runs, runs where the kill
-hit the live worker, runs with a request to the site within the 5 s, and the earliest and
+milliseconds after the answer was written (``none``: not killed); the site answers 429
+again to any request within the 5 s. A run ends once the site is fetched after the pause.
+Printed per store and kill delay: runs, runs where the kill hit the live worker, runs with a
+request to the site within the 5 s, the most such requests in a run, and the earliest and
 the median time from the 429 to the site's next request. The run itself is
 ``tests/helpers/throttle_kills.py``; PostgreSQL is a throwaway cluster of the tests'
 ``tests/postgres_server.py``.
@@ -76,7 +77,8 @@ def main() -> None:
                                             workers=args.workers)
                         results[delay].append(run)
                         print(f"{store} kill {_label(delay)} run {n + 1}: earliest "
-                              f"{_ms(run.earliest)}{' EARLY' if run.early else ''}"
+                              f"{_ms(run.earliest)}{' EARLY' if run.early else ''}, "
+                              f"{run.within} within"
                               f"{'' if run.killed or delay is None else ' (not killed)'}",
                               file=sys.stderr, flush=True)
                 for delay in delays:
@@ -84,12 +86,13 @@ def main() -> None:
                     times = [r.earliest for r in runs if r.earliest is not None]
                     rows.append((store, _label(delay), len(runs),
                                  sum(r.killed for r in runs), sum(r.early for r in runs),
+                                 max((r.within for r in runs), default=0),
                                  _ms(min(times) if times else None),
                                  _ms(statistics.median(times) if times else None)))
     print(f"load average {os.getloadavg()[0]:.2f} at the end; {time.strftime('%Y-%m-%d')}")
     print("| store | kill after the 429 | runs | killed | runs with a request within 5 s"
-          " | earliest next request | median |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+          " | most requests within 5 s | earliest next request | median |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         print("| " + " | ".join(str(v) for v in row) + " |")
 

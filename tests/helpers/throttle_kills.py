@@ -4,16 +4,17 @@
 Three sites on loopback addresses of their own (three download slots), each answering in
 ``answer_seconds``; ``workers`` ``scrapy runspider`` processes of ``tests/sites_spider.py``
 on one frontier, with the package's default politeness and ``CONCURRENT_REQUESTS_PER_DOMAIN
-= 1`` (nothing else of the throttled site is in flight when it answers 429, so every
-request it receives after the 429 was sent after it); the throttled site has ``pages``
-pages, the two others ``other_pages`` (soon done: the workers are then idle, and a dead
-worker's leases come back at once, so nothing but the pause holds the throttled site's next
+= 1`` (nothing else of the throttled site is in flight when it answers 429, so every request
+it receives after the 429 was sent after it). The throttled site has ``pages`` pages, the
+two others ``other_pages`` (soon done: the workers are then idle, and a dead worker's leases
+come back within a second, so nothing but the pause holds the throttled site's next
 request). Once every worker has opened its spider, the throttled site answers its next
-request with ``429`` and ``Retry-After: retry_after``; the worker that sent it (each worker
+request with ``429`` and ``Retry-After: retry_after``, and every request until that time has
+passed likewise (a site that keeps to its word); the worker that sent the first (each worker
 has a user agent of its own) is SIGKILLed ``kill_after`` seconds after that answer was
-written (None: not killed). The run ends at the throttled site's first request after the
-429 (or ``retry_after + 15`` seconds after it), every worker killed then: what it measures
-is how long after the 429 that request came.
+written (None: not killed). The run ends once the throttled site is fetched again after the
+pause (or ``retry_after + 15`` seconds after the 429), every worker killed then: it counts
+the requests that came before the Retry-After had passed, and the earliest of all.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ class ThrottledRun:
     killed: bool  #: the worker that got the 429 died by the SIGKILL (not before it)
     #: seconds from the 429 to the throttled site's next request (None: none came)
     earliest: float | None
+    #: requests the throttled site received before its Retry-After had passed (each
+    #: answered 429 again)
+    within: int
     retry_after: float
 
     @property
@@ -90,9 +94,14 @@ def throttled_run(database: str, workdir: Path, kill_after: float | None, *,
             return 200, {"Content-Type": "text/html"}, "<html>ok</html>"
 
         def throttle(received: Received) -> tuple[int, dict[str, str], str]:
+            # the first request after the workers are up, and every request until its
+            # Retry-After has passed, is answered 429: a site that keeps to its word
             with lock:
                 if armed.is_set() and not answered.is_set():
                     answered.set()
+                    return 429, {"Retry-After": str(retry_after),
+                                 "Content-Type": "text/html"}, "slow down"
+                if throttled_at and time.monotonic() < throttled_at[0] + retry_after:
                     return 429, {"Retry-After": str(retry_after),
                                  "Content-Type": "text/html"}, "slow down"
             return 200, {"Content-Type": "text/html"}, "<html>ok</html>"
@@ -106,7 +115,7 @@ def throttled_run(database: str, workdir: Path, kill_after: float | None, *,
                 process.wait()  # reaped, as a supervisor would: a zombie looks alive
 
         def on_answered(received: Received, status: int) -> None:
-            if status != 429:
+            if status != 429 or throttled_at:
                 return
             throttled_at.append(time.monotonic())
             if kill_after is None:
@@ -149,20 +158,18 @@ def throttled_run(database: str, workdir: Path, kill_after: float | None, *,
                                            errors="replace")[-2000:])
                 time.sleep(0.01)
             at = throttled_at[0]
-            agent_killed = kill_after is not None
-            earliest: float | None = None
+            later: list[float] = []
             while time.monotonic() < at + retry_after + 15:
                 later = [t - at for t in throttling.arrival_times() if t > at]
-                if later:
-                    earliest = min(later)
-                    break
+                if any(t >= retry_after - RESOLUTION for t in later):
+                    break  # fetched again after the pause
                 time.sleep(0.01)
-            if agent_killed:
-                time.sleep(max(0.0, (kill_after or 0.0) + at - time.monotonic()) + 0.05)
         finally:
             for process in processes.values():
                 if process.poll() is None:
                     process.kill()
                 process.wait()
-    return ThrottledRun(kill_after=kill_after, killed=bool(killed_at), earliest=earliest,
+    return ThrottledRun(kill_after=kill_after, killed=bool(killed_at),
+                        earliest=min(later) if later else None,
+                        within=sum(t < retry_after - RESOLUTION for t in later),
                         retry_after=float(retry_after))
