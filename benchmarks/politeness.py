@@ -1,14 +1,16 @@
 """Politeness for the whole crawl: per-site limits over several workers, and throughput.
 
-``python benchmarks/politeness.py [--workers 1,2,4] [--limits 1,2,4] [--sites 8]``
+``python benchmarks/politeness.py [--workers 1,2,4] [--limits 1,2,4] [--sites 8]
+[--modes crawl] [--delay 0]``
 
 Serves ``--sites`` sites, each on a loopback address of its own (127.0.0.10, .11, ...: one
 download slot each), each answering a page in ``--answer-seconds`` and recording the
 requests it has in flight and when each arrived. For every per-site limit L
 (``CONCURRENT_REQUESTS_PER_DOMAIN = L``) and every number of workers W, W ``scrapy
 runspider`` processes crawl one frontier (a new SQLite file) with
-``IDEMPOTENT_POLITENESS = "crawl"`` and ``CONCURRENT_REQUESTS = --per-worker``, each
-yielding the same ``--pages`` pages of every site. Printed per crawl: pages/s (first
+``IDEMPOTENT_POLITENESS`` each of ``--modes`` (``crawl``, ``worker``), ``DOWNLOAD_DELAY =
+--delay`` and ``CONCURRENT_REQUESTS = --per-worker``, each yielding the same ``--pages``
+pages of every site. Printed per crawl: pages/s (first
 request to last answer at the sites), the most requests any site had in flight (never above
 L when the limits hold), each page fetched once, and the workers' CPU seconds.
 
@@ -20,6 +22,7 @@ no site sees more than L at once, however many workers there are.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import resource
 import subprocess
@@ -39,7 +42,7 @@ class SitesSpider(scrapy.Spider):
     name = "sites"
     custom_settings = {
         "ADDONS": {"scrapy_idempotent.Addon": 0}, "ROBOTSTXT_OBEY": False,
-        "IDEMPOTENT_POLITENESS": "crawl", "TELNETCONSOLE_ENABLED": False,
+        "TELNETCONSOLE_ENABLED": False,
         "LOG_LEVEL": "WARNING", "IDEMPOTENT_NATURAL_KEYS": {"dict": "url"}}
 
     def __init__(self, sites, pages, **kwargs):
@@ -106,13 +109,15 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def crawl(workdir: Path, spider: Path, sites: list[Site], *, workers: int, limit: int,
-          per_worker: int, pages: int) -> dict[str, Any]:
-    database = workdir / f"w{workers}-l{limit}.sqlite3"
+          per_worker: int, pages: int, mode: str = "crawl",
+          delay: float = 0.0, repetition: int = 0) -> dict[str, Any]:
+    database = workdir / f"{mode}-w{workers}-l{limit}-r{repetition}.sqlite3"
     command = [sys.executable, "-m", "scrapy", "runspider", str(spider), "-L", "WARNING",
                "-a", "sites=" + ",".join(site.url for site in sites), "-a", f"pages={pages}",
                "-s", f"IDEMPOTENT_DATABASE={database}",
                "-s", f"CONCURRENT_REQUESTS={per_worker}",
                "-s", f"CONCURRENT_REQUESTS_PER_DOMAIN={limit}",
+               "-s", f"IDEMPOTENT_POLITENESS={mode}", "-s", f"DOWNLOAD_DELAY={delay}",
                "-s", "IDEMPOTENT_RUN_MODE=resume"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     processes = [subprocess.Popen(command, cwd=workdir, stdin=subprocess.DEVNULL)
@@ -123,7 +128,7 @@ def crawl(workdir: Path, spider: Path, sites: list[Site], *, workers: int, limit
     last = max(site.answered_at for site in sites)
     fetched = sum(len(site.arrivals) for site in sites)
     return {
-        "workers": workers, "limit": limit, "codes": codes,
+        "workers": workers, "limit": limit, "codes": codes, "mode": mode,
         "pages/s": fetched / (last - first),
         "most in flight": max(site.most_in_flight for site in sites),
         "each page once": all(set(site.paths.values()) == {1} and len(site.paths) == pages
@@ -141,6 +146,12 @@ def main() -> None:
     parser.add_argument("--pages", type=int, default=40, help="pages per site (default 40)")
     parser.add_argument("--per-worker", type=int, default=4,
                         help="CONCURRENT_REQUESTS of each worker (default 4)")
+    parser.add_argument("--modes", default="crawl",
+                        help="IDEMPOTENT_POLITENESS values (default crawl)")
+    parser.add_argument("--delay", type=float, default=0.0,
+                        help="DOWNLOAD_DELAY (default 0)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="crawls of each combination, alternating (default 1)")
     parser.add_argument("--answer-seconds", type=float, default=0.2,
                         help="each site's time to answer (default 0.2)")
     args = parser.parse_args()
@@ -149,31 +160,34 @@ def main() -> None:
         spider = workdir / "sites_spider.py"
         spider.write_text(SPIDER)
         print(f"{args.sites} sites answering in {args.answer_seconds} s, {args.pages} pages "
-              f"each, CONCURRENT_REQUESTS={args.per_worker} per worker; load average "
-              f"{os.getloadavg()[0]:.2f} at the start")
-        print("| per-site limit | workers | pages/s | most in flight at a site | "
+              f"each, CONCURRENT_REQUESTS={args.per_worker} per worker, DOWNLOAD_DELAY="
+              f"{args.delay}; load average {os.getloadavg()[0]:.2f} at the start")
+        print("| mode | per-site limit | workers | pages/s | most in flight at a site | "
               "limits held | each page once | workers' CPU s | exit codes |")
-        print("|---:|---:|---:|---:|---|---|---:|---|")
-        for limit in (int(v) for v in args.limits.split(",")):
-            for workers in (int(v) for v in args.workers.split(",")):
-                sites = [Site(f"127.0.0.{10 + n}", args.answer_seconds)
-                         for n in range(args.sites)]
-                threads = [threading.Thread(target=site.serve_forever, daemon=True)
-                           for site in sites]
-                for thread in threads:
-                    thread.start()
-                try:
-                    row = crawl(workdir, spider, sites, workers=workers, limit=limit,
-                                per_worker=args.per_worker, pages=args.pages)
-                finally:
-                    for site in sites:
-                        site.shutdown()
-                        site.server_close()
-                print(f"| {limit} | {workers} | {row['pages/s']:.1f} | "
-                      f"{row['most in flight']} | "
-                      f"{'yes' if row['most in flight'] <= limit else 'NO'} | "
-                      f"{'yes' if row['each page once'] else 'NO'} | {row['cpu s']:.1f} | "
-                      f"{','.join(map(str, row['codes']))} |", flush=True)
+        print("|---|---:|---:|---:|---:|---|---|---:|---|")
+        for limit, workers, repetition, mode in itertools.product(
+                (int(v) for v in args.limits.split(",")),
+                [int(v) for v in args.workers.split(",")], range(args.repeat),
+                args.modes.split(",")):
+            sites = [Site(f"127.0.0.{10 + n}", args.answer_seconds)
+                     for n in range(args.sites)]
+            threads = [threading.Thread(target=site.serve_forever, daemon=True)
+                       for site in sites]
+            for thread in threads:
+                thread.start()
+            try:
+                row = crawl(workdir, spider, sites, workers=workers, limit=limit,
+                            per_worker=args.per_worker, pages=args.pages, mode=mode,
+                            delay=args.delay, repetition=repetition)
+            finally:
+                for site in sites:
+                    site.shutdown()
+                    site.server_close()
+            print(f"| {mode} | {limit} | {workers} | {row['pages/s']:.1f} | "
+                  f"{row['most in flight']} | "
+                  f"{'yes' if row['most in flight'] <= limit else 'NO'} | "
+                  f"{'yes' if row['each page once'] else 'NO'} | {row['cpu s']:.1f} | "
+                  f"{','.join(map(str, row['codes']))} |", flush=True)
         print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
 

@@ -81,7 +81,12 @@ class HandOut:
                 # holds the suspect's lease)
                 return tracker.hand_out_memory() if len(tracker.memory) else None
             if not claimed and not commits.refill():
-                return tracker.hand_out_memory() if len(tracker.memory) else None
+                if len(tracker.memory):
+                    return tracker.hand_out_memory()
+                # nothing claimable: a dead worker's leases may hold the places of the
+                # slots that have pending requests (a read at most once a second)
+                self.leases.reclaim_soon(dead_only=True)
+                return None
             if len(tracker.memory) and tracker.memory.goes_before(claimed.head()):
                 return tracker.hand_out_memory()
             if commits.order_wait(claimed.head()):

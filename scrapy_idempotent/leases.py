@@ -396,15 +396,18 @@ class LeaseKeeper:
                         reclaimed, ", ".join(dead))
         return reclaimed
 
-    def reclaim_soon(self) -> None:
+    def reclaim_soon(self, *, dead_only: bool = False) -> None:
         """Other workers hold leases: put those of dead workers and the expired ones back to
         pending (on the writer's thread, at most once a second); the claim that follows may
-        take them."""
+        take them. ``dead_only``: only when a dead worker of this host holds some (a read
+        otherwise, no write: the worker has other work, and expired leases wait for it)."""
         now = time.monotonic()
         if now < self._dead_check_at:
             return
         self._dead_check_at = now + 1.0
         dead = self._dead_workers()
+        if dead_only and not dead:
+            return
 
         def reclaim(store: FrontierStore) -> tuple[int, int]:
             return (store.release_leases(dead) if dead else 0), store.reclaim_expired()

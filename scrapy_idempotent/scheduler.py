@@ -438,6 +438,10 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             status = self.store.status(self.worker)  # the read connection: never waits
             if status.claimable:
                 self.claimed.pending_seen(time.monotonic())
+                if status.leased_elsewhere:
+                    # a dead worker's leases hold their slots' places (a site's limit
+                    # counts them): back to pending without waiting for other work to end
+                    self.leases.reclaim_soon(dead_only=True)
                 return True
             if status.leased_elsewhere:
                 self.leases.reclaim_soon()

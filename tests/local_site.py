@@ -242,10 +242,13 @@ class _Handler(BaseHTTPRequestHandler):
         full_path = self.path.split("#", 1)[0]
         responder = site.responders.get(full_path) or site.responders.get(path)
         if responder is not None:
-            status, headers, answer = responder(Received(
-                self.command, path, urlsplit(full_path).query, dict(self.headers.items()), body))
+            received = Received(
+                self.command, path, urlsplit(full_path).query, dict(self.headers.items()), body)
+            status, headers, answer = responder(received)
             self._send(status, answer, headers.get("Content-Type", "application/json"),
                        {k: v for k, v in headers.items() if k != "Content-Type"})
+            if site.on_answered is not None:
+                site.on_answered(received, status)
             return
         route = site.routes.get(full_path) or site.routes.get(path)
         if route is not None:
@@ -379,6 +382,9 @@ class LocalSite:
         self.responders: dict[str, Responder] = {}
         self.headers_seen: list[dict[str, str]] = []  #: headers of every counted request
         self.errors: list[str] = []  #: tracebacks of the site's own failures (none expected)
+        #: called with the request and the status once a responder's answer is written (on
+        #: the handler thread): what a test does the moment a client has its answer
+        self.on_answered: Callable[[Received, int], None] | None = None
         self._lock = threading.Lock()
         self._by_path: Counter[str] = Counter()
         self._by_full_path: Counter[str] = Counter()
