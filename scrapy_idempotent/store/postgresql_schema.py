@@ -275,8 +275,10 @@ MIGRATIONS: list[list[str]] = [
         # with the pending and leased indexes they count the frontier exactly without
         # reading its rows (SqlStore.counts: done is the rest), and `failed` lists its
         # requests without a scan of the table.
-        "CREATE INDEX requests_failed ON requests (error_kind) WHERE state = 'failed'",
-        "CREATE INDEX requests_redirected ON requests (id) WHERE state = 'redirected'",
+        "CREATE INDEX IF NOT EXISTS requests_failed ON requests (error_kind)"
+        " WHERE state = 'failed'",
+        "CREATE INDEX IF NOT EXISTS requests_redirected ON requests (id)"
+        " WHERE state = 'redirected'",
     ],
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION

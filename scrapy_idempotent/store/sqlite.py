@@ -57,8 +57,10 @@ SCHEMA_VERSION = 16
 #: (:meth:`~.sql.SqlStore.counts`: done is the rest), and ``failed`` lists its requests
 #: without a scan of the table.
 _COUNTED_STATES = [
-    "CREATE INDEX requests_failed ON requests (error_kind) WHERE state = 'failed'",
-    "CREATE INDEX requests_redirected ON requests (id) WHERE state = 'redirected'",
+    "CREATE INDEX IF NOT EXISTS requests_failed ON requests (error_kind)"
+    " WHERE state = 'failed'",
+    "CREATE INDEX IF NOT EXISTS requests_redirected ON requests (id)"
+    " WHERE state = 'redirected'",
 ]
 
 _MIGRATIONS: list[list[str]] = [
