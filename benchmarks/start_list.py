@@ -13,6 +13,7 @@ robots.txt, no telnet console:
                  on a list this long stalls Scrapy itself)
     addon        scrapy_idempotent through its add-on, ordinary requests
     addon_df     scrapy_idempotent through its add-on, requests with dont_filter=True
+    addon_worker as addon, with IDEMPOTENT_POLITENESS = "worker" (Scrapy's limits per process)
 
 Each crawl is stopped (SIGKILL) ``S`` seconds (default 60) after its process started.
 Printed per configuration: the requests that reached the site in those seconds, the ratio to
@@ -51,6 +52,7 @@ CONFIGS = {
     "plain": {"addon": False, "dont_filter": True},
     "addon": {"addon": True, "dont_filter": False},
     "addon_df": {"addon": True, "dont_filter": True},
+    "addon_worker": {"addon": True, "dont_filter": False, "politeness": "worker"},
 }
 
 
@@ -147,6 +149,8 @@ def crawl(config: str, url: str, urls: int, seconds: float, out: str, db: str,
     if options["addon"]:
         settings.update({"ADDONS": {"scrapy_idempotent.Addon": 0},
                          "IDEMPOTENT_DATABASE": db})
+        if "politeness" in options:
+            settings["IDEMPOTENT_POLITENESS"] = options["politeness"]
     process = CrawlerProcess(settings)
     crawler = process.create_crawler(StartList)
     if profiler is not None:
