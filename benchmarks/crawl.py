@@ -11,10 +11,9 @@ configurations alternating, R repetitions:
 
     a  Scrapy's default in-memory scheduler, a no-op item pipeline
     b  JOBDIR (Scrapy's disk queues and its on-disk dupefilter)
-    c  scrapy_idempotent through its add-on (its default politeness: the crawl's, kept by the
-       claims)
+    c  scrapy_idempotent through its add-on
     d  scrapy_idempotent with IDEMPOTENT_RESPONSE_JOURNAL = False
-    e  scrapy_idempotent with IDEMPOTENT_POLITENESS = "worker" (Scrapy's limits, per process)
+    e  scrapy_idempotent with IDEMPOTENT_POLITENESS = "crawl" (limits kept by the claims)
 
 Every crawl: CONCURRENT_REQUESTS = CONCURRENT_REQUESTS_PER_DOMAIN = 32 (``--concurrency``),
 no download delay, LOG_LEVEL = WARNING, no telnet console, robots.txt not fetched. The spider
@@ -64,7 +63,7 @@ CONFIGS = {
     "b": "Scrapy JOBDIR",
     "c": "scrapy_idempotent (add-on)",
     "d": "scrapy_idempotent, no journal",
-    "e": "scrapy_idempotent, IDEMPOTENT_POLITENESS = worker",
+    "e": "scrapy_idempotent, IDEMPOTENT_POLITENESS = crawl",
 }
 
 _WORDS = (
@@ -286,7 +285,7 @@ def _crawl_child(config: str, url: str, workdir: Path, out: Path, concurrency: i
         settings["IDEMPOTENT_NATURAL_KEYS"] = {"dict": "sku"}
         settings["IDEMPOTENT_RESPONSE_JOURNAL"] = config != "d"
         if config == "e":
-            settings["IDEMPOTENT_POLITENESS"] = "worker"
+            settings["IDEMPOTENT_POLITENESS"] = "crawl"
     process = CrawlerProcess(settings, install_root_handler=True)
     crawler = process.create_crawler(ShopSpider)
     held: dict[str, Any] = {}

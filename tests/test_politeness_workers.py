@@ -106,18 +106,6 @@ def test_workers_on_one_frontier_keep_each_sites_limits(tmp_path: Path,
     assert crawled[0].most_in_flight == 2
 
 
-def test_workers_with_default_settings_keep_a_sites_limit(tmp_path: Path,
-                                                          crawl_database: str) -> None:
-    # the package's default politeness is the crawl's: 4 workers on one frontier (SQLite
-    # and PostgreSQL), nothing set but Scrapy's CONCURRENT_REQUESTS_PER_DOMAIN = 2, never
-    # put more than 2 requests in flight on a site (with per-worker limits: 8)
-    crawled = crawl_with_workers(tmp_path, crawl_database, 4, ("127.0.0.2", "127.0.0.3"),
-                                 "CONCURRENT_REQUESTS_PER_DOMAIN=2", pages=16)
-    assert [site.most_in_flight for site in crawled] == [2, 2]
-    for log in tmp_path.glob("worker*.log"):
-        assert "IDEMPOTENT_POLITENESS" not in log.read_text(errors="replace")
-
-
 def test_a_429_with_retry_after_pauses_the_site_for_every_worker_across_a_kill(
         tmp_path: Path, crawl_database: str) -> None:
     pages = 20

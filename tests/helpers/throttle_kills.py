@@ -3,7 +3,7 @@
 
 Three sites on loopback addresses of their own (three download slots), each answering in
 ``answer_seconds``; ``workers`` ``scrapy runspider`` processes of ``tests/sites_spider.py``
-on one frontier, with the package's default politeness and ``CONCURRENT_REQUESTS_PER_DOMAIN
+on one frontier, with the crawl's politeness and ``CONCURRENT_REQUESTS_PER_DOMAIN
 = 1`` (nothing else of the throttled site is in flight when it answers 429, so every request
 it receives after the 429 was sent after it). The throttled site has ``pages`` pages, the
 two others ``other_pages`` (soon done: the workers are then idle, and a dead worker's leases
