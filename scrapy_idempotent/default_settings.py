@@ -511,12 +511,13 @@ has passed since its last claim; a 429 (or a 503 with ``Retry-After``) pauses th
 every worker (see :setting:`IDEMPOTENT_BACKOFF_SECONDS`). A request counts against its
 slot's concurrency from its claim to its page's commit (callback and pipelines included), so
 a worker short of CPU sends less than plain Scrapy would. ``"worker"`` (the default): each
-worker keeps Scrapy's own limits in its downloader (N workers: N times the load on a site, and a 429 is
-only what ``RetryMiddleware`` makes of it), and claims take the head of the frontier whatever
-its slots. Every worker of a crawl must use the same mode: a ``"worker"`` worker's requests
-count against no slot. Set ``"crawl"`` for a crawl of several workers; it is not the default
-because it takes a long ``start()`` in at the writer's pace (a list of 1,000,000 start URLs
-is downloaded about five times slower in its first minute). See :ref:`politeness`.""",
+worker keeps Scrapy's own limits in its downloader (N workers: N times the load on a site,
+and a 429 is only what ``RetryMiddleware`` makes of it), and claims take the head of the
+frontier whatever its slots. Every worker of a crawl must use the same mode: a ``"worker"``
+worker's requests count against no slot. Set ``"crawl"`` for a crawl of several workers; it
+is not the default because it takes a long ``start()`` in at the writer's pace (a list of
+1,000,000 start URLs is downloaded about five times slower in its first minute). See
+:ref:`politeness`.""",
     ),
     Setting(
         "IDEMPOTENT_BACKOFF_SECONDS", 10.0, "float, seconds", "Politeness", "60",
