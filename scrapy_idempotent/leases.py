@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from twisted.internet import task
 
 from . import workers
+from .exceptions import StoreBusy
 from .store.base import RequestState
 
 if TYPE_CHECKING:
@@ -405,7 +406,10 @@ class LeaseKeeper:
         if now < self._dead_check_at:
             return
         self._dead_check_at = now + 1.0
-        dead = self._dead_workers()
+        try:
+            dead = self._dead_workers()
+        except StoreBusy:  # the server away (a read that never waits): asked again later
+            return
         if dead_only and not dead:
             return
 
