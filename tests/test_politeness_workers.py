@@ -275,8 +275,11 @@ def test_claims_ahead_leave_a_sites_places_to_the_workers_that_can_send(
                 in_flight[0] += 1
                 in_flight[1] = max(in_flight[1], in_flight[0])
                 condition.notify_all()
-                # held until 6 are in flight at once (or a while: the last pages never are)
-                condition.wait_for(lambda: in_flight[1] >= 6, timeout=3)
+                # held until 6 have been in flight at once (a state: the third worker may
+                # start long after the others on a loaded machine; once reached, nothing
+                # waits). The bound only ends a failing run: claims ahead that hold the
+                # places never let the third worker send
+                condition.wait_for(lambda: in_flight[1] >= 6, timeout=120)
                 in_flight[0] -= 1
             return 200, {"Content-Type": "text/html"}, "<html>ok</html>"
 
