@@ -465,6 +465,32 @@ def test_a_statement_timeout_is_worth_retrying_and_writes_nothing(
     assert store.commit(many, "w1").requests_added == 20000
 
 
+def test_a_connection_whose_rollback_failed_is_not_used_again(
+        make: Callable[..., PostgreSQLStore], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed page commit is rolled back; if the ROLLBACK fails too (a starved server
+    cancels it under a short statement_timeout), the connection stays in its failed
+    transaction and is dropped, not handed to the next statement."""
+    store = make(heartbeat_seconds=None)
+    store.open(fingerprinter="f", identity=SHOP)
+    store.begin_session("w1", "auto")
+    failing = store.conn
+    failing.execute("SET statement_timeout = '1ms'")
+    real_execute = failing.execute
+
+    def execute(query: Any, *args: Any, **kwargs: Any) -> Any:
+        if query == "ROLLBACK":
+            raise psycopg.errors.QueryCanceled("canceling statement due to statement timeout")
+        return real_execute(query, *args, **kwargs)
+
+    monkeypatch.setattr(failing, "execute", execute)
+    with pytest.raises(StoreBusy, match="statement_timeout"):
+        store.commit(UnitOfWork(requests=[req(f"p{n}") for n in range(20000)]), "w1")
+    assert failing.closed
+    assert store.conn is not failing
+    assert store.counts()["pending"] == 0
+    assert store.commit(UnitOfWork(requests=[req("p1")]), "w1").requests_added == 1
+
+
 def test_lease_renewals_are_hot_updates(make: Callable[..., PostgreSQLStore],
                                         postgres_url: str) -> None:
     """A renewal changes only ``leased_until``, which no index holds: PostgreSQL can keep the

@@ -485,6 +485,17 @@ class PostgreSQLStore(SqlStore):
         if getattr(self._local, "conn", None) is conn:
             self._local.conn = None
 
+    def _drop_if_in_transaction(self) -> None:
+        """After a failed transaction: if its ROLLBACK failed too (cancelled by a short
+        statement_timeout on a starved server), the connection is still in the failed
+        transaction; it is dropped rather than handed to the next statement."""
+        from psycopg.pq import TransactionStatus
+
+        conn = getattr(self._local, "conn", None)
+        if (conn is not None and not conn.closed and not conn.broken
+                and conn.info.transaction_status != TransactionStatus.IDLE):
+            self._drop(conn)
+
     def close(self) -> None:
         self._stop_heartbeat()
         self._stop_listening()
@@ -578,6 +589,7 @@ class PostgreSQLStore(SqlStore):
                 committing = True
         except psycopg.Error as exc:
             error = self._error(exc, doing, committing=committing)
+            self._drop_if_in_transaction()
             if isinstance(error, _CommitOutcomeUnknown) and repeatable:
                 raise StoreBusy(f"{error}; it is repeated (doing it twice is the same as "
                                 "once)") from exc
@@ -615,8 +627,11 @@ class PostgreSQLStore(SqlStore):
                 with contextlib.suppress(psycopg.Error):
                     if conn.info.transaction_status != TransactionStatus.IDLE:
                         conn.execute("ROLLBACK")
-            if isinstance(exc, psycopg.Error):
-                raise self._error(exc, doing, committing=committing) from exc
+            error = (self._error(exc, doing, committing=committing)
+                     if isinstance(exc, psycopg.Error) else None)
+            self._drop_if_in_transaction()
+            if error is not None:
+                raise error from exc
             raise
         self.transactions += 1
 
