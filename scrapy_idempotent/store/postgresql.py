@@ -83,7 +83,8 @@ from .postgresql_schema import (
 from .reads import EngineSetting, IntegrityReport, RunSummary, SchemaInfo
 from .registry import redacted
 from .rules import CLAIMED_COLUMNS, QUEUE_ORDER, isolate_after, other_owner
-from .sql import RECORD_STATE, SqlStore
+from .sql import SqlStore
+from .sql_dialect import RECORD_STATE
 
 if TYPE_CHECKING:
     import psycopg

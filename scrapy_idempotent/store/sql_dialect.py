@@ -1,0 +1,142 @@
+"""What every part of :class:`~.sql.SqlStore` stands on: :class:`SqlDialect` declares the
+store's attributes, the connections and the dialect a backend gives (see the module docstring
+of :mod:`.sql`), and the few statements that differ between backends. The parts of the SQL
+store (the commit and claim path, the known-request memory, the crawl-wide slots, runs and
+samples, the operator queries) are written over it."""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+from .base import CommitResult, NewRequest
+
+__all__ = ["RECORD_STATE", "Answer", "SqlDialect"]
+
+#: The rows of a statement sent, read when called (see :meth:`SqlStore._send`).
+Answer = Callable[[], list[Any]]
+
+
+#: The columns of a stored record that decide its next write: its ID and :class:`StoredState`.
+RECORD_STATE = "record_id, content_hash, seen_run_id, observed_at, version"
+
+
+class SqlDialect(ABC):
+    """The connections and the dialect of one SQL backend, and the store's attributes the
+    statements read (a base of every part of ``SqlStore``)."""
+
+    lease_seconds: float
+    max_attempts: int
+    recrawl_seconds: float | None
+    run_id: int | None
+    clock: Callable[[], float]
+
+    #: appended to a ``SELECT`` whose rows the transaction then changes (``FOR UPDATE``)
+    LOCK_ROWS = ""
+    #: appended to a claim's ``SELECT``: rows other claims hold are skipped
+    SKIP_LOCKED = ""
+    #: appended to the claim's ``SELECT`` of the slots that may send: slots other claims
+    #: hold are skipped (their limits are being spent)
+    SKIP_LOCKED_SLOTS = ""
+    #: appended to ``ORDER BY`` a text key, so that keyset paging follows byte order
+    TEXT_ORDER = ""
+    #: the condition "leased by the worker ``?``", for statements on a list of keys: the
+    #: key's index finds their rows
+    LEASED_BY = "state = 'leased' AND worker = ?"
+    #: the ``LIMIT`` parameter meaning no limit
+    NO_LIMIT: Any = -1
+
+    # -- the dialect and the connections (each backend's own) -----------------------------
+
+    @abstractmethod
+    def _write(self, doing: str = "writing") -> contextlib.AbstractContextManager[Any]:
+        """The one write-transaction primitive: a cursor inside one transaction, committed
+        at the end of the block, rolled back on any exception (all or nothing)."""
+
+    @abstractmethod
+    def _select(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        """Every row of one statement (written with ``?`` placeholders), outside any
+        transaction: the operator queries' reads."""
+
+    def _crawl_select(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        """:meth:`_select` for the reads a crawl makes beside its writer thread."""
+        return self._select(sql, params)
+
+    def _q(self, sql: str) -> str:
+        """``sql`` (written with ``?`` placeholders) in the driver's placeholder style."""
+        return sql
+
+    @abstractmethod
+    def _any(self, column: str, values: Collection[Any], *,
+             sql_type: str = "text") -> tuple[str, Any]:
+        """A condition that ``column`` is one of ``values`` (of ``sql_type``), with its one
+        parameter: however many values, one placeholder."""
+
+    def _send(self, cur: Any, sql: str, params: Sequence[Any] = ()) -> Answer:
+        """Send one statement of the transaction of ``cur``; its rows are read when the
+        returned function is called (at once, unless the backend pipelines)."""
+        rows = cur.execute(self._q(sql), params).fetchall()
+        return lambda: rows
+
+    def _lookup(self, cur: Any, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        """Every row of one statement of the transaction of ``cur`` that looks rows up by a
+        list of keys in a table that grows from empty, planned at each call where the
+        backend caches plans (a plan made while the table was empty would scan it)."""
+        return list(cur.execute(self._q(sql), params).fetchall())
+
+    def _notify(self, cur: Any, *, force: bool = False) -> None:  # noqa: B027
+        """Tell idle workers that requests became claimable (when the transaction commits);
+        nothing by default (workers poll)."""
+
+    @abstractmethod
+    def _claim_rows(self, cur: Any, worker: str, count: int, until: float) -> list[Any]:
+        """Lease the head of the pending index (:data:`.rules.QUEUE_ORDER`) to ``worker``
+        until ``until``; the rows taken, :data:`.rules.CLAIMED_COLUMNS` (any order)."""
+
+    @abstractmethod
+    def _send_insert(self, cur: Any, new: list[NewRequest], now: float,
+                     run_id: int) -> Callable[[], int]:
+        """Insert ``new`` requests (their ids, the claim order, in the order given); a key
+        another worker inserted meanwhile is not inserted. Returns the number inserted,
+        when called."""
+
+    @abstractmethod
+    def _read_records(self, cur: Any, run_id: int, count: int, record_ids: list[str]
+                      ) -> tuple[float | None, list[int], list[Any]]:
+        """Before ``count`` records are written by ``run_id``: the latest ``last_changed``
+        of any record (None: none), ``count`` increasing numbers of first sight in the run
+        (the feeds' order), one per record in item order, and the stored rows of
+        ``record_ids`` (sorted), locked: :data:`RECORD_STATE` columns."""
+
+    def _lock_records(self, cur: Any, record_ids: list[str]) -> list[Any]:
+        """The stored rows of ``record_ids`` (sorted), locked in that order where rows are
+        locked: record ID and :class:`.rules.StoredState`."""
+        where, param = self._any("record_id", record_ids)
+        return self._lookup(cur, f"SELECT {RECORD_STATE} FROM records WHERE {where}"
+                                 f" ORDER BY record_id{self.LOCK_ROWS}", (param,))
+
+    @abstractmethod
+    def _join_run(self, cur: Any, worker: str, run_id: int, now: float) -> None:
+        """In the transaction of ``cur``: end ``worker``'s session and start one of its own
+        in run ``run_id`` (newer than its own); :attr:`run_id` and the other attributes of
+        :attr:`_SESSION_STATE` say so from now on."""
+
+    @abstractmethod
+    def _count(self, cur: Any, result: CommitResult, run_id: int, leased: int,
+               number: int) -> None:
+        """Add this transaction's work to the run's counters (same transaction): ``leased``
+        the leases it took less those it gave back; ``number`` is the page commit's (see
+        the PostgreSQL store)."""
+
+    @abstractmethod
+    def _add_to_counter(self, cur: Any, column: str, count: int) -> None:
+        """Add ``count`` to this worker's share of the run counter ``column`` (the run's row
+        on SQLite, the session's on PostgreSQL), in the transaction of ``cur``: the leases
+        taken back from expired or dead workers (``leases_reclaimed``), the claims given
+        back unstarted (``leased``, negative)."""
+
+    def _observation_offset(self) -> float:
+        """Seconds added to a worker's observation time to put it on the store's clock."""
+        return 0.0
