@@ -212,7 +212,7 @@ def test_sqlite_known_fingerprints_are_answered_from_memory(tmp_path, clock, mon
     # page for good, to a pending one added or read by this worker for KNOWN_PENDING_SECONDS
     # or until this worker finishes it
     from scrapy_idempotent.store import Completion, RequestState
-    from scrapy_idempotent.store.sql import KNOWN_PENDING_SECONDS
+    from scrapy_idempotent.store.sql_known import KNOWN_PENDING_SECONDS
 
     path = str(tmp_path / "f.sqlite3")
     store, other = SQLiteStore(path, clock=clock), SQLiteStore(path, clock=clock)
