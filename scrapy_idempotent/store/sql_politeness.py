@@ -1,0 +1,190 @@
+"""Politeness kept crawl-wide by the SQL store: :class:`SqlPoliteness` (mixed into
+:class:`~.sql.SqlStore`) holds the download slots' limits, pauses and crawl delays in the
+``slots`` table, claims by them over all workers (:meth:`SqlPoliteness._claim_by_slot`, the
+claim's path when slot limits are kept), and keeps the robots.txt files workers fetched."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import CommitResult, RobotsTxt, SlotLimits, SlotState
+from .rules import CLAIMED_COLUMNS, QUEUE_ORDER, pause_seconds, send_margin
+from .sql_dialect import SqlDialect
+
+__all__ = ["SqlPoliteness"]
+
+
+def _limits_of(limits: SlotLimits, slot: str) -> tuple[int, float]:
+    """``(concurrency, delay_seconds)`` of ``slot`` under ``limits``."""
+    for name, concurrency, delay in limits.per_slot:
+        if name == slot:
+            return (concurrency if concurrency is not None else limits.concurrency,
+                    delay if delay is not None else limits.delay_seconds)
+    return limits.concurrency, limits.delay_seconds
+
+
+class SqlPoliteness(SqlDialect):
+    """The crawl-wide download slots and robots.txt files (a mixin of ``SqlStore``)."""
+
+    slot_limits: SlotLimits | None
+
+    def _claim_by_slot(self, cur: Any, worker: str, count: int, until: float, now: float,
+                       result: CommitResult, send_by: dict[Any, float],
+                       slot_of: dict[Any, str]) -> list[Any]:
+        """Lease up to ``count`` requests keeping every slot's limits over all workers: from
+        the slots that may send now (not paused, their delay waited out, fewer leased than
+        their concurrency), the longest waiting first, each slot's first pending requests in
+        queue order (one for a slot with a delay, to be sent within its margin:
+        :func:`.rules.send_margin`). Claims of several workers on one slot are serialised by
+        the slot's row (SQLite: by the write lock)."""
+        # One read of the slots with pending requests, those that may send now first (the
+        # longest waiting first), with their leases (an expired lease does not count: its
+        # worker lost it, stopped or dead elsewhere, and may no longer send it); from the
+        # others, when the first of them may send (their delay or pause over).
+        slots: list[Any] = cur.execute(self._q(
+            "SELECT s.slot, s.concurrency, (SELECT count(*) FROM requests l"
+            "  WHERE l.slot = s.slot AND l.state = 'leased' AND l.leased_until >= ?),"
+            " s.delay, s.crawl_delay, s.next_send_at, s.paused_until FROM slots s"
+            " WHERE EXISTS (SELECT 1 FROM requests r WHERE r.slot = s.slot"
+            "  AND r.state = 'pending') ORDER BY CASE WHEN s.next_send_at <= ?"
+            " AND s.paused_until <= ? THEN 0 ELSE 1 END, s.next_send_at, s.slot"
+            f" LIMIT ?{self.SKIP_LOCKED_SLOTS}"),
+            (now, now, now, 2 * count + 8)).fetchall()
+        if slots and self.SKIP_LOCKED_SLOTS:
+            # the slots' rows are locked now: a count taken after the lock sees every claim
+            # of them another worker committed (the first may have been read before)
+            where, param = self._any("slot", [row[0] for row in slots])
+            leased = dict(cur.execute(self._q(
+                f"SELECT slot, count(*) FROM requests WHERE {where} AND state = 'leased'"
+                " AND leased_until >= ? GROUP BY slot"), (param, now)).fetchall())
+            slots = [(row[0], row[1], leased.get(row[0], 0), *row[3:]) for row in slots]
+        rows: list[Any] = []
+        sent: list[tuple[float, str]] = []
+        waiting: list[float] = []
+        for slot, concurrency, in_flight, delay, crawl_delay, next_send, paused in slots:
+            if next_send > now or paused > now:
+                waiting.append(max(float(next_send), float(paused)))
+                continue
+            wait = max(float(delay), float(crawl_delay))
+            take = min(int(concurrency) - int(in_flight), count - len(rows),
+                       1 if wait > 0 else count)
+            if take <= 0:
+                continue
+            taken = cur.execute(self._q(
+                "UPDATE requests SET state = 'leased', worker = ?, leased_until = ?,"
+                " attempts = attempts + 1 WHERE id IN (SELECT id FROM requests WHERE slot = ?"
+                " AND state = 'pending'"
+                f" ORDER BY {QUEUE_ORDER} LIMIT ?{self.SKIP_LOCKED})"
+                f" RETURNING {', '.join(CLAIMED_COLUMNS)}"),
+                (worker, until, slot, take)).fetchall()
+            if not taken:
+                continue
+            rows.extend(taken)
+            slot_of.update((row[0], slot) for row in taken)
+            if wait > 0:  # sent by now + margin, so the next one after that + delay
+                margin = send_margin(wait)
+                send_by.update((row[0], now + margin) for row in taken)
+                sent.append((now + margin + wait, slot))
+                waiting.append(now + margin + wait)
+            elif len(slots) > 1:  # served now: the others have waited longer
+                sent.append((now, slot))
+        if sent:
+            cur.executemany(self._q("UPDATE slots SET next_send_at = ? WHERE slot = ?"), sent)
+        if len(rows) < count and waiting:
+            result.claim_again_in = max(0.0, min(waiting) - now)
+        return rows
+
+    # -- download slots -------------------------------------------------------------------
+
+    def keep_slot_limits(self, limits: SlotLimits | None) -> None:
+        """Claim by ``limits`` from now on (None: by the frontier's head alone), and write
+        them into every slot's row (one transaction): the crawl's limits are those of the
+        worker that started last."""
+        self.slot_limits = limits
+        if limits is None:
+            return
+        with self._write("setting the download slots' limits") as cur:
+            cur.execute(self._q("UPDATE slots SET concurrency = ?, delay = ? WHERE slot <> ''"),
+                        (limits.concurrency, limits.delay_seconds))
+            for slot, _, _ in limits.per_slot:
+                cur.execute(self._q(
+                    "INSERT INTO slots (slot, concurrency, delay) VALUES (?, ?, ?)"
+                    " ON CONFLICT (slot) DO UPDATE SET concurrency = excluded.concurrency,"
+                    " delay = excluded.delay"), (slot, *_limits_of(limits, slot)))
+
+    def pause_slot(self, slot: str, *, retry_after: float | None, first_seconds: float,
+                   max_seconds: float, jitter: float = 0.0) -> float:
+        now = self.clock()
+        with self._write("pausing a download slot") as cur:
+            cur.execute(self._q("INSERT INTO slots (slot, concurrency, delay) VALUES (?, ?, ?)"
+                                " ON CONFLICT (slot) DO NOTHING"),
+                        (slot, *_limits_of(self.slot_limits or SlotLimits(0), slot)))
+            row = cur.execute(self._q("SELECT paused_until, backoffs FROM slots WHERE slot = ?"
+                                      + self.LOCK_ROWS), (slot,)).fetchone()
+            paused_until, backoffs = float(row[0]), int(row[1])
+            # answers to requests sent before the pause began are one answer, not a row of
+            # them: they do not double the backoff again
+            again = paused_until <= now
+            seconds = pause_seconds(retry_after, backoffs if again else max(backoffs - 1, 0),
+                                    first_seconds, max_seconds, jitter)
+            until = max(paused_until, now + seconds)
+            cur.execute(self._q("UPDATE slots SET paused_until = ?, backoffs = backoffs + ?"
+                                " WHERE slot = ?"), (until, int(again), slot))
+        return until - now
+
+    def slot_answered(self, slot: str) -> None:
+        with self._write("ending a download slot's backoff") as cur:
+            cur.execute(self._q("UPDATE slots SET backoffs = 0 WHERE slot = ? AND backoffs > 0"),
+                        (slot,))
+
+    def set_slot_delay(self, slot: str, delay_seconds: float) -> None:
+        with self._write("keeping a download slot's crawl delay") as cur:
+            cur.execute(self._q(
+                "INSERT INTO slots (slot, concurrency, delay, crawl_delay) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (slot) DO UPDATE SET crawl_delay = excluded.crawl_delay"),
+                (slot, *_limits_of(self.slot_limits or SlotLimits(0), slot), delay_seconds))
+
+    def slots(self) -> list[SlotState]:
+        now = self.clock()
+        return [SlotState(slot=row[0], leased=int(row[1]), pending=int(row[2]),
+                          next_send_at=float(row[3]), paused_until=float(row[4]),
+                          backoffs=int(row[5]), crawl_delay=float(row[6]))
+                for row in self._select(
+                    "SELECT slot, leased, pending, next_send_at, paused_until, backoffs,"
+                    " crawl_delay FROM (SELECT s.slot, (SELECT count(*) FROM requests r"
+                    "  WHERE r.slot = s.slot AND r.state = 'leased') AS leased,"
+                    " (SELECT count(*) FROM requests r WHERE r.slot = s.slot"
+                    "  AND r.state = 'pending') AS pending, s.next_send_at, s.paused_until,"
+                    " s.backoffs, s.crawl_delay FROM slots s) AS t"
+                    " WHERE leased > 0 OR pending > 0 OR paused_until > ?"
+                    f" ORDER BY leased DESC, pending DESC, slot{self.TEXT_ORDER}", (now,))]
+
+    # -- robots.txt -------------------------------------------------------------------------
+
+    def robots_txt(self, netloc: str) -> RobotsTxt | None:
+        rows = self._crawl_select(
+            "SELECT netloc, url, status, body, fetched_at FROM robots WHERE netloc = ?",
+            (netloc,))
+        return self._robots_of(rows[0], self.clock()) if rows else None
+
+    def keep_robots_txt(self, netloc: str, url: str, status: int, body: bytes, *,
+                        max_age_seconds: float) -> RobotsTxt:
+        now = self.clock()
+        with self._write("keeping a robots.txt") as cur:
+            # insert if absent, replace only a row too old to use: two workers fetching at
+            # once both end with the first one's (the same file, or one moment apart)
+            cur.execute(self._q(
+                "INSERT INTO robots (netloc, url, status, body, fetched_at)"
+                " VALUES (?, ?, ?, ?, ?) ON CONFLICT (netloc) DO UPDATE"
+                " SET url = excluded.url, status = excluded.status, body = excluded.body,"
+                " fetched_at = excluded.fetched_at WHERE robots.fetched_at < ?"),
+                (netloc, url, status, body, now, now - max_age_seconds))
+            row = cur.execute(self._q(
+                "SELECT netloc, url, status, body, fetched_at FROM robots WHERE netloc = ?"),
+                (netloc,)).fetchone()
+        return self._robots_of(row, now)
+
+    @staticmethod
+    def _robots_of(row: Any, now: float) -> RobotsTxt:
+        return RobotsTxt(netloc=row[0], url=row[1], status=int(row[2]), body=bytes(row[3]),
+                         age_seconds=max(0.0, now - float(row[4])))
