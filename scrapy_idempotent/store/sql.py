@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import time
 from abc import abstractmethod
 from collections import Counter
@@ -43,33 +42,21 @@ from .base import (
     CommitResult,
     Completion,
     CrawlIdentity,
-    FailedRequest,
-    FrontierEntry,
     FrontierStatus,
     FrontierStore,
     LeaseHolder,
     NewRequest,
     Record,
     RecordKey,
-    RejectedItem,
-    RejectsRetried,
-    Rekey,
-    RepeatedRequest,
     RequestState,
-    RequestSummary,
-    RetriedFailed,
     RunMode,
     RunRecord,
     RunTotals,
     Sample,
-    SessionInfo,
     SlotLimits,
     StateChange,
-    StoredIdentity,
-    StoredRecord,
     UnitOfWork,
     change_key,
-    url_glob_matches,
 )
 from .rules import (
     MIGRATED_RECORD_ID_SCHEMES,
@@ -77,7 +64,6 @@ from .rules import (
     RecordWrite,
     StoredState,
     after_write,
-    anomaly_checks,
     apply_state_changes,
     enqueue_decision,
     quarantine_message,
@@ -88,8 +74,9 @@ from .rules import (
     stored_record_id_scheme,
     window_start,
 )
-from .sql_dialect import Answer
+from .sql_dialect import _LAST_RUN, _PENDING_AGAIN, Answer
 from .sql_known import SqlKnownRequests
+from .sql_operator import SqlOperatorQueries
 from .sql_outbox import SqlOutbox
 from .sql_pages import SqlPageValidators
 from .sql_politeness import SqlPoliteness, _limits_of
@@ -100,19 +87,14 @@ __all__ = ["Answer", "SqlStore"]
 #: A frontier entry already there: (id, state, finished_at); id None for one added by the
 #: same page commit.
 _Known = tuple[Any, str, Any]
-#: the columns of a frontier entry (:class:`~.FrontierEntry`)
-_ENTRY = ("SELECT key, fingerprint, url, state, priority, is_start, data, parent_key, worker,"
-          " leased_until, attempts, unfinished, replays, enqueued_at, finished_at, error_kind,"
-          " error_message, run_id, downloads FROM requests")
-_LAST_RUN = "SELECT run_id, finished_at FROM runs ORDER BY run_id DESC LIMIT 1"
 #: the run counters a progress sample keeps (:class:`~.Sample`)
 _SAMPLE_COUNTERS = ("leased", "done", "failed", "redirected", "records_inserted",
                     "records_updated", "records_unchanged", "records_stale",
                     "leases_reclaimed", "leases_lost")
-_PENDING_AGAIN = "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL"
 
 
-class SqlStore(SqlKnownRequests, SqlPoliteness, SqlOutbox, SqlPageValidators, FrontierStore):
+class SqlStore(SqlKnownRequests, SqlPoliteness, SqlOperatorQueries, SqlOutbox,
+               SqlPageValidators, FrontierStore):
     """The :class:`~.FrontierStore` statements every SQL backend shares (see the module
     docstring for what a backend gives)."""
 
@@ -733,7 +715,6 @@ class SqlStore(SqlKnownRequests, SqlPoliteness, SqlOutbox, SqlPageValidators, Fr
             result.quarantined.extend(r.url for r in over)
         result.leased.extend(leased)
 
-
     # -- frontier reads and leases --------------------------------------------------------
 
     def journaled_response(self, key: str) -> tuple[str, bytes] | None:
@@ -865,211 +846,6 @@ class SqlStore(SqlKnownRequests, SqlPoliteness, SqlOutbox, SqlPageValidators, Fr
             f"SELECT at, {', '.join(_SAMPLE_COUNTERS)}, in_flight FROM samples"
             " WHERE run_id = ? ORDER BY slot", (run_id,))]
 
-    # -- operator queries -----------------------------------------------------------------
-    # For the ``scrapy idempotent`` commands; see the section of the same name in base.py.
-
-    def entry(self, key: str) -> FrontierEntry | None:
-        found = self._entries_where("key = ?", (key,), 1)
-        return found[0] if found else None
-
-    def entries(self, *, after: str | None = None, limit: int = 1000) -> list[FrontierEntry]:
-        return self._entries_where("key > ?", (after or "",), limit)
-
-    def _entries_where(self, where: str, params: tuple[Any, ...],
-                       limit: int) -> list[FrontierEntry]:
-        return [FrontierEntry(*(*row[:5], bool(row[5]), *row[6:])) for row in self._select(
-            f"{_ENTRY} WHERE {where} ORDER BY key{self.TEXT_ORDER} LIMIT ?", (*params, limit))]
-
-    def meta(self) -> dict[str, str]:
-        return dict(self._select("SELECT key, value FROM meta ORDER BY key"))
-
-    # -- record identity --------------------------------------------------------------------
-
-    def record_keys(self) -> list[RecordKey]:
-        return [RecordKey(record_type, item_type, tuple(json.loads(fields)))
-                for record_type, item_type, fields in self._select(
-                    "SELECT record_type, item_type, fields FROM record_keys"
-                    " ORDER BY record_type")]
-
-    def stored_identities(self, after: str | None = None, batch: int = 5000
-                          ) -> list[StoredIdentity]:
-        where = "" if after is None else "WHERE r.record_id > ?"
-        return [StoredIdentity(*row) for row in self._select(
-            "SELECT r.record_id, r.item_type, r.natural_key, r.data, r.content_hash,"
-            " r.observed_at, r.first_seen, r.seen_seq, r.request_key, q.url FROM records AS r"
-            " LEFT JOIN requests AS q ON q.key = r.request_key"
-            f" {where} ORDER BY r.record_id LIMIT ?",
-            (*(() if after is None else (after,)), batch))]
-
-    def rekey(self, change: Rekey) -> None:
-        with self._write("re-identifying the records") as cur:
-            (count,) = cur.execute("SELECT count(*) FROM records").fetchall()[0]
-            if int(count) != change.records:
-                raise StoreError(
-                    f"the records changed while they were re-identified ({change.records} "
-                    f"read, {count} now): a crawl wrote meanwhile; nothing was changed")
-            self._rekey_records(cur, change)
-            self._rekey_outbox(cur, change.outbox)
-            # pages' validators name their records by the old IDs: fetched in full next time
-            cur.execute("DELETE FROM page_validators")
-            cur.execute("DELETE FROM record_keys")
-            now = self.clock()
-            cur.executemany(self._q(
-                "INSERT INTO record_keys (record_type, item_type, fields, recorded_at)"
-                " VALUES (?, ?, ?, ?)"),
-                [(key.record_type, key.item_type, json.dumps(list(key.fields)), now)
-                 for key in change.keys])
-            self._set_meta(cur, "record_id_scheme", change.scheme)
-            if change.cleanup:
-                self._set_meta(cur, "rekey_cleanup", json.dumps(list(change.cleanup)))
-        self._record_types_stored().clear()
-
-    def _rekey_records(self, cur: Any, change: Rekey) -> None:
-        """Delete the merged records, then move every other one to its new ID in two steps
-        (through a temporary ID no record ID can have: a new ID may be the stored ID of
-        another record that moves too)."""
-        for start in range(0, len(change.merged), 1000):
-            where, param = self._any("record_id", sorted(change.merged[start:start + 1000]))
-            cur.execute(f"DELETE FROM records WHERE {where}", (param,))
-        cur.executemany(self._q(
-            "UPDATE records SET record_id = ?, natural_key = ?,"
-            " data = coalesce(?, data), content_hash = coalesce(?, content_hash),"
-            " first_seen = CASE WHEN ? < first_seen THEN ? ELSE first_seen END"
-            " WHERE record_id = ?"),
-            [(f"~{move.new_record_id}", move.natural_key, move.data, move.content_hash,
-              move.first_seen, move.first_seen, move.record_id)
-             for move in change.moves])
-        cur.execute(self._q("UPDATE records SET record_id = substr(record_id, 2)"
-                            " WHERE record_id LIKE '~%'"))
-
-    def _rekey_outbox(self, cur: Any, moved: dict[str, str]) -> None:
-        """Outbox entries name the record by its new ID; their idempotency keys stay (a
-        receiver that had an entry must know it again when it is delivered again)."""
-        if not moved:
-            return
-        rows = cur.execute("SELECT id, record_id FROM outbox").fetchall()
-        cur.executemany(self._q("UPDATE outbox SET record_id = ? WHERE id = ?"),
-                        [(moved[record_id], id_) for id_, record_id in rows
-                         if record_id in moved])
-
-    def _set_meta(self, cur: Any, key: str, value: str) -> None:
-        cur.execute(self._q("INSERT INTO meta (key, value) VALUES (?, ?)"
-                            " ON CONFLICT (key) DO UPDATE SET value = excluded.value"),
-                    (key, value))
-
-    def end_rekey_cleanup(self) -> None:
-        with self._write("forgetting the files removed after re-identifying") as cur:
-            cur.execute("DELETE FROM meta WHERE key = 'rekey_cleanup'")
-
-    def sessions(self) -> list[SessionInfo]:
-        return [SessionInfo(*row) for row in self._select(
-            "SELECT session_id, run_id, worker, started_at, ended_at, reason FROM sessions"
-            " ORDER BY session_id")]
-
-    def request_summary(self) -> RequestSummary:
-        row = self._select(
-            "SELECT count(*), coalesce(sum(attempts), 0),"
-            " coalesce(sum(CASE WHEN attempts > 1 THEN 1 ELSE 0 END), 0),"
-            " coalesce(max(attempts), 0),"
-            " coalesce(sum(CASE WHEN state = 'leased' AND leased_until < ? THEN 1 ELSE 0 END),"
-            "  0), coalesce(sum(replays), 0), coalesce(sum(downloads), 0),"
-            " coalesce(sum(CASE WHEN downloads > 1 THEN 1 ELSE 0 END), 0)"
-            " FROM requests", (self.clock(),))[0]
-        requests, leases, repeated, most, expired, replays, downloads, again = (
-            int(v) for v in row)
-        journaled = int(self._select("SELECT count(*) FROM responses")[0][0])
-        return RequestSummary(requests=requests, leases=leases, repeated=repeated,
-                              most_attempts=most, expired_leases=expired,
-                              journaled_responses=journaled, replays=replays,
-                              downloads=downloads, downloaded_again=again)
-
-    def failure_counts(self) -> dict[str, int]:
-        return {kind: int(n) for kind, n in self._select(
-            "SELECT coalesce(error_kind, ''), count(*) FROM requests WHERE state = 'failed'"
-            " GROUP BY 1 ORDER BY 2 DESC, 1")}
-
-    def repeated_requests(self, limit: int) -> list[RepeatedRequest]:
-        return [RepeatedRequest(*row) for row in self._select(
-            "SELECT key, url, state, attempts, worker, error_kind FROM requests"
-            " WHERE attempts > 1 ORDER BY attempts DESC, id LIMIT ?", (limit,))]
-
-    def _failed_filter(self, kinds: list[str] | None, url_glob: str | None,
-                       url_regex: str | None) -> tuple[str, list[Any]]:
-        """The failed requests of ``kinds`` (a kind or any sub-kind ``kind/...``) whose URL
-        matches: URLs are matched here, in Python (the interface's glob, Python regular
-        expressions), whatever pattern language the database has."""
-        where, params = ["state = 'failed'"], []
-        if kinds:
-            where.append("(" + " OR ".join(
-                "error_kind = ? OR substr(error_kind, 1, ?) = ?" for _ in kinds) + ")")
-            for kind in kinds:
-                params += [kind, len(kind) + 1, f"{kind}/"]
-        if url_glob is not None or url_regex is not None:
-            glob = url_glob
-            pattern = re.compile(url_regex) if url_regex is not None else None
-            keys = [key for key, url in self._select(
-                        "SELECT key, url FROM requests WHERE " + " AND ".join(where), params)
-                    if (glob is None or url_glob_matches(glob, url))
-                    and (pattern is None or pattern.search(url) is not None)]
-            matching, param = self._any("key", keys)
-            where.append(matching)
-            params.append(param)
-        return " AND ".join(where), params
-
-    def failed_requests(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
-                        url_regex: str | None = None,
-                        limit: int | None = None) -> list[FailedRequest]:
-        where, params = self._failed_filter(kinds, url_glob, url_regex)
-        return [FailedRequest(*row) for row in self._select(
-            "SELECT key, url, error_kind, error_message, attempts, finished_at, parent_key,"
-            f" run_id FROM requests WHERE {where} ORDER BY finished_at DESC, id DESC LIMIT ?",
-            (*params, self.NO_LIMIT if limit is None else limit))]
-
-    def count_failed(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
-                     url_regex: str | None = None) -> int:
-        where, params = self._failed_filter(kinds, url_glob, url_regex)
-        return int(self._select(f"SELECT count(*) FROM requests WHERE {where}", params)[0][0])
-
-    def retry_failed(self, *, kinds: list[str] | None = None, url_glob: str | None = None,
-                     url_regex: str | None = None) -> RetriedFailed:
-        where, params = self._failed_filter(kinds, url_glob, url_regex)
-        with self._write("putting failed requests back") as cur:
-            cur.execute(self._q(
-                f"{_PENDING_AGAIN}, attempts = 0, replays = 0, downloads = 0, finished_at = NULL,"
-                " error_kind = NULL,"
-                f" error_message = NULL WHERE {where}"), params)
-            retried: int = cur.rowcount
-            if retried:
-                self._notify(cur, force=True)
-            last = self._reopen(cur, bool(retried))
-        return RetriedFailed(retried=retried, run_id=last[0] if last else None,
-                             reopened=bool(retried and last and last[1] is not None))
-
-    def _reopen(self, cur: Any, changed: bool) -> tuple[Any, ...] | None:
-        """The last run ``(run_id, finished_at)``, reopened when ``changed`` and finished."""
-        last = cur.execute(_LAST_RUN).fetchone()
-        if changed and last is not None and last[1] is not None:
-            cur.execute(self._q("UPDATE runs SET finished_at = NULL, reason = NULL"
-                                " WHERE run_id = ?"), (last[0],))
-        return tuple(last) if last is not None else None
-
-    def records_page(self, *, after: str | None = None, limit: int = 1000,
-                     changed_since: float | None = None,
-                     changed_since_run: int | None = None) -> list[StoredRecord]:
-        where: list[str] = ["record_id > ?"]
-        params: list[Any] = [after or ""]
-        if changed_since is not None:
-            where.append("last_changed >= ?")
-            params.append(changed_since)
-        if changed_since_run is not None:
-            where.append("changed_run_id >= ?")
-            params.append(changed_since_run)
-        return [StoredRecord(*row) for row in self._select(
-            "SELECT record_id, source, natural_key, item_type, data, first_seen, last_changed,"
-            " first_run_id, changed_run_id, content_hash, request_key, version, observed_at"
-            f" FROM records WHERE {' AND '.join(where)} ORDER BY record_id LIMIT ?",
-            (*params, limit))]
-
     def run_records(self, run_id: int) -> Iterator[RunRecord]:
         # Keyset paging on the records_seen index: each page is one statement, read to the
         # end before it is yielded, so no read transaction stays open while the caller
@@ -1114,54 +890,4 @@ class SqlStore(SqlKnownRequests, SqlPoliteness, SqlOutbox, SqlPageValidators, Fr
             replace()
         return True
 
-    @staticmethod
-    def _rejects_filter(run_id: int | None, pending_only: bool) -> tuple[str, list[Any]]:
-        where, params = ["1 = 1"], []
-        if run_id is not None:
-            where.append("j.run_id = ?")
-            params.append(run_id)
-        if pending_only:
-            where.append("j.retried_at IS NULL")
-        return " AND ".join(where), params
 
-    def rejects(self, *, run_id: int | None = None, pending_only: bool = False,
-                limit: int | None = None) -> list[RejectedItem]:
-        where, params = self._rejects_filter(run_id, pending_only)
-        return [RejectedItem(*row) for row in self._select(
-            "SELECT j.id, j.item_type, j.reason, j.data, j.request_key,"
-            " coalesce(j.page_url, r.url) AS page_url, j.created_at, j.run_id, j.retried_at,"
-            " r.state AS page_state FROM rejects j LEFT JOIN requests r ON r.key = j.request_key"
-            f" WHERE {where} ORDER BY j.created_at DESC, j.id DESC LIMIT ?",
-            (*params, self.NO_LIMIT if limit is None else limit))]
-
-    def count_rejects(self, *, run_id: int | None = None, pending_only: bool = False) -> int:
-        where, params = self._rejects_filter(run_id, pending_only)
-        return int(self._select(f"SELECT count(*) FROM rejects j WHERE {where}", params)[0][0])
-
-    def retry_rejects(self) -> RejectsRetried:
-        now = self.clock()
-        with self._write("putting rejected pages back") as cur:
-            last = cur.execute(_LAST_RUN).fetchone()
-            if last is None:
-                return RejectsRetried(pages=0, rejects=0, without_page=0, run_id=None,
-                                      reopened=False)
-            cur.execute(self._q(
-                f"{_PENDING_AGAIN}, attempts = 0, replays = 0, downloads = 0, unfinished = 0,"
-                " finished_at = NULL, error_kind = NULL, error_message = NULL WHERE key IN"
-                " (SELECT request_key FROM rejects WHERE run_id = ? AND retried_at IS NULL)"
-                " AND state IN ('done', 'failed', 'redirected')"), (last[0],))
-            pages: int = cur.rowcount
-            cur.execute(self._q(
-                "UPDATE rejects SET retried_at = ? WHERE run_id = ? AND retried_at IS NULL"
-                " AND request_key IN (SELECT key FROM requests WHERE state IN"
-                " ('pending', 'leased'))"), (now, last[0]))
-            marked: int = cur.rowcount
-            (without,) = cur.execute(self._q(
-                "SELECT count(*) FROM rejects WHERE run_id = ? AND retried_at IS NULL"),
-                (last[0],)).fetchone()
-            self._reopen(cur, bool(pages))
-        return RejectsRetried(pages=pages, rejects=marked, without_page=int(without),
-                              run_id=last[0], reopened=bool(pages and last[1] is not None))
-
-    def anomalies(self) -> dict[str, int]:
-        return {name: int(self._select(sql)[0][0]) for name, sql in anomaly_checks().items()}

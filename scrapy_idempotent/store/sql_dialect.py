@@ -21,6 +21,8 @@ Answer = Callable[[], list[Any]]
 
 #: The columns of a stored record that decide its next write: its ID and :class:`StoredState`.
 RECORD_STATE = "record_id, content_hash, seen_run_id, observed_at, version"
+_LAST_RUN = "SELECT run_id, finished_at FROM runs ORDER BY run_id DESC LIMIT 1"
+_PENDING_AGAIN = "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL"
 
 
 class SqlDialect(ABC):
@@ -140,3 +142,8 @@ class SqlDialect(ABC):
     def _observation_offset(self) -> float:
         """Seconds added to a worker's observation time to put it on the store's clock."""
         return 0.0
+
+    def _set_meta(self, cur: Any, key: str, value: str) -> None:
+        cur.execute(self._q("INSERT INTO meta (key, value) VALUES (?, ?)"
+                            " ON CONFLICT (key) DO UPDATE SET value = excluded.value"),
+                    (key, value))
