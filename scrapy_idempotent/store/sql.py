@@ -40,9 +40,7 @@ from typing import Any
 from .base import (
     CommitResult,
     Completion,
-    FrontierStatus,
     FrontierStore,
-    LeaseHolder,
     NewRequest,
     Record,
     RecordKey,
@@ -64,8 +62,9 @@ from .rules import (
     split_claim,
     window_start,
 )
-from .sql_dialect import _PENDING_AGAIN, Answer
+from .sql_dialect import Answer
 from .sql_known import SqlKnownRequests
+from .sql_leases import SqlLeases
 from .sql_operator import SqlOperatorQueries
 from .sql_outbox import SqlOutbox
 from .sql_pages import SqlPageValidators
@@ -80,34 +79,10 @@ __all__ = ["Answer", "SqlStore"]
 _Known = tuple[Any, str, Any]
 
 
-class SqlStore(SqlRuns, SqlKnownRequests, SqlPoliteness, SqlOperatorQueries, SqlOutbox,
+class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQueries, SqlOutbox,
                SqlPageValidators, FrontierStore):
     """The :class:`~.FrontierStore` statements every SQL backend shares (see the module
     docstring for what a backend gives)."""
-
-    # -- runs and sessions ----------------------------------------------------------------
-
-    def end_session(self, worker: str, reason: str, inflight: Sequence[str] = (), *,
-                    finish_run: bool = True) -> int:
-        now = self.clock()
-        with self._write("closing") as cur:
-            finishing = reason == "finished" and finish_run and self.run_id is not None
-            if finishing:
-                self._lock_frontier(cur)
-            unstarted = self._stopping(cur, worker, inflight)
-            self._add_to_counter(cur, "leased", -unstarted)
-            released = self._release(cur, [worker])
-            cur.execute(self._q("UPDATE sessions SET ended_at = ?, reason = ?"
-                                " WHERE worker = ? AND ended_at IS NULL"), (now, reason, worker))
-            if finishing:
-                (busy,) = cur.execute(
-                    "SELECT EXISTS (SELECT 1 FROM requests WHERE state IN"
-                    " ('pending', 'leased'))").fetchall()[0]
-                if not busy:
-                    cur.execute(self._q("UPDATE runs SET finished_at = ?, reason = ?"
-                                        " WHERE run_id = ? AND finished_at IS NULL"),
-                                (now, reason, self.run_id))
-        return released
 
     # -- the page commit ------------------------------------------------------------------
 
@@ -613,7 +588,7 @@ class SqlStore(SqlRuns, SqlKnownRequests, SqlPoliteness, SqlOperatorQueries, Sql
             result.quarantined.extend(r.url for r in over)
         result.leased.extend(leased)
 
-    # -- frontier reads and leases --------------------------------------------------------
+    # -- frontier reads -------------------------------------------------------------------
 
     def journaled_response(self, key: str) -> tuple[str, bytes] | None:
         rows = self._crawl_select("SELECT data, body FROM responses WHERE key = ?", (key,))
@@ -624,49 +599,6 @@ class SqlStore(SqlRuns, SqlKnownRequests, SqlPoliteness, SqlOperatorQueries, Sql
             "SELECT count(*) FROM (SELECT 1 FROM requests WHERE state = 'pending' LIMIT ?)"
             " AS ahead", (count,))[0][0]
         return bool(found >= count)
-
-    def status(self, worker: str) -> FrontierStatus:
-        claimable, elsewhere = self._crawl_select(
-            "SELECT EXISTS (SELECT 1 FROM requests WHERE state = 'pending'),"
-            " EXISTS (SELECT 1 FROM requests WHERE state = 'leased'"
-            "  AND (worker <> ? OR leased_until < ?))", (worker, self.clock()))[0]
-        return FrontierStatus(claimable=bool(claimable), leased_elsewhere=bool(elsewhere))
-
-    def release_leases(self, workers: list[str]) -> int:
-        if not workers:
-            return 0
-        with self._write("releasing leases") as cur:
-            released = self._release(cur, workers)
-            self._add_to_counter(cur, "leases_reclaimed", released)
-            return released
-
-    def _stopping(self, cur: Any, worker: str, inflight: Sequence[str]) -> int:
-        """Before a clean stop releases ``worker``'s leases: those in ``inflight`` (handed
-        out, unfinished) did not kill it, their unfinished count is taken back; the others
-        were claimed ahead and never handed out, their claim's attempt is taken back.
-        Returns how many were claimed ahead."""
-        where, param = self._any("key", list(inflight))
-        owned = " AND state = 'leased' AND worker = ?"
-        if inflight:
-            cur.execute(self._q(f"UPDATE requests SET unfinished = unfinished - 1 WHERE {where}"
-                                f"{owned} AND unfinished > 0"), (param, worker))
-        cur.execute(self._q(f"UPDATE requests SET attempts = attempts - 1 WHERE NOT ({where})"
-                            f"{owned} AND attempts > 0"), (param, worker))
-        unstarted: int = cur.rowcount
-        return unstarted
-
-    def _release(self, cur: Any, workers: list[str]) -> int:
-        where, param = self._any("worker", list(workers))
-        cur.execute(self._q(f"{_PENDING_AGAIN} WHERE state = 'leased' AND {where}"), (param,))
-        released: int = cur.rowcount
-        if released:
-            self._notify(cur, force=True)
-        return released
-
-    def lease_holders(self) -> list[LeaseHolder]:
-        return [LeaseHolder(worker=w, leases=int(n), leased_until=u) for w, n, u in
-                self._crawl_select("SELECT worker, count(*), max(leased_until) FROM requests"
-                                   " WHERE state = 'leased' GROUP BY worker ORDER BY worker")]
 
     def counts(self) -> dict[str, int]:
         # Exact, in one statement (one snapshot), without reading the rows: every count but
