@@ -24,6 +24,19 @@ from scrapy.utils.project import data_path
 
 from ._kafka_url import redacted_kafka_url
 from ._order import QueueOrder
+from .config_readers import (
+    _DAY,
+    _HOUR,
+    _MAX_BATCH,
+    _WEEK,
+    _YEAR,
+    _boolean,
+    _get,
+    _headers,
+    _names,
+    _number,
+    _seconds_or_off,
+)
 from .default_settings import (
     DEFAULT_URL_IGNORE_PARAMS,
     SETTING_DEFINITIONS,
@@ -519,15 +532,6 @@ def _sample_seconds(settings: BaseSettings) -> float:
     return _seconds_or_off(settings, "IDEMPOTENT_SAMPLE_SECONDS", 1, "0 (no samples)")
 
 
-def _seconds_or_off(settings: BaseSettings, name: str, least: float, off: str) -> float:
-    """An interval setting: 0 turns it off, else seconds from ``least`` to a day."""
-    interval = _number(settings, name, minimum=0.0, maximum=_DAY)
-    if 0 < interval < least:
-        raise ConfigError(name, _get(settings, name),
-                          f"{off} or a number of seconds >= {least} and <= 86400")
-    return interval
-
-
 #: The fields of :class:`IdempotentConfig` that are options of the store.
 _STORE_OPTIONS = ("lease_seconds", "max_attempts", "synchronous", "busy_timeout_seconds",
                   "recrawl_seconds")
@@ -659,67 +663,6 @@ def unknown_settings(settings: BaseSettings) -> dict[str, str | None]:
     return unknown
 
 
-def _get(settings: BaseSettings, name: str) -> Any:
-    return settings.get(name, SETTINGS[name])
-
-
-_TRUE = ("1", "true", "True")
-_FALSE = ("0", "false", "False")
-
-
-def _boolean(settings: BaseSettings, name: str) -> bool:
-    """What Scrapy's ``getbool`` accepts, with an error naming the setting otherwise."""
-    raw = settings.get(name, SETTINGS[name])
-    if isinstance(raw, bool):
-        return raw
-    if raw in (0, 1) or raw in _TRUE or raw in _FALSE:
-        return raw in (1, *_TRUE)
-    raise ConfigError(name, raw, "a boolean: True or False (1 or 0, 'true' or 'false')")
-
-
-#: Upper bounds of the number settings: each is far above any sensible value, and keeps what
-#: the databases store (lease times, SQLite's busy timeout in milliseconds, batch sizes in one
-#: statement) finite and within range.
-_HOUR = 3600.0
-_DAY = 86400.0
-_WEEK = 7 * _DAY
-_YEAR = 365 * _DAY
-_MAX_BATCH = 10_000
-
-
-def _number(settings: BaseSettings, name: str, *, minimum: float, maximum: float,
-            integer: bool = False) -> float:
-    """The number setting ``name``, in ``[minimum, maximum]`` (so never NaN or infinite), an
-    integer with ``integer``; :class:`~.ConfigError` naming the setting and the range
-    otherwise."""
-    raw = _get(settings, name)
-    try:
-        value = float(raw)
-    except (TypeError, ValueError, OverflowError):  # OverflowError: an int past a float
-        value = float("nan")
-    kind = "an integer" if integer else "a number"
-    if (isinstance(raw, bool) or not minimum <= value <= maximum
-            or (integer and value != int(value))):
-        raise ConfigError(name, raw, f"{kind} >= {minimum:g} and <= {maximum:g}")
-    return value
-
-
-def _names(settings: BaseSettings, name: str) -> list[str]:
-    raw = settings.get(name, SETTINGS[name])
-    if isinstance(raw, str) and raw.lstrip().startswith("["):  # a JSON list given with -s
-        try:
-            raw = json.loads(raw)
-        except ValueError:
-            raise ConfigError(name, raw, "a list of non-empty strings") from None
-    elif isinstance(raw, str):
-        raw = [part.strip() for part in raw.split(",") if part.strip()]
-    if not isinstance(raw, (list, tuple, set, frozenset)) or not all(
-        isinstance(v, str) and v for v in raw
-    ):
-        raise ConfigError(name, raw, "a list of non-empty strings (or a comma-separated string)")
-    return list(raw)
-
-
 def _request_classes(settings: BaseSettings) -> tuple[str, ...]:
     """``IDEMPOTENT_REQUEST_CLASSES``: import paths of ``scrapy.Request`` subclasses, each
     imported and checked now (a typo, or a path naming something else, is refused at start
@@ -767,21 +710,6 @@ def _outbox_targets(settings: BaseSettings) -> tuple[str, ...]:
     if len(set(targets)) != len(targets):
         raise ConfigError(name, targets, "distinct targets (each one is delivered to once)")
     return tuple(targets)
-
-
-def _headers(settings: BaseSettings, name: str) -> tuple[tuple[str, str], ...]:
-    raw = settings.get(name, SETTINGS[name])
-    if isinstance(raw, str):  # a JSON object given with -s
-        try:
-            raw = json.loads(raw) if raw.strip() else {}
-        except ValueError:
-            raw = None
-    if hasattr(raw, "copy_to_dict"):  # a Scrapy BaseSettings
-        raw = raw.copy_to_dict()
-    if not isinstance(raw, dict) or not all(
-            isinstance(k, str) and k and isinstance(v, str) for k, v in raw.items()):
-        raise ConfigError(name, raw, "a dict of header names to string values")
-    return tuple(raw.items())
 
 
 def _by_item_class(name: str, given: Any, allowed: str) -> dict[Any, Any]:
