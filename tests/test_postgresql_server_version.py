@@ -9,7 +9,7 @@ from scrapy_idempotent.exceptions import StoreError
 from scrapy_idempotent.store import CrawlIdentity
 
 psycopg = pytest.importorskip("psycopg")
-from scrapy_idempotent.store import postgresql  # noqa: E402
+from scrapy_idempotent.store import postgresql_connection  # noqa: E402
 from scrapy_idempotent.store.postgresql import (  # noqa: E402
     MIN_SERVER_VERSION,
     PostgreSQLStore,
@@ -42,7 +42,7 @@ def test_the_tests_server_passes_and_an_older_one_is_refused_before_any_write(
         found = conn.info.server_version
     assert found >= MIN_SERVER_VERSION
     # the same server, as if the store needed a newer one than it is
-    monkeypatch.setattr(postgresql, "MIN_SERVER_VERSION", found + 10000)
+    monkeypatch.setattr(postgresql_connection, "MIN_SERVER_VERSION", found + 10000)
     store = PostgreSQLStore(postgres_url, heartbeat_seconds=None)
     with pytest.raises(StoreError, match=rf"is version {found // 10000}\.{found % 10000};"):
         store.open(fingerprinter="f", identity=identity)
