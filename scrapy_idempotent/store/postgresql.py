@@ -49,13 +49,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import hashlib
 import itertools
 import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -79,16 +78,15 @@ from .postgresql_connection import (
 )
 from .postgresql_heartbeat import PostgreSQLHeartbeat
 from .postgresql_listen import WorkListener
+from .postgresql_operator import PostgreSQLOperatorQueries
 from .postgresql_schema import (
-    ALL_COUNTERS,
     APPLICATION,
     COUNTERS,
-    LOADED,
     MIGRATIONS,
     SCHEMA_VERSION,
     TABLES,
+    schema_for,
 )
-from .reads import EngineSetting, IntegrityReport, RunSummary, SchemaInfo
 from .registry import redacted
 from .rules import CLAIMED_COLUMNS, QUEUE_ORDER, isolate_after, other_owner
 from .sql import SqlStore
@@ -112,19 +110,6 @@ SCHEMA_PARAMETER = "schema"
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
-def schema_for(identity: CrawlIdentity | None) -> str:
-    """The schema of a crawl: ``idempotent_<spider>_<hash>``, where the hash (10 hex digits of
-    SHA-256) is of the project, spider and source, so the same spider with another
-    ``IDEMPOTENT_SOURCE`` (or of another project) gets a schema of its own; ``idempotent``
-    without an identity."""
-    if identity is None:
-        return "idempotent"
-    digest = hashlib.sha256("\0".join(
-        (identity.project, identity.spider, identity.source)).encode()).hexdigest()[:10]
-    spider = re.sub(r"[^a-z0-9_]+", "_", identity.spider.lower()).strip("_")[:40]
-    return f"idempotent_{spider}_{digest}" if spider else f"idempotent_{digest}"
-
-
 def _split_url(url: str) -> tuple[str, str | None]:
     """``url`` without the package's own query parameter, and that parameter's value."""
     parts = urlsplit(url)
@@ -136,7 +121,7 @@ def _split_url(url: str) -> tuple[str, str | None]:
     return urlunsplit(parts._replace(query=rest)), schema
 
 
-class PostgreSQLStore(PostgreSQLHeartbeat, SqlStore):
+class PostgreSQLStore(PostgreSQLHeartbeat, PostgreSQLOperatorQueries, SqlStore):
     """The :class:`~.FrontierStore` on a PostgreSQL database (see the module docstring).
 
     :param url: ``postgresql://`` or ``postgres://`` URL (libpq's URI syntax), optionally with
@@ -697,146 +682,3 @@ class PostgreSQLStore(PostgreSQLHeartbeat, SqlStore):
             "SELECT DISTINCT worker FROM sessions WHERE ended_at IS NULL"
             " AND heartbeat_at >= %s ORDER BY worker",
             (self.clock() - self.dead_after_seconds,))]
-
-    # -- operator queries -------------------------------------------------------------------
-
-    def open_existing(self, *, readonly: bool = True,
-                      identity: CrawlIdentity | None = None) -> SchemaInfo:
-        if self._opened:
-            raise StoreError(f"store {self.shown_url} is already open")
-        self._opened = True
-        try:
-            if self.requested_schema is None:
-                self._use_schema(schema_for(identity) if identity is not None
-                                 else self._only_schema())
-            if not self._tables(self.schema):
-                raise StoreError(f"no frontier in schema {self.schema} of {self.shown_url}")
-            version, _ = self._check_ownership()
-            if identity is not None:
-                self._check_identity(self._stored_identity(), identity)
-            if readonly:
-                self._execute("SET default_transaction_read_only = on")
-        except BaseException:
-            self.close()
-            raise
-        return SchemaInfo(version=version, supported=SCHEMA_VERSION)
-
-    def engine_settings(self) -> list[EngineSetting]:
-        """None to check: what a crawl relies on (transactions, row locks) PostgreSQL always
-        has."""
-        return []
-
-    def _use_schema(self, schema: str) -> None:
-        """Work in ``schema`` from now on (the connections open now included)."""
-        self.schema = schema
-        with self._lock:
-            connections = list(self._connections)
-        for conn in connections:
-            conn.execute("SELECT set_config('search_path', %s, false)", (f'"{schema}"',))
-
-    def _only_schema(self) -> str:
-        """The schema of the one crawl in the database (its frontiers: schemas with this
-        package's ``meta`` table); an error listing them when there are several."""
-        rows = self._read(
-            "SELECT n.nspname FROM pg_namespace n JOIN pg_class c ON c.relnamespace = n.oid"
-            " WHERE c.relname = 'meta' AND c.relkind = 'r' ORDER BY 1")
-        found = [name for (name,) in rows
-                 if self._one(f'SELECT value FROM "{name}".meta WHERE key = %s',
-                              ("application",)) == (APPLICATION,)]
-        if len(found) == 1:
-            return str(found[0])
-        if not found:
-            raise StoreError(f"no scrapy_idempotent frontier in {self.shown_url}")
-        raise StoreError(f"{self.shown_url} holds the frontiers of several crawls (schemas "
-                         f"{', '.join(found)}): name one with ?schema=NAME")
-
-    def runs(self) -> list[RunSummary]:
-        sums = ", ".join(f"coalesce(sum(s.{c}), 0)::bigint AS {c}" for c in ALL_COUNTERS)
-        names = ("run_id", "started_at", "finished_at", "reason", *ALL_COUNTERS, "rejects")
-        return [RunSummary(**dict(zip(names, row, strict=True))) for row in self._read(
-            f"SELECT r.run_id, r.started_at, r.finished_at, r.reason, {sums},"
-            " (SELECT count(*) FROM rejects j WHERE j.run_id = r.run_id) AS rejects"
-            " FROM runs r LEFT JOIN sessions s ON s.run_id = r.run_id"
-            " GROUP BY r.run_id ORDER BY r.run_id")]
-
-    # -- migration --------------------------------------------------------------------------
-
-    def load(self, batches: Iterator[tuple[str, list[dict[str, object]]]]) -> dict[str, int]:
-        """See :meth:`.FrontierStore.load`: rows are copied with ``COPY`` in one transaction;
-        ids are kept (the claim order depends on them) and the identity sequences moved past
-        them; each run's counters become one session row of worker ``migrated``."""
-        written: dict[str, int] = {}
-        runs: list[dict[str, object]] = []
-        with self._write("loading", repeatable=False) as cur:
-            (busy,) = cur.execute(
-                "SELECT EXISTS (SELECT 1 FROM runs) OR EXISTS (SELECT 1 FROM requests)"
-                " OR EXISTS (SELECT 1 FROM records)").fetchone() or (True,)
-            if busy:
-                raise StoreError(
-                    f"schema {self.schema} of {self.shown_url} already holds a crawl (runs, "
-                    "requests or records): a crawl is migrated into an empty one only")
-            for table, rows in batches:
-                if table == "meta":
-                    cur.executemany(
-                        "INSERT INTO meta VALUES (%s, %s) ON CONFLICT (key) DO UPDATE"
-                        " SET value = EXCLUDED.value",
-                        [(r["key"], r["value"]) for r in rows
-                         if r["key"] not in ("application", "schema_version")])
-                elif table == "runs":
-                    runs.extend(rows)
-                    self._copy(cur, "runs", ("run_id", "started_at", "finished_at", "reason"),
-                               rows)
-                elif table == "sessions":
-                    for row in rows:
-                        row["heartbeat_at"] = row["started_at"]
-                    self._copy(cur, "sessions", ("session_id", "run_id", "worker", "started_at",
-                                                 "ended_at", "reason", "heartbeat_at"), rows)
-                elif table == "requests":
-                    for row in rows:
-                        row["is_start"], row["fifo"] = bool(row["is_start"]), bool(row["fifo"])
-                        row.setdefault("slot", "")
-                        if row["state"] == "leased":  # leases do not move
-                            row.update(state="pending", worker=None, leased_until=None)
-                    self._copy(cur, "requests", LOADED["requests"], rows)
-                elif table in LOADED:
-                    self._copy(cur, table, LOADED[table], rows)
-                else:
-                    raise StoreError(f"cannot load rows of an unknown table {table!r}")
-                written[table] = written.get(table, 0) + len(rows)
-            for table, column in (("runs", "run_id"), ("sessions", "session_id"),
-                                  ("requests", "id"), ("rejects", "id"), ("outbox", "id")):
-                cur.execute(f"SELECT setval(pg_get_serial_sequence('{table}', '{column}'),"
-                            f" greatest((SELECT max({column}) FROM {table}), 1))")
-            cur.execute("SELECT setval('records_seen_seq',"
-                        " greatest((SELECT max(seen_seq) FROM records), 1))")
-            # every slot of the requests gets its row (its limits: the first worker's)
-            cur.execute("INSERT INTO slots (slot, concurrency) SELECT DISTINCT slot, 1"
-                        " FROM requests ON CONFLICT (slot) DO NOTHING")
-            cur.executemany(
-                "INSERT INTO sessions (run_id, worker, started_at, ended_at, reason,"
-                " heartbeat_at, " + ", ".join(ALL_COUNTERS) + ") VALUES (%s, 'migrated', %s,"
-                " %s, 'migrated', %s, " + ", ".join("%s" for _ in ALL_COUNTERS) + ")",
-                [(r["run_id"], r["started_at"], r["finished_at"] or r["started_at"],
-                  r["started_at"], *(r.get(c) or 0 for c in ALL_COUNTERS)) for r in runs])
-        return written
-
-    @staticmethod
-    def _copy(cur: psycopg.Cursor[Any], table: str, columns: Sequence[str],
-              rows: list[dict[str, object]]) -> None:
-        if not rows:
-            return
-        with cur.copy(f"COPY {table} ({', '.join(columns)}) FROM STDIN") as copy:
-            for row in rows:
-                copy.write_row(tuple(row.get(column) for column in columns))
-
-    def integrity_check(self) -> IntegrityReport:
-        """PostgreSQL has no whole-database check without extensions: the tables of the
-        schema are all there and every index of theirs is valid, else what is wrong."""
-        problems = [f"missing table {name}" for name in
-                    sorted(TABLES[SCHEMA_VERSION] - self._tables(self.schema))]
-        problems += [f"index {name} is not valid (rebuild it: REINDEX INDEX {name})"
-                     for (name,) in self._read(
-                         "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
-                         " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s"
-                         " AND NOT (i.indisvalid AND i.indisready)", (self.schema,))]
-        return IntegrityReport(method="tables and index validity", problems=tuple(problems))

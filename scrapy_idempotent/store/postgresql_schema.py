@@ -4,8 +4,15 @@ transaction per step, in the crawl's schema: the search path is set to it), and 
 
 from __future__ import annotations
 
+import hashlib
+import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .base import CrawlIdentity
+
 __all__ = ["ALL_COUNTERS", "APPLICATION", "COUNTERS", "LOADED", "MIGRATIONS", "SCHEMA_VERSION",
-           "TABLES"]
+           "TABLES", "schema_for"]
 
 SCHEMA_VERSION = 13
 #: ``meta.application`` of a schema this package made.
@@ -333,3 +340,16 @@ LOADED: dict[str, tuple[str, ...]] = {
                 "records_inserted", "records_updated", "records_unchanged", "records_stale",
                 "leases_reclaimed", "leases_lost", "in_flight"),
 }
+
+
+def schema_for(identity: CrawlIdentity | None) -> str:
+    """The schema of a crawl: ``idempotent_<spider>_<hash>``, where the hash (10 hex digits of
+    SHA-256) is of the project, spider and source, so the same spider with another
+    ``IDEMPOTENT_SOURCE`` (or of another project) gets a schema of its own; ``idempotent``
+    without an identity."""
+    if identity is None:
+        return "idempotent"
+    digest = hashlib.sha256("\0".join(
+        (identity.project, identity.spider, identity.source)).encode()).hexdigest()[:10]
+    spider = re.sub(r"[^a-z0-9_]+", "_", identity.spider.lower()).strip("_")[:40]
+    return f"idempotent_{spider}_{digest}" if spider else f"idempotent_{digest}"
