@@ -200,6 +200,14 @@ def _retry_times(request: Request) -> int:
     return value if isinstance(value, int) else 0
 
 
+def _link(parent: InflightRequest | None, key: str) -> None:
+    """Note that ``parent``'s page linked the request of ``key`` (added or known), when its
+    page's validators are kept (conditional requests: a later ``304`` stands for every link
+    of the page, see :attr:`~.store.base.Completion.links`); nothing otherwise."""
+    if parent is not None and parent.answered is not None:
+        parent.links.append(key)
+
+
 class Admission:
     """The enqueue decision of one worker (see the module docstring)."""
 
@@ -294,6 +302,7 @@ class Admission:
         filtered = self.dupes.enabled and not request.dont_filter
         retry_of = self._retry_of(request, origin, fingerprint)
         if filtered and retry_of is None and self._known_duplicate(request, fingerprint):
+            _link(origin.parent, fingerprint)  # (its key: filtered, it is its fingerprint)
             return False
         key: str | None = self._checked.pop(request, None) if origin.is_start else None
         if key is not None:
@@ -389,6 +398,7 @@ class Admission:
             key = self._key(fingerprint, filtered, origin)
         if self.recent is not None:
             self.recent.keep(key, data, request)
+        _link(parent, key)
         self.tracker.buffer_request(NewRequest(
             key=key,
             fingerprint=fingerprint,

@@ -111,6 +111,9 @@ class InflightRequest:
     not_due: bool = False
     #: the validators of the page it was answered with now (its 2xx response)
     answered: PageValidators | None = None
+    #: with ``answered``: the keys of every request its callback yielded that the frontier
+    #: took or knew already, in the order yielded (a later 304 enqueues them all again)
+    links: list[str] = field(default_factory=list)
 
     def completion(self) -> Completion:
         """The frontier state this entry ends in, from what was observed."""
@@ -133,7 +136,8 @@ class InflightRequest:
             return Completion(self.key, RequestState.FAILED, *self.spider_error,
                               validators=self.answered)
         return Completion(self.key, RequestState.DONE, validators=self.answered,
-                          not_modified=self.not_modified, not_due=self.not_due)
+                          not_modified=self.not_modified, not_due=self.not_due,
+                          links=tuple(self.links))
 
     def unit_of_work(self) -> UnitOfWork:
         """Everything this entry produced with its completion: one transaction."""

@@ -160,3 +160,58 @@ def test_claims_load_no_validators_unless_asked(store_factory: Stores) -> None:
     store.begin_session("w1", "auto")
     store.commit(UnitOfWork(requests=[new("list")]), "w1")
     assert claim_one(store).validators is None
+
+
+def two_listings_sharing_a_product(store: FrontierStore) -> None:
+    """Run 1: listing ``a`` adds product ``p``; listing ``b`` links ``p`` too, known by then
+    (refused as a duplicate: not among its requests, only among its links); ``p`` done."""
+    store.commit(UnitOfWork(requests=[new("a"), new("b")]), "w1")
+    assert sorted([claim_one(store).key, claim_one(store).key]) == ["a", "b"]
+    store.commit(UnitOfWork(requests=[new("p", "a")], completions=[
+        Completion("a", RequestState.DONE, validators=VALIDATORS, links=("p",))]), "w1")
+    store.commit(UnitOfWork(completions=[
+        Completion("b", RequestState.DONE, validators=VALIDATORS, links=("p",))]), "w1")
+    assert claim_one(store).key == "p"
+    store.commit(UnitOfWork(records=[(record(1), "p")], completions=[
+        Completion("p", RequestState.DONE, validators=VALIDATORS)]), "w1")
+    store.end_session("w1", "finished")
+
+
+def test_a_304_enqueues_every_link_of_its_page_not_only_those_it_added(
+    store_factory: Stores,
+) -> None:
+    """The page that added a product changed and no longer links it; another page that
+    links it answers 304: the product is still reached (and again in the run after)."""
+    clock = Clock(1000.0)
+    store = open_store(store_factory, clock)
+    two_listings_sharing_a_product(store)
+    for run in (2, 3):
+        clock.now += 100
+        assert store.begin_session("w1", "auto").run_id == run
+        store.commit(UnitOfWork(requests=[new("a"), new("b")]), "w1")
+        assert sorted([claim_one(store).key, claim_one(store).key]) == ["a", "b"]
+        # changed: answered 200, no link to p any more
+        store.commit(UnitOfWork(completions=[Completion(
+            "a", RequestState.DONE, validators=PageValidators(f'"a{run}"', None, "cd" * 32))]),
+            "w1")
+        result = store.commit(UnitOfWork(completions=[
+            Completion("b", RequestState.DONE, not_modified=True)]), "w1")
+        assert (result.requests_relinked, result.requests_added) == (1, 1)
+        product = claim_one(store)
+        assert (product.key, product.data, product.validators) \
+            == ("p", '{"url": "p"}', VALIDATORS)
+        store.commit(UnitOfWork(completions=[
+            Completion("p", RequestState.DONE, not_modified=True)]), "w1")
+        store.end_session("w1", "finished")
+        assert [r.record_id for r in store.run_records(run)] == ["r1"]
+
+
+def test_links_are_packed_in_one_value() -> None:
+    from scrapy_idempotent.store.sql_pages import pack_keys, unpack_keys
+
+    hexes = ["ab" * 20, "0" * 40, "f1e2"]
+    assert len(pack_keys(hexes)) == 1 + 21 + 21 + 3
+    assert unpack_keys(pack_keys(hexes)) == hexes
+    others = ["p1", "AB" * 20, "a b", ""]  # (not lowercase hex: kept as text)
+    assert unpack_keys(pack_keys(others)) == others
+    assert unpack_keys(pack_keys([])) == []

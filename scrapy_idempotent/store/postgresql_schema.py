@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 __all__ = ["ALL_COUNTERS", "APPLICATION", "COUNTERS", "LOADED", "MIGRATIONS", "SCHEMA_VERSION",
            "TABLES", "schema_for"]
 
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 #: ``meta.application`` of a schema this package made.
 APPLICATION = "scrapy_idempotent"
 
@@ -287,6 +287,31 @@ MIGRATIONS: list[list[str]] = [
         "CREATE INDEX IF NOT EXISTS requests_redirected ON requests (id)"
         " WHERE state = 'redirected'",
     ],
+    [
+        # Conditional requests: every request a kept page linked, not only those it added.
+        # The requests pages added to the frontier, once each, kept from run to run
+        # (fingerprint NULL: the key); per page kept, the keys of every request it linked,
+        # packed in one value (sql_pages.pack_keys). The requests of the rows written
+        # before are copied from their `children` (those rows are read from there until
+        # they are written again).
+        """CREATE TABLE linked_requests (
+            key text COLLATE "C" PRIMARY KEY,
+            fingerprint text,
+            url text NOT NULL,
+            priority integer NOT NULL,
+            data text NOT NULL,
+            filter_fingerprint boolean NOT NULL,
+            fifo boolean NOT NULL,
+            slot text NOT NULL
+        )""",
+        """ALTER TABLE page_validators ADD COLUMN links bytea""",
+        """INSERT INTO linked_requests (key, fingerprint, url, priority, data,
+            filter_fingerprint, fifo, slot)
+           SELECT c->>0, nullif(c->>1, c->>0), c->>2, (c->>3)::integer, c->>4,
+                  (c->>6)::boolean, (c->>7)::boolean, c->>8
+           FROM page_validators AS p, jsonb_array_elements(p.children::jsonb) AS c
+           ON CONFLICT (key) DO NOTHING""",
+    ],
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
@@ -307,6 +332,7 @@ TABLES[10] = TABLES[9]
 TABLES[11] = TABLES[10] | {"page_validators"}
 TABLES[12] = TABLES[11]
 TABLES[13] = TABLES[12]
+TABLES[14] = TABLES[13] | {"linked_requests"}
 assert set(TABLES) == set(range(1, SCHEMA_VERSION + 1))
 
 #: The counters of a session row a page commit adds to: its worker's share of the run's
@@ -335,7 +361,9 @@ LOADED: dict[str, tuple[str, ...]] = {
     "robots": ("netloc", "url", "status", "body", "fetched_at"),
     "page_validators": ("key", "etag", "last_modified", "body_hash", "record_ids", "children",
                         "run_id", "stored_at", "body_bytes", "revisit_seconds", "due_at",
-                        "outcome"),
+                        "outcome", "links"),
+    "linked_requests": ("key", "fingerprint", "url", "priority", "data", "filter_fingerprint",
+                        "fifo", "slot"),
     "samples": ("run_id", "slot", "at", "leased", "done", "failed", "redirected",
                 "records_inserted", "records_updated", "records_unchanged", "records_stale",
                 "leases_reclaimed", "leases_lost", "in_flight"),

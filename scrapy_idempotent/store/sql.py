@@ -161,6 +161,8 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
             requests = [r for r in requests if r.parent_key not in lost]
             unchanged = {key: page for key, page in unchanged.items() if key not in lost}
         inserted = self._insert_requests(cur, requests, now, run_id, result, lookups)
+        self._keep_linked(cur, [r for r in work.requests if r.parent_key not in lost]
+                          if lost else work.requests)
         records = [r for r in work.records if r[1] not in lost] if lost else work.records
         changes = self._upsert_records(cur, records, now, run_id, result)
         if unchanged:

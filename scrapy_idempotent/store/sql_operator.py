@@ -89,6 +89,7 @@ class SqlOperatorQueries(SqlDialect):
             self._rekey_outbox(cur, change.outbox)
             # pages' validators name their records by the old IDs: fetched in full next time
             cur.execute("DELETE FROM page_validators")
+            cur.execute("DELETE FROM linked_requests")
             cur.execute("DELETE FROM record_keys")
             now = self.clock()
             cur.executemany(self._q(

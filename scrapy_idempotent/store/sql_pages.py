@@ -3,10 +3,13 @@ is mixed into :class:`~.sql.SqlStore` (which gives it its connections and dialec
 
 Per done request the ``page_validators`` table keeps what its page answered with (``ETag``,
 ``Last-Modified``, the body's hash) and what the page produced when it was fetched: the
-record IDs of its items and the requests it added to the frontier. A claim loads the
-validators of the requests it leases; a page that answers ``304 Not Modified`` is completed
-in its page transaction from that row: its records are marked seen in the run and its
-requests are enqueued again (see ``docs/recrawls.rst``)."""
+record IDs of its items and the keys of every request it linked (those it added and those
+another page had added first), packed in one value (:func:`pack_keys`). The requests
+themselves are kept once each, in ``linked_requests``, written by the commit that adds them
+to the frontier and kept from run to run. A claim loads the validators of the requests it
+leases; a page that answers ``304 Not Modified`` is completed in its page transaction from
+that row: its records are marked seen in the run and every request it linked is enqueued
+again (see ``docs/recrawls.rst``)."""
 
 from __future__ import annotations
 
@@ -27,15 +30,59 @@ from .base import (
 from .reads import RevisitReport
 from .rules import next_revisit, revisit_due, revisit_due_at
 
-__all__ = ["SqlPageValidators"]
+__all__ = ["SqlPageValidators", "pack_keys", "unpack_keys"]
+
+#: the first byte of a packed list of keys: keys in hex, each as its bytes after its length
+_PACKED_HEX = b"\x01"
+#: the first byte of a packed list of keys: any keys, as a JSON list
+_PACKED_JSON = b"\x00"
 
 
-def _child_row(new: NewRequest) -> list[Any]:
-    return [new.key, new.fingerprint, new.url, new.priority, new.data, new.is_start,
-            new.filter_fingerprint, new.fifo, new.slot]
+def pack_keys(keys: Sequence[str]) -> bytes:
+    """``keys`` in one value (``page_validators.links``): each key of lowercase hex (the
+    package's request keys are fingerprints and hashes in hex) as its bytes, after a byte of
+    their length (21 bytes for a 40-character key); other keys as a JSON list."""
+    try:
+        raws = [bytes.fromhex(key) for key in keys]
+    except ValueError:
+        raws = None
+    if raws is not None and all(len(raw) < 256 and raw.hex() == key
+                                for raw, key in zip(raws, keys, strict=True)):
+        return _PACKED_HEX + b"".join(bytes((len(raw),)) + raw for raw in raws)
+    return _PACKED_JSON + json.dumps(list(keys), separators=(",", ":")).encode()
+
+
+def unpack_keys(packed: bytes) -> list[str]:
+    """The keys :func:`pack_keys` packed, in their order."""
+    packed = bytes(packed)
+    if packed[:1] != _PACKED_HEX:
+        return list(json.loads(packed[1:]))
+    keys: list[str] = []
+    at = 1
+    while at < len(packed):
+        size = packed[at]
+        keys.append(packed[at + 1:at + 1 + size].hex())
+        at += 1 + size
+    return keys
+
+
+def _linked_row(new: NewRequest) -> tuple[Any, ...]:
+    """``new`` as a row of ``linked_requests`` (its fingerprint NULL when it is its key)."""
+    return (new.key, None if new.fingerprint == new.key else new.fingerprint, new.url,
+            new.priority, new.data, new.filter_fingerprint, new.fifo, new.slot)
+
+
+def _linked_of(row: Sequence[Any], parent_key: str) -> NewRequest:
+    """The request of a ``linked_requests`` row, enqueued again by ``parent_key``."""
+    key, fingerprint, url, priority, data, filter_fingerprint, fifo, slot = row
+    return NewRequest(key=key, fingerprint=key if fingerprint is None else fingerprint,
+                      url=url, priority=int(priority), data=data, parent_key=parent_key,
+                      filter_fingerprint=bool(filter_fingerprint), fifo=bool(fifo),
+                      slot=slot)
 
 
 def _child_of(row: Sequence[Any], parent_key: str) -> NewRequest:
+    """A request of a ``children`` list (rows written before links were kept)."""
     key, fingerprint, url, priority, data, is_start, filter_fingerprint, fifo, slot = row
     return NewRequest(key=key, fingerprint=fingerprint, url=url, priority=int(priority),
                       data=data, parent_key=parent_key, is_start=bool(is_start),
@@ -72,16 +119,50 @@ class SqlPageValidators:
     def _unchanged_pages(self, cur: Any, completions: Sequence[Completion]
                          ) -> dict[str, tuple[list[str], list[NewRequest]]]:
         """Per page of ``completions`` answered ``304 Not Modified``: the record IDs and the
-        requests it produced when it was last fetched (read in the page transaction)."""
+        requests it produced when it was last fetched (read in the page transaction): every
+        request it linked, as ``linked_requests`` keeps it (a row written before links were
+        kept: the requests it added, in its ``children``)."""
         keys = sorted({c.key for c in completions if c.not_modified})
         if not keys:
             return {}
         where, param = self._any("key", keys)
-        rows = self._lookup(cur, "SELECT key, record_ids, children FROM page_validators"
+        rows = self._lookup(cur, "SELECT key, record_ids, children, links FROM page_validators"
                                  f" WHERE {where}", (param,))
-        return {key: (json.loads(record_ids), [_child_of(row, key)
-                                               for row in json.loads(children)])
-                for key, record_ids, children in rows}
+        links = {key: unpack_keys(packed) for key, _, _, packed in rows if packed is not None}
+        linked = self._linked_requests(cur, {k for keys in links.values() for k in keys})
+        return {key: (json.loads(record_ids),
+                      [_child_of(row, key) for row in json.loads(children)] if key not in links
+                      else [_linked_of(linked[k], key) for k in links[key] if k in linked])
+                for key, record_ids, children, _ in rows}
+
+    def _linked_requests(self, cur: Any, keys: Collection[str]) -> dict[str, Sequence[Any]]:
+        """The ``linked_requests`` rows of ``keys`` (those kept), by key."""
+        if not keys:
+            return {}
+        where, param = self._any("key", sorted(keys))
+        return {row[0]: row for row in self._lookup(
+            cur, "SELECT key, fingerprint, url, priority, data, filter_fingerprint, fifo, slot"
+                 f" FROM linked_requests WHERE {where}", (param,))}
+
+    def _keep_linked(self, cur: Any, requests: Sequence[NewRequest]) -> None:
+        """Keep the requests pages added to the frontier (``requests``: a unit's own, not
+        those a ``304`` enqueued again) in ``linked_requests``, as they were added (the
+        last one added under a key replaces the one kept), for the ``304`` of any page that
+        links them in a later run. Only while conditional requests are on."""
+        if not self.claims_load_validators:
+            return
+        rows = sorted({new.key: _linked_row(new) for new in requests
+                       if new.parent_key is not None}.values())
+        if rows:
+            cur.executemany(self._q(
+                "INSERT INTO linked_requests (key, fingerprint, url, priority, data,"
+                " filter_fingerprint, fifo, slot) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT (key) DO UPDATE SET fingerprint = excluded.fingerprint,"
+                " url = excluded.url, priority = excluded.priority, data = excluded.data,"
+                " filter_fingerprint = excluded.filter_fingerprint, fifo = excluded.fifo,"
+                " slot = excluded.slot WHERE linked_requests.data <> excluded.data"
+                " OR linked_requests.priority <> excluded.priority"
+                " OR linked_requests.slot <> excluded.slot"), rows)
 
     def _see_unchanged(self, cur: Any, pages: dict[str, tuple[list[str], list[NewRequest]]],
                        run_id: int, now: float, result: CommitResult) -> None:
@@ -126,7 +207,7 @@ class SqlPageValidators:
             elif done.validators is None:
                 continue
             elif done.state is RequestState.DONE:
-                keep.append(self._validators_row(done.key, done.validators, requests,
+                keep.append(self._validators_row(done, done.validators, requests,
                                                  records, run_id, now))
             else:
                 forget.append(done.key)
@@ -135,11 +216,12 @@ class SqlPageValidators:
         if keep:
             cur.executemany(self._q(
                 "INSERT INTO page_validators (key, etag, last_modified, body_hash, record_ids,"
-                " children, run_id, stored_at, body_bytes, revisit_seconds, due_at, outcome)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'fetched')"
+                " children, run_id, stored_at, body_bytes, links, revisit_seconds, due_at,"
+                " outcome) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'fetched')"
                 " ON CONFLICT (key) DO UPDATE SET etag = excluded.etag,"
                 " last_modified = excluded.last_modified, body_hash = excluded.body_hash,"
                 " record_ids = excluded.record_ids, children = excluded.children,"
+                " links = excluded.links,"
                 " run_id = excluded.run_id, stored_at = excluded.stored_at,"
                 " body_bytes = excluded.body_bytes, revisit_seconds = excluded.revisit_seconds,"
                 " due_at = excluded.due_at, outcome = excluded.outcome"),
@@ -208,15 +290,21 @@ class SqlPageValidators:
         return known[run_id]
 
     @staticmethod
-    def _validators_row(key: str, validators: PageValidators, requests: Sequence[NewRequest],
+    def _validators_row(done: Completion, validators: PageValidators,
+                        requests: Sequence[NewRequest],
                         records: Sequence[tuple[Record, str | None]], run_id: int,
                         now: float) -> tuple[Any, ...]:
+        """The ``page_validators`` row of the done page ``done``: its links are every
+        request it linked (:attr:`~.base.Completion.links`) and every one it added (its
+        children among ``requests``), in the order linked; its ``children`` stay empty
+        (the requests are in ``linked_requests``)."""
+        key = done.key
         record_ids = list(dict.fromkeys(r.record_id for r, owner in records if owner == key))
-        children = [_child_row(new) for new in requests if new.parent_key == key]
+        links = list(dict.fromkeys([*done.links, *(new.key for new in requests
+                                                   if new.parent_key == key)]))
         return (key, validators.etag, validators.last_modified, validators.body_hash,
-                json.dumps(record_ids, separators=(",", ":")),
-                json.dumps(children, ensure_ascii=False, separators=(",", ":")), run_id, now,
-                validators.body_bytes)
+                json.dumps(record_ids, separators=(",", ":")), "[]", run_id, now,
+                validators.body_bytes, pack_keys(links))
 
     def _load_validators(self, cur: Any, result: CommitResult) -> None:
         """Give the requests this transaction's claim leased their page's validators (and,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 __all__ = ["APPLICATION_ID", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 16
+SCHEMA_VERSION = 17
 
 #: Schema migrations: ``_MIGRATIONS[n]`` brings version n to n + 1, one transaction each.
 #: The failed and the redirected requests, each in an index of its own (few rows): with the
@@ -18,6 +18,34 @@ _COUNTED_STATES = [
     " WHERE state = 'failed'",
     "CREATE INDEX IF NOT EXISTS requests_redirected ON requests (id)"
     " WHERE state = 'redirected'",
+]
+
+#: Conditional requests: every request a kept page linked, not only those it added. The
+#: requests pages added to the frontier, once each, kept from run to run (fingerprint NULL:
+#: the key); per page kept, the keys of every request it linked, packed in one value
+#: (``sql_pages.pack_keys``). The requests of the rows written before are copied from their
+#: ``children`` (those rows are read from there until they are written again).
+_LINKED_REQUESTS = [
+    """CREATE TABLE linked_requests (
+        key TEXT PRIMARY KEY,
+        fingerprint TEXT,
+        url TEXT NOT NULL,
+        priority INTEGER NOT NULL,
+        data TEXT NOT NULL,
+        filter_fingerprint INTEGER NOT NULL,
+        fifo INTEGER NOT NULL,
+        slot TEXT NOT NULL
+    ) WITHOUT ROWID""",
+    """ALTER TABLE page_validators ADD COLUMN links BLOB""",
+    """INSERT INTO linked_requests (key, fingerprint, url, priority, data,
+        filter_fingerprint, fifo, slot)
+       SELECT json_extract(c.value, '$[0]'),
+              nullif(json_extract(c.value, '$[1]'), json_extract(c.value, '$[0]')),
+              json_extract(c.value, '$[2]'), json_extract(c.value, '$[3]'),
+              json_extract(c.value, '$[4]'), json_extract(c.value, '$[6]'),
+              json_extract(c.value, '$[7]'), json_extract(c.value, '$[8]')
+       FROM page_validators AS p, json_each(p.children) AS c WHERE true
+       ON CONFLICT (key) DO NOTHING""",
 ]
 
 _MIGRATIONS: list[list[str]] = [
@@ -296,6 +324,7 @@ _MIGRATIONS: list[list[str]] = [
         """ALTER TABLE page_validators ADD COLUMN outcome TEXT NOT NULL DEFAULT 'fetched'""",
     ],
     _COUNTED_STATES,
+    _LINKED_REQUESTS,
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -321,6 +350,7 @@ _TABLES[13] = _TABLES[12]
 _TABLES[14] = _TABLES[13] | {"page_validators"}
 _TABLES[15] = _TABLES[14]
 _TABLES[16] = _TABLES[15]
+_TABLES[17] = _TABLES[16] | {"linked_requests"}
 assert set(_TABLES) == set(range(1, SCHEMA_VERSION + 1))
 #: Schema versions written before the application id was (files of those have none).
 _BEFORE_APPLICATION_ID = frozenset({1, 2, 3})

@@ -215,6 +215,11 @@ class Completion:
     #: with ``not_modified``: the page was not fetched at all, its revisit not being due
     #: yet (:class:`RevisitBounds`): its validators and revisit time stay as they were
     not_due: bool = False
+    #: with ``validators``: the keys of every request the page yielded, in the order
+    #: yielded, those known already (added by another page, refused as duplicates) as well
+    #: as those it added (the unit's requests whose parent it is, kept either way): a
+    #: later ``304`` enqueues all of them again
+    links: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
