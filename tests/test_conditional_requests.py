@@ -318,3 +318,46 @@ async def test_adaptive_revisits_fetch_only_the_pages_due(
     assert (get("idempotent/records/unchanged"), get("idempotent/records/updated")) == (19, 1)
     assert feed(tmp_path / "run3.jsonl") == {sku(n): new_price(n) if n == 4 else old_price(n)
                                              for n in range(1, 21)}
+
+
+def write_shared_listings(root: Path, first_links: range) -> None:
+    """``/list/1.html`` links the products of ``first_links`` and ``/list/2.html``; that one
+    links products 1 to 10 (those of the first it repeats are known when it is parsed)."""
+    def listing(numbers: range, more: str) -> str:
+        return "<html><body>" + "".join(
+            f'<a class="product" href="/product/{sku(n)}.html">{n}</a>\n' for n in numbers
+        ) + more + "</body></html>"
+
+    first = root / "list" / "1.html"
+    mtime = first.stat().st_mtime + 10 if first.exists() else None
+    first.write_text(listing(first_links, '<a class="next" href="/list/2.html">next</a>'))
+    if mtime is not None:  # changed: a later Last-Modified
+        import os
+
+        os.utime(first, (mtime, mtime))
+    if not (root / "list" / "2.html").exists():
+        (root / "list" / "2.html").write_text(listing(range(1, 11), ""))
+
+
+@deferred_f_from_coro_f
+async def test_an_unchanged_page_reaches_a_link_another_page_added_and_dropped(
+    tmp_path: Path, crawl_database: str
+) -> None:
+    """Products 1 to 10 are added by listing 1 and linked by listing 2 too; listing 1
+    changes and drops products 6 to 10; listing 2 answers 304 and stands for all its links:
+    every product is reached, the feed of the recrawl is exact."""
+    write_shop(tmp_path / "site", listings=1, per_page=10)
+    write_shared_listings(tmp_path / "site", range(1, 11))
+    # one request at a time: listing 1 is parsed (and adds the products) before listing 2
+    one = {"CONCURRENT_REQUESTS": 1}
+    with StaticSite(tmp_path / "site", tmp_path / "nginx") as site:
+        first = await crawl(site, crawl_database, tmp_path / "run1.jsonl", **one)
+        assert first.get_value("idempotent/records/inserted") == 10
+        write_shared_listings(tmp_path / "site", range(1, 6))
+        recrawl = await crawl(site, crawl_database, tmp_path / "run2.jsonl", **one)
+    get = recrawl.get_value
+    assert get("downloader/response_status_count/200") == 1  # listing 1
+    assert get("idempotent/conditional/not_modified") == 11
+    assert (get("idempotent/records/unchanged"), get("idempotent/records/updated")) \
+        == (10, None)
+    assert feed(tmp_path / "run2.jsonl") == {sku(n): old_price(n) for n in range(1, 11)}
