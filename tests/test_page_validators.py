@@ -215,3 +215,58 @@ def test_links_are_packed_in_one_value() -> None:
     others = ["p1", "AB" * 20, "a b", ""]  # (not lowercase hex: kept as text)
     assert unpack_keys(pack_keys(others)) == others
     assert unpack_keys(pack_keys([])) == []
+
+
+#: A page's ``children`` as the schema before links were kept wrote them: the requests it
+#: added, as ``[key, fingerprint, url, priority, data, is_start, filter_fingerprint, fifo,
+#: slot]``.
+OLD_CHILDREN = ('[["p1","p1","https://example.com/p1",0,"{\\"url\\": \\"p1\\"}",false,true,'
+                'false,""],["p2","p2","https://example.com/p2",0,"{\\"url\\": \\"p2\\"}",false,'
+                'true,false,""]]')
+
+
+def as_before_links(store_database: str, schema: str) -> None:
+    """The database as the schema before links were kept left it (SQLite 16, PostgreSQL
+    13): the listing's row holds its children, no links, no ``linked_requests``."""
+    undo = ["DROP TABLE linked_requests", "ALTER TABLE page_validators DROP COLUMN links",
+            f"UPDATE page_validators SET children = '{OLD_CHILDREN}' WHERE key = 'list'"]
+    if store_database.startswith("postgresql"):
+        import psycopg
+
+        with psycopg.connect(store_database, autocommit=True) as conn:
+            conn.execute(f'SET search_path TO "{schema}"')
+            for statement in undo:
+                conn.execute(statement.replace("%", "%%"))
+            conn.execute("UPDATE meta SET value = '13' WHERE key = 'schema_version'")
+        return
+    import sqlite3
+
+    conn = sqlite3.connect(store_database, isolation_level=None)
+    for statement in undo:
+        conn.execute(statement)
+    conn.execute("PRAGMA user_version = 16")
+    conn.close()
+
+
+def test_pages_kept_before_links_were_are_answered_from_their_children(
+    store_factory: Stores, store_database: str,
+) -> None:
+    """The migration copies the requests of the kept rows' children into
+    ``linked_requests``; a 304 of such a row enqueues its children again, as before."""
+    clock = Clock(1000.0)
+    store = open_store(store_factory, clock)
+    first_run(store)
+    store.close()
+    as_before_links(store_database, getattr(store, "schema", ""))
+    store = open_store(store_factory, clock)
+    clock.now += 100
+    assert store.begin_session("w1", "auto").run_id == 2
+    store.commit(UnitOfWork(requests=[new("list")]), "w1")
+    claim_one(store)
+    result = store.commit(UnitOfWork(completions=[
+        Completion("list", RequestState.DONE, not_modified=True)]), "w1")
+    assert (result.requests_relinked, result.requests_added) == (2, 2)
+    assert sorted(store._select(  # type: ignore[attr-defined]
+        "SELECT key, fingerprint, url, priority, data, slot FROM linked_requests")) == [
+        (f"p{n}", None, f"https://example.com/p{n}", 0, f'{{"url": "p{n}"}}', "")
+        for n in (1, 2)]

@@ -40,6 +40,8 @@ def as_earlier_version(path: Path, *, schema_3: bool, journal_mode: str) -> None
     ``schema_3``, also the schema (and no application id) of version 3."""
     conn = sqlite3.connect(path, isolation_level=None)
     if schema_3:
+        conn.execute("DROP TABLE linked_requests")  # schema 17
+        conn.execute("ALTER TABLE page_validators DROP COLUMN links")
         for index in ("requests_failed", "requests_redirected"):  # schema 16
             conn.execute(f"DROP INDEX {index}")
         for column in ("body_bytes", "revisit_seconds", "due_at", "outcome"):  # schema 15
