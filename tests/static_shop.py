@@ -13,8 +13,10 @@ whose validators match.
   validators it is sent and always answers 200;
 * :class:`StaticShopSpider`: crawls the listing pages and yields one product item per
   product page (natural key: ``sku``);
-* ``python tests/static_shop.py --url URL --db DB [-s NAME=JSON]`` runs that spider with the
-  add-on in a ``CrawlerProcess`` of its own (the kill tests' subprocess).
+* ``python tests/static_shop.py --url URL --db DB [-s NAME=JSON] [--clock-offset S]`` runs
+  that spider with the add-on in a ``CrawlerProcess`` of its own (the kill tests'
+  subprocess); with ``--clock-offset`` the store's clock is ``S`` seconds ahead of the wall
+  clock (adaptive revisits' rounds, days apart).
 """
 
 from __future__ import annotations
@@ -294,13 +296,29 @@ def _setting(text: str) -> tuple[str, Any]:
         return name, value
 
 
+def clock_ahead(seconds: float) -> None:
+    """The stores the crawl opens from now on keep time ``seconds`` ahead of the wall
+    clock (a crawl's components never read the wall clock for revisits)."""
+    import scrapy_idempotent.scheduler as scheduler_module
+
+    opened = scheduler_module.open_store
+
+    def store_ahead(database: str, **options: Any) -> Any:
+        return opened(database, **{**options, "clock": lambda: time.time() + seconds})
+
+    scheduler_module.open_store = store_ahead  # type: ignore[assignment]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--url", required=True)
     parser.add_argument("--db", required=True)
     parser.add_argument("-s", action="append", default=[], metavar="NAME=JSON")
+    parser.add_argument("--clock-offset", type=float, default=0.0)
     args = parser.parse_args()
     extra = dict(_setting(s) for s in args.s)
+    if args.clock_offset:
+        clock_ahead(args.clock_offset)
     from scrapy.crawler import CrawlerProcess
 
     process = CrawlerProcess(shop_settings(args.db, **{"LOG_LEVEL": "INFO", **extra}))

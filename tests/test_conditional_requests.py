@@ -11,6 +11,7 @@ import json
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -32,7 +33,7 @@ from static_shop import (
 )
 
 from crawling import kill_crawls, run_crawl
-from helpers.stored import run_products, stored_products
+from helpers.stored import reading, run_products, stored_products, stored_runs
 from scrapy_idempotent.conditional import not_modified_since
 
 LISTINGS, PER_PAGE = 10, 30
@@ -361,3 +362,125 @@ async def test_an_unchanged_page_reaches_a_link_another_page_added_and_dropped(
     assert (get("idempotent/records/unchanged"), get("idempotent/records/updated")) \
         == (10, None)
     assert feed(tmp_path / "run2.jsonl") == {sku(n): old_price(n) for n in range(1, 11)}
+
+
+DAY = 86400.0
+#: Adaptive revisits of the kill test: a first interval of 30 days, so that the revisit
+#: times of a first crawl's pages spread over 15 days, hours apart
+KILL_REVISITS = {"IDEMPOTENT_ADAPTIVE_REVISIT": True,
+                 "IDEMPOTENT_REVISIT_MIN_SECONDS": 30 * DAY,
+                 "IDEMPOTENT_REVISIT_MAX_SECONDS": 120 * DAY}
+
+
+def revisit_schedule(database: str) -> tuple[list[float], dict[str, tuple[Any, ...]]]:
+    """The start times of the runs, and per page kept: its revisit interval, its revisit
+    time (None: every run) and how the latest run reached it, with that run."""
+    with reading(database) as store:
+        starts = [float(t) for (t,) in store._select(  # type: ignore[attr-defined]
+            "SELECT started_at FROM runs ORDER BY run_id")]
+        rows = store._select(  # type: ignore[attr-defined]
+            "SELECT key, revisit_seconds, due_at, outcome, run_id FROM page_validators")
+    return starts, {key: (seconds, due_at, outcome, run_id)
+                    for key, seconds, due_at, outcome, run_id in rows}
+
+
+def boundary(database: str) -> float:
+    """A revisit time, counted from the first run's start, that falls in the widest gap
+    between the products' revisit times in the middle third of them (hours from any): a
+    run whose clock stands there finds the same pages due from its start to its end."""
+    starts, rows = revisit_schedule(database)
+    times = sorted(due_at - starts[0] for _, due_at, _, _ in rows.values()
+                   if due_at is not None)
+    third = len(times) // 3
+    gaps = [(times[n + 1] - times[n], n) for n in range(third, 2 * third)]
+    width, n = max(gaps)
+    assert width > 3600, gaps
+    return (times[n] + times[n + 1]) / 2
+
+
+@pytest.mark.slow
+def test_kills_during_an_adaptive_recrawl_round(tmp_path: Path, crawl_database: str,
+                                                second_crawl_database: str) -> None:
+    """Adaptive revisits on, a round in which about half of the products are due: the same
+    round crawled without kills (``second_crawl_database``) and with 5 SIGKILLs at random
+    moments (``crawl_database``) ends the same: its records and feed exact, every page
+    fetched or not due (never both, never twice), the same revisit intervals and times
+    (counted from each database's own runs), and the site asked at most the requests of
+    the unkilled round plus those on the wire at each kill."""
+    listings, per_page, kills, concurrency = 8, 25, 5, 8
+    products = listings * per_page
+    changed = list(range(3, products + 1, 10))
+    write_shop(tmp_path / "site", listings=listings, per_page=per_page)
+    databases = {"unkilled": second_crawl_database, "killed": crawl_database}
+
+    def command(url: str, database: str, feed: str, offset: float = 0.0) -> list[str]:
+        return [sys.executable, str(STATIC_SHOP), "--url", url, "--db", database,
+                "--clock-offset", repr(offset),
+                "-s", "FEEDS=" + json.dumps({str(tmp_path / feed): {"format": "jsonlines"}}),
+                "-s", f"CONCURRENT_REQUESTS={concurrency}",
+                *(arg for name, value in KILL_REVISITS.items()
+                  for arg in ("-s", f"{name}={json.dumps(value)}"))]
+
+    def run(cmd: list[str], log: str) -> None:
+        done = subprocess.run([*cmd, "-s", f"LOG_FILE={tmp_path / log}"], cwd=tmp_path,
+                              stdin=subprocess.DEVNULL, timeout=300, check=False)
+        assert done.returncode == 0, (tmp_path / log).read_text(errors="replace")[-3000:]
+
+    with StaticSite(tmp_path / "site", tmp_path / "nginx") as site:
+        for name, database in databases.items():
+            run(command(site.url, database, f"{name}-1.jsonl"), f"{name}-1.log")
+        change_products(tmp_path / "site", changed)
+        middle = boundary(databases["unkilled"])
+        early = KILL_REVISITS["IDEMPOTENT_REVISIT_MIN_SECONDS"] / 10
+
+        def offset(database: str) -> float:
+            """The clock offset at which the round's claims find ``middle`` (a page counts
+            as due a tenth of the shortest interval early)."""
+            return revisit_schedule(database)[0][0] + middle - early - time.time()
+
+        before = site.request_count
+        run(command(site.url, databases["unkilled"], "unkilled-2.jsonl",
+                    offset(databases["unkilled"])), "unkilled-2.log")
+        unkilled_requests = site.request_count - before
+        (tmp_path / "kills").mkdir()
+        before = site.request_count
+        kill_crawls(site, command(site.url, databases["killed"], "killed-2.jsonl",
+                                  offset(databases["killed"])), tmp_path / "kills",
+                    random.Random(43), kills, more=(3, 12))
+        killed_requests = site.request_count - before
+    schedules = {name: revisit_schedule(database) for name, database in databases.items()}
+    rows = schedules["unkilled"][1]
+    not_due = {key for key, row in rows.items() if row[2] == "not_due"}
+    due = set(rows) - not_due
+    assert 0 < len(not_due) < products and all(row[3] == 2 for row in rows.values())
+    # the unkilled round: the listings and the due products asked once each, no other
+    assert unkilled_requests == len(due)
+
+    def normalised(schedule: tuple[list[float], dict[str, tuple[Any, ...]]]) -> dict[str, Any]:
+        """Revisit times counted from the start of the run that set them: the first for a
+        page not due (its row stays as it was), the round's for the others."""
+        starts, rows = schedule
+        return {key: (seconds, outcome, None if due_at is None else round(
+                    due_at - starts[0 if outcome == "not_due" else 1], 3))
+                for key, (seconds, due_at, outcome, _) in rows.items()}
+
+    assert normalised(schedules["killed"]) == normalised(schedules["unkilled"])
+    # each kill repeats at most the requests on the wire; a page not due is never asked
+    assert unkilled_requests <= killed_requests <= unkilled_requests + kills * concurrency
+    # records and feeds: a changed product is found if it was due, else seen unchanged
+    with reading(databases["unkilled"]) as store:
+        fetched_urls = {url for (url,) in store._select(  # type: ignore[attr-defined]
+            "SELECT url FROM requests WHERE key IN"
+            " (SELECT key FROM page_validators WHERE outcome <> 'not_due')")}
+    prices = {sku(n): new_price(n) if n in changed and any(
+                  url.endswith(f"/product/{sku(n)}.html") for url in fetched_urls)
+              else old_price(n) for n in range(1, products + 1)}
+    assert prices != expected_prices([]) and prices != expected_prices(changed)
+    for name, database in databases.items():
+        assert {p["sku"]: p["price"] for p in run_products(database, 2)} == prices, name
+        assert feed(tmp_path / f"{name}-2.jsonl") == prices, name
+    runs = {name: stored_runs(database)[1] for name, database in databases.items()}
+    assert (runs["killed"].done, runs["killed"].records_updated,
+            runs["killed"].records_unchanged) == (runs["unkilled"].done,
+                                                  runs["unkilled"].records_updated,
+                                                  runs["unkilled"].records_unchanged)
