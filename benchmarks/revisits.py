@@ -10,9 +10,10 @@ late the latest found was; then the requests of the last 20 rounds against the p
 changed, and the latest any change was found.
 
 Size (``--size N``): N pages kept as a shop's crawl keeps them (listing pages of 99
-products each: a listing's row holds its 99 requests, a product's its one record ID), then
-the bytes of the ``page_validators`` table and its index per page: SQLite's ``dbstat``,
-PostgreSQL's ``pg_total_relation_size``.
+products each: a listing's row holds the keys of its 99 links, ``linked_requests`` the
+requests, a product's row its one record ID), then the bytes of the ``page_validators`` and
+``linked_requests`` tables and their indexes per page: SQLite's ``dbstat``, PostgreSQL's
+``pg_total_relation_size``.
 
     python benchmarks/revisits.py [--products 1000] [--rounds 80] [--postgres]
     python benchmarks/revisits.py --size 100000 [--postgres]
@@ -122,21 +123,24 @@ def size(args: argparse.Namespace, db: str) -> None:
     while leased := store.commit(UnitOfWork(claim=256), "size").leased:
         completions, records, requests = [], [], []
         for page in leased:
-            completions.append(Completion(page.key, RequestState.DONE, validators=valid))
+            links: list[NewRequest] = []
             if page.key.startswith("l"):
                 base = int(page.key[1:], 16) * per_listing
-                requests += [NewRequest(
+                links = [NewRequest(
                     key=f"p{base + i:039x}", fingerprint=f"p{base + i:039x}",
                     url=f"https://shop.example/product/SKU-{base + i:07d}.html", priority=0,
                     data=f'{{"url":"https://shop.example/product/SKU-{base + i:07d}.html",'
                          '"callback":"parse_product"}', parent_key=page.key)
                     for i in range(per_listing)]
+                requests += links
             else:
                 sku = f"SKU-{int(page.key[1:], 16):07d}"
                 records.append((Record(
                     record_id=f"{hash(sku) & (2**128 - 1):032x}", source="shop",
                     natural_key=f'["{sku}"]', item_type="Product",
                     data=f'{{"sku":"{sku}","price":100}}', content_hash="cd" * 32), page.key))
+            completions.append(Completion(page.key, RequestState.DONE, validators=valid,
+                                          links=tuple(r.key for r in links)))
         store.commit(UnitOfWork(completions=completions, records=records, requests=requests),
                      "size")
     store.end_session("size", "finished")
@@ -145,7 +149,8 @@ def size(args: argparse.Namespace, db: str) -> None:
     kept = pages.pages
     if postgres:
         [(table,)] = store._select(  # type: ignore[attr-defined]
-            "SELECT pg_total_relation_size('page_validators')")
+            "SELECT pg_total_relation_size('page_validators')"
+            " + pg_total_relation_size('linked_requests')")
         [(heap,)] = store._select(  # type: ignore[attr-defined]
             "SELECT pg_relation_size('page_validators')")
         [(toast,)] = store._select(  # type: ignore[attr-defined]
@@ -154,16 +159,17 @@ def size(args: argparse.Namespace, db: str) -> None:
         detail = f"heap {heap / kept:.0f} B, TOAST {toast / kept:.0f} B per page"
     else:
         [(table,)] = store._select(  # type: ignore[attr-defined]
-            "SELECT sum(pgsize) FROM dbstat WHERE name = 'page_validators'")
-        detail = "one WITHOUT ROWID b-tree"
+            "SELECT sum(pgsize) FROM dbstat"
+            " WHERE name IN ('page_validators', 'linked_requests')")
+        detail = "two WITHOUT ROWID b-trees"
     [(children,)] = store._select(  # type: ignore[attr-defined]
-        "SELECT sum(length(children)) + sum(length(record_ids)) FROM page_validators")
+        "SELECT sum(length(links)) + sum(length(record_ids)) FROM page_validators")
     store.close()
     print(f"{'PostgreSQL' if postgres else 'SQLite'}: {kept} pages kept"
           f" ({listings} listings of {per_listing} products) in"
-          f" {time.monotonic() - started:.0f} s; page_validators {table / 2**20:.1f} MiB,"
-          f" {table / kept:.0f} B per page ({detail}); its JSON lists {children / kept:.0f}"
-          " B per page")
+          f" {time.monotonic() - started:.0f} s; page_validators and linked_requests"
+          f" {table / 2**20:.1f} MiB, {table / kept:.0f} B per page ({detail}); the pages'"
+          f" record IDs and links {children / kept:.0f} B per page")
 
 
 def main() -> None:

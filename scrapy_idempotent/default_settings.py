@@ -239,8 +239,8 @@ being processed.""",
         doc="""
 Send a later run's request for a page done before with that page's validators
 (``If-None-Match``, ``If-Modified-Since``), and complete a ``304 Not Modified`` answer as the
-page unchanged, without running its callback: its stored records are seen in the run, the
-requests it added when last fetched are enqueued again (``ConditionalRequestMiddleware``,
+page unchanged, without running its callback: its stored records are seen in the run, every
+request it linked when last fetched is enqueued again (``ConditionalRequestMiddleware``,
 priority 940). Off by default, since a callback that does not run is a change from Scrapy's
 behaviour (its side effects, its ``spider.state`` changes and its logging do not happen). A
 request opts out with the ``idempotent_conditional`` meta key ``False``. See
