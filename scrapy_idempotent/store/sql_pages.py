@@ -97,6 +97,8 @@ class SqlPageValidators:
     claims_load_validators: bool
     #: adaptive revisits' bounds (``FrontierStore``'s; None: off)
     revisit_bounds: RevisitBounds | None
+    #: the recrawl window (``FrontierStore``'s; None: none)
+    recrawl_seconds: float | None
     clock: Callable[[], float]
 
     def _select(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
@@ -136,13 +138,20 @@ class SqlPageValidators:
                 for key, record_ids, children, _ in rows}
 
     def _linked_requests(self, cur: Any, keys: Collection[str]) -> dict[str, Sequence[Any]]:
-        """The ``linked_requests`` rows of ``keys`` (those kept), by key."""
+        """The ``linked_requests`` rows of ``keys`` (those kept), by key, but for those the
+        frontier holds already in a state their enqueue would leave as it is (pending or
+        leased; done too without a recrawl window): most links of a listing page answered
+        304 were enqueued by another page first, and are not read twice."""
         if not keys:
             return {}
-        where, param = self._any("key", sorted(keys))
+        where, param = self._any("l.key", sorted(keys))
+        known = "" if self.recrawl_seconds is not None else " OR true"
         return {row[0]: row for row in self._lookup(
-            cur, "SELECT key, fingerprint, url, priority, data, filter_fingerprint, fifo, slot"
-                 f" FROM linked_requests WHERE {where}", (param,))}
+            cur, "SELECT l.key, l.fingerprint, l.url, l.priority, l.data, l.filter_fingerprint,"
+                 " l.fifo, l.slot FROM linked_requests AS l"
+                 f" WHERE {where} AND NOT EXISTS (SELECT 1 FROM requests AS r"
+                 f" WHERE r.key = l.key AND (r.state IN ('pending', 'leased'){known}))",
+            (param,))}
 
     def _keep_linked(self, cur: Any, requests: Sequence[NewRequest]) -> None:
         """Keep the requests pages added to the frontier (``requests``: a unit's own, not
