@@ -101,3 +101,48 @@ async def test_a_migrated_sqlite_crawl_is_refused_naming_where_it_went_until_und
     assert again.stats.get_value("idempotent/run_id") == 1  # resumed on SQLite
     code, _, err = idempotent("migrate", "--undo", "--db", str(db_path))
     assert code == 1 and "was not migrated" in err, err
+
+
+def test_migrated_pages_keep_their_validators_and_links(tmp_path: Path,
+                                                         postgres_url: str) -> None:
+    """A recrawl of a crawl migrated to PostgreSQL is conditional as it was on SQLite: the
+    pages' validators and every link they yielded move with the crawl (a 304 on PostgreSQL
+    reaches the product only the unchanged listing still links)."""
+    from conftest import FakeClock
+    from test_page_validators import (
+        VALIDATORS,
+        PageValidators,
+        claim_one,
+        new,
+        two_listings_sharing_a_product,
+    )
+
+    from scrapy_idempotent.store import Completion, RequestState, UnitOfWork, open_store
+
+    clock = FakeClock(1000.0)
+    source = open_store(f"sqlite:///{tmp_path / 'crawl.db'}", clock=clock)
+    source.open(fingerprinter="f")
+    source.load_validators_with_claims(True)
+    source.begin_session("w1", "auto")
+    two_listings_sharing_a_product(source)
+    target = open_store(postgres_url, clock=clock)
+    target.open(fingerprinter="f")
+    with source.frozen():
+        written = target.load(source.dump())
+    source.close()
+    assert (written["page_validators"], written["linked_requests"]) == (3, 1)
+
+    target.load_validators_with_claims(True)
+    clock.now += 100
+    assert target.begin_session("w1", "auto").run_id == 2
+    target.commit(UnitOfWork(requests=[new("a"), new("b")]), "w1")
+    listings = [claim_one(target), claim_one(target)]
+    assert [p.validators for p in listings] == [VALIDATORS, VALIDATORS]
+    target.commit(UnitOfWork(completions=[Completion(
+        "a", RequestState.DONE, validators=PageValidators('"a2"', None, "cd" * 32))]), "w1")
+    result = target.commit(UnitOfWork(completions=[
+        Completion("b", RequestState.DONE, not_modified=True)]), "w1")
+    assert (result.requests_relinked, result.requests_added) == (1, 1)
+    product = claim_one(target)
+    assert (product.key, product.validators) == ("p", VALIDATORS)
+    target.close()

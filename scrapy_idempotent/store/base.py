@@ -583,7 +583,8 @@ class FrontierStore(ABC):
     # -- moving a crawl to another database (``scrapy idempotent migrate``) -----------------
     #: The tables :meth:`dump` yields, in the order :meth:`load` takes them.
     DUMP_TABLES = ("meta", "runs", "sessions", "requests", "records", "rejects", "feeds",
-                   "responses", "outbox", "samples", "record_keys", "robots")
+                   "responses", "outbox", "samples", "record_keys", "robots",
+                   "page_validators", "linked_requests")
 
     def dump(self, batch: int = 1000) -> Iterator[tuple[str, list[dict[str, object]]]]:
         """Every row of the crawl, as ``(table, rows)`` batches of at most ``batch`` rows in

@@ -140,6 +140,11 @@ class PostgreSQLOperatorQueries(PostgreSQLConnections):
                         if row["state"] == "leased":  # leases do not move
                             row.update(state="pending", worker=None, leased_until=None)
                     self._copy(cur, "requests", LOADED["requests"], rows)
+                elif table == "linked_requests":
+                    for row in rows:
+                        row["filter_fingerprint"] = bool(row["filter_fingerprint"])
+                        row["fifo"] = bool(row["fifo"])
+                    self._copy(cur, table, LOADED[table], rows)
                 elif table in LOADED:
                     self._copy(cur, table, LOADED[table], rows)
                 else:

@@ -102,7 +102,8 @@ class SQLiteOperatorQueries:
         keys = {"meta": "key", "runs": "run_id", "sessions": "session_id", "requests": "id",
                 "records": "record_id", "rejects": "id", "feeds": "rowid",
                 "responses": "key", "outbox": "id", "samples": "rowid",
-                "record_keys": "record_type", "robots": "netloc"}
+                "record_keys": "record_type", "robots": "netloc", "page_validators": "key",
+                "linked_requests": "key"}
         for table in self.DUMP_TABLES:
             key = keys[table]
             after: object = None
