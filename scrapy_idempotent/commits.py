@@ -24,7 +24,7 @@ from scrapy.utils.url import strip_url
 
 from . import signals
 from .exceptions import StoreError
-from .leases import QueueRank, queue_rank, queue_rank_of_new
+from .leases import QueueRank, queue_rank, queue_rank_of_new, report_dead_worker_pauses
 from .scrapy_compat import stat_counter
 from .store.base import RequestState, UnitOfWork
 from .writer import COMMIT_ATTEMPTS, LINGER_SECONDS, WriterThread, retry_busy
@@ -358,6 +358,8 @@ class CommitOutcomes:
                 "finishing, as if it killed the crawl each time; `scrapy idempotent retry "
                 "--kind quarantined` puts it back", strip_url(url, strip_credentials=True),
                 self.max_attempts)
+        if result.reclaimed is not None:
+            report_dead_worker_pauses(self.stats, result.reclaimed)
         inc = self._count
         inc("idempotent/transactions")
         for name, value in (

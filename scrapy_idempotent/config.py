@@ -8,6 +8,7 @@ documentation) are declared in :mod:`.default_settings`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import difflib
 import json
 import logging
@@ -139,8 +140,9 @@ class QueueConfig:
         return config_for(crawler).queue
 
 
-#: Scrapy's defaults: CONCURRENT_REQUESTS_PER_DOMAIN 8, no DOWNLOAD_DELAY, no DOWNLOAD_SLOTS.
-_DEFAULT_SLOT_LIMITS = SlotLimits(concurrency=8)
+#: Scrapy's defaults: CONCURRENT_REQUESTS_PER_DOMAIN 8, no DOWNLOAD_DELAY, no DOWNLOAD_SLOTS;
+#: a dead worker's slots paused for IDEMPOTENT_BACKOFF_SECONDS' default.
+_DEFAULT_SLOT_LIMITS = SlotLimits(concurrency=8, dead_worker_pause_seconds=10.0)
 
 
 @dataclass(frozen=True)
@@ -481,6 +483,8 @@ def _politeness(settings: BaseSettings) -> dict[str, Any]:
                           settings.get("CONCURRENT_REQUESTS_PER_DOMAIN"),
                           "at least 1 for every download slot (with IDEMPOTENT_POLITENESS "
                           "'crawl')")
+    # a dead worker's slots are paused as if they had answered 429 (the first backoff)
+    limits = dataclasses.replace(limits, dead_worker_pause_seconds=first)
     return {"politeness": mode, "slot_limits": limits, "backoff_seconds": first,
             "backoff_max_seconds": most,
             "robotstxt_max_age_seconds": _number(

@@ -530,7 +530,9 @@ row, up to
 ``Retry-After`` (seconds or an HTTP date) is the pause instead (at most the maximum). The
 throttled request is fetched again after the pause without counting against
 ``RETRY_TIMES`` (ten times in a row at most, then RetryMiddleware decides; with
-``RETRY_ENABLED = False`` or ``dont_retry`` the pause alone holds). With
+``RETRY_ENABLED = False`` or ``dont_retry`` the pause alone holds). Also the cautious pause
+of every slot a dead worker held requests of, from when its leases are taken back (it may
+have got a 429 it could not write; see :ref:`pause-exactly`). With
 ``IDEMPOTENT_POLITENESS = "crawl"`` only.""",
     ),
     Setting(

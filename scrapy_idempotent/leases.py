@@ -41,10 +41,18 @@ if TYPE_CHECKING:
     from .engine_hooks import EngineWakeup
     from .health import CrawlHealth
     from .inflight import InflightTracker
-    from .store.base import CommitResult, FrontierStore, LeasedRequest, NewRequest, UnitOfWork
+    from .store.base import (
+        CommitResult,
+        FrontierStore,
+        LeasedRequest,
+        NewRequest,
+        Reclaimed,
+        UnitOfWork,
+    )
     from .writer import WriterThread
 
-__all__ = ["ClaimedRequests", "LeaseKeeper", "QueueRank", "queue_rank", "queue_rank_of_new"]
+__all__ = ["ClaimedRequests", "LeaseKeeper", "QueueRank", "queue_rank", "queue_rank_of_new",
+           "report_dead_worker_pauses"]
 
 logger = logging.getLogger(__name__)
 
@@ -287,6 +295,7 @@ class LeaseKeeper:
         self.renewing = False
         self._loop: task.LoopingCall | None = None
         self._dead_check_at = 0.0
+        self._reclaiming = False  #: a reclaim is on the writer's thread
         self._woken = False
 
     def start(self) -> None:
@@ -380,56 +389,59 @@ class LeaseKeeper:
 
     # -- reclaims ---------------------------------------------------------------------------
 
-    def _dead_workers(self) -> list[str]:
-        """This host's dead workers (of its PID namespace) holding leases."""
-        return [h.worker for h in self.store.lease_holders()
-                if h.worker != self.writer.worker and workers.worker_is_dead(h.worker)]
+    def _is_dead(self, worker: str) -> bool:
+        """Whether ``worker``, holding leases, is another worker of this host (of its PID
+        namespace) whose process is gone."""
+        return worker != self.writer.worker and workers.worker_is_dead(worker)
 
     def reclaim_dead_workers(self) -> int:
-        """At open, on the calling thread: put the dead workers' leases back to pending;
-        returns how many."""
-        dead = self._dead_workers()
-        reclaimed = self.store.release_leases(dead) if dead else 0
-        if reclaimed:
-            self.stats.inc_value("idempotent/requests/reclaimed", reclaimed)
-            self.claimed.claimable_again()
-            logger.info("scrapy_idempotent: reclaimed %d leases of dead workers %s",
-                        reclaimed, ", ".join(dead))
-        return reclaimed
+        """At open, on the calling thread: put the dead workers' leases back to pending (a
+        restart's own predecessor's included), their slots paused with the crawl's limits
+        (:meth:`.FrontierStore.reclaim_leases`); returns how many."""
+        reclaimed = self.store.reclaim_leases(expired=False, is_dead=self._is_dead)
+        self._leases_reclaimed(reclaimed, wake=False)
+        return reclaimed.released
 
     def reclaim_soon(self, *, dead_only: bool = False) -> None:
-        """Other workers hold leases: put those of dead workers and the expired ones back to
-        pending (on the writer's thread, at most once a second); the claim that follows may
-        take them. ``dead_only``: only when a dead worker of this host holds some (a read
-        otherwise, no write: the worker has other work, and expired leases wait for it)."""
+        """Other workers hold leases: put those of dead workers of this host and (unless
+        ``dead_only``) the expired ones back to pending, their slots paused with the
+        crawl's limits; the claim that follows may take them. On the writer's thread (the
+        read of who holds leases included), one check at a time, at most once a second;
+        with ``dead_only``, a read and no write unless a dead worker holds some (the worker
+        has other work, and expired leases wait for it)."""
         now = time.monotonic()
-        if now < self._dead_check_at:
+        if self._reclaiming or now < self._dead_check_at:
             return
         self._dead_check_at = now + 1.0
+        is_dead, expired = self._is_dead, not dead_only
+        self._reclaiming = True
         try:
-            dead = self._dead_workers()
-        except StoreBusy:  # the server away (a read that never waits): asked again later
+            reclaiming = self.writer.call("reclaiming leases", lambda store: (
+                store.reclaim_leases(expired=expired, is_dead=is_dead)))
+        except BaseException:
+            self._reclaiming = False
+            raise
+        reclaiming.addCallbacks(self._leases_reclaimed, self._reclaim_failed)
+        reclaiming.addBoth(self._reclaim_done)
+
+    def _reclaim_failed(self, failure: Failure) -> None:
+        if isinstance(failure.value, StoreBusy):  # the server away: asked again later
             return
-        if dead_only and not dead:
-            return
+        logger.warning("scrapy_idempotent: could not reclaim leases: %s", failure.value)
 
-        def reclaim(store: FrontierStore) -> tuple[int, int]:
-            return (store.release_leases(dead) if dead else 0), store.reclaim_expired()
+    def _reclaim_done(self, _: object) -> None:
+        self._reclaiming = False
 
-        reclaiming = self.writer.call("reclaiming leases", reclaim)
-        reclaiming.addCallbacks(lambda counts: self._leases_reclaimed(dead, *counts),
-                                lambda failure: logger.warning(
-                                    "scrapy_idempotent: could not reclaim leases: %s",
-                                    failure.value))
-
-    def _leases_reclaimed(self, dead: list[str], released: int, expired: int) -> None:
-        if released:
-            self.stats.inc_value("idempotent/requests/reclaimed", released)
+    def _leases_reclaimed(self, reclaimed: Reclaimed, *, wake: bool = True) -> None:
+        if reclaimed.released:
+            self.stats.inc_value("idempotent/requests/reclaimed", reclaimed.released)
             logger.info("scrapy_idempotent: reclaimed %d leases of dead workers %s",
-                        released, ", ".join(dead))
-        if released or expired:
+                        reclaimed.released, ", ".join(reclaimed.dead))
+        report_dead_worker_pauses(self.stats, reclaimed)
+        if reclaimed.released or reclaimed.expired:
             self.claimed.claimable_again()
-            self.wakeup.if_asked_in_vain()
+            if wake:
+                self.wakeup.if_asked_in_vain()
 
     def reclaim_space(self, *, everything: bool) -> None:
         """Give the space of deleted journal rows back to the file system (every tick when
@@ -472,3 +484,15 @@ class LeaseKeeper:
         self.stats.inc_value("idempotent/wakeups")
         self.claimed.wake()
         self.wakeup.now()
+
+
+def report_dead_worker_pauses(stats: StatsCollector, reclaimed: Reclaimed) -> None:
+    """The download slots paused because a worker that died (or whose leases ran out) held
+    requests of them when its leases were taken back (:meth:`.FrontierStore.reclaim_leases`):
+    counted as ``idempotent/slots/paused_after_dead_worker``, one INFO line per worker."""
+    for worker, slots in reclaimed.paused.items():
+        stats.inc_value("idempotent/slots/paused_after_dead_worker", len(slots))
+        logger.info("scrapy_idempotent: download slots %s paused for %.1f s for every worker: "
+                    "worker %s held requests of them when its leases were taken back (dead "
+                    "or stopped, it may have got a 429 it could not write)",
+                    ", ".join(slots), reclaimed.paused_seconds, worker)

@@ -23,6 +23,10 @@ worker would forget that a site asked it to slow down. With ``IDEMPOTENT_POLITEN
   The request is retried without counting against ``RETRY_TIMES`` (up to
   :data:`~.slot_backoff.THROTTLED_RETRIES` times in a row; not with ``RETRY_ENABLED = False`` or
   ``dont_retry``, where the pause alone holds);
+* a worker that dies before it has written a pause takes the answer with it: the
+  transaction that takes a dead worker's leases back pauses every slot it held one of, as
+  if it had answered 429 (:meth:`~.FrontierStore.reclaim_leases`;
+  :func:`.leases.report_dead_worker_pauses` counts and logs them);
 * with ``ROBOTSTXT_OBEY``, robots.txt's ``Crawl-delay`` for the crawl's user agent is the
   slot's delay when it is longer.
 
@@ -201,3 +205,4 @@ class Politeness:
         self.stats.inc_value("idempotent/slots/crawl_delay")
         self.writer.call("keeping a download slot's crawl delay",
                          lambda store: store.set_slot_delay(slot, delay))
+

@@ -5,6 +5,7 @@ them again for every such page."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pytest
@@ -108,3 +109,84 @@ def test_a_higher_priority_request_goes_first_a_lower_one_waits(
     order = [claimed.pop().key for _ in range(len(claimed))]
     assert order[0] == "high"
     assert "low" not in order  # every request claimed here goes before it
+
+
+class _HeldWriter:
+    """A writer whose calls wait until the test runs them (on the test's thread, standing in
+    for the writer's)."""
+
+    def __init__(self, store: FrontierStore, worker: str) -> None:
+        self.store, self.worker = store, worker
+        self.calls: list[tuple[str, Callable[[FrontierStore], object], object]] = []
+
+    def call(self, what: str, action: Callable[[FrontierStore], object]) -> object:
+        from twisted.internet.defer import Deferred
+
+        d: Deferred[object] = Deferred()
+        self.calls.append((what, action, d))
+        return d
+
+    def run(self) -> None:
+        _, action, d = self.calls.pop(0)
+        d.callback(action(self.store))  # type: ignore[attr-defined]
+
+
+class _Untouched:
+    """The store as the reactor thread sees it: the check must not read it there."""
+
+    def __getattr__(self, name: str) -> object:
+        raise AssertionError(f"store.{name} used on the reactor thread")
+
+
+def test_an_idle_workers_check_for_dead_workers_runs_on_the_writers_thread_one_at_a_time(
+        store_factory: Callable[..., FrontierStore]) -> None:
+    """The check reads who holds leases and releases a dead worker's on the writer's thread
+    (the reactor never waits on the store), one check at a time; the dead worker's slots are
+    paused with the crawl's limits, counted and logged."""
+    import socket
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+    from typing import Any, cast
+
+    from scrapy.statscollectors import MemoryStatsCollector
+    from scrapy.utils.test import get_crawler
+
+    from scrapy_idempotent.leases import LeaseKeeper
+    from scrapy_idempotent.store.base import SlotLimits
+    from scrapy_idempotent.workers import WorkerId, pid_namespace, process_start_ticks
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = str(WorkerId(socket.gethostname(), gone.pid,
+                        process_start_ticks(os.getpid()) or "1", "0a0b0c0d", pid_namespace()))
+    store = store_factory()
+    store.open(fingerprinter="f")
+    store.begin_session(WORKER, "auto")  # type: ignore[arg-type]
+    store.keep_slot_limits(SlotLimits(concurrency=2, dead_worker_pause_seconds=10.0))
+    store.commit(UnitOfWork(requests=[NewRequest(key="a", fingerprint="a",
+                                                 url="http://a.example/", priority=0,
+                                                 data="{}", slot="a.example")]), dead)
+    assert len(store.commit(UnitOfWork(claim=1), dead).leased) == 1
+    writer = _HeldWriter(store, WORKER)
+    stats = MemoryStatsCollector(get_crawler())
+    woken: list[bool] = []
+    keeper = LeaseKeeper(
+        cast(Any, _Untouched()), cast(Any, writer), tracker=cast(Any, None),
+        claimed=ClaimedRequests(10), stats=stats,
+        health=cast(Any, SimpleNamespace(stopped=False, closing=False)),
+        wakeup=cast(Any, SimpleNamespace(if_asked_in_vain=lambda: woken.append(True))),
+        lease_seconds=60.0, flush=lambda: None)
+    keeper.reclaim_soon(dead_only=True)
+    keeper._dead_check_at = 0.0  # (a second later)
+    keeper.reclaim_soon(dead_only=True)
+    assert len(writer.calls) == 1  # one check at a time
+    writer.run()
+    assert stats.get_value("idempotent/requests/reclaimed") == 1
+    assert stats.get_value("idempotent/slots/paused_after_dead_worker") == 1
+    assert woken == [True]
+    assert [s.slot for s in store.slots() if s.paused_until > store.clock()] == ["a.example"]
+    keeper._dead_check_at = 0.0
+    keeper.reclaim_soon(dead_only=True)  # no dead worker now: a read, nothing written
+    writer.run()
+    assert stats.get_value("idempotent/requests/reclaimed") == 1

@@ -5,7 +5,9 @@ store opened later; and the pieces the scheduler side reads (Retry-After, the se
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +28,8 @@ from scrapy_idempotent.store.base import (
 from scrapy_idempotent.store.rules import pause_seconds
 
 LIMITS = SlotLimits(concurrency=2, per_slot=(("slow.example", 1, 5.0),))
+#: the crawl's limits as a worker keeps them: a dead worker's slots paused 10 s
+CAUTIOUS = dataclasses.replace(LIMITS, dead_worker_pause_seconds=10.0)
 
 
 def req(slot: str, n: int) -> NewRequest:
@@ -35,15 +39,15 @@ def req(slot: str, n: int) -> NewRequest:
 
 
 @pytest.fixture
-def polite(store_factory: Callable[..., FrontierStore]) -> Callable[[str], FrontierStore]:
+def polite(store_factory: Callable[..., FrontierStore]) -> Callable[..., FrontierStore]:
     """``polite(worker)``: a store of the test's database, opened for ``worker``, claiming by
     :data:`LIMITS` (as two worker processes of one crawl)."""
 
-    def make(worker: str) -> FrontierStore:
+    def make(worker: str, limits: SlotLimits = LIMITS) -> FrontierStore:
         store = store_factory(lease_seconds=60.0)
         store.open(fingerprinter="x")
         store.begin_session(worker, "auto")  # type: ignore[arg-type]
-        store.keep_slot_limits(LIMITS)
+        store.keep_slot_limits(limits)
         return store
 
     return make
@@ -338,3 +342,124 @@ def test_a_pause_binds_the_worker_that_got_the_429_before_it_is_written() -> Non
     assert politeness.holding("a.example")
     politeness._holds["a.example"] = time.monotonic() - 1  # the pause is over
     assert not politeness.holding("a.example")
+
+
+# -- a dead worker's slots ------------------------------------------------------------------
+
+
+def _pauses(store: FrontierStore) -> dict[str, tuple[float, int]]:
+    return {s.slot: (s.paused_until, s.backoffs) for s in store.slots()}
+
+
+def test_a_dead_workers_slots_are_paused_when_its_leases_are_taken_back(
+        polite: Callable[..., FrontierStore], clock: FakeClock) -> None:
+    """It may have got a 429 it could not write: every slot it held a lease of (claimed
+    ahead or in flight: the store cannot tell them apart) is paused for the first backoff
+    from the take-back, in the same transaction, as a guess (the backoff is not doubled)."""
+    dead, live = polite("w1", CAUTIOUS), polite("w2", CAUTIOUS)
+    dead.commit(UnitOfWork(requests=[req("a.example", n) for n in range(3)]
+                           + [req("b.example", n) for n in range(2)] + [req("c.example", 0)]),
+                "w1")
+    assert claim(dead, "w1", 3) == ["a.example/0", "a.example/1", "b.example/0"]
+    clock.advance(1)
+    reclaimed = live.reclaim_leases(["w1"], expired=False)
+    assert (reclaimed.released, reclaimed.expired, reclaimed.dead) == (3, 0, ("w1",))
+    assert reclaimed.paused == {"w1": ("a.example", "b.example")}
+    assert reclaimed.paused_seconds == 10.0
+    pauses = _pauses(live)
+    assert pauses["a.example"] == pauses["b.example"] == (clock() + 10.0, 0)
+    assert pauses["c.example"][0] <= clock()
+    assert claim(live, "w2") == ["c.example/0"]  # the other site goes on
+    clock.advance(9.9)
+    assert claim(live, "w2") == []
+    clock.advance(0.1)
+    assert sorted(claim(live, "w2")) == ["a.example/0", "a.example/1", "b.example/0",
+                                         "b.example/1"]
+
+
+def test_a_longer_pause_stays_when_a_dead_workers_slots_are_paused(
+        polite: Callable[..., FrontierStore], clock: FakeClock) -> None:
+    dead, live = polite("w1", CAUTIOUS), polite("w2", CAUTIOUS)
+    dead.commit(UnitOfWork(requests=[req("a.example", 0), req("b.example", 0)]), "w1")
+    assert len(claim(dead, "w1")) == 2
+    dead.pause_slot("a.example", retry_after=30.0, first_seconds=10.0, max_seconds=600.0)
+    # the dead worker is found by the caller's test of its process (same host)
+    reclaimed = live.reclaim_leases(expired=False, is_dead=lambda worker: worker == "w1")
+    assert reclaimed.released == 2 and reclaimed.paused == {"w1": ("b.example",)}
+    assert _pauses(live)["a.example"] == (clock() + 30.0, 1)
+    assert _pauses(live)["b.example"] == (clock() + 10.0, 0)
+    # a live worker is never judged dead: nothing read as dead, nothing written
+    assert live.reclaim_leases(expired=False, is_dead=lambda worker: False).released == 0
+
+
+def test_a_claim_takes_back_expired_leases_and_pauses_their_slots(
+        polite: Callable[..., FrontierStore], clock: FakeClock) -> None:
+    """A worker that died on another host (or stopped) has its leases expire: the next claim
+    takes them back and pauses their slots before it reads the slots, so no claim sends to
+    such a slot between the expiry and the pause."""
+    stopped, other = polite("w1", CAUTIOUS), polite("w2", CAUTIOUS)
+    stopped.commit(UnitOfWork(requests=[req("a.example", n) for n in range(4)]
+                              + [req("b.example", 0)]), "w1")
+    assert claim(stopped, "w1", 2) == ["a.example/0", "a.example/1"]
+    clock.advance(61)  # past the lease
+    result = other.commit(UnitOfWork(claim=10), "w2")
+    assert [r.key for r in result.leased] == ["b.example/0"]
+    assert result.reclaimed is not None and result.reclaimed.expired == 2
+    assert result.reclaimed.paused == {"w1": ("a.example",)}
+    assert result.claim_again_in == pytest.approx(10.0)
+    clock.advance(10)
+    assert claim(other, "w2") == ["a.example/0", "a.example/1"]
+    assert other.commit(UnitOfWork(claim=10), "w2").reclaimed is None  # none expired
+
+
+def test_reclaim_expired_pauses_the_slots_of_the_leases_it_takes_back(
+        polite: Callable[..., FrontierStore], clock: FakeClock) -> None:
+    stopped, other = polite("w1", CAUTIOUS), polite("w2", CAUTIOUS)
+    stopped.commit(UnitOfWork(requests=[req("a.example", 0)]), "w1")
+    assert claim(stopped, "w1") == ["a.example/0"]
+    clock.advance(61)
+    assert other.reclaim_expired() == 1
+    assert _pauses(other)["a.example"] == (clock() + 10.0, 0)
+
+
+def test_without_a_pause_for_dead_workers_their_slots_are_not_paused(
+        polite: Callable[..., FrontierStore], clock: FakeClock) -> None:
+    """Per-worker politeness keeps no slots' limits in the store: nothing to pause."""
+    dead, live = polite("w1"), polite("w2")
+    dead.commit(UnitOfWork(requests=[req("a.example", 0)]), "w1")
+    assert claim(dead, "w1") == ["a.example/0"]
+    reclaimed = live.reclaim_leases(["w1"], expired=False)
+    assert reclaimed.released == 1 and reclaimed.paused == {}
+    assert _pauses(live)["a.example"][0] <= clock()
+
+
+def test_the_dead_workers_slots_paused_are_counted_and_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from scrapy.statscollectors import MemoryStatsCollector
+    from scrapy.utils.test import get_crawler
+
+    from scrapy_idempotent.leases import report_dead_worker_pauses
+    from scrapy_idempotent.store.base import Reclaimed
+
+    stats = MemoryStatsCollector(get_crawler())
+    with caplog.at_level(logging.INFO, logger="scrapy_idempotent.leases"):
+        report_dead_worker_pauses(stats, Reclaimed(
+            released=3, dead=("host:1:2:x",), paused={"host:1:2:x": ("a.example", "b.example")},
+            paused_seconds=10.0))
+    assert stats.get_value("idempotent/slots/paused_after_dead_worker") == 2
+    assert caplog.messages == [
+        "scrapy_idempotent: download slots a.example, b.example paused for 10.0 s for every "
+        "worker: worker host:1:2:x held requests of them when its leases were taken back "
+        "(dead or stopped, it may have got a 429 it could not write)"]
+
+
+def test_the_crawls_limits_pause_a_dead_workers_slots_for_the_first_backoff() -> None:
+    from scrapy import Spider
+    from scrapy.settings import Settings
+
+    from scrapy_idempotent.config import SETTINGS
+
+    config = IdempotentConfig.from_settings(Settings({
+        **SETTINGS, "IDEMPOTENT_POLITENESS": "crawl", "IDEMPOTENT_BACKOFF_SECONDS": 7}),
+        Spider(name="s"))
+    assert config.slot_limits.dead_worker_pause_seconds == 7.0

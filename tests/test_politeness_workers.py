@@ -156,9 +156,13 @@ def test_a_429_with_retry_after_pauses_the_site_for_every_worker_across_a_kill(
         assert throttling.request_count == pages + 1  # each page once, the throttled twice
         assert throttling.most_in_flight == 1
         # the other site went on meanwhile
-        # (the killed worker's request in flight to it, if any, is fetched again)
+        # (the killed worker's request in flight to it, if any, is fetched again), unless the
+        # killed worker held its one place: then it is paused too, as a dead worker's site
         assert pages <= other.request_count <= pages + 1
-        assert any(answered[0] < t < answered[0] + 5.0 for t in other.arrival_times())
+        cautious = [line for log in logs for line in log.read_text(errors="replace").splitlines()
+                    if "held requests of them when its leases were taken back" in line]
+        if not any("127.0.0.9" in line for line in cautious):
+            assert any(answered[0] < t < answered[0] + 5.0 for t in other.arrival_times())
 
 
 #: libfaketime from Debian's faketime package: it moves one process's wall clock

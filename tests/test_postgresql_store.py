@@ -174,6 +174,41 @@ def test_a_worker_whose_heartbeat_is_stale_is_dead_and_its_leases_come_back(
     assert a.counts()["records"] == 0
 
 
+def test_a_stale_heartbeats_leases_come_back_with_their_slots_paused(
+        make: Callable[..., PostgreSQLStore]) -> None:
+    """A worker dead on another host (its heartbeat stale, its leases not expired): the
+    transaction that takes its leases back pauses every slot it held one of, as if each had
+    answered 429 (it may have got one it could not write)."""
+    from dataclasses import replace
+
+    from scrapy_idempotent.store.base import SlotLimits
+
+    clock = FakeClock()
+    options = {"clock": clock, "lease_seconds": 60.0, "dead_after_seconds": 15.0,
+               "heartbeat_seconds": None}
+    limits = SlotLimits(concurrency=1, dead_worker_pause_seconds=10.0)
+    a, b = make(**options), make(**options)
+    for store, worker in ((a, "host-a:1:1:x"), (b, "host-b:1:1:y")):
+        store.open(fingerprinter="f", identity=SHOP)
+        store.begin_session(worker, "auto")
+        store.keep_slot_limits(limits)
+    a.commit(UnitOfWork(requests=[replace(req(f"p{n}"), slot=slot)
+                                  for n, slot in enumerate(("s1", "s1", "s2"))]),
+             "host-a:1:1:x")
+    assert len(a.commit(UnitOfWork(claim=3), "host-a:1:1:x").leased) == 2  # s1/p0, s2/p2
+    clock.now += 16  # a's heartbeat is 16 s old, its leases have 44 s left
+    b.heartbeat()
+    assert b.commit(UnitOfWork(claim=3), "host-b:1:1:y").leased == []  # a's leases count
+    reclaimed = b.reclaim_leases()
+    assert reclaimed.expired == 2 and reclaimed.paused == {"host-a:1:1:x": ("s1", "s2")}
+    assert {s.slot: s.paused_until for s in b.slots()} == {"s1": clock.now + 10,
+                                                           "s2": clock.now + 10}
+    assert b.commit(UnitOfWork(claim=3), "host-b:1:1:y").leased == []
+    clock.now += 10
+    b.heartbeat()
+    assert len(b.commit(UnitOfWork(claim=3), "host-b:1:1:y").leased) == 2
+
+
 def test_a_new_worker_takes_a_killed_peers_leases_once_the_peers_heartbeat_is_stale(
         make: Callable[..., PostgreSQLStore]) -> None:
     """The judge's own liveness is the outage safeguard, not its connection's age: a worker

@@ -80,6 +80,7 @@ from .values import (
     OutboxOutcome,
     OutboxState,
     PageValidators,
+    Reclaimed,
     Record,
     RecordKey,
     RecordMove,
@@ -121,6 +122,7 @@ __all__ = [
     "OutboxRow",
     "OutboxState",
     "PageValidators",
+    "Reclaimed",
     "Record",
     "RecordKey",
     "RecordMove",
@@ -241,12 +243,25 @@ class FrontierStore(ABC):
 
     @abstractmethod
     def release_leases(self, workers: list[str]) -> int:
-        """Put the leases of ``workers`` back to pending at once (a graceful stop, or dead
-        workers). Returns how many."""
+        """Put the leases of ``workers`` back to pending at once (dead workers: their slots
+        are paused as :meth:`reclaim_leases` says). Returns how many."""
 
     @abstractmethod
     def reclaim_expired(self) -> int:
         """Put leases whose time is up back to pending. Returns how many."""
+
+    @abstractmethod
+    def reclaim_leases(self, dead: Sequence[str] = (), *, expired: bool = True,
+                       is_dead: Callable[[str], bool] | None = None) -> Reclaimed:
+        """In one transaction, put back to pending the leases of the ``dead`` workers and,
+        with ``expired``, those whose time is up (:meth:`reclaim_expired`). ``is_dead``: the
+        workers holding leases are read first (on the calling thread's connection: the
+        writer's), and those it says are dead are added to ``dead``; without ``expired``,
+        nothing is written when none is. With the crawl's limits (:meth:`keep_slot_limits`),
+        every download slot of such a lease is paused for
+        :attr:`SlotLimits.dead_worker_pause_seconds` from now on the store's clock, unless a
+        longer pause is stored: a worker that died may have got a 429 it could not write.
+        :meth:`release_leases` and :meth:`reclaim_expired` pause so too."""
 
     @abstractmethod
     def reclaim_space(self, *, everything: bool = False) -> int:

@@ -631,28 +631,15 @@ class PostgreSQLStore(PostgreSQLHeartbeat, PostgreSQLOperatorQueries, SqlStore):
         return [worker for (worker,) in self._read(
             f"{_DEAD_WORKERS} ORDER BY worker", (self.clock() - self.dead_after_seconds,))]
 
-    def reclaim_expired(self) -> int:
-        """Put back leases whose time is up, and every lease of another worker whose
-        heartbeat is older than :attr:`dead_after_seconds` (dead, on whatever host), in one
-        statement; heartbeats are judged only while this worker's own go on (see
-        :meth:`_judges`)."""
-        with self._write("reclaiming leases") as cur:
-            # judged once the connection of this transaction is there (it may have been
-            # reopened just now)
-            now = self.clock()
-            judged = self._judges(now)
-            dead_before = now - self.dead_after_seconds if judged and self.dead_after_seconds \
-                else float("-inf")
-            cur.execute(
-                "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL"
-                " WHERE state = 'leased' AND (leased_until < %s OR"
-                f" (worker IN ({_DEAD_WORKERS}) AND worker IS DISTINCT FROM %s))",
-                (now, dead_before, self._worker))
-            reclaimed: int = cur.rowcount
-            if reclaimed:
-                self._notify(cur, force=True)
-                self._add_to_counter(cur, "leases_reclaimed", reclaimed)
-            return reclaimed
+    def _expired_leases(self, now: float) -> tuple[str, tuple[Any, ...]]:
+        """Leases whose time is up, and every lease of another worker whose heartbeat is
+        older than :attr:`dead_after_seconds` (dead, on whatever host); heartbeats are
+        judged only while this worker's own go on (see :meth:`_judges`)."""
+        judged = self._judges(now)
+        dead_before = now - self.dead_after_seconds if judged and self.dead_after_seconds \
+            else float("-inf")
+        return (f"leased_until < %s OR (worker IN ({_DEAD_WORKERS})"
+                " AND worker IS DISTINCT FROM %s)", (now, dead_before, self._worker))
 
     def _add_to_counter(self, cur: Any, column: str, count: int) -> None:
         if count and self.session_id is not None:

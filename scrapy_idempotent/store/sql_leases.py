@@ -5,10 +5,10 @@ reads who holds leases and whether anything is claimable."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from .base import FrontierStatus, LeaseHolder
+from .base import CommitResult, FrontierStatus, LeaseHolder, Reclaimed, SlotLimits
 from .sql_dialect import _PENDING_AGAIN, SqlDialect
 
 __all__ = ["SqlLeases"]
@@ -16,6 +16,8 @@ __all__ = ["SqlLeases"]
 
 class SqlLeases(SqlDialect):
     """A session's end and the leases' release and reads (a mixin of ``SqlStore``)."""
+
+    slot_limits: SlotLimits | None
 
     def _lock_frontier(self, cur: Any) -> None:
         raise NotImplementedError
@@ -50,12 +52,106 @@ class SqlLeases(SqlDialect):
         return FrontierStatus(claimable=bool(claimable), leased_elsewhere=bool(elsewhere))
 
     def release_leases(self, workers: list[str]) -> int:
-        if not workers:
-            return 0
-        with self._write("releasing leases") as cur:
-            released = self._release(cur, workers)
-            self._add_to_counter(cur, "leases_reclaimed", released)
-            return released
+        return self.reclaim_leases(workers, expired=False).released
+
+    def reclaim_expired(self) -> int:
+        return self.reclaim_leases((), expired=True).expired
+
+    def reclaim_leases(self, dead: Sequence[str] = (), *, expired: bool = True,
+                       is_dead: Callable[[str], bool] | None = None) -> Reclaimed:
+        dead = list(dead)
+        if is_dead is not None:
+            # on the calling thread's own connection, outside a transaction: a read, and no
+            # write transaction unless a holder is dead (an idle worker asks every second)
+            dead.extend(sorted(w for (w,) in self._select(
+                "SELECT DISTINCT worker FROM requests WHERE state = 'leased'")
+                if w not in dead and is_dead(w)))
+        if not dead and not expired:
+            return Reclaimed()
+        with self._write("reclaiming leases") as cur:
+            # read once the connection of this transaction is there (PostgreSQL: the
+            # heartbeats are judged only on a connection that has been up a while)
+            now = self.clock()
+            paused: dict[str, set[str]] = {}
+            released = taken = 0
+            if dead:
+                where, param = self._any("worker", dead)
+                released = self._take_back(cur, where, (param,), now, paused)
+            if expired:
+                where, params = self._expired_leases(now)
+                taken = self._take_back(cur, where, params, now, paused)
+            if released or taken:
+                self._notify(cur, force=True)
+            self._add_to_counter(cur, "leases_reclaimed", released + taken)
+        return self._reclaimed(released, taken, paused, dead if released else [])
+
+    def _reclaimed(self, released: int, expired: int, paused: dict[str, set[str]],
+                   dead: Sequence[str] = ()) -> Reclaimed:
+        return Reclaimed(released=released, expired=expired, dead=tuple(dead),
+                         paused={w: tuple(sorted(s)) for w, s in sorted(paused.items()) if s},
+                         paused_seconds=self._dead_worker_pause_seconds())
+
+    def _expired_leases(self, now: float) -> tuple[str, tuple[Any, ...]]:
+        """The condition of the leases :meth:`reclaim_expired` takes back, and its
+        parameters: their time is up."""
+        return "leased_until < ?", (now,)
+
+    def _take_back(self, cur: Any, where: str, params: Sequence[Any], now: float,
+                   paused: dict[str, set[str]]) -> int:
+        """Put the leases matching ``where`` back to pending, their slots paused first
+        (:meth:`_pause_dead_slots`). Returns how many."""
+        self._pause_dead_slots(cur, where, params, now, paused)
+        # (rows returned, not a row count: a pipelined transaction's cursor has none yet)
+        return len(cur.execute(self._q(
+            f"{_PENDING_AGAIN} WHERE state = 'leased' AND ({where}) RETURNING id"),
+            params).fetchall())
+
+    def _dead_worker_pause_seconds(self) -> float:
+        limits = self.slot_limits
+        return limits.dead_worker_pause_seconds if limits is not None else 0.0
+
+    def _pause_dead_slots(self, cur: Any, where: str, params: Sequence[Any], now: float,
+                          paused: dict[str, set[str]]) -> None:
+        """With the crawl's limits, pause every download slot of a lease matching ``where``
+        (taken back from a worker that is dead or whose time is up) for
+        :attr:`.SlotLimits.dead_worker_pause_seconds` from ``now``, unless it is paused
+        longer: the worker may have got a 429 for that slot and died before writing the
+        pause. Adds the slots paused to ``paused`` under the worker that held the lease."""
+        seconds = self._dead_worker_pause_seconds()
+        if seconds <= 0:
+            return
+        held = cur.execute(self._q(
+            "SELECT DISTINCT worker, slot FROM requests WHERE state = 'leased'"
+            f" AND ({where}) AND slot <> ''"), params).fetchall()
+        until = now + seconds
+        done: set[str] = set()
+        for slot in sorted({slot for _, slot in held}):  # one lock order for every worker
+            if cur.execute(self._q("UPDATE slots SET paused_until = ? WHERE slot = ?"
+                                   " AND paused_until < ? RETURNING slot"),
+                           (until, slot, until)).fetchall():
+                done.add(slot)
+        for worker, slot in held:
+            if slot in done:
+                paused.setdefault(worker, set()).add(slot)
+
+    def _take_back_expired(self, cur: Any, now: float, result: CommitResult) -> None:
+        """Before a claim by the slots' limits: leases whose time is up, of a worker that
+        died or stopped elsewhere, no longer count against their slots; put them back to
+        pending here, their slots paused (:meth:`_pause_dead_slots`), so that no claim
+        sends to such a slot before its cautious pause holds (nothing when none expired:
+        one read of the leased requests)."""
+        if self._dead_worker_pause_seconds() <= 0 or cur.execute(self._q(
+                "SELECT 1 FROM requests WHERE state = 'leased' AND leased_until < ? LIMIT 1"),
+                (now,)).fetchone() is None:
+            return
+        paused: dict[str, set[str]] = {}
+        where = ("id IN (SELECT id FROM requests WHERE state = 'leased' AND leased_until < ?"
+                 f"{self.SKIP_LOCKED})")
+        taken = self._take_back(cur, where, (now,), now, paused)
+        if taken:
+            self._notify(cur, force=True)
+            self._add_to_counter(cur, "leases_reclaimed", taken)
+            result.reclaimed = self._reclaimed(0, taken, paused)
 
     def _stopping(self, cur: Any, worker: str, inflight: Sequence[str]) -> int:
         """Before a clean stop releases ``worker``'s leases: those in ``inflight`` (handed

@@ -28,6 +28,9 @@ class SqlPoliteness(SqlDialect):
 
     slot_limits: SlotLimits | None
 
+    def _take_back_expired(self, cur: Any, now: float, result: CommitResult) -> None:
+        raise NotImplementedError  # SqlLeases' (before this class in SqlStore's bases)
+
     def _claim_by_slot(self, cur: Any, worker: str, count: int, until: float, now: float,
                        result: CommitResult, send_by: dict[Any, float],
                        slot_of: dict[Any, str]) -> list[Any]:
@@ -37,6 +40,7 @@ class SqlPoliteness(SqlDialect):
         queue order (one for a slot with a delay, to be sent within its margin:
         :func:`.rules.send_margin`). Claims of several workers on one slot are serialised by
         the slot's row (SQLite: by the write lock)."""
+        self._take_back_expired(cur, now, result)
         # One read of the slots with pending requests, those that may send now first (the
         # longest waiting first), with their leases (an expired lease does not count: its
         # worker lost it, stopped or dead elsewhere, and may no longer send it); from the

@@ -673,17 +673,6 @@ class SQLiteStore(SQLiteOperatorQueries, SqlStore):
             ).fetchall()
         return [key for (key,) in rows]
 
-    def reclaim_expired(self) -> int:
-        with self._write() as cur:
-            cur.execute(
-                "UPDATE requests SET state = 'pending', worker = NULL, leased_until = NULL"
-                " WHERE state = 'leased' AND leased_until < ?",
-                (self.clock(),),
-            )
-            reclaimed: int = cur.rowcount
-            self._add_to_counter(cur, "leases_reclaimed", reclaimed)
-            return reclaimed
-
 
 #: SQLite's message for each primary result code (sqlite3.c, ``sqlite3ErrStr``), to name an
 #: error where Python does not: ``sqlite3.Error.sqlite_errorname`` is new in Python 3.11.

@@ -23,6 +23,7 @@ __all__ = [
     "OutboxOutcome",
     "OutboxState",
     "PageValidators",
+    "Reclaimed",
     "Record",
     "RecordKey",
     "RecordMove",
@@ -484,6 +485,9 @@ class CommitResult:
     #: worker decides when a claimed request expires or is too late to send whatever its
     #: wall clock says (skewed from the database server's, or stepped); (0, 0) before a claim
     claimed_at: tuple[float, float] = field(default=(0.0, 0.0), compare=False)
+    #: leases whose time was up that the claim took back first, their slots paused (with
+    #: the crawl's limits: :meth:`~.FrontierStore.reclaim_leases`); None: none
+    reclaimed: Reclaimed | None = None
     #: pages done as unchanged (``304 Not Modified``)
     pages_not_modified: int = 0
     #: requests of those pages' last fetches enqueued again (new, or due again, or known)
@@ -503,6 +507,26 @@ class SlotLimits:
     concurrency: int
     delay_seconds: float = 0.0
     per_slot: tuple[tuple[str, int | None, float | None], ...] = ()
+    #: the pause a slot gets when the leases of a dead worker that held one of its requests
+    #: are taken back (it may have got a 429 it could not write): the first backoff, from
+    #: the take-back on (0: none)
+    dead_worker_pause_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Reclaimed:
+    """Leases put back to pending because nobody works on them any more
+    (:meth:`~.FrontierStore.reclaim_leases`): ``released`` of the dead workers named,
+    ``expired`` whose time was up (on PostgreSQL also those of workers whose heartbeat is
+    stale), and with the crawl's limits the download slots paused in the same transaction
+    because such a lease was of theirs (:attr:`SlotLimits.dead_worker_pause_seconds`), by
+    the worker that held it (a slot already paused longer is not listed)."""
+
+    released: int = 0
+    expired: int = 0
+    dead: tuple[str, ...] = ()  #: the dead workers whose leases were released
+    paused: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    paused_seconds: float = 0.0  #: how long each of those slots is paused from the take-back
 
 
 @dataclass(frozen=True)

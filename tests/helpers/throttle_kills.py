@@ -13,8 +13,10 @@ request with ``429`` and ``Retry-After: retry_after``, and every request until t
 passed likewise (a site that keeps to its word); the worker that sent the first (each worker
 has a user agent of its own) is SIGKILLed ``kill_after`` seconds after that answer was
 written (None: not killed). The run ends once the throttled site is fetched again after the
-pause (or ``retry_after + 15`` seconds after the 429), every worker killed then: it counts
-the requests that came before the Retry-After had passed, and the earliest of all.
+pause (or ``retry_after + 30`` seconds after the 429: a killed worker's sites are paused
+for the first backoff, 10 s, from when its leases are taken back), every worker killed
+then: it counts the requests that came before the Retry-After had passed, and the earliest
+of all.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pathlib import Path
 
 from local_site import LocalSite, Received
 
-__all__ = ["SPIDER", "ThrottledRun", "throttled_run"]
+__all__ = ["SPIDER", "ThrottledRun", "start_worker", "throttled_run"]
 
 SPIDER = Path(__file__).resolve().parent.parent / "sites_spider.py"
 #: the throttled site's clock resolution (its accept loop): a request may look this much
@@ -57,7 +59,7 @@ class ThrottledRun:
         return self.earliest is not None and self.earliest < self.retry_after - RESOLUTION
 
 
-def _worker(sites: list[LocalSite], database: str, log: Path, pages: str, name: str,
+def start_worker(sites: list[LocalSite], database: str, log: Path, pages: str, name: str,
             ) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "scrapy", "runspider", str(SPIDER),
                "-a", "sites=" + ",".join(site.url for site in sites), "-a", f"pages={pages}",
@@ -135,7 +137,7 @@ def throttled_run(database: str, workdir: Path, kill_after: float | None, *,
                 site.add_responder(f"/ok/p{n}", ok)
         throttling.on_answered = on_answered
         for name in names:
-            processes[name] = _worker(sites, database, workdir / f"{name}.log",
+            processes[name] = start_worker(sites, database, workdir / f"{name}.log",
                                       f"{pages},{other_pages},{other_pages}", name)
         try:
             deadline = time.monotonic() + timeout
@@ -159,7 +161,7 @@ def throttled_run(database: str, workdir: Path, kill_after: float | None, *,
                 time.sleep(0.01)
             at = throttled_at[0]
             later: list[float] = []
-            while time.monotonic() < at + retry_after + 15:
+            while time.monotonic() < at + retry_after + 30:
                 later = [t - at for t in throttling.arrival_times() if t > at]
                 if any(t >= retry_after - RESOLUTION for t in later):
                     break  # fetched again after the pause
