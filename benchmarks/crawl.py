@@ -14,6 +14,7 @@ configurations alternating, R repetitions:
     c  scrapy_idempotent through its add-on
     d  scrapy_idempotent with IDEMPOTENT_RESPONSE_JOURNAL = False
     e  scrapy_idempotent with IDEMPOTENT_POLITENESS = "crawl" (limits kept by the claims)
+    w  scrapy_idempotent with IDEMPOTENT_POLITENESS = "worker" (Scrapy's limits per process)
 
 Every crawl: CONCURRENT_REQUESTS = CONCURRENT_REQUESTS_PER_DOMAIN = 32 (``--concurrency``),
 no download delay, LOG_LEVEL = WARNING, no telnet console, robots.txt not fetched. The spider
@@ -64,6 +65,7 @@ CONFIGS = {
     "c": "scrapy_idempotent (add-on)",
     "d": "scrapy_idempotent, no journal",
     "e": "scrapy_idempotent, IDEMPOTENT_POLITENESS = crawl",
+    "w": "scrapy_idempotent, IDEMPOTENT_POLITENESS = worker",
 }
 
 _WORDS = (
@@ -279,13 +281,13 @@ def _crawl_child(config: str, url: str, workdir: Path, out: Path, concurrency: i
     }
     if config == "b":
         settings["JOBDIR"] = str(workdir / "jobdir")
-    elif config in ("c", "d", "e"):
+    elif config in ("c", "d", "e", "w"):
         settings["ADDONS"] = {"scrapy_idempotent.Addon": 0}
         settings["IDEMPOTENT_DATABASE"] = str(workdir / "frontier.sqlite3")
         settings["IDEMPOTENT_NATURAL_KEYS"] = {"dict": "sku"}
         settings["IDEMPOTENT_RESPONSE_JOURNAL"] = config != "d"
-        if config == "e":
-            settings["IDEMPOTENT_POLITENESS"] = "crawl"
+        if config in ("e", "w"):
+            settings["IDEMPOTENT_POLITENESS"] = "crawl" if config == "e" else "worker"
     process = CrawlerProcess(settings, install_root_handler=True)
     crawler = process.create_crawler(ShopSpider)
     held: dict[str, Any] = {}
@@ -301,7 +303,7 @@ def _crawl_child(config: str, url: str, workdir: Path, out: Path, concurrency: i
     store = getattr(held.get("scheduler"), "store", None)
     result = {"stats": stats, "store_transactions": getattr(store, "transactions", None),
               "scrapy": scrapy.__version__}
-    if config in ("c", "d", "e"):
+    if config in ("c", "d", "e", "w"):
         import scrapy_idempotent
 
         result["package"] = os.path.dirname(scrapy_idempotent.__file__)
@@ -374,7 +376,7 @@ def run_one(name: str, config: str, pythonpath: str | None, url: str, tmp: Path,
         problems.append(f"{row['items']} items, site has {shape['products']} products")
     if config == "b":
         row["disk_mb"] = _disk_bytes(workdir / "jobdir") / 2**20
-    elif config in ("c", "d", "e"):
+    elif config in ("c", "d", "e", "w"):
         db = workdir / "frontier.sqlite3"
         row["disk_mb"] = sum(_disk_bytes(Path(f"{db}{s}")) for s in ("", "-wal")) / 2**20
         check = _db_check(db)

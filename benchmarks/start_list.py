@@ -14,6 +14,7 @@ robots.txt, no telnet console:
     addon        scrapy_idempotent through its add-on, ordinary requests
     addon_df     scrapy_idempotent through its add-on, requests with dont_filter=True
     addon_worker as addon, with IDEMPOTENT_POLITENESS = "worker" (Scrapy's limits per process)
+    addon_crawl  as addon, with IDEMPOTENT_POLITENESS = "crawl" (the crawl's limits)
 
 Each crawl is stopped (SIGKILL) ``S`` seconds (default 60) after its process started.
 Printed per configuration: the requests that reached the site in those seconds, the ratio to
@@ -53,6 +54,7 @@ CONFIGS = {
     "addon": {"addon": True, "dont_filter": False},
     "addon_df": {"addon": True, "dont_filter": True},
     "addon_worker": {"addon": True, "dont_filter": False, "politeness": "worker"},
+    "addon_crawl": {"addon": True, "dont_filter": False, "politeness": "crawl"},
 }
 
 
@@ -143,7 +145,8 @@ def crawl(config: str, url: str, urls: int, seconds: float, out: str, db: str,
             return None
 
     settings: dict[str, Any] = {
-        "CONCURRENT_REQUESTS": 16, "CONCURRENT_REQUESTS_PER_DOMAIN": 16,
+        "CONCURRENT_REQUESTS": 16,
+        "CONCURRENT_REQUESTS_PER_DOMAIN": 16,
         "LOG_LEVEL": "WARNING", "ROBOTSTXT_OBEY": False, "TELNETCONSOLE_ENABLED": False,
     }
     if options["addon"]:

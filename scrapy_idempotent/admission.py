@@ -82,7 +82,8 @@ class StartIntake:
                  admission: Admission | None = None, *,
                  hand_on: Callable[[Request], object] | None = None,
                  window: int = START_WINDOW, slice_seconds: float = START_SLICE_SECONDS,
-                 check_batch: int = START_CHECK_BATCH, ahead: int = START_AHEAD) -> None:
+                 check_batch: int = START_CHECK_BATCH, ahead: int = START_AHEAD,
+                 busy: Callable[[], bool] | None = None) -> None:
         self.tracker = tracker
         self.writer = writer
         self.admission = admission
@@ -93,6 +94,9 @@ class StartIntake:
         self.check_batch = check_batch
         #: start() waits while the frontier holds this many pending requests (0: never)
         self.ahead = ahead
+        #: with the crawl's slot limits: whether this worker has requests enough in flight
+        #: or claimed that downloads go on while start() waits (None: always so)
+        self.busy = busy
         self._slice_began = time.monotonic()
         self._buffered_before = 0  #: the admission's count of buffered requests at a slice
         self._held: list[Request] = []  #: start requests waiting for their check
@@ -183,6 +187,10 @@ class StartIntake:
         lost by waiting: what start() has not yielded yet is yielded again by the next
         crawl's start()."""
         if self.admission is None or not self.ahead or not self.writer.running:
+            return False
+        if self.busy is not None and not self.busy():
+            # the pending requests may all be of slots that wait (a delay, a pause, a full
+            # slot): start() goes on, its other sites' requests with it
             return False
         try:
             return self.admission.store.pending_at_least(self.ahead)

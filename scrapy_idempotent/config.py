@@ -197,7 +197,7 @@ class IdempotentConfig:
     #: ... and ``SCHEDULER_MEMORY_QUEUE`` / ``SCHEDULER_START_MEMORY_QUEUE`` (the queue order)
     queue_order: QueueOrder = _SCRAPY_QUEUE_ORDER
     #: IDEMPOTENT_POLITENESS: ``crawl`` (limits kept by the claims) or ``worker``
-    politeness: str = "worker"
+    politeness: str = "crawl"
     #: the per-slot limits from Scrapy's settings (see :func:`slot_limits`)
     slot_limits: SlotLimits = _DEFAULT_SLOT_LIMITS
     backoff_seconds: float = 10.0

@@ -496,27 +496,25 @@ once). What is still pending is sent by the next crawl or ``scrapy idempotent de
 cut off.""",
     ),
     Setting(
-        "IDEMPOTENT_POLITENESS", "worker", "str", "Politeness", '"crawl"',
+        "IDEMPOTENT_POLITENESS", "crawl", "str", "Politeness", '"worker"',
         allowed="'crawl' or 'worker'",
         doc="""
-Where Scrapy's per-site limits hold. ``"crawl"``: for the whole crawl, every worker
-together, across kills: each request is stored with its download slot (Scrapy's slot
+Where Scrapy's per-site limits hold. ``"crawl"`` (the default): for the whole crawl, every
+worker together, across kills: each request is stored with its download slot (Scrapy's slot
 key: the ``download_slot`` meta key, else the host name, or its IP with
 ``CONCURRENT_REQUESTS_PER_IP``), and a claim takes a slot's requests only while fewer of
 them are leased (claimed ahead or in flight, by any worker) than the slot's concurrency
 (``CONCURRENT_REQUESTS_PER_DOMAIN``, or ``CONCURRENT_REQUESTS_PER_IP``, or the slot's
-``DOWNLOAD_SLOTS`` entry), and only once the slot's delay (``DOWNLOAD_DELAY`` or its
-``DOWNLOAD_SLOTS`` entry, or robots.txt's ``Crawl-delay`` with ``ROBOTSTXT_OBEY`` when longer)
-has passed since its last claim; a 429 (or a 503 with ``Retry-After``) pauses the slot for
-every worker (see :setting:`IDEMPOTENT_BACKOFF_SECONDS`). A request counts against its
-slot's concurrency from its claim to its page's commit (callback and pipelines included), so
-a worker short of CPU sends less than plain Scrapy would. ``"worker"`` (the default): each
-worker keeps Scrapy's own limits in its downloader (N workers: N times the load on a site,
-and a 429 is only what ``RetryMiddleware`` makes of it), and claims take the head of the
-frontier whatever its slots. Every worker of a crawl must use the same mode: a ``"worker"``
-worker's requests count against no slot. Set ``"crawl"`` for a crawl of several workers; it
-is not the default because it takes a long ``start()`` in at the writer's pace (a list of
-1,000,000 start URLs is downloaded about five times slower in its first minute). See
+``DOWNLOAD_SLOTS`` entry), and only once the slot's delay (``DOWNLOAD_DELAY``
+or its ``DOWNLOAD_SLOTS`` entry, or robots.txt's ``Crawl-delay`` with ``ROBOTSTXT_OBEY``
+when longer) has passed since its last claim; a 429 (or a 503 with ``Retry-After``) pauses
+the slot for every worker (see :setting:`IDEMPOTENT_BACKOFF_SECONDS`). A request counts
+against its slot's concurrency from its claim to its page's commit (callback and pipelines
+included), so a worker short of CPU sends less than plain Scrapy would.
+``"worker"``: each worker keeps Scrapy's own limits in its downloader (N workers: N times
+the load on a site, and a 429 is only what ``RetryMiddleware`` makes of it), and claims take
+the head of the frontier whatever its slots. Every worker of a crawl must use the same mode:
+a ``"worker"`` worker's requests count against no slot. See
 :ref:`politeness`.""",
     ),
     Setting(

@@ -81,7 +81,7 @@ class ClaimedRequests:
     def __init__(self, batch: int, *, sendable: Callable[[], int] | None = None) -> None:
         self.batch = batch  #: IDEMPOTENT_LEASE_BATCH
         #: with the crawl's slot limits, how many more requests the worker's downloader
-        #: takes now (``CONCURRENT_REQUESTS`` less those in flight): a claim takes no more
+        #: takes now (``CONCURRENT_REQUESTS`` less those it works on): a claim takes no more
         #: than that, so that a slot's places claimed ahead are places this worker fills
         #: soon, not places other workers could send in (None: a full batch)
         self.sendable = sendable
@@ -146,24 +146,24 @@ class ClaimedRequests:
                    asked: bool = False) -> int:
         """How many requests to claim with the next transaction: none while closing, while
         the store is known to have none (unless ``after_completion``: a completion freed a
-        place in a download slot), or while at least half a batch is claimed ahead; with
-        :attr:`sendable`, no more than the downloader takes now (at least one when
-        ``asked``: the engine asks for a request, so its downloader has room)."""
+        place in a download slot), or while at least half a
+        batch is claimed ahead; with :attr:`sendable`, no more than the downloader takes
+        now (at least one when ``asked``: the engine asks for a request, so its downloader
+        has room)."""
         if closing or not (self._maybe_claimable or after_completion):
             return 0
         if len(self._claimed) >= max(1, self.batch // 2):
             return 0
-        room = self._room(after_completion)
+        room = self._room()
         if asked:
             room = max(room, 1)
         return max(0, min(self.batch, room) - len(self._claimed))
 
-    def _room(self, after_completion: bool = False) -> int:
-        """How many requests may be claimed ahead at most (see :attr:`sendable`); a
-        completion being written frees its place."""
+    def _room(self) -> int:
+        """How many requests may be claimed ahead at most (see :attr:`sendable`)."""
         if self.sendable is None:
             return self.batch
-        return max(0, self.sendable() + int(after_completion))
+        return max(0, self.sendable())
 
     def prepare(self, work: UnitOfWork, closing: bool) -> None:
         """Set ``work``'s claim and give-back. Requests the transaction adds, and requests it

@@ -4,7 +4,7 @@ Scrapy keeps its politeness (``CONCURRENT_REQUESTS_PER_DOMAIN`` or ``_PER_IP``,
 ``DOWNLOAD_DELAY``, ``DOWNLOAD_SLOTS``) in each process's downloader: with several workers on
 one crawl, a site would see every limit multiplied by the number of workers, and a restarted
 worker would forget that a site asked it to slow down. With ``IDEMPOTENT_POLITENESS =
-"crawl"`` the limits belong to the crawl:
+"crawl"`` (the default) the limits belong to the crawl:
 
 * every request is stored with its download slot (Scrapy's slot key, from the downloader's
   ``get_slot_key``: the ``download_slot`` meta key, else the host name, or its IP with
@@ -30,8 +30,8 @@ worker would forget that a site asked it to slow down. With ``IDEMPOTENT_POLITEN
 * with ``ROBOTSTXT_OBEY``, robots.txt's ``Crawl-delay`` for the crawl's user agent is the
   slot's delay when it is longer.
 
-``IDEMPOTENT_POLITENESS = "worker"`` (the default) keeps Scrapy's own limits in each worker
-and claims the frontier's head whatever its slots.
+``IDEMPOTENT_POLITENESS = "worker"`` keeps Scrapy's own limits in each worker and claims the
+frontier's head whatever its slots.
 """
 
 from __future__ import annotations

@@ -123,11 +123,12 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
                                        next_run=self._next_run)
         crawl_wide = config.politeness == "crawl"
         # with the crawl's limits, claims ahead take the places of the slots this worker
-        # can send in soon only (the downloader's room: CONCURRENT_REQUESTS less in flight)
+        # can send in soon only (the downloader's room: CONCURRENT_REQUESTS less the
+        # requests it works on)
         concurrent = crawler.settings.getint("CONCURRENT_REQUESTS")
         self.claimed = ClaimedRequests(
             config.lease_batch,
-            sendable=(lambda: concurrent - tracker.in_flight_count) if crawl_wide else None)
+            sendable=(lambda: concurrent - self._downloading()) if crawl_wide else None)
         #: the cookie jars kept across a resume (None: IDEMPOTENT_KEEP_COOKIES is off)
         self.cookies = CookieKeeper(crawler) if config.keep_cookies else None
         self.commits = CommitPath(
@@ -153,10 +154,12 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             slot_of=self.politeness.slot_of, recent=recent,
             before_enqueue=lambda: self.start_intake.flush())
         # with the crawl's slot limits the pending requests may all be of slots that wait:
-        # start() is taken in at the writer's speed, its other sites' requests with it
-        self.start_intake = StartIntake(tracker, self.writer, self.admission,
-                                        hand_on=self._crawl_start_request,
-                                        ahead=0 if crawl_wide else START_AHEAD)
+        # start() waits for downloads only while this worker has half its downloader's
+        # requests in flight or claimed; else it goes on, its other sites' requests with it
+        self.start_intake = StartIntake(
+            tracker, self.writer, self.admission, hand_on=self._crawl_start_request,
+            ahead=START_AHEAD, busy=(lambda: tracker.in_flight_count + len(self.claimed)
+                  >= max(1, concurrent // 2)) if crawl_wide else None)
         self.hand_out = HandOut(
             tracker=tracker, claimed=self.claimed, commits=self.commits,
             leases=self.leases, outcomes=self.outcomes, politeness=self.politeness, stats=stats,
@@ -280,6 +283,12 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             self._gc_frozen = True
         self.commits.start()
         self.leases.start()
+
+    def _downloading(self) -> int:
+        """The requests this worker's downloader works on (Scrapy's ``Downloader.active``,
+        what its ``CONCURRENT_REQUESTS`` counts); without a downloader, those in flight."""
+        active = getattr(getattr(self.crawler.engine, "downloader", None), "active", None)
+        return len(active) if active is not None else self.tracker.in_flight_count
 
     def _crawl_start_request(self, request: Request) -> None:
         """A held start request found unknown goes to the engine as the engine sends its

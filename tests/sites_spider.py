@@ -2,7 +2,7 @@
 one process per worker, on one frontier (``-a sites=URL,URL,...`` the sites' base URLs,
 ``-a pages=N`` pages per site, or ``N,M,...`` one count per site, ``/ok/p<n>`` of the local
 site), with their own ``-s`` settings (per-site concurrency, delay, the database) over the
-few set here (the crawl's politeness). Every worker yields
+few set here (the politeness is the default, the crawl's). Every worker yields
 the same start requests; the frontier takes each once."""
 
 from typing import Any, ClassVar
@@ -14,7 +14,6 @@ class SitesSpider(scrapy.Spider):
     name = "sites"
     custom_settings: ClassVar[dict[str, Any]] = {
         "ADDONS": {"scrapy_idempotent.Addon": 0}, "ROBOTSTXT_OBEY": False,
-        "IDEMPOTENT_POLITENESS": "crawl",
         "TELNETCONSOLE_ENABLED": False, "MEMUSAGE_ENABLED": False,
         "IDEMPOTENT_NATURAL_KEYS": {"dict": "url"}}
 

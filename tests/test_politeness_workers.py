@@ -109,6 +109,17 @@ def test_workers_on_one_frontier_keep_each_sites_limits(tmp_path: Path,
     assert crawled[0].most_in_flight == 2
 
 
+def test_four_workers_with_default_settings_keep_a_sites_limit(tmp_path: Path,
+                                                               crawl_database: str) -> None:
+    # IDEMPOTENT_POLITENESS not set (sites_spider.py leaves it to the default): 4 workers
+    # on one frontier, each site limited to 2 requests at once, never more at the site
+    # (it counts the requests it has received and not answered yet)
+    hosts = ("127.0.0.5", "127.0.0.6")
+    crawled = crawl_with_workers(tmp_path, crawl_database, 4, hosts,
+                                 "CONCURRENT_REQUESTS_PER_DOMAIN=2")
+    assert [site.most_in_flight for site in crawled] == [2, 2]
+
+
 def test_a_429_with_retry_after_pauses_the_site_for_every_worker_across_a_kill(
         tmp_path: Path, crawl_database: str) -> None:
     pages = 20

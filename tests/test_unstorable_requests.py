@@ -185,9 +185,10 @@ async def test_memory_requests_take_their_turn_by_priority_as_in_scrapy(
                         url=site.url)
     expected = [path_of(u) for u in plain.sent]
     assert expected.index("/ok/low") > expected.index("/ok/start2")  # the case at hand
-    # per-worker limits: with the crawl's (the default) a claim takes no more than the
-    # downloader's room, so a memory request is compared with fewer stored ones and can go
-    # before a stored request of higher priority not yet claimed (a deviation left open)
+    # per-worker limits: with the crawl's (the default) a site's place is held until its
+    # page's commit, so a claim may come back empty when the engine asks, and a memory
+    # request goes before a stored request of higher priority not claimed yet (stated in
+    # docs/how-it-works.rst, "Nothing is kept only in memory past its parent's lease")
     observed = await crawl(PriorityChildrenSpider, settings(
         crawl_database, **ONE_AT_A_TIME, IDEMPOTENT_POLITENESS="worker"), url=site.url)
     assert observed.reason == "finished"
