@@ -113,10 +113,11 @@ def test_four_workers_with_default_settings_keep_a_sites_limit(tmp_path: Path,
                                                                crawl_database: str) -> None:
     # IDEMPOTENT_POLITENESS not set (sites_spider.py leaves it to the default): 4 workers
     # on one frontier, each site limited to 2 requests at once, never more at the site
-    # (it counts the requests it has received and not answered yet)
+    # (it counts the requests it has received and not answered yet); every worker joins
+    # run 1, even one started after the others finished it (each page once)
     hosts = ("127.0.0.5", "127.0.0.6")
     crawled = crawl_with_workers(tmp_path, crawl_database, 4, hosts,
-                                 "CONCURRENT_REQUESTS_PER_DOMAIN=2")
+                                 "CONCURRENT_REQUESTS_PER_DOMAIN=2", "IDEMPOTENT_RUN_MODE=resume")
     assert [site.most_in_flight for site in crawled] == [2, 2]
 
 
