@@ -9,28 +9,22 @@ from typing import Any
 
 from conftest import FakeClock as Clock
 
+from helpers.validated_pages import (
+    VALIDATORS,
+    claim_one,
+    new,
+    record,
+    two_listings_sharing_a_product,
+)
 from scrapy_idempotent.store import (
     Completion,
     FrontierStore,
-    NewRequest,
     RequestState,
     UnitOfWork,
 )
-from scrapy_idempotent.store.base import PageValidators, Record
+from scrapy_idempotent.store.base import PageValidators
 
 Stores = Callable[..., FrontierStore]
-VALIDATORS = PageValidators('"5f-1a2b"', "Sat, 05 Dec 2026 10:00:00 GMT", "ab" * 32)
-
-
-def new(name: str, parent: str | None = None) -> NewRequest:
-    return NewRequest(key=name, fingerprint=name, url=f"https://example.com/{name}",
-                      priority=0, data=f'{{"url": "{name}"}}', parent_key=parent,
-                      is_start=parent is None)
-
-
-def record(n: int, price: int = 1) -> Record:
-    return Record(record_id=f"r{n}", source="s", natural_key=f'["{n}"]', item_type="Product",
-                  data=f'{{"sku": "{n}", "price": {price}}}', content_hash=f"h{n}-{price}")
 
 
 def open_store(store_factory: Stores, clock: Clock, worker: str = "w1",
@@ -40,12 +34,6 @@ def open_store(store_factory: Stores, clock: Clock, worker: str = "w1",
     store.load_validators_with_claims(True)
     store.begin_session(worker, "auto")
     return store
-
-
-def claim_one(store: FrontierStore, worker: str = "w1") -> Any:
-    (leased,) = store.commit(UnitOfWork(claim=1), worker).leased
-    store.commit(UnitOfWork(started=[leased.key]), worker)
-    return leased
 
 
 def first_run(store: FrontierStore) -> None:
@@ -160,21 +148,6 @@ def test_claims_load_no_validators_unless_asked(store_factory: Stores) -> None:
     store.begin_session("w1", "auto")
     store.commit(UnitOfWork(requests=[new("list")]), "w1")
     assert claim_one(store).validators is None
-
-
-def two_listings_sharing_a_product(store: FrontierStore) -> None:
-    """Run 1: listing ``a`` adds product ``p``; listing ``b`` links ``p`` too, known by then
-    (refused as a duplicate: not among its requests, only among its links); ``p`` done."""
-    store.commit(UnitOfWork(requests=[new("a"), new("b")]), "w1")
-    assert sorted([claim_one(store).key, claim_one(store).key]) == ["a", "b"]
-    store.commit(UnitOfWork(requests=[new("p", "a")], completions=[
-        Completion("a", RequestState.DONE, validators=VALIDATORS, links=("p",))]), "w1")
-    store.commit(UnitOfWork(completions=[
-        Completion("b", RequestState.DONE, validators=VALIDATORS, links=("p",))]), "w1")
-    assert claim_one(store).key == "p"
-    store.commit(UnitOfWork(records=[(record(1), "p")], completions=[
-        Completion("p", RequestState.DONE, validators=VALIDATORS)]), "w1")
-    store.end_session("w1", "finished")
 
 
 def test_a_304_enqueues_every_link_of_its_page_not_only_those_it_added(

@@ -109,15 +109,15 @@ def test_migrated_pages_keep_their_validators_and_links(tmp_path: Path,
     pages' validators and every link they yielded move with the crawl (a 304 on PostgreSQL
     reaches the product only the unchanged listing still links)."""
     from conftest import FakeClock
-    from test_page_validators import (
+
+    from helpers.validated_pages import (
         VALIDATORS,
-        PageValidators,
         claim_one,
         new,
         two_listings_sharing_a_product,
     )
-
     from scrapy_idempotent.store import Completion, RequestState, UnitOfWork, open_store
+    from scrapy_idempotent.store.base import PageValidators
 
     clock = FakeClock(1000.0)
     source = open_store(f"sqlite:///{tmp_path / 'crawl.db'}", clock=clock)
