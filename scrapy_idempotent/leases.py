@@ -397,8 +397,10 @@ class LeaseKeeper:
     def reclaim_dead_workers(self) -> int:
         """At open, on the calling thread: put the dead workers' leases back to pending (a
         restart's own predecessor's included), their slots paused with the crawl's limits
-        (:meth:`.FrontierStore.reclaim_leases`); returns how many."""
-        reclaimed = self.store.reclaim_leases(expired=False, is_dead=self._is_dead)
+        unless no other worker of the crawl is alive (:meth:`.FrontierStore.reclaim_leases`
+        with ``starting``); returns how many."""
+        reclaimed = self.store.reclaim_leases(expired=False, is_dead=self._is_dead,
+                                              starting=True)
         self._leases_reclaimed(reclaimed, wake=False)
         return reclaimed.released
 

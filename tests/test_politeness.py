@@ -392,6 +392,37 @@ def test_a_longer_pause_stays_when_a_dead_workers_slots_are_paused(
     assert live.reclaim_leases(expired=False, is_dead=lambda worker: False).released == 0
 
 
+def test_a_lone_workers_restart_does_not_pause_its_predecessors_slots(
+        polite: Callable[..., FrontierStore], clock: FakeClock) -> None:
+    """A restart that finds no other worker of the crawl alive takes its predecessor's leases
+    back without pausing their slots: the sites heard nothing from the crawl since the kill,
+    and the restart is the only worker that could send to them."""
+    dead = polite("w1", CAUTIOUS)
+    dead.commit(UnitOfWork(requests=[req("a.example", 0), req("b.example", 0)]), "w1")
+    assert len(claim(dead, "w1")) == 2
+    restarted = polite("w2", CAUTIOUS)
+    reclaimed = restarted.reclaim_leases(expired=False, is_dead=lambda worker: worker == "w1",
+                                         starting=True)
+    assert (reclaimed.released, reclaimed.paused) == (2, {})
+    assert sorted(claim(restarted, "w2")) == ["a.example/0", "b.example/0"]
+
+
+def test_a_restart_beside_a_live_worker_pauses_its_predecessors_slots(
+        polite: Callable[..., FrontierStore], clock: FakeClock) -> None:
+    """Another worker of the crawl alive (holding a lease: on SQLite a worker of a made-up
+    id counts as alive only so) may have been sending meanwhile: the slots are paused."""
+    dead, other = polite("w1", CAUTIOUS), polite("w3", CAUTIOUS)
+    dead.commit(UnitOfWork(requests=[req("a.example", 0), req("b.example", 0),
+                                     req("c.example", 0)]), "w1")
+    assert claim(dead, "w1", 2) == ["a.example/0", "b.example/0"]
+    assert claim(other, "w3") == ["c.example/0"]
+    restarted = polite("w2", CAUTIOUS)
+    reclaimed = restarted.reclaim_leases(expired=False, is_dead=lambda worker: worker == "w1",
+                                         starting=True)
+    assert (reclaimed.released, reclaimed.paused) == (2, {"w1": ("a.example", "b.example")})
+    assert claim(restarted, "w2") == []
+
+
 def test_a_claim_takes_back_expired_leases_and_pauses_their_slots(
         polite: Callable[..., FrontierStore], clock: FakeClock) -> None:
     """A worker that died on another host (or stopped) has its leases expire: the next claim

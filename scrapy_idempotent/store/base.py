@@ -252,7 +252,8 @@ class FrontierStore(ABC):
 
     @abstractmethod
     def reclaim_leases(self, dead: Sequence[str] = (), *, expired: bool = True,
-                       is_dead: Callable[[str], bool] | None = None) -> Reclaimed:
+                       is_dead: Callable[[str], bool] | None = None,
+                       starting: bool = False) -> Reclaimed:
         """In one transaction, put back to pending the leases of the ``dead`` workers and,
         with ``expired``, those whose time is up (:meth:`reclaim_expired`). ``is_dead``: the
         workers holding leases are read first (on the calling thread's connection: the
@@ -261,7 +262,10 @@ class FrontierStore(ABC):
         every download slot of such a lease is paused for
         :attr:`SlotLimits.dead_worker_pause_seconds` from now on the store's clock, unless a
         longer pause is stored: a worker that died may have got a 429 it could not write.
-        :meth:`release_leases` and :meth:`reclaim_expired` pause so too."""
+        :meth:`release_leases` and :meth:`reclaim_expired` pause so too. With ``starting``
+        (a worker's take-back at its start, its session begun), not when no other worker
+        of the crawl is alive: a lone worker's restart, silent toward every site since the
+        kill, sends as any restart does."""
 
     @abstractmethod
     def reclaim_space(self, *, everything: bool = False) -> int:

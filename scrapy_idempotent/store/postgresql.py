@@ -662,10 +662,15 @@ class PostgreSQLStore(PostgreSQLHeartbeat, PostgreSQLOperatorQueries, SqlStore):
 
     def live_workers(self) -> list[str]:
         """Sessions not ended whose heartbeat is within the liveness bound (any host)."""
+        return [w for (w,) in self._read(*self._live_sessions_query())]
+
+    def _live_workers_in(self, cur: Any) -> list[str]:
+        return [w for (w,) in cur.execute(*self._live_sessions_query()).fetchall()]
+
+    def _live_sessions_query(self) -> tuple[str, tuple[float, ...]]:
         if self.dead_after_seconds is None:
-            return [w for (w,) in self._read("SELECT DISTINCT worker FROM sessions"
-                                              " WHERE ended_at IS NULL ORDER BY worker")]
-        return [w for (w,) in self._read(
-            "SELECT DISTINCT worker FROM sessions WHERE ended_at IS NULL"
-            " AND heartbeat_at >= %s ORDER BY worker",
-            (self.clock() - self.dead_after_seconds,))]
+            return ("SELECT DISTINCT worker FROM sessions WHERE ended_at IS NULL"
+                    " ORDER BY worker", ())
+        return ("SELECT DISTINCT worker FROM sessions WHERE ended_at IS NULL"
+                " AND heartbeat_at >= %s ORDER BY worker",
+                (self.clock() - self.dead_after_seconds,))

@@ -18,6 +18,8 @@ class SqlLeases(SqlDialect):
     """A session's end and the leases' release and reads (a mixin of ``SqlStore``)."""
 
     slot_limits: SlotLimits | None
+    #: the worker of this store's session (None before it begins)
+    _worker: str | None = None
 
     def _lock_frontier(self, cur: Any) -> None:
         raise NotImplementedError
@@ -58,7 +60,8 @@ class SqlLeases(SqlDialect):
         return self.reclaim_leases((), expired=True).expired
 
     def reclaim_leases(self, dead: Sequence[str] = (), *, expired: bool = True,
-                       is_dead: Callable[[str], bool] | None = None) -> Reclaimed:
+                       is_dead: Callable[[str], bool] | None = None,
+                       starting: bool = False) -> Reclaimed:
         dead = list(dead)
         if is_dead is not None:
             # on the calling thread's own connection, outside a transaction: a read, and no
@@ -76,10 +79,10 @@ class SqlLeases(SqlDialect):
             released = taken = 0
             if dead:
                 where, param = self._any("worker", dead)
-                released = self._take_back(cur, where, (param,), now, paused)
+                released = self._take_back(cur, where, (param,), now, paused, starting)
             if expired:
                 where, params = self._expired_leases(now)
-                taken = self._take_back(cur, where, params, now, paused)
+                taken = self._take_back(cur, where, params, now, paused, starting)
             if released or taken:
                 self._notify(cur, force=True)
             self._add_to_counter(cur, "leases_reclaimed", released + taken)
@@ -97,32 +100,49 @@ class SqlLeases(SqlDialect):
         return "leased_until < ?", (now,)
 
     def _take_back(self, cur: Any, where: str, params: Sequence[Any], now: float,
-                   paused: dict[str, set[str]]) -> int:
+                   paused: dict[str, set[str]], starting: bool = False) -> int:
         """Put the leases matching ``where`` back to pending, their slots paused first
         (:meth:`_pause_dead_slots`). Returns how many."""
-        self._pause_dead_slots(cur, where, params, now, paused)
+        self._pause_dead_slots(cur, where, params, now, paused, starting)
         # (rows returned, not a row count: a pipelined transaction's cursor has none yet)
         return len(cur.execute(self._q(
             f"{_PENDING_AGAIN} WHERE state = 'leased' AND ({where}) RETURNING id"),
             params).fetchall())
+
+    def _live_workers_in(self, cur: Any) -> list[str]:
+        """The workers whose sessions may still run (:meth:`live_workers`), read in the
+        transaction of ``cur``."""
+        raise NotImplementedError
+
+    def _others_alive(self, cur: Any, holders: set[str]) -> bool:
+        """Whether a worker of the crawl other than this store's own and the ``holders``
+        of the leases taken back may be alive (and so have been sending to their slots
+        while this one started)."""
+        others = set(self._live_workers_in(cur)) - holders
+        others.discard(self._worker or "")
+        return bool(others)
 
     def _dead_worker_pause_seconds(self) -> float:
         limits = self.slot_limits
         return limits.dead_worker_pause_seconds if limits is not None else 0.0
 
     def _pause_dead_slots(self, cur: Any, where: str, params: Sequence[Any], now: float,
-                          paused: dict[str, set[str]]) -> None:
+                          paused: dict[str, set[str]], starting: bool = False) -> None:
         """With the crawl's limits, pause every download slot of a lease matching ``where``
         (taken back from a worker that is dead or whose time is up) for
         :attr:`.SlotLimits.dead_worker_pause_seconds` from ``now``, unless it is paused
         longer: the worker may have got a 429 for that slot and died before writing the
-        pause. Adds the slots paused to ``paused`` under the worker that held the lease."""
+        pause. Not when ``starting`` (a worker's take-back at its start) and no other worker
+        of the crawl is alive: a lone worker's restart (:meth:`_others_alive`). Adds the
+        slots paused to ``paused`` under the worker that held the lease."""
         seconds = self._dead_worker_pause_seconds()
         if seconds <= 0:
             return
         held = cur.execute(self._q(
             "SELECT DISTINCT worker, slot FROM requests WHERE state = 'leased'"
             f" AND ({where}) AND slot <> ''"), params).fetchall()
+        if not held or (starting and not self._others_alive(cur, {w for w, _ in held})):
+            return
         until = now + seconds
         done: set[str] = set()
         for slot in sorted({slot for _, slot in held}):  # one lock order for every worker

@@ -258,6 +258,9 @@ class SQLiteStore(SQLiteOperatorQueries, SqlStore):
             raise self._error(exc, "opening") from exc
         return stored if stored != fingerprinter else None
 
+    def _live_workers_in(self, cur: Any) -> list[str]:
+        return self._live_sessions(cur.connection)
+
     def _live_sessions(self, conn: sqlite3.Connection) -> list[str]:
         """The workers of the sessions of other crawls that still run: not ended, and of a
         process known to run (of this host and PID namespace); a worker whose process cannot
@@ -522,6 +525,7 @@ class SQLiteStore(SQLiteOperatorQueries, SqlStore):
                 (run_id,)).fetchone()[0]
         self._observed_offset = max(0.0, (latest or 0.0) - self._observation_clock())
         self.run_id = run_id
+        self._worker = worker
         return RunInfo(run_id=run_id, new=new, counts=self.counts())
 
     def _observation_offset(self) -> float:
