@@ -33,8 +33,8 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from . import scrapy_compat, signals
 from .codec import describe
@@ -57,9 +57,18 @@ if TYPE_CHECKING:
     from .writer import WriterThread
 
 __all__ = ["START_CHECK_BATCH", "START_SLICE_SECONDS", "START_WINDOW", "Admission",
-           "StartIntake"]
+           "KnownRequests", "StartIntake"]
 
 logger = logging.getLogger(__name__)
+
+
+class KnownRequests(Protocol):
+    """The duplicate check of links the admission asks (the store's own methods of these
+    names, see :meth:`~.FrontierStore.known_request`)."""
+
+    def known_request(self, fingerprint: str, *, key: str | None = None) -> str | None: ...
+
+    def expect_lookups(self, fingerprints: Collection[str]) -> None: ...
 
 #: Start requests at most buffered for the writer: once as many wait, start() waits for them
 #: to be written.
@@ -224,8 +233,12 @@ class Admission:
                  outcomes: CommitOutcomes, stats: StatsCollector, codec: RequestCodec,
                  slot_of: Callable[[Request], str] | None = None,
                  recent: RecentRequests | None = None,
-                 before_enqueue: Callable[[], None] | None = None) -> None:
+                 before_enqueue: Callable[[], None] | None = None,
+                 known: KnownRequests | None = None) -> None:
         self.store = store
+        #: the duplicate check of links (``known_request``, ``expect_lookups``): the store's,
+        #: or a fast layer in front of it (:class:`~.redis_dedup.RedisKnownRequests`)
+        self.known: KnownRequests = known if known is not None else store
         self.buffered = 0  #: requests taken into the frontier (buffered for a write) so far
         #: a request's download slot, stored with it (see :mod:`.politeness`)
         self.slot_of = slot_of
@@ -253,7 +266,7 @@ class Admission:
         if self.dupes.enabled and not request.dont_filter:
             fingerprint = self.fingerprints(request)
             if fingerprint is not None and not self.tracker.is_buffered(fingerprint):
-                self.store.expect_lookups((fingerprint,))
+                self.known.expect_lookups((fingerprint,))
 
     def unfiltered(self, request: Request) -> bool:
         """Whether the duplicate filter leaves ``request`` alone (its key is derived)."""
@@ -382,7 +395,7 @@ class Admission:
         thread): the request is then buffered, and the commit decides (a duplicate is
         counted there and not added twice)."""
         try:
-            return self.store.known_request(fingerprint, key=key)
+            return self.known.known_request(fingerprint, key=key)
         except StoreBusy as exc:
             self.stats.inc_value("idempotent/requests/unchecked")
             logger.debug("scrapy_idempotent: duplicate check left to the commit (%s)", exc)

@@ -32,6 +32,7 @@ from .config_readers import (
     _WEEK,
     _YEAR,
     _boolean,
+    _dedup_redis_url,
     _get,
     _headers,
     _names,
@@ -190,6 +191,8 @@ class IdempotentConfig:
     outbox_drain_seconds: float = 30.0
     #: the queue input's settings; None without ``IDEMPOTENT_QUEUE_URL``
     queue: QueueConfig | None = None
+    #: IDEMPOTENT_DEDUP_REDIS_URL: the Redis of the duplicate check's fast layer (None: off)
+    dedup_redis_url: str | None = None
     #: Scrapy's settings the frontier follows: ``HTTPERROR_ALLOW_ALL`` and
     #: ``HTTPERROR_ALLOWED_CODES`` (which responses reach their callback) ...
     httperror_allow_all: bool = False
@@ -220,8 +223,10 @@ class IdempotentConfig:
         """
         identity = _identity(settings, spider)
         run_mode = _run_mode(settings)
+        database = _database(_get(settings, "IDEMPOTENT_DATABASE"), spider.name)
         return cls(
-            database=_database(_get(settings, "IDEMPOTENT_DATABASE"), spider.name),
+            database=database,
+            dedup_redis_url=_dedup_redis_url(settings, database),
             **store_options(settings),
             **identity,
             lease_batch=_lease_batch(settings),

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from .default_settings import SETTINGS
 from .exceptions import ConfigError
+from .redis_dedup import redis_client, shown_url
+from .store.registry import sqlite_path
 
 if TYPE_CHECKING:
     from scrapy.settings import BaseSettings
@@ -99,3 +102,34 @@ def _headers(settings: BaseSettings, name: str) -> tuple[tuple[str, str], ...]:
             isinstance(k, str) and k and isinstance(v, str) for k, v in raw.items()):
         raise ConfigError(name, raw, "a dict of header names to string values")
     return tuple(raw.items())
+
+
+_DEDUP_REDIS_URL = "IDEMPOTENT_DEDUP_REDIS_URL"
+
+
+def _dedup_redis_url(settings: BaseSettings, database: str) -> str | None:
+    """``IDEMPOTENT_DEDUP_REDIS_URL``: None (off), or a Redis URL redis-py reads, with a
+    PostgreSQL ``database`` only (the layer saves reads of a server; a SQLite read is local
+    and cheaper than a round trip to Redis)."""
+    url = _get(settings, _DEDUP_REDIS_URL)
+    if url in (None, ""):
+        return None
+    allowed = ("None (off), or a Redis URL: redis://host:port/db, rediss://host:port/db or "
+               "unix:///path/to/redis.sock")
+    if not isinstance(url, str) or urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(_DEDUP_REDIS_URL, url if not isinstance(url, str)
+                          else shown_url(url), allowed)
+    if sqlite_path(database) is not None:
+        raise ConfigError(_DEDUP_REDIS_URL, shown_url(url),
+                          "None with a SQLite IDEMPOTENT_DATABASE: the Redis layer is for "
+                          "the PostgreSQL store (a SQLite read costs less than a round trip "
+                          "to Redis)")
+    try:
+        redis_client(url)
+    except ImportError:
+        raise ConfigError(_DEDUP_REDIS_URL, shown_url(url),
+                          "a Redis URL once the redis client is installed: pip install "
+                          "'scrapy-idempotent[redis]'") from None
+    except ValueError as exc:
+        raise ConfigError(_DEDUP_REDIS_URL, shown_url(url), f"{allowed} ({exc})") from None
+    return url

@@ -123,6 +123,25 @@ closes with reason ``idempotent_store_error``. The wait is on the writer's threa
 of requests claimed ahead go on meanwhile.""",
     ),
     Setting(
+        "IDEMPOTENT_DEDUP_REDIS_URL", None, "str or None", "Database",
+        '"redis://cache.internal:6379/0"',
+        default_text="``None``: off, every duplicate check asks the worker's memory, then the "
+                     "database",
+        allowed="``None``, or a ``redis://``, ``rediss://`` or ``unix://`` URL, with a "
+                "PostgreSQL :setting:`IDEMPOTENT_DATABASE`",
+        doc="""
+A Redis shared by the crawl's workers as a fast layer in front of the database for duplicate
+links (see :ref:`redis-dedup`): a hash of the fingerprints the frontier holds durably,
+written after each page commit. A link the hash knows is refused with no database read; any
+other goes to the database as without it. Opt-in: it cuts the PostgreSQL server's CPU per
+page by about a third where most links are rediscovered ones and the workers' own memory
+of known entries misses (a frontier far larger than its 50,000 entries). PostgreSQL store
+only (with SQLite the setting is refused: a read of the file costs less than a round trip
+to Redis); needs the ``redis`` extra. A Redis that fails is not an error: a WARNING, then
+the database answers every link for 30 s, and Redis is asked again. The URL's password is
+shown as ``***``.""",
+    ),
+    Setting(
         "IDEMPOTENT_NATURAL_KEYS", {}, "dict", "Record identity",
         '{"myproject.items.ProductItem": "sku", "ReviewItem": ["sku", "author"]}',
         doc="""

@@ -65,6 +65,7 @@ from .outbox import target_name
 from .politeness import Politeness
 from .recent_requests import RecentRequests
 from .records import RECORD_ID_SCHEME
+from .redis_dedup import RedisKnownRequests, redis_client
 from .run_totals import set_run_stats
 from .store.base import CrawlIdentity, FrontierStore, UnitOfWork
 from .store.registry import open_store, redacted
@@ -147,12 +148,20 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             config, stats=stats, claimed=self.claimed, wakeup=self.wakeup, writer=self.writer,
             autothrottle=crawler.settings.getbool("AUTOTHROTTLE_ENABLED"))
         recent = RecentRequests()  # (what the admission took in, for the hand-out)
+        #: the fast layer of the duplicate check (IDEMPOTENT_DEDUP_REDIS_URL), told of each
+        #: commit on the writer's thread once it is durable; None: off
+        self.dedup = RedisKnownRequests(
+            self.store, redis_client(config.dedup_redis_url), url=config.dedup_redis_url,
+            recrawl_seconds=config.recrawl_seconds, count=stats.inc_value,
+        ) if config.dedup_redis_url else None
+        if self.dedup is not None:
+            self.writer.follow_durable(self.dedup.committed)
         self.admission = Admission(
             self.store, tracker=tracker, fingerprints=self.fingerprints,
             keys=RequestKeys(), dupes=DuplicateFilter.from_settings(crawler.settings, stats),
             outcomes=self.outcomes, stats=stats, codec=self.codec,
             slot_of=self.politeness.slot_of, recent=recent,
-            before_enqueue=lambda: self.start_intake.flush())
+            before_enqueue=lambda: self.start_intake.flush(), known=self.dedup)
         # with the crawl's slot limits the pending requests may all be of slots that wait:
         # start() waits for downloads only while this worker has half its downloader's
         # requests in flight or claimed; else it goes on, its other sites' requests with it
@@ -220,6 +229,8 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             downloader = getattr(self.crawler.engine, "downloader", None)
             retry_busy("setting the download slots' limits",
                        lambda: self.politeness.open(downloader, self.store))
+            if self.dedup is not None:  # its hashes are named by the frontier's id
+                retry_busy("reading the frontier's id", self.dedup.open)
             stored_state = retry_busy("reading the spider's state", self.store.spider_state)
             stored_cookies = (retry_busy("reading the cookies", self.store.meta).get("cookies")
                               if self.cookies is not None else None)
@@ -269,6 +280,9 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             redacted(self.config.database), counts["pending"], counts["leased"], reclaimed,
             counts["done"] + counts["redirected"], counts["failed"], counts["records"],
         )
+        if self.dedup is not None:
+            logger.info("scrapy_idempotent: duplicate links are checked in the Redis at %s "
+                        "first (hash %s)", self.dedup.url, self.dedup.key(run.run_id))
         self._hooks = engine_hooks.EngineHooks(self.crawler.engine, self.tracker)
         self._hooks.install()
         if any(counts[state] for state in ("pending", "leased", "done", "redirected",

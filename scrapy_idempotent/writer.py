@@ -203,6 +203,7 @@ class WriterThread:
         #: the error that failed a batch; from then on nothing more is written
         self.error: BaseException | None = None
         self._followers: list[Callable[[FrontierStore], None]] = []
+        self._durable_hooks: list[Callable[[UnitOfWork, CommitResult, float], None]] = []
         self.batches = 0  #: batches committed
         self.pages = 0  #: completions in those batches
 
@@ -366,7 +367,7 @@ class WriterThread:
         d.addCallbacks(self._batch_done, self._batch_failed, callbackArgs=(work, seq),
                        errbackArgs=(work, seq))
         waiting = _Waiting(d)
-        self._jobs.put(("committing", lambda store: store.commit(work, self.worker), waiting))
+        self._jobs.put(("committing", lambda store: self._commit_durably(store, work), waiting))
         if not waiting.wait(timeout):
             return False  # on its way: its callbacks run on the reactor thread
         if waiting.error is not None:
@@ -423,8 +424,27 @@ class WriterThread:
         logged, never retried with the commit."""
         self._followers.append(hook)
 
-    def _commit_then_follow(self, store: FrontierStore, work: UnitOfWork) -> CommitResult:
+    def follow_durable(self, hook: Callable[[UnitOfWork, CommitResult, float], None]) -> None:
+        """Call ``hook(work, result, began)`` on the writer's thread after each batch
+        committed (``began``: the store's clock before its transaction began, no later than
+        the time the commit wrote), before its result reaches the reactor: what the batch
+        made durable, told to a cache outside the database (see :mod:`.redis_dedup`) only
+        once it is. A kill between the commit and the hook only leaves the cache short.
+        Its errors are logged, never retried with the commit."""
+        self._durable_hooks.append(hook)
+
+    def _commit_durably(self, store: FrontierStore, work: UnitOfWork) -> CommitResult:
+        began = store.clock() if self._durable_hooks else 0.0
         result = store.commit(work, self.worker)
+        for hook in self._durable_hooks:
+            try:
+                hook(work, result, began)
+            except Exception:  # the commit is done: never retried because of this
+                logger.info("scrapy_idempotent: after a commit: %s", hook, exc_info=True)
+        return result
+
+    def _commit_then_follow(self, store: FrontierStore, work: UnitOfWork) -> CommitResult:
+        result = self._commit_durably(store, work)
         if self._followers and (result.records_inserted or result.records_updated
                                 or result.records_unchanged):
             for hook in self._followers:

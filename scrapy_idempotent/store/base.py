@@ -160,6 +160,23 @@ __all__ = [
 class FrontierStore(ABC):
     """A durable frontier with leases, plus the records table. See the module docstring."""
 
+    #: the run this worker's session belongs to (set by :meth:`begin_session`; a commit
+    #: that joins a newer run moves it), None before a session
+    run_id: int | None = None
+    #: unix seconds on the store's time line (a backend's: the database server's clock)
+    clock: Callable[[], float]
+
+    def frontier_id(self) -> str:
+        """The id this database's frontier got at its first open: random, unique to the
+        database (a PostgreSQL schema), never copied by ``migrate`` (a copy gets its own).
+        What names things kept outside the database for this frontier (the Redis set of
+        :mod:`~scrapy_idempotent.redis_dedup`). Raises :class:`~.StoreError` before
+        :meth:`open`."""
+        found = self.meta().get("frontier_id")
+        if not found:
+            raise StoreError("the frontier has no id yet: open the store first")
+        return found
+
     @abstractmethod
     def open(self, *, fingerprinter: str, identity: CrawlIdentity | None = None,
              record_id_scheme: str | None = None) -> str | None:
@@ -217,6 +234,12 @@ class FrontierStore(ABC):
         any transaction, to skip encoding rediscovered links; the commit decides again.
         With ``key``, the entry of exactly that key (a ``dont_filter`` request, which the
         fingerprint does not filter)."""
+
+    def remembered_request(self, fingerprint: str) -> str | None:
+        """:meth:`known_request`'s answer for ``fingerprint`` when this worker's memory of
+        known entries holds it (no read), else None: not remembered, which says nothing of
+        the frontier (ask :meth:`known_request`). The default remembers nothing."""
+        return None
 
     def expect_lookups(self, fingerprints: Collection[str]) -> None:
         """:meth:`known_request` will soon be asked about ``fingerprints`` (the links of a

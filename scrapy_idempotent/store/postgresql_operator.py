@@ -123,7 +123,8 @@ class PostgreSQLOperatorQueries(PostgreSQLConnections):
                         "INSERT INTO meta VALUES (%s, %s) ON CONFLICT (key) DO UPDATE"
                         " SET value = EXCLUDED.value",
                         [(r["key"], r["value"]) for r in rows
-                         if r["key"] not in ("application", "schema_version")])
+                         if r["key"] not in ("application", "schema_version",
+                                             "frontier_id")])
                 elif table == "runs":
                     runs.extend(rows)
                     self._copy(cur, "runs", ("run_id", "started_at", "finished_at", "reason"),

@@ -155,6 +155,12 @@ class SqlKnownRequests(SqlDialect):
         return known_request_answer(rows[0][0], rows[0][1],
                                     window_start(self.recrawl_seconds, self.clock()))
 
+    def remembered_request(self, fingerprint: str) -> str | None:
+        now = self.clock()
+        answer = self._known_entries().answer(fingerprint, now,
+                                              window_start(self.recrawl_seconds, now))
+        return None if answer is _UNKNOWN else cast("str | None", answer)
+
     def expect_lookups(self, fingerprints: Collection[str]) -> None:
         batch = self._lookups
         known = self._known_entries()

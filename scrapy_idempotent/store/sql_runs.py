@@ -5,6 +5,7 @@ serves the records of a run and the state of its feeds."""
 
 from __future__ import annotations
 
+import uuid
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,12 +37,15 @@ class SqlRuns(SqlDialect):
     def _claim_meta(self, cur: Any, fingerprinter: str, identity: CrawlIdentity | None,
                     record_id_scheme: str | None, where: str) -> str:
         """What a database records at its first open (a database of an earlier version gets
-        what it lacks now), in the transaction of ``cur``: the fingerprinter and the creation
-        time, the crawl identity (another crawl's is refused: checked again here, in the
-        write transaction, for a crawl that claimed it since the read-only check) and the
-        record ID scheme. Returns the fingerprinter recorded."""
-        cur.execute(self._q("INSERT INTO meta VALUES ('fingerprinter', ?), ('created_at', ?)"
-                            " ON CONFLICT (key) DO NOTHING"), (fingerprinter, repr(self.clock())))
+        what it lacks now), in the transaction of ``cur``: the fingerprinter, the creation
+        time and the frontier's id (a random one: a copy made by ``migrate`` gets its own,
+        see :meth:`~.FrontierStore.frontier_id`), the crawl identity (another crawl's is
+        refused: checked again here, in the write transaction, for a crawl that claimed it
+        since the read-only check) and the record ID scheme. Returns the fingerprinter
+        recorded."""
+        cur.execute(self._q("INSERT INTO meta VALUES ('fingerprinter', ?), ('created_at', ?),"
+                            " ('frontier_id', ?) ON CONFLICT (key) DO NOTHING"),
+                    (fingerprinter, repr(self.clock()), uuid.uuid4().hex))
         (stored,) = cur.execute(
             "SELECT value FROM meta WHERE key = 'fingerprinter'").fetchall()[0]
         if identity is not None:
