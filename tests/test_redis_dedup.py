@@ -371,3 +371,69 @@ def test_values_name_the_end_of_their_window() -> None:
     plain = RedisKnownRequests(store, None, url="redis://x", recrawl_seconds=None)
     assert (plain._value(True, 0.0), plain._value(False, 0.0)) == (b"1", b"0")
     assert redis_dedup.shown_url("redis://u:pw@h:1/0") == "redis://u:***@h:1/0"
+
+
+# -- crawls ---------------------------------------------------------------------------------
+
+
+def frontier_holds_every_field(database: str, server: RedisServer, run_id: int) -> int:
+    """How many fields the hash of run ``run_id`` of the crawl's frontier has; each is the
+    fingerprint or the key of a frontier entry (the hash never knows what the database
+    lacks)."""
+    import psycopg
+    import redis
+
+    with psycopg.connect(database) as conn:
+        [schema] = [name for (name,) in conn.execute(
+            "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'idempotent%'")]
+        conn.execute("SELECT set_config('search_path', %s, false)", (schema,))
+        known = {value for row in conn.execute("SELECT key, fingerprint FROM requests")
+                 for value in row}
+        [(frontier,)] = conn.execute("SELECT value FROM meta WHERE key = 'frontier_id'")
+    key = f"{redis_dedup.KEY_PREFIX}:{frontier}:{run_id}:none"
+    fields = {field.hex() for field in redis.Redis.from_url(server.url).hkeys(key)}
+    assert fields <= known, sorted(fields - known)[:5]
+    return len(fields)
+
+
+def test_crawls_with_the_layer_fetch_each_page_once_per_run(
+        postgres_url: str, redis_server: RedisServer,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shop's listings link each other: with the worker's memory of known entries off
+    (a frontier far larger than it), Redis answers most rediscovered links; each page is
+    fetched once, each product stored once, in a first run and in the next one (its own
+    hash)."""
+    from local_site import LocalSite
+    from scrapy.utils.defer import deferred_f_from_coro_f
+
+    from crawling import crawl_settings, run_crawl
+    from scrapy_idempotent.store import sql_known
+    from shop.spiders.shop import ShopSpider
+
+    monkeypatch.setattr(sql_known, "KNOWN_DONE_ENTRIES", 0)
+    monkeypatch.setattr(sql_known, "KNOWN_PENDING_ENTRIES", 0)
+    settings = crawl_settings(postgres_url, IDEMPOTENT_DEDUP_REDIS_URL=redis_server.url,
+                              IDEMPOTENT_NATURAL_KEYS={"shop.items.ProductItem": "sku"})
+
+    @deferred_f_from_coro_f
+    async def crawl_twice() -> None:
+        with LocalSite() as shop:
+            for run in (1, 2):
+                shop.reset_counts()
+                crawler = await run_crawl(ShopSpider, settings, url=shop.url)
+                stats = crawler.stats.get_stats()
+                assert stats["finish_reason"] == "finished"
+                assert shop.request_count == 525
+                assert stats["idempotent/requests/done"] == 525
+                assert stats.get("idempotent/records/inserted", 0) + stats.get(
+                    "idempotent/records/unchanged", 0) == 500
+                hits = stats.get("idempotent/dedup/redis_hits", 0)
+                # the 25 rediscovered links (each listing links the next one and back):
+                # most answered by Redis (one not durable yet goes on)
+                duplicates = (stats["idempotent/requests/enqueued"]
+                              - stats["idempotent/requests/added"])
+                assert 10 <= hits <= duplicates, stats
+                assert "idempotent/dedup/redis_errors" not in stats
+                assert frontier_holds_every_field(postgres_url, redis_server, run) >= 525
+
+    return crawl_twice()  # type: ignore[no-any-return]
