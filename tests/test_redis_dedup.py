@@ -9,16 +9,17 @@ crawl starts."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import FakeClock
 from scrapy.spiders import Spider
 from scrapy.utils.test import get_crawler
 
-from conftest import FakeClock
 from redis_server import INSTALL, RedisServer, redis_server, redis_server_binary  # noqa: F401
 from scrapy_idempotent import redis_dedup
 from scrapy_idempotent.config import IdempotentConfig
@@ -45,7 +46,8 @@ def fingerprint(name: str) -> str:
 def link(name: str, parent: str | None = None) -> NewRequest:
     fp = fingerprint(name)
     return NewRequest(key=fp, fingerprint=fp, url=f"https://shop.example/{name}", priority=0,
-                      data='{"url": "https://shop.example/%s"}' % name, parent_key=parent)
+                      data=json.dumps({"url": f"https://shop.example/{name}"}),
+                      parent_key=parent)
 
 
 class Layered:
