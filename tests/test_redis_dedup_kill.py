@@ -1,0 +1,71 @@
+"""Two workers on PostgreSQL with the Redis layer of the duplicate check
+(``IDEMPOTENT_DEDUP_REDIS_URL``), SIGKILLed and restarted: every product is stored once, the
+requests repeated stay within what was on the wire at each kill, and the Redis hash holds no
+fingerprint the frontier lacks (a kill between a commit and its write to Redis only leaves the
+hash short)."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+from local_site import LocalSite
+
+from crawling import close_reason, wait_for
+from redis_server import RedisServer, redis_server  # noqa: F401 (the fixture)
+from test_postgresql_kill import assert_all_products_once, crawl_command, crawl_rows, start
+from test_redis_dedup import frontier_holds_every_field
+
+pytest.importorskip("psycopg")
+pytest.importorskip("redis")
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_workers_with_the_redis_layer_killed_store_each_product_once(
+        tmp_path: Path, postgres_url: str, redis_server: RedisServer) -> None:  # noqa: F811
+    rng = random.Random(43)
+    concurrency = 4
+    settings = (f"CONCURRENT_REQUESTS={concurrency}",
+                f"CONCURRENT_REQUESTS_PER_DOMAIN={concurrency}",
+                "IDEMPOTENT_RUN_MODE=resume", f"IDEMPOTENT_DEDUP_REDIS_URL={redis_server.url}")
+    kills = 4
+    launched = 0
+    with LocalSite(delay=0.01) as site:
+
+        def launch(slot: int) -> tuple[subprocess.Popen[bytes], Path]:
+            nonlocal launched
+            launched += 1
+            log = tmp_path / f"worker{slot}-{launched}.log"
+            return start(crawl_command(site, postgres_url, log, *settings)), log
+
+        workers = [launch(slot) for slot in range(2)]
+        for _ in range(kills):
+            target = site.request_count + rng.randint(20, 60)
+            wait_for(lambda t=target: site.request_count >= t  # type: ignore[misc]
+                     or all(p.poll() is not None for p, _ in workers), 300,
+                     f"request {target}")
+            slot = rng.randrange(2)
+            process, log = workers[slot]
+            if process.poll() is not None:
+                break  # the crawl is over
+            process.kill()
+            process.wait()
+            workers[slot] = launch(slot)
+        for process, log in workers:
+            assert process.wait(300) == 0, log.read_text()[-3000:]
+            assert close_reason(log) == "finished", log.read_text()[-3000:]
+        requests = site.request_count
+        assert_all_products_once(postgres_url, site)
+    print(f"\n[redis dedup workers] kills={kills}, worker processes={launched}, "
+          f"requests={requests} (bound {525 + kills * concurrency})")
+    assert 525 <= requests <= 525 + kills * concurrency, requests
+    assert crawl_rows(postgres_url, "SELECT state, count(*) FROM requests GROUP BY state") == [
+        ("done", 525)]
+    # the run's hash: only fingerprints of the frontier, most of it
+    assert frontier_holds_every_field(postgres_url, redis_server, 1) >= 500
+    logs = "".join(path.read_text(errors="replace") for path in tmp_path.glob("*.log"))
+    assert "duplicate links are checked in the Redis at" in logs
+    assert "the Redis dedup cache at" not in logs  # no Redis error
