@@ -20,6 +20,7 @@ from conftest import FakeClock
 from scrapy.spiders import Spider
 from scrapy.utils.test import get_crawler
 
+from helpers.redis_dedup import frontier_holds_every_field
 from redis_server import INSTALL, RedisServer, redis_server, redis_server_binary  # noqa: F401
 from scrapy_idempotent import redis_dedup
 from scrapy_idempotent.config import IdempotentConfig
@@ -376,26 +377,6 @@ def test_values_name_the_end_of_their_window() -> None:
 
 
 # -- crawls ---------------------------------------------------------------------------------
-
-
-def frontier_holds_every_field(database: str, server: RedisServer, run_id: int) -> int:
-    """How many fields the hash of run ``run_id`` of the crawl's frontier has; each is the
-    fingerprint or the key of a frontier entry (the hash never knows what the database
-    lacks)."""
-    import psycopg
-    import redis
-
-    with psycopg.connect(database) as conn:
-        [schema] = [name for (name,) in conn.execute(
-            "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'idempotent%'")]
-        conn.execute("SELECT set_config('search_path', %s, false)", (schema,))
-        known = {value for row in conn.execute("SELECT key, fingerprint FROM requests")
-                 for value in row}
-        [(frontier,)] = conn.execute("SELECT value FROM meta WHERE key = 'frontier_id'")
-    key = f"{redis_dedup.KEY_PREFIX}:{frontier}:{run_id}:none"
-    fields = {field.hex() for field in redis.Redis.from_url(server.url).hkeys(key)}
-    assert fields <= known, sorted(fields - known)[:5]
-    return len(fields)
 
 
 def test_crawls_with_the_layer_fetch_each_page_once_per_run(
