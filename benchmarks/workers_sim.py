@@ -15,14 +15,16 @@ How a page's links are deduplicated (``--dedup``): ``commit`` hands every link t
 commit, whose lookups decide (the store's own backstop); ``scheduler`` does what a crawl's
 scheduler does: the page's fingerprints are announced (``expect_lookups``), each link is asked
 with ``known_request`` (the worker's memory of known entries, else one read for the page's
-links), and only the unknown ones go to the commit; ``redis`` puts a shared layer in front of
-that: the fingerprints a worker's commits made durable are added to a Redis set after each
-commit (after, so that the set never holds a fingerprint the database lacks), and a page's
-links are first looked up there in one round trip (``--redis URL``, else a throwaway
-``redis-server``); ``oracle-new`` and ``oracle-known`` are bounds, not designs: the simulation
-knows which links are new, and skips the lookups of the new ones (a perfect Bloom filter as a
-negative cache: the most any negative cache can save) or refuses the known ones without any
-lookup (a perfect positive cache: the most any fast layer in front can save). The worker's
+links), and only the unknown ones go to the commit; ``redis`` puts the package's Redis layer
+in front of that (``scrapy_idempotent.redis_dedup``, what ``IDEMPOTENT_DEDUP_REDIS_URL`` turns
+on): the fingerprints a worker's commits made durable are added to a Redis hash after each
+commit (after, so that the hash never holds a fingerprint the database lacks), and a page's
+links the worker's memory does not hold are first looked up there in one round trip
+(``--redis URL``, else a throwaway ``redis-server``); ``oracle-new`` and ``oracle-known``
+are bounds, not designs: the simulation knows which links are new, and skips the lookups of
+the new ones (a perfect Bloom filter as a negative cache: the most any negative cache can
+save) or refuses the known ones without any lookup (a perfect positive cache: the most any
+fast layer in front can save). The worker's
 memory of known entries holds at most ``--known-memory`` entries of each kind (default: the
 store's own limits, 50,000): a small memory over a small frontier models a frontier far
 larger than the memory (a hundred million URLs against 50,000).
@@ -101,8 +103,6 @@ def _open(database: str, worker: str, mode: str) -> Any:
 
 
 DEDUP_MODES = ("commit", "scheduler", "redis", "oracle-new", "oracle-known")
-#: the Redis set of fingerprints durable in the frontier (``--dedup redis``)
-REDIS_SET = "workers_sim:known"
 
 
 class _Dedup:
@@ -111,14 +111,27 @@ class _Dedup:
     def __init__(self, store: Any, mode: str, redis_url: str | None) -> None:
         self.store = store
         self.mode = mode
+        self.known: Any = store  #: the duplicate check: the store's, or the Redis layer
         self.redis: Any = None
-        self.lookups = 0  #: links asked of the store (known_request)
-        self.fast_hits = 0  #: links refused by the fast layer
-        self.learned: list[str] = []  #: fingerprints the database said it has
+        self.counts: dict[str, int] = {}
+        self.lookups = 0  #: links asked of the duplicate check (known_request)
         if mode == "redis":
-            import redis
+            # the package's own layer, as IDEMPOTENT_DEDUP_REDIS_URL sets it up
+            from scrapy_idempotent.redis_dedup import RedisKnownRequests, redis_client
 
-            self.redis = redis.Redis.from_url(redis_url or "", decode_responses=True)
+            self.redis = RedisKnownRequests(store, redis_client(redis_url or ""),
+                                            url=redis_url or "", recrawl_seconds=None,
+                                            count=self._count)
+            self.redis.open()
+            self.known = self.redis
+
+    def _count(self, name: str, n: int) -> None:
+        self.counts[name] = self.counts.get(name, 0) + n
+
+    @property
+    def fast_hits(self) -> int:
+        """Links refused by the fast layer."""
+        return self.counts.get("idempotent/dedup/redis_hits", 0)
 
     def admit(self, new: list[Any], known: list[Any]) -> list[Any]:
         """The links (``new``: not in the frontier; ``known``: in it) that go to the commit."""
@@ -127,39 +140,34 @@ class _Dedup:
         if self.mode == "oracle-known":
             return new
         asked = [*new, *known] if self.mode != "oracle-new" else known
-        if self.redis is not None and asked:
-            hits = self.redis.smismember(REDIS_SET, [r.fingerprint for r in asked])
-            self.fast_hits += sum(hits)
-            asked = [r for r, hit in zip(asked, hits, strict=True) if not hit]
-        self.store.expect_lookups([r.fingerprint for r in asked])
+        self.known.expect_lookups([r.fingerprint for r in asked])
         admitted = [] if self.mode != "oracle-new" else list(new)
         for request in asked:
             self.lookups += 1
-            if self.store.known_request(request.fingerprint) is None:
+            if self.known.known_request(request.fingerprint) is None:
                 admitted.append(request)
-            elif self.redis is not None:
-                self.learned.append(request.fingerprint)  # the database has it
         return admitted
 
-    def committed(self, requests: list[Any]) -> None:
-        """After the commit of ``requests`` (now durable): the fast layer learns them."""
+    def commit(self, unit: Any, worker: str) -> Any:
+        """``store.commit``, then (``redis``) the layer told what it made durable, as the
+        crawl's writer does."""
         if self.redis is None:
-            return
-        fingerprints = [*self.learned, *(r.fingerprint for r in requests)]
-        self.learned = []
-        if fingerprints:
-            self.redis.sadd(REDIS_SET, *fingerprints)
+            return self.store.commit(unit, worker)
+        began = self.store.clock()
+        result = self.store.commit(unit, worker)
+        self.redis.committed(unit, result, began)
+        return result
 
 
 def child(database: str, worker: str, links: int, known_links: int, listings: int,
           batch: int, dedup_mode: str = "commit", redis_url: str | None = None,
           product_links: int = 0, known_memory: int | None = None) -> dict[str, Any]:
     """One worker: claim and commit pages until the frontier has none left."""
-    from scrapy_idempotent.store import sql
+    from scrapy_idempotent.store import sql_known
     from scrapy_idempotent.store.base import Completion, RequestState, UnitOfWork
 
     if known_memory is not None:
-        sql.KNOWN_DONE_ENTRIES = sql.KNOWN_PENDING_ENTRIES = known_memory
+        sql_known.KNOWN_DONE_ENTRIES = sql_known.KNOWN_PENDING_ENTRIES = known_memory
 
     rng = random.Random(worker)
     store = _open(database, worker, "resume")
@@ -198,10 +206,8 @@ def child(database: str, worker: str, links: int, known_links: int, listings: in
                      for _ in range(product_links if number else 0)]
             unit.requests = dedup.admit([], known)
         began = time.perf_counter()
-        result = store.commit(unit, worker)
+        result = dedup.commit(unit, worker)
         latencies.append(time.perf_counter() - began)
-        if request.key not in result.lost:
-            dedup.committed(unit.requests)
         leased.extend(result.leased)
         pages += 1
     store.end_session(worker, "finished")
@@ -250,10 +256,10 @@ def run(url: str, workers: int, args: argparse.Namespace,
     database = f"{url}?schema={SCHEMA}"
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
-    if args.redis:
+    if args.redis_pid:  # (a new schema is a new frontier: a hash of its own)
         import redis
 
-        redis.Redis.from_url(args.redis).delete(REDIS_SET)
+        redis.Redis.from_url(args.redis).flushdb()  # the throwaway server's memory
     listings = max(1, args.pages // (args.links + 1))
     _seed(database, listings)
     with psycopg.connect(url, autocommit=True) as conn:
