@@ -285,7 +285,8 @@ def test_the_page_flow_picture_is_one() -> None:
 
 #: Store messages that only a programming error produces (an API misused), not a user.
 INTERNAL_MESSAGES = {"is already open", "cannot load rows of an unknown table",
-                     "the store writer is not running"}
+                     "the store writer is not running",
+                     "the frontier has no id yet: open the store first"}
 #: The calls whose message a user meets: the package's errors (ConfigError has one form,
 #: explained once) and Scrapy's at its boundary, and log lines of WARNING and above.
 ERROR_CALLS = {"StoreError", "StoreBusy", "IdempotentError", "UnsupportedScrapy",
