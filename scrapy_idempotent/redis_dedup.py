@@ -142,6 +142,13 @@ class RedisKnownRequests:
         """Once the store is open (its frontier has an id): name the hashes by it."""
         self._frontier = self.store.frontier_id()
 
+    def close(self) -> None:
+        """Close the client's connections (at the crawl's close)."""
+        try:
+            self.client.close()
+        except Exception:  # (closing: nothing to do about it)
+            logger.debug("scrapy_idempotent: closing the Redis client", exc_info=True)
+
     def key(self, run_id: int | None) -> str:
         """The hash of run ``run_id`` of this frontier (for this recrawl window)."""
         window = "none" if self.recrawl_seconds is None else f"{self.recrawl_seconds:g}"
@@ -239,8 +246,12 @@ class RedisKnownRequests:
         return str(2 * ends + done).encode()
 
     def _answer(self, value: bytes) -> str | None:
-        """``known_request``'s answer a value gives now: None once its window is over."""
-        number = int(value)
+        """``known_request``'s answer a value gives now: None once its window is over (or
+        for a value this layer did not write)."""
+        try:
+            number = int(value)
+        except ValueError:
+            return None
         if self.recrawl_seconds is not None and \
                 (number >> 1) * self.recrawl_seconds <= self.store.clock():
             return None
@@ -302,10 +313,8 @@ class RedisKnownRequests:
         return True
 
     def _failed(self, exc: BaseException) -> None:
-        with self._lock:
+        with self._lock:  # (the reactor's or the writer's thread: their own state stays)
             self._down_until = time.monotonic() + RETRY_SECONDS
-            self._expected.clear()
-            self._read = {}
             self._learned = []
             first, self._warned = not self._warned, True
         self._count("idempotent/dedup/redis_errors", 1)

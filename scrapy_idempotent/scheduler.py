@@ -152,7 +152,7 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         #: commit on the writer's thread once it is durable; None: off
         self.dedup = RedisKnownRequests(
             self.store, redis_client(config.dedup_redis_url), url=config.dedup_redis_url,
-            recrawl_seconds=config.recrawl_seconds, count=stats.inc_value,
+            recrawl_seconds=config.recrawl_seconds, count=scrapy_compat.stat_counter(stats),
         ) if config.dedup_redis_url else None
         if self.dedup is not None:
             self.writer.follow_durable(self.dedup.committed)
@@ -340,6 +340,8 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
             self._hooks.remove()
         if not self._session:  # open() failed before the store was usable: nothing to close
             self.admission.keys.close()
+            if self.dedup is not None:
+                self.dedup.close()
             self.store.close()
             return None
         # everything buffered is written, then the writer's thread ends and the rest of the
@@ -426,6 +428,8 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         finally:
             workers.forget_live(self.worker)
             self.admission.keys.close()
+            if self.dedup is not None:
+                self.dedup.close()
             self.store.close()
 
     def _log_close(self, reason: str, released: int) -> None:

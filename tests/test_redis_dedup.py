@@ -369,6 +369,7 @@ def test_values_name_the_end_of_their_window() -> None:
     assert windowed._answer(b"7") == "already_done"
     assert windowed._answer(b"6") == "duplicate"
     assert windowed._answer(b"5") is None  # its window ended at 7200
+    assert windowed._answer(b"written by someone else") is None
     # a commit that began within the margin after a window's start counts in the previous
     assert windowed._value(False, 7200.5) == b"4"
     plain = RedisKnownRequests(store, None, url="redis://x", recrawl_seconds=None)
