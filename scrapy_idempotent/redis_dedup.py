@@ -76,6 +76,9 @@ _CLOCK_MARGIN_SECONDS = 1.0
 #: How often (seconds) a hash's expiry is pushed back by the writes to it.
 _EXPIRE_EVERY_SECONDS = 60.0
 
+#: At most this many answers of the database wait for the next commit to be written.
+_LEARNED_AT_MOST = 10_000
+
 _DONE = "already_done"
 _PENDING = "duplicate"
 
@@ -98,8 +101,8 @@ def redis_client(url: str) -> Any:
 
 
 def _field(fingerprint: str) -> bytes:
-    """A fingerprint (or key) as stored in a hash: its 20 bytes (72 bytes of Redis memory a
-    field and value, against 89 as hex)."""
+    """A fingerprint (or key) as stored in a hash: its 20 bytes (about 81 bytes of Redis
+    memory a field with its value; as 40 hex characters, 17 more)."""
     try:
         return bytes.fromhex(fingerprint)
     except ValueError:  # (not hex: kept as it is)
@@ -188,7 +191,8 @@ class RedisKnownRequests:
         began = self.store.clock()
         run_id = self.store.run_id
         answer = self.store.known_request(fingerprint)
-        if answer is not None and self._frontier is not None:
+        if answer is not None and self._frontier is not None \
+                and len(self._learned) < _LEARNED_AT_MOST:
             done = answer == _DONE
             with self._lock:  # written with the next commit's fingerprints
                 self._learned.append((self.key(run_id), fingerprint,
