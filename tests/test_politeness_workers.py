@@ -206,9 +206,9 @@ def test_a_worker_whose_clock_is_off_keeps_the_limits_and_finishes(
                                 env=skewed(offset))]
         with running(workers):
             # alone, the skewed worker sends to the site with a delay at its pace
-            wait_for(lambda: crawled[2].request_count >= 3, 60,
+            wait_for(lambda: crawled[2].request_count >= 5, 60,
                      "the skewed worker's requests to the site with a delay")
-            alone = crawled[2].intervals()[:2]
+            alone = crawled[2].arrival_times()[:5]
             workers.append(start_worker(crawled, postgres_url, logs[1], pages, LIMITS[0],
                                         LIMITS[1] % hosts[2], "IDEMPOTENT_RUN_MODE=resume"))
             for worker, log in zip(workers, logs, strict=True):
@@ -221,9 +221,10 @@ def test_a_worker_whose_clock_is_off_keeps_the_limits_and_finishes(
     assert delayed.most_in_flight == 1
     # measured at the site, whose accept loop shares a loaded machine with the workers: a
     # request it reads late (or a starved worker sends late) makes the next gap look shorter
-    # by as much (a clock off by 2 s or more shows far beyond this; at 0.2 s the crawl used
-    # to send nothing at all)
-    assert min(alone) >= 0.5 - ARRIVAL_JITTER, alone
+    # by as much, so one gap alone can look 0.4 s short on a loaded machine; over four gaps
+    # such lags do not add up: the span is short by one lag at most (a clock off by 2 s or
+    # more sends at once and shows far beyond this; at 0.2 s the crawl used to send nothing)
+    assert alone[-1] - alone[0] >= 4 * 0.5 - ARRIVAL_JITTER, alone
     # (once two workers send, the delay holds between their hand-outs; at the site a
     # request of a worker starved of CPU, another starting beside it, may come closer
     # after the other's: see docs/politeness.rst, Sizing a crawl)
