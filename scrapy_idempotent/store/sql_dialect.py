@@ -45,8 +45,9 @@ class SqlDialect(ABC):
     #: appended to ``ORDER BY`` a text key, so that keyset paging follows byte order
     TEXT_ORDER = ""
     #: the condition "leased by the worker ``?``", for statements on a list of keys: the
-    #: key's index finds their rows
-    LEASED_BY = "state = 'leased' AND worker = ?"
+    #: key's index finds their rows (``+worker``: SQLite's planner would otherwise take the
+    #: index of the worker's leases and read every row the worker holds, page after page)
+    LEASED_BY = "state = 'leased' AND +worker = ?"
     #: the ``LIMIT`` parameter meaning no limit
     NO_LIMIT: Any = -1
 
