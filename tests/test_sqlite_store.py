@@ -295,3 +295,41 @@ def test_a_streamed_feed_is_written_by_one_worker_at_a_time(tmp_path, clock):
     finally:
         a.close()
         b.close()
+
+
+def test_sqlite_a_units_statements_on_its_keys_find_their_rows_by_key(tmp_path, clock):
+    # a worker holds many leases (claimed ahead, downloading): a page commit's statements on
+    # its own keys (the fence, the counters of started, replayed and downloaded requests, a
+    # give-back) look each key up, and never read every row the worker leases
+    from scrapy_idempotent.store import Completion, RequestState
+
+    store = SQLiteStore(str(tmp_path / "f.sqlite3"), clock=clock)
+    store.open(fingerprinter="x")
+    store.begin_session("w1", "auto")
+    try:
+        store.commit(UnitOfWork(requests=[
+            NewRequest(key=f"k{i}", fingerprint=f"k{i}", url=f"https://a/{i}", priority=0,
+                       data="{}") for i in range(200)]), "w1")
+        leased = [lease.key for lease in store.commit(UnitOfWork(claim=100), "w1").leased]
+        statements: list[str] = []
+        store.conn.set_trace_callback(statements.append)
+        store.commit(UnitOfWork(started=leased[:3], downloaded=leased[:2],
+                                replayed=leased[2:3], give_back=leased[3:4],
+                                responses=[(leased[0], "{}", b"body")]), "w1")
+        store.commit(UnitOfWork(completions=[Completion(leased[0], RequestState.DONE)],
+                                requests=[NewRequest(key="child", fingerprint="child",
+                                                     url="https://a/child", priority=0,
+                                                     data="{}", parent_key=leased[0])]),
+                     "w1")
+        store.conn.set_trace_callback(None)
+        on_keys = [s for s in statements if "json_each" in s and "worker" in s
+                   and "FROM requests" in s or s.startswith("UPDATE requests")
+                   and "json_each" in s]
+        assert len(on_keys) >= 5
+        for statement in on_keys:
+            plan = " ".join(str(row[3]) for row in store.conn.execute(
+                f"EXPLAIN QUERY PLAN {statement}"))
+            assert "requests_leased" not in plan, (statement, plan)
+            assert "USING INDEX sqlite_autoindex_requests_1 (key=?)" in plan, (statement, plan)
+    finally:
+        store.close()
