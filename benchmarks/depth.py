@@ -528,8 +528,11 @@ def run(args: argparse.Namespace, deep: str, empty: str, postmaster: int | None,
         measure(db, sub, postmaster, work)
     if args.pages:
         print(f"== latency, deep and empty in turns (load {os.getloadavg()})", flush=True)
+        # the new children's numbers: past the built ones, and new in each run (a
+        # ``--reuse`` run again must add new requests, not duplicates of the last run's)
         measured = latency(deep, empty, args.pages, postmaster,
-                           10 * (args.copies + 2) * (args.pending + args.done))
+                           10 * (args.copies + 2) * (args.pending + args.done)
+                           + time.time_ns() // 1000)
         print(json.dumps({"latency": measured}, indent=1), flush=True)
     print(f"load average after: {os.getloadavg()}", flush=True)
 
