@@ -31,9 +31,10 @@ Then, on each database:
 
 ``--keep`` leaves the SQLite files built (``--reuse`` measures them, or a ``--database``'s,
 again without building: their open, timed, migrates them to this release's schema);
-``--skip-commands`` measures bytes and latency only. The machine's load average is printed
-before and after. The package is imported from the environment: ``PYTHONPATH=/path/to/copy``
-measures a copy.
+``--skip-commands`` measures bytes and latency only; ``--pragma`` sets a SQLite pragma on the
+measured stores' connections (a page cache or memory map of another size). The machine's
+load average is printed before and after. The package is imported from the environment:
+``PYTHONPATH=/path/to/copy`` measures a copy.
 """
 
 from __future__ import annotations
@@ -120,12 +121,19 @@ class Builder:
                       key=RecordKey(record_type="dict", item_type="dict", fields=("sku",)))
 
 
+#: ``--pragma`` settings given to each SQLite connection of the stores measured
+PRAGMAS: list[str] = []
+
+
 def open_built(db: str) -> Any:
     from scrapy_idempotent.store import open_store
     from scrapy_idempotent.store.base import RunMode
 
     store: Any = open_store(db, lease_seconds=3600)
     store.open(fingerprinter="scrapy.utils.request.RequestFingerprinter")
+    for conn in (getattr(store, "_conn", None), getattr(store, "_read", None)):
+        for pragma in PRAGMAS if conn is not None else ():
+            conn.execute(f"PRAGMA {pragma}").fetchall()
     store.begin_session(WORKER, RunMode.RESUME)
     return store
 
@@ -561,7 +569,11 @@ def main() -> None:
                         "export, migrate, metrics)")
     parser.add_argument("--migrate", action="store_true",
                         help="also time `migrate --to` a new database (a copy of the crawl)")
+    parser.add_argument("--pragma", action="append", default=[],
+                        help="SQLite: a pragma for the connections of the stores measured "
+                        "(e.g. cache_size=-262144, mmap_size=2147418112); repeatable")
     args = parser.parse_args()
+    PRAGMAS.extend(args.pragma)
     with tempfile.TemporaryDirectory(prefix="depth-bench-") as tmp:
         work = Path(tmp)
         if args.sqlite:

@@ -323,8 +323,7 @@ def test_sqlite_a_units_statements_on_its_keys_find_their_rows_by_key(tmp_path, 
                      "w1")
         store.conn.set_trace_callback(None)
         on_keys = [s for s in statements if "json_each" in s and "worker" in s
-                   and "FROM requests" in s or s.startswith("UPDATE requests")
-                   and "json_each" in s]
+                   and ("FROM requests" in s or s.startswith("UPDATE requests"))]
         assert len(on_keys) >= 5
         for statement in on_keys:
             plan = " ".join(str(row[3]) for row in store.conn.execute(
