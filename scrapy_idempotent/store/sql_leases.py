@@ -179,12 +179,13 @@ class SqlLeases(SqlDialect):
         were claimed ahead and never handed out, their claim's attempt is taken back.
         Returns how many were claimed ahead."""
         where, param = self._any("key", list(inflight))
-        owned = " AND state = 'leased' AND worker = ?"
-        if inflight:
+        if inflight:  # (these by the key's index: LEASED_BY)
             cur.execute(self._q(f"UPDATE requests SET unfinished = unfinished - 1 WHERE {where}"
-                                f"{owned} AND unfinished > 0"), (param, worker))
+                                f" AND {self.LEASED_BY} AND unfinished > 0"), (param, worker))
+        # (all the worker's leases but those: by the index of its leases)
         cur.execute(self._q(f"UPDATE requests SET attempts = attempts - 1 WHERE NOT ({where})"
-                            f"{owned} AND attempts > 0"), (param, worker))
+                            " AND state = 'leased' AND worker = ? AND attempts > 0"),
+                    (param, worker))
         unstarted: int = cur.rowcount
         return unstarted
 
