@@ -203,6 +203,17 @@ class ClaimedRequests:
                     self._give_back.append(r.key)
                     self._to_local.pop(r.key, None)
             merged = keep
+        if self.sendable is not None:
+            # no more held than the downloader takes now (or than were held before): two
+            # claims may be on their way at once, each sized by the same room; requests
+            # added by the transaction and claimed with it may rank after those held (start
+            # requests go first in, first out); and a place of a slot held here is one no
+            # other worker can send in
+            most = max(self._room(), len(self._claimed))
+            for r in merged[most:]:
+                self._give_back.append(r.key)
+                self._to_local.pop(r.key, None)
+            merged = merged[:most]
         self._claimed = deque(merged)
 
     @property

@@ -111,6 +111,30 @@ def test_a_higher_priority_request_goes_first_a_lower_one_waits(
     assert "low" not in order  # every request claimed here goes before it
 
 
+def test_claims_on_their_way_at_once_keep_no_more_than_the_downloader_takes(
+        store: FrontierStore) -> None:
+    """With the crawl's limits a claim takes what the downloader takes now; two claims sized
+    by the same room (the second prepared before the first came back) would hold a slot's
+    places this worker cannot send in: what is beyond the room is given back."""
+    room = [0]
+    claimed = ClaimedRequests(batch=8, sendable=lambda: room[0])
+    commit(store, claimed, UnitOfWork(requests=[new(f"r{i}") for i in range(6)]))
+    assert len(claimed) == 0
+    room[0] = 1
+    first, second = UnitOfWork(), UnitOfWork()
+    claimed.prepare(first, closing=False)
+    claimed.prepare(second, closing=False)
+    assert first.claim == second.claim == 1
+    claimed.accept(first, store.commit(first, WORKER))
+    hand_out(store, claimed)
+    room[0] = 0  # the downloader is full now
+    claimed.accept(second, store.commit(second, WORKER))
+    assert len(claimed) == 0 and claimed.has_give_back
+    commit(store, claimed, UnitOfWork())
+    rows = [entry.state for entry in store.entries()]
+    assert rows.count("leased") == 1 and rows.count("pending") == 5
+
+
 class _HeldWriter:
     """A writer whose calls wait until the test runs them (on the test's thread, standing in
     for the writer's)."""

@@ -286,6 +286,7 @@ def test_claims_ahead_leave_a_sites_places_to_the_workers_that_can_send(
     with sites("127.0.0.2", "127.0.0.3", "127.0.0.4", delay=0.0) as crawled:
         condition = threading.Condition()
         in_flight = [0, 0]  # now, most
+        timed_out: list[str] = []  # the answers that waited out the bound: a failure
 
         def answer(received: Received) -> tuple[int, dict[str, str], str]:
             with condition:
@@ -295,8 +296,9 @@ def test_claims_ahead_leave_a_sites_places_to_the_workers_that_can_send(
                 # held until 6 have been in flight at once (a state: the third worker may
                 # start long after the others on a loaded machine; once reached, nothing
                 # waits). The bound only ends a failing run: claims ahead that hold the
-                # places never let the third worker send
-                condition.wait_for(lambda: in_flight[1] >= 6, timeout=120)
+                # places never let the third worker send, and the answers wait it out
+                if not condition.wait_for(lambda: in_flight[1] >= 6, timeout=120):
+                    timed_out.append(received.path)
                 in_flight[0] -= 1
             return 200, {"Content-Type": "text/html"}, "<html>ok</html>"
 
@@ -311,6 +313,7 @@ def test_claims_ahead_leave_a_sites_places_to_the_workers_that_can_send(
             for worker, log in zip(workers, logs, strict=True):
                 assert worker.wait(timeout=300) == 0, log.read_text(errors="replace")[-3000:]
     assert in_flight[1] == 6
+    assert not timed_out, timed_out
     for site in crawled:
         assert site.request_count == pages
         assert site.most_in_flight <= 2
