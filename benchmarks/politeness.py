@@ -11,7 +11,7 @@ runspider`` processes crawl one frontier (a new SQLite file) with
 ``IDEMPOTENT_POLITENESS`` each of ``--modes`` (``crawl``, ``worker``), ``DOWNLOAD_DELAY =
 --delay`` and ``CONCURRENT_REQUESTS = --per-worker``, each yielding the same ``--pages``
 pages of every site. Printed per crawl: pages/s (first
-request to last answer at the sites), the most requests any site had in flight (never above
+request to last answer at the sites), the pages each worker fetched, the most requests any site had in flight (never above
 L when the limits hold), each page fetched once, and the workers' CPU seconds.
 
 While the sites have room (``sites x L`` above what one worker sends at once), the crawl's
@@ -71,6 +71,7 @@ class Site(ThreadingHTTPServer):
         self.arrivals: list[float] = []
         self.answered_at = 0.0
         self.paths: dict[str, int] = {}
+        self.agents: dict[str, int] = {}  # requests per worker (its User-Agent)
         super().__init__((host, 0), Handler)
 
     @property
@@ -93,6 +94,8 @@ class Handler(BaseHTTPRequestHandler):
             site.most_in_flight = max(site.most_in_flight, site.in_flight)
             site.arrivals.append(time.monotonic())
             site.paths[self.path] = site.paths.get(self.path, 0) + 1
+            agent = self.headers.get("User-Agent", "")
+            site.agents[agent] = site.agents.get(agent, 0) + 1
         try:
             time.sleep(site.answer_seconds)
             body = b"<html><body>ok</body></html>"
@@ -120,8 +123,9 @@ def crawl(workdir: Path, spider: Path, sites: list[Site], *, workers: int, limit
                "-s", f"IDEMPOTENT_POLITENESS={mode}", "-s", f"DOWNLOAD_DELAY={delay}",
                "-s", "IDEMPOTENT_RUN_MODE=resume"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    processes = [subprocess.Popen(command, cwd=workdir, stdin=subprocess.DEVNULL)
-                 for _ in range(workers)]
+    processes = [subprocess.Popen([*command, "-s", f"USER_AGENT=worker-{n}"], cwd=workdir,
+                                  stdin=subprocess.DEVNULL)
+                 for n in range(workers)]
     codes = [process.wait() for process in processes]
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     first = min(site.arrivals[0] for site in sites if site.arrivals)
@@ -133,6 +137,8 @@ def crawl(workdir: Path, spider: Path, sites: list[Site], *, workers: int, limit
         "most in flight": max(site.most_in_flight for site in sites),
         "each page once": all(set(site.paths.values()) == {1} and len(site.paths) == pages
                               for site in sites),
+        "per worker": [sum(site.agents.get(f"worker-{n}", 0) for site in sites)
+                       for n in range(workers)],
         "cpu s": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
     }
 
@@ -163,8 +169,8 @@ def main() -> None:
               f"each, CONCURRENT_REQUESTS={args.per_worker} per worker, DOWNLOAD_DELAY="
               f"{args.delay}; load average {os.getloadavg()[0]:.2f} at the start")
         print("| mode | per-site limit | workers | pages/s | most in flight at a site | "
-              "limits held | each page once | workers' CPU s | exit codes |")
-        print("|---|---:|---:|---:|---:|---|---|---:|---|")
+              "limits held | each page once | pages per worker | workers' CPU s | exit codes |")
+        print("|---|---:|---:|---:|---:|---|---|---|---:|---|")
         for limit, workers, repetition, mode in itertools.product(
                 (int(v) for v in args.limits.split(",")),
                 [int(v) for v in args.workers.split(",")], range(args.repeat),
@@ -186,7 +192,8 @@ def main() -> None:
             print(f"| {mode} | {limit} | {workers} | {row['pages/s']:.1f} | "
                   f"{row['most in flight']} | "
                   f"{'yes' if row['most in flight'] <= limit else 'NO'} | "
-                  f"{'yes' if row['each page once'] else 'NO'} | {row['cpu s']:.1f} | "
+                  f"{'yes' if row['each page once'] else 'NO'} | "
+                  f"{', '.join(map(str, row['per worker']))} | {row['cpu s']:.1f} | "
                   f"{','.join(map(str, row['codes']))} |", flush=True)
         print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
