@@ -10,9 +10,10 @@ requests it has in flight and when each arrived. For every per-site limit L
 runspider`` processes crawl one frontier (a new SQLite file) with
 ``IDEMPOTENT_POLITENESS`` each of ``--modes`` (``crawl``, ``worker``), ``DOWNLOAD_DELAY =
 --delay`` and ``CONCURRENT_REQUESTS = --per-worker``, each yielding the same ``--pages``
-pages of every site. Printed per crawl: pages/s (first
-request to last answer at the sites), the pages each worker fetched, the most requests any site had in flight (never above
-L when the limits hold), each page fetched once, and the workers' CPU seconds.
+pages of every site. Printed per crawl: pages/s (first request to last answer at the
+sites), the most requests any site had in flight (never above L when the limits hold), each
+page fetched once, the pages each worker fetched (told by its ``USER_AGENT``), and the
+workers' CPU seconds.
 
 While the sites have room (``sites x L`` above what one worker sends at once), the crawl's
 rate grows with its workers; once every site is at its limit, more workers add nothing, and

@@ -99,11 +99,12 @@ def assert_limits_held(crawled: list[LocalSite]) -> None:
 
 def test_workers_on_one_frontier_keep_each_sites_limits(tmp_path: Path,
                                                         crawl_database: str) -> None:
-    # 4 workers on one SQLite file, 3 on PostgreSQL
+    # 4 workers on one SQLite file, 3 on PostgreSQL; every worker joins run 1, even one
+    # started after the others finished it (each page once)
     workers = 4 if sqlite_path(crawl_database) is not None else 3
     hosts = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
     crawled = crawl_with_workers(tmp_path, crawl_database, workers, hosts,
-                                 LIMITS[0], LIMITS[1] % hosts[2])
+                                 LIMITS[0], LIMITS[1] % hosts[2], "IDEMPOTENT_RUN_MODE=resume")
     assert_limits_held(crawled)
     # the sites had room: the limits were reached, not undercut
     assert crawled[0].most_in_flight == 2

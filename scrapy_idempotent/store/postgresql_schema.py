@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 __all__ = ["ALL_COUNTERS", "APPLICATION", "COUNTERS", "LOADED", "MIGRATIONS", "SCHEMA_VERSION",
            "TABLES", "schema_for"]
 
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 #: ``meta.application`` of a schema this package made.
 APPLICATION = "scrapy_idempotent"
 
@@ -312,6 +312,14 @@ MIGRATIONS: list[list[str]] = [
            FROM page_validators AS p, jsonb_array_elements(p.children::jsonb) AS c
            ON CONFLICT (key) DO NOTHING""",
     ],
+    [
+        # A site's places spread over the workers that want them: per slot, the last worker
+        # whose claim found the slot full while it held less than its share, and when (the
+        # store's clock). While that is recent, a claim by another worker takes no more than
+        # its share.
+        "ALTER TABLE slots ADD COLUMN wanted_by text",
+        "ALTER TABLE slots ADD COLUMN wanted_at double precision NOT NULL DEFAULT 0",
+    ],
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
@@ -333,6 +341,7 @@ TABLES[11] = TABLES[10] | {"page_validators"}
 TABLES[12] = TABLES[11]
 TABLES[13] = TABLES[12]
 TABLES[14] = TABLES[13] | {"linked_requests"}
+TABLES[15] = TABLES[14]
 assert set(TABLES) == set(range(1, SCHEMA_VERSION + 1))
 
 #: The counters of a session row a page commit adds to: its worker's share of the run's

@@ -23,6 +23,8 @@ __all__ = [
     "MIGRATED_RECORD_ID_SCHEMES",
     "QUEUE_ORDER",
     "REVISIT_SPREAD",
+    "SLOT_WANTED_RECHECK_SECONDS",
+    "SLOT_WANTED_SECONDS",
     "TERMINAL",
     "ClaimedRow",
     "Enqueue",
@@ -45,6 +47,7 @@ __all__ = [
     "revisit_due",
     "revisit_due_at",
     "send_margin",
+    "slot_share",
     "split_claim",
     "starts_new_run",
     "stored_record_id_scheme",
@@ -76,6 +79,23 @@ SEND_MARGIN_MAX_SECONDS = 1.0
 def send_margin(delay_seconds: float) -> float:
     """The margin of a slot with ``delay_seconds`` (see :data:`SEND_MARGIN_SHARE`)."""
     return min(delay_seconds * SEND_MARGIN_SHARE, SEND_MARGIN_MAX_SECONDS)
+
+
+#: A worker whose claim finds a slot full while it holds less than its share of the slot's
+#: places (:func:`slot_share`) records that it wants them (the slot's ``wanted_by`` and
+#: ``wanted_at``). For this long after, every other worker's claim of the slot takes no more
+#: than its own share, so that the places it frees go to the worker that wants them ...
+SLOT_WANTED_SECONDS = 5.0
+#: ... and the worker that wants them asks again this soon (while the slot is full and it
+#: holds less than its share: at most a few transactions a second).
+SLOT_WANTED_RECHECK_SECONDS = 0.5
+
+
+def slot_share(concurrency: int, workers: int) -> int:
+    """One worker's share of a slot's ``concurrency`` places while ``workers`` (at least one)
+    hold or want them: the places divided among them, rounded up (the slot's limit still
+    holds over all of them)."""
+    return -(-concurrency // max(workers, 1))
 
 
 def pause_seconds(retry_after: float | None, backoffs: int, first_seconds: float,

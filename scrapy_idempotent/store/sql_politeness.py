@@ -8,7 +8,15 @@ from __future__ import annotations
 from typing import Any
 
 from .base import CommitResult, RobotsTxt, SlotLimits, SlotState
-from .rules import CLAIMED_COLUMNS, QUEUE_ORDER, pause_seconds, send_margin
+from .rules import (
+    CLAIMED_COLUMNS,
+    QUEUE_ORDER,
+    SLOT_WANTED_RECHECK_SECONDS,
+    SLOT_WANTED_SECONDS,
+    pause_seconds,
+    send_margin,
+    slot_share,
+)
 from .sql_dialect import SqlDialect
 
 __all__ = ["SqlPoliteness"]
@@ -39,7 +47,13 @@ class SqlPoliteness(SqlDialect):
         their concurrency), the longest waiting first, each slot's first pending requests in
         queue order (one for a slot with a delay, to be sent within its margin:
         :func:`.rules.send_margin`). Claims of several workers on one slot are serialised by
-        the slot's row (SQLite: by the write lock)."""
+        the slot's row (SQLite: by the write lock).
+
+        A slot's places are spread over the workers that want them: a worker whose claim
+        finds the slot full while it holds less than its share (:func:`.rules.slot_share`
+        of the workers holding its leases, itself and the one that wants them) records that
+        it wants them, and asks again soon; while that is recent, another worker's claim
+        takes no more than its own share, so its next completions leave places to it."""
         self._take_back_expired(cur, now, result)
         # One read of the slots with pending requests, those that may send now first (the
         # longest waiting first), with their leases (an expired lease does not count: its
@@ -48,7 +62,8 @@ class SqlPoliteness(SqlDialect):
         slots: list[Any] = cur.execute(self._q(
             "SELECT s.slot, s.concurrency, (SELECT count(*) FROM requests l"
             "  WHERE l.slot = s.slot AND l.state = 'leased' AND l.leased_until >= ?),"
-            " s.delay, s.crawl_delay, s.next_send_at, s.paused_until FROM slots s"
+            " s.delay, s.crawl_delay, s.next_send_at, s.paused_until, s.wanted_by,"
+            " s.wanted_at FROM slots s"
             " WHERE EXISTS (SELECT 1 FROM requests r WHERE r.slot = s.slot"
             "  AND r.state = 'pending') ORDER BY CASE WHEN s.next_send_at <= ?"
             " AND s.paused_until <= ? THEN 0 ELSE 1 END, s.next_send_at, s.slot"
@@ -65,13 +80,28 @@ class SqlPoliteness(SqlDialect):
         rows: list[Any] = []
         sent: list[tuple[float, str]] = []
         waiting: list[float] = []
-        for slot, concurrency, in_flight, delay, crawl_delay, next_send, paused in slots:
+        wanted: list[tuple[str, float, str]] = []
+        for (slot, concurrency, in_flight, delay, crawl_delay, next_send, paused, wanted_by,
+             wanted_at) in slots:
             if next_send > now or paused > now:
                 waiting.append(max(float(next_send), float(paused)))
                 continue
             wait = max(float(delay), float(crawl_delay))
-            take = min(int(concurrency) - int(in_flight), count - len(rows),
-                       1 if wait > 0 else count)
+            free = int(concurrency) - int(in_flight)
+            take = min(count - len(rows), 1 if wait > 0 else count)
+            wanted_elsewhere = (wanted_by is not None and wanted_by != worker
+                                and float(wanted_at) >= now - SLOT_WANTED_SECONDS)
+            if free < take or wanted_elsewhere:
+                share_left = self._share_left(cur, slot, int(concurrency), worker,
+                                              wanted_by if wanted_elsewhere else None, now)
+                if free < min(take, share_left):
+                    # the slot's limit, not this worker's share, stops it: it wants places
+                    waiting.append(now + SLOT_WANTED_RECHECK_SECONDS)
+                    if wanted_by != worker or float(wanted_at) < now - SLOT_WANTED_SECONDS / 2:
+                        wanted.append((worker, now, slot))
+                if wanted_elsewhere:
+                    take = min(take, share_left)
+            take = min(take, free)
             if take <= 0:
                 continue
             taken = cur.execute(self._q(
@@ -94,9 +124,23 @@ class SqlPoliteness(SqlDialect):
                 sent.append((now, slot))
         if sent:
             cur.executemany(self._q("UPDATE slots SET next_send_at = ? WHERE slot = ?"), sent)
+        if wanted:
+            cur.executemany(self._q("UPDATE slots SET wanted_by = ?, wanted_at = ?"
+                                    " WHERE slot = ?"), wanted)
         if len(rows) < count and waiting:
             result.claim_again_in = max(0.0, min(waiting) - now)
         return rows
+
+    def _share_left(self, cur: Any, slot: str, concurrency: int, worker: str,
+                    wanted_by: str | None, now: float) -> int:
+        """How many more of ``slot``'s places ``worker`` may hold: its share of them among
+        the workers holding leases of the slot (unexpired), itself and ``wanted_by`` (a
+        worker that wants them), less the leases it holds."""
+        holders = dict(cur.execute(self._q(
+            "SELECT worker, count(*) FROM requests WHERE slot = ? AND state = 'leased'"
+            " AND leased_until >= ? GROUP BY worker"), (slot, now)).fetchall())
+        sharing = set(holders) | {worker} | ({wanted_by} if wanted_by is not None else set())
+        return slot_share(concurrency, len(sharing)) - int(holders.get(worker, 0))
 
     # -- download slots -------------------------------------------------------------------
 

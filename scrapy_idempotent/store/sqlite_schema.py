@@ -6,7 +6,7 @@ from __future__ import annotations
 
 __all__ = ["APPLICATION_ID", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 17
+SCHEMA_VERSION = 18
 
 #: Schema migrations: ``_MIGRATIONS[n]`` brings version n to n + 1, one transaction each.
 #: The failed and the redirected requests, each in an index of its own (few rows): with the
@@ -46,6 +46,14 @@ _LINKED_REQUESTS = [
               json_extract(c.value, '$[7]'), json_extract(c.value, '$[8]')
        FROM page_validators AS p, json_each(p.children) AS c WHERE true
        ON CONFLICT (key) DO NOTHING""",
+]
+
+#: A site's places spread over the workers that want them: per slot, the last worker whose
+#: claim found the slot full while it held less than its share, and when (the store's
+#: clock). While that is recent, a claim by another worker takes no more than its share.
+_SLOT_WANTED = [
+    """ALTER TABLE slots ADD COLUMN wanted_by TEXT""",
+    """ALTER TABLE slots ADD COLUMN wanted_at REAL NOT NULL DEFAULT 0""",
 ]
 
 _MIGRATIONS: list[list[str]] = [
@@ -325,6 +333,7 @@ _MIGRATIONS: list[list[str]] = [
     ],
     _COUNTED_STATES,
     _LINKED_REQUESTS,
+    _SLOT_WANTED,
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -351,6 +360,7 @@ _TABLES[14] = _TABLES[13] | {"page_validators"}
 _TABLES[15] = _TABLES[14]
 _TABLES[16] = _TABLES[15]
 _TABLES[17] = _TABLES[16] | {"linked_requests"}
+_TABLES[18] = _TABLES[17]
 assert set(_TABLES) == set(range(1, SCHEMA_VERSION + 1))
 #: Schema versions written before the application id was (files of those have none).
 _BEFORE_APPLICATION_ID = frozenset({1, 2, 3})
