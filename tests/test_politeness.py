@@ -25,7 +25,11 @@ from scrapy_idempotent.store.base import (
     SlotLimits,
     UnitOfWork,
 )
-from scrapy_idempotent.store.rules import pause_seconds
+from scrapy_idempotent.store.rules import (
+    SLOT_WANTED_RECHECK_SECONDS,
+    SLOT_WANTED_SECONDS,
+    pause_seconds,
+)
 
 LIMITS = SlotLimits(concurrency=2, per_slot=(("slow.example", 1, 5.0),))
 #: the crawl's limits as a worker keeps them: a dead worker's slots paused 10 s
@@ -72,6 +76,53 @@ def test_concurrency_of_a_slot_holds_over_every_worker(
     done(one, "w1", first[0])
     assert claim(two, "w2") == ["a.example/2"]
     assert [(s.slot, s.leased, s.pending) for s in two.slots()] == [("a.example", 2, 3)]
+
+
+def claim_done(store: FrontierStore, worker: str, *keys: str) -> list[str]:
+    """Complete ``keys`` and claim in the same transaction (a page commit refilling)."""
+    return [r.key for r in store.commit(UnitOfWork(
+        completions=[Completion(k, RequestState.DONE) for k in keys], claim=10),
+        worker).leased]
+
+
+def test_a_slots_places_spread_over_the_workers_that_want_them(
+        polite: Callable[..., FrontierStore], clock: FakeClock) -> None:
+    four = SlotLimits(concurrency=4)
+    one, two = polite("w1", four), polite("w2", four)
+    one.commit(UnitOfWork(requests=[req("a.example", n) for n in range(20)]), "w1")
+    held = {"w1": claim(one, "w1"), "w2": []}
+    assert len(held["w1"]) == 4  # alone: the whole limit
+    # the slot is full: the second worker wants places, and asks again soon
+    result = two.commit(UnitOfWork(claim=10), "w2")
+    assert result.leased == [] and result.claim_again_in == SLOT_WANTED_RECHECK_SECONDS
+    # the first worker's page commits leave places: it keeps its share (4 / 2)
+    assert claim_done(one, "w1", held["w1"].pop(0)) == []
+    assert claim_done(one, "w1", held["w1"].pop(0)) == []
+    held["w2"] = claim(two, "w2")
+    assert len(held["w2"]) == 2
+    # each refills its own share; never more than 4 leased over both
+    for _ in range(3):
+        for worker, store in (("w1", one), ("w2", two)):
+            held[worker] += claim_done(store, worker, held[worker].pop(0))
+            assert len(held[worker]) == 2
+            assert [s.leased for s in one.slots()] == [4]
+    # nobody wanted the slot for a while, the second worker is gone: one takes it all again
+    done(two, "w2", *held["w2"])
+    clock.advance(SLOT_WANTED_SECONDS + 1)
+    assert len(claim_done(one, "w1", held["w1"].pop(0))) == 3
+
+
+def test_a_lone_worker_keeps_a_slots_whole_limit(
+        polite: Callable[..., FrontierStore]) -> None:
+    one = polite("w1", SlotLimits(concurrency=4))
+    one.commit(UnitOfWork(requests=[req("a.example", n) for n in range(20)]), "w1")
+    held = claim(one, "w1")
+    assert len(held) == 4
+    for _ in range(4):
+        result = one.commit(UnitOfWork(
+            completions=[Completion(held.pop(0), RequestState.DONE)], claim=10), "w1")
+        held += [r.key for r in result.leased]
+        assert len(held) == 4 and result.claim_again_in is None  # it wants nothing more
 
 
 def test_a_slot_with_a_delay_gives_one_request_per_delay(

@@ -100,9 +100,8 @@ async def test_a_second_worker_waits_for_the_first_and_wakes_when_work_appears(
     """Two workers (crawls in this process, one frontier). The first holds the first listing
     page (the shop holds its answer back) while the second starts: it has nothing to claim
     and waits; once the page's links are committed, the first's notification wakes it. Both
-    finish, every page fetched once. Per-process limits (``"worker"``): with the crawl's, the
-    shop's one site is the first worker's as long as it refills the site's places in its
-    page commits, and the second, woken, finds them taken."""
+    finish, every page fetched once, each worker fetching some: the shop's one site is
+    spread over both (the crawl's limits, the default)."""
     import asyncio
 
     from scrapy.utils.test import get_crawler
@@ -114,8 +113,7 @@ async def test_a_second_worker_waits_for_the_first_and_wakes_when_work_appears(
     # the first listing page is answered once the site is released
     shop.add("/list/1", listing_html(1, shop.listing_pages, shop.products_per_page), held=True)
     settings = crawl_settings(postgres_url,  # type: ignore[arg-type]
-                              IDEMPOTENT_RUN_MODE="resume",
-                              IDEMPOTENT_POLITENESS="worker", **NATURAL_KEYS)
+                              IDEMPOTENT_RUN_MODE="resume", **NATURAL_KEYS)
     first, second = get_crawler(ShopSpider, settings), get_crawler(ShopSpider, settings)
     first_done = asyncio.ensure_future(crawl_to_end(first, url=shop.url))
     await wait_until(lambda: shop.counts_by_path().get("/list/1") == 1)

@@ -121,13 +121,11 @@ def test_two_workers_in_one_group_killed_ten_times(
     topic = KafkaTopic(kafka_server, partitions=3)
     queue = KafkaKillQueue(topic)
     # the idle timeout ends each worker once the work is done; a worker does not count as
-    # idle while its group is settling (joined and not assigned yet, or in a rebalance)
-    # per-process limits: with the crawl's, the shop's one site stays with the worker that
-    # refills its places in its page commits, and the other never has pages of its own in
-    # flight to be killed with
+    # idle while its group is settling (joined and not assigned yet, or in a rebalance);
+    # the crawl's limits (the default): the shop's one site is spread over both workers
     settings = (f"CONCURRENT_REQUESTS={concurrency}",
                 f"CONCURRENT_REQUESTS_PER_DOMAIN={concurrency}",
-                "IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=15", "IDEMPOTENT_POLITENESS=worker")
+                "IDEMPOTENT_QUEUE_IDLE_TIMEOUT_SECONDS=15")
     with LocalSite(delay=0.5) as shop:
         bodies: list[Any] = [f"{shop.url}/list/{n}" for n in range(1, 26)] + [
             product_body(shop, n) for n in range(1, 501)]

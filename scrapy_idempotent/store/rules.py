@@ -93,9 +93,11 @@ SLOT_WANTED_RECHECK_SECONDS = 0.5
 
 def slot_share(concurrency: int, workers: int) -> int:
     """One worker's share of a slot's ``concurrency`` places while ``workers`` (at least one)
-    hold or want them: the places divided among them, rounded up (the slot's limit still
-    holds over all of them)."""
-    return -(-concurrency // max(workers, 1))
+    hold or want them: the places divided among them, rounded down, at least one. Rounded
+    down, so that the shares leave room for a worker not counted (a slot records only the
+    last worker that wants it); a place the shares leave over goes to whoever claims it once
+    nobody has wanted the slot for :data:`SLOT_WANTED_SECONDS`."""
+    return max(concurrency // max(workers, 1), 1)
 
 
 def pause_seconds(retry_after: float | None, backoffs: int, first_seconds: float,
