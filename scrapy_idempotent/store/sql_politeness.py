@@ -91,7 +91,7 @@ class SqlPoliteness(SqlDialect):
             take = min(count - len(rows), 1 if wait > 0 else count)
             wanted_elsewhere = (wanted_by is not None and wanted_by != worker
                                 and float(wanted_at) >= now - SLOT_WANTED_SECONDS)
-            if free < take or wanted_elsewhere:
+            if free <= 0 < take or wanted_elsewhere:  # (a lone worker's refill: neither)
                 share_left = self._share_left(cur, slot, int(concurrency), worker,
                                               wanted_by if wanted_elsewhere else None, now)
                 if free < min(take, share_left):
