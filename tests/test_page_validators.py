@@ -200,8 +200,10 @@ OLD_CHILDREN = ('[["p1","p1","https://example.com/p1",0,"{\\"url\\": \\"p1\\"}",
 
 def as_before_links(store_database: str, schema: str) -> None:
     """The database as the schema before links were kept left it (SQLite 16, PostgreSQL
-    13): the listing's row holds its children, no links, no ``linked_requests``."""
-    undo = ["DROP TABLE linked_requests", "ALTER TABLE page_validators DROP COLUMN links",
+    13): the listing's row holds its children, no links, no ``linked_requests`` (nor the
+    slots' columns of later versions)."""
+    undo = ["ALTER TABLE slots DROP COLUMN wanted_by", "ALTER TABLE slots DROP COLUMN wanted_at",
+            "DROP TABLE linked_requests", "ALTER TABLE page_validators DROP COLUMN links",
             f"UPDATE page_validators SET children = '{OLD_CHILDREN}' WHERE key = 'list'"]
     if store_database.startswith("postgresql"):
         import psycopg
