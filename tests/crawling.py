@@ -282,3 +282,29 @@ def package_messages(caplog: Any, level: int = logging.DEBUG, *,
 
 def all_messages(caplog: Any, level: int = logging.DEBUG) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= level]
+
+
+def kill_workers_at_random(
+        served: Callable[[], int],
+        launch: Callable[[int], tuple[subprocess.Popen[bytes], Path]], workers: int,
+        kills: int, rng: Any, between: tuple[int, int]) -> None:
+    """Start ``workers`` crawl processes (``launch(slot)``: the process and its log), then
+    ``kills`` times: once the site has ``served`` ``between`` more requests (drawn by
+    ``rng``), SIGKILL a random one and launch another in its slot (fewer kills when the crawl
+    ends first). Then wait for every process to exit 0 with the close reason ``finished``."""
+    running = [launch(slot) for slot in range(workers)]
+    for _ in range(kills):
+        target = served() + rng.randint(*between)
+        wait_for(lambda t=target: served() >= t  # type: ignore[misc]
+                 or all(p.poll() is not None for p, _ in running), 300,
+                 f"request {target}")
+        slot = rng.randrange(workers)
+        process, _ = running[slot]
+        if process.poll() is not None:
+            break  # the crawl is over
+        process.kill()
+        process.wait()
+        running[slot] = launch(slot)
+    for process, log in running:
+        assert process.wait(300) == 0, log.read_text()[-3000:]
+        assert close_reason(log) == "finished", log.read_text()[-3000:]

@@ -132,3 +132,19 @@ def redis_server() -> Iterator[RedisServer]:
             yield server
         finally:
             server.stop()
+
+
+@contextlib.contextmanager
+def private_redis_server(directory: Path) -> Iterator[RedisServer]:
+    """A Redis server of one test alone (one it may stop, restart or pause), its files in
+    ``directory`` (made here); skips the test without the client or a ``redis-server``."""
+    pytest.importorskip("redis")
+    binary = redis_server_binary()
+    if binary is None:
+        pytest.skip(INSTALL)
+    directory.mkdir()
+    server = RedisServer(binary, directory).start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from local_site import LocalSite
 
-from crawling import EXAMPLE_PROJECT, close_reason, wait_for
+from crawling import EXAMPLE_PROJECT, kill_workers_at_random
 
 psycopg = pytest.importorskip("psycopg")
 
@@ -90,22 +90,7 @@ def test_three_workers_on_three_hosts_killed_and_restarted_store_each_product_on
             return start(crawl_command(site, postgres_url, log, *settings),
                          host=f"crawler-{hosts}"), log
 
-        workers = [launch(slot) for slot in range(3)]
-        for _ in range(kills):
-            target = site.request_count + rng.randint(20, 80)
-            wait_for(lambda t=target: site.request_count >= t  # type: ignore[misc]
-                     or all(p.poll() is not None for p, _ in workers), 300,
-                     f"request {target}")
-            slot = rng.randrange(3)
-            process, log = workers[slot]
-            if process.poll() is not None:
-                break  # the crawl is over
-            process.kill()
-            process.wait()
-            workers[slot] = launch(slot)
-        for process, log in workers:
-            assert process.wait(300) == 0, log.read_text()[-3000:]
-            assert close_reason(log) == "finished", log.read_text()[-3000:]
+        kill_workers_at_random(lambda: site.request_count, launch, 3, kills, rng, (20, 80))
         requests = site.request_count
         assert_all_products_once(postgres_url, site)
     print(f"\n[postgresql workers] kills={kills}, worker processes={hosts}, "

@@ -25,23 +25,14 @@ from helpers.queues import (
     queue_settings,
     reactor_wait_for,
 )
-from redis_server import INSTALL, RedisServer, redis_server_binary
+from redis_server import RedisServer, private_redis_server
 
 
 @pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
     """A Redis server of this test alone (it is restarted)."""
-    pytest.importorskip("redis")
-    binary = redis_server_binary()
-    if binary is None:
-        pytest.skip(INSTALL)
-    directory = tmp_path / "redis"
-    directory.mkdir()
-    server = RedisServer(binary, directory).start()
-    try:
+    with private_redis_server(tmp_path / "redis") as server:
         yield server
-    finally:
-        server.stop()
 
 
 @deferred_f_from_coro_f

@@ -23,7 +23,7 @@ from helpers.queues import (
     queue_settings,
     reactor_wait_for,
 )
-from redis_server import INSTALL, RedisServer, redis_server_binary
+from redis_server import RedisServer, private_redis_server
 
 #: Pages downloaded while Redis does not answer: a reactor blocked on Redis (a 10 s socket
 #: timeout per command, one command per poll) would take minutes for these.
@@ -33,19 +33,12 @@ DOWNLOADS_WHILE_STOPPED = 150
 @pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
     """A Redis server of this test alone (it is stopped and continued)."""
-    pytest.importorskip("redis")
-    binary = redis_server_binary()
-    if binary is None:
-        pytest.skip(INSTALL)
-    directory = tmp_path / "redis"
-    directory.mkdir()
-    server = RedisServer(binary, directory).start()
-    try:
-        yield server
-    finally:
-        assert server.process is not None
-        os.kill(server.process.pid, signal.SIGCONT)
-        server.stop()
+    with private_redis_server(tmp_path / "redis") as server:
+        try:
+            yield server
+        finally:  # (continued, if the test left it stopped, so that it can be stopped)
+            assert server.process is not None
+            os.kill(server.process.pid, signal.SIGCONT)
 
 
 @deferred_f_from_coro_f

@@ -21,7 +21,11 @@ from scrapy.spiders import Spider
 from scrapy.utils.test import get_crawler
 
 from helpers.redis_dedup import frontier_holds_every_field
-from redis_server import INSTALL, RedisServer, redis_server, redis_server_binary  # noqa: F401
+from redis_server import (  # noqa: F401
+    RedisServer,
+    private_redis_server,
+    redis_server,
+)
 from scrapy_idempotent import redis_dedup
 from scrapy_idempotent.config import IdempotentConfig
 from scrapy_idempotent.exceptions import ConfigError
@@ -289,16 +293,8 @@ def test_a_retried_failed_entry_stays_known(
 
 @pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    binary = redis_server_binary()
-    if binary is None:
-        pytest.skip(INSTALL)
-    directory = tmp_path / "redis"
-    directory.mkdir()
-    server = RedisServer(binary, directory).start()
-    try:
+    with private_redis_server(tmp_path / "redis") as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_a_redis_that_fails_sends_links_to_the_database(

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from local_site import LocalSite
 
-from crawling import close_reason, start_shop_crawl, wait_for
+from crawling import kill_workers_at_random, start_shop_crawl
 from helpers.postgresql import crawl_rows
 from helpers.redis_dedup import frontier_holds_every_field
 from redis_server import RedisServer, redis_server  # noqa: F401 (the fixture)
@@ -43,22 +43,7 @@ def test_two_workers_with_the_redis_layer_killed_store_each_product_once(
             log = tmp_path / f"worker{slot}-{launched}.log"
             return start_shop_crawl(site.url, postgres_url, log, *settings), log
 
-        workers = [launch(slot) for slot in range(2)]
-        for _ in range(kills):
-            target = site.request_count + rng.randint(20, 60)
-            wait_for(lambda t=target: site.request_count >= t  # type: ignore[misc]
-                     or all(p.poll() is not None for p, _ in workers), 300,
-                     f"request {target}")
-            slot = rng.randrange(2)
-            process, log = workers[slot]
-            if process.poll() is not None:
-                break  # the crawl is over
-            process.kill()
-            process.wait()
-            workers[slot] = launch(slot)
-        for process, log in workers:
-            assert process.wait(300) == 0, log.read_text()[-3000:]
-            assert close_reason(log) == "finished", log.read_text()[-3000:]
+        kill_workers_at_random(lambda: site.request_count, launch, 2, kills, rng, (20, 60))
         requests = site.request_count
         expected = site.expected_products()
         records = [json.loads(data) for (data,) in crawl_rows(postgres_url,
