@@ -46,6 +46,8 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+from twisted.python import threadable
+
 from ._redact import redact_url
 from .store.base import CommitResult, FrontierStore, UnitOfWork
 
@@ -321,7 +323,12 @@ class RedisKnownRequests:
             self._down_until = time.monotonic() + RETRY_SECONDS
             self._learned = []
             first, self._warned = not self._warned, True
-        self._count("idempotent/dedup/redis_errors", 1)
+        if threadable.isInIOThread():  # type: ignore[no-untyped-call]
+            self._count("idempotent/dedup/redis_errors", 1)
+        else:  # Scrapy's stats are the reactor thread's: a new key from here could break
+            from twisted.internet import reactor  # a reader iterating them meanwhile
+
+            reactor.callFromThread(self._count, "idempotent/dedup/redis_errors", 1)
         if first:
             logger.warning(
                 "scrapy_idempotent: the Redis dedup cache at %s failed (%s): links are checked "

@@ -367,7 +367,8 @@ class WriterThread:
         d.addCallbacks(self._batch_done, self._batch_failed, callbackArgs=(work, seq),
                        errbackArgs=(work, seq))
         waiting = _Waiting(d)
-        self._jobs.put(("committing", lambda store: self._commit_durably(store, work), waiting))
+        self._jobs.put(("committing", lambda store: self._commit_then_follow(store, work),
+                        waiting))
         if not waiting.wait(timeout):
             return False  # on its way: its callbacks run on the reactor thread
         if waiting.error is not None:

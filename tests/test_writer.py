@@ -372,3 +372,44 @@ def test_merge_keeps_every_page_whole() -> None:
     assert [r.key for r in a.requests] == ["k1", "k2"]
     assert [c.key for c in a.completions] == ["p", "q"]
     assert a.started == ["s1", "s2"] and a.claim == 5 and a.give_back == ["g1", "g2"]
+
+
+@deferred_f_from_coro_f
+async def test_both_commit_paths_call_the_followers_of_commits_that_stored_records(
+        store_factory: Callable[..., FrontierStore]) -> None:
+    """The streamed feeds follow every commit that stored records: a batch sent by the
+    reactor's wait (``commit_now``) as well as a batch sent at the next turn."""
+    store = open_store(store_factory)
+    recorder = Recorder()
+    writer = make_writer(store, recorder)
+    followed: list[str] = []
+    writer.follow_commits(lambda s: followed.append(threading.current_thread().name))
+    try:
+        await maybe_deferred_to_future(writer.call(
+            "seeding", lambda s: s.commit(UnitOfWork(requests=[new(1), new(2), new(3)],
+                                                     claim=3), WORKER)))
+
+        def page(i: int) -> UnitOfWork:
+            record = Record(record_id=f"product:{i}", source="test", natural_key=f'["{i}"]',
+                            item_type="dict", data=f'{{"sku": "{i}"}}',
+                            content_hash=f"{i:064x}")
+            return UnitOfWork(records=[(record, f"k{i}")],
+                              completions=[Completion(f"k{i}", RequestState.DONE)])
+
+        writer.commit(page(1))
+        assert writer.commit_now(timeout=600)  # waits for its batch on this thread
+        assert len(followed) == 1
+        writer.commit(UnitOfWork(completions=[Completion("k2", RequestState.DONE)]))
+        await maybe_deferred_to_future(writer.drain())
+        assert len(followed) == 1  # no record stored: not followed
+        seq = writer.commit(page(3))
+        waiting = writer.durable(seq)
+        assert waiting is not None
+        await maybe_deferred_to_future(waiting)
+        assert len(followed) == 2
+        assert threading.current_thread().name not in followed  # the writer's thread
+        assert [result.records_inserted for _, result in recorder.committed] == [1, 0, 1]
+    finally:
+        await maybe_deferred_to_future(writer.drain())
+        writer.stop()
+        store.close()
