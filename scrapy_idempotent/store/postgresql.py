@@ -88,7 +88,7 @@ from .postgresql_schema import (
     schema_for,
 )
 from .registry import redacted
-from .rules import CLAIMED_COLUMNS, QUEUE_ORDER, isolate_after, other_owner
+from .rules import CLAIMED_COLUMNS, QUEUE_ORDER_BACKWARD, isolate_after, other_owner
 from .sql import SqlStore
 from .sql_dialect import RECORD_STATE
 
@@ -436,6 +436,8 @@ class PostgreSQLStore(PostgreSQLHeartbeat, PostgreSQLOperatorQueries, SqlStore):
     SKIP_LOCKED = " FOR UPDATE SKIP LOCKED"
     SKIP_LOCKED_SLOTS = " FOR UPDATE OF s SKIP LOCKED"
     TEXT_ORDER = ' COLLATE "C"'
+    # the pending indexes hold the queue reversed (postgresql_schema, step 16)
+    PENDING_ORDER = QUEUE_ORDER_BACKWARD
     # Not as two equalities: the planner would take the leased requests' index (worker,
     # leased_until) for them, scanning every entry the worker's past leases left there (a
     # bitmap scan does not mark dead entries), growing to a millisecond a statement
@@ -505,7 +507,7 @@ class PostgreSQLStore(PostgreSQLHeartbeat, PostgreSQLOperatorQueries, SqlStore):
     def _claim_rows(self, cur: Any, worker: str, count: int, until: float) -> list[Any]:
         rows: list[Any] = cur.execute(
             "WITH head AS (SELECT id FROM requests WHERE state = 'pending'"
-            f" ORDER BY {QUEUE_ORDER} LIMIT %s FOR UPDATE SKIP LOCKED)"
+            f" ORDER BY {self.PENDING_ORDER} LIMIT %s FOR UPDATE SKIP LOCKED)"
             " UPDATE requests r SET state = 'leased', worker = %s, leased_until = %s,"
             " attempts = r.attempts + 1"
             " FROM head WHERE r.id = head.id RETURNING "

@@ -328,6 +328,18 @@ MIGRATIONS: list[list[str]] = [
         # counters) and sat empty under every pending request. Pages written before keep
         # their room until their rows are updated.
         "ALTER TABLE requests SET (fillfactor = 100)",
+        # The pending indexes hold the queue reversed (claims read them backward:
+        # rules.QUEUE_ORDER_BACKWARD): the head at the right end, where last-in-first-out
+        # requests (Scrapy's default), the newest first, are appended. Inserted at the left
+        # end instead, every new head split a page in halves, which stayed half empty.
+        "DROP INDEX requests_pending",
+        """CREATE INDEX requests_pending ON requests
+           (priority, is_start DESC, (CASE WHEN fifo THEN -id ELSE id END))
+           WHERE state = 'pending'""",
+        "DROP INDEX requests_slot_pending",
+        """CREATE INDEX requests_slot_pending ON requests
+           (slot, priority, is_start DESC, (CASE WHEN fifo THEN -id ELSE id END))
+           WHERE state = 'pending'""",
     ],
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION

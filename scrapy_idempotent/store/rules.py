@@ -22,6 +22,7 @@ __all__ = [
     "FIRST_RECORD_ID_SCHEME",
     "MIGRATED_RECORD_ID_SCHEMES",
     "QUEUE_ORDER",
+    "QUEUE_ORDER_BACKWARD",
     "REVISIT_SPREAD",
     "SLOT_WANTED_RECHECK_SECONDS",
     "SLOT_WANTED_SECONDS",
@@ -63,6 +64,10 @@ TERMINAL = tuple(s.value for s in RequestState if s.terminal)
 #: rows, else last-in-first-out. Every backend writes its ``requests_pending`` index exactly
 #: so, so that a claim reads the head of the index.
 QUEUE_ORDER = "priority DESC, is_start, (CASE WHEN fifo THEN id ELSE -id END)"
+#: :data:`QUEUE_ORDER` written for an index that holds it reversed, read backward (PostgreSQL's
+#: pending indexes): the same order, with the queue's head at the index's right end, where
+#: last-in-first-out requests (the newest first: Scrapy's default) are appended.
+QUEUE_ORDER_BACKWARD = "priority DESC, is_start, (CASE WHEN fifo THEN -id ELSE id END) DESC"
 
 
 # -- download slots -----------------------------------------------------------------------

@@ -12,6 +12,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from .base import CommitResult, NewRequest
+from .rules import QUEUE_ORDER
 
 __all__ = ["RECORD_STATE", "Answer", "SqlDialect"]
 
@@ -48,6 +49,9 @@ class SqlDialect(ABC):
     #: key's index finds their rows (``+worker``: SQLite's planner would otherwise take the
     #: index of the worker's leases and read every row the worker holds, page after page)
     LEASED_BY = "state = 'leased' AND +worker = ?"
+    #: the claim's ``ORDER BY``: :data:`.rules.QUEUE_ORDER` as the backend's pending indexes
+    #: hold it
+    PENDING_ORDER = QUEUE_ORDER
     #: the ``LIMIT`` parameter meaning no limit
     NO_LIMIT: Any = -1
 

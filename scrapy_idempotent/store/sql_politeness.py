@@ -10,7 +10,6 @@ from typing import Any
 from .base import CommitResult, RobotsTxt, SlotLimits, SlotState
 from .rules import (
     CLAIMED_COLUMNS,
-    QUEUE_ORDER,
     SLOT_WANTED_RECHECK_SECONDS,
     SLOT_WANTED_SECONDS,
     pause_seconds,
@@ -108,7 +107,7 @@ class SqlPoliteness(SqlDialect):
                 "UPDATE requests SET state = 'leased', worker = ?, leased_until = ?,"
                 " attempts = attempts + 1 WHERE id IN (SELECT id FROM requests WHERE slot = ?"
                 " AND state = 'pending'"
-                f" ORDER BY {QUEUE_ORDER} LIMIT ?{self.SKIP_LOCKED})"
+                f" ORDER BY {self.PENDING_ORDER} LIMIT ?{self.SKIP_LOCKED})"
                 f" RETURNING {', '.join(CLAIMED_COLUMNS)}"),
                 (worker, until, slot, take)).fetchall()
             if not taken:
