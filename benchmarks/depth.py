@@ -572,8 +572,15 @@ def main() -> None:
     parser.add_argument("--pragma", action="append", default=[],
                         help="SQLite: a pragma for the connections of the stores measured "
                         "(e.g. cache_size=-262144, mmap_size=2147418112); repeatable")
+    parser.add_argument("--page-size", type=int,
+                        help="SQLite: the page size of the files built (default the "
+                        "package's for new files)")
     args = parser.parse_args()
     PRAGMAS.extend(args.pragma)
+    if args.page_size:
+        from scrapy_idempotent.store import sqlite as sqlite_store
+
+        sqlite_store.NEW_PAGE_SIZE = args.page_size
     with tempfile.TemporaryDirectory(prefix="depth-bench-") as tmp:
         work = Path(tmp)
         if args.sqlite:

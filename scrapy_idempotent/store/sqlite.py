@@ -68,6 +68,8 @@ _CONVERSION_DEFERRED: set[str] = set()
 #: The -wal file is truncated back to this size after a checkpoint (it grows with the largest
 #: transactions, such as journaled responses of big pages, and would otherwise keep its peak).
 WAL_SIZE_LIMIT_BYTES = 16 * 1024 * 1024
+#: The page size of a new database file (an existing file keeps its own).
+NEW_PAGE_SIZE = 4096
 
 _BY_KEY = "SELECT id, state, finished_at FROM requests WHERE key = ?"
 _BY_OTHER_KEY = ("SELECT id, state, finished_at FROM requests"
@@ -216,6 +218,8 @@ class SQLiteStore(SQLiteOperatorQueries, SqlStore):
             if new:
                 # Freed pages (journaled responses are deleted as their requests complete)
                 # go back to the file system: set before the first table exists.
+                # (the page size first: once auto_vacuum is set, the page size is fixed)
+                conn.execute(f"PRAGMA page_size = {int(NEW_PAGE_SIZE)}")
                 conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
             # WAL is switched on outside any transaction, and only when it is not on already.
             if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
