@@ -22,7 +22,8 @@ Then, on each database:
 * latency: ``--pages`` page commits as the scheduler makes them (1 completion with its
   record, 8 new child requests, a claim of 1), each timed, and as many claims of 1 alone,
   on the deep and the empty frontier in turns (blocks of 100: both under the same load);
-  the worker's CPU per page (this process) and, on PostgreSQL, the server's (its
+  the worker's CPU per page (this process; its user CPU apart) and its ``read`` and
+  ``write`` calls per page (``/proc/self/io``), on PostgreSQL the server's CPU (its
   processes' CPU time), and the ratios deep / empty;
 * commands: ``scrapy idempotent status``, ``check``, ``failed``, ``export`` (every record,
   JSON Lines, to /dev/null), one ``metrics`` scrape (:class:`~.metrics.StoreCollector`, as
@@ -32,8 +33,11 @@ Then, on each database:
 ``--keep`` leaves the SQLite files built (``--reuse`` measures them, or a ``--database``'s,
 again without building: their open, timed, migrates them to this release's schema);
 ``--skip-commands`` measures bytes and latency only; ``--pragma`` sets a SQLite pragma on the
-measured stores' connections (a page cache or memory map of another size). The machine's
-load average is printed before and after. The package is imported from the environment:
+measured stores' connections (a page cache or memory map of another size); ``--page-size``
+builds SQLite files of another page size than the package gives new files; ``--compare
+PATH`` measures the latency of another file built before (and its ``PATH-empty``) in the
+same turns as ``--sqlite``'s (files of another page size, under the same load). The
+machine's load average is printed before and after. The package is imported from the environment:
 ``PYTHONPATH=/path/to/copy`` measures a copy.
 """
 
@@ -356,14 +360,15 @@ class Pages:
         self.leased = list(self.store.commit(UnitOfWork(claim=1), WORKER).leased)
         self.page_ms: list[float] = []
         self.claim_ms: list[float] = []
-        self.worker_s = self.server_s = self.wall_s = 0.0
+        self.worker_s = self.server_s = self.wall_s = self.user_s = 0.0
+        self.io = {"syscr": 0, "syscw": 0}
 
     def pages(self, count: int) -> None:
         from scrapy_idempotent.store.base import Completion, RequestState, UnitOfWork
 
         work = [([self.builder.request(next(self.numbers)) for _ in range(8)],
                  self.builder.record(next(self.numbers))) for _ in range(count)]
-        cpu0, server0 = _cpu(), server_cpu(self.postmaster)
+        cpu0, server0, user0, io0 = _cpu(), server_cpu(self.postmaster), _user(), _io()
         t_all = time.perf_counter()
         for children, record in work:
             lease = self.leased.pop()
@@ -375,7 +380,11 @@ class Pages:
             self.leased.extend(result.leased)
         self.wall_s += time.perf_counter() - t_all
         self.worker_s += _cpu() - cpu0
+        self.user_s += _user() - user0
         self.server_s += server_cpu(self.postmaster) - server0
+        io = _io()
+        for name in self.io:
+            self.io[name] += io.get(name, 0) - io0.get(name, 0)
 
     def claims(self, count: int) -> None:
         from scrapy_idempotent.store.base import UnitOfWork
@@ -397,6 +406,9 @@ class Pages:
                 "claim_ms_median": statistics.median(self.claim_ms),
                 "claim_ms_p99": pct(self.claim_ms, 0.99), "pages_per_s": pages / self.wall_s,
                 "worker_cpu_ms_per_page": 1000 * self.worker_s / pages,
+                "worker_user_ms_per_page": 1000 * self.user_s / pages,
+                "reads_per_page": self.io["syscr"] / pages,
+                "writes_per_page": self.io["syscw"] / pages,
                 "server_cpu_ms_per_page": 1000 * self.server_s / pages}
 
 
@@ -405,19 +417,44 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _user() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_utime
+
+
+def _io() -> dict[str, int]:
+    """The ``read`` and ``write`` calls of this process so far (``/proc/self/io``; none
+    where there is no such file)."""
+    try:
+        lines = Path("/proc/self/io").read_text().splitlines()
+    except OSError:
+        return {}
+    return {name: int(value) for name, value in (line.split(": ") for line in lines)}
+
+
 def latency(deep: str, empty: str, pages: int, postmaster: int | None,
-            offset: int) -> dict[str, Any]:
+            offset: int, compared: tuple[str, ...] = ()) -> dict[str, Any]:
     """Pages and claims on the deep and the empty frontier in turns (blocks of 100), so
-    both see the same load; ``offset`` numbers the new children so they are new requests."""
-    measured = {"deep": Pages(deep, offset, postmaster),
-                "empty": Pages(empty, 2 * offset, postmaster)}
+    both see the same load; ``offset`` numbers the new children so they are new requests.
+    Each of ``compared`` (SQLite files built before, each with its ``-empty`` beside) is
+    measured in the same turns, its figures under its path."""
+    pairs = {"": (deep, empty), **{path: (path, path + "-empty") for path in compared}}
+    measured = {(name, side): Pages(db, offset * (1 + n), postmaster)
+                for name, dbs in pairs.items()
+                for n, (side, db) in enumerate(zip(("deep", "empty"), dbs, strict=True))}
     for _ in range(max(1, pages // 100)):
-        for side in measured.values():
-            side.pages(100)
-            side.claims(100)
-    out = {name: side.report() for name, side in measured.items()}
-    out["ratio"] = {key: out["deep"][key] / out["empty"][key] for key in out["deep"]
-                    if key != "pages" and out["empty"][key]}
+        for pages_of in measured.values():
+            pages_of.pages(100)
+            pages_of.claims(100)
+    out: dict[str, Any] = {}
+    for name in pairs:
+        figures = {side: measured[name, side].report() for side in ("deep", "empty")}
+        figures["ratio"] = {key: figures["deep"][key] / figures["empty"][key]
+                            for key in figures["deep"]
+                            if key != "pages" and figures["empty"][key]}
+        if name:
+            out[name] = figures
+        else:
+            out.update(figures)
     return out
 
 
@@ -540,7 +577,7 @@ def run(args: argparse.Namespace, deep: str, empty: str, postmaster: int | None,
         # ``--reuse`` run again must add new requests, not duplicates of the last run's)
         measured = latency(deep, empty, args.pages, postmaster,
                            10 * (args.copies + 2) * (args.pending + args.done)
-                           + time.time_ns() // 1000)
+                           + time.time_ns() // 1000, tuple(args.compare))
         print(json.dumps({"latency": measured}, indent=1), flush=True)
     print(f"load average after: {os.getloadavg()}", flush=True)
 
@@ -572,6 +609,9 @@ def main() -> None:
     parser.add_argument("--pragma", action="append", default=[],
                         help="SQLite: a pragma for the connections of the stores measured "
                         "(e.g. cache_size=-262144, mmap_size=2147418112); repeatable")
+    parser.add_argument("--compare", action="append", default=[],
+                        help="SQLite: a file built before (with --keep; its -empty beside) "
+                        "whose latency is measured in the same turns; repeatable")
     parser.add_argument("--page-size", type=int,
                         help="SQLite: the page size of the files built (default the "
                         "package's for new files)")
