@@ -31,7 +31,8 @@ Then, on each database:
   version: its checks), each timed as a user runs it (a new process).
 
 ``--keep`` leaves the SQLite files built (``--reuse`` measures them, or a ``--database``'s,
-again without building: their open, timed, migrates them to this release's schema);
+again without building: their open, timed, migrates them to this release's schema; the
+empty frontier is built again, as its measured pages grow it);
 ``--skip-commands`` measures bytes and latency only; ``--pragma`` sets a SQLite pragma on the
 measured stores' connections (a page cache or memory map of another size); ``--page-size``
 builds SQLite files of another page size than the package gives new files; ``--compare
@@ -551,6 +552,29 @@ def measure(db: str, args: argparse.Namespace, postmaster: int | None,
     return out
 
 
+def fresh_empty(empty: str, deep: str, count: int, batch: int) -> None:
+    """A new empty frontier of ``count`` requests for a ``--reuse`` run (each run adds 8
+    requests a page to the frontiers it measures: an empty one kept from run to run grows,
+    and the deep frontier is compared with a larger one each time); on SQLite of the deep
+    file's page size."""
+    from scrapy_idempotent.store import sqlite as sqlite_store
+
+    drop_copy(empty)
+    saved = sqlite_store.NEW_PAGE_SIZE
+    if not deep.startswith(("postgresql://", "postgres://")):
+        import sqlite3
+
+        conn = sqlite3.connect(f"file:{deep}?mode=ro", uri=True)
+        sqlite_store.NEW_PAGE_SIZE = conn.execute("PRAGMA page_size").fetchone()[0]
+        conn.close()
+    t0 = time.perf_counter()
+    try:
+        build(empty, count, 0, batch)
+    finally:
+        sqlite_store.NEW_PAGE_SIZE = saved
+    print(f"empty: built again, {count:,} in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
 def run(args: argparse.Namespace, deep: str, empty: str, postmaster: int | None,
         work: Path) -> None:
     print(f"load average before: {os.getloadavg()}", flush=True)
@@ -563,6 +587,8 @@ def run(args: argparse.Namespace, deep: str, empty: str, postmaster: int | None,
                 built["copies_s"] = replicate(db, args.copies)
             print(f"{name}: built {pending:,} + {done:,} in {time.perf_counter() - t0:.0f} s "
                   f"{built}", flush=True)
+        elif name == "empty":
+            fresh_empty(db, deep, args.empty, args.batch)
         else:  # an existing database: its open migrates it to this release's schema
             t0 = time.perf_counter()
             open_built(db).close()
@@ -571,6 +597,8 @@ def run(args: argparse.Namespace, deep: str, empty: str, postmaster: int | None,
         sub = argparse.Namespace(**{**vars(args), "pending": pending, "done": done})
         print(f"== {name}", flush=True)
         measure(db, sub, postmaster, work)
+    for path in args.compare:
+        fresh_empty(path + "-empty", path, args.empty, args.batch)
     if args.pages:
         print(f"== latency, deep and empty in turns (load {os.getloadavg()})", flush=True)
         # the new children's numbers: past the built ones, and new in each run (a
