@@ -68,7 +68,8 @@ _CONVERSION_DEFERRED: set[str] = set()
 #: The -wal file is truncated back to this size after a checkpoint (it grows with the largest
 #: transactions, such as journaled responses of big pages, and would otherwise keep its peak).
 WAL_SIZE_LIMIT_BYTES = 16 * 1024 * 1024
-#: The page size of a new database file (an existing file keeps its own).
+#: The page size of a new database file (an existing file keeps its own). 8 and 16 KiB
+#: pages made page commits and claims slower, on small frontiers as at depth.
 NEW_PAGE_SIZE = 4096
 
 _BY_KEY = "SELECT id, state, finished_at FROM requests WHERE key = ?"
