@@ -37,6 +37,27 @@ def test_sqlite_reopening_an_existing_file(tmp_path, clock):
         second.close()
 
 
+@pytest.mark.parametrize("page_size", [4096, 8192])
+def test_sqlite_new_file_gets_the_page_size_and_keeps_its_own(tmp_path, monkeypatch,
+                                                               page_size):
+    """A new file gets ``NEW_PAGE_SIZE`` (set before auto_vacuum, which would fix it) with
+    incremental auto-vacuum; an existing file keeps the page size it was made with."""
+    from scrapy_idempotent.store import sqlite as sqlite_store
+
+    path = tmp_path / "f.sqlite3"
+    monkeypatch.setattr(sqlite_store, "NEW_PAGE_SIZE", page_size)
+    store = SQLiteStore(str(path))
+    store.open(fingerprinter="x")
+    store.close()
+    assert db_rows(path, "PRAGMA page_size") == [(page_size,)]
+    assert db_rows(path, "PRAGMA auto_vacuum") == [(2,)]
+    monkeypatch.setattr(sqlite_store, "NEW_PAGE_SIZE", 16384)
+    store = SQLiteStore(str(path))
+    store.open(fingerprinter="x")
+    store.close()
+    assert db_rows(path, "PRAGMA page_size") == [(page_size,)]
+
+
 def test_sqlite_newer_schema_is_refused_and_the_file_left_untouched(tmp_path):
     from scrapy_idempotent.store.sqlite import APPLICATION_ID
 
