@@ -185,9 +185,9 @@ _REQUEST_COPY = f"""
 INSERT INTO requests (key, fingerprint, url, priority, is_start, fifo, state, data, parent_key,
     worker, leased_until, attempts, unfinished, replays, enqueued_at, finished_at, error_kind,
     error_message, run_id, slot, downloads)
-SELECT k, k, u, priority, is_start, fifo, state, replace(data, url, u), parent_key, worker,
-    leased_until, attempts, unfinished, replays, enqueued_at, finished_at, error_kind,
-    error_message, run_id, slot, downloads
+SELECT k, CASE WHEN fingerprint IS NOT NULL THEN k END, u, priority, is_start, fifo, state,
+    replace(data, url, u), parent_key, worker, leased_until, attempts, unfinished, replays,
+    enqueued_at, finished_at, error_kind, error_message, run_id, slot, downloads
 FROM (SELECT r.*, {_NEW_URL.format(url="r.url", n="r.n")} AS u
       FROM (SELECT *, substring(url from '/product/([0-9]+)-')::bigint AS n FROM requests
             WHERE id <= %(last)s) AS r) AS x,
@@ -251,6 +251,23 @@ PG_COLUMNS = ("key", "fingerprint", "url", "priority", "is_start", "fifo", "stat
               "downloads", "id")
 
 
+def summary(out: dict[str, Any]) -> dict[str, float]:
+    """The bytes of a pending request: its heap (:func:`pg_bytes`' pages of pending rows) and
+    its entries in the indexes of every row (their size per row) and of pending rows (their
+    size per pending row)."""
+    requests = out["requests"]
+    rows, pending = requests["rows"], max(out["states"].get("pending", 0), 1)
+    indexes = requests["indexes"]
+    parts = {"heap": out["pending_heap_per_row"]}
+    for name in ("requests_key_key", "requests_pkey"):
+        parts[name] = indexes.get(name, 0) / rows
+    for name in ("requests_pending", "requests_slot_pending"):
+        parts[name] = indexes.get(name, 0) / pending
+    parts = {name: round(value, 1) for name, value in parts.items()}
+    parts["total"] = round(sum(parts.values()), 1)
+    return parts
+
+
 def pg_bytes(db: str) -> dict[str, Any]:
     import psycopg
 
@@ -276,6 +293,12 @@ def pg_bytes(db: str) -> dict[str, Any]:
             out[table] = {"rows": rows, "heap": heap, "toast": toast, "indexes": indexes}
         states = dict(conn.execute("SELECT state, count(*) FROM requests GROUP BY 1").fetchall())
         out["states"] = states
+        # the heap a pending row takes: the pages holding pending rows (written by inserts
+        # only, at the table's fillfactor) per pending row
+        pages = conn.execute("SELECT count(DISTINCT (ctid::text::point)[0]) FROM requests"
+                             " WHERE state = 'pending'").fetchone()[0]
+        out["pending_heap_per_row"] = pages * 8192 / max(states.get("pending", 0), 1)
+        out["per_pending_request"] = summary(out)
         sums = ", ".join(f"avg(pg_column_size({c}))" for c in PG_COLUMNS)
         for state in ("pending", "done"):
             row = conn.execute(

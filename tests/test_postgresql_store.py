@@ -134,6 +134,42 @@ def test_a_newer_schema_version_is_refused(make: Callable[..., PostgreSQLStore],
         make(heartbeat_seconds=None).open(fingerprinter="f", identity=SHOP)
 
 
+def test_fingerprints_equal_to_their_keys_are_emptied_from_schema_15(
+        make: Callable[..., PostgreSQLStore], postgres_url: str) -> None:
+    """Schema 16 stores a request's fingerprint only where it is not its key (a
+    ``dont_filter`` request's): the migration empties the others; claims, entries and
+    lookups give the key for them."""
+    url = postgres_url + "?schema=fingerprints"
+    unfiltered = NewRequest(key="b", fingerprint="a", url="https://shop.example/a", priority=0,
+                            data="{}", filter_fingerprint=False)
+    store = make(url, heartbeat_seconds=None)
+    store.open(fingerprinter="f", identity=SHOP)
+    store.begin_session("w", "auto")
+    store.commit(UnitOfWork(requests=[req("a"), unfiltered]), "w")
+    store.close()
+    stored = "SELECT key, fingerprint FROM fingerprints.requests ORDER BY key"
+    assert sql(postgres_url, stored) == [("a", None), ("b", "a")]
+    # the rows and the column as schema 15 left them
+    sql(postgres_url, "UPDATE fingerprints.requests SET fingerprint = key"
+        " WHERE fingerprint IS NULL")
+    sql(postgres_url, "ALTER TABLE fingerprints.requests ALTER COLUMN fingerprint SET NOT NULL")
+    sql(postgres_url, "UPDATE fingerprints.meta SET value = '15' WHERE key = 'schema_version'")
+    assert sql(postgres_url, stored) == [("a", "a"), ("b", "a")]
+    store = make(url, heartbeat_seconds=None)
+    store.open(fingerprinter="f", identity=SHOP)
+    assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "16"
+    assert sql(postgres_url, stored) == [("a", None), ("b", "a")]
+    assert [(e.key, e.fingerprint) for e in store.entries()] == [("a", "a"), ("b", "a")]
+    assert store.known_request("a") == "duplicate"
+    store.begin_session("w", "resume")
+    leased = store.commit(UnitOfWork(claim=2), "w").leased
+    assert sorted((r.key, r.fingerprint) for r in leased) == [("a", "a"), ("b", "a")]
+    # a request filtered by fingerprint "a" is a duplicate of both
+    result = store.commit(UnitOfWork(requests=[NewRequest(
+        key="a", fingerprint="a", url="https://shop.example/a", priority=0, data="{}")]), "w")
+    assert (result.requests_added, result.requests_duplicate) == (0, 1)
+
+
 def test_a_wrong_password_is_a_clear_error_without_the_password(
         make: Callable[..., PostgreSQLStore], postgres_cluster: Any) -> None:
     store = make(postgres_cluster.url(password="not-the-password"))

@@ -88,7 +88,7 @@ from .postgresql_schema import (
     schema_for,
 )
 from .registry import redacted
-from .rules import CLAIMED_COLUMNS, QUEUE_ORDER_BACKWARD, isolate_after, other_owner
+from .rules import QUEUE_ORDER_BACKWARD, claimed_columns, isolate_after, other_owner
 from .sql import SqlStore
 from .sql_dialect import RECORD_STATE
 
@@ -108,6 +108,12 @@ _DEAD_WORKERS = ("SELECT worker FROM sessions WHERE ended_at IS NULL GROUP BY wo
 #: The URL query parameter naming the schema (removed before the URL reaches libpq).
 SCHEMA_PARAMETER = "schema"
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+def _stored_fingerprint(request: NewRequest) -> str | None:
+    """The ``fingerprint`` column of ``request``'s row: NULL where it is the key (all but
+    ``dont_filter`` requests); readers take the key then."""
+    return None if request.fingerprint == request.key else request.fingerprint
 
 
 def _split_url(url: str) -> tuple[str, str | None]:
@@ -510,8 +516,7 @@ class PostgreSQLStore(PostgreSQLHeartbeat, PostgreSQLOperatorQueries, SqlStore):
             f" ORDER BY {self.PENDING_ORDER} LIMIT %s FOR UPDATE SKIP LOCKED)"
             " UPDATE requests r SET state = 'leased', worker = %s, leased_until = %s,"
             " attempts = r.attempts + 1"
-            " FROM head WHERE r.id = head.id RETURNING "
-            + ", ".join(f"r.{column}" for column in CLAIMED_COLUMNS),
+            " FROM head WHERE r.id = head.id RETURNING " + claimed_columns("r"),
             (count, worker, until)).fetchall()
         return rows
 
@@ -537,7 +542,7 @@ class PostgreSQLStore(PostgreSQLHeartbeat, PostgreSQLOperatorQueries, SqlStore):
             " data, parent_key, enqueued_at, run_id, slot)"
             " SELECT id, k, f, u, p, s, ff, 'pending', d, pk, %s, %s, sl FROM given"
             " ORDER BY k COLLATE \"C\" ON CONFLICT (key) DO NOTHING RETURNING key",
-            ([r.key for r in new], [r.fingerprint for r in new], [r.url for r in new],
+            ([r.key for r in new], [_stored_fingerprint(r) for r in new], [r.url for r in new],
              [r.priority for r in new], [r.is_start for r in new], [r.fifo for r in new],
              [r.data for r in new], [r.parent_key for r in new], [r.slot for r in new], now,
              run_id))

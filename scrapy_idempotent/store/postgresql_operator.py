@@ -138,6 +138,8 @@ class PostgreSQLOperatorQueries(PostgreSQLConnections):
                     for row in rows:
                         row["is_start"], row["fifo"] = bool(row["is_start"]), bool(row["fifo"])
                         row.setdefault("slot", "")
+                        if row["fingerprint"] == row["key"]:  # stored only where it differs
+                            row["fingerprint"] = None
                         if row["state"] == "leased":  # leases do not move
                             row.update(state="pending", worker=None, leased_until=None)
                     self._copy(cur, "requests", LOADED["requests"], rows)

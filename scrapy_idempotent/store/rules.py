@@ -35,6 +35,7 @@ __all__ = [
     "anomaly_checks",
     "apply_state_changes",
     "claim_order",
+    "claimed_columns",
     "enqueue_decision",
     "is_older",
     "isolate_after",
@@ -269,6 +270,15 @@ class ClaimedRow(NamedTuple):
 #: The columns a claim returns, in :class:`ClaimedRow`'s order.
 CLAIMED_COLUMNS = ("id", "key", "fingerprint", "data", "priority", "is_start", "attempts",
                    "unfinished", "url", "replays", "fifo", "downloads")
+
+
+def claimed_columns(table: str = "") -> str:
+    """:data:`CLAIMED_COLUMNS` as a claim's ``RETURNING`` list, of the rows of ``table`` (an
+    alias; none: the only table). A fingerprint stored NULL is the key's (PostgreSQL
+    stores it only where it differs)."""
+    prefix = f"{table}." if table else ""
+    return ", ".join(f"coalesce({prefix}fingerprint, {prefix}key)" if column == "fingerprint"
+                     else prefix + column for column in CLAIMED_COLUMNS)
 
 
 def claim_order(row: ClaimedRow) -> tuple[int, bool, int]:

@@ -30,10 +30,11 @@ from .sql_dialect import _LAST_RUN, _PENDING_AGAIN, SqlDialect
 
 __all__ = ["SqlOperatorQueries"]
 
-#: the columns of a frontier entry (:class:`~.FrontierEntry`)
-_ENTRY = ("SELECT key, fingerprint, url, state, priority, is_start, data, parent_key, worker,"
-          " leased_until, attempts, unfinished, replays, enqueued_at, finished_at, error_kind,"
-          " error_message, run_id, downloads FROM requests")
+#: the columns of a frontier entry (:class:`~.FrontierEntry`; a fingerprint stored NULL is
+#: the key's)
+_ENTRY = ("SELECT key, coalesce(fingerprint, key), url, state, priority, is_start, data,"
+          " parent_key, worker, leased_until, attempts, unfinished, replays, enqueued_at,"
+          " finished_at, error_kind, error_message, run_id, downloads FROM requests")
 
 
 class SqlOperatorQueries(SqlDialect):

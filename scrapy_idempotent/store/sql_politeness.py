@@ -9,9 +9,9 @@ from typing import Any
 
 from .base import CommitResult, RobotsTxt, SlotLimits, SlotState
 from .rules import (
-    CLAIMED_COLUMNS,
     SLOT_WANTED_RECHECK_SECONDS,
     SLOT_WANTED_SECONDS,
+    claimed_columns,
     pause_seconds,
     send_margin,
     slot_share,
@@ -108,7 +108,7 @@ class SqlPoliteness(SqlDialect):
                 " attempts = attempts + 1 WHERE id IN (SELECT id FROM requests WHERE slot = ?"
                 " AND state = 'pending'"
                 f" ORDER BY {self.PENDING_ORDER} LIMIT ?{self.SKIP_LOCKED})"
-                f" RETURNING {', '.join(CLAIMED_COLUMNS)}"),
+                f" RETURNING {claimed_columns()}"),
                 (worker, until, slot, take)).fetchall()
             if not taken:
                 continue

@@ -34,8 +34,8 @@ from .reads import (
     SeqRecord,
 )
 from .rules import (
-    CLAIMED_COLUMNS,
     QUEUE_ORDER,
+    claimed_columns,
     isolate_after,
     other_owner,
 )
@@ -574,7 +574,7 @@ class SQLiteStore(SQLiteOperatorQueries, SqlStore):
             " attempts = attempts + 1"
             " WHERE id IN (SELECT id FROM requests INDEXED BY requests_pending"
             f"  WHERE state = 'pending' ORDER BY {QUEUE_ORDER} LIMIT ?)"
-            f" RETURNING {', '.join(CLAIMED_COLUMNS)}", (worker, until, count)).fetchall()
+            f" RETURNING {claimed_columns()}", (worker, until, count)).fetchall()
         return rows
 
     def _send_insert(self, cur: Any, new: list[NewRequest], now: float,
