@@ -20,6 +20,18 @@ psycopg = pytest.importorskip("psycopg")
 NATURAL_KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"shop.items.ProductItem": "sku"}}
 
 
+def pg_entries(url: str) -> list[tuple[str, str, str, str]]:
+    """(key, fingerprint, url, data) of every request of the crawl at ``url``, by key."""
+    from scrapy_idempotent.store import open_store
+
+    store = open_store(url)
+    store.open_existing(readonly=True)
+    try:
+        return [(e.key, e.fingerprint, e.url, e.data) for e in store.entries(limit=100_000)]
+    finally:
+        store.close()
+
+
 @deferred_f_from_coro_f
 async def test_a_crawl_stopped_on_sqlite_continues_on_postgresql(
         shop: LocalSite, db_path: Path, postgres_url: str) -> None:
@@ -39,6 +51,17 @@ async def test_a_crawl_stopped_on_sqlite_continues_on_postgresql(
     assert status["run"]["run_id"] == 1 and status["run"]["finished_at"] is None
     assert {k: v for k, v in status["frontier"].items() if v and k != "total"} == before
     assert status["records"]["stored"] == len(seen)
+    # every request as it was (its URL kept once, its fingerprint only where not its key)
+    assert pg_entries(postgres_url) == db_rows(
+        db_path, "SELECT key, fingerprint, url, data FROM requests ORDER BY key")
+    with psycopg.connect(postgres_url) as conn:
+        [schema] = conn.execute("SELECT nspname FROM pg_namespace"
+                                " WHERE nspname LIKE 'idempotent%'").fetchall()[0]
+        assert conn.execute(
+            f'SELECT count(*) FILTER (WHERE fingerprint IS NOT NULL),'
+            f' count(*) FILTER (WHERE starts_with(data, \'{{"url":\'))'
+            f' FROM "{schema}".requests').fetchone() == (db_rows(
+                db_path, "SELECT count(*) FROM requests WHERE key <> fingerprint")[0][0], 0)
     # a second migrate into the same database is refused, nothing changed
     code, _, err = idempotent("migrate", "--db", str(db_path), "--to", postgres_url)
     assert code == 1 and "already holds a crawl" in err

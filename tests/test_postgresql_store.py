@@ -141,33 +141,113 @@ def test_fingerprints_equal_to_their_keys_are_emptied_from_schema_15(
     lookups give the key for them."""
     url = postgres_url + "?schema=fingerprints"
     unfiltered = NewRequest(key="b", fingerprint="a", url="https://shop.example/a", priority=0,
-                            data="{}", filter_fingerprint=False)
+                            data='{"url":"https://shop.example/a","callback":"parse"}',
+                            filter_fingerprint=False)
     store = make(url, heartbeat_seconds=None)
     store.open(fingerprinter="f", identity=SHOP)
     store.begin_session("w", "auto")
     store.commit(UnitOfWork(requests=[req("a"), unfiltered]), "w")
     store.close()
-    stored = "SELECT key, fingerprint FROM fingerprints.requests ORDER BY key"
-    assert sql(postgres_url, stored) == [("a", None), ("b", "a")]
-    # the rows and the column as schema 15 left them
+    stored = "SELECT key, fingerprint, data FROM fingerprints.requests ORDER BY key"
+    assert sql(postgres_url, stored) == [("a", None, " {}"), ("b", "a", '{"callback":"parse"}')]
+    # the rows and the column as schema 15 left them: requests whole (one of a form
+    # without its URL first), fingerprints equal to their keys
+    whole = {"a": '{"url":"https://shop.example/a"}',
+             "b": '{"url":"https://shop.example/a","callback":"parse"}',
+             "c": '{"callback":"parse","url":"https://shop.example/c"}'}
+    sql(postgres_url, "INSERT INTO fingerprints.requests (key, fingerprint, url, priority,"
+        " state, data, enqueued_at, run_id) VALUES ('c', 'c', 'https://shop.example/c', 0,"
+        " 'pending', %s, 0, 1)", (whole["c"],))
+    for key in ("a", "b"):
+        sql(postgres_url, "UPDATE fingerprints.requests SET data = %s WHERE key = %s",
+            (whole[key], key))
     sql(postgres_url, "UPDATE fingerprints.requests SET fingerprint = key"
         " WHERE fingerprint IS NULL")
     sql(postgres_url, "ALTER TABLE fingerprints.requests ALTER COLUMN fingerprint SET NOT NULL")
     sql(postgres_url, "UPDATE fingerprints.meta SET value = '15' WHERE key = 'schema_version'")
-    assert sql(postgres_url, stored) == [("a", "a"), ("b", "a")]
+    assert sql(postgres_url, stored)[:2] == [("a", "a", whole["a"]), ("b", "a", whole["b"])]
     store = make(url, heartbeat_seconds=None)
     store.open(fingerprinter="f", identity=SHOP)
     assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "16"
-    assert sql(postgres_url, stored) == [("a", None), ("b", "a")]
-    assert [(e.key, e.fingerprint) for e in store.entries()] == [("a", "a"), ("b", "a")]
+    assert sql(postgres_url, stored) == [("a", None, "{}"), ("b", "a", '{"callback":"parse"}'),
+                                         ("c", None, " " + whole["c"])]
+    assert [(e.key, e.fingerprint, e.data) for e in store.entries()] == [
+        ("a", "a", whole["a"]), ("b", "a", whole["b"]), ("c", "c", whole["c"])]
     assert store.known_request("a") == "duplicate"
     store.begin_session("w", "resume")
-    leased = store.commit(UnitOfWork(claim=2), "w").leased
-    assert sorted((r.key, r.fingerprint) for r in leased) == [("a", "a"), ("b", "a")]
+    leased = store.commit(UnitOfWork(claim=3), "w").leased
+    assert sorted((r.key, r.fingerprint, r.data) for r in leased) == [
+        ("a", "a", whole["a"]), ("b", "a", whole["b"]), ("c", "c", whole["c"])]
     # a request filtered by fingerprint "a" is a duplicate of both
     result = store.commit(UnitOfWork(requests=[NewRequest(
         key="a", fingerprint="a", url="https://shop.example/a", priority=0, data="{}")]), "w")
     assert (result.requests_added, result.requests_duplicate) == (0, 1)
+
+
+#: Encoded requests of the row of https://shop.example/a, and how the row stores them.
+URL_ONCE_FORMS = [
+    ('{"url":"https://shop.example/a","callback":"parse","meta":{"depth":1}}',
+     '{"callback":"parse","meta":{"depth":1}}'),
+    ('{"url":"https://shop.example/a"}', "{}"),
+    # whole: another URL, the URL not first, another spacing, the URL twice, not JSON
+    ('{"url":"https://shop.example/b","callback":"parse"}',
+     '{"url":"https://shop.example/b","callback":"parse"}'),
+    ('{"callback":"parse","url":"https://shop.example/a"}',
+     ' {"callback":"parse","url":"https://shop.example/a"}'),
+    ('{"url": "https://shop.example/a"}', '{"url": "https://shop.example/a"}'),
+    ('{"url":"https://shop.example/a","url":"https://shop.example/a"}',
+     '{"url":"https://shop.example/a","url":"https://shop.example/a"}'),
+    ("", " "), (" {}", "  {}"), ("{}", " {}"),
+]
+
+
+@pytest.mark.parametrize(("data", "stored"), URL_ONCE_FORMS)
+def test_a_request_row_stores_its_url_once_and_reads_back_its_data_exactly(
+        data: str, stored: str) -> None:
+    from scrapy_idempotent.store.rules import request_data, stored_request_data
+
+    url = "https://shop.example/a"
+    assert stored_request_data(data, url) == stored
+    assert request_data(stored, url) == data
+    assert request_data(stored_request_data(data), url) == data  # (the row's URL unknown)
+
+
+def test_request_rows_keep_their_url_once(make: Callable[..., PostgreSQLStore],
+                                         postgres_url: str) -> None:
+    """Inserted, due again, continued: each row stores its request as
+    :func:`~.rules.stored_request_data` does; claims and entries give it back as given."""
+    url = postgres_url + "?schema=url_once"
+    clock = FakeClock()
+    store = make(url, heartbeat_seconds=None, clock=clock, recrawl_seconds=100.0)
+    store.open(fingerprinter="f", identity=SHOP)
+    store.begin_session("w", "auto")
+    given = {f"k{n}": data for n, (data, _) in enumerate(URL_ONCE_FORMS)}
+    store.commit(UnitOfWork(requests=[
+        NewRequest(key=key, fingerprint=key, url="https://shop.example/a", priority=0,
+                   data=data) for key, data in given.items()]), "w")
+    rows = "SELECT key, data FROM url_once.requests ORDER BY key"
+    assert sql(postgres_url, rows) == sorted(
+        (key, stored) for key, (_, stored) in zip(given, URL_ONCE_FORMS, strict=True))
+    assert {e.key: e.data for e in store.entries()} == given
+    leased = store.commit(UnitOfWork(claim=len(given)), "w").leased
+    assert {r.key: r.data for r in leased} == given
+    # k0 continued (a retry: its data replaced), k1 done, then due again at another URL
+    continued = '{"url":"https://shop.example/a","callback":"parse","meta":{"retry":1}}'
+    store.commit(UnitOfWork(completions=[
+        Completion("k0", RequestState.PENDING, data=continued),
+        Completion("k1", RequestState.DONE)]), "w")
+    clock.now += 200.0
+    again = '{"url":"https://shop.example/a?b","callback":"parse"}'
+    result = store.commit(UnitOfWork(requests=[NewRequest(
+        key="k1", fingerprint="k1", url="https://shop.example/a?b", priority=0,
+        data=again)]), "w")
+    assert result.requests_due_again == 1
+    assert sql(postgres_url, "SELECT key, url, data FROM url_once.requests"
+               " WHERE key IN ('k0', 'k1') ORDER BY key") == [
+        ("k0", "https://shop.example/a", continued),
+        ("k1", "https://shop.example/a?b", '{"callback":"parse"}')]
+    leased = store.commit(UnitOfWork(claim=2), "w").leased
+    assert {r.key: r.data for r in leased} == {"k0": continued, "k1": again}
 
 
 def test_a_wrong_password_is_a_clear_error_without_the_password(

@@ -88,7 +88,13 @@ from .postgresql_schema import (
     schema_for,
 )
 from .registry import redacted
-from .rules import QUEUE_ORDER_BACKWARD, claimed_columns, isolate_after, other_owner
+from .rules import (
+    QUEUE_ORDER_BACKWARD,
+    claimed_columns,
+    isolate_after,
+    other_owner,
+    stored_request_data,
+)
 from .sql import SqlStore
 from .sql_dialect import RECORD_STATE
 
@@ -450,6 +456,7 @@ class PostgreSQLStore(PostgreSQLHeartbeat, PostgreSQLOperatorQueries, SqlStore):
     # between autovacuum passes; no index serves this form, so the keys' index decides.
     LEASED_BY = "(state, worker) IS NOT DISTINCT FROM ('leased', ?)"
     NO_LIMIT = None
+    URL_ONCE = True
 
     def _q(self, sql: str) -> str:
         return sql.replace("?", "%s")
@@ -544,8 +551,8 @@ class PostgreSQLStore(PostgreSQLHeartbeat, PostgreSQLOperatorQueries, SqlStore):
             " ORDER BY k COLLATE \"C\" ON CONFLICT (key) DO NOTHING RETURNING key",
             ([r.key for r in new], [_stored_fingerprint(r) for r in new], [r.url for r in new],
              [r.priority for r in new], [r.is_start for r in new], [r.fifo for r in new],
-             [r.data for r in new], [r.parent_key for r in new], [r.slot for r in new], now,
-             run_id))
+             [stored_request_data(r.data, r.url) for r in new], [r.parent_key for r in new],
+             [r.slot for r in new], now, run_id))
         return lambda: len(inserting.fetchall())
 
     def _read_records(self, cur: Any, run_id: int, count: int, record_ids: list[str]

@@ -21,6 +21,7 @@ from .postgresql_schema import (
     schema_for,
 )
 from .reads import EngineSetting, IntegrityReport, RunSummary, SchemaInfo
+from .rules import stored_request_data
 
 if TYPE_CHECKING:
     import psycopg
@@ -140,6 +141,8 @@ class PostgreSQLOperatorQueries(PostgreSQLConnections):
                         row.setdefault("slot", "")
                         if row["fingerprint"] == row["key"]:  # stored only where it differs
                             row["fingerprint"] = None
+                        # as a crawl stores it (a SQLite row of an older release: whole)
+                        row["data"] = stored_request_data(str(row["data"]), str(row["url"]))
                         if row["state"] == "leased":  # leases do not move
                             row.update(state="pending", worker=None, leased_until=None)
                     self._copy(cur, "requests", LOADED["requests"], rows)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import json
 import random
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -46,6 +47,7 @@ __all__ = [
     "quarantine_message",
     "record_id_scheme_refusal",
     "record_write",
+    "request_data",
     "revisit_due",
     "revisit_due_at",
     "send_margin",
@@ -53,6 +55,7 @@ __all__ = [
     "split_claim",
     "starts_new_run",
     "stored_record_id_scheme",
+    "stored_request_data",
     "window_start",
 ]
 
@@ -279,6 +282,39 @@ def claimed_columns(table: str = "") -> str:
     prefix = f"{table}." if table else ""
     return ", ".join(f"coalesce({prefix}fingerprint, {prefix}key)" if column == "fingerprint"
                      else prefix + column for column in CLAIMED_COLUMNS)
+
+
+#: How the JSON text of a request begins (the codec's: ``Request.to_dict`` puts the URL first).
+_URL_MEMBER = '{"url":'
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
+def stored_request_data(data: str, url: str | None = None) -> str:
+    """``data`` (a request's JSON text) as a frontier row that keeps the URL once stores it
+    beside its ``url`` column: without its leading ``"url"`` member where that is ``url``
+    (about 56 bytes a row), else whole: as given when it begins with a ``"url"`` member,
+    after a space when it does not (JSON text still; :func:`request_data` then knows it
+    whole). Without ``url`` (a row's own not known here): whole."""
+    if url is not None:
+        prefix = _URL_MEMBER + _JSON.encode(url)
+        if data.startswith(prefix):
+            rest = data[len(prefix):]
+            if rest == "}":
+                return "{}"
+            if rest[:1] == "," and not rest.startswith(',"url":'):
+                return "{" + rest[1:]
+    return data if data.startswith(_URL_MEMBER) else " " + data
+
+
+def request_data(stored: str, url: str) -> str:
+    """The JSON text of a request whose row stores ``stored`` beside ``url``: the inverse of
+    :func:`stored_request_data` (the text as given, exactly)."""
+    if stored.startswith(_URL_MEMBER):
+        return stored
+    if stored.startswith(" "):
+        return stored[1:]
+    prefix = _URL_MEMBER + _JSON.encode(url)
+    return prefix + "}" if stored == "{}" else prefix + "," + stored[1:]
 
 
 def claim_order(row: ClaimedRow) -> tuple[int, bool, int]:

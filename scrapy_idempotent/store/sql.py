@@ -303,12 +303,13 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
         if due:
             # in id order: page commits locking the same rows lock them in one order
             cur.executemany(self._q(
-                "UPDATE requests SET state = 'pending', data = ?, priority = ?,"
+                "UPDATE requests SET state = 'pending', url = ?, data = ?, priority = ?,"
                 " is_start = ?, fifo = ?, attempts = 0, replays = 0, downloads = 0,"
                 " finished_at = NULL,"
                 " error_kind = NULL, error_message = NULL, enqueued_at = ?, run_id = ?"
                 " WHERE id = ?"),
-                [(req.data, req.priority, req.is_start, req.fifo, now, run_id, id_)
+                [(req.url, self._stored_data(req.data, req.url), req.priority, req.is_start,
+                  req.fifo, now, run_id, id_)
                  for id_, req in sorted(due.items())])
         if not new:
             return (lambda: 0), 0
@@ -530,7 +531,8 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
                 cur, "UPDATE requests SET state = 'pending', worker = NULL,"
                 " leased_until = NULL, unfinished = 0, data = COALESCE(?, data),"
                 " priority = COALESCE(?, priority), error_kind = ?, error_message = ?" + where,
-                (done.data, done.priority, done.error_kind, done.error_message, done.key,
+                (None if done.data is None else self._stored_data(done.data, None),
+                 done.priority, done.error_kind, done.error_message, done.key,
                  worker))
         return self._send(
             cur, "UPDATE requests SET state = ?, worker = NULL, leased_until = NULL,"
@@ -575,6 +577,8 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
         rows = (self._claim_rows(cur, worker, count, until) if self.slot_limits is None
                 else self._claim_by_slot(cur, worker, count, until, now, result, send_by,
                                          slots))
+        if self.URL_ONCE:  # (CLAIMED_COLUMNS: data is the fourth, url the ninth)
+            rows = [(*row[:3], self._request_data(row[3], row[8]), *row[4:]) for row in rows]
         leased, over = split_claim(rows, self.max_attempts, until)
         if slots:
             by_key = {row[1]: (send_by.get(row[0], 0.0), slots[row[0]]) for row in rows}

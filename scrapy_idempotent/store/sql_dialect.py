@@ -12,7 +12,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from .base import CommitResult, NewRequest
-from .rules import QUEUE_ORDER
+from .rules import QUEUE_ORDER, request_data, stored_request_data
 
 __all__ = ["RECORD_STATE", "Answer", "SqlDialect"]
 
@@ -54,8 +54,23 @@ class SqlDialect(ABC):
     PENDING_ORDER = QUEUE_ORDER
     #: the ``LIMIT`` parameter meaning no limit
     NO_LIMIT: Any = -1
+    #: a request row keeps its URL once: in its ``url`` column, its ``data`` stored without
+    #: it (:func:`.rules.stored_request_data`, read back by :meth:`_request_data`)
+    URL_ONCE = False
 
     # -- the dialect and the connections (each backend's own) -----------------------------
+
+    def _stored_data(self, data: str, url: str | None) -> str:
+        """A request's JSON text ``data`` as its row beside ``url`` stores it (None: a row
+        whose URL is not known here). Anything but text goes as given: the database's to
+        refuse, inside the transaction."""
+        if not self.URL_ONCE or not isinstance(data, str):
+            return data
+        return stored_request_data(data, url)
+
+    def _request_data(self, stored: str, url: str) -> str:
+        """The JSON text of a request whose row holds ``stored`` and ``url``."""
+        return request_data(stored, url) if self.URL_ONCE else stored
 
     @abstractmethod
     def _write(self, doing: str = "writing") -> contextlib.AbstractContextManager[Any]:

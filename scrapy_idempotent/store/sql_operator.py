@@ -55,8 +55,10 @@ class SqlOperatorQueries(SqlDialect):
 
     def _entries_where(self, where: str, params: tuple[Any, ...],
                        limit: int) -> list[FrontierEntry]:
-        return [FrontierEntry(*(*row[:5], bool(row[5]), *row[6:])) for row in self._select(
-            f"{_ENTRY} WHERE {where} ORDER BY key{self.TEXT_ORDER} LIMIT ?", (*params, limit))]
+        rows = self._select(f"{_ENTRY} WHERE {where} ORDER BY key{self.TEXT_ORDER} LIMIT ?",
+                            (*params, limit))
+        return [FrontierEntry(*(*row[:5], bool(row[5]), self._request_data(row[6], row[2]),
+                                *row[7:])) for row in rows]
 
     def meta(self) -> dict[str, str]:
         return dict(self._select("SELECT key, value FROM meta ORDER BY key"))
