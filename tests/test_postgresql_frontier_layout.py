@@ -133,7 +133,7 @@ def test_a_schema_15_frontier_is_migrated_with_its_requests_in_order(
     store = _store(url)
     store.open()
     try:
-        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "16"
+        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "17"
         assert "fillfactor=100" in _options(postgres_url)
         indexes = sql(postgres_url, "SELECT indexdef FROM pg_indexes WHERE"
                       f" schemaname = '{SCHEMA}' AND indexname LIKE '%pending'"

@@ -134,11 +134,13 @@ def test_a_newer_schema_version_is_refused(make: Callable[..., PostgreSQLStore],
         make(heartbeat_seconds=None).open(fingerprinter="f", identity=SHOP)
 
 
-def test_fingerprints_equal_to_their_keys_are_emptied_from_schema_15(
+def test_rows_of_schema_15_are_read_as_they_are_and_new_rows_are_compact(
         make: Callable[..., PostgreSQLStore], postgres_url: str) -> None:
-    """Schema 16 stores a request's fingerprint only where it is not its key (a
-    ``dont_filter`` request's): the migration empties the others; claims, entries and
-    lookups give the key for them."""
+    """Schema 17 stores a request's fingerprint only where it is not its key (a
+    ``dont_filter`` request's: claims, entries and lookups give the key for the others) and
+    its encoded request without the row's URL. The migration rewrites no row but those
+    whose request does not begin with its URL (given a space): the rows of schema 15 are read
+    as they are, whole, with their fingerprint."""
     url = postgres_url + "?schema=fingerprints"
     unfiltered = NewRequest(key="b", fingerprint="a", url="https://shop.example/a", priority=0,
                             data='{"url":"https://shop.example/a","callback":"parse"}',
@@ -168,9 +170,9 @@ def test_fingerprints_equal_to_their_keys_are_emptied_from_schema_15(
     assert sql(postgres_url, stored)[:2] == [("a", "a", whole["a"]), ("b", "a", whole["b"])]
     store = make(url, heartbeat_seconds=None)
     store.open(fingerprinter="f", identity=SHOP)
-    assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "16"
-    assert sql(postgres_url, stored) == [("a", None, "{}"), ("b", "a", '{"callback":"parse"}'),
-                                         ("c", None, " " + whole["c"])]
+    assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "17"
+    assert sql(postgres_url, stored) == [("a", "a", whole["a"]), ("b", "a", whole["b"]),
+                                         ("c", "c", " " + whole["c"])]
     assert [(e.key, e.fingerprint, e.data) for e in store.entries()] == [
         ("a", "a", whole["a"]), ("b", "a", whole["b"]), ("c", "c", whole["c"])]
     assert store.known_request("a") == "duplicate"

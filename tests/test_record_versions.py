@@ -108,7 +108,7 @@ def test_a_schema_4_postgresql_database_gets_observation_times_and_versions(
                             dead_after_seconds=None)
     store.open()
     try:
-        assert store.meta()["schema_version"] == str(PG_VERSION) == "16"
+        assert store.meta()["schema_version"] == str(PG_VERSION) == "17"
         got = {r.record_id: (r.observed_at, r.version) for r in store.records_page()}
         assert got == {"r1": (250.0, 1), "r2": (110.0, 1)}
         store.begin_session("w1", "resume")
