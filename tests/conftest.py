@@ -23,6 +23,28 @@ from helpers.scheduler_harness import Harness  # noqa: E402
 from helpers.stores import LEASE_SECONDS  # noqa: E402
 from scrapy_idempotent.store import FrontierStore, open_store  # noqa: E402
 
+#: Test modules that exercise no Scrapy and no Twisted: the stores at their interface (no
+#: crawler, no Scrapy request or response, no ``scrapy`` process), the tests' own servers and
+#: the repository's rules. Their tests are marked ``scrapy_independent``; CI runs them with
+#: the newest Scrapy only (``.ci/run``: the oldest Scrapy's fast suite deselects them). A
+#: module goes here only when none of its tests builds a crawler or starts a Scrapy process.
+SCRAPY_INDEPENDENT_MODULES = frozenset({
+    "test_claim_rank", "test_codec_plain", "test_import_graph", "test_layout",
+    "test_module_size", "test_operator_queries", "test_outbox_store", "test_page_validators",
+    "test_postgres_server", "test_postgres_server_cleanup", "test_postgresql_clock_steps",
+    "test_postgresql_deadlocks", "test_postgresql_pipeline", "test_postgresql_record_times",
+    "test_postgresql_round_trips", "test_postgresql_server_version", "test_postgresql_store",
+    "test_postgresql_url", "test_repository", "test_retry_after", "test_runs",
+    "test_sqlite_open_race", "test_sqlite_store", "test_store_boundary", "test_store_contract",
+    "test_store_errors", "test_store_metrics", "test_url_redaction", "test_worker_ids",
+})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.stem in SCRAPY_INDEPENDENT_MODULES:
+            item.add_marker(pytest.mark.scrapy_independent)
+
 
 @pytest.fixture(autouse=True)
 def _shutdown_signals_restored() -> Iterator[None]:
