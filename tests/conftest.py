@@ -41,9 +41,14 @@ SCRAPY_INDEPENDENT_MODULES = frozenset({
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks the ``scrapy_independent`` tests, and runs the ``slow`` tests (minutes each)
+    first: with ``-n``, xdist then spreads them over its workers while the queue is long,
+    and the suite ends on short tests instead of one worker running a kill test alone while
+    the others wait."""
     for item in items:
         if item.path.stem in SCRAPY_INDEPENDENT_MODULES:
             item.add_marker(pytest.mark.scrapy_independent)
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
 
 
 @pytest.fixture(autouse=True)
