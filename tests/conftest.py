@@ -42,9 +42,8 @@ SCRAPY_INDEPENDENT_MODULES = frozenset({
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Marks the ``scrapy_independent`` tests, and runs the ``slow`` tests (minutes each)
-    first: with ``-n``, xdist then spreads them over its workers while the queue is long,
-    and the suite ends on short tests instead of one worker running a kill test alone while
-    the others wait."""
+    first: with ``-n``, the suite then ends on short tests, not on one worker running a kill
+    test alone while the others have nothing left to take."""
     for item in items:
         if item.path.stem in SCRAPY_INDEPENDENT_MODULES:
             item.add_marker(pytest.mark.scrapy_independent)
