@@ -42,8 +42,9 @@ SCRAPY_INDEPENDENT_MODULES = frozenset({
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Marks the ``scrapy_independent`` tests, and runs the ``slow`` tests (minutes each)
-    first: with ``-n``, the suite then ends on short tests, not on one worker running a kill
-    test alone while the others have nothing left to take."""
+    first: with ``-n`` (and ``--dist worksteal``, pyproject.toml: a worker with nothing left
+    takes tests queued for another), the suite then ends on short tests, not on one worker
+    going through kill tests while the others have nothing left to take."""
     for item in items:
         if item.path.stem in SCRAPY_INDEPENDENT_MODULES:
             item.add_marker(pytest.mark.scrapy_independent)
