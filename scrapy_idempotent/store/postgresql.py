@@ -93,7 +93,6 @@ from .rules import (
     claimed_columns,
     isolate_after,
     other_owner,
-    stored_request_data,
 )
 from .sql import SqlStore
 from .sql_dialect import RECORD_STATE
@@ -551,7 +550,7 @@ class PostgreSQLStore(PostgreSQLHeartbeat, PostgreSQLOperatorQueries, SqlStore):
             " ORDER BY k COLLATE \"C\" ON CONFLICT (key) DO NOTHING RETURNING key",
             ([r.key for r in new], [_stored_fingerprint(r) for r in new], [r.url for r in new],
              [r.priority for r in new], [r.is_start for r in new], [r.fifo for r in new],
-             [stored_request_data(r.data, r.url) for r in new], [r.parent_key for r in new],
+             [self._stored_data(r.data, r.url) for r in new], [r.parent_key for r in new],
              [r.slot for r in new], now, run_id))
         return lambda: len(inserting.fetchall())
 

@@ -51,6 +51,7 @@ from .base import (
     change_key,
 )
 from .rules import (
+    CLAIMED_COLUMNS,
     Enqueue,
     RecordWrite,
     StoredState,
@@ -77,6 +78,8 @@ __all__ = ["Answer", "SqlStore"]
 #: A frontier entry already there: (id, state, finished_at); id None for one added by the
 #: same page commit.
 _Known = tuple[Any, str, Any]
+#: where a claimed row holds its encoded request and its URL (:data:`.rules.CLAIMED_COLUMNS`)
+_DATA, _URL = CLAIMED_COLUMNS.index("data"), CLAIMED_COLUMNS.index("url")
 
 
 class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQueries, SqlOutbox,
@@ -577,8 +580,9 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
         rows = (self._claim_rows(cur, worker, count, until) if self.slot_limits is None
                 else self._claim_by_slot(cur, worker, count, until, now, result, send_by,
                                          slots))
-        if self.URL_ONCE:  # (CLAIMED_COLUMNS: data is the fourth, url the ninth)
-            rows = [(*row[:3], self._request_data(row[3], row[8]), *row[4:]) for row in rows]
+        if self.URL_ONCE:
+            rows = [(*row[:_DATA], self._request_data(row[_DATA], row[_URL]), *row[_DATA + 1:])
+                    for row in rows]
         leased, over = split_claim(rows, self.max_attempts, until)
         if slots:
             by_key = {row[1]: (send_by.get(row[0], 0.0), slots[row[0]]) for row in rows}
