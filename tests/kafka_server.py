@@ -69,20 +69,32 @@ class KafkaServer:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> KafkaServer:
-        listener = f"tcp://{self.servers}"
-        with open(self.directory / "tansu.log", "ab") as log:
-            self.process = subprocess.Popen(
-                [self.binary, "broker", "--listener-url", listener,
-                 "--advertised-listener-url", listener, "--storage-engine", "memory://tansu/"],
-                cwd=self.directory, start_new_session=True, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while not self._ready():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"tansu did not start; see {self.directory / 'tansu.log'}")
-            time.sleep(0.1)
-        return self
+        """Start the broker; one that ends before it answers (its free port taken by another
+        process before it bound it) is started again on another port, and the error after
+        the last attempt quotes what it printed."""
+        for _attempt in range(3):
+            listener = f"tcp://{self.servers}"
+            with open(self.directory / "tansu.log", "ab") as log:
+                self.process = subprocess.Popen(
+                    [self.binary, "broker", "--listener-url", listener,
+                     "--advertised-listener-url", listener, "--storage-engine",
+                     "memory://tansu/"],
+                    cwd=self.directory, start_new_session=True, stdin=subprocess.DEVNULL,
+                    stdout=log, stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 60
+            while not self._ready():
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            else:
+                return self
+            ended = self.process.poll() is not None
+            self.stop()
+            if not ended:
+                break  # running but not answering: another port would not help
+            self.port = _free_port()
+        printed = (self.directory / "tansu.log").read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"tansu did not start on port {self.port}; it printed:\n{printed}")
 
     def _ready(self) -> bool:
         from confluent_kafka.admin import AdminClient

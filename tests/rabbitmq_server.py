@@ -38,34 +38,57 @@ class RabbitMQServer:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.port = _free_port()
+        self.port = 0
         self.node = f"test{uuid.uuid4().hex[:8]}@localhost"
         self.process: subprocess.Popen[bytes] | None = None
+        self.started = False  # once started, the node keeps its ports (its clients' URLs)
         self.environment = {
             **os.environ, "HOME": str(directory), "RABBITMQ_NODENAME": self.node,
-            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1", "RABBITMQ_NODE_PORT": str(self.port),
-            "RABBITMQ_DIST_PORT": str(_free_port()),
+            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
             "RABBITMQ_MNESIA_BASE": str(directory / "mnesia"),
             "RABBITMQ_LOG_BASE": str(directory / "log"),
             "RABBITMQ_CONFIG_FILE": str(directory / "rabbitmq"),
             "RABBITMQ_ENABLED_PLUGINS_FILE": str(directory / "enabled_plugins"),
             "RABBITMQ_PID_FILE": str(directory / "rabbitmq.pid")}
+        self._choose_ports()
+
+    def _choose_ports(self) -> None:
+        self.port = _free_port()
+        self.environment["RABBITMQ_NODE_PORT"] = str(self.port)
+        self.environment["RABBITMQ_DIST_PORT"] = str(_free_port())
 
     @property
     def url(self) -> str:
         return f"amqp://guest:guest@127.0.0.1:{self.port}/%2F"
 
     def start(self) -> RabbitMQServer:
-        self.process = subprocess.Popen(
-            [SERVER], env=self.environment, cwd=self.directory, start_new_session=True,
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while not self._ready():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"rabbitmq-server did not start; see {self.directory}")
-            time.sleep(0.2)
-        return self
+        """Start the node; a node that ends before it answers (one of its free ports taken by
+        another process before it bound it) is started again on other ports, and the error
+        after the last attempt quotes what the node printed (its directory is removed with
+        the fixture). A node started before keeps its ports."""
+        for _attempt in range(1 if self.started else 3):
+            output = self.directory / "server.out"
+            with output.open("ab") as out:
+                self.process = subprocess.Popen(
+                    [SERVER], env=self.environment, cwd=self.directory,
+                    start_new_session=True, stdin=subprocess.DEVNULL, stdout=out,
+                    stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 180
+            while not self._ready():
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            else:
+                self.started = True
+                return self
+            ended = self.process.poll() is not None
+            self.stop()
+            if not ended:
+                break  # running but not answering: another attempt would not help
+            self._choose_ports()
+        printed = (self.directory / "server.out").read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"rabbitmq-server did not start on port {self.port}; it printed:\n"
+                           f"{printed}")
 
     def _ready(self) -> bool:
         import pika
