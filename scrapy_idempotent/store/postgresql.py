@@ -449,6 +449,8 @@ class PostgreSQLStore(PostgreSQLHeartbeat, PostgreSQLOperatorQueries, SqlStore):
     TEXT_ORDER = ' COLLATE "C"'
     # the pending indexes hold the queue reversed (postgresql_schema, step 16)
     PENDING_ORDER = QUEUE_ORDER_BACKWARD
+    # the primary key (postgresql_schema, step 18: `id` has no index)
+    REQUEST_ROW = "key"
     # Not as two equalities: the planner would take the leased requests' index (worker,
     # leased_until) for them, scanning every entry the worker's past leases left there (a
     # bitmap scan does not mark dead entries), growing to a millisecond a statement
@@ -518,11 +520,16 @@ class PostgreSQLStore(PostgreSQLHeartbeat, PostgreSQLOperatorQueries, SqlStore):
 
     def _claim_rows(self, cur: Any, worker: str, count: int, until: float) -> list[Any]:
         rows: list[Any] = cur.execute(
-            "WITH head AS (SELECT id FROM requests WHERE state = 'pending'"
+            # the rows locked, found again by their primary key (REQUEST_ROW) as an update
+            # by id found them, not by ctid: a row that an update committed after this
+            # statement's snapshot moved is locked in its new version, which the snapshot
+            # does not see at that ctid (the join by key updates it)
+            f"WITH head AS (SELECT {self.REQUEST_ROW} FROM requests WHERE state = 'pending'"
             f" ORDER BY {self.PENDING_ORDER} LIMIT %s FOR UPDATE SKIP LOCKED)"
             " UPDATE requests r SET state = 'leased', worker = %s, leased_until = %s,"
             " attempts = r.attempts + 1"
-            " FROM head WHERE r.id = head.id RETURNING " + claimed_columns("r"),
+            f" FROM head WHERE r.{self.REQUEST_ROW} = head.{self.REQUEST_ROW}"
+            " RETURNING " + claimed_columns("r"),
             (count, worker, until)).fetchall()
         return rows
 

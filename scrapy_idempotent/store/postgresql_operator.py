@@ -110,6 +110,9 @@ class PostgreSQLOperatorQueries(PostgreSQLConnections):
         them; each run's counters become one session row of worker ``migrated``."""
         written: dict[str, int] = {}
         runs: list[dict[str, object]] = []
+        # the highest request id copied: the table was empty and its id has no index (its
+        # max() would read the whole table)
+        top_request = 1
         with self._write("loading", repeatable=False) as cur:
             (busy,) = cur.execute(
                 "SELECT EXISTS (SELECT 1 FROM runs) OR EXISTS (SELECT 1 FROM requests)"
@@ -145,6 +148,7 @@ class PostgreSQLOperatorQueries(PostgreSQLConnections):
                         row["data"] = stored_request_data(str(row["data"]), str(row["url"]))
                         if row["state"] == "leased":  # leases do not move
                             row.update(state="pending", worker=None, leased_until=None)
+                        top_request = max(top_request, int(str(row["id"])))
                     self._copy(cur, "requests", LOADED["requests"], rows)
                 elif table == "linked_requests":
                     for row in rows:
@@ -156,8 +160,10 @@ class PostgreSQLOperatorQueries(PostgreSQLConnections):
                 else:
                     raise StoreError(f"cannot load rows of an unknown table {table!r}")
                 written[table] = written.get(table, 0) + len(rows)
+            cur.execute("SELECT setval(pg_get_serial_sequence('requests', 'id'), %s)",
+                        (top_request,))
             for table, column in (("runs", "run_id"), ("sessions", "session_id"),
-                                  ("requests", "id"), ("rejects", "id"), ("outbox", "id")):
+                                  ("rejects", "id"), ("outbox", "id")):
                 cur.execute(f"SELECT setval(pg_get_serial_sequence('{table}', '{column}'),"
                             f" greatest((SELECT max({column}) FROM {table}), 1))")
             cur.execute("SELECT setval('records_seen_seq',"

@@ -75,8 +75,8 @@ from .sql_runs import SqlRuns
 __all__ = ["Answer", "SqlStore"]
 
 
-#: A frontier entry already there: (id, state, finished_at); id None for one added by the
-#: same page commit.
+#: A frontier entry already there: (its row's REQUEST_ROW, state, finished_at); None for one
+#: added by the same page commit.
 _Known = tuple[Any, str, Any]
 #: where a claimed row holds its encoded request and its URL (:data:`.rules.CLAIMED_COLUMNS`)
 _DATA, _URL = CLAIMED_COLUMNS.index("data"), CLAIMED_COLUMNS.index("url")
@@ -257,14 +257,15 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
         lookup = {r.key for r in requests} | {r.fingerprint for r in requests
                                               if r.filter_fingerprint}
         where, param = self._any("key", sorted(lookup))
-        by_key = self._send(cur, f"SELECT id, key, state, finished_at FROM requests WHERE {where}",
-                            (param,))
+        by_key = self._send(cur, f"SELECT {self.REQUEST_ROW}, key, state, finished_at"
+                            f" FROM requests WHERE {where}", (param,))
         fingerprints = sorted({r.fingerprint for r in requests if r.filter_fingerprint})
         if not fingerprints:
             return by_key, list
         where, param = self._any("fingerprint", fingerprints)
-        return by_key, self._send(cur, "SELECT id, fingerprint, state, finished_at FROM requests"
-                                  f" WHERE {where} AND key <> fingerprint", (param,))
+        return by_key, self._send(cur, f"SELECT {self.REQUEST_ROW}, fingerprint, state,"
+                                  f" finished_at FROM requests WHERE {where}"
+                                  " AND key <> fingerprint", (param,))
 
     def _insert_requests(self, cur: Any, requests: list[NewRequest], now: float, run_id: int,
                          result: CommitResult, lookups: tuple[Answer, Answer]
@@ -275,14 +276,14 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
         another worker (duplicates)."""
         if not requests:
             return (lambda: 0), 0
-        by_key: dict[str, _Known] = {key: (id_, state, finished)
-                                     for id_, key, state, finished in lookups[0]()}
+        by_key: dict[str, _Known] = {key: (row, state, finished)
+                                     for row, key, state, finished in lookups[0]()}
         by_fingerprint: dict[str, _Known] = {}
-        for id_, fingerprint, state, finished in lookups[1]():
-            by_fingerprint.setdefault(fingerprint, (id_, state, finished))
+        for row, fingerprint, state, finished in lookups[1]():
+            by_fingerprint.setdefault(fingerprint, (row, state, finished))
         window = window_start(self.recrawl_seconds, now)
         new: list[NewRequest] = []
-        due: dict[int, NewRequest] = {}
+        due: dict[Any, NewRequest] = {}
         for req in requests:  # a request seen earlier in ``requests`` counts as known
             known = by_key.get(req.key)
             if known is None and req.filter_fingerprint:
@@ -304,16 +305,17 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
             else:
                 result.requests_already_done += 1
         if due:
-            # in id order: page commits locking the same rows lock them in one order
+            # in the order of their rows (REQUEST_ROW): page commits locking the same rows
+            # lock them in one order
             cur.executemany(self._q(
                 "UPDATE requests SET state = 'pending', url = ?, data = ?, priority = ?,"
                 " is_start = ?, fifo = ?, attempts = 0, replays = 0, downloads = 0,"
                 " finished_at = NULL,"
                 " error_kind = NULL, error_message = NULL, enqueued_at = ?, run_id = ?"
-                " WHERE id = ?"),
+                f" WHERE {self.REQUEST_ROW} = ?"),
                 [(req.url, self._stored_data(req.data, req.url), req.priority, req.is_start,
-                  req.fifo, now, run_id, id_)
-                 for id_, req in sorted(due.items())])
+                  req.fifo, now, run_id, row)
+                 for row, req in sorted(due.items())])
         if not new:
             return (lambda: 0), 0
         self._add_slots(cur, new, result)

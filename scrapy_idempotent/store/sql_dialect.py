@@ -52,6 +52,9 @@ class SqlDialect(ABC):
     #: the claim's ``ORDER BY``: :data:`.rules.QUEUE_ORDER` as the backend's pending indexes
     #: hold it
     PENDING_ORDER = QUEUE_ORDER
+    #: the column a statement finds a request row by, through its index: SQLite's ``id``
+    #: (the rowid); PostgreSQL's primary key, ``key`` (its ``id`` has no index of its own)
+    REQUEST_ROW = "id"
     #: the ``LIMIT`` parameter meaning no limit
     NO_LIMIT: Any = -1
     #: a request row keeps its URL once: in its ``url`` column, its ``data`` stored without

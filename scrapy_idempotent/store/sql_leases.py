@@ -165,8 +165,8 @@ class SqlLeases(SqlDialect):
                 (now,)).fetchone() is None:
             return
         paused: dict[str, set[str]] = {}
-        where = ("id IN (SELECT id FROM requests WHERE state = 'leased' AND leased_until < ?"
-                 f"{self.SKIP_LOCKED})")
+        where = (f"{self.REQUEST_ROW} IN (SELECT {self.REQUEST_ROW} FROM requests"
+                 f" WHERE state = 'leased' AND leased_until < ?{self.SKIP_LOCKED})")
         taken = self._take_back(cur, where, (now,), now, paused)
         if taken:
             self._notify(cur, force=True)

@@ -105,8 +105,8 @@ class SqlPoliteness(SqlDialect):
                 continue
             taken = cur.execute(self._q(
                 "UPDATE requests SET state = 'leased', worker = ?, leased_until = ?,"
-                " attempts = attempts + 1 WHERE id IN (SELECT id FROM requests WHERE slot = ?"
-                " AND state = 'pending'"
+                f" attempts = attempts + 1 WHERE {self.REQUEST_ROW} IN (SELECT"
+                f" {self.REQUEST_ROW} FROM requests WHERE slot = ? AND state = 'pending'"
                 f" ORDER BY {self.PENDING_ORDER} LIMIT ?{self.SKIP_LOCKED})"
                 f" RETURNING {claimed_columns()}"),
                 (worker, until, slot, take)).fetchall()
