@@ -210,6 +210,9 @@ def as_before_links(store_database: str, schema: str) -> None:
 
         with psycopg.connect(store_database, autocommit=True) as conn:
             conn.execute(f'SET search_path TO "{schema}"')
+            conn.execute("ALTER TABLE requests DROP CONSTRAINT requests_key_key, ADD CONSTRAINT"
+                         " requests_key_key UNIQUE (key), ADD CONSTRAINT requests_pkey"
+                         " PRIMARY KEY (id)")  # PostgreSQL 18: the primary key the id's
             for statement in undo:
                 conn.execute(statement.replace("%", "%%"))
             conn.execute("UPDATE meta SET value = '13' WHERE key = 'schema_version'")
