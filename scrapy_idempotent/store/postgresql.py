@@ -520,10 +520,10 @@ class PostgreSQLStore(PostgreSQLHeartbeat, PostgreSQLOperatorQueries, SqlStore):
 
     def _claim_rows(self, cur: Any, worker: str, count: int, until: float) -> list[Any]:
         rows: list[Any] = cur.execute(
-            # the rows locked, found again by their primary key (REQUEST_ROW) as an update
-            # by id found them, not by ctid: a row that an update committed after this
-            # statement's snapshot moved is locked in its new version, which the snapshot
-            # does not see at that ctid (the join by key updates it)
+            # the rows locked are found again by their primary key (REQUEST_ROW), not by
+            # ctid: a row that an update committed after this statement's snapshot moved is
+            # locked in its new version, which the snapshot does not see at that ctid (the
+            # join by key updates it)
             f"WITH head AS (SELECT {self.REQUEST_ROW} FROM requests WHERE state = 'pending'"
             f" ORDER BY {self.PENDING_ORDER} LIMIT %s FOR UPDATE SKIP LOCKED)"
             " UPDATE requests r SET state = 'leased', worker = %s, leased_until = %s,"
