@@ -62,6 +62,11 @@ async def test_a_crawl_stopped_on_sqlite_continues_on_postgresql(
             f' count(*) FILTER (WHERE starts_with(data, \'{{"url":\'))'
             f' FROM "{schema}".requests').fetchone() == (db_rows(
                 db_path, "SELECT count(*) FROM requests WHERE key <> fingerprint")[0][0], 0)
+        # the ids kept, their sequence moved to the highest (the next request's id after it)
+        assert conn.execute(
+            f'SELECT (SELECT max(id) FROM "{schema}".requests), last_value, is_called'
+            f' FROM "{schema}".requests_id_seq').fetchone() == (
+                db_rows(db_path, "SELECT max(id) FROM requests")[0][0],) * 2 + (True,)
     # a second migrate into the same database is refused, nothing changed
     code, _, err = idempotent("migrate", "--db", str(db_path), "--to", postgres_url)
     assert code == 1 and "already holds a crawl" in err
