@@ -259,8 +259,9 @@ def summary(out: dict[str, Any]) -> dict[str, float]:
     rows, pending = requests["rows"], max(out["states"].get("pending", 0), 1)
     indexes = requests["indexes"]
     parts = {"heap": out["pending_heap_per_row"]}
-    for name in ("requests_key_key", "requests_pkey"):
-        parts[name] = indexes.get(name, 0) / rows
+    for name in ("requests_key_key", "requests_pkey"):  # the id's: PostgreSQL before 18
+        if name in indexes:
+            parts[name] = indexes[name] / rows
     for name in ("requests_pending", "requests_slot_pending"):
         parts[name] = indexes.get(name, 0) / pending
     parts = {name: round(value, 1) for name, value in parts.items()}

@@ -215,6 +215,7 @@ def as_before_links(store_database: str, schema: str) -> None:
                          " PRIMARY KEY (id)")  # PostgreSQL 18: the primary key the id's
             for statement in undo:
                 conn.execute(statement.replace("%", "%%"))
+            conn.execute("DROP STATISTICS requests_slot_hash")  # PostgreSQL 19
             conn.execute("UPDATE meta SET value = '13' WHERE key = 'schema_version'")
         return
     import sqlite3

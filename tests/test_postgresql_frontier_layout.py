@@ -1,7 +1,9 @@
 """The PostgreSQL frontier's storage layout: its pages filled (no free room kept), its pending
 indexes holding the queue reversed (the head at the right end, where last-in-first-out
-requests are appended) and read backward by both claims, in order, without a sort; and a
-database of the schema before migrated to it with its pending requests kept in order."""
+requests are appended; the start flag folded into the order's bigint, the slot's index keyed
+by the slot's hash) and read backward by both claims, in order, without a sort; two slots of
+one hash never mixed; and databases of the schemas before migrated to it with their pending
+requests kept in order."""
 
 from __future__ import annotations
 
@@ -62,65 +64,123 @@ def test_a_new_frontier_fills_its_pages(store: PostgreSQLStore, postgres_url: st
     assert "fillfactor=100" in _options(postgres_url)
 
 
-def _plan(postgres_url: str, statement: str) -> str:
+def _plan(postgres_url: str, statement: str, generic: bool) -> str:
+    """``EXPLAIN`` of ``statement`` (its parameters ``$1``: the slot, ``$2``: the limit) as
+    the server plans it for these values, or (``generic``) for any, as a statement the
+    driver prepared may be planned."""
     with psycopg.connect(postgres_url, autocommit=True) as conn:
         conn.execute(f"SET search_path TO {SCHEMA}")
         conn.execute("ANALYZE requests")
-        return "\n".join(row[0] for row in conn.execute(f"EXPLAIN {statement}"))
+        conn.execute("SET plan_cache_mode = "
+                     + ("force_generic_plan" if generic else "force_custom_plan"))
+        conn.execute(f"PREPARE claim (text, bigint) AS {statement}")
+        return "\n".join(row[0] for row in conn.execute("EXPLAIN EXECUTE claim ('s1', 8)"))
 
 
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
 @pytest.mark.parametrize("by_slot", [False, True], ids=["worker", "crawl"])
 def test_claims_read_the_pending_index_backward_without_a_sort(
-        store: PostgreSQLStore, postgres_url: str, by_slot: bool) -> None:
+        store: PostgreSQLStore, postgres_url: str, by_slot: bool, generic: bool) -> None:
     """The claims' statements (PostgreSQLStore._claim_rows: IDEMPOTENT_POLITENESS "worker";
-    SqlPoliteness._claim_by_slot: "crawl") on a frontier of 3,000 requests: an index scan
-    backward that stops at the limit."""
+    SqlPoliteness._claim_by_slot: "crawl") on a frontier of 3,000 requests of 3 slots: an
+    index scan backward that stops at the limit, planned for the slot or for any slot."""
     for start in range(0, 3000, 500):
         store.commit(UnitOfWork(requests=_requests(500, start=start)), "w1")
-    where = "slot = 's1' AND state = 'pending'" if by_slot else "state = 'pending'"
+    where = (store._of_slot(slot="$1") + " AND state = 'pending'" if by_slot
+             else "state = 'pending' AND $1::text IS NOT NULL")
     plan = _plan(postgres_url, f"SELECT id FROM requests WHERE {where}"
-                               f" ORDER BY {store.PENDING_ORDER} LIMIT 8{store.SKIP_LOCKED}")
+                               f" ORDER BY {store.PENDING_ORDER} LIMIT $2{store.SKIP_LOCKED}",
+                 generic)
     index = "requests_slot_pending" if by_slot else "requests_pending"
+    assert plan.startswith("Limit"), plan
     assert f"Index Scan Backward using {index} on requests" in plan, plan
     assert "Sort" not in plan, plan
+
+
+#: The slots of the order tests: requests of several sites interleaved in one index.
+SLOTS = ("a.example", "b.example", "c.example")
 
 
 @pytest.mark.parametrize("by_slot", [False, True], ids=["worker", "crawl"])
 def test_both_claims_take_scrapys_order(store: PostgreSQLStore, by_slot: bool) -> None:
     """Priorities, start requests (FIFO) and the others (LIFO) mixed, FIFO among the others
-    too: the claims give them in rules.queue_position's order, by slot or over all."""
+    too, over three slots: the claims give them in rules.queue_position's order, over all
+    (by worker), or per slot (by the crawl's slot limits: the slots take turns, each one's
+    requests in that order)."""
     if by_slot:
         store.keep_slot_limits(SlotLimits(concurrency=1000))
     requests = [NewRequest(key=f"k{n:03}", fingerprint=f"k{n:03}", url=f"https://s/{n}",
                            priority=n % 3 - 1, data="{}", is_start=n % 4 == 0,
-                           fifo=n % 4 == 0 or n % 7 == 0, slot="s" if by_slot else "")
-                for n in range(120)]
-    for start in range(0, 120, 30):
+                           fifo=n % 4 == 0 or n % 7 == 0, slot=SLOTS[n % 5 % 3])
+                for n in range(180)]
+    for start in range(0, 180, 30):
         store.commit(UnitOfWork(requests=requests[start:start + 30]), "w1")
     expected = [r.key for _, r in sorted(
         enumerate(requests), key=lambda e: queue_position(e[1].priority, e[1].is_start,
                                                            e[1].fifo, e[0]))]
-    assert _claim_all(store) == expected
+    # every kind of request is there, in every slot
+    assert {(r.slot, r.priority, r.is_start, r.fifo) for r in requests} == {
+        (slot, priority, is_start, fifo) for slot in SLOTS for priority in (-1, 0, 1)
+        for is_start, fifo in ((True, True), (False, False), (False, True))}
+    claimed = _claim_all(store)
+    assert sorted(claimed) == sorted(expected)
+    if not by_slot:
+        assert claimed == expected
+    slot_of = {r.key: r.slot for r in requests}
+    for slot in SLOTS:
+        assert [k for k in claimed if slot_of[k] == slot] == [
+            k for k in expected if slot_of[k] == slot], slot
 
 
-def _as_schema_17(postgres_url: str) -> None:
-    """The requests' keys as schema version 17 left them: the primary key the id's."""
-    sql(postgres_url, "ALTER TABLE requests DROP CONSTRAINT requests_key_key, ADD CONSTRAINT"
-                      " requests_key_key UNIQUE (key), ADD CONSTRAINT requests_pkey"
-                      " PRIMARY KEY (id)")
-    sql(postgres_url, "UPDATE meta SET value = '17' WHERE key = 'schema_version'")
+#: Two download slots whose ``hashtext`` is the same (found by a search of generated names;
+#: the test checks it): their entries lie side by side in the slot's pending index.
+SAME_HASH = ("host-24319.test", "host-244961.test")
 
 
-def _as_schema_15(postgres_url: str) -> None:
-    """The database as schema version 15 left it (the steps before are unchanged)."""
-    _as_schema_17(postgres_url)
-    sql(postgres_url, "ALTER TABLE requests SET (fillfactor = 80)")
+def test_two_slots_of_one_hash_never_mix(store: PostgreSQLStore, postgres_url: str) -> None:
+    """The slot's pending index is keyed by the slot's hash: a claim of one slot takes none of
+    the requests of another slot of the same hash, though they are interleaved in the index,
+    the other slot's ahead in the queue; the slots' counts are each its own."""
+    few, many = SAME_HASH
+    [(first, second)] = sql(postgres_url, f"SELECT hashtext('{few}'), hashtext('{many}')")
+    assert first == second
+    # ``few`` may hold 2 leases at once, ``many`` 1,000; their requests alternate, those of
+    # ``many`` at the higher priority (and ahead of ``few``'s in the index, read backward)
+    store.keep_slot_limits(SlotLimits(concurrency=1000, per_slot=((few, 2, None),)))
+    requests = [NewRequest(key=f"k{n:03}", fingerprint=f"k{n:03}",
+                           url=f"https://{SAME_HASH[n % 2]}/{n}", priority=n % 2,
+                           data="{}", slot=SAME_HASH[n % 2]) for n in range(40)]
+    store.commit(UnitOfWork(requests=requests), "w1")
+    slot_of = {r.key: r.slot for r in requests}
+    assert {s.slot: s.pending for s in store.slots()} == {few: 20, many: 20}
+    leased = store.commit(UnitOfWork(claim=100), "w1").leased
+    assert sorted((lease.slot, slot_of[lease.key]) for lease in leased) == (
+        [(few, few)] * 2 + [(many, many)] * 20)
+    # ``few``'s two newest (LIFO): the head of its own queue
+    assert sorted(lease.key for lease in leased if lease.slot == few) == ["k036", "k038"]
+    assert {s.slot: (s.pending, s.leased) for s in store.slots()} == {
+        few: (18, 2), many: (0, 20)}
+
+
+def _as_schema(postgres_url: str, version: int) -> None:
+    """The database as schema ``version`` (15, 17 or 18) left it: the steps before 15 are
+    unchanged; 16 took the free room of the table's pages, 18 made the key the primary key,
+    19 keyed the slot's pending index by the slot's hash and folded the start flag into the
+    order of both pending indexes."""
+    sql(postgres_url, "DROP STATISTICS requests_slot_hash")
+    if version <= 17:
+        sql(postgres_url, "ALTER TABLE requests DROP CONSTRAINT requests_key_key, ADD"
+                          " CONSTRAINT requests_key_key UNIQUE (key), ADD CONSTRAINT"
+                          " requests_pkey PRIMARY KEY (id)")
+    if version == 15:
+        sql(postgres_url, "ALTER TABLE requests SET (fillfactor = 80)")
+    order = ("priority DESC, is_start, (CASE WHEN fifo THEN id ELSE -id END)" if version == 15
+             else "priority, is_start DESC, (CASE WHEN fifo THEN -id ELSE id END)")
     for index, slot in (("requests_pending", ""), ("requests_slot_pending", "slot, ")):
         sql(postgres_url, f"DROP INDEX {index}")
-        sql(postgres_url, f"CREATE INDEX {index} ON requests ({slot}priority DESC,"
-                          " is_start, (CASE WHEN fifo THEN id ELSE -id END))"
+        sql(postgres_url, f"CREATE INDEX {index} ON requests ({slot}{order})"
                           " WHERE state = 'pending'")
-    sql(postgres_url, "UPDATE meta SET value = '15' WHERE key = 'schema_version'")
+    sql(postgres_url, f"UPDATE meta SET value = '{version}' WHERE key = 'schema_version'")
 
 
 def _claim_all(store: PostgreSQLStore) -> list[str]:
@@ -130,6 +190,33 @@ def _claim_all(store: PostgreSQLStore) -> list[str]:
     return claimed
 
 
+#: The pending indexes of the current schema (as pg_indexes shows them, spaces collapsed).
+PENDING_INDEXES = [
+    f"CREATE INDEX requests_pending ON {SCHEMA}.requests USING btree (priority,"
+    " (( CASE WHEN fifo THEN (- id) ELSE id END - CASE WHEN is_start THEN"
+    " '4611686018427387904'::bigint ELSE (0)::bigint END)))"
+    " WHERE (state = 'pending'::text)",
+    f"CREATE INDEX requests_slot_pending ON {SCHEMA}.requests USING btree (hashtext(slot),"
+    " priority, (( CASE WHEN fifo THEN (- id) ELSE id END - CASE WHEN is_start THEN"
+    " '4611686018427387904'::bigint ELSE (0)::bigint END)))"
+    " WHERE (state = 'pending'::text)"]
+
+
+def _pending_indexes(postgres_url: str) -> list[str]:
+    indexes = sql(postgres_url, "SELECT indexdef FROM pg_indexes WHERE"
+                  f" schemaname = '{SCHEMA}' AND indexname LIKE '%pending'"
+                  " ORDER BY indexname")
+    return [" ".join(d.split()) for (d,) in indexes]
+
+
+def _slot_statistics(postgres_url: str) -> list[tuple[Any, ...]]:
+    """The statistics objects of the schema: name, kinds, and whether ANALYZE built them."""
+    return sql(postgres_url, "SELECT s.stxname, s.stxkind::text, d.stxddependencies IS NOT NULL"
+                             " FROM pg_statistic_ext s LEFT JOIN pg_statistic_ext_data d"
+                             " ON d.stxoid = s.oid"
+                             f" WHERE s.stxnamespace = '{SCHEMA}'::regnamespace")
+
+
 def test_a_schema_15_frontier_is_migrated_with_its_requests_in_order(
         url: str, postgres_url: str) -> None:
     first = _store(url)
@@ -137,21 +224,14 @@ def test_a_schema_15_frontier_is_migrated_with_its_requests_in_order(
     first.begin_session("w1", "resume")
     first.commit(UnitOfWork(requests=_requests(40)), "w1")
     first.close()
-    _as_schema_15(postgres_url)
+    _as_schema(postgres_url, 15)
     assert "fillfactor=80" in _options(postgres_url)
     store = _store(url)
     store.open()
     try:
-        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "18"
+        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "19"
         assert "fillfactor=100" in _options(postgres_url)
-        indexes = sql(postgres_url, "SELECT indexdef FROM pg_indexes WHERE"
-                      f" schemaname = '{SCHEMA}' AND indexname LIKE '%pending'"
-                      " ORDER BY indexname")
-        assert [" ".join(d.split()) for (d,) in indexes] == [
-            f"CREATE INDEX {index} ON {SCHEMA}.requests USING btree ({slot}priority,"
-            " is_start DESC, ( CASE WHEN fifo THEN (- id) ELSE id END))"
-            " WHERE (state = 'pending'::text)"
-            for index, slot in (("requests_pending", ""), ("requests_slot_pending", "slot, "))]
+        assert _pending_indexes(postgres_url) == PENDING_INDEXES
         store.begin_session("w1", "resume")
         store.commit(UnitOfWork(requests=_requests(20, start=40)), "w1")
         # Scrapy's order: the highest priority first, then the newest first (LIFO)
@@ -183,7 +263,7 @@ def test_a_schema_17_frontier_gets_its_key_as_primary_key(url: str, postgres_url
     first.begin_session("w1", "resume")
     first.commit(UnitOfWork(requests=_requests(40)), "w1")
     first.close()
-    _as_schema_17(postgres_url)
+    _as_schema(postgres_url, 17)
     assert _primary_key(postgres_url) == [
         ("requests_pkey", f"CREATE UNIQUE INDEX requests_pkey ON {SCHEMA}.requests"
                           " USING btree (id)")]
@@ -191,7 +271,7 @@ def test_a_schema_17_frontier_gets_its_key_as_primary_key(url: str, postgres_url
     store = _store(url)
     store.open()
     try:
-        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "18"
+        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "19"
         assert _primary_key(postgres_url) == [
             ("requests_key_key", f"CREATE UNIQUE INDEX requests_key_key ON {SCHEMA}.requests"
                                  " USING btree (key)")]
@@ -207,6 +287,49 @@ def test_a_schema_17_frontier_gets_its_key_as_primary_key(url: str, postgres_url
         # Scrapy's order: the highest priority first, then the newest first (LIFO)
         assert _claim_all(store) == [f"k{n:03}" for n in
                                      sorted(range(60), key=lambda n: (-(n % 2), -n))]
+    finally:
+        store.close()
+
+
+
+@pytest.mark.parametrize("by_slot", [False, True], ids=["worker", "crawl"])
+def test_a_schema_18_frontier_is_migrated_with_its_requests_in_order(
+        url: str, postgres_url: str, by_slot: bool) -> None:
+    """Schema 19 keys the slot's pending index by the slot's hash and folds the start flag
+    into the order of both pending indexes (with the planner's statistics of the hash,
+    built by the migration): the requests pending before are claimed in Scrapy's order, the
+    new ones among them."""
+    requests = [NewRequest(key=f"k{n:03}", fingerprint=f"k{n:03}", url=f"https://s/{n}",
+                           priority=n % 2, data="{}", is_start=n % 5 == 0,
+                           fifo=n % 5 == 0 or n % 7 == 0, slot=SLOTS[n % 3])
+                for n in range(90)]
+    first = _store(url)
+    first.open()
+    first.begin_session("w1", "resume")
+    first.commit(UnitOfWork(requests=requests[:60]), "w1")
+    first.close()
+    _as_schema(postgres_url, 18)
+    assert _slot_statistics(postgres_url) == []
+    store = _store(url)
+    store.open()
+    try:
+        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "19"
+        assert _pending_indexes(postgres_url) == PENDING_INDEXES
+        assert _slot_statistics(postgres_url) == [("requests_slot_hash", "{f,e}", True)]
+        store.begin_session("w1", "resume")
+        if by_slot:
+            store.keep_slot_limits(SlotLimits(concurrency=1000))
+        store.commit(UnitOfWork(requests=requests[60:]), "w1")
+        expected = [r.key for _, r in sorted(
+            enumerate(requests), key=lambda e: queue_position(e[1].priority, e[1].is_start,
+                                                               e[1].fifo, e[0]))]
+        claimed = _claim_all(store)
+        if by_slot:  # per slot
+            slot_of = {r.key: r.slot for r in requests}
+            assert sorted(claimed) == sorted(expected)
+            claimed, expected = ([k for slot in SLOTS for k in keys if slot_of[k] == slot]
+                                 for keys in (claimed, expected))
+        assert claimed == expected
     finally:
         store.close()
 

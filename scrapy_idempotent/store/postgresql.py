@@ -447,10 +447,21 @@ class PostgreSQLStore(PostgreSQLHeartbeat, PostgreSQLOperatorQueries, SqlStore):
     SKIP_LOCKED = " FOR UPDATE SKIP LOCKED"
     SKIP_LOCKED_SLOTS = " FOR UPDATE OF s SKIP LOCKED"
     TEXT_ORDER = ' COLLATE "C"'
-    # the pending indexes hold the queue reversed (postgresql_schema, step 16)
+    # the pending indexes hold the queue reversed (postgresql_schema, step 16), the
+    # start flag folded into the order (step 19)
     PENDING_ORDER = QUEUE_ORDER_BACKWARD
     # the primary key (postgresql_schema, step 18: `id` has no index)
     REQUEST_ROW = "key"
+    # the slot's pending index holds the slot's hash, not its text (postgresql_schema, step
+    # 19): the hash finds the entries, the slot itself keeps out those of another slot of the
+    # same hash (they lie among them)
+    OF_SLOT = "hashtext({r}slot) = hashtext({slot}) AND {r}slot = {slot}"
+    # Every slot's pending requests counted in one pass over them: that index holds no slot
+    # to count (an index-only scan cannot read an expression's column), so counting a slot
+    # there reads its rows, every page of the frontier once per slot.
+    SLOT_PENDING = "coalesce(p.pending, 0)"
+    SLOT_PENDING_JOIN = (" LEFT JOIN (SELECT slot, count(*) AS pending FROM requests"
+                         " WHERE state = 'pending' GROUP BY slot) p ON p.slot = s.slot")
     # Not as two equalities: the planner would take the leased requests' index (worker,
     # leased_until) for them, scanning every entry the worker's past leases left there (a
     # bitmap scan does not mark dead entries), growing to a millisecond a statement

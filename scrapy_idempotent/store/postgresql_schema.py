@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 __all__ = ["ALL_COUNTERS", "APPLICATION", "COUNTERS", "LOADED", "MIGRATIONS", "SCHEMA_VERSION",
            "TABLES", "schema_for"]
 
-SCHEMA_VERSION = 18
+SCHEMA_VERSION = 19
 #: ``meta.application`` of a schema this package made.
 APPLICATION = "scrapy_idempotent"
 
@@ -371,6 +371,38 @@ MIGRATIONS: list[list[str]] = [
         "ALTER TABLE requests DROP CONSTRAINT requests_pkey,"
         " DROP CONSTRAINT requests_key_key, ADD CONSTRAINT requests_key_key PRIMARY KEY (key)",
     ],
+    [
+        # Pending index entries of 16 bytes of key: each site's queue ends inside the slot's
+        # index, where a full leaf page was split in halves; PostgreSQL splits it after the
+        # ascending run of new entries (leaving the left page full) only for equal-width
+        # entries of at most 16 bytes of key, and the slot's text made this key about 40
+        # (108 bytes an entry at 200,000 pending requests, 64 now). The slot as
+        # hashtext(slot), PostgreSQL's immutable 4-byte hash of text: the statements reading
+        # a slot's pending requests compare the hash (the index) and the slot itself
+        # (SqlDialect.OF_SLOT: two slots of one hash never mix). The start flag folded into
+        # the order's bigint, a start request's 2^62 less (ids stay far below it), so that
+        # read backward other requests still come before start requests at equal priority
+        # (rules.QUEUE_ORDER_BACKWARD). The frontier's pending index takes the same order,
+        # one ORDER BY for both claims (its key was 16 bytes already: its size is the same).
+        "DROP INDEX requests_pending",
+        """CREATE INDEX requests_pending ON requests (priority,
+           ((CASE WHEN fifo THEN -id ELSE id END)
+            - (CASE WHEN is_start THEN 4611686018427387904 ELSE 0 END)))
+           WHERE state = 'pending'""",
+        "DROP INDEX requests_slot_pending",
+        """CREATE INDEX requests_slot_pending ON requests (hashtext(slot), priority,
+           ((CASE WHEN fifo THEN -id ELSE id END)
+            - (CASE WHEN is_start THEN 4611686018427387904 ELSE 0 END)))
+           WHERE state = 'pending'""",
+        # The planner's statistics of the hash, and that the slot decides it (PostgreSQL
+        # ignores a partial index's statistics of its expressions): without them
+        # "hashtext(slot) = hashtext($1) AND slot = $1" is estimated at a few rows where a
+        # site has thousands, and a claim sorts them all instead of reading the index's head.
+        # ANALYZE builds them now (a frontier migrated may see no autovacuum for long).
+        "CREATE STATISTICS requests_slot_hash (dependencies) ON slot, (hashtext(slot))"
+        " FROM requests",
+        "ANALYZE requests",
+    ],
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
@@ -396,6 +428,7 @@ TABLES[15] = TABLES[14]
 TABLES[16] = TABLES[15]
 TABLES[17] = TABLES[16]
 TABLES[18] = TABLES[17]
+TABLES[19] = TABLES[18]
 assert set(TABLES) == set(range(1, SCHEMA_VERSION + 1))
 
 #: The counters of a session row a page commit adds to: its worker's share of the run's

@@ -70,8 +70,12 @@ TERMINAL = tuple(s.value for s in RequestState if s.terminal)
 QUEUE_ORDER = "priority DESC, is_start, (CASE WHEN fifo THEN id ELSE -id END)"
 #: :data:`QUEUE_ORDER` written for an index that holds it reversed, read backward (PostgreSQL's
 #: pending indexes): the same order, with the queue's head at the index's right end, where
-#: last-in-first-out requests (the newest first: Scrapy's default) are appended.
-QUEUE_ORDER_BACKWARD = "priority DESC, is_start, (CASE WHEN fifo THEN -id ELSE id END) DESC"
+#: last-in-first-out requests (the newest first: Scrapy's default) are appended. The start
+#: flag is folded into the order's bigint (a start request's 2^62 less: ids stay far below
+#: 2^62), so that the index's key is 16 bytes or less (see the PostgreSQL schema, step 19):
+#: read backward, at equal priority every other request comes before every start request.
+QUEUE_ORDER_BACKWARD = ("priority DESC, (CASE WHEN fifo THEN -id ELSE id END)"
+                        " - (CASE WHEN is_start THEN 4611686018427387904 ELSE 0 END) DESC")
 
 
 # -- download slots -----------------------------------------------------------------------

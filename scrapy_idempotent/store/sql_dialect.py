@@ -55,6 +55,16 @@ class SqlDialect(ABC):
     #: the column a statement finds a request row by, through its index: SQLite's ``id``
     #: (the rowid); PostgreSQL's primary key, ``key`` (its ``id`` has no index of its own)
     REQUEST_ROW = "id"
+    #: the condition "the request row ``{r}`` (an alias and a dot, or nothing) is of the
+    #: download slot ``{slot}``" (an expression, or ``?``: :meth:`_slot_params`), as the
+    #: slot's pending index finds the slot's requests: by the slot itself
+    OF_SLOT = "{r}slot = {slot}"
+    #: the number of pending requests of the slot of the ``slots`` row ``s``, beside the
+    #: join :attr:`SLOT_PENDING_JOIN` appends to ``FROM slots s`` (operator reads): each
+    #: slot's counted in the slot's pending index
+    SLOT_PENDING = ("(SELECT count(*) FROM requests r WHERE r.slot = s.slot"
+                    " AND r.state = 'pending')")
+    SLOT_PENDING_JOIN = ""
     #: the ``LIMIT`` parameter meaning no limit
     NO_LIMIT: Any = -1
     #: a request row keeps its URL once: in its ``url`` column, its ``data`` stored without
@@ -62,6 +72,14 @@ class SqlDialect(ABC):
     URL_ONCE = False
 
     # -- the dialect and the connections (each backend's own) -----------------------------
+
+    def _of_slot(self, r: str = "", slot: str = "?") -> str:
+        """:attr:`OF_SLOT` for the row ``r`` and the slot ``slot``."""
+        return self.OF_SLOT.format(r=r, slot=slot)
+
+    def _slot_params(self, slot: str) -> tuple[str, ...]:
+        """The parameters of :meth:`_of_slot` ``(slot="?")`` for the slot ``slot``."""
+        return (slot,) * self.OF_SLOT.count("{slot}")
 
     def _stored_data(self, data: str, url: str | None) -> str:
         """A request's JSON text ``data`` as its row beside ``url`` stores it (None: a row

@@ -63,7 +63,7 @@ class SqlPoliteness(SqlDialect):
             "  WHERE l.slot = s.slot AND l.state = 'leased' AND l.leased_until >= ?),"
             " s.delay, s.crawl_delay, s.next_send_at, s.paused_until, s.wanted_by,"
             " s.wanted_at FROM slots s"
-            " WHERE EXISTS (SELECT 1 FROM requests r WHERE r.slot = s.slot"
+            f" WHERE EXISTS (SELECT 1 FROM requests r WHERE {self._of_slot('r.', 's.slot')}"
             "  AND r.state = 'pending') ORDER BY CASE WHEN s.next_send_at <= ?"
             " AND s.paused_until <= ? THEN 0 ELSE 1 END, s.next_send_at, s.slot"
             f" LIMIT ?{self.SKIP_LOCKED_SLOTS}"),
@@ -106,10 +106,11 @@ class SqlPoliteness(SqlDialect):
             taken = cur.execute(self._q(
                 "UPDATE requests SET state = 'leased', worker = ?, leased_until = ?,"
                 f" attempts = attempts + 1 WHERE {self.REQUEST_ROW} IN (SELECT"
-                f" {self.REQUEST_ROW} FROM requests WHERE slot = ? AND state = 'pending'"
+                f" {self.REQUEST_ROW} FROM requests WHERE {self._of_slot()}"
+                " AND state = 'pending'"
                 f" ORDER BY {self.PENDING_ORDER} LIMIT ?{self.SKIP_LOCKED})"
                 f" RETURNING {claimed_columns()}"),
-                (worker, until, slot, take)).fetchall()
+                (worker, until, *self._slot_params(slot), take)).fetchall()
             if not taken:
                 continue
             rows.extend(taken)
@@ -200,9 +201,8 @@ class SqlPoliteness(SqlDialect):
                     "SELECT slot, leased, pending, next_send_at, paused_until, backoffs,"
                     " crawl_delay FROM (SELECT s.slot, (SELECT count(*) FROM requests r"
                     "  WHERE r.slot = s.slot AND r.state = 'leased') AS leased,"
-                    " (SELECT count(*) FROM requests r WHERE r.slot = s.slot"
-                    "  AND r.state = 'pending') AS pending, s.next_send_at, s.paused_until,"
-                    " s.backoffs, s.crawl_delay FROM slots s) AS t"
+                    f" {self.SLOT_PENDING} AS pending, s.next_send_at, s.paused_until,"
+                    f" s.backoffs, s.crawl_delay FROM slots s{self.SLOT_PENDING_JOIN}) AS t"
                     " WHERE leased > 0 OR pending > 0 OR paused_until > ?"
                     f" ORDER BY leased DESC, pending DESC, slot{self.TEXT_ORDER}", (now,))]
 
