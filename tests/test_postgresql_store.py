@@ -606,6 +606,55 @@ def test_a_listening_worker_is_told_when_work_appears(make: Callable[..., Postgr
     assert not signals.acquire(blocking=False)
 
 
+def test_a_claim_that_finds_a_slots_row_locked_by_another_claim_asks_again_soon(
+        make: Callable[..., PostgreSQLStore]) -> None:
+    """Claims of a slot are serialised by its row, and a claim skips a row another worker's
+    claim holds (SKIP LOCKED: it never waits for another transaction). A claim that took
+    nothing asks again soon when it skipped a slot with pending requests, as when it found a
+    slot full: told there was nothing, an idle worker would wait for the next notification,
+    which a busy worker's page commits send only when they add requests, and the busy one
+    would keep the site's every place."""
+    from dataclasses import replace
+
+    from scrapy_idempotent.store.base import SlotLimits
+    from scrapy_idempotent.store.rules import SLOT_WANTED_RECHECK_SECONDS
+
+    clock = FakeClock()
+    options = {"clock": clock, "lease_seconds": 60.0, "heartbeat_seconds": None,
+               "dead_after_seconds": None}
+    a, b = make(**options), make(**options)
+    for store, worker in ((a, "w1"), (b, "w2")):
+        store.open(fingerprinter="f", identity=SHOP)
+        store.begin_session(worker, "auto")
+        store.keep_slot_limits(SlotLimits(concurrency=4))
+    a.commit(UnitOfWork(requests=[replace(req(f"p{n}"), slot="s1") for n in range(12)]),
+             "w1")
+    assert len(a.commit(UnitOfWork(claim=2), "w1").leased) == 2  # 2 of the slot's 4 places
+
+    @contextlib.contextmanager
+    def slot_row_held() -> Iterator[None]:
+        """Another worker's claim of the slot, its transaction not committed yet."""
+        with psycopg.connect(a.url) as conn:
+            conn.execute(f'SET search_path TO "{a.schema}"')
+            conn.execute("SELECT 1 FROM slots WHERE slot = 's1' FOR UPDATE")
+            yield
+            conn.rollback()
+
+    with slot_row_held():
+        result = b.commit(UnitOfWork(claim=4), "w2")
+    assert result.leased == [] and result.claim_again_in == SLOT_WANTED_RECHECK_SECONDS
+    # asked again once the row is free: the places left
+    assert len(b.commit(UnitOfWork(claim=4), "w2").leased) == 2
+    # a full slot, each worker holding its share: nothing skipped, nothing to ask again for
+    result = b.commit(UnitOfWork(claim=4), "w2")
+    assert result.leased == [] and result.claim_again_in is None
+    # a skipped slot that is paused: asked again when its pause ends, not sooner
+    assert a.pause_slot("s1", retry_after=10.0, first_seconds=1.0, max_seconds=60.0) == 10.0
+    with slot_row_held():
+        result = a.commit(UnitOfWork(claim=4), "w1")
+    assert result.leased == [] and result.claim_again_in == 10.0
+
+
 def test_a_statement_timeout_is_worth_retrying_and_writes_nothing(
         make: Callable[..., PostgreSQLStore]) -> None:
     store = make(heartbeat_seconds=None)

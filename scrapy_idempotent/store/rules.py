@@ -100,7 +100,10 @@ def send_margin(delay_seconds: float) -> float:
 #: than its own share, so that the places it frees go to the worker that wants them ...
 SLOT_WANTED_SECONDS = 5.0
 #: ... and the worker that wants them asks again this soon (while the slot is full and it
-#: holds less than its share: at most a few transactions a second).
+#: holds less than its share: at most a few transactions a second). So does a worker whose
+#: claim took nothing while a slot with pending requests was left out of it: on PostgreSQL a
+#: claim skips the row of a slot another worker's claim holds (SKIP LOCKED) rather than wait
+#: for that transaction, and the worker cannot tell a slot full from one it could not see.
 SLOT_WANTED_RECHECK_SECONDS = 0.5
 
 

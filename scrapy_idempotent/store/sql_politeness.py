@@ -46,7 +46,9 @@ class SqlPoliteness(SqlDialect):
         their concurrency), the longest waiting first, each slot's first pending requests in
         queue order (one for a slot with a delay, to be sent within its margin:
         :func:`.rules.send_margin`). Claims of several workers on one slot are serialised by
-        the slot's row (SQLite: by the write lock).
+        the slot's row (SQLite: by the write lock); on PostgreSQL a claim skips the row of a
+        slot another claim holds, and when it took nothing while it left out a slot with
+        pending requests, it asks again soon (:data:`.rules.SLOT_WANTED_RECHECK_SECONDS`).
 
         A slot's places are spread over the workers that want them: a worker whose claim
         finds the slot full while it holds less than its share (:func:`.rules.slot_share`
@@ -122,6 +124,13 @@ class SqlPoliteness(SqlDialect):
                 waiting.append(now + margin + wait)
             elif len(slots) > 1:  # served now: the others have waited longer
                 sent.append((now, slot))
+        if not rows and self.SKIP_LOCKED_SLOTS:
+            # Nothing taken: a slot left out because another worker's claim holds its row
+            # (skipped, not waited for) may have places; told there is nothing, this worker
+            # would wait for the next notification, and the other keep every place
+            skipped = self._skipped_slots_ready_at(cur, [row[0] for row in slots])
+            if skipped is not None:
+                waiting.append(max(skipped, now + SLOT_WANTED_RECHECK_SECONDS))
         if sent:
             cur.executemany(self._q("UPDATE slots SET next_send_at = ? WHERE slot = ?"), sent)
         if wanted:
@@ -130,6 +139,18 @@ class SqlPoliteness(SqlDialect):
         if len(rows) < count and waiting:
             result.claim_again_in = max(0.0, min(waiting) - now)
         return rows
+
+    def _skipped_slots_ready_at(self, cur: Any, seen: list[str]) -> float | None:
+        """When the first of the slots with pending requests that a claim's read of the slots
+        left out (locked by another worker's claim, or past its limit) may send, as their
+        committed rows say (None: there are none)."""
+        where, param = self._any("s.slot", seen)
+        row = cur.execute(self._q(
+            "SELECT min(CASE WHEN s.next_send_at > s.paused_until THEN s.next_send_at"
+            " ELSE s.paused_until END) FROM slots s"
+            f" WHERE NOT ({where}) AND EXISTS (SELECT 1 FROM requests r"
+            "  WHERE r.slot = s.slot AND r.state = 'pending')"), (param,)).fetchone()
+        return None if row is None or row[0] is None else float(row[0])
 
     def _share_left(self, cur: Any, slot: str, concurrency: int, worker: str,
                     wanted_by: str | None, now: float) -> int:
