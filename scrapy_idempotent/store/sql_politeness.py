@@ -82,6 +82,7 @@ class SqlPoliteness(SqlDialect):
         sent: list[tuple[float, str]] = []
         waiting: list[float] = []
         wanted: list[tuple[str, float, str]] = []
+        share_held = False  # a slot read holds this worker's share of its places
         for (slot, concurrency, in_flight, delay, crawl_delay, next_send, paused, wanted_by,
              wanted_at) in slots:
             if next_send > now or paused > now:
@@ -95,6 +96,7 @@ class SqlPoliteness(SqlDialect):
             if free <= 0 < take or wanted_elsewhere:  # (a lone worker's refill: neither)
                 share_left = self._share_left(cur, slot, int(concurrency), worker,
                                               wanted_by if wanted_elsewhere else None, now)
+                share_held = share_held or share_left <= 0
                 if free < min(take, share_left):
                     # the slot's limit, not this worker's share, stops it: it wants places
                     waiting.append(now + SLOT_WANTED_RECHECK_SECONDS)
@@ -124,13 +126,17 @@ class SqlPoliteness(SqlDialect):
                 waiting.append(now + margin + wait)
             elif len(slots) > 1:  # served now: the others have waited longer
                 sent.append((now, slot))
-        if not rows and self.SKIP_LOCKED_SLOTS:
-            # Nothing taken: a slot left out because another worker's claim holds its row
-            # (skipped, not waited for) may have places; told there is nothing, this worker
-            # would wait for the next notification, and the other keep every place
+        soon = now + SLOT_WANTED_RECHECK_SECONDS
+        if (not rows and self.SKIP_LOCKED_SLOTS and not share_held
+                and not any(when <= soon for when in waiting)):
+            # Nothing taken, no claim soon: a slot left out because another worker's claim
+            # holds its row (skipped, not waited for) may have places; told there is
+            # nothing, this worker would wait for the next notification, and the other keep
+            # every place. (A worker holding its share of a slot claims again when one of
+            # those pages commits; one that asks again soon anyway needs no read more.)
             skipped = self._skipped_slots_ready_at(cur, [row[0] for row in slots])
             if skipped is not None:
-                waiting.append(max(skipped, now + SLOT_WANTED_RECHECK_SECONDS))
+                waiting.append(max(skipped, soon))
         if sent:
             cur.executemany(self._q("UPDATE slots SET next_send_at = ? WHERE slot = ?"), sent)
         if wanted:
