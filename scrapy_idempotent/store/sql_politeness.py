@@ -155,7 +155,8 @@ class SqlPoliteness(SqlDialect):
             "SELECT min(CASE WHEN s.next_send_at > s.paused_until THEN s.next_send_at"
             " ELSE s.paused_until END) FROM slots s"
             f" WHERE NOT ({where}) AND EXISTS (SELECT 1 FROM requests r"
-            "  WHERE r.slot = s.slot AND r.state = 'pending')"), (param,)).fetchone()
+            f"  WHERE {self._of_slot('r.', 's.slot')} AND r.state = 'pending')"),
+            (param,)).fetchone()
         return None if row is None or row[0] is None else float(row[0])
 
     def _share_left(self, cur: Any, slot: str, concurrency: int, worker: str,
