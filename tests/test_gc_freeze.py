@@ -67,9 +67,11 @@ def test_the_last_open_crawl_unfreezes(unfrozen: Any) -> None:
     assert first > 0
     made_since = [[object()] for _ in range(100)]  # the first crawl's own objects
     gc_freeze.freeze()  # a second crawl opens: nothing more is frozen
-    assert gc.get_freeze_count() == first
+    # (at most as many: a frozen object whose last reference another thread drops leaves the
+    # permanent generation; the 100 lists made since, frozen, would add 100)
+    assert gc.get_freeze_count() <= first
     gc_freeze.thaw()
-    assert gc.get_freeze_count() == first  # the first crawl still runs
+    assert 0 < gc.get_freeze_count() <= first  # the first crawl still runs
     gc_freeze.thaw()
     assert gc.get_freeze_count() == 0
     gc_freeze.thaw()  # one close too many changes nothing
