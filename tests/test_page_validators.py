@@ -215,13 +215,22 @@ def as_before_links(store_database: str, schema: str) -> None:
                          " PRIMARY KEY (id)")  # PostgreSQL 18: the primary key the id's
             for statement in undo:
                 conn.execute(statement.replace("%", "%%"))
+            for statement in ("DROP TRIGGER requests_pending_added ON requests",
+                              "DROP TRIGGER requests_pending_again ON requests",
+                              "DROP FUNCTION slots_pending_added(), slots_pending_again()",
+                              "DROP INDEX slots_pending",
+                              "ALTER TABLE slots DROP COLUMN has_pending"):
+                conn.execute(statement)  # PostgreSQL 20
             conn.execute("DROP STATISTICS requests_slot_hash")  # PostgreSQL 19
             conn.execute("UPDATE meta SET value = '13' WHERE key = 'schema_version'")
         return
     import sqlite3
 
     conn = sqlite3.connect(store_database, isolation_level=None)
-    for statement in undo:
+    for statement in ("DROP TRIGGER requests_pending_added", "DROP TRIGGER requests_pending_again",
+                      "DROP INDEX slots_pending", "ALTER TABLE slots DROP COLUMN has_pending",
+                      *undo):  # SQLite 19, then the rest
+
         conn.execute(statement)
     conn.execute("PRAGMA user_version = 16")
     conn.close()

@@ -162,11 +162,20 @@ def test_two_slots_of_one_hash_never_mix(store: PostgreSQLStore, postgres_url: s
         few: (18, 2), many: (0, 20)}
 
 
+#: Schema step 20 undone: the slots' flags of pending requests, their index and triggers.
+SLOT_FLAG_UNDO = ("DROP TRIGGER requests_pending_added ON requests",
+                  "DROP TRIGGER requests_pending_again ON requests",
+                  "DROP FUNCTION slots_pending_added(), slots_pending_again()",
+                  "DROP INDEX slots_pending", "ALTER TABLE slots DROP COLUMN has_pending")
+
+
 def _as_schema(postgres_url: str, version: int) -> None:
     """The database as schema ``version`` (15, 17 or 18) left it: the steps before 15 are
     unchanged; 16 took the free room of the table's pages, 18 made the key the primary key,
     19 keyed the slot's pending index by the slot's hash and folded the start flag into the
-    order of both pending indexes."""
+    order of both pending indexes, 20 flagged the slots with pending requests."""
+    for statement in SLOT_FLAG_UNDO:
+        sql(postgres_url, statement)
     sql(postgres_url, "DROP STATISTICS requests_slot_hash")
     if version <= 17:
         sql(postgres_url, "ALTER TABLE requests DROP CONSTRAINT requests_key_key, ADD"
@@ -204,7 +213,8 @@ PENDING_INDEXES = [
 
 def _pending_indexes(postgres_url: str) -> list[str]:
     indexes = sql(postgres_url, "SELECT indexdef FROM pg_indexes WHERE"
-                  f" schemaname = '{SCHEMA}' AND indexname LIKE '%pending'"
+                  f" schemaname = '{SCHEMA}' AND tablename = 'requests'"
+                  " AND indexname LIKE '%pending'"
                   " ORDER BY indexname")
     return [" ".join(d.split()) for (d,) in indexes]
 
@@ -229,7 +239,7 @@ def test_a_schema_15_frontier_is_migrated_with_its_requests_in_order(
     store = _store(url)
     store.open()
     try:
-        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "19"
+        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "20"
         assert "fillfactor=100" in _options(postgres_url)
         assert _pending_indexes(postgres_url) == PENDING_INDEXES
         store.begin_session("w1", "resume")
@@ -271,7 +281,7 @@ def test_a_schema_17_frontier_gets_its_key_as_primary_key(url: str, postgres_url
     store = _store(url)
     store.open()
     try:
-        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "19"
+        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "20"
         assert _primary_key(postgres_url) == [
             ("requests_key_key", f"CREATE UNIQUE INDEX requests_key_key ON {SCHEMA}.requests"
                                  " USING btree (key)")]
@@ -313,7 +323,7 @@ def test_a_schema_18_frontier_is_migrated_with_its_requests_in_order(
     store = _store(url)
     store.open()
     try:
-        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "19"
+        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "20"
         assert _pending_indexes(postgres_url) == PENDING_INDEXES
         assert _slot_statistics(postgres_url) == [("requests_slot_hash", "{f,e}", True)]
         store.begin_session("w1", "resume")

@@ -166,6 +166,13 @@ def test_rows_of_schema_15_are_read_as_they_are_and_new_rows_are_compact(
     sql(postgres_url, "UPDATE fingerprints.requests SET fingerprint = key"
         " WHERE fingerprint IS NULL")
     sql(postgres_url, "ALTER TABLE fingerprints.requests ALTER COLUMN fingerprint SET NOT NULL")
+    for statement in ("DROP TRIGGER requests_pending_added ON fingerprints.requests",
+                      "DROP TRIGGER requests_pending_again ON fingerprints.requests",
+                      "DROP FUNCTION fingerprints.slots_pending_added(),"
+                      " fingerprints.slots_pending_again()",
+                      "DROP INDEX fingerprints.slots_pending",
+                      "ALTER TABLE fingerprints.slots DROP COLUMN has_pending"):  # schema 20
+        sql(postgres_url, statement)
     sql(postgres_url, "DROP STATISTICS fingerprints.requests_slot_hash")  # schema 19
     sql(postgres_url, "ALTER TABLE fingerprints.requests DROP CONSTRAINT requests_key_key,"
         " ADD CONSTRAINT requests_key_key UNIQUE (key),"
@@ -174,7 +181,7 @@ def test_rows_of_schema_15_are_read_as_they_are_and_new_rows_are_compact(
     assert sql(postgres_url, stored)[:2] == [("a", "a", whole["a"]), ("b", "a", whole["b"])]
     store = make(url, heartbeat_seconds=None)
     store.open(fingerprinter="f", identity=SHOP)
-    assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "19"
+    assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "20"
     assert sql(postgres_url, stored) == [("a", "a", whole["a"]), ("b", "a", whole["b"]),
                                          ("c", "c", " " + whole["c"])]
     assert [(e.key, e.fingerprint, e.data) for e in store.entries()] == [

@@ -462,6 +462,7 @@ class PostgreSQLStore(PostgreSQLHeartbeat, PostgreSQLOperatorQueries, SqlStore):
     SLOT_PENDING = "coalesce(p.pending, 0)"
     SLOT_PENDING_JOIN = (" LEFT JOIN (SELECT slot, count(*) AS pending FROM requests"
                          " WHERE state = 'pending' GROUP BY slot) p ON p.slot = s.slot")
+    SLOT_READY_AT = "greatest(s.next_send_at, s.paused_until)"
     # Not as two equalities: the planner would take the leased requests' index (worker,
     # leased_until) for them, scanning every entry the worker's past leases left there (a
     # bitmap scan does not mark dead entries), growing to a millisecond a statement

@@ -168,9 +168,13 @@ class PostgreSQLOperatorQueries(PostgreSQLConnections):
                             f" greatest((SELECT max({column}) FROM {table}), 1))")
             cur.execute("SELECT setval('records_seen_seq',"
                         " greatest((SELECT max(seen_seq) FROM records), 1))")
-            # every slot of the requests gets its row (its limits: the first worker's)
-            cur.execute("INSERT INTO slots (slot, concurrency) SELECT DISTINCT slot, 1"
-                        " FROM requests ON CONFLICT (slot) DO NOTHING")
+            # every slot of the requests gets its row (its limits: the first worker's), and
+            # its flag of pending requests (the requests were copied before their slots had
+            # rows to flag)
+            cur.execute("INSERT INTO slots (slot, concurrency, has_pending)"
+                        " SELECT slot, 1, bool_or(state = 'pending') FROM requests"
+                        " GROUP BY slot ON CONFLICT (slot) DO UPDATE"
+                        " SET has_pending = slots.has_pending OR excluded.has_pending")
             cur.executemany(
                 "INSERT INTO sessions (run_id, worker, started_at, ended_at, reason,"
                 " heartbeat_at, " + ", ".join(ALL_COUNTERS) + ") VALUES (%s, 'migrated', %s,"

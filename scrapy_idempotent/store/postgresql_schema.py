@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 __all__ = ["ALL_COUNTERS", "APPLICATION", "COUNTERS", "LOADED", "MIGRATIONS", "SCHEMA_VERSION",
            "TABLES", "schema_for"]
 
-SCHEMA_VERSION = 19
+SCHEMA_VERSION = 20
 #: ``meta.application`` of a schema this package made.
 APPLICATION = "scrapy_idempotent"
 
@@ -403,6 +403,50 @@ MIGRATIONS: list[list[str]] = [
         " FROM requests",
         "ANALYZE requests",
     ],
+    [
+        # Claims by slot read only the slots with pending requests, through an index, in the
+        # claim's order: per slot a flag of pending requests (`has_pending`), set by
+        # triggers on every transition of a request into 'pending' (new requests: once per
+        # INSERT statement, its rows as a transition table; an update to 'pending': per row,
+        # the WHEN clause keeping every other update from calling the function) and cleared
+        # by the claim that reads a flagged slot and finds none; the flagged slots indexed
+        # by when they may send (the later of their next send time and their pause). A
+        # trigger writes the slot's row only when its flag changes. Under READ COMMITTED a
+        # claim clearing the flag of a slot whose request another transaction is adding
+        # (not yet committed, so not seen) can leave that request unflagged: the claim that
+        # finds nothing to take, and nothing soon, re-flags the slots whose flag is wrong
+        # (SqlPoliteness._claim_by_slot): such a request waits, it is never forgotten. The
+        # functions keep the schema they were made in (the crawl's), whatever the search
+        # path of the session writing. Existing slots: one probe each of the slot's index.
+        "ALTER TABLE slots ADD COLUMN has_pending boolean NOT NULL DEFAULT false",
+        """UPDATE slots s SET has_pending = true WHERE EXISTS (SELECT 1 FROM requests r
+           WHERE hashtext(r.slot) = hashtext(s.slot) AND r.slot = s.slot
+           AND r.state = 'pending')""",
+        """CREATE INDEX slots_pending ON slots (greatest(next_send_at, paused_until), slot)
+           WHERE has_pending""",
+        # (one statement a transition table: an index probe per slot, in the slots' order)
+        """CREATE FUNCTION slots_pending_added() RETURNS trigger LANGUAGE plpgsql
+           SET search_path FROM CURRENT AS $$
+           BEGIN
+             UPDATE slots SET has_pending = true WHERE slot = ANY (ARRAY(
+               SELECT DISTINCT slot FROM added WHERE state = 'pending' ORDER BY slot))
+               AND NOT has_pending;
+             RETURN NULL;
+           END $$""",
+        """CREATE FUNCTION slots_pending_again() RETURNS trigger LANGUAGE plpgsql
+           SET search_path FROM CURRENT AS $$
+           BEGIN
+             UPDATE slots SET has_pending = true WHERE slot = NEW.slot AND NOT has_pending;
+             RETURN NULL;
+           END $$""",
+        """CREATE TRIGGER requests_pending_added AFTER INSERT ON requests
+           REFERENCING NEW TABLE AS added FOR EACH STATEMENT
+           EXECUTE FUNCTION slots_pending_added()""",
+        """CREATE TRIGGER requests_pending_again AFTER UPDATE OF state, slot ON requests
+           FOR EACH ROW WHEN (NEW.state = 'pending'
+                              AND (OLD.state <> 'pending' OR OLD.slot <> NEW.slot))
+           EXECUTE FUNCTION slots_pending_again()""",
+    ],
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
@@ -429,6 +473,7 @@ TABLES[16] = TABLES[15]
 TABLES[17] = TABLES[16]
 TABLES[18] = TABLES[17]
 TABLES[19] = TABLES[18]
+TABLES[20] = TABLES[19]
 assert set(TABLES) == set(range(1, SCHEMA_VERSION + 1))
 
 #: The counters of a session row a page commit adds to: its worker's share of the run's

@@ -65,6 +65,9 @@ class SqlDialect(ABC):
     SLOT_PENDING = ("(SELECT count(*) FROM requests r WHERE r.slot = s.slot"
                     " AND r.state = 'pending')")
     SLOT_PENDING_JOIN = ""
+    #: when the slot of the ``slots`` row ``s`` may send (the later of its next send time and
+    #: its pause), as the index of the slots with pending requests (``slots_pending``) holds it
+    SLOT_READY_AT = "max(s.next_send_at, s.paused_until)"
     #: the ``LIMIT`` parameter meaning no limit
     NO_LIMIT: Any = -1
     #: a request row keeps its URL once: in its ``url`` column, its ``data`` stored without

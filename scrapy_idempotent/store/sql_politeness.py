@@ -56,20 +56,7 @@ class SqlPoliteness(SqlDialect):
         it wants them, and asks again soon; while that is recent, another worker's claim
         takes no more than its own share, so its next completions leave places to it."""
         self._take_back_expired(cur, now, result)
-        # One read of the slots with pending requests, those that may send now first (the
-        # longest waiting first), with their leases (an expired lease does not count: its
-        # worker lost it, stopped or dead elsewhere, and may no longer send it); from the
-        # others, when the first of them may send (their delay or pause over).
-        slots: list[Any] = cur.execute(self._q(
-            "SELECT s.slot, s.concurrency, (SELECT count(*) FROM requests l"
-            "  WHERE l.slot = s.slot AND l.state = 'leased' AND l.leased_until >= ?),"
-            " s.delay, s.crawl_delay, s.next_send_at, s.paused_until, s.wanted_by,"
-            " s.wanted_at FROM slots s"
-            f" WHERE EXISTS (SELECT 1 FROM requests r WHERE {self._of_slot('r.', 's.slot')}"
-            "  AND r.state = 'pending') ORDER BY CASE WHEN s.next_send_at <= ?"
-            " AND s.paused_until <= ? THEN 0 ELSE 1 END, s.next_send_at, s.slot"
-            f" LIMIT ?{self.SKIP_LOCKED_SLOTS}"),
-            (now, now, now, 2 * count + 8)).fetchall()
+        slots = self._pending_slots(cur, 2 * count + 8, now)
         if slots and self.SKIP_LOCKED_SLOTS:
             # the slots' rows are locked now: a count taken after the lock sees every claim
             # of them another worker committed (the first may have been read before)
@@ -134,6 +121,10 @@ class SqlPoliteness(SqlDialect):
             # nothing, this worker would wait for the next notification, and the other keep
             # every place. (A worker holding its share of a slot claims again when one of
             # those pages commits; one that asks again soon anyway needs no read more.)
+            # A slot whose flag a race left cleared (see _clear_pending_flags) is flagged
+            # again here, and claimed at once: it waited, it is not forgotten.
+            if self._flag_pending_slots(cur):
+                waiting.append(now)
             skipped = self._skipped_slots_ready_at(cur, [row[0] for row in slots])
             if skipped is not None:
                 waiting.append(max(skipped, soon))
@@ -146,17 +137,67 @@ class SqlPoliteness(SqlDialect):
             result.claim_again_in = max(0.0, min(waiting) - now)
         return rows
 
+    def _pending_slots(self, cur: Any, limit: int, now: float) -> list[Any]:
+        """The first ``limit`` slots with pending requests in the claim's order: those that
+        may send now first, the longest waiting first, then by when they may send (their
+        delay or pause over), with their leases (an expired lease does not count: its worker
+        lost it, stopped or dead elsewhere, and may no longer send it); locked where rows
+        are (other claims' skipped).
+
+        Read at the head of the index of the flagged slots (``slots_pending``): about
+        ``limit`` slot rows, however many sites the frontier holds. A flagged slot found
+        without pending requests (its last ones claimed) has its flag cleared, and the read
+        is made again while it was full of them."""
+        while True:
+            read: list[Any] = cur.execute(self._q(
+                "SELECT s.slot, s.concurrency, (SELECT count(*) FROM requests l"
+                "  WHERE l.slot = s.slot AND l.state = 'leased' AND l.leased_until >= ?),"
+                " s.delay, s.crawl_delay, s.next_send_at, s.paused_until, s.wanted_by,"
+                " s.wanted_at, EXISTS (SELECT 1 FROM requests r"
+                f"  WHERE {self._of_slot('r.', 's.slot')} AND r.state = 'pending')"
+                f" FROM slots s WHERE s.has_pending ORDER BY {self.SLOT_READY_AT}, s.slot"
+                f" LIMIT ?{self.SKIP_LOCKED_SLOTS}"), (now, limit)).fetchall()
+            empty = [row[0] for row in read if not row[9]]
+            if empty:
+                self._clear_pending_flags(cur, empty)
+            if not empty or len(read) < limit:
+                return [row[:9] for row in read if row[9]]
+
+    def _clear_pending_flags(self, cur: Any, slots: list[str]) -> None:
+        """Clear the flag of pending requests of ``slots``, read without any (this claim
+        holds their rows where rows are locked); a slot given a pending request since (a
+        commit this statement sees) keeps it.
+
+        On PostgreSQL, under READ COMMITTED, a transaction adding a request to one of these
+        slots that has not committed when this statement runs is not seen, and its trigger
+        found the slot flagged (the flag's committed value) and wrote nothing: the request
+        is pending, its slot not flagged. The claim that then finds nothing to take and
+        nothing soon flags it again (:meth:`_flag_pending_slots`). SQLite writes one
+        transaction at a time: no such race."""
+        where, param = self._any("slots.slot", slots)
+        cur.execute(self._q(
+            f"UPDATE slots SET has_pending = FALSE WHERE {where} AND NOT EXISTS"
+            f" (SELECT 1 FROM requests r WHERE {self._of_slot('r.', 'slots.slot')}"
+            "  AND r.state = 'pending')"), (param,))
+
+    def _flag_pending_slots(self, cur: Any) -> bool:
+        """Flag every slot with pending requests whose flag is not set (a race of a claim
+        clearing it with a commit adding a request: :meth:`_clear_pending_flags`); whether
+        any was. Reads every slot not flagged (a probe of its pending requests each): only
+        a claim that found nothing to take and nothing soon makes it."""
+        return bool(cur.execute(self._q(
+            "UPDATE slots SET has_pending = TRUE WHERE NOT has_pending AND EXISTS"
+            f" (SELECT 1 FROM requests r WHERE {self._of_slot('r.', 'slots.slot')}"
+            "  AND r.state = 'pending') RETURNING slot")).fetchall())
+
     def _skipped_slots_ready_at(self, cur: Any, seen: list[str]) -> float | None:
-        """When the first of the slots with pending requests that a claim's read of the slots
-        left out (locked by another worker's claim, or past its limit) may send, as their
-        committed rows say (None: there are none)."""
+        """When the first of the flagged slots (with pending requests) that a claim's read of
+        the slots left out (locked by another worker's claim, or past its limit) may send,
+        as their committed rows say (None: there are none): the head of their index."""
         where, param = self._any("s.slot", seen)
         row = cur.execute(self._q(
-            "SELECT min(CASE WHEN s.next_send_at > s.paused_until THEN s.next_send_at"
-            " ELSE s.paused_until END) FROM slots s"
-            f" WHERE NOT ({where}) AND EXISTS (SELECT 1 FROM requests r"
-            f"  WHERE {self._of_slot('r.', 's.slot')} AND r.state = 'pending')"),
-            (param,)).fetchone()
+            f"SELECT {self.SLOT_READY_AT} FROM slots s WHERE s.has_pending AND NOT ({where})"
+            f" ORDER BY {self.SLOT_READY_AT} LIMIT 1"), (param,)).fetchone()
         return None if row is None or row[0] is None else float(row[0])
 
     def _share_left(self, cur: Any, slot: str, concurrency: int, worker: str,

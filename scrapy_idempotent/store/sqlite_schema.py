@@ -6,7 +6,7 @@ from __future__ import annotations
 
 __all__ = ["APPLICATION_ID", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 18
+SCHEMA_VERSION = 19
 
 #: Schema migrations: ``_MIGRATIONS[n]`` brings version n to n + 1, one transaction each.
 #: The failed and the redirected requests, each in an index of its own (few rows): with the
@@ -54,6 +54,31 @@ _LINKED_REQUESTS = [
 _SLOT_WANTED = [
     """ALTER TABLE slots ADD COLUMN wanted_by TEXT""",
     """ALTER TABLE slots ADD COLUMN wanted_at REAL NOT NULL DEFAULT 0""",
+]
+
+#: Claims by slot read only the slots with pending requests, through an index, in the claim's
+#: order: per slot a flag of pending requests (``has_pending``), set by triggers on every
+#: transition of a request into 'pending' (a new request, or any update to 'pending': a
+#: lease taken back or released, a continuation, a request due again, ``retry``, a
+#: quarantined request put back; none can be missed) and cleared by the claim that reads a
+#: flagged slot and finds none (:meth:`~.sql_politeness.SqlPoliteness._claim_by_slot`); the
+#: flagged slots indexed by when they may send (the later of their next send time and their
+#: pause). A trigger writes the slot's row only when its flag changes (an UPDATE finding the
+#: slot flagged writes nothing). One transaction writes at a time: a claim's clearing never
+#: races a commit adding a request. Existing slots: flagged by one probe each of the slot's
+#: pending index.
+_SLOT_PENDING = [
+    """ALTER TABLE slots ADD COLUMN has_pending INTEGER NOT NULL DEFAULT 0""",
+    """UPDATE slots SET has_pending = 1 WHERE EXISTS (SELECT 1 FROM requests r
+       WHERE r.slot = slots.slot AND r.state = 'pending')""",
+    """CREATE INDEX slots_pending ON slots (max(next_send_at, paused_until), slot)
+       WHERE has_pending""",
+    """CREATE TRIGGER requests_pending_added AFTER INSERT ON requests
+       WHEN NEW.state = 'pending'
+       BEGIN UPDATE slots SET has_pending = 1 WHERE slot = NEW.slot AND NOT has_pending; END""",
+    """CREATE TRIGGER requests_pending_again AFTER UPDATE OF state, slot ON requests
+       WHEN NEW.state = 'pending' AND (OLD.state <> 'pending' OR OLD.slot <> NEW.slot)
+       BEGIN UPDATE slots SET has_pending = 1 WHERE slot = NEW.slot AND NOT has_pending; END""",
 ]
 
 _MIGRATIONS: list[list[str]] = [
@@ -334,6 +359,7 @@ _MIGRATIONS: list[list[str]] = [
     _COUNTED_STATES,
     _LINKED_REQUESTS,
     _SLOT_WANTED,
+    _SLOT_PENDING,
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -361,6 +387,7 @@ _TABLES[15] = _TABLES[14]
 _TABLES[16] = _TABLES[15]
 _TABLES[17] = _TABLES[16] | {"linked_requests"}
 _TABLES[18] = _TABLES[17]
+_TABLES[19] = _TABLES[18]
 assert set(_TABLES) == set(range(1, SCHEMA_VERSION + 1))
 #: Schema versions written before the application id was (files of those have none).
 _BEFORE_APPLICATION_ID = frozenset({1, 2, 3})
