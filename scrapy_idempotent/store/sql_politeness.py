@@ -149,19 +149,24 @@ class SqlPoliteness(SqlDialect):
         without pending requests (its last ones claimed) has its flag cleared, and the read
         is made again while it was full of them."""
         while True:
-            read: list[Any] = cur.execute(self._q(
-                "SELECT s.slot, s.concurrency, (SELECT count(*) FROM requests l"
-                "  WHERE l.slot = s.slot AND l.state = 'leased' AND l.leased_until >= ?),"
-                " s.delay, s.crawl_delay, s.next_send_at, s.paused_until, s.wanted_by,"
-                " s.wanted_at, EXISTS (SELECT 1 FROM requests r"
-                f"  WHERE {self._of_slot('r.', 's.slot')} AND r.state = 'pending')"
-                f" FROM slots s WHERE s.has_pending ORDER BY {self.SLOT_READY_AT}, s.slot"
-                f" LIMIT ?{self.SKIP_LOCKED_SLOTS}"), (now, limit)).fetchall()
+            read: list[Any] = cur.execute(self._q(self._pending_slots_sql()),
+                                          (now, limit)).fetchall()
             empty = [row[0] for row in read if not row[9]]
             if empty:
                 self._clear_pending_flags(cur, empty)
             if not empty or len(read) < limit:
                 return [row[:9] for row in read if row[9]]
+
+    def _pending_slots_sql(self) -> str:
+        """The read of :meth:`_pending_slots` (parameters: now, the limit): the flagged
+        slots' rows, their unexpired leases counted, whether they have pending requests."""
+        return ("SELECT s.slot, s.concurrency, (SELECT count(*) FROM requests l"
+                "  WHERE l.slot = s.slot AND l.state = 'leased' AND l.leased_until >= ?),"
+                " s.delay, s.crawl_delay, s.next_send_at, s.paused_until, s.wanted_by,"
+                " s.wanted_at, EXISTS (SELECT 1 FROM requests r"
+                f"  WHERE {self._of_slot('r.', 's.slot')} AND r.state = 'pending')"
+                f" FROM slots s WHERE s.has_pending ORDER BY {self.SLOT_READY_AT}, s.slot"
+                f" LIMIT ?{self.SKIP_LOCKED_SLOTS}")
 
     def _clear_pending_flags(self, cur: Any, slots: list[str]) -> None:
         """Clear the flag of pending requests of ``slots``, read without any (this claim
