@@ -159,12 +159,16 @@ class SqlPoliteness(SqlDialect):
 
     def _pending_slots_sql(self) -> str:
         """The read of :meth:`_pending_slots` (parameters: now, the limit): the flagged
-        slots' rows, their unexpired leases counted, whether they have pending requests."""
+        slots' rows, their unexpired leases counted, whether they have pending requests
+        (1 or NULL). (A scalar subquery, not EXISTS: PostgreSQL may plan an EXISTS of the
+        select list as one hashed pass over every pending request, where the statistics of
+        a frontier not yet analyzed make it look small; this is a probe of the slot's
+        pending index per slot read.)"""
         return ("SELECT s.slot, s.concurrency, (SELECT count(*) FROM requests l"
                 "  WHERE l.slot = s.slot AND l.state = 'leased' AND l.leased_until >= ?),"
                 " s.delay, s.crawl_delay, s.next_send_at, s.paused_until, s.wanted_by,"
-                " s.wanted_at, EXISTS (SELECT 1 FROM requests r"
-                f"  WHERE {self._of_slot('r.', 's.slot')} AND r.state = 'pending')"
+                " s.wanted_at, (SELECT 1 FROM requests r"
+                f"  WHERE {self._of_slot('r.', 's.slot')} AND r.state = 'pending' LIMIT 1)"
                 f" FROM slots s WHERE s.has_pending ORDER BY {self.SLOT_READY_AT}, s.slot"
                 f" LIMIT ?{self.SKIP_LOCKED_SLOTS}")
 
@@ -181,9 +185,9 @@ class SqlPoliteness(SqlDialect):
         transaction at a time: no such race."""
         where, param = self._any("slots.slot", slots)
         cur.execute(self._q(
-            f"UPDATE slots SET has_pending = FALSE WHERE {where} AND NOT EXISTS"
+            f"UPDATE slots SET has_pending = FALSE WHERE {where} AND"
             f" (SELECT 1 FROM requests r WHERE {self._of_slot('r.', 'slots.slot')}"
-            "  AND r.state = 'pending')"), (param,))
+            "  AND r.state = 'pending' LIMIT 1) IS NULL"), (param,))
 
     def _flag_pending_slots(self, cur: Any) -> bool:
         """Flag every slot with pending requests whose flag is not set (a race of a claim
