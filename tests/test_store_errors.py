@@ -191,6 +191,8 @@ def test_a_database_of_an_earlier_version_gets_its_identity_at_the_first_open(
     conn.execute("DELETE FROM meta WHERE key IN ('project', 'spider', 'source')")
     conn.execute("PRAGMA application_id = 0")
     # as schema version 3 wrote it (the last one without an application id)
+    for trigger in ("requests_pending_added", "requests_pending_again"):  # schema 19
+        conn.execute(f"DROP TRIGGER {trigger}")
     conn.execute("DROP TABLE linked_requests")  # schema 17
     conn.execute("ALTER TABLE page_validators DROP COLUMN links")
     for index in ("requests_failed", "requests_redirected"):  # schema 16

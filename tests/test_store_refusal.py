@@ -40,6 +40,8 @@ def as_earlier_version(path: Path, *, schema_3: bool, journal_mode: str) -> None
     ``schema_3``, also the schema (and no application id) of version 3."""
     conn = sqlite3.connect(path, isolation_level=None)
     if schema_3:
+        for trigger in ("requests_pending_added", "requests_pending_again"):  # schema 19
+            conn.execute(f"DROP TRIGGER {trigger}")
         conn.execute("DROP TABLE linked_requests")  # schema 17
         conn.execute("ALTER TABLE page_validators DROP COLUMN links")
         for index in ("requests_failed", "requests_redirected"):  # schema 16
