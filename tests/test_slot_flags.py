@@ -224,3 +224,52 @@ def test_a_flag_cleared_by_a_claim_racing_a_commit_is_set_again(
     result = other.commit(UnitOfWork(claim=10), "w2")
     assert result.leased == [] and result.claim_again_in == 0.0
     claimable(other, f"{SLOT}/2")
+
+
+def test_two_stores_racing_adds_and_claims_leave_no_request_unclaimable(
+        polite: Callable[..., FrontierStore], store_database: str) -> None:
+    """One store adds requests to 3 slots one page at a time while another claims and
+    completes them (PostgreSQL: claims clearing the flags of slots they found empty race
+    the adding commits). Once every request is added, claims take every one that remains:
+    a claim that takes nothing either says when to ask again or leaves nothing pending."""
+    import threading
+
+    adder, claimer = polite("w1"), polite("w2")
+    added = 300
+    errors: list[BaseException] = []
+
+    def add() -> None:
+        try:
+            for n in range(added):
+                adder.commit(UnitOfWork(requests=[req(n, f"s{n % 3}.example")]), "w1")
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+
+    adding = threading.Thread(target=add)
+    adding.start()
+    claimed: set[str] = set()
+
+    def claim_and_complete() -> Any:
+        result = claimer.commit(UnitOfWork(claim=5), "w2")
+        keys = [r.key for r in result.leased]
+        claimed.update(keys)
+        if keys:
+            claimer.commit(UnitOfWork(
+                started=keys, completions=[Completion(k, RequestState.DONE) for k in keys]),
+                "w2")
+        return result
+
+    while adding.is_alive():
+        claim_and_complete()
+    adding.join()
+    assert errors == []
+    everything = {req(n, f"s{n % 3}.example").key for n in range(added)}
+    empty_in_a_row = 0
+    while len(claimed) < added:
+        result = claim_and_complete()
+        empty_in_a_row = 0 if result.leased else empty_in_a_row + 1
+        # nothing taken: a claim flagged a slot again and asked to come back at once (the
+        # next one takes from it), or a request is lost
+        assert empty_in_a_row < 2, sorted(everything - claimed)[:5]
+        assert result.leased or result.claim_again_in == 0.0, sorted(everything - claimed)[:5]
+    assert claimer.counts()["pending"] == 0
