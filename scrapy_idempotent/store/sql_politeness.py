@@ -192,12 +192,13 @@ class SqlPoliteness(SqlDialect):
     def _flag_pending_slots(self, cur: Any) -> bool:
         """Flag every slot with pending requests whose flag is not set (a race of a claim
         clearing it with a commit adding a request: :meth:`_clear_pending_flags`); whether
-        any was. Reads every slot not flagged (a probe of its pending requests each): only
-        a claim that found nothing to take and nothing soon makes it."""
+        any was. Reads every slot not flagged (a probe of its pending index each, not a
+        join a planner could make a pass over every pending request): only a claim that
+        found nothing to take and nothing soon makes it, as a claim read every slot before."""
         return bool(cur.execute(self._q(
-            "UPDATE slots SET has_pending = TRUE WHERE NOT has_pending AND EXISTS"
+            "UPDATE slots SET has_pending = TRUE WHERE NOT has_pending AND"
             f" (SELECT 1 FROM requests r WHERE {self._of_slot('r.', 'slots.slot')}"
-            "  AND r.state = 'pending') RETURNING slot")).fetchall())
+            "  AND r.state = 'pending' LIMIT 1) IS NOT NULL RETURNING slot")).fetchall())
 
     def _skipped_slots_ready_at(self, cur: Any, seen: list[str]) -> float | None:
         """When the first of the flagged slots (with pending requests) that a claim's read of
