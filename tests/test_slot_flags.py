@@ -273,3 +273,30 @@ def test_two_stores_racing_adds_and_claims_leave_no_request_unclaimable(
         assert empty_in_a_row < 2, sorted(everything - claimed)[:5]
         assert result.leased or result.claim_again_in == 0.0, sorted(everything - claimed)[:5]
     assert claimer.counts()["pending"] == 0
+
+
+def test_a_crawl_migrated_to_postgresql_has_its_slots_flagged(tmp_path: Any,
+                                                             postgres_url: str) -> None:
+    """``migrate``'s copy to PostgreSQL (requests copied before their slots have rows to
+    flag) flags the slots with pending requests, and only those: claims take them."""
+    from scrapy_idempotent.store import open_store
+
+    clock = FakeClock(1000.0)
+    source: Any = open_store(f"sqlite:///{tmp_path / 'crawl.db'}", clock=clock)
+    source.open(fingerprinter="f")
+    source.begin_session("w1", "auto")
+    source.keep_slot_limits(LIMITS)
+    source.commit(UnitOfWork(requests=[req(0), req(1, "b.example")]), "w1")
+    assert sorted(claim(source)) == [f"{SLOT}/0", "b.example/1"]
+    source.commit(UnitOfWork(started=["b.example/1"], completions=[
+        Completion("b.example/1", RequestState.DONE)]), "w1")
+    source.commit(UnitOfWork(give_back=[f"{SLOT}/0"]), "w1")
+    target: Any = open_store(postgres_url, clock=clock)
+    target.open(fingerprinter="f")
+    with source.frozen():
+        target.load(source.dump())
+    source.close()
+    target.begin_session("w1", "auto")
+    target.keep_slot_limits(LIMITS)
+    assert (flagged(target), flagged(target, "b.example")) == (True, False)
+    assert claim(target) == [f"{SLOT}/0"]
