@@ -245,12 +245,6 @@ def replicate(db: str, copies: int) -> float:
 
 # -- bytes ----------------------------------------------------------------------------------
 
-PG_COLUMNS = ("key", "fingerprint", "url", "priority", "is_start", "fifo", "state", "data",
-              "parent_key", "worker", "leased_until", "attempts", "unfinished", "replays",
-              "enqueued_at", "finished_at", "error_kind", "error_message", "run_id", "slot",
-              "downloads", "id")
-
-
 def summary(out: dict[str, Any]) -> dict[str, float]:
     """The bytes of a pending request: its heap (:func:`pg_bytes`' pages of pending rows) and
     its entries in the indexes of every row (their size per row) and of pending rows (their
@@ -300,14 +294,18 @@ def pg_bytes(db: str) -> dict[str, Any]:
                              " WHERE state = 'pending'").fetchone()[0]
         out["pending_heap_per_row"] = pages * 8192 / max(states.get("pending", 0), 1)
         out["per_pending_request"] = summary(out)
-        sums = ", ".join(f"avg(pg_column_size({c}))" for c in PG_COLUMNS)
+        # every column of the release measured (``packed`` from schema 20)
+        requests_columns = [r[0] for r in conn.execute(
+            "SELECT attname FROM pg_attribute WHERE attrelid = 'requests'::regclass"
+            " AND attnum > 0 AND NOT attisdropped ORDER BY attnum").fetchall()]
+        sums = ", ".join(f"avg(pg_column_size({c}))" for c in requests_columns)
         for state in ("pending", "done"):
             row = conn.execute(
                 f"SELECT avg(pg_column_size(requests.*)), {sums} FROM (SELECT * FROM requests"
                 " WHERE state = %s LIMIT 100000) AS requests", (state,)).fetchone()
             out[f"{state}_row"] = float(row[0] or 0)
             out[f"{state}_columns"] = {c: float(v or 0) for c, v in
-                                       zip(PG_COLUMNS, row[1:], strict=True)}
+                                       zip(requests_columns, row[1:], strict=True)}
         columns = [r[0] for r in conn.execute(
             "SELECT attname FROM pg_attribute WHERE attrelid = 'records'::regclass"
             " AND attnum > 0 AND NOT attisdropped ORDER BY attnum").fetchall()]

@@ -15,6 +15,7 @@ import pytest
 from scrapy_idempotent._order import queue_position
 from scrapy_idempotent.store import CommitResult, NewRequest, UnitOfWork
 from scrapy_idempotent.store.base import SlotLimits
+from scrapy_idempotent.store.packing import unpack
 
 psycopg = pytest.importorskip("psycopg")
 from scrapy_idempotent.store.postgresql import SCHEMA_VERSION, PostgreSQLStore  # noqa: E402
@@ -170,10 +171,20 @@ SLOT_FLAG_UNDO = ("DROP TRIGGER requests_pending_added ON requests",
 
 
 def _as_schema(postgres_url: str, version: int) -> None:
-    """The database as schema ``version`` (15, 17 or 18) left it: the steps before 15 are
-    unchanged; 16 took the free room of the table's pages, 18 made the key the primary key,
-    19 keyed the slot's pending index by the slot's hash and folded the start flag into the
-    order of both pending indexes, 20 flagged the slots with pending requests."""
+    """The database as schema ``version`` (15, 17, 18 or 20) left it: the steps before 15
+    are unchanged; 16 took the free room of the table's pages, 18 made the key the primary
+    key, 19 keyed the slot's pending index by the slot's hash and folded the start flag into
+    the order of both pending indexes, 20 flagged the slots with pending requests, 21 packed
+    the requests (their rows of text)."""
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(f"SET search_path TO {SCHEMA}")
+        conn.cursor().executemany("UPDATE requests SET data = %s WHERE key = %s", [
+            (unpack(packed, row_url, key), key) for key, row_url, packed in conn.execute(
+                "SELECT key, url, packed FROM requests WHERE packed IS NOT NULL")])
+        conn.execute("ALTER TABLE requests DROP COLUMN packed")
+    sql(postgres_url, f"UPDATE meta SET value = '{version}' WHERE key = 'schema_version'")
+    if version == 20:
+        return
     for statement in SLOT_FLAG_UNDO:
         sql(postgres_url, statement)
     sql(postgres_url, "DROP STATISTICS requests_slot_hash")
@@ -239,7 +250,7 @@ def test_a_schema_15_frontier_is_migrated_with_its_requests_in_order(
     store = _store(url)
     store.open()
     try:
-        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "20"
+        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "21"
         assert "fillfactor=100" in _options(postgres_url)
         assert _pending_indexes(postgres_url) == PENDING_INDEXES
         store.begin_session("w1", "resume")
@@ -281,7 +292,7 @@ def test_a_schema_17_frontier_gets_its_key_as_primary_key(url: str, postgres_url
     store = _store(url)
     store.open()
     try:
-        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "20"
+        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "21"
         assert _primary_key(postgres_url) == [
             ("requests_key_key", f"CREATE UNIQUE INDEX requests_key_key ON {SCHEMA}.requests"
                                  " USING btree (key)")]
@@ -323,7 +334,7 @@ def test_a_schema_18_frontier_is_migrated_with_its_requests_in_order(
     store = _store(url)
     store.open()
     try:
-        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "20"
+        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "21"
         assert _pending_indexes(postgres_url) == PENDING_INDEXES
         assert _slot_statistics(postgres_url) == [("requests_slot_hash", "{f,e}", True)]
         store.begin_session("w1", "resume")
@@ -402,3 +413,50 @@ def test_claims_and_the_take_back_find_their_rows_by_an_index(
         assert "Seq Scan on requests" not in plan, plan
         if by_row in statement or "FROM head" in statement:
             assert "requests_key_key on requests" in plan, plan
+
+
+def _linked(n: int) -> NewRequest:
+    """A link with a ``Referer`` and a depth, as Scrapy's middlewares leave it."""
+    url = f"https://s{n % 3}/product/{n}"
+    return NewRequest(key=f"k{n:03}", fingerprint=f"k{n:03}", url=url, priority=0,
+                      data=f'{{"url":"{url}","callback":"parse","headers":{{"Referer":'
+                           f'["https://s{n % 3}/category/{n % 7}"]}},"meta":{{"depth":2}}}}',
+                      slot=f"s{n % 3}")
+
+
+def test_a_schema_20_frontier_gets_its_requests_packed_without_a_rewrite(
+        url: str, postgres_url: str) -> None:
+    """Schema 21 adds the requests' packed column, a change of the catalog only: the table
+    is not rewritten (the same file), its rows of text stay as they are and are read as
+    they are; the rows written from then on are packed (``data`` then '')."""
+    requests = [_linked(n) for n in range(40)]
+    first = _store(url)
+    first.open()
+    first.begin_session("w1", "resume")
+    first.commit(UnitOfWork(requests=requests[:20]), "w1")
+    assert sql(postgres_url, "SELECT count(*) FROM requests WHERE packed IS NOT NULL"
+                             " AND data = ''") == [(20,)]
+    first.close()
+    _as_schema(postgres_url, 20)
+    texts = sql(postgres_url, "SELECT key, data FROM requests ORDER BY key")
+    assert [data for _, data in texts] == [r.data.replace(f'"url":"{r.url}",', "")
+                                           for r in requests[:20]]
+    table_file = "SELECT relfilenode FROM pg_class WHERE oid = 'requests'::regclass"
+    [(before,)] = sql(postgres_url, table_file)
+    store = _store(url)
+    store.open()
+    try:
+        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "21"
+        assert sql(postgres_url, table_file) == [(before,)]
+        assert sql(postgres_url, "SELECT key, data, packed FROM requests ORDER BY key") == [
+            (key, data, None) for key, data in texts]
+        store.begin_session("w1", "resume")
+        store.commit(UnitOfWork(requests=requests[20:]), "w1")
+        new = sql(postgres_url, "SELECT data, length(packed) FROM requests WHERE key >= 'k020'")
+        assert len(new) == 20
+        assert all(data == "" and 0 < size < 50 for data, size in new), new
+        given = {r.key: r.data for r in requests}
+        assert {e.key: e.data for e in store.entries()} == given
+        assert {r.key: r.data for r in store.commit(UnitOfWork(claim=40), "w1").leased} == given
+    finally:
+        store.close()

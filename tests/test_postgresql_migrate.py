@@ -13,6 +13,7 @@ from scrapy.utils.defer import deferred_f_from_coro_f
 
 from crawling import crawl_settings, db_rows, frontier_counts, run_crawl
 from helpers.commands import idempotent, idempotent_json
+from scrapy_idempotent.store.packing import unpack
 from shop.spiders.shop import ShopSpider
 
 psycopg = pytest.importorskip("psycopg")
@@ -51,17 +52,25 @@ async def test_a_crawl_stopped_on_sqlite_continues_on_postgresql(
     assert status["run"]["run_id"] == 1 and status["run"]["finished_at"] is None
     assert {k: v for k, v in status["frontier"].items() if v and k != "total"} == before
     assert status["records"]["stored"] == len(seen)
-    # every request as it was (its URL kept once, its fingerprint only where not its key)
-    assert pg_entries(postgres_url) == db_rows(
-        db_path, "SELECT key, fingerprint, url, data FROM requests ORDER BY key")
+    # every request as it was (its URL kept once, its fingerprint only where not its key;
+    # packed where smaller, on SQLite a BLOB)
+    sqlite_rows = db_rows(db_path, "SELECT key, fingerprint, url, data FROM requests"
+                                   " ORDER BY key")
+    assert any(isinstance(data, bytes) for *_, data in sqlite_rows)
+    assert pg_entries(postgres_url) == [
+        (key, fingerprint, url, data if isinstance(data, str) else unpack(data, url, key))
+        for key, fingerprint, url, data in sqlite_rows]
     with psycopg.connect(postgres_url) as conn:
         [schema] = conn.execute("SELECT nspname FROM pg_namespace"
                                 " WHERE nspname LIKE 'idempotent%'").fetchall()[0]
         assert conn.execute(
             f'SELECT count(*) FILTER (WHERE fingerprint IS NOT NULL),'
-            f' count(*) FILTER (WHERE starts_with(data, \'{{"url":\'))'
+            f' count(*) FILTER (WHERE starts_with(data, \'{{"url":\')),'
+            f' count(*) FILTER (WHERE packed IS NOT NULL AND data <> \'\'),'
+            f' count(*) FILTER (WHERE packed IS NOT NULL) > 0'
             f' FROM "{schema}".requests').fetchone() == (db_rows(
-                db_path, "SELECT count(*) FROM requests WHERE key <> fingerprint")[0][0], 0)
+                db_path, "SELECT count(*) FROM requests WHERE key <> fingerprint")[0][0], 0,
+                0, True)
         # the ids kept, their sequence moved to the highest (the next request's id after it)
         assert conn.execute(
             f'SELECT (SELECT max(id) FROM "{schema}".requests), last_value, is_called'

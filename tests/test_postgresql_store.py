@@ -151,7 +151,8 @@ def test_rows_of_schema_15_are_read_as_they_are_and_new_rows_are_compact(
     store.commit(UnitOfWork(requests=[req("a"), unfiltered]), "w")
     store.close()
     stored = "SELECT key, fingerprint, data FROM fingerprints.requests ORDER BY key"
-    assert sql(postgres_url, stored) == [("a", None, " {}"), ("b", "a", '{"callback":"parse"}')]
+    assert _stored(postgres_url, "fingerprints", "fingerprint") == [
+        ("a", None, " {}"), ("b", "a", '{"callback":"parse"}')]
     # the rows and the column as schema 15 left them: requests whole (one of a form
     # without its URL first), fingerprints equal to their keys
     whole = {"a": '{"url":"https://shop.example/a"}',
@@ -166,6 +167,8 @@ def test_rows_of_schema_15_are_read_as_they_are_and_new_rows_are_compact(
     sql(postgres_url, "UPDATE fingerprints.requests SET fingerprint = key"
         " WHERE fingerprint IS NULL")
     sql(postgres_url, "ALTER TABLE fingerprints.requests ALTER COLUMN fingerprint SET NOT NULL")
+    # schema 21 (nothing packed there now: every row's data was set above)
+    sql(postgres_url, "ALTER TABLE fingerprints.requests DROP COLUMN packed")
     for statement in ("DROP TRIGGER requests_pending_added ON fingerprints.requests",
                       "DROP TRIGGER requests_pending_again ON fingerprints.requests",
                       "DROP FUNCTION fingerprints.slots_pending_added(),"
@@ -181,7 +184,7 @@ def test_rows_of_schema_15_are_read_as_they_are_and_new_rows_are_compact(
     assert sql(postgres_url, stored)[:2] == [("a", "a", whole["a"]), ("b", "a", whole["b"])]
     store = make(url, heartbeat_seconds=None)
     store.open(fingerprinter="f", identity=SHOP)
-    assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "20"
+    assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "21"
     assert sql(postgres_url, stored) == [("a", "a", whole["a"]), ("b", "a", whole["b"]),
                                          ("c", "c", " " + whole["c"])]
     assert [(e.key, e.fingerprint, e.data) for e in store.entries()] == [
@@ -195,6 +198,21 @@ def test_rows_of_schema_15_are_read_as_they_are_and_new_rows_are_compact(
     result = store.commit(UnitOfWork(requests=[NewRequest(
         key="a", fingerprint="a", url="https://shop.example/a", priority=0, data="{}")]), "w")
     assert (result.requests_added, result.requests_duplicate) == (0, 1)
+
+
+def _stored(postgres_url: str, schema: str, column: str = "",
+            where: str = "true") -> list[tuple[Any, ...]]:
+    """(key, ``column`` if any, the stored request's text) of the requests of ``schema``,
+    by key: a row's ``data``, or its ``packed`` request unpacked (``data`` then '')."""
+    from scrapy_idempotent.store.packing import unpack
+
+    rows = sql(postgres_url, f"SELECT key, {column or 'key'}, data, packed, url"
+                             f" FROM {schema}.requests WHERE {where} ORDER BY key")
+    for key, _, data, packed, _ in rows:
+        assert packed is None or data == "", (key, data)
+    return [(key, *([value] if column else []),
+             data if packed is None else unpack(packed, url, key))
+            for key, value, data, packed, url in rows]
 
 
 #: Encoded requests of the row of https://shop.example/a, and how the row stores them.
@@ -238,9 +256,11 @@ def test_request_rows_keep_their_url_once(make: Callable[..., PostgreSQLStore],
     store.commit(UnitOfWork(requests=[
         NewRequest(key=key, fingerprint=key, url="https://shop.example/a", priority=0,
                    data=data) for key, data in given.items()]), "w")
-    rows = "SELECT key, data FROM url_once.requests ORDER BY key"
-    assert sql(postgres_url, rows) == sorted(
+    assert _stored(postgres_url, "url_once") == sorted(
         (key, stored) for key, (_, stored) in zip(given, URL_ONCE_FORMS, strict=True))
+    # packed where smaller (data ''), as the continuation and the due-again below replace
+    assert sql(postgres_url, "SELECT key FROM url_once.requests WHERE packed IS NOT NULL"
+               " ORDER BY key") == [("k0",), ("k2",), ("k3",), ("k4",), ("k5",)]
     assert {e.key: e.data for e in store.entries()} == given
     leased = store.commit(UnitOfWork(claim=len(given)), "w").leased
     assert {r.key: r.data for r in leased} == given
@@ -255,8 +275,7 @@ def test_request_rows_keep_their_url_once(make: Callable[..., PostgreSQLStore],
         key="k1", fingerprint="k1", url="https://shop.example/a?b", priority=0,
         data=again)]), "w")
     assert result.requests_due_again == 1
-    assert sql(postgres_url, "SELECT key, url, data FROM url_once.requests"
-               " WHERE key IN ('k0', 'k1') ORDER BY key") == [
+    assert _stored(postgres_url, "url_once", "url", "key IN ('k0', 'k1')") == [
         ("k0", "https://shop.example/a", continued),
         ("k1", "https://shop.example/a?b", '{"callback":"parse"}')]
     leased = store.commit(UnitOfWork(claim=2), "w").leased

@@ -19,6 +19,7 @@ from helpers.stored import (
     change_stored,
     frontier_counts,
     frontier_entries,
+    rewrite_stored_requests,
     stored_runs,
     stored_sessions,
 )
@@ -160,8 +161,8 @@ def test_missing_callback_fails_that_request_and_the_rest_goes_on(crawl_harness:
     scheduler.enqueue_request(scrapy.Request(URLS[1]))
     crawl_harness.close(scheduler)
     # the code changed between runs: parse_other no longer exists
-    change_stored(crawl_harness.database,
-                  "UPDATE requests SET data = replace(data, 'parse_other', 'gone')")
+    rewrite_stored_requests(crawl_harness.database,
+                            lambda text: text.replace("parse_other", "gone"))
     reopened = crawl_harness.scheduler()
     assert [r.url for r in drain(reopened)] == [URLS[1]]
     reopened.close("shutdown")

@@ -5,6 +5,7 @@ Also: whose database it is (the crawl identity recorded at creation)."""
 
 from __future__ import annotations
 
+import base64
 import os
 import sqlite3
 import subprocess
@@ -30,8 +31,11 @@ def opened(path: Path, identity: CrawlIdentity | None = SHOP, **options: object)
 
 
 def new_request(key: str, size: int = 10) -> NewRequest:
+    """A request of ``size`` characters of data, random: packing makes it no smaller (its
+    row is about as large as the data given)."""
+    data = base64.b85encode(os.urandom(size)).decode()[:size]
     return NewRequest(key=key, fingerprint=key, url=f"https://shop.example/{key}", priority=0,
-                      data="x" * size)
+                      data=data)
 
 
 @contextmanager

@@ -470,6 +470,10 @@ class PostgreSQLStore(PostgreSQLHeartbeat, PostgreSQLOperatorQueries, SqlStore):
     LEASED_BY = "(state, worker) IS NOT DISTINCT FROM ('leased', ?)"
     NO_LIMIT = None
     URL_ONCE = True
+    PACKED_COLUMN = "packed"
+    # one value for packed rows and the others: bytes (the text as UTF-8: see _request_data)
+    DATA_READ = "coalesce({r}packed, convert_to({r}data, 'UTF8'))"
+    DATA_SET = "data = ?, packed = ?"
 
     def _q(self, sql: str) -> str:
         return sql.replace("?", "%s")
@@ -541,7 +545,7 @@ class PostgreSQLStore(PostgreSQLHeartbeat, PostgreSQLOperatorQueries, SqlStore):
             " UPDATE requests r SET state = 'leased', worker = %s, leased_until = %s,"
             " attempts = r.attempts + 1"
             f" FROM head WHERE r.{self.REQUEST_ROW} = head.{self.REQUEST_ROW}"
-            " RETURNING " + claimed_columns("r"),
+            " RETURNING " + claimed_columns("r", self.DATA_READ),
             (count, worker, until)).fetchall()
         return rows
 
@@ -554,23 +558,24 @@ class PostgreSQLStore(PostgreSQLHeartbeat, PostgreSQLOperatorQueries, SqlStore):
         go into the table in key order: two page commits inserting the same keys take the
         unique index's locks in one order, so one waits for the other instead of both
         deadlocking."""
+        data = [self._stored_data(r.data, r.url) for r in new]  # (text, packed) each
         inserting = cur.execute(  # (a cursor of its own: see _StatementCursors)
             "WITH given AS (SELECT nextval('requests_id_seq') AS id, k, f, u, p, s, ff, d, pk,"
-            "  sl"
+            "  sl, pd"
             # binary parameters: text arrays are not quoted element by element
             "  FROM unnest(%b::text[], %b::text[], %b::text[], %b::int[], %b::bool[],"
-            "   %b::bool[], %b::text[], %b::text[], %b::text[])"
-            "  WITH ORDINALITY AS t(k, f, u, p, s, ff, d, pk, sl, n)"
+            "   %b::bool[], %b::text[], %b::text[], %b::text[], %b::bytea[])"
+            "  WITH ORDINALITY AS t(k, f, u, p, s, ff, d, pk, sl, pd, n)"
             # nextval is evaluated after the sort: ids in the order given
             "  ORDER BY n)"
             " INSERT INTO requests (id, key, fingerprint, url, priority, is_start, fifo, state,"
-            " data, parent_key, enqueued_at, run_id, slot)"
-            " SELECT id, k, f, u, p, s, ff, 'pending', d, pk, %s, %s, sl FROM given"
+            " data, parent_key, enqueued_at, run_id, slot, packed)"
+            " SELECT id, k, f, u, p, s, ff, 'pending', d, pk, %s, %s, sl, pd FROM given"
             " ORDER BY k COLLATE \"C\" ON CONFLICT (key) DO NOTHING RETURNING key",
             ([r.key for r in new], [_stored_fingerprint(r) for r in new], [r.url for r in new],
              [r.priority for r in new], [r.is_start for r in new], [r.fifo for r in new],
-             [self._stored_data(r.data, r.url) for r in new], [r.parent_key for r in new],
-             [r.slot for r in new], now, run_id))
+             [stored[0] for stored in data], [r.parent_key for r in new],
+             [r.slot for r in new], [stored[1] for stored in data], now, run_id))
         return lambda: len(inserting.fetchall())
 
     def _read_records(self, cur: Any, run_id: int, count: int, record_ids: list[str]

@@ -7,10 +7,11 @@ and indexes."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..exceptions import StoreError
 from .base import CrawlIdentity
+from .packing import pack, unpack
 from .postgresql_connection import PostgreSQLConnections
 from .postgresql_schema import (
     ALL_COUNTERS,
@@ -27,6 +28,17 @@ if TYPE_CHECKING:
     import psycopg
 
 __all__ = ["PostgreSQLOperatorQueries"]
+
+
+def _stored_request(row: dict[str, object]) -> tuple[str, bytes | None]:
+    """The ``(data, packed)`` of a SQLite request row loaded, as a crawl stores them here
+    (``SqlDialect._stored_data``): its request, whole text (a row of an older release) or
+    packed whole (a BLOB), without its URL, packed again beside it where that is smaller."""
+    url, data = str(row["url"]), row["data"]
+    text = data if isinstance(data, str) else unpack(cast(bytes, data), url, str(row["key"]))
+    text = stored_request_data(text, url)
+    packed = pack(text, url)
+    return ("", packed) if packed is not None else (text, None)
 
 
 class PostgreSQLOperatorQueries(PostgreSQLConnections):
@@ -144,8 +156,7 @@ class PostgreSQLOperatorQueries(PostgreSQLConnections):
                         row.setdefault("slot", "")
                         if row["fingerprint"] == row["key"]:  # stored only where it differs
                             row["fingerprint"] = None
-                        # as a crawl stores it (a SQLite row of an older release: whole)
-                        row["data"] = stored_request_data(str(row["data"]), str(row["url"]))
+                        row["data"], row["packed"] = _stored_request(row)
                         if row["state"] == "leased":  # leases do not move
                             row.update(state="pending", worker=None, leased_until=None)
                         top_request = max(top_request, int(str(row["id"])))

@@ -282,12 +282,14 @@ CLAIMED_COLUMNS = ("id", "key", "fingerprint", "data", "priority", "is_start", "
                    "unfinished", "url", "replays", "fifo", "downloads")
 
 
-def claimed_columns(table: str = "") -> str:
+def claimed_columns(table: str = "", data: str = "{r}data") -> str:
     """:data:`CLAIMED_COLUMNS` as a claim's ``RETURNING`` list, of the rows of ``table`` (an
     alias; none: the only table). A fingerprint stored NULL is the key's (PostgreSQL
-    stores it only where it differs)."""
+    stores it only where it differs); the stored request is read as ``data`` (an
+    expression, ``{r}`` the alias and its dot: the dialect's ``DATA_READ``)."""
     prefix = f"{table}." if table else ""
     return ", ".join(f"coalesce({prefix}fingerprint, {prefix}key)" if column == "fingerprint"
+                     else data.format(r=prefix) if column == "data"
                      else prefix + column for column in CLAIMED_COLUMNS)
 
 

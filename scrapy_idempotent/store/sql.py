@@ -80,6 +80,7 @@ __all__ = ["Answer", "SqlStore"]
 _Known = tuple[Any, str, Any]
 #: where a claimed row holds its encoded request and its URL (:data:`.rules.CLAIMED_COLUMNS`)
 _DATA, _URL = CLAIMED_COLUMNS.index("data"), CLAIMED_COLUMNS.index("url")
+_KEY = CLAIMED_COLUMNS.index("key")
 
 
 class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQueries, SqlOutbox,
@@ -308,12 +309,12 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
             # in the order of their rows (REQUEST_ROW): page commits locking the same rows
             # lock them in one order
             cur.executemany(self._q(
-                "UPDATE requests SET state = 'pending', url = ?, data = ?, priority = ?,"
+                f"UPDATE requests SET state = 'pending', url = ?, {self.DATA_SET}, priority = ?,"
                 " is_start = ?, fifo = ?, attempts = 0, replays = 0, downloads = 0,"
                 " finished_at = NULL,"
                 " error_kind = NULL, error_message = NULL, enqueued_at = ?, run_id = ?"
                 f" WHERE {self.REQUEST_ROW} = ?"),
-                [(req.url, self._stored_data(req.data, req.url), req.priority, req.is_start,
+                [(req.url, *self._stored_data(req.data, req.url), req.priority, req.is_start,
                   req.fifo, now, run_id, row)
                  for row, req in sorted(due.items())])
         if not new:
@@ -532,11 +533,13 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
         reached."""
         where = " WHERE key = ? AND state = 'leased' AND worker = ? RETURNING key"
         if done.state is RequestState.PENDING:  # a continuation: the request is replaced
+            # (its row's URL not known here: stored unpacked, as text)
+            data = "" if done.data is None else f" {self.DATA_SET},"
             return self._send(
                 cur, "UPDATE requests SET state = 'pending', worker = NULL,"
-                " leased_until = NULL, unfinished = 0, data = COALESCE(?, data),"
+                f" leased_until = NULL, unfinished = 0,{data}"
                 " priority = COALESCE(?, priority), error_kind = ?, error_message = ?" + where,
-                (None if done.data is None else self._stored_data(done.data, None),
+                (*(() if done.data is None else self._stored_data(done.data, None)),
                  done.priority, done.error_kind, done.error_message, done.key,
                  worker))
         return self._send(
@@ -582,9 +585,8 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
         rows = (self._claim_rows(cur, worker, count, until) if self.slot_limits is None
                 else self._claim_by_slot(cur, worker, count, until, now, result, send_by,
                                          slots))
-        if self.URL_ONCE:
-            rows = [(*row[:_DATA], self._request_data(row[_DATA], row[_URL]), *row[_DATA + 1:])
-                    for row in rows]
+        rows = [(*row[:_DATA], self._request_data(row[_DATA], row[_URL], row[_KEY]),
+                 *row[_DATA + 1:]) for row in rows]
         leased, over = split_claim(rows, self.max_attempts, until)
         if slots:
             by_key = {row[1]: (send_by.get(row[0], 0.0), slots[row[0]]) for row in rows}

@@ -12,6 +12,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from .base import CommitResult, NewRequest
+from .packing import pack, unpack
 from .rules import QUEUE_ORDER, request_data, stored_request_data
 
 __all__ = ["RECORD_STATE", "Answer", "SqlDialect"]
@@ -73,6 +74,15 @@ class SqlDialect(ABC):
     #: a request row keeps its URL once: in its ``url`` column, its ``data`` stored without
     #: it (:func:`.rules.stored_request_data`, read back by :meth:`_request_data`)
     URL_ONCE = False
+    #: where a request row's packed request (:func:`.packing.pack`) is stored: None, in its
+    #: ``data`` column itself (SQLite: a BLOB in the text column); else the name of a
+    #: ``bytea`` column beside it, ``data`` then ``''`` (PostgreSQL)
+    PACKED_COLUMN: str | None = None
+    #: a request row's stored request as one value, ``{r}`` the row's alias and a dot:
+    #: text, or bytes (packed, or UTF-8 text: see :meth:`_request_data`)
+    DATA_READ = "{r}data"
+    #: the assignments of a request row's stored request (the values: :meth:`_stored_data`)
+    DATA_SET = "data = ?"
 
     # -- the dialect and the connections (each backend's own) -----------------------------
 
@@ -84,16 +94,27 @@ class SqlDialect(ABC):
         """The parameters of :meth:`_of_slot` ``(slot="?")`` for the slot ``slot``."""
         return (slot,) * self.OF_SLOT.count("{slot}")
 
-    def _stored_data(self, data: str, url: str | None) -> str:
+    def _stored_data(self, data: str, url: str | None) -> tuple[Any, ...]:
         """A request's JSON text ``data`` as its row beside ``url`` stores it (None: a row
-        whose URL is not known here). Anything but text goes as given: the database's to
-        refuse, inside the transaction."""
-        if not self.URL_ONCE or not isinstance(data, str):
-            return data
-        return stored_request_data(data, url)
+        whose URL is not known here, stored unpacked): the values of :attr:`DATA_SET`'s
+        columns. Packed (:func:`.packing.pack`) where that is smaller. Anything but text goes
+        as given: the database's to refuse, inside the transaction."""
+        if not isinstance(data, str):
+            return (data, None) if self.PACKED_COLUMN else (data,)
+        text = stored_request_data(data, url) if self.URL_ONCE else data
+        packed = None if url is None else pack(text, url)
+        if self.PACKED_COLUMN:
+            return ("", packed) if packed is not None else (text, None)
+        return (text if packed is None else packed,)
 
-    def _request_data(self, stored: str, url: str) -> str:
-        """The JSON text of a request whose row holds ``stored`` and ``url``."""
+    def _request_data(self, stored: str | bytes, url: str, row: str = "") -> str:
+        """The JSON text of a request whose row (key ``row``, for errors) holds ``stored``
+        (:attr:`DATA_READ`) and ``url``. Raises :class:`.packing.PackedRequestError` for a
+        packed request that cannot be read back."""
+        if not isinstance(stored, str):
+            raw = bytes(stored)  # (a driver may give a memoryview)
+            # a packed request's format byte is below a space; else UTF-8 text
+            stored = unpack(raw, url, row) if raw[:1] < b" " else raw.decode()
         return request_data(stored, url) if self.URL_ONCE else stored
 
     @abstractmethod

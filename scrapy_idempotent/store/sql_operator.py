@@ -32,7 +32,7 @@ __all__ = ["SqlOperatorQueries"]
 
 #: the columns of a frontier entry (:class:`~.FrontierEntry`; a fingerprint stored NULL is
 #: the key's)
-_ENTRY = ("SELECT key, coalesce(fingerprint, key), url, state, priority, is_start, data,"
+_ENTRY = ("SELECT key, coalesce(fingerprint, key), url, state, priority, is_start, {data},"
           " parent_key, worker, leased_until, attempts, unfinished, replays, enqueued_at,"
           " finished_at, error_kind, error_message, run_id, downloads FROM requests")
 
@@ -55,10 +55,12 @@ class SqlOperatorQueries(SqlDialect):
 
     def _entries_where(self, where: str, params: tuple[Any, ...],
                        limit: int) -> list[FrontierEntry]:
-        rows = self._select(f"{_ENTRY} WHERE {where} ORDER BY key{self.TEXT_ORDER} LIMIT ?",
+        entry = _ENTRY.format(data=self.DATA_READ.format(r=""))
+        rows = self._select(f"{entry} WHERE {where} ORDER BY key{self.TEXT_ORDER} LIMIT ?",
                             (*params, limit))
-        return [FrontierEntry(*(*row[:5], bool(row[5]), self._request_data(row[6], row[2]),
-                                *row[7:])) for row in rows]
+        return [FrontierEntry(*(*row[:5], bool(row[5]),
+                                self._request_data(row[6], row[2], row[0]), *row[7:]))
+                for row in rows]
 
     def meta(self) -> dict[str, str]:
         return dict(self._select("SELECT key, value FROM meta ORDER BY key"))

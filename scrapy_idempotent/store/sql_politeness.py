@@ -100,7 +100,7 @@ class SqlPoliteness(SqlDialect):
                 f" {self.REQUEST_ROW} FROM requests WHERE {self._of_slot()}"
                 " AND state = 'pending'"
                 f" ORDER BY {self.PENDING_ORDER} LIMIT ?{self.SKIP_LOCKED})"
-                f" RETURNING {claimed_columns()}"),
+                f" RETURNING {claimed_columns(data=self.DATA_READ)}"),
                 (worker, until, *self._slot_params(slot), take)).fetchall()
             if not taken:
                 continue

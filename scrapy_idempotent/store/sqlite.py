@@ -574,7 +574,8 @@ class SQLiteStore(SQLiteOperatorQueries, SqlStore):
             " attempts = attempts + 1"
             " WHERE id IN (SELECT id FROM requests INDEXED BY requests_pending"
             f"  WHERE state = 'pending' ORDER BY {QUEUE_ORDER} LIMIT ?)"
-            f" RETURNING {claimed_columns()}", (worker, until, count)).fetchall()
+            f" RETURNING {claimed_columns(data=self.DATA_READ)}",
+            (worker, until, count)).fetchall()
         return rows
 
     def _send_insert(self, cur: Any, new: list[NewRequest], now: float,
@@ -583,8 +584,9 @@ class SQLiteStore(SQLiteOperatorQueries, SqlStore):
             "INSERT INTO requests (key, fingerprint, url, priority, is_start, fifo, state, data,"
             " parent_key, enqueued_at, run_id, slot)"
             " VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?, ?, ?) ON CONFLICT (key) DO NOTHING",
-            [(r.key, r.fingerprint, r.url, r.priority, r.is_start, r.fifo, r.data,
-              r.parent_key, now, run_id, r.slot) for r in new])
+            [(r.key, r.fingerprint, r.url, r.priority, r.is_start, r.fifo,
+              *self._stored_data(r.data, r.url), r.parent_key, now, run_id, r.slot)
+             for r in new])
         added: int = cur.rowcount
         return lambda: added
 

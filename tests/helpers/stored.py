@@ -200,6 +200,17 @@ def change_stored(database: str | Path, sql: str, params: Sequence[Any] = ()) ->
         conn.execute(sql.replace("?", "%s"), params)  # type: ignore[arg-type]
 
 
+def rewrite_stored_requests(database: str | Path, change: Callable[[str], str]) -> None:
+    """Replace the JSON text of every request of the frontier by ``change(text)``, stored
+    whole as text (as a release before packing wrote it; the stores read such rows as they
+    are): a test's shortcut to a stored request the code no longer matches."""
+    packed = sqlite_path(str(database)) is None  # PostgreSQL: its column beside data
+    for entry in frontier_entries(database):
+        change_stored(database, "UPDATE requests SET data = ?"
+                      + (", packed = NULL" if packed else "") + " WHERE key = ?",
+                      (change(entry.data), entry.key))
+
+
 def outbox_due_now(database: str | Path) -> None:
     """Make every outbox entry due now, whatever its backoff said (a shortcut past a retry
     delay); attempts and details are left as they are."""
