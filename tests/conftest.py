@@ -33,8 +33,9 @@ SCRAPY_INDEPENDENT_MODULES = frozenset({
     "test_module_size", "test_operator_queries", "test_outbox_store", "test_page_validators",
     "test_postgres_server", "test_postgres_server_cleanup", "test_postgresql_clock_steps",
     "test_postgresql_deadlocks", "test_postgresql_pipeline", "test_postgresql_record_times",
-    "test_postgresql_round_trips", "test_postgresql_server_version", "test_postgresql_store",
-    "test_postgresql_url", "test_repository", "test_retry_after", "test_runs",
+    "test_postgresql_frontier_layout", "test_postgresql_round_trips",
+    "test_postgresql_server_version", "test_postgresql_store", "test_postgresql_url",
+    "test_repository", "test_retry_after", "test_runs", "test_slot_flags",
     "test_sqlite_open_race", "test_sqlite_store", "test_store_boundary", "test_store_contract",
     "test_store_errors", "test_store_metrics", "test_url_redaction", "test_worker_ids",
 })
