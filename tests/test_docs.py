@@ -255,7 +255,7 @@ README_COMMANDS = (
     "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/python "
     "example_project/demo.py",
     "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest"
-    " -n 2",
+    " -n 3",
 )
 
 
