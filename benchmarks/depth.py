@@ -8,7 +8,8 @@ The frontier is built through the package's own write path (``FrontierStore.comm
 transactions of ``--batch`` requests): ``--pending`` requests as a crawl stores the links it
 found (each encoded by :class:`~scrapy_idempotent.codec.RequestCodec` from a
 ``scrapy.Request`` with a ``Referer`` header and a depth, as Scrapy's middlewares leave it;
-the key and fingerprint Scrapy's fingerprint; the slot its host), then ``--done`` of them
+the key and fingerprint Scrapy's fingerprint; the parent's key the fingerprint of the page
+in its ``Referer``; the slot its host), then ``--done`` of them
 claimed and completed, each with one record (an item of 6 fields keyed by its SKU), as page
 commits do in bulk. ``--empty`` requests (default 10,000) are built the same way in a
 database of their own: the empty frontier the latencies are compared with.
@@ -105,12 +106,14 @@ class Builder:
 
         url = self.url(n)
         host = f"shop{n % HOSTS}.example.com"
+        referer = f"https://{host}/category/{n % 1000}?page={n % 40}"
         request = self.request_class(
-            url, callback=self.spider.parse, meta={"depth": 2},
-            headers={"Referer": f"https://{host}/category/{n % 1000}?page={n % 40}"})
+            url, callback=self.spider.parse, meta={"depth": 2}, headers={"Referer": referer})
         key = self.fingerprint(request).hex()
+        # the page that linked it, as a crawl stores it (the parent's key: its fingerprint)
+        parent_key = self.fingerprint(self.request_class(referer)).hex()
         return NewRequest(key=key, fingerprint=key, url=url, priority=0,
-                          data=self.codec.encode(request), slot=host)
+                          data=self.codec.encode(request), parent_key=parent_key, slot=host)
 
     def record(self, n: int) -> Any:
         from scrapy_idempotent.records import record_id_of
