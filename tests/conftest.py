@@ -64,6 +64,22 @@ def _shutdown_signals_restored() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
+@pytest.fixture(autouse=True)
+def named_keys(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Request keys of any text on PostgreSQL in this process (``helpers.named_keys``: the
+    tests name their keys), but for a test asking for ``real_key_codec``: the package's own
+    codec, hex keys only. Crawls in processes of their own use the package's codec."""
+    if "real_key_codec" not in request.fixturenames:
+        from helpers import named_keys as codec
+
+        codec.install(monkeypatch)
+
+
+@pytest.fixture
+def real_key_codec() -> None:
+    """The PostgreSQL store's own key codec in this test (see ``named_keys``)."""
+
+
 @pytest.fixture
 def shop() -> Iterator[LocalSite]:
     """The local site with its default shop (25 listing pages, 500 products), HTTP/1.1

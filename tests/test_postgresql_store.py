@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from crawling import wait_for
+from helpers import named_keys
 from scrapy_idempotent.exceptions import StoreBusy, StoreError
 from scrapy_idempotent.store import (
     Completion,
@@ -95,7 +96,9 @@ def test_each_crawl_identity_gets_its_own_schema(make: Callable[..., PostgreSQLS
         " ORDER BY 1")]
     assert sorted(schemas) == sorted([schema_for(SHOP), schema_for(other_source)])
     assert schema_for(SHOP).startswith("idempotent_shop_")
-    assert sql(postgres_url, f'SELECT key FROM "{schema_for(SHOP)}".requests') == [("shop",)]
+    # (a named key: see helpers.named_keys)
+    assert sql(postgres_url, f'SELECT key FROM "{schema_for(SHOP)}".requests') == [
+        (named_keys.MARK + b"shop",)]
 
 
 def test_a_schema_of_another_crawl_is_refused_untouched(make: Callable[..., PostgreSQLStore],
@@ -142,26 +145,33 @@ def test_rows_of_schema_15_are_read_as_they_are_and_new_rows_are_compact(
     whose request does not begin with its URL (given a space): the rows of schema 15 are read
     as they are, whole, with their fingerprint."""
     url = postgres_url + "?schema=fingerprints"
-    unfiltered = NewRequest(key="b", fingerprint="a", url="https://shop.example/a", priority=0,
+    unfiltered = NewRequest(key="bb", fingerprint="aa", url="https://shop.example/a", priority=0,
                             data='{"url":"https://shop.example/a","callback":"parse"}',
                             filter_fingerprint=False)
     store = make(url, heartbeat_seconds=None)
     store.open(fingerprinter="f", identity=SHOP)
     store.begin_session("w", "auto")
-    store.commit(UnitOfWork(requests=[req("a"), unfiltered]), "w")
+    store.commit(UnitOfWork(requests=[req("aa"), unfiltered]), "w")
     store.close()
-    stored = "SELECT key, fingerprint, data FROM fingerprints.requests ORDER BY key"
+    # (keys of hex digits: schema 22 stores their bytes; the rows of schema 15 held text)
+    stored = ("SELECT encode(key, 'hex'), encode(fingerprint, 'hex'), data"
+              " FROM fingerprints.requests ORDER BY key")
     assert _stored(postgres_url, "fingerprints", "fingerprint") == [
-        ("a", None, " {}"), ("b", "a", '{"callback":"parse"}')]
+        ("aa", None, " {}"), ("bb", "aa", '{"callback":"parse"}')]
     # the rows and the column as schema 15 left them: requests whole (one of a form
     # without its URL first), fingerprints equal to their keys
-    whole = {"a": '{"url":"https://shop.example/a"}',
-             "b": '{"url":"https://shop.example/a","callback":"parse"}',
-             "c": '{"callback":"parse","url":"https://shop.example/c"}'}
+    whole = {"aa": '{"url":"https://shop.example/a"}',
+             "bb": '{"url":"https://shop.example/a","callback":"parse"}',
+             "cc": '{"callback":"parse","url":"https://shop.example/c"}'}
+    # schema 21: the keys as text
+    sql(postgres_url, "ALTER TABLE fingerprints.requests"
+        " ALTER COLUMN key TYPE text COLLATE \"C\" USING encode(key, 'hex'),"
+        " ALTER COLUMN parent_key TYPE text USING encode(parent_key, 'hex'),"
+        " ALTER COLUMN fingerprint TYPE text USING encode(fingerprint, 'hex')")
     sql(postgres_url, "INSERT INTO fingerprints.requests (key, fingerprint, url, priority,"
-        " state, data, enqueued_at, run_id) VALUES ('c', 'c', 'https://shop.example/c', 0,"
-        " 'pending', %s, 0, 1)", (whole["c"],))
-    for key in ("a", "b"):
+        " state, data, enqueued_at, run_id) VALUES ('cc', 'cc', 'https://shop.example/c', 0,"
+        " 'pending', %s, 0, 1)", (whole["cc"],))
+    for key in ("aa", "bb"):
         sql(postgres_url, "UPDATE fingerprints.requests SET data = %s WHERE key = %s",
             (whole[key], key))
     sql(postgres_url, "UPDATE fingerprints.requests SET fingerprint = key"
@@ -181,22 +191,23 @@ def test_rows_of_schema_15_are_read_as_they_are_and_new_rows_are_compact(
         " ADD CONSTRAINT requests_key_key UNIQUE (key),"
         " ADD CONSTRAINT requests_pkey PRIMARY KEY (id)")  # schema 18
     sql(postgres_url, "UPDATE fingerprints.meta SET value = '15' WHERE key = 'schema_version'")
-    assert sql(postgres_url, stored)[:2] == [("a", "a", whole["a"]), ("b", "a", whole["b"])]
+    assert sql(postgres_url, "SELECT key, fingerprint, data FROM fingerprints.requests"
+               " ORDER BY key")[:2] == [("aa", "aa", whole["aa"]), ("bb", "aa", whole["bb"])]
     store = make(url, heartbeat_seconds=None)
     store.open(fingerprinter="f", identity=SHOP)
-    assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "21"
-    assert sql(postgres_url, stored) == [("a", "a", whole["a"]), ("b", "a", whole["b"]),
-                                         ("c", "c", " " + whole["c"])]
+    assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "22"
+    assert sql(postgres_url, stored) == [("aa", "aa", whole["aa"]), ("bb", "aa", whole["bb"]),
+                                         ("cc", "cc", " " + whole["cc"])]
     assert [(e.key, e.fingerprint, e.data) for e in store.entries()] == [
-        ("a", "a", whole["a"]), ("b", "a", whole["b"]), ("c", "c", whole["c"])]
-    assert store.known_request("a") == "duplicate"
+        ("aa", "aa", whole["aa"]), ("bb", "aa", whole["bb"]), ("cc", "cc", whole["cc"])]
+    assert store.known_request("aa") == "duplicate"
     store.begin_session("w", "resume")
     leased = store.commit(UnitOfWork(claim=3), "w").leased
     assert sorted((r.key, r.fingerprint, r.data) for r in leased) == [
-        ("a", "a", whole["a"]), ("b", "a", whole["b"]), ("c", "c", whole["c"])]
-    # a request filtered by fingerprint "a" is a duplicate of both
+        ("aa", "aa", whole["aa"]), ("bb", "aa", whole["bb"]), ("cc", "cc", whole["cc"])]
+    # a request filtered by fingerprint "aa" is a duplicate of both
     result = store.commit(UnitOfWork(requests=[NewRequest(
-        key="a", fingerprint="a", url="https://shop.example/a", priority=0, data="{}")]), "w")
+        key="aa", fingerprint="aa", url="https://shop.example/a", priority=0, data="{}")]), "w")
     assert (result.requests_added, result.requests_duplicate) == (0, 1)
 
 
@@ -210,6 +221,9 @@ def _stored(postgres_url: str, schema: str, column: str = "",
                              f" FROM {schema}.requests WHERE {where} ORDER BY key")
     for key, _, data, packed, _ in rows:
         assert packed is None or data == "", (key, data)
+    if column in ("key", "fingerprint", "parent_key"):  # (bytes: helpers.named_keys)
+        rows = [(k, named_keys.key_read(None, v), *rest) for k, v, *rest in rows]
+    rows = [(named_keys.key_read(None, key), *rest) for key, *rest in rows]
     return [(key, *([value] if column else []),
              data if packed is None else unpack(packed, url, key))
             for key, value, data, packed, url in rows]
@@ -252,34 +266,34 @@ def test_request_rows_keep_their_url_once(make: Callable[..., PostgreSQLStore],
     store = make(url, heartbeat_seconds=None, clock=clock, recrawl_seconds=100.0)
     store.open(fingerprinter="f", identity=SHOP)
     store.begin_session("w", "auto")
-    given = {f"k{n}": data for n, (data, _) in enumerate(URL_ONCE_FORMS)}
+    given = {f"a{n}": data for n, (data, _) in enumerate(URL_ONCE_FORMS)}
     store.commit(UnitOfWork(requests=[
         NewRequest(key=key, fingerprint=key, url="https://shop.example/a", priority=0,
                    data=data) for key, data in given.items()]), "w")
     assert _stored(postgres_url, "url_once") == sorted(
         (key, stored) for key, (_, stored) in zip(given, URL_ONCE_FORMS, strict=True))
     # packed where smaller (data ''), as the continuation and the due-again below replace
-    assert sql(postgres_url, "SELECT key FROM url_once.requests WHERE packed IS NOT NULL"
-               " ORDER BY key") == [("k0",), ("k2",), ("k3",), ("k4",), ("k5",)]
+    assert sql(postgres_url, "SELECT encode(key, 'hex') FROM url_once.requests WHERE packed IS NOT NULL"
+               " ORDER BY key") == [("a0",), ("a2",), ("a3",), ("a4",), ("a5",)]
     assert {e.key: e.data for e in store.entries()} == given
     leased = store.commit(UnitOfWork(claim=len(given)), "w").leased
     assert {r.key: r.data for r in leased} == given
-    # k0 continued (a retry: its data replaced), k1 done, then due again at another URL
+    # a0 continued (a retry: its data replaced), a1 done, then due again at another URL
     continued = '{"url":"https://shop.example/a","callback":"parse","meta":{"retry":1}}'
     store.commit(UnitOfWork(completions=[
-        Completion("k0", RequestState.PENDING, data=continued),
-        Completion("k1", RequestState.DONE)]), "w")
+        Completion("a0", RequestState.PENDING, data=continued),
+        Completion("a1", RequestState.DONE)]), "w")
     clock.now += 200.0
     again = '{"url":"https://shop.example/a?b","callback":"parse"}'
     result = store.commit(UnitOfWork(requests=[NewRequest(
-        key="k1", fingerprint="k1", url="https://shop.example/a?b", priority=0,
+        key="a1", fingerprint="a1", url="https://shop.example/a?b", priority=0,
         data=again)]), "w")
     assert result.requests_due_again == 1
-    assert _stored(postgres_url, "url_once", "url", "key IN ('k0', 'k1')") == [
-        ("k0", "https://shop.example/a", continued),
-        ("k1", "https://shop.example/a?b", '{"callback":"parse"}')]
+    assert _stored(postgres_url, "url_once", "url", "encode(key, 'hex') IN ('a0', 'a1')") == [
+        ("a0", "https://shop.example/a", continued),
+        ("a1", "https://shop.example/a?b", '{"callback":"parse"}')]
     leased = store.commit(UnitOfWork(claim=2), "w").leased
-    assert {r.key: r.data for r in leased} == {"k0": continued, "k1": again}
+    assert {r.key: r.data for r in leased} == {"a0": continued, "a1": again}
 
 
 def test_a_wrong_password_is_a_clear_error_without_the_password(

@@ -85,6 +85,7 @@ from .postgresql_schema import (
     MIGRATIONS,
     SCHEMA_VERSION,
     TABLES,
+    key_bytes,
     schema_for,
 )
 from .registry import redacted
@@ -474,6 +475,17 @@ class PostgreSQLStore(PostgreSQLHeartbeat, PostgreSQLOperatorQueries, SqlStore):
     # one value for packed rows and the others: bytes (the text as UTF-8: see _request_data)
     DATA_READ = "coalesce({r}packed, convert_to({r}data, 'UTF8'))"
     DATA_SET = "data = ?, packed = ?"
+    # the requests' key columns hold the keys' bytes (postgresql_schema, step 22)
+    KEY_TYPE = "bytea"
+    KEY_TEXT = "encode({c}, 'hex')"
+    # (text that is not a key's hex digits is no request's key: NULL, no match)
+    KEY_OF_TEXT = "CASE WHEN {c} ~ '^([0-9a-f]{{2}})+$' THEN decode({c}, 'hex') END"
+
+    def _key(self, key: str | None) -> bytes | None:
+        return None if key is None else key_bytes(key)
+
+    def _key_read(self, value: Any) -> str | None:
+        return None if value is None else bytes(value).hex()
 
     def _q(self, sql: str) -> str:
         return sql.replace("?", "%s")
@@ -519,14 +531,14 @@ class PostgreSQLStore(PostgreSQLHeartbeat, PostgreSQLOperatorQueries, SqlStore):
         return self._send(
             cur, "WITH ended AS (UPDATE requests r SET state = u.state, worker = NULL,"
             " leased_until = NULL, unfinished = 0, finished_at = %s, error_kind = u.kind,"
-            " error_message = u.message FROM unnest(%b::text[], %b::text[], %s::text[],"
+            " error_message = u.message FROM unnest(%b::bytea[], %b::text[], %s::text[],"
             " %s::text[]) AS u(key, state, kind, message)"
             " WHERE r.key = u.key AND (r.state, r.worker) IS NOT DISTINCT FROM ('leased', %s)"
             " RETURNING r.key),"
             " journal AS (DELETE FROM responses"
-            "  WHERE key = ANY(ARRAY(SELECT key COLLATE \"default\" FROM ended)))"
+            f"  WHERE key = ANY(ARRAY(SELECT {self.KEY_TEXT.format(c='key')} FROM ended)))"
             " SELECT key FROM ended",
-            (now, [d.key for d in finishing], [d.state.value for d in finishing],
+            (now, self._keys([d.key for d in finishing]), [d.state.value for d in finishing],
              [d.error_kind for d in finishing], [d.error_message for d in finishing], worker))
 
     def _observation_offset(self) -> float:
@@ -563,18 +575,19 @@ class PostgreSQLStore(PostgreSQLHeartbeat, PostgreSQLOperatorQueries, SqlStore):
             "WITH given AS (SELECT nextval('requests_id_seq') AS id, k, f, u, p, s, ff, d, pk,"
             "  sl, pd"
             # binary parameters: text arrays are not quoted element by element
-            "  FROM unnest(%b::text[], %b::text[], %b::text[], %b::int[], %b::bool[],"
-            "   %b::bool[], %b::text[], %b::text[], %b::text[], %b::bytea[])"
+            "  FROM unnest(%b::bytea[], %b::bytea[], %b::text[], %b::int[], %b::bool[],"
+            "   %b::bool[], %b::text[], %b::bytea[], %b::text[], %b::bytea[])"
             "  WITH ORDINALITY AS t(k, f, u, p, s, ff, d, pk, sl, pd, n)"
             # nextval is evaluated after the sort: ids in the order given
             "  ORDER BY n)"
             " INSERT INTO requests (id, key, fingerprint, url, priority, is_start, fifo, state,"
             " data, parent_key, enqueued_at, run_id, slot, packed)"
             " SELECT id, k, f, u, p, s, ff, 'pending', d, pk, %s, %s, sl, pd FROM given"
-            " ORDER BY k COLLATE \"C\" ON CONFLICT (key) DO NOTHING RETURNING key",
-            ([r.key for r in new], [_stored_fingerprint(r) for r in new], [r.url for r in new],
+            " ORDER BY k ON CONFLICT (key) DO NOTHING RETURNING key",
+            (self._keys([r.key for r in new]), self._keys([_stored_fingerprint(r) for r in new]),
+             [r.url for r in new],
              [r.priority for r in new], [r.is_start for r in new], [r.fifo for r in new],
-             [stored[0] for stored in data], [r.parent_key for r in new],
+             [stored[0] for stored in data], self._keys([r.parent_key for r in new]),
              [r.slot for r in new], [stored[1] for stored in data], now, run_id))
         return lambda: len(inserting.fetchall())
 
@@ -624,7 +637,7 @@ class PostgreSQLStore(PostgreSQLHeartbeat, PostgreSQLOperatorQueries, SqlStore):
                 " UPDATE requests SET leased_until = %s WHERE state = 'leased'"
                 " AND worker = %s AND leased_until >= %s RETURNING key",
                 (now, worker, now + self.lease_seconds, worker, now)).fetchall()
-        return [key for (key,) in rows]
+        return [bytes(key).hex() for (key,) in rows]
 
     # -- waking idle workers (LISTEN/NOTIFY) ------------------------------------------------
 

@@ -169,6 +169,13 @@ class PostgreSQLConnections:
             conn = psycopg.connect(conninfo, autocommit=True)
         except psycopg.Error as exc:
             raise self._connect_error(exc) from exc
+        # a str parameter is sent as text, not as a literal of unknown type: compared with
+        # or written to a bytea key column (postgresql_schema, step 22) it is an error, where
+        # PostgreSQL would read hex digits of unknown type as escape-format bytea (their
+        # ASCII bytes: another key, silently); key parameters are bytes (SqlDialect._key)
+        from psycopg.types.string import StrDumper
+
+        conn.adapters.register_dumper(str, StrDumper)
         try:  # before any statement: the version came with the connection
             check_server_version(conn.info.server_version, self.shown_url)
         except StoreError:

@@ -52,6 +52,7 @@ class PostgreSQLOperatorQueries(PostgreSQLConnections):
         def _check_ownership(self) -> tuple[int, bool]: ...
         def _stored_identity(self) -> dict[str, str]: ...
         def _check_identity(self, stored: dict[str, str], identity: CrawlIdentity) -> None: ...
+        def _key(self, key: str | None) -> bytes | None: ...
 
     # -- operator queries -------------------------------------------------------------------
 
@@ -157,6 +158,11 @@ class PostgreSQLOperatorQueries(PostgreSQLConnections):
                         if row["fingerprint"] == row["key"]:  # stored only where it differs
                             row["fingerprint"] = None
                         row["data"], row["packed"] = _stored_request(row)
+                        # the key columns as bytes (COPY would read text as escape-format
+                        # bytea: its characters' bytes, another key), a non-hex key refused
+                        for column in ("key", "fingerprint", "parent_key"):
+                            if row.get(column) is not None:
+                                row[column] = self._key(str(row[column]))
                         if row["state"] == "leased":  # leases do not move
                             row.update(state="pending", worker=None, leased_until=None)
                         top_request = max(top_request, int(str(row["id"])))

@@ -8,13 +8,15 @@ import hashlib
 import re
 from typing import TYPE_CHECKING
 
+from ..exceptions import StoreError
+
 if TYPE_CHECKING:
     from .base import CrawlIdentity
 
 __all__ = ["ALL_COUNTERS", "APPLICATION", "COUNTERS", "LOADED", "MIGRATIONS", "SCHEMA_VERSION",
-           "TABLES", "schema_for"]
+           "TABLES", "key_bytes", "schema_for"]
 
-SCHEMA_VERSION = 21
+SCHEMA_VERSION = 22
 #: ``meta.application`` of a schema this package made.
 APPLICATION = "scrapy_idempotent"
 
@@ -458,6 +460,28 @@ MIGRATIONS: list[list[str]] = [
         # EXISTS: a schema whose version was set back by hand keeps its column.)
         "ALTER TABLE requests ADD COLUMN IF NOT EXISTS packed bytea",
     ],
+    [
+        # The requests' keys as their bytes: a key (Scrapy's fingerprint, or a SHA-1 derived
+        # key: lowercase hex digits, Python's .hex()/hexdigest()) takes 21 bytes in the heap
+        # instead of 41, and its entry in the primary key's index about 56 instead of 93.
+        # Python keeps keys as hex text; the store converts them at its statements
+        # (SqlDialect._key, _key_read, KEY_OF_TEXT). One ALTER TABLE: one rewrite of the
+        # table and of each of its indexes, the table locked (ACCESS EXCLUSIVE) meanwhile.
+        # A key that is not hex digits fails the step (nothing is changed): it would not
+        # read back as the same key.
+        # The other tables naming requests keep their keys as text: linked_requests,
+        # page_validators and responses have a row per conditional page or journaled
+        # response (a small part of the frontier, and their rows are wider), records and
+        # rejects name the request that wrote them. Changing them would rewrite the largest
+        # table besides (records) for 20 bytes of a row of about 700, and every statement
+        # reading them. Their joins with requests convert their text key to bytes
+        # (KEY_OF_TEXT: decode() of the other table's column), so that the requests'
+        # primary key index finds the request (EXPLAIN: an index scan of requests_key_key
+        # per row, as before).
+        "ALTER TABLE requests ALTER COLUMN key TYPE bytea USING decode(key, 'hex'),"
+        " ALTER COLUMN parent_key TYPE bytea USING decode(parent_key, 'hex'),"
+        " ALTER COLUMN fingerprint TYPE bytea USING decode(fingerprint, 'hex')",
+    ],
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
@@ -486,6 +510,7 @@ TABLES[18] = TABLES[17]
 TABLES[19] = TABLES[18]
 TABLES[20] = TABLES[19]
 TABLES[21] = TABLES[20]
+TABLES[22] = TABLES[21]
 assert set(TABLES) == set(range(1, SCHEMA_VERSION + 1))
 
 #: The counters of a session row a page commit adds to: its worker's share of the run's
@@ -534,3 +559,19 @@ def schema_for(identity: CrawlIdentity | None) -> str:
         (identity.project, identity.spider, identity.source)).encode()).hexdigest()[:10]
     spider = re.sub(r"[^a-z0-9_]+", "_", identity.spider.lower()).strip("_")[:40]
     return f"idempotent_{spider}_{digest}" if spider else f"idempotent_{digest}"
+
+
+#: a request key as the requests table stores it (schema 22: ``bytea``): lowercase hex
+#: digits, two per byte (Scrapy's fingerprint, and the keys derived from it, are
+#: ``.hex()``/``hexdigest()`` text)
+_HEX_KEY = re.compile(r"(?:[0-9a-f]{2})+")
+
+
+def key_bytes(key: str) -> bytes:
+    """The bytes ``requests.key`` (and ``parent_key``, ``fingerprint``) stores for the key
+    ``key``. Anything but lowercase hex digits (an even number of them) is refused:
+    :meth:`bytes.hex` would not give it back, and it would be stored as another key."""
+    if not isinstance(key, str) or not _HEX_KEY.fullmatch(key):
+        raise StoreError(f"request key {key!r} is not lowercase hexadecimal text (the"
+                         " PostgreSQL store keeps request keys as their bytes)")
+    return bytes.fromhex(key)

@@ -452,9 +452,10 @@ def after_write(stored: StoredState | None, decision: RecordWrite, content_hash:
 # -- integrity ----------------------------------------------------------------------------
 
 
-def anomaly_checks() -> dict[str, str]:
+def anomaly_checks(key_of_text: str = "{c}") -> dict[str, str]:
     """The anomalies :meth:`.FrontierStore.anomalies` counts: name -> a ``SELECT count(*)``
-    every backend runs as written (no parameters)."""
+    every backend runs as written (no parameters); ``key_of_text``: the dialect's
+    ``KEY_OF_TEXT`` (another table's text key as the requests' key column holds it)."""
     terminal = ", ".join(f"'{state}'" for state in TERMINAL)
     known = ", ".join(f"'{state.value}'" for state in RequestState)
     return {
@@ -471,8 +472,10 @@ def anomaly_checks() -> dict[str, str]:
                                " AND coalesce(error_kind, '') = ''",
         "finished_never_leased": "SELECT count(*) FROM requests"
                                  f" WHERE state IN ({terminal}) AND attempts < 1",
-        "orphan_journal": "SELECT count(*) FROM responses WHERE key NOT IN"
-                          " (SELECT key FROM requests WHERE state IN ('pending', 'leased'))",
+        "orphan_journal": "SELECT count(*) FROM responses WHERE NOT EXISTS (SELECT 1 FROM"
+                          " requests q WHERE q.key = "
+                          + key_of_text.format(c="responses.key")
+                          + " AND q.state IN ('pending', 'leased'))",
         "record_times": "SELECT count(*) FROM records WHERE last_changed < first_seen"
                         " OR changed_run_id < first_run_id",
     }

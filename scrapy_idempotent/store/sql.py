@@ -81,6 +81,8 @@ _Known = tuple[Any, str, Any]
 #: where a claimed row holds its encoded request and its URL (:data:`.rules.CLAIMED_COLUMNS`)
 _DATA, _URL = CLAIMED_COLUMNS.index("data"), CLAIMED_COLUMNS.index("url")
 _KEY = CLAIMED_COLUMNS.index("key")
+_FINGERPRINT = CLAIMED_COLUMNS.index("fingerprint")
+assert (_KEY, _FINGERPRINT) == (1, 2)
 
 
 class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQueries, SqlOutbox,
@@ -231,7 +233,7 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
                        worker: str) -> None:
         """``SET assignments`` on the requests of ``keys`` that ``worker`` leases."""
         if keys:
-            where, param = self._any("key", list(keys))
+            where, param = self._any_key("key", list(keys))
             cur.execute(self._q(f"UPDATE requests SET {assignments} WHERE {where}"
                                 f" AND {self.LEASED_BY}"), (param, worker))
 
@@ -244,10 +246,10 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
         keys.update(work.started)
         if not keys:
             return set
-        where, param = self._any("key", sorted(keys))
+        where, param = self._any_key("key", sorted(keys))
         held = self._send(cur, f"SELECT key FROM requests WHERE {where} AND {self.LEASED_BY}"
                           f" ORDER BY key{self.LOCK_ROWS}", (param, worker))
-        return lambda: keys - {key for (key,) in held()}
+        return lambda: keys - {self._key_read(key) for (key,) in held()}
 
     def _send_lookups(self, cur: Any, requests: list[NewRequest]) -> tuple[Answer, Answer]:
         """Ask for the entries already there: by key (the keys of ``requests``, and the
@@ -257,13 +259,13 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
             return list, list
         lookup = {r.key for r in requests} | {r.fingerprint for r in requests
                                               if r.filter_fingerprint}
-        where, param = self._any("key", sorted(lookup))
+        where, param = self._any_key("key", sorted(lookup))
         by_key = self._send(cur, f"SELECT {self.REQUEST_ROW}, key, state, finished_at"
                             f" FROM requests WHERE {where}", (param,))
         fingerprints = sorted({r.fingerprint for r in requests if r.filter_fingerprint})
         if not fingerprints:
             return by_key, list
-        where, param = self._any("fingerprint", fingerprints)
+        where, param = self._any_key("fingerprint", fingerprints)
         return by_key, self._send(cur, f"SELECT {self.REQUEST_ROW}, fingerprint, state,"
                                   f" finished_at FROM requests WHERE {where}"
                                   " AND key <> fingerprint", (param,))
@@ -277,11 +279,12 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
         another worker (duplicates)."""
         if not requests:
             return (lambda: 0), 0
-        by_key: dict[str, _Known] = {key: (row, state, finished)
+        # (``row``: the row's REQUEST_ROW, as read: the updates below find it by that)
+        by_key: dict[str, _Known] = {self._key_read(key): (row, state, finished)
                                      for row, key, state, finished in lookups[0]()}
         by_fingerprint: dict[str, _Known] = {}
         for row, fingerprint, state, finished in lookups[1]():
-            by_fingerprint.setdefault(fingerprint, (row, state, finished))
+            by_fingerprint.setdefault(self._key_read(fingerprint), (row, state, finished))
         window = window_start(self.recrawl_seconds, now)
         new: list[NewRequest] = []
         due: dict[Any, NewRequest] = {}
@@ -516,7 +519,7 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
         if finishing:
             sent.append(self._send_finishes(cur, finishing, worker, now))
         self._end_journal(cur, keys - {done.key for done in finishing}, worker)
-        return lambda: {row[0] for answer in sent for row in answer()}
+        return lambda: {self._key_read(row[0]) for answer in sent for row in answer()}
 
     def _end_journal(self, cur: Any, keys: Collection[str], worker: str) -> None:
         """Delete the journaled responses of ``keys`` whose lease was just ended. Only the
@@ -525,7 +528,8 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
         if keys:
             where, param = self._any("key", sorted(keys))
             cur.execute(self._q(f"DELETE FROM responses WHERE {where} AND NOT EXISTS"
-                                " (SELECT 1 FROM requests q WHERE q.key = responses.key"
+                                " (SELECT 1 FROM requests q WHERE q.key = "
+                                f"{self.KEY_OF_TEXT.format(c='responses.key')}"
                                 "  AND q.state = 'leased' AND q.worker = ?)"), (param, worker))
 
     def _send_completion(self, cur: Any, done: Completion, worker: str, now: float) -> Answer:
@@ -540,12 +544,13 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
                 f" leased_until = NULL, unfinished = 0,{data}"
                 " priority = COALESCE(?, priority), error_kind = ?, error_message = ?" + where,
                 (*(() if done.data is None else self._stored_data(done.data, None)),
-                 done.priority, done.error_kind, done.error_message, done.key,
+                 done.priority, done.error_kind, done.error_message, self._key(done.key),
                  worker))
         return self._send(
             cur, "UPDATE requests SET state = ?, worker = NULL, leased_until = NULL,"
             " unfinished = 0, finished_at = ?, error_kind = ?, error_message = ?" + where,
-            (done.state.value, now, done.error_kind, done.error_message, done.key, worker))
+            (done.state.value, now, done.error_kind, done.error_message, self._key(done.key),
+             worker))
 
     def _send_finishes(self, cur: Any, finishing: list[Completion], worker: str,
                        now: float) -> Answer:
@@ -585,6 +590,8 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
         rows = (self._claim_rows(cur, worker, count, until) if self.slot_limits is None
                 else self._claim_by_slot(cur, worker, count, until, now, result, send_by,
                                          slots))
+        rows = [(row[0], self._key_read(row[_KEY]), self._key_read(row[_FINGERPRINT]),
+                 *row[_FINGERPRINT + 1:]) for row in rows]
         rows = [(*row[:_DATA], self._request_data(row[_DATA], row[_URL], row[_KEY]),
                  *row[_DATA + 1:]) for row in rows]
         leased, over = split_claim(rows, self.max_attempts, until)
@@ -598,7 +605,7 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
                 " attempts = attempts - 1, unfinished = 0, finished_at = ?,"
                 " error_kind = 'quarantined',"
                 " error_message = ? WHERE key = ?"),
-                [(now, quarantine_message(r.unfinished), r.key) for r in over])
+                [(now, quarantine_message(r.unfinished), self._key(r.key)) for r in over])
             result.quarantined.extend(r.url for r in over)
         result.leased.extend(leased)
 

@@ -83,6 +83,19 @@ class SqlDialect(ABC):
     DATA_READ = "{r}data"
     #: the assignments of a request row's stored request (the values: :meth:`_stored_data`)
     DATA_SET = "data = ?"
+    #: the SQL type of the ``requests`` table's ``key``, ``parent_key`` and ``fingerprint``
+    #: columns: text (SQLite), or ``bytea`` (PostgreSQL: the hex digits' bytes, half the
+    #: size). Python holds a key as lowercase hex text everywhere; the values of those
+    #: columns go through :meth:`_key` (parameters) and :meth:`_key_read` (rows read).
+    KEY_TYPE = "text"
+    #: a request key column ``{c}`` (``key``, ``r.parent_key``, ...) read as lowercase hex
+    #: text, for statements that compare it with another table's text key or return it
+    #: where :meth:`_key_read` is not applied
+    KEY_TEXT = "{c}"
+    #: a text key expression ``{c}`` (another table's key, or a parameter) as the requests
+    #: table's key columns hold it: for comparisons and joins with them (PostgreSQL: its
+    #: bytes, so that the requests' index serves the comparison)
+    KEY_OF_TEXT = "{c}"
 
     # -- the dialect and the connections (each backend's own) -----------------------------
 
@@ -116,6 +129,24 @@ class SqlDialect(ABC):
             # a packed request's format byte is below a space; else UTF-8 text
             stored = unpack(raw, url, row) if raw[:1] < b" " else raw.decode()
         return request_data(stored, url) if self.URL_ONCE else stored
+
+    def _key(self, key: str | None) -> Any:
+        """A request key (or fingerprint, or parent key) as a parameter compared with, or
+        written to, a key column of ``requests`` (:attr:`KEY_TYPE`); None stays None."""
+        return key
+
+    def _keys(self, keys: Collection[str | None]) -> list[Any]:
+        """:meth:`_key` of each of ``keys``, in order."""
+        return [self._key(key) for key in keys]
+
+    def _key_read(self, value: Any) -> Any:
+        """A value read from a key column of ``requests``, as Python holds keys (lowercase
+        hex text); None stays None."""
+        return value
+
+    def _any_key(self, column: str, keys: Collection[str]) -> tuple[str, Any]:
+        """:meth:`_any` for a key column of ``requests`` and the keys ``keys``."""
+        return self._any(column, self._keys(keys), sql_type=self.KEY_TYPE)
 
     @abstractmethod
     def _write(self, doing: str = "writing") -> contextlib.AbstractContextManager[Any]:

@@ -143,13 +143,13 @@ class SqlKnownRequests(SqlDialect):
                 "SELECT state, finished_at, key FROM requests WHERE key = ? UNION ALL"
                 " SELECT * FROM (SELECT state, finished_at, key FROM requests"
                 "  WHERE fingerprint = ? AND key <> fingerprint LIMIT 1) AS other LIMIT 1",
-                (fingerprint, fingerprint))
+                (self._key(fingerprint), self._key(fingerprint)))
             if rows:
                 known.learn(fingerprint, rows[0][0], rows[0][1], now,
-                            own_key=rows[0][2] == fingerprint)
+                            own_key=self._key_read(rows[0][2]) == fingerprint)
         else:
             rows = self._crawl_select("SELECT state, finished_at FROM requests WHERE key = ?",
-                                      (key,))
+                                      (self._key(key),))
         if not rows:
             return None
         return known_request_answer(rows[0][0], rows[0][1],
@@ -184,12 +184,13 @@ class SqlKnownRequests(SqlDialect):
         fingerprints = sorted(batch.expected)
         batch.expected.clear()
         found: dict[str, tuple[str, Any, bool]] = {}
-        by_key, keys = self._any("key", fingerprints)
-        by_fingerprint, values = self._any("fingerprint", fingerprints)
-        for fingerprint, state, finished_at, own in self._crawl_select(
+        by_key, keys = self._any_key("key", fingerprints)
+        by_fingerprint, values = self._any_key("fingerprint", fingerprints)
+        for stored, state, finished_at, own in self._crawl_select(
                 f"SELECT key, state, finished_at, 1 FROM requests WHERE {by_key} UNION ALL"
                 " SELECT fingerprint, state, finished_at, 0 FROM requests"
                 f" WHERE {by_fingerprint} AND key <> fingerprint", (keys, values)):
+            fingerprint = self._key_read(stored)
             if own or fingerprint not in found:  # the entry keyed by it first
                 found[fingerprint] = (state, finished_at, bool(own))
         known = self._known_entries()
@@ -228,9 +229,9 @@ class SqlKnownRequests(SqlDialect):
     def known_keys(self, keys: Collection[str]) -> dict[str, str]:
         if not keys:
             return {}
-        where, param = self._any("key", list(keys))
+        where, param = self._any_key("key", list(keys))
         window = window_start(self.recrawl_seconds, self.clock())
-        answers = {key: known_request_answer(state, finished_at, window)
+        answers = {self._key_read(key): known_request_answer(state, finished_at, window)
                    for key, state, finished_at in self._crawl_select(
                        f"SELECT key, state, finished_at FROM requests WHERE {where}", (param,))}
         return {key: answer for key, answer in answers.items() if answer is not None}

@@ -178,7 +178,7 @@ class SqlLeases(SqlDialect):
         out, unfinished) did not kill it, their unfinished count is taken back; the others
         were claimed ahead and never handed out, their claim's attempt is taken back.
         Returns how many were claimed ahead."""
-        where, param = self._any("key", list(inflight))
+        where, param = self._any_key("key", list(inflight))
         if inflight:  # (these by the key's index: LEASED_BY)
             cur.execute(self._q(f"UPDATE requests SET unfinished = unfinished - 1 WHERE {where}"
                                 f" AND {self.LEASED_BY} AND unfinished > 0"), (param, worker))

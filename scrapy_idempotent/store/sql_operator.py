@@ -47,19 +47,23 @@ class SqlOperatorQueries(SqlDialect):
         raise NotImplementedError
 
     def entry(self, key: str) -> FrontierEntry | None:
-        found = self._entries_where("key = ?", (key,), 1)
+        found = self._entries_where("key = ?", (self._key(key),), 1)
         return found[0] if found else None
 
     def entries(self, *, after: str | None = None, limit: int = 1000) -> list[FrontierEntry]:
-        return self._entries_where("key > ?", (after or "",), limit)
+        if not after:
+            return self._entries_where("1 = 1", (), limit)
+        return self._entries_where("key > ?", (self._key(after),), limit)
 
     def _entries_where(self, where: str, params: tuple[Any, ...],
                        limit: int) -> list[FrontierEntry]:
         entry = _ENTRY.format(data=self.DATA_READ.format(r=""))
-        rows = self._select(f"{entry} WHERE {where} ORDER BY key{self.TEXT_ORDER} LIMIT ?",
-                            (*params, limit))
-        return [FrontierEntry(*(*row[:5], bool(row[5]),
-                                self._request_data(row[6], row[2], row[0]), *row[7:]))
+        # (key order: text in SQLite's binary order, or bytes: the hex digits' order)
+        rows = self._select(f"{entry} WHERE {where} ORDER BY key LIMIT ?", (*params, limit))
+        read = self._key_read
+        return [FrontierEntry(*(read(row[0]), read(row[1]), *row[2:5], bool(row[5]),
+                                self._request_data(row[6], row[2], read(row[0])),
+                                read(row[7]), *row[8:]))
                 for row in rows]
 
     def meta(self) -> dict[str, str]:
@@ -79,7 +83,7 @@ class SqlOperatorQueries(SqlDialect):
         return [StoredIdentity(*row) for row in self._select(
             "SELECT r.record_id, r.item_type, r.natural_key, r.data, r.content_hash,"
             " r.observed_at, r.first_seen, r.seen_seq, r.request_key, q.url FROM records AS r"
-            " LEFT JOIN requests AS q ON q.key = r.request_key"
+            f" LEFT JOIN requests AS q ON q.key = {self.KEY_OF_TEXT.format(c='r.request_key')}"
             f" {where} ORDER BY r.record_id LIMIT ?",
             (*(() if after is None else (after,)), batch))]
 
@@ -167,7 +171,7 @@ class SqlOperatorQueries(SqlDialect):
             " GROUP BY 1 ORDER BY 2 DESC, 1")}
 
     def repeated_requests(self, limit: int) -> list[RepeatedRequest]:
-        return [RepeatedRequest(*row) for row in self._select(
+        return [RepeatedRequest(self._key_read(row[0]), *row[1:]) for row in self._select(
             "SELECT key, url, state, attempts, worker, error_kind FROM requests"
             " WHERE attempts > 1 ORDER BY attempts DESC, id LIMIT ?", (limit,))]
 
@@ -189,7 +193,7 @@ class SqlOperatorQueries(SqlDialect):
                         "SELECT key, url FROM requests WHERE " + " AND ".join(where), params)
                     if (glob is None or url_glob_matches(glob, url))
                     and (pattern is None or pattern.search(url) is not None)]
-            matching, param = self._any("key", keys)
+            matching, param = self._any("key", keys, sql_type=self.KEY_TYPE)  # (as read)
             where.append(matching)
             params.append(param)
         return " AND ".join(where), params
@@ -198,7 +202,10 @@ class SqlOperatorQueries(SqlDialect):
                         url_regex: str | None = None,
                         limit: int | None = None) -> list[FailedRequest]:
         where, params = self._failed_filter(kinds, url_glob, url_regex)
-        return [FailedRequest(*row) for row in self._select(
+        read = self._key_read
+        return [FailedRequest(read(row[0]), row[1], row[2], row[3], row[4], row[5],
+                              read(row[6]), row[7])
+                for row in self._select(
             "SELECT key, url, error_kind, error_message, attempts, finished_at, parent_key,"
             f" run_id FROM requests WHERE {where} ORDER BY finished_at DESC, id DESC LIMIT ?",
             (*params, self.NO_LIMIT if limit is None else limit))]
@@ -264,7 +271,8 @@ class SqlOperatorQueries(SqlDialect):
         return [RejectedItem(*row) for row in self._select(
             "SELECT j.id, j.item_type, j.reason, j.data, j.request_key,"
             " coalesce(j.page_url, r.url) AS page_url, j.created_at, j.run_id, j.retried_at,"
-            " r.state AS page_state FROM rejects j LEFT JOIN requests r ON r.key = j.request_key"
+            " r.state AS page_state FROM rejects j LEFT JOIN requests r"
+            f" ON r.key = {self.KEY_OF_TEXT.format(c='j.request_key')}"
             f" WHERE {where} ORDER BY j.created_at DESC, j.id DESC LIMIT ?",
             (*params, self.NO_LIMIT if limit is None else limit))]
 
@@ -282,13 +290,15 @@ class SqlOperatorQueries(SqlDialect):
             cur.execute(self._q(
                 f"{_PENDING_AGAIN}, attempts = 0, replays = 0, downloads = 0, unfinished = 0,"
                 " finished_at = NULL, error_kind = NULL, error_message = NULL WHERE key IN"
-                " (SELECT request_key FROM rejects WHERE run_id = ? AND retried_at IS NULL)"
+                f" (SELECT {self.KEY_OF_TEXT.format(c='request_key')} FROM rejects"
+                " WHERE run_id = ? AND retried_at IS NULL)"
                 " AND state IN ('done', 'failed', 'redirected')"), (last[0],))
             pages: int = cur.rowcount
             cur.execute(self._q(
                 "UPDATE rejects SET retried_at = ? WHERE run_id = ? AND retried_at IS NULL"
-                " AND request_key IN (SELECT key FROM requests WHERE state IN"
-                " ('pending', 'leased'))"), (now, last[0]))
+                " AND EXISTS (SELECT 1 FROM requests q WHERE q.key = "
+                + self.KEY_OF_TEXT.format(c="rejects.request_key")
+                + " AND q.state IN ('pending', 'leased'))"), (now, last[0]))
             marked: int = cur.rowcount
             (without,) = cur.execute(self._q(
                 "SELECT count(*) FROM rejects WHERE run_id = ? AND retried_at IS NULL"),
@@ -298,4 +308,5 @@ class SqlOperatorQueries(SqlDialect):
                               run_id=last[0], reopened=bool(pages and last[1] is not None))
 
     def anomalies(self) -> dict[str, int]:
-        return {name: int(self._select(sql)[0][0]) for name, sql in anomaly_checks().items()}
+        return {name: int(self._select(sql)[0][0])
+                for name, sql in anomaly_checks(self.KEY_OF_TEXT).items()}

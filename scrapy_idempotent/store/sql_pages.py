@@ -100,6 +100,8 @@ class SqlPageValidators:
     #: the recrawl window (``FrontierStore``'s; None: none)
     recrawl_seconds: float | None
     clock: Callable[[], float]
+    #: the dialect's (SqlDialect.KEY_OF_TEXT)
+    KEY_OF_TEXT: str
 
     def _select(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
         raise NotImplementedError
@@ -150,7 +152,8 @@ class SqlPageValidators:
             cur, "SELECT l.key, l.fingerprint, l.url, l.priority, l.data, l.filter_fingerprint,"
                  " l.fifo, l.slot FROM linked_requests AS l"
                  f" WHERE {where} AND NOT EXISTS (SELECT 1 FROM requests AS r"
-                 f" WHERE r.key = l.key AND (r.state IN ('pending', 'leased'){known}))",
+                 f" WHERE r.key = {self.KEY_OF_TEXT.format(c='l.key')}"
+                 f" AND (r.state IN ('pending', 'leased'){known}))",
             (param,))}
 
     def _keep_linked(self, cur: Any, requests: Sequence[NewRequest]) -> None:
