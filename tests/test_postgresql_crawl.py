@@ -29,6 +29,22 @@ def pg_rows(url: str, schema: str, sql: str) -> list[tuple[Any, ...]]:
         return [tuple(row) for row in conn.execute(sql).fetchall()]
 
 
+def assert_keys_are_bytes(url: str, schema: str) -> None:
+    """Every request key of the crawl stored as its 20 bytes (Scrapy's fingerprint: schema
+    22 stores a key's bytes, not its hex digits, nor those digits read as escape-format
+    bytea: 40 bytes), each parent's key and fingerprint too, where stored; every request but
+    the start page has its parent, a request of the frontier."""
+    assert pg_rows(url, schema,
+                   "SELECT count(*), count(DISTINCT key), count(parent_key),"
+                   " count(*) FILTER (WHERE octet_length(key) = 20),"
+                   " count(*) FILTER (WHERE octet_length(parent_key) = 20),"
+                   " count(*) FILTER (WHERE fingerprint IS NOT NULL"
+                   "  AND octet_length(fingerprint) <> 20),"
+                   " count(*) FILTER (WHERE parent_key IS NOT NULL AND NOT EXISTS"
+                   "  (SELECT 1 FROM requests p WHERE p.key = requests.parent_key))"
+                   " FROM requests") == [(525, 525, 524, 525, 524, 0, 0)]
+
+
 def assert_catalogue(url: str, schema: str, site: LocalSite) -> None:
     import json
 
@@ -43,7 +59,7 @@ def assert_catalogue(url: str, schema: str, site: LocalSite) -> None:
 
 @deferred_f_from_coro_f
 async def test_full_crawl_on_postgresql_stores_each_product_once(
-        shop: LocalSite, postgres_url: str) -> None:
+        shop: LocalSite, postgres_url: str, real_key_codec: None) -> None:
     settings = crawl_settings(postgres_url, **NATURAL_KEYS)  # type: ignore[arg-type]
     crawler = await run_crawl(ShopSpider, settings, url=shop.url)
     stats = crawler.stats.get_stats()
@@ -55,6 +71,7 @@ async def test_full_crawl_on_postgresql_stores_each_product_once(
     assert_catalogue(postgres_url, schema, shop)
     assert pg_rows(postgres_url, schema,
                    "SELECT state, count(*) FROM requests GROUP BY state") == [("done", 525)]
+    assert_keys_are_bytes(postgres_url, schema)
     assert pg_rows(postgres_url, schema, "SELECT finished_at IS NOT NULL, reason FROM runs"
                    ) == [(True, "finished")]
 
@@ -96,7 +113,7 @@ async def test_crawls_of_other_sources_share_one_database_without_seeing_each_ot
 
 @deferred_f_from_coro_f
 async def test_a_second_worker_waits_for_the_first_and_wakes_when_work_appears(
-        shop: LocalSite, postgres_url: str) -> None:
+        shop: LocalSite, postgres_url: str, real_key_codec: None) -> None:
     """Two workers (crawls in this process, one frontier). The first holds the first listing
     page (the shop holds its answer back) while the second starts: it has nothing to claim
     and waits; once the page's links are committed, the first's notification wakes it. Both
@@ -136,9 +153,11 @@ async def test_a_second_worker_waits_for_the_first_and_wakes_when_work_appears(
     done = [c.stats.get_value("idempotent/requests/done", 0) for c in (first, second)]
     assert all(done) and sum(done) + sum(c.stats.get_value("idempotent/requests/redirected", 0)
                                          for c in (first, second)) == 525
+    # every listing page links the first one: a duplicate across commits and workers
     assert shop.request_count == 525
     [schema] = crawl_schemas(postgres_url)
     assert_catalogue(postgres_url, schema, shop)
+    assert_keys_are_bytes(postgres_url, schema)
 
 
 async def wait_until(condition: Any) -> None:

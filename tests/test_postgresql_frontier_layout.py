@@ -7,13 +7,21 @@ requests kept in order."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from helpers import named_keys
 from scrapy_idempotent._order import queue_position
-from scrapy_idempotent.store import CommitResult, NewRequest, UnitOfWork
+from scrapy_idempotent.store import (
+    CommitResult,
+    Completion,
+    NewRequest,
+    RequestState,
+    UnitOfWork,
+)
 from scrapy_idempotent.store.base import SlotLimits
 from scrapy_idempotent.store.packing import unpack
 
@@ -170,19 +178,33 @@ SLOT_FLAG_UNDO = ("DROP TRIGGER requests_pending_added ON requests",
                   "DROP INDEX slots_pending", "ALTER TABLE slots DROP COLUMN has_pending")
 
 
+#: a named key's name (``helpers.named_keys``), in SQL
+NAME = f"encode(substr(key, {len(named_keys.MARK) + 1}), 'escape')"
+
+#: Schema step 22 undone: the requests' keys as text, their hex digits.
+KEYS_AS_TEXT = ("ALTER TABLE requests"
+                " ALTER COLUMN key TYPE text COLLATE \"C\" USING encode(key, 'hex'),"
+                " ALTER COLUMN parent_key TYPE text USING encode(parent_key, 'hex'),"
+                " ALTER COLUMN fingerprint TYPE text USING encode(fingerprint, 'hex')")
+
+
 def _as_schema(postgres_url: str, version: int) -> None:
-    """The database as schema ``version`` (15, 17, 18 or 20) left it: the steps before 15
-    are unchanged; 16 took the free room of the table's pages, 18 made the key the primary
+    """The database as schema ``version`` (15, 17, 18, 20 or 21) left it: the steps before
+    15 are unchanged; 16 took the free room of the table's pages, 18 made the key the primary
     key, 19 keyed the slot's pending index by the slot's hash and folded the start flag into
     the order of both pending indexes, 20 flagged the slots with pending requests, 21 packed
-    the requests (their rows of text)."""
+    the requests (their rows of text), 22 stored the keys as bytes (text before: the hex
+    digits; a named key of ``helpers.named_keys`` the hex digits of its bytes)."""
+    sql(postgres_url, KEYS_AS_TEXT)
+    sql(postgres_url, f"UPDATE meta SET value = '{version}' WHERE key = 'schema_version'")
+    if version == 21:
+        return
     with psycopg.connect(postgres_url, autocommit=True) as conn:
         conn.execute(f"SET search_path TO {SCHEMA}")
         conn.cursor().executemany("UPDATE requests SET data = %s WHERE key = %s", [
             (unpack(packed, row_url, key), key) for key, row_url, packed in conn.execute(
                 "SELECT key, url, packed FROM requests WHERE packed IS NOT NULL")])
         conn.execute("ALTER TABLE requests DROP COLUMN packed")
-    sql(postgres_url, f"UPDATE meta SET value = '{version}' WHERE key = 'schema_version'")
     if version == 20:
         return
     for statement in SLOT_FLAG_UNDO:
@@ -250,7 +272,7 @@ def test_a_schema_15_frontier_is_migrated_with_its_requests_in_order(
     store = _store(url)
     store.open()
     try:
-        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "21"
+        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "22"
         assert "fillfactor=100" in _options(postgres_url)
         assert _pending_indexes(postgres_url) == PENDING_INDEXES
         store.begin_session("w1", "resume")
@@ -292,18 +314,20 @@ def test_a_schema_17_frontier_gets_its_key_as_primary_key(url: str, postgres_url
     store = _store(url)
     store.open()
     try:
-        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "21"
+        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "22"
         assert _primary_key(postgres_url) == [
             ("requests_key_key", f"CREATE UNIQUE INDEX requests_key_key ON {SCHEMA}.requests"
                                  " USING btree (key)")]
         assert "requests_pkey" not in _request_indexes(postgres_url)
-        assert sql(postgres_url, "SELECT key, id FROM requests ORDER BY key") == ids
+        assert sql(postgres_url, "SELECT encode(key, 'hex'), id FROM requests"
+                                 " ORDER BY key") == ids
         [(identity,)] = sql(postgres_url, "SELECT attidentity FROM pg_attribute WHERE"
                             f" attrelid = '{SCHEMA}.requests'::regclass AND attname = 'id'")
         assert identity == "d"
         store.begin_session("w1", "resume")
         store.commit(UnitOfWork(requests=_requests(20, start=40)), "w1")
-        [(lowest_new,)] = sql(postgres_url, "SELECT min(id) FROM requests WHERE key >= 'k040'")
+        [(lowest_new,)] = sql(postgres_url,
+                             f"SELECT min(id) FROM requests WHERE {NAME} >= 'k040'")
         assert lowest_new > max(i for _, i in ids)
         # Scrapy's order: the highest priority first, then the newest first (LIFO)
         assert _claim_all(store) == [f"k{n:03}" for n in
@@ -334,7 +358,7 @@ def test_a_schema_18_frontier_is_migrated_with_its_requests_in_order(
     store = _store(url)
     store.open()
     try:
-        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "21"
+        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "22"
         assert _pending_indexes(postgres_url) == PENDING_INDEXES
         assert _slot_statistics(postgres_url) == [("requests_slot_hash", "{f,e}", True)]
         store.begin_session("w1", "resume")
@@ -426,9 +450,10 @@ def _linked(n: int) -> NewRequest:
 
 def test_a_schema_20_frontier_gets_its_requests_packed_without_a_rewrite(
         url: str, postgres_url: str) -> None:
-    """Schema 21 adds the requests' packed column, a change of the catalog only: the table
-    is not rewritten (the same file), its rows of text stay as they are and are read as
-    they are; the rows written from then on are packed (``data`` then '')."""
+    """Schema 21 adds the requests' packed column, a change of the catalog only: its rows of
+    text stay as they are and are read as they are (schema 22 then rewrites the table, its
+    keys as bytes: the rows as they were); the rows written from then on are packed
+    (``data`` then '')."""
     requests = [_linked(n) for n in range(40)]
     first = _store(url)
     first.open()
@@ -441,22 +466,92 @@ def test_a_schema_20_frontier_gets_its_requests_packed_without_a_rewrite(
     texts = sql(postgres_url, "SELECT key, data FROM requests ORDER BY key")
     assert [data for _, data in texts] == [r.data.replace(f'"url":"{r.url}",', "")
                                            for r in requests[:20]]
-    table_file = "SELECT relfilenode FROM pg_class WHERE oid = 'requests'::regclass"
-    [(before,)] = sql(postgres_url, table_file)
     store = _store(url)
     store.open()
     try:
-        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "21"
-        assert sql(postgres_url, table_file) == [(before,)]
-        assert sql(postgres_url, "SELECT key, data, packed FROM requests ORDER BY key") == [
+        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "22"
+        assert sql(postgres_url, "SELECT encode(key, 'hex'), data, packed FROM requests"
+                                 " ORDER BY key") == [
             (key, data, None) for key, data in texts]
         store.begin_session("w1", "resume")
         store.commit(UnitOfWork(requests=requests[20:]), "w1")
-        new = sql(postgres_url, "SELECT data, length(packed) FROM requests WHERE key >= 'k020'")
+        new = sql(postgres_url,
+                  f"SELECT data, length(packed) FROM requests WHERE {NAME} >= 'k020'")
         assert len(new) == 20
         assert all(data == "" and 0 < size < 50 for data, size in new), new
         given = {r.key: r.data for r in requests}
         assert {e.key: e.data for e in store.entries()} == given
         assert {r.key: r.data for r in store.commit(UnitOfWork(claim=40), "w1").leased} == given
+    finally:
+        store.close()
+
+
+def _key(name: str) -> str:
+    """A request key as the package makes them: 40 lowercase hex digits."""
+    return hashlib.sha1(name.encode()).hexdigest()
+
+
+def _key_columns(postgres_url: str) -> list[tuple[Any, ...]]:
+    return sql(postgres_url, "SELECT column_name, data_type FROM information_schema.columns"
+                             f" WHERE table_schema = '{SCHEMA}' AND table_name = 'requests'"
+                             " AND column_name IN ('key', 'parent_key', 'fingerprint')"
+                             " ORDER BY column_name")
+
+
+def test_a_schema_21_frontier_reads_the_same_entries_with_its_keys_as_bytes(
+        url: str, postgres_url: str, real_key_codec: None) -> None:
+    # a start request (no parent, its fingerprint its key: NULL), two of its links (one done),
+    # and a dont_filter request whose key is not its fingerprint (stored apart)
+    page, child, done, again = _key("page"), _key("child"), _key("done"), _key("again")
+    first = _store(url)
+    first.open()
+    first.begin_session("w1", "resume")
+    first.commit(UnitOfWork(requests=[NewRequest(key=page, fingerprint=page,
+                                                 url="https://s0/", priority=0, data="{}",
+                                                 is_start=True, slot="s0")]), "w1")
+    first.commit(UnitOfWork(requests=[
+        NewRequest(key=k, fingerprint=f, url=f"https://s0/{n}", priority=n, data="{}",
+                   parent_key=page, slot="s0", filter_fingerprint=k == f)
+        for n, (k, f) in enumerate(((child, child), (done, done), (again, child)))]), "w1")
+    (leased,) = first.commit(UnitOfWork(claim=1), "w1").leased
+    assert leased.key == again
+    first.commit(UnitOfWork(completions=[Completion(again, RequestState.DONE)]), "w1")
+    before = first.entries()
+    first.close()
+    _as_schema(postgres_url, 21)
+    assert _key_columns(postgres_url) == [("fingerprint", "text"), ("key", "text"),
+                                          ("parent_key", "text")]
+    assert sql(postgres_url, "SELECT count(*) FROM requests WHERE fingerprint IS NULL"
+                             " AND parent_key IS NULL") == [(1,)]
+    store = _store(url)
+    store.open()
+    try:
+        assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "22"
+        assert _key_columns(postgres_url) == [("fingerprint", "bytea"), ("key", "bytea"),
+                                              ("parent_key", "bytea")]
+        assert store.entries() == before
+        assert [(e.key, e.fingerprint, e.parent_key, e.state) for e in before] == sorted([
+            (page, page, None, "pending"), (child, child, page, "pending"),
+            (done, done, page, "pending"), (again, child, page, "done")])
+        assert sql(postgres_url, "SELECT octet_length(key), octet_length(fingerprint),"
+                                 " octet_length(parent_key) FROM requests ORDER BY key") == [
+            (20, 20 if k == again else None, None if k == page else 20)
+            for k in sorted((page, child, done, again))]
+        for key in (page, child, done, again):
+            assert store.entry(key) == next(e for e in before if e.key == key)
+        # the same keys are still duplicates: by key, and by the fingerprint of the
+        # dont_filter request's row
+        store.begin_session("w1", "resume")
+        result = store.commit(UnitOfWork(requests=[
+            NewRequest(key=k, fingerprint=k, url="https://s0/x", priority=0, data="{}",
+                       slot="s0") for k in (child, done)]), "w1")
+        assert (result.requests_added, result.requests_duplicate) == (0, 2)
+        assert store.known_request(child) == "duplicate"
+        assert store.known_request(again, key=again) == "already_done"
+        assert sorted(store.known_keys([page, again, _key("never")])) == sorted([page, again])
+        claimed = []
+        while leased_now := store.commit(UnitOfWork(claim=2), "w1").leased:
+            claimed += [(r.key, r.fingerprint) for r in leased_now]
+        assert sorted(claimed) == sorted([(page, page), (child, child), (done, done)])
     finally:
         store.close()

@@ -273,8 +273,9 @@ def test_request_rows_keep_their_url_once(make: Callable[..., PostgreSQLStore],
     assert _stored(postgres_url, "url_once") == sorted(
         (key, stored) for key, (_, stored) in zip(given, URL_ONCE_FORMS, strict=True))
     # packed where smaller (data ''), as the continuation and the due-again below replace
-    assert sql(postgres_url, "SELECT encode(key, 'hex') FROM url_once.requests WHERE packed IS NOT NULL"
-               " ORDER BY key") == [("a0",), ("a2",), ("a3",), ("a4",), ("a5",)]
+    assert sql(postgres_url, "SELECT encode(key, 'hex') FROM url_once.requests"
+               " WHERE packed IS NOT NULL ORDER BY key") == [
+        ("a0",), ("a2",), ("a3",), ("a4",), ("a5",)]
     assert {e.key: e.data for e in store.entries()} == given
     leased = store.commit(UnitOfWork(claim=len(given)), "w").leased
     assert {r.key: r.data for r in leased} == given
@@ -871,3 +872,81 @@ def test_statements_on_a_commits_keys_are_planned_on_the_key_index(
     assert len(recorder.statements) == 3
     for plan in plans(store, recorder):
         assert "_leased" not in plan, plan  # (requests_leased, requests_slot_leased)
+
+
+# -- request keys as bytes (schema 22) ------------------------------------------------------
+
+
+def test_keys_are_stored_as_their_bytes_and_read_back_as_hex(
+        make: Callable[..., PostgreSQLStore], postgres_url: str, real_key_codec: None) -> None:
+    url = postgres_url + "?schema=keys"
+    store = make(url, heartbeat_seconds=None, clock=FakeClock())
+    store.open(fingerprinter="f", identity=SHOP)
+    store.begin_session("w", "auto")
+    parent, child, other = "00" * 19 + "ff", "ab" * 20, "0123456789abcdef" * 2 + "01234567"
+    store.commit(UnitOfWork(requests=[req(parent)]), "w")
+    store.commit(UnitOfWork(requests=[
+        NewRequest(key=child, fingerprint=child, url="https://shop.example/c", priority=0,
+                   data="{}", parent_key=parent),
+        NewRequest(key=other, fingerprint=child, url="https://shop.example/c", priority=0,
+                   data="{}", parent_key=parent, filter_fingerprint=False)]), "w")
+    assert sql(postgres_url, "SELECT key, fingerprint, parent_key FROM keys.requests"
+               " ORDER BY key") == [
+        (bytes.fromhex(parent), None, None),
+        (bytes.fromhex(other), bytes.fromhex(child), bytes.fromhex(parent)),
+        (bytes.fromhex(child), None, bytes.fromhex(parent))]
+    assert [(e.key, e.fingerprint, e.parent_key) for e in store.entries()] == [
+        (parent, parent, None), (other, child, parent), (child, child, parent)]
+    assert [e.key for e in store.entries(after=parent, limit=1)] == [other]
+    # a link to the child again, in another commit: a duplicate by key and by fingerprint
+    result = store.commit(UnitOfWork(requests=[req(child)]), "w")
+    assert (result.requests_added, result.requests_duplicate) == (0, 1)
+    assert store.known_request(child) == "duplicate"
+    leased = store.commit(UnitOfWork(claim=3), "w").leased
+    assert sorted((r.key, r.fingerprint) for r in leased) == sorted(
+        [(parent, parent), (child, child), (other, child)])
+    assert sorted(store.renew_leases("w")) == sorted([parent, child, other])
+    # a journaled response ends with its request's completion
+    store.commit(UnitOfWork(responses=[(child, "{}", b"body")]), "w")
+    assert store.journaled_response(child) == ("{}", b"body")
+    store.commit(UnitOfWork(completions=[Completion(child, RequestState.DONE),
+                                         Completion(other, RequestState.FAILED,
+                                                    error_kind="http_status")]), "w")
+    assert store.journaled_response(child) is None
+    assert [(f.key, f.parent_key) for f in store.failed_requests()] == [(other, parent)]
+    assert store.anomalies()["orphan_journal"] == 0
+
+
+@pytest.mark.parametrize("key", ["k1", "AB" * 20, "abc", "ab cd", ""])
+def test_a_key_that_is_not_hex_digits_is_refused_and_nothing_is_stored(
+        make: Callable[..., PostgreSQLStore], postgres_url: str, real_key_codec: None,
+        key: str) -> None:
+    # stored as bytes, it would not read back as the same key: refused, not mangled
+    url = postgres_url + "?schema=keys"
+    store = make(url, heartbeat_seconds=None, clock=FakeClock())
+    store.open(fingerprinter="f", identity=SHOP)
+    store.begin_session("w", "auto")
+    for requests in ([req(key)], [req("ab"), NewRequest(
+            key="cd", fingerprint="cd", url="https://shop.example/c", priority=0, data="{}",
+            parent_key=key)]):
+        with pytest.raises(StoreError, match="not lowercase hexadecimal"):
+            store.commit(UnitOfWork(requests=requests), "w")
+    assert sql(postgres_url, "SELECT count(*) FROM keys.requests") == [(0,)]
+    with pytest.raises(StoreError, match="not lowercase hexadecimal"):
+        store.entry(key)
+
+
+def test_a_text_parameter_compared_with_a_key_is_an_error_not_a_miss(
+        make: Callable[..., PostgreSQLStore], postgres_url: str, real_key_codec: None) -> None:
+    # PostgreSQL reads a literal of unknown type compared with bytea as escape-format bytea
+    # (40 hex digits: their 40 ASCII bytes), finding nothing; the store sends str as text,
+    # so a statement that forgot to convert its key fails
+    url = postgres_url + "?schema=keys"
+    store = make(url, heartbeat_seconds=None, clock=FakeClock())
+    store.open(fingerprinter="f", identity=SHOP)
+    store.begin_session("w", "auto")
+    store.commit(UnitOfWork(requests=[req("ab" * 20)]), "w")
+    with pytest.raises(StoreError, match="operator does not exist: bytea = text"):
+        store._select("SELECT 1 FROM requests WHERE key = ?", ("ab" * 20,))
+    assert store._select("SELECT 1 FROM requests WHERE key = ?", (store._key("ab" * 20),)) == [
+        (1,)]

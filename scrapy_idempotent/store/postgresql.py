@@ -55,7 +55,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from ..exceptions import StoreBusy, StoreError
@@ -637,7 +637,7 @@ class PostgreSQLStore(PostgreSQLHeartbeat, PostgreSQLOperatorQueries, SqlStore):
                 " UPDATE requests SET leased_until = %s WHERE state = 'leased'"
                 " AND worker = %s AND leased_until >= %s RETURNING key",
                 (now, worker, now + self.lease_seconds, worker, now)).fetchall()
-        return [bytes(key).hex() for (key,) in rows]
+        return [cast(str, self._key_read(key)) for (key,) in rows]
 
     # -- waking idle workers (LISTEN/NOTIFY) ------------------------------------------------
 
