@@ -469,9 +469,11 @@ def test_kills_during_an_adaptive_recrawl_round(tmp_path: Path, crawl_database: 
     assert unkilled_requests <= killed_requests <= unkilled_requests + kills * concurrency
     # records and feeds: a changed product is found if it was due, else seen unchanged
     with reading(databases["unkilled"]) as store:
+        # (the validators' text keys as the requests' key column holds them)
+        of_text = store.KEY_OF_TEXT.format(c="key")  # type: ignore[attr-defined]
         fetched_urls = {url for (url,) in store._select(  # type: ignore[attr-defined]
-            "SELECT url FROM requests WHERE key IN"
-            " (SELECT key FROM page_validators WHERE outcome <> 'not_due')")}
+            f"SELECT url FROM requests WHERE key IN (SELECT {of_text} FROM page_validators"
+            " WHERE outcome <> 'not_due')")}
     prices = {sku(n): new_price(n) if n in changed and any(
                   url.endswith(f"/product/{sku(n)}.html") for url in fetched_urls)
               else old_price(n) for n in range(1, products + 1)}

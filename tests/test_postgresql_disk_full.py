@@ -110,7 +110,7 @@ def assert_done_means_stored(url: str) -> set[str]:
     """Done is the last write of a page: each done item page has its one record, the done
     listing has all its children, every record belongs to a done page. Returns the paths
     done."""
-    rows = crawl_rows(url, "SELECT key, url, state FROM requests")
+    rows = crawl_rows(url, "SELECT encode(key, 'hex'), url, state FROM requests")
     state_of = {key: state for key, _, state in rows}
     records: dict[str, list[str]] = {}
     for data, request_key in crawl_rows(url, "SELECT data, request_key FROM records"):

@@ -18,8 +18,10 @@ def frontier_holds_every_field(database: str, server: Any, run_id: int) -> int:
         [schema] = [name for (name,) in conn.execute(
             "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'idempotent%'")]
         conn.execute("SELECT set_config('search_path', %s, false)", (schema,))
-        known = {value for row in conn.execute("SELECT key, fingerprint FROM requests")
-                 for value in row}
+        # (PostgreSQL keeps the keys as their bytes: schema 22)
+        known = {value for row in conn.execute(
+            "SELECT encode(key, 'hex'), encode(fingerprint, 'hex') FROM requests")
+            for value in row}
         [(frontier,)] = conn.execute("SELECT value FROM meta WHERE key = 'frontier_id'")
     key = f"{redis_dedup.KEY_PREFIX}:{frontier}:{run_id}:none"
     fields = {field.hex() for field in redis.Redis.from_url(server.url).hkeys(key)}
