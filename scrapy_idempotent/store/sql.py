@@ -50,6 +50,7 @@ from .base import (
     UnitOfWork,
     change_key,
 )
+from .packing import PackedRequestError
 from .rules import (
     CLAIMED_COLUMNS,
     Enqueue,
@@ -585,9 +586,13 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
         rows = (self._claim_rows(cur, worker, count, until) if self.slot_limits is None
                 else self._claim_by_slot(cur, worker, count, until, now, result, send_by,
                                          slots))
-        rows = [(*row[:_DATA], self._request_data(row[_DATA], row[_URL], row[_KEY]),
-                 *row[_DATA + 1:]) for row in rows]
+        unreadable: dict[str, str] = {}  # key -> why its stored request cannot be read
+        rows = [(*row[:_DATA], self._readable_data(row, unreadable), *row[_DATA + 1:])
+                for row in rows]
         leased, over = split_claim(rows, self.max_attempts, until)
+        if unreadable:
+            leased = [dataclasses.replace(r, unreadable=unreadable[r.key])
+                      if r.key in unreadable else r for r in leased]
         if slots:
             by_key = {row[1]: (send_by.get(row[0], 0.0), slots[row[0]]) for row in rows}
             leased = [dataclasses.replace(r, send_by=by_key[r.key][0], slot=by_key[r.key][1])
@@ -601,6 +606,16 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
                 [(now, quarantine_message(r.unfinished), r.key) for r in over])
             result.quarantined.extend(r.url for r in over)
         result.leased.extend(leased)
+
+    def _readable_data(self, row: Sequence[Any], unreadable: dict[str, str]) -> str:
+        """The JSON text of a claimed row's request; "" for a row whose packed request cannot
+        be read back (damaged on disk), its reason kept in ``unreadable`` by its key: that
+        one request fails, the claim and the crawl go on."""
+        try:
+            return self._request_data(row[_DATA], row[_URL], row[_KEY])
+        except PackedRequestError as exc:
+            unreadable[row[_KEY]] = str(exc)
+            return ""
 
     # -- frontier reads -------------------------------------------------------------------
 
