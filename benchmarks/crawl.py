@@ -15,6 +15,11 @@ configurations alternating, R repetitions:
     d  scrapy_idempotent with IDEMPOTENT_RESPONSE_JOURNAL = False
     e  scrapy_idempotent with IDEMPOTENT_POLITENESS = "crawl" (limits kept by the claims)
     w  scrapy_idempotent with IDEMPOTENT_POLITENESS = "worker" (Scrapy's limits per process)
+    z  (c) on a database already deep: ``--deep`` requests of another site done, each with
+       its record (built once through the package's write path as ``depth.py`` builds
+       them, in an unfinished run of this crawl; each crawl starts from a copy): what a
+       worker pays per page when the key index and the records are far larger than
+       SQLite's page cache, against (c)'s empty database
 
 Every crawl: CONCURRENT_REQUESTS = CONCURRENT_REQUESTS_PER_DOMAIN = 32 (``--concurrency``),
 no download delay, LOG_LEVEL = WARNING, no telnet console, robots.txt not fetched. The spider
@@ -66,7 +71,10 @@ CONFIGS = {
     "d": "scrapy_idempotent, no journal",
     "e": "scrapy_idempotent, IDEMPOTENT_POLITENESS = crawl",
     "w": "scrapy_idempotent, IDEMPOTENT_POLITENESS = worker",
+    "z": "scrapy_idempotent (add-on), its database already --deep requests deep",
 }
+#: the deep database (z) every such crawl starts from: its path and what it holds
+DEEP: dict[str, Any] = {}
 
 _WORDS = (
     "lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "do",
@@ -281,7 +289,7 @@ def _crawl_child(config: str, url: str, workdir: Path, out: Path, concurrency: i
     }
     if config == "b":
         settings["JOBDIR"] = str(workdir / "jobdir")
-    elif config in ("c", "d", "e", "w"):
+    elif config in ("c", "d", "e", "w", "z"):
         settings["ADDONS"] = {"scrapy_idempotent.Addon": 0}
         settings["IDEMPOTENT_DATABASE"] = str(workdir / "frontier.sqlite3")
         settings["IDEMPOTENT_NATURAL_KEYS"] = {"dict": "sku"}
@@ -303,7 +311,7 @@ def _crawl_child(config: str, url: str, workdir: Path, out: Path, concurrency: i
     store = getattr(held.get("scheduler"), "store", None)
     result = {"stats": stats, "store_transactions": getattr(store, "transactions", None),
               "scrapy": scrapy.__version__}
-    if config in ("c", "d", "e", "w"):
+    if config in ("c", "d", "e", "w", "z"):
         import scrapy_idempotent
 
         result["package"] = os.path.dirname(scrapy_idempotent.__file__)
@@ -334,6 +342,10 @@ def run_one(name: str, config: str, pythonpath: str | None, url: str, tmp: Path,
     """One crawl in a subprocess: its stats, resources and checks."""
     workdir = tmp / "runs" / f"{index:03d}-{name}"
     workdir.mkdir(parents=True)
+    deep = {"done": 0, "records": 0}
+    if config == "z":  # a copy of the deep database: every such crawl starts from the same
+        shutil.copyfile(DEEP["path"], workdir / "frontier.sqlite3")
+        deep = DEEP
     out = workdir / "result.json"
     env = dict(os.environ)
     if pythonpath:
@@ -376,17 +388,18 @@ def run_one(name: str, config: str, pythonpath: str | None, url: str, tmp: Path,
         problems.append(f"{row['items']} items, site has {shape['products']} products")
     if config == "b":
         row["disk_mb"] = _disk_bytes(workdir / "jobdir") / 2**20
-    elif config in ("c", "d", "e", "w"):
+    elif config in ("c", "d", "e", "w", "z"):
         db = workdir / "frontier.sqlite3"
         row["disk_mb"] = sum(_disk_bytes(Path(f"{db}{s}")) for s in ("", "-wal")) / 2**20
         check = _db_check(db)
         row["db"] = check
-        if check["records"] != shape["products"]:
+        if check["records"] != shape["products"] + deep["records"]:
             problems.append(f"{check['records']} records stored, site has "
-                            f"{shape['products']} products")
-        if check["states"].get("done", 0) != shape["pages"] or len(check["states"]) != 1:
+                            f"{shape['products']} products (and {deep['records']} before)")
+        if (check["states"].get("done", 0) != shape["pages"] + deep["done"]
+                or len(check["states"]) != 1):
             problems.append(f"frontier states {check['states']}, expected "
-                            f"{shape['pages']} done")
+                            f"{shape['pages']} done (and {deep['done']} before)")
         txns = child["store_transactions"] or 0
         commits = int(stats.get("idempotent/transactions", 0))
         row["txn_per_page"] = txns / pages if pages else None
@@ -395,6 +408,31 @@ def run_one(name: str, config: str, pythonpath: str | None, url: str, tmp: Path,
             int(stats.get("idempotent/responses/journaled", 0)) / pages if pages else None)
     row["problems"] = problems
     return row
+
+
+def build_deep(path: Path, requests: int) -> dict[str, Any]:
+    """The deep database of (z): this crawl's (its identity: Scrapy's default ``BOT_NAME``,
+    the spider ``bench``), ``requests`` requests of another site done with a record each,
+    through the package's write path as ``depth.py`` builds them, in a run left unfinished
+    (the crawl resumes it). Returns its path and counts."""
+    sys.path.insert(0, str(HERE.parent))
+    import depth
+
+    from scrapy_idempotent.records import RECORD_ID_SCHEME
+    from scrapy_idempotent.store import open_store
+    from scrapy_idempotent.store.base import CrawlIdentity
+
+    store: Any = open_store(str(path))
+    store.open(fingerprinter="scrapy.utils.request.RequestFingerprinter",
+               identity=CrawlIdentity(project="scrapybot", spider="bench", source="bench"),
+               record_id_scheme=RECORD_ID_SCHEME)
+    store.close()
+    t0 = time.perf_counter()
+    depth.build(str(path), 0, requests, 10_000)
+    check = _db_check(path)
+    print(f"built {path}: {check} in {time.perf_counter() - t0:.0f} s, "
+          f"{path.stat().st_size / 2**20:.0f} MiB", flush=True)
+    return {"path": path, "done": check["states"].get("done", 0), "records": check["records"]}
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -488,6 +526,10 @@ def main() -> None:
                         help="keep the generated site here and reuse it on later runs")
     parser.add_argument("--json", type=Path, default=None, help="write every run here")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    parser.add_argument("--deep", type=int, default=1_000_000,
+                        help="(z): requests done in its database before it (default 1000000)")
+    parser.add_argument("--deep-file", type=Path, default=None,
+                        help="(z): build its database here once, and reuse it on later runs")
     # internal: one crawl, or the fallback server
     parser.add_argument("--child", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
@@ -540,6 +582,14 @@ def main() -> None:
                   f"in {time.perf_counter() - t0:.1f}s", flush=True)
         with contextlib.suppress(OSError):  # readable by nginx's worker user
             os.chmod(site, 0o755)
+        if any(config == "z" for _, config, _ in runs):
+            deep_file = args.deep_file.resolve() if args.deep_file else tmp / "deep.sqlite3"
+            if deep_file.exists():
+                check = _db_check(deep_file)
+                DEEP.update(path=deep_file, done=check["states"].get("done", 0),
+                            records=check["records"])
+            else:
+                DEEP.update(build_deep(deep_file, args.deep))
         server, url, server_kind = start_server(tmp, site)
         print(f"serving {site} with {server_kind} at {url}", flush=True)
         version = package_version()

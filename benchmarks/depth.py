@@ -49,6 +49,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -184,18 +185,12 @@ def build(db: str, pending: int, done: int, batch: int) -> dict[str, Any]:
 
 _NEW_URL = "regexp_replace({url}, '/product/[0-9]+-', '/product/' || ({n} + %(shift)s) || '-')"
 _NEW_KEY = "left(encode(sha256(convert_to({url}, 'UTF8')), 'hex'), 40)"
-_REQUEST_COPY = f"""
-INSERT INTO requests (key, fingerprint, url, priority, is_start, fifo, state, data, parent_key,
-    worker, leased_until, attempts, unfinished, replays, enqueued_at, finished_at, error_kind,
-    error_message, run_id, slot, downloads)
-SELECT k, CASE WHEN fingerprint IS NOT NULL THEN k END, u, priority, is_start, fifo, state,
-    replace(data, url, u), parent_key, worker, leased_until, attempts, unfinished, replays,
-    enqueued_at, finished_at, error_kind, error_message, run_id, slot, downloads
-FROM (SELECT r.*, {_NEW_URL.format(url="r.url", n="r.n")} AS u
-      FROM (SELECT *, substring(url from '/product/([0-9]+)-')::bigint AS n FROM requests
-            WHERE id <= %(last)s) AS r) AS x,
-     LATERAL (SELECT {_NEW_KEY.format(url="x.u")} AS k) AS kk
-ORDER BY x.id"""
+#: the columns a request's copy keeps as they are (its key, fingerprint, URL and stored
+#: request are new)
+_KEPT = ("priority", "is_start", "fifo", "state", "parent_key", "worker", "leased_until",
+         "attempts", "unfinished", "replays", "enqueued_at", "finished_at", "error_kind",
+         "error_message", "run_id", "slot", "downloads")
+_PRODUCT = re.compile(r"/product/([0-9]+)-")
 _RECORD_COPY = f"""
 INSERT INTO records (record_id, source, natural_key, item_type, data, content_hash, first_seen,
     last_changed, first_run_id, changed_run_id, request_key, seen_run_id, seen_at, seen_seq,
@@ -217,32 +212,64 @@ ORDER BY seen_seq"""
 
 
 def replicate(db: str, copies: int) -> float:
-    """Copy the built rows (requests and records) ``copies`` times in SQL, each copy with
-    new URLs, keys, SKUs and record IDs computed as the write path computes them (the key
-    a hash of the URL of the same length as Scrapy's fingerprint): a frontier of the same
-    rows, as large as wanted, without waiting for the write path to store each one.
-    PostgreSQL only; returns the seconds it took."""
+    """Copy the built rows (requests and records) ``copies`` times, each copy with new URLs,
+    keys, SKUs and record IDs computed as the write path computes them (the key a hash of
+    the URL of the same length as Scrapy's fingerprint): a frontier of the same rows, as
+    large as wanted, without waiting for the write path to store each one. Requests are
+    read back and written again by this process (their stored request unpacked and packed
+    again with its new URL, as the store does: a packed request's dictionary is its URL),
+    through ``COPY``; records in SQL. PostgreSQL only; returns the seconds it took."""
     import psycopg
 
+    from scrapy_idempotent.store import open_store
     from scrapy_idempotent.store.postgresql import _split_url
 
+    store: Any = open_store(db, lease_seconds=3600)  # (not opened: its codec of rows only)
     url, schema = _split_url(db)
     t0 = time.perf_counter()
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(f'SET search_path TO "{schema}"')
+    with psycopg.connect(url, autocommit=True) as conn, psycopg.connect(url) as reader:
+        for each in (conn, reader):
+            each.execute(f'SET search_path TO "{schema}"')
         last, count = conn.execute("SELECT max(id), count(*) FROM requests").fetchone()
         last_record = conn.execute("SELECT coalesce(max(seen_seq), 0) FROM records"
                                    ).fetchone()[0]
         numbers = conn.execute("SELECT max(substring(url from '/product/([0-9]+)-')::bigint)"
                                " FROM requests").fetchone()[0]
+        # the key's type: text (40 hex digits) or bytea, as the release measured has it
+        key_type = conn.execute(
+            "SELECT format_type(atttypid, atttypmod) FROM pg_attribute"
+            " WHERE attrelid = 'requests'::regclass AND attname = 'key'").fetchone()[0]
+        as_key: Any = bytes.fromhex if key_type == "bytea" else str
+        data_read = store.DATA_READ.format(r="")
+        columns = ("key", "fingerprint", "url", "data", "packed", *_KEPT)
         for copy in range(1, copies + 1):
             shift = copy * (numbers + 1)
+            with conn.transaction(), reader.transaction(), reader.cursor(name="source") as rows, \
+                    conn.cursor().copy(f"COPY requests ({', '.join(columns)}) FROM STDIN") as out:
+                rows.itersize = 10_000
+                rows.execute(f"SELECT url, fingerprint IS NOT NULL, {data_read}, "
+                             f"{', '.join(_KEPT)} FROM requests WHERE id <= %s ORDER BY id",
+                             (last,))
+                for old_url, has_fingerprint, stored, *kept in rows:
+                    match = _PRODUCT.search(old_url)
+                    assert match is not None, old_url
+                    new_url = (f"{old_url[:match.start()]}/product/{int(match[1]) + shift}-"
+                               f"{old_url[match.end():]}")
+                    key = as_key(hashlib.sha256(new_url.encode()).hexdigest()[:40])
+                    text = store._request_data(stored, old_url).replace(old_url, new_url)
+                    out.write_row((key, key if has_fingerprint else None, new_url,
+                                   *store._stored_data(text, new_url), *kept))
             with conn.transaction():
-                conn.execute(_REQUEST_COPY, {"shift": shift, "last": last})
                 conn.execute(_RECORD_COPY, {"shift": shift, "last_record": last_record})
             print(f"  copy {copy} of {copies}: {(copy + 1) * count:,} requests in "
                   f"{time.perf_counter() - t0:.0f} s", flush=True)
         conn.execute("VACUUM ANALYZE")
+        newest = conn.execute("SELECT key FROM requests ORDER BY id DESC LIMIT 1").fetchone()[0]
+    # the last copy reads back through the store as written: its own URL in its request
+    store = open_built(db)
+    entry = store.entry(newest.hex() if isinstance(newest, bytes) else newest)
+    store.close()
+    assert entry is not None and json.loads(entry.data)["url"] == entry.url, entry
     return time.perf_counter() - t0
 
 

@@ -124,6 +124,9 @@ class HandOut:
                 return request
 
     def _load(self, leased: LeasedRequest) -> Request | None:
+        if leased.unreadable:  # its row is damaged: nothing to load
+            self._unloadable(leased, leased.unreadable)
+            return None
         request = self.recent.take(leased.key, leased.data)
         if request is not None and self.tracker.for_request(request) is not None:
             request = None  # the same object yielded twice (dont_filter): a copy for this one
@@ -131,10 +134,7 @@ class HandOut:
             if request is None:
                 request = self.codec.decode(leased.data)
         except Exception as exc:
-            self.stats.inc_value("idempotent/requests/unloadable")
-            logger.error("scrapy_idempotent: cannot load stored request %s: %s", leased.key, exc)
-            self.tracker.fail_unloadable(leased.key, str(exc))
-            self.outcomes.expect(leased.key, None, leased.fingerprint)
+            self._unloadable(leased, str(exc))
             return None
         self.tracker.handed_out(leased, request)
         self.politeness.handing_out(request)
@@ -142,3 +142,10 @@ class HandOut:
         if leased.attempts > 1:
             self._count("idempotent/requests/repeated")
         return request
+
+    def _unloadable(self, leased: LeasedRequest, why: str) -> None:
+        """A leased request that cannot be loaded ends failed as ``unloadable``."""
+        self.stats.inc_value("idempotent/requests/unloadable")
+        logger.error("scrapy_idempotent: cannot load stored request %s: %s", leased.key, why)
+        self.tracker.fail_unloadable(leased.key, why)
+        self.outcomes.expect(leased.key, None, leased.fingerprint)

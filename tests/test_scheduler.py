@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from typing import Any
+from urllib.parse import urlsplit
 
 import scrapy
 
@@ -19,11 +20,14 @@ from helpers.stored import (
     change_stored,
     frontier_counts,
     frontier_entries,
+    reading,
+    request_keys,
     rewrite_stored_requests,
     stored_runs,
     stored_sessions,
 )
 from scrapy_idempotent.store.base import UnitOfWork
+from scrapy_idempotent.store.registry import sqlite_path
 from scrapy_idempotent.workers import WorkerId
 
 
@@ -153,6 +157,39 @@ def test_unstorable_request_is_handed_out_from_memory_and_counted(
             finish(scheduler, request)
     assert frontier_counts(crawl_harness.database) == {}
     assert not scheduler.has_pending_requests()
+
+
+def test_a_damaged_packed_request_fails_that_request_and_the_rest_goes_on(
+        crawl_harness: Harness) -> None:
+    """A stored request whose packed bytes were damaged on disk cannot be read back: the
+    claim hands out the rest, that one ends failed as ``unloadable`` naming its row (it
+    stopped every run of the crawl before)."""
+    scheduler = crawl_harness.scheduler()
+    for url in URLS[:3]:
+        scheduler.enqueue_request(scrapy.Request(url))
+    crawl_harness.close(scheduler)
+    damaged = request_keys(crawl_harness.database)[urlsplit(URLS[1]).path]
+    if sqlite_path(str(crawl_harness.database)) is not None:  # the packed bytes in data
+        change_stored(crawl_harness.database, "UPDATE requests SET data ="
+                      " substr(data, 1, length(data) - 2) WHERE key = ? AND typeof(data) ="
+                      " 'blob'", (damaged,))
+    else:  # beside it
+        change_stored(crawl_harness.database, "UPDATE requests SET packed ="
+                      " substring(packed from 1 for length(packed) - 2) WHERE key = ?"
+                      " AND packed IS NOT NULL", (damaged,))
+    reopened = crawl_harness.scheduler()
+    drained = drain(reopened)
+    assert sorted(r.url for r in drained) == sorted([URLS[0], URLS[2]])
+    for request in drained:
+        finish(reopened, request)
+    assert reopened.stats.get_value("idempotent/requests/unloadable") == 1
+    reopened.close("finished")
+    crawl_harness.open.remove(reopened)
+    with reading(crawl_harness.database) as store:
+        failed, = store.failed_requests()
+    assert (failed.key, failed.url, failed.error_kind) == (damaged, URLS[1], "unloadable")
+    assert f"frontier row {damaged} cannot be unpacked" in (failed.error_message or "")
+    assert frontier_counts(crawl_harness.database) == {"done": 2, "failed": 1}
 
 
 def test_missing_callback_fails_that_request_and_the_rest_goes_on(crawl_harness: Harness) -> None:

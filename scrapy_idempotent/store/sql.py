@@ -50,6 +50,7 @@ from .base import (
     UnitOfWork,
     change_key,
 )
+from .packing import PackedRequestError
 from .rules import (
     CLAIMED_COLUMNS,
     Enqueue,
@@ -592,9 +593,13 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
                                          slots))
         rows = [(row[0], self._key_read(row[_KEY]), self._key_read(row[_FINGERPRINT]),
                  *row[_FINGERPRINT + 1:]) for row in rows]
-        rows = [(*row[:_DATA], self._request_data(row[_DATA], row[_URL], row[_KEY]),
-                 *row[_DATA + 1:]) for row in rows]
+        unreadable: dict[str, str] = {}  # key -> why its stored request cannot be read
+        rows = [(*row[:_DATA], self._readable_data(row, unreadable), *row[_DATA + 1:])
+                for row in rows]
         leased, over = split_claim(rows, self.max_attempts, until)
+        if unreadable:
+            leased = [dataclasses.replace(r, unreadable=unreadable[r.key])
+                      if r.key in unreadable else r for r in leased]
         if slots:
             by_key = {row[1]: (send_by.get(row[0], 0.0), slots[row[0]]) for row in rows}
             leased = [dataclasses.replace(r, send_by=by_key[r.key][0], slot=by_key[r.key][1])
@@ -608,6 +613,16 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
                 [(now, quarantine_message(r.unfinished), self._key(r.key)) for r in over])
             result.quarantined.extend(r.url for r in over)
         result.leased.extend(leased)
+
+    def _readable_data(self, row: Sequence[Any], unreadable: dict[str, str]) -> str:
+        """The JSON text of a claimed row's request; "" for a row whose packed request cannot
+        be read back (damaged on disk), its reason kept in ``unreadable`` by its key: that
+        one request fails, the claim and the crawl go on."""
+        try:
+            return self._request_data(row[_DATA], row[_URL], row[_KEY])
+        except PackedRequestError as exc:
+            unreadable[row[_KEY]] = str(exc)
+            return ""
 
     # -- frontier reads -------------------------------------------------------------------
 

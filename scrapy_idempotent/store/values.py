@@ -164,6 +164,10 @@ class LeasedRequest:
     #: the validators its page answered with when it was last done (claims load them only
     #: with :setting:`IDEMPOTENT_CONDITIONAL_REQUESTS`): None when none are kept
     validators: PageValidators | None = field(default=None, compare=False)
+    #: why its stored request cannot be read back (a packed row damaged on disk: ``data``
+    #: is then ""), else "": the worker fails it as ``unloadable`` instead of loading it,
+    #: and the claim hands out the rest
+    unreadable: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
