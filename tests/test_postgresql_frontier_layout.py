@@ -15,6 +15,7 @@ import pytest
 
 from helpers import named_keys
 from scrapy_idempotent._order import queue_position
+from scrapy_idempotent.exceptions import StoreError
 from scrapy_idempotent.store import (
     CommitResult,
     Completion,
@@ -555,3 +556,25 @@ def test_a_schema_21_frontier_reads_the_same_entries_with_its_keys_as_bytes(
         assert sorted(claimed) == sorted([(page, page), (child, child), (done, done)])
     finally:
         store.close()
+
+
+def test_a_schema_21_frontier_holding_a_key_that_is_not_hex_is_not_migrated(
+        url: str, postgres_url: str, real_key_codec: None) -> None:
+    # a row written by hand with a key that is not hex digits: it would not read back as
+    # its key, so the step fails, and nothing is changed
+    first = _store(url)
+    first.open()
+    first.close()
+    _as_schema(postgres_url, 21)
+    sql(postgres_url, "INSERT INTO requests (key, fingerprint, url, priority, state, data,"
+                      " enqueued_at, run_id) VALUES ('k1', 'k1', 'https://s0/', 0, 'pending',"
+                      " '{}', 0, 1)")
+    store = _store(url)
+    with pytest.raises(StoreError, match="invalid hexadecimal"):
+        store.open()
+    store.close()
+    assert sql(postgres_url, "SELECT value FROM meta WHERE key = 'schema_version'") == [
+        ("21",)]
+    assert _key_columns(postgres_url) == [("fingerprint", "text"), ("key", "text"),
+                                          ("parent_key", "text")]
+    assert sql(postgres_url, "SELECT key FROM requests") == [("k1",)]

@@ -215,7 +215,8 @@ def test_a_flag_cleared_by_a_claim_racing_a_commit_is_set_again(
         adding.execute(
             "INSERT INTO requests (key, fingerprint, url, priority, state, data, enqueued_at,"
             " run_id, slot) VALUES (%s, %s, %s, 0, 'pending', '{}', 0, 1, %s)",
-            (f"{SLOT}/2", f"fp-{SLOT}/2", f"https://{SLOT}/2", SLOT))
+            # (the keys as the store keeps them: bytes, schema 22)
+            (store._key(f"{SLOT}/2"), store._key(f"fp-{SLOT}/2"), f"https://{SLOT}/2", SLOT))
         # the other worker's claim: reads the slot, sees no pending request, clears the flag
         assert claim(other, "w2") == []
         assert not flagged(store)

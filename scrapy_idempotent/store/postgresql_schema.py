@@ -477,10 +477,16 @@ MIGRATIONS: list[list[str]] = [
         # reading them. Their joins with requests convert their text key to bytes
         # (KEY_OF_TEXT: decode() of the other table's column), so that the requests'
         # primary key index finds the request (EXPLAIN: an index scan of requests_key_key
-        # per row, as before).
-        "ALTER TABLE requests ALTER COLUMN key TYPE bytea USING decode(key, 'hex'),"
-        " ALTER COLUMN parent_key TYPE bytea USING decode(parent_key, 'hex'),"
-        " ALTER COLUMN fingerprint TYPE bytea USING decode(fingerprint, 'hex')",
+        # per row, as before). (Only where the key is text: a schema whose version was set
+        # back by hand keeps its columns.)
+        """DO $$ BEGIN
+             IF (SELECT atttypid FROM pg_attribute WHERE attrelid = 'requests'::regclass
+                 AND attname = 'key') = 'text'::regtype THEN
+               ALTER TABLE requests ALTER COLUMN key TYPE bytea USING decode(key, 'hex'),
+                 ALTER COLUMN parent_key TYPE bytea USING decode(parent_key, 'hex'),
+                 ALTER COLUMN fingerprint TYPE bytea USING decode(fingerprint, 'hex');
+             END IF;
+           END $$""",
     ],
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION
