@@ -23,6 +23,7 @@ from helpers.stored import (
     reading,
     request_keys,
     rewrite_stored_requests,
+    stored_key,
     stored_runs,
     stored_sessions,
 )
@@ -176,7 +177,7 @@ def test_a_damaged_packed_request_fails_that_request_and_the_rest_goes_on(
     else:  # beside it
         change_stored(crawl_harness.database, "UPDATE requests SET packed ="
                       " substring(packed from 1 for length(packed) - 2) WHERE key = ?"
-                      " AND packed IS NOT NULL", (damaged,))
+                      " AND packed IS NOT NULL", (stored_key(crawl_harness.database, damaged),))
     reopened = crawl_harness.scheduler()
     drained = drain(reopened)
     assert sorted(r.url for r in drained) == sorted([URLS[0], URLS[2]])

@@ -26,7 +26,7 @@ from crawling import (
     pages,
     run_crawl,
 )
-from helpers.stored import change_stored, frontier_entries, reading, stored_records
+from helpers.stored import change_stored, frontier_entries, reading, stored_key, stored_records
 from scrapy_idempotent.codec import loads
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,7 +88,8 @@ def _insert_pending(database: str, key: str, url: str, data: dict[str, Any],
         "INSERT INTO requests (key, fingerprint, url, priority, state, data, attempts,"
         " enqueued_at, run_id) VALUES (?, ?, ?, 0, 'pending', ?, ?, 0,"
         " (SELECT max(run_id) FROM runs))",
-        (key, hashlib.sha1(key.encode()).hexdigest(), url, json.dumps(data), attempts))
+        (stored_key(database, key), stored_key(database, hashlib.sha1(key.encode()).hexdigest()),
+         url, json.dumps(data), attempts))
 
 
 STORED_CODE = {

@@ -200,6 +200,16 @@ def change_stored(database: str | Path, sql: str, params: Sequence[Any] = ()) ->
         conn.execute(sql.replace("?", "%s"), params)  # type: ignore[arg-type]
 
 
+def stored_key(database: str | Path, key: str) -> Any:
+    """``key`` as a parameter of :func:`change_stored` for the requests table's key columns:
+    as it is on SQLite; on PostgreSQL the bytes the store keeps (schema 22), through its own
+    codec (``helpers.named_keys`` in the test process)."""
+    if sqlite_path(str(database)) is not None:
+        return key
+    with reading(database) as store:
+        return store._key(key)  # type: ignore[attr-defined]
+
+
 def rewrite_stored_requests(database: str | Path, change: Callable[[str], str]) -> None:
     """Replace the JSON text of every request of the frontier by ``change(text)``, stored
     whole as text (as a release before packing wrote it; the stores read such rows as they
@@ -208,7 +218,7 @@ def rewrite_stored_requests(database: str | Path, change: Callable[[str], str]) 
     for entry in frontier_entries(database):
         change_stored(database, "UPDATE requests SET data = ?"
                       + (", packed = NULL" if packed else "") + " WHERE key = ?",
-                      (change(entry.data), entry.key))
+                      (change(entry.data), stored_key(database, entry.key)))
 
 
 def outbox_due_now(database: str | Path) -> None:
