@@ -227,9 +227,10 @@ def as_before_links(store_database: str, schema: str) -> None:
     import sqlite3
 
     conn = sqlite3.connect(store_database, isolation_level=None)
-    for statement in ("DROP TRIGGER requests_pending_added", "DROP TRIGGER requests_pending_again",
+    for statement in ("ALTER TABLE runs DROP COLUMN observed_at",
+                      "DROP TRIGGER requests_pending_added", "DROP TRIGGER requests_pending_again",
                       "DROP INDEX slots_pending", "ALTER TABLE slots DROP COLUMN has_pending",
-                      *undo):  # SQLite 19, then the rest
+                      *undo):  # SQLite 21, 19, then the rest
 
         conn.execute(statement)
     conn.execute("PRAGMA user_version = 16")

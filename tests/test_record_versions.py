@@ -8,6 +8,7 @@ The contract itself (stale writes refused, A -> B -> A giving three keys) is in
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any, ClassVar
@@ -273,6 +274,53 @@ def test_a_run_resumed_after_the_clock_was_set_back_keeps_its_order(tmp_path: Pa
         assert (stored.content_hash, stored.version) == ("hB", 2)
     finally:
         second.close()
+
+
+def _run_observed(path: str) -> list[Any]:
+    with sqlite3.connect(path) as conn:
+        return [row[0] for row in conn.execute("SELECT observed_at FROM runs")]
+
+
+def test_a_resumed_run_takes_its_latest_observation_from_its_row(tmp_path: Path) -> None:
+    """SQLite: page commits keep a run's latest observation in its row; a session resuming
+    the run reads it there (not from every record it saw: seconds at millions of records).
+    A run written by the release before has none kept: its records are read once, then it
+    is kept."""
+    now = [1000.0]
+    path = str(tmp_path / "crawl.sqlite3")
+    first = SQLiteStore(path, clock=lambda: now[0])
+    first.open()
+    run = first.begin_session("w1", "auto")
+    first.commit(UnitOfWork(records=[(rec("r1", "hA", 1000.0), None),
+                                     (rec("r2", "hA", 990.0), None)]), "w1")
+    first.close()  # killed: the run stays open
+    assert _run_observed(path) == [1000.0]
+    # the row is what a resumed session reads: one ahead of the records moves it on
+    change_stored(path, "UPDATE runs SET observed_at = 1100")
+    now[0] = 880.0  # the clock was set back
+    second = SQLiteStore(path, clock=lambda: now[0])
+    second.open()
+    try:
+        assert second.begin_session("w2", "auto").run_id == run.run_id
+        second.commit(UnitOfWork(records=[(rec("r1", "hB", 885.0), None)]), "w2")
+        assert {r.record_id: r.observed_at for r in second.records_page()} == {
+            "r1": 1105.0, "r2": 990.0}
+    finally:
+        second.close()
+    assert _run_observed(path) == [1105.0]
+    # as the release before left the run: nothing kept, its records are read once
+    change_stored(path, "UPDATE runs SET observed_at = NULL")
+    now[0] = 700.0
+    third = SQLiteStore(path, clock=lambda: now[0])
+    third.open()
+    try:
+        assert third.begin_session("w3", "auto").run_id == run.run_id
+        assert _run_observed(path) == [1105.0]
+        result = third.commit(UnitOfWork(records=[(rec("r2", "hB", 701.0), None)]), "w3")
+        assert (result.records_updated, result.records_stale) == (1, 0)
+    finally:
+        third.close()
+    assert _run_observed(path) == [1106.0]  # 701 + (1105 - 700)
 
 
 def test_observation_times_do_not_follow_a_stepped_wall_clock(

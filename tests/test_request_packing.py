@@ -242,12 +242,12 @@ def test_a_sqlite_frontier_of_the_schema_before_reads_its_text_rows(tmp_path: Pa
     store.close()
     with sqlite3.connect(path) as conn:  # as schema 19 left it: its row of text
         conn.execute("UPDATE requests SET data = ?", (old,))
-        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION - 1}")
-    assert SCHEMA_VERSION == 20
+        conn.execute("ALTER TABLE runs DROP COLUMN observed_at")  # (schema 21's)
+        conn.execute("PRAGMA user_version = 19")
     store = _store(path)
     try:
         with sqlite3.connect(path) as conn:
-            assert conn.execute("PRAGMA user_version").fetchone() == (20,)
+            assert conn.execute("PRAGMA user_version").fetchone() == (SCHEMA_VERSION,)
         assert _rows(path) == {"old": ("text", old)}
         store.begin_session("w", "auto")
         store.commit(UnitOfWork(requests=[NewRequest(

@@ -318,6 +318,38 @@ def test_a_streamed_feed_is_written_by_one_worker_at_a_time(tmp_path, clock):
         b.close()
 
 
+def test_sqlite_a_finishing_session_reads_no_request_it_does_not_need(tmp_path, clock):
+    # the last session's close asks whether any request is pending or leased before it marks
+    # the run finished: each state's partial index answers; a read of the table went through
+    # every done request (most of a second at two million)
+    from scrapy_idempotent.store import Completion, RequestState
+
+    store = SQLiteStore(str(tmp_path / "f.sqlite3"), clock=clock)
+    store.open(fingerprinter="x")
+    store.begin_session("w1", "auto")
+    try:
+        store.commit(UnitOfWork(requests=[
+            NewRequest(key=f"k{i}", fingerprint=f"k{i}", url=f"https://a/{i}", priority=0,
+                       data="{}") for i in range(50)]), "w1")
+        leased = [lease.key for lease in store.commit(UnitOfWork(claim=50), "w1").leased]
+        store.commit(UnitOfWork(completions=[Completion(k, RequestState.DONE)
+                                             for k in leased]), "w1")
+        statements: list[str] = []
+        store.conn.set_trace_callback(statements.append)
+        store.end_session("w1", "finished")
+        store.conn.set_trace_callback(None)
+        assert store.runs()[-1].finished_at is not None
+        reads = [s for s in statements if s.lstrip().startswith("SELECT")
+                 and "FROM requests" in s]
+        assert reads
+        for statement in reads:
+            plan = [str(row[3]) for row in store.conn.execute(
+                f"EXPLAIN QUERY PLAN {statement}")]
+            assert "SCAN requests" not in plan, (statement, plan)
+    finally:
+        store.close()
+
+
 def test_sqlite_a_units_statements_on_its_keys_find_their_rows_by_key(tmp_path, clock):
     # a worker holds many leases (claimed ahead, downloading): a page commit's statements on
     # its own keys (the fence, the counters of started, replayed and downloaded requests, a

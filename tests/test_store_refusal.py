@@ -60,7 +60,8 @@ def as_earlier_version(path: Path, *, schema_3: bool, journal_mode: str) -> None
                        "writer", "writer_until"):  # schema 9
             conn.execute(f"ALTER TABLE feeds DROP COLUMN {column}")
         conn.execute("DROP TABLE samples")  # schema 8
-        for column in ("records_stale", "leases_reclaimed", "leases_lost"):
+        # schema 21's, then 6's
+        for column in ("observed_at", "records_stale", "leases_reclaimed", "leases_lost"):
             conn.execute(f"ALTER TABLE runs DROP COLUMN {column}")
         conn.execute("ALTER TABLE records DROP COLUMN observed_at")  # schema 7
         conn.execute("ALTER TABLE records DROP COLUMN version")

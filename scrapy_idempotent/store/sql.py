@@ -361,6 +361,11 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
         # in one order, so one waits for the other instead of both deadlocking
         order = sorted(range(len(records)), key=lambda n: records[n][0].record_id)
         observed = [self._observed(record, now) for record, _ in records]
+        # every record of the unit is seen in this run once committed: its observation is
+        # the later of the one given and the one stored (a stale one keeps what is stored)
+        result.observed_max = max([*observed, *(state.observed_at for state in known.values()),
+                                   *(() if result.observed_max is None
+                                     else (result.observed_max,))])
         fresh: dict[str, int] = {}  # a record ID not stored: the item that inserts it
         for n in order:
             rid = records[n][0].record_id

@@ -37,9 +37,11 @@ class SqlLeases(SqlDialect):
             cur.execute(self._q("UPDATE sessions SET ended_at = ?, reason = ?"
                                 " WHERE worker = ? AND ended_at IS NULL"), (now, reason, worker))
             if finishing:
+                # one probe of each partial index (state IN (...) is neither's condition:
+                # it read the table, every done request of it)
                 (busy,) = cur.execute(
-                    "SELECT EXISTS (SELECT 1 FROM requests WHERE state IN"
-                    " ('pending', 'leased'))").fetchall()[0]
+                    "SELECT EXISTS (SELECT 1 FROM requests WHERE state = 'pending')"
+                    " OR EXISTS (SELECT 1 FROM requests WHERE state = 'leased')").fetchall()[0]
                 if not busy:
                     cur.execute(self._q("UPDATE runs SET finished_at = ?, reason = ?"
                                         " WHERE run_id = ? AND finished_at IS NULL"),

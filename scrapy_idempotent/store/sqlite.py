@@ -525,9 +525,7 @@ class SQLiteStore(SQLiteOperatorQueries, SqlStore):
                 (run_id, worker, now),
             )
             # the run's latest observation so far (a resumed run: its records seen in it)
-            latest = None if new else cur.execute(
-                "SELECT max(observed_at) FROM records WHERE seen_run_id = ?",
-                (run_id,)).fetchone()[0]
+            latest = None if new else self._run_observed(cur, run_id)
         self._observed_offset = max(0.0, (latest or 0.0) - self._observation_clock())
         self.run_id = run_id
         self._worker = worker
@@ -543,10 +541,25 @@ class SQLiteStore(SQLiteOperatorQueries, SqlStore):
                     " WHERE worker = ? AND ended_at IS NULL", (now, worker))
         cur.execute("INSERT INTO sessions (run_id, worker, started_at) VALUES (?, ?, ?)",
                     (run_id, worker, now))
-        latest = cur.execute("SELECT max(observed_at) FROM records WHERE seen_run_id = ?",
-                             (run_id,)).fetchone()[0]
+        latest = self._run_observed(cur, run_id)
         self._observed_offset = max(0.0, (latest or 0.0) - self._observation_clock())
         self.run_id = run_id
+
+    @staticmethod
+    def _run_observed(cur: Any, run_id: int) -> float | None:
+        """The latest observation time of the records seen in run ``run_id``: kept in its
+        ``runs`` row by the page commits (schema 21). A run of an earlier release has none
+        kept: its records are read once for it (every record of the run: seconds at
+        millions), and it is kept from then on."""
+        latest = cur.execute("SELECT observed_at FROM runs WHERE run_id = ?",
+                             (run_id,)).fetchone()
+        if latest is None or latest[0] is not None:
+            return None if latest is None else float(latest[0])
+        found = cur.execute("SELECT max(observed_at) FROM records WHERE seen_run_id = ?",
+                            (run_id,)).fetchone()[0]
+        cur.execute("UPDATE runs SET observed_at = max(coalesce(observed_at, 0), ?)"
+                    " WHERE run_id = ?", (found or 0.0, run_id))
+        return None if found is None else float(found)
 
     # -- the unit of work -------------------------------------------------------------------
 
@@ -655,14 +668,19 @@ class SQLiteStore(SQLiteOperatorQueries, SqlStore):
             result.records_stale, result.leases_lost,
         )
         if any(deltas):
+            # and the run's latest observation (begin_session reads it: a session resuming
+            # the run keeps its observations after those stored)
+            observed = result.observed_max
             cur.execute(
                 "UPDATE runs SET leased = leased + ?, done = done + ?, failed = failed + ?,"
                 " redirected = redirected + ?, records_inserted = records_inserted + ?,"
                 " records_updated = records_updated + ?,"
                 " records_unchanged = records_unchanged + ?,"
                 " records_stale = records_stale + ?, leases_lost = leases_lost + ?"
-                " WHERE run_id = ?",
-                (*deltas, run_id),
+                + ("" if observed is None
+                   else ", observed_at = max(coalesce(observed_at, 0), ?)")
+                + " WHERE run_id = ?",
+                (*deltas, *(() if observed is None else (observed,)), run_id),
             )
 
     def _add_to_counter(self, cur: Any, column: str, count: int) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 __all__ = ["APPLICATION_ID", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 20
+SCHEMA_VERSION = 21
 
 #: Schema migrations: ``_MIGRATIONS[n]`` brings version n to n + 1, one transaction each.
 #: The failed and the redirected requests, each in an index of its own (few rows): with the
@@ -367,6 +367,13 @@ _MIGRATIONS: list[list[str]] = [
     # BLOBs, which a release before reads as no request (it refuses this version instead).
     # The rows written before keep their text and are read as they are.
     [],
+    [
+        # The run's latest observation time (of the records seen in it), kept by the page
+        # commits in the run's row: a session resuming the run reads it instead of every
+        # record the run saw (seconds at millions). NULL for the runs before: their records
+        # are read once, when a session resumes one.
+        "ALTER TABLE runs ADD COLUMN observed_at REAL",
+    ],
 ]
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -396,6 +403,7 @@ _TABLES[17] = _TABLES[16] | {"linked_requests"}
 _TABLES[18] = _TABLES[17]
 _TABLES[19] = _TABLES[18]
 _TABLES[20] = _TABLES[19]
+_TABLES[21] = _TABLES[20]
 assert set(_TABLES) == set(range(1, SCHEMA_VERSION + 1))
 #: Schema versions written before the application id was (files of those have none).
 _BEFORE_APPLICATION_ID = frozenset({1, 2, 3})

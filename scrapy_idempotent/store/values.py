@@ -465,6 +465,9 @@ class CommitResult:
     #: records refused because the stored one was observed later (a page downloaded earlier
     #: but committed later): nothing of them was written
     records_stale: int = 0
+    #: the latest observation time (the store's clock) of the records this transaction
+    #: wrote, or found stored newer; None without records
+    observed_max: float | None = field(default=None, compare=False)
     rejects: int = 0
     completed: dict[str, int] = field(default_factory=dict)  #: state value -> count
     leases_lost: int = 0  #: completions whose lease was not this worker's: nothing written
