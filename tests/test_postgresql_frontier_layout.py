@@ -186,7 +186,8 @@ NAME = f"encode(substr(key, {len(named_keys.MARK) + 1}), 'escape')"
 KEYS_AS_TEXT = ("ALTER TABLE requests"
                 " ALTER COLUMN key TYPE text COLLATE \"C\" USING encode(key, 'hex'),"
                 " ALTER COLUMN parent_key TYPE text USING encode(parent_key, 'hex'),"
-                " ALTER COLUMN fingerprint TYPE text USING encode(fingerprint, 'hex')")
+                " ALTER COLUMN fingerprint TYPE text USING encode(fingerprint, 'hex'),"
+                " ALTER COLUMN run_id TYPE bigint")
 
 
 def _as_schema(postgres_url: str, version: int) -> None:
@@ -495,7 +496,7 @@ def _key(name: str) -> str:
 def _key_columns(postgres_url: str) -> list[tuple[Any, ...]]:
     return sql(postgres_url, "SELECT column_name, data_type FROM information_schema.columns"
                              f" WHERE table_schema = '{SCHEMA}' AND table_name = 'requests'"
-                             " AND column_name IN ('key', 'parent_key', 'fingerprint')"
+                             " AND column_name IN ('key', 'parent_key', 'fingerprint', 'run_id')"
                              " ORDER BY column_name")
 
 
@@ -521,7 +522,7 @@ def test_a_schema_21_frontier_reads_the_same_entries_with_its_keys_as_bytes(
     first.close()
     _as_schema(postgres_url, 21)
     assert _key_columns(postgres_url) == [("fingerprint", "text"), ("key", "text"),
-                                          ("parent_key", "text")]
+                                          ("parent_key", "text"), ("run_id", "bigint")]
     assert sql(postgres_url, "SELECT count(*) FROM requests WHERE fingerprint IS NULL"
                              " AND parent_key IS NULL") == [(1,)]
     store = _store(url)
@@ -529,7 +530,7 @@ def test_a_schema_21_frontier_reads_the_same_entries_with_its_keys_as_bytes(
     try:
         assert store.meta()["schema_version"] == str(SCHEMA_VERSION) == "22"
         assert _key_columns(postgres_url) == [("fingerprint", "bytea"), ("key", "bytea"),
-                                              ("parent_key", "bytea")]
+                                              ("parent_key", "bytea"), ("run_id", "integer")]
         assert store.entries() == before
         assert [(e.key, e.fingerprint, e.parent_key, e.state) for e in before] == sorted([
             (page, page, None, "pending"), (child, child, page, "pending"),
@@ -576,5 +577,5 @@ def test_a_schema_21_frontier_holding_a_key_that_is_not_hex_is_not_migrated(
     assert sql(postgres_url, "SELECT value FROM meta WHERE key = 'schema_version'") == [
         ("21",)]
     assert _key_columns(postgres_url) == [("fingerprint", "text"), ("key", "text"),
-                                          ("parent_key", "text")]
+                                          ("parent_key", "text"), ("run_id", "bigint")]
     assert sql(postgres_url, "SELECT key FROM requests") == [("k1",)]

@@ -167,7 +167,8 @@ def test_rows_of_schema_15_are_read_as_they_are_and_new_rows_are_compact(
     sql(postgres_url, "ALTER TABLE fingerprints.requests"
         " ALTER COLUMN key TYPE text COLLATE \"C\" USING encode(key, 'hex'),"
         " ALTER COLUMN parent_key TYPE text USING encode(parent_key, 'hex'),"
-        " ALTER COLUMN fingerprint TYPE text USING encode(fingerprint, 'hex')")
+        " ALTER COLUMN fingerprint TYPE text USING encode(fingerprint, 'hex'),"
+        " ALTER COLUMN run_id TYPE bigint")
     sql(postgres_url, "INSERT INTO fingerprints.requests (key, fingerprint, url, priority,"
         " state, data, enqueued_at, run_id) VALUES ('cc', 'cc', 'https://shop.example/c', 0,"
         " 'pending', %s, 0, 1)", (whole["cc"],))

@@ -88,7 +88,8 @@ def test_a_schema_4_postgresql_database_gets_observation_times_and_versions(
         conn.execute("SET search_path TO old_records")
         conn.execute("ALTER TABLE requests ALTER COLUMN key TYPE text COLLATE \"C\","
                      " ALTER COLUMN parent_key TYPE text,"
-                     " ALTER COLUMN fingerprint TYPE text")  # schema 22 (no rows)
+                     " ALTER COLUMN fingerprint TYPE text,"
+                     " ALTER COLUMN run_id TYPE bigint")  # schema 22 (no rows)
         conn.execute("ALTER TABLE requests DROP COLUMN packed")  # schema 21
         for statement in ("DROP TRIGGER requests_pending_added ON requests",
                           "DROP TRIGGER requests_pending_again ON requests",
