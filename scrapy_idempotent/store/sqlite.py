@@ -97,6 +97,22 @@ def _os_cause(exc: OSError) -> str:
     return str(exc)
 
 
+def _run_observed(cur: Any, run_id: int) -> float | None:
+    """The latest observation time of the records seen in run ``run_id``: kept in its
+    ``runs`` row by the page commits (schema 21). A run of an earlier release has none
+    kept: its records are read once for it (every record of the run: seconds at
+    millions), and it is kept from then on."""
+    latest = cur.execute("SELECT observed_at FROM runs WHERE run_id = ?",
+                         (run_id,)).fetchone()
+    if latest is None or latest[0] is not None:
+        return None if latest is None else float(latest[0])
+    found = cur.execute("SELECT max(observed_at) FROM records WHERE seen_run_id = ?",
+                        (run_id,)).fetchone()[0]
+    cur.execute("UPDATE runs SET observed_at = max(coalesce(observed_at, 0), ?)"
+                " WHERE run_id = ?", (found or 0.0, run_id))
+    return None if found is None else float(found)
+
+
 class SQLiteStore(SQLiteOperatorQueries, SqlStore):
     """The :class:`~.FrontierStore` on one SQLite file.
 
@@ -525,7 +541,7 @@ class SQLiteStore(SQLiteOperatorQueries, SqlStore):
                 (run_id, worker, now),
             )
             # the run's latest observation so far (a resumed run: its records seen in it)
-            latest = None if new else self._run_observed(cur, run_id)
+            latest = None if new else _run_observed(cur, run_id)
         self._observed_offset = max(0.0, (latest or 0.0) - self._observation_clock())
         self.run_id = run_id
         self._worker = worker
@@ -541,25 +557,9 @@ class SQLiteStore(SQLiteOperatorQueries, SqlStore):
                     " WHERE worker = ? AND ended_at IS NULL", (now, worker))
         cur.execute("INSERT INTO sessions (run_id, worker, started_at) VALUES (?, ?, ?)",
                     (run_id, worker, now))
-        latest = self._run_observed(cur, run_id)
+        latest = _run_observed(cur, run_id)
         self._observed_offset = max(0.0, (latest or 0.0) - self._observation_clock())
         self.run_id = run_id
-
-    @staticmethod
-    def _run_observed(cur: Any, run_id: int) -> float | None:
-        """The latest observation time of the records seen in run ``run_id``: kept in its
-        ``runs`` row by the page commits (schema 21). A run of an earlier release has none
-        kept: its records are read once for it (every record of the run: seconds at
-        millions), and it is kept from then on."""
-        latest = cur.execute("SELECT observed_at FROM runs WHERE run_id = ?",
-                             (run_id,)).fetchone()
-        if latest is None or latest[0] is not None:
-            return None if latest is None else float(latest[0])
-        found = cur.execute("SELECT max(observed_at) FROM records WHERE seen_run_id = ?",
-                            (run_id,)).fetchone()[0]
-        cur.execute("UPDATE runs SET observed_at = max(coalesce(observed_at, 0), ?)"
-                    " WHERE run_id = ?", (found or 0.0, run_id))
-        return None if found is None else float(found)
 
     # -- the unit of work -------------------------------------------------------------------
 
