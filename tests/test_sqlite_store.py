@@ -318,6 +318,15 @@ def test_a_streamed_feed_is_written_by_one_worker_at_a_time(tmp_path, clock):
         b.close()
 
 
+def _leased(store: SQLiteStore, *, requests: int, claimed: int) -> list[str]:
+    """``requests`` requests committed by worker w1, then the keys of the ``claimed`` it
+    leases."""
+    store.commit(UnitOfWork(requests=[
+        NewRequest(key=f"k{i}", fingerprint=f"k{i}", url=f"https://a/{i}", priority=0,
+                   data="{}") for i in range(requests)]), "w1")
+    return [lease.key for lease in store.commit(UnitOfWork(claim=claimed), "w1").leased]
+
+
 def test_sqlite_a_finishing_session_reads_no_request_it_does_not_need(tmp_path, clock):
     # the last session's close asks whether any request is pending or leased before it marks
     # the run finished: each state's partial index answers; a read of the table went through
@@ -328,10 +337,7 @@ def test_sqlite_a_finishing_session_reads_no_request_it_does_not_need(tmp_path, 
     store.open(fingerprinter="x")
     store.begin_session("w1", "auto")
     try:
-        store.commit(UnitOfWork(requests=[
-            NewRequest(key=f"k{i}", fingerprint=f"k{i}", url=f"https://a/{i}", priority=0,
-                       data="{}") for i in range(50)]), "w1")
-        leased = [lease.key for lease in store.commit(UnitOfWork(claim=50), "w1").leased]
+        leased = _leased(store, requests=50, claimed=50)
         store.commit(UnitOfWork(completions=[Completion(k, RequestState.DONE)
                                              for k in leased]), "w1")
         statements: list[str] = []
@@ -360,10 +366,7 @@ def test_sqlite_a_units_statements_on_its_keys_find_their_rows_by_key(tmp_path, 
     store.open(fingerprinter="x")
     store.begin_session("w1", "auto")
     try:
-        store.commit(UnitOfWork(requests=[
-            NewRequest(key=f"k{i}", fingerprint=f"k{i}", url=f"https://a/{i}", priority=0,
-                       data="{}") for i in range(200)]), "w1")
-        leased = [lease.key for lease in store.commit(UnitOfWork(claim=100), "w1").leased]
+        leased = _leased(store, requests=200, claimed=100)
         statements: list[str] = []
         store.conn.set_trace_callback(statements.append)
         store.commit(UnitOfWork(started=leased[:3], downloaded=leased[:2],

@@ -596,11 +596,8 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
         rows = (self._claim_rows(cur, worker, count, until) if self.slot_limits is None
                 else self._claim_by_slot(cur, worker, count, until, now, result, send_by,
                                          slots))
-        rows = [(row[0], self._key_read(row[_KEY]), self._key_read(row[_FINGERPRINT]),
-                 *row[_FINGERPRINT + 1:]) for row in rows]
         unreadable: dict[str, str] = {}  # key -> why its stored request cannot be read
-        rows = [(*row[:_DATA], self._readable_data(row, unreadable), *row[_DATA + 1:])
-                for row in rows]
+        rows = [self._claimed_row(row, unreadable) for row in rows]
         leased, over = split_claim(rows, self.max_attempts, until)
         if unreadable:
             leased = [dataclasses.replace(r, unreadable=unreadable[r.key])
@@ -619,15 +616,19 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
             result.quarantined.extend(r.url for r in over)
         result.leased.extend(leased)
 
-    def _readable_data(self, row: Sequence[Any], unreadable: dict[str, str]) -> str:
-        """The JSON text of a claimed row's request; "" for a row whose packed request cannot
-        be read back (damaged on disk), its reason kept in ``unreadable`` by its key: that
-        one request fails, the claim and the crawl go on."""
+    def _claimed_row(self, row: Sequence[Any], unreadable: dict[str, str]) -> tuple[Any, ...]:
+        """A claimed row as read (:data:`.rules.CLAIMED_COLUMNS`) with its key and fingerprint
+        as Python holds them and its request's JSON text; "" for a row whose packed request
+        cannot be read back (damaged on disk), its reason kept in ``unreadable`` by its key:
+        that one request fails, the claim and the crawl go on."""
+        key = self._key_read(row[_KEY])
         try:
-            return self._request_data(row[_DATA], row[_URL], row[_KEY])
+            data = self._request_data(row[_DATA], row[_URL], key)
         except PackedRequestError as exc:
-            unreadable[row[_KEY]] = str(exc)
-            return ""
+            unreadable[key] = str(exc)
+            data = ""
+        return (row[0], key, self._key_read(row[_FINGERPRINT]), *row[_FINGERPRINT + 1:_DATA],
+                data, *row[_DATA + 1:])
 
     # -- frontier reads -------------------------------------------------------------------
 
