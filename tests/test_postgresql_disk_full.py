@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 #: Items of the catalogue; the tablespace has room for part of them only.
 COUNT = 400
 #: Bytes left free on the tablespace's file system when the crawl starts.
-FREE = 900 * 1024
+FREE = 600 * 1024
 KEYS = {"IDEMPOTENT_NATURAL_KEYS": {"dict": "sku"}}
 
 
@@ -134,7 +134,7 @@ async def test_a_full_disk_on_the_server_stops_the_crawl_and_the_next_one_finish
         small_disk: SmallDisk) -> None:
     url = small_disk.database()
     with LocalSite() as site:
-        site.add_catalogue(COUNT, filler=200)
+        site.add_catalogue(COUNT, filler=1000)
         settings = crawl_settings(url, CONCURRENT_REQUESTS=4,  # type: ignore[arg-type]
                                   **KEYS)
         full = get_crawler(CatalogueSpider, settings)
