@@ -7,7 +7,11 @@ Every ``IDEMPOTENT_LOG_INTERVAL_SECONDS`` (default 60; 0 disables it) one INFO l
     1032 records/min
 
 The frontier counts are the whole frontier's (every worker), read with the store's
-``counts()`` (one indexed ``GROUP BY``); done includes redirected entries. Records and rates
+``counts()`` (its partial indexes of the states); done includes redirected entries. Where a
+count is slow (a frontier of millions of requests), the workers share it
+(:meth:`~.FrontierStore.shared_counts`): a line counts again only when the count kept is
+older than half the interval, and a line showing another's count says how old it is
+(``Frontier, counted 12 s ago: ...``). Records and rates
 are this crawl's, from the ``idempotent/...`` stats: pages are requests completed (done,
 failed or redirected), records are items upserted (inserted, updated or unchanged), both per
 minute over the last interval. The run's pages and items are every crawl's and worker's of
@@ -111,8 +115,9 @@ class IdempotentLogStats:
         if run_id is None:
             return None
 
-        def read(store: FrontierStore) -> tuple[dict[str, int], RunTotals]:
-            return store.counts(), store.run_totals(run_id)
+        def read(store: FrontierStore) -> tuple[tuple[dict[str, int], float], RunTotals]:
+            return (store.shared_counts(self.interval_seconds / 2),
+                    store.run_totals(run_id))
 
         counting = read_after_writes(self.crawler, type(self).__name__, read)
         if counting is None:
@@ -123,8 +128,8 @@ class IdempotentLogStats:
         logger.debug("scrapy_idempotent: no progress line: cannot read the frontier: %s",
                      failure.value)
 
-    def _log_counts(self, read: tuple[dict[str, int], RunTotals]) -> None:
-        counts, run = read
+    def _log_counts(self, read: tuple[tuple[dict[str, int], float], RunTotals]) -> None:
+        (counts, age), run = read
         if self.store is None:  # the spider closed meanwhile
             return
         stats = self.crawler.stats
@@ -135,9 +140,10 @@ class IdempotentLogStats:
         minutes = max(now - then, 1e-6) / 60
         self._previous = (now, pages, records)
         logger.info(
-            "Frontier: %d pending, %d leased, %d done, %d failed; records this crawl: "
+            "Frontier%s: %d pending, %d leased, %d done, %d failed; records this crawl: "
             "%d inserted, %d updated, %d unchanged (%d stored); run: %d pages, %d items; "
             "%d pages/min, %d records/min",
+            f", counted {age:.0f} s ago" if age else "",
             counts["pending"], counts["leased"], counts["done"] + counts["redirected"],
             counts["failed"], stats.get_value("idempotent/records/inserted", 0),
             stats.get_value("idempotent/records/updated", 0),

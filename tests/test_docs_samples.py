@@ -134,8 +134,8 @@ LEVELS = {"debug", "info", "warning", "error", "critical", "exception"}
 
 
 def log_formats() -> list[re.Pattern[str]]:
-    """The message formats of the package's logger calls, as patterns (a ``%s`` or ``%d``
-    stands for any text)."""
+    """The message formats of the package's logger calls, as patterns (a ``%d`` stands for
+    any text, a ``%s`` for any text or none)."""
     import ast
 
     patterns = []
@@ -145,8 +145,10 @@ def log_formats() -> list[re.Pattern[str]]:
                     and node.func.attr in LEVELS and node.args
                     and isinstance(node.args[0], ast.Constant)
                     and isinstance(node.args[0].value, str)):
-                parts = re.split(r"%[-#0 +]*\d*(?:\.\d+)?[sdrfgi]", node.args[0].value)
-                patterns.append(re.compile(".+".join(map(re.escape, parts)), re.DOTALL))
+                fields = re.split(r"(%[-#0 +]*\d*(?:\.\d+)?[sdrfgi])", node.args[0].value)
+                patterns.append(re.compile("".join(
+                    re.escape(part) if n % 2 == 0 else ".*" if part == "%s" else ".+"
+                    for n, part in enumerate(fields)), re.DOTALL))
     return patterns
 
 

@@ -3,7 +3,9 @@ PostgreSQL where it stopped."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sqlite3
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -43,6 +45,10 @@ async def test_a_crawl_stopped_on_sqlite_continues_on_postgresql(
     assert before.get("pending") and not before.get("leased")
     seen = dict(db_rows(db_path, "SELECT record_id, first_seen FROM records"))
     fetched = shop.request_count
+    # a count the crawl's workers shared is the source's, not the copy's
+    with contextlib.closing(sqlite3.connect(db_path)) as source, source:
+        source.execute("INSERT INTO meta VALUES ('frontier_counts', ?)",
+                       (json.dumps({"at": 1.0, "seconds": 1.0, "counts": before}),))
 
     code, out, err = idempotent("migrate", "--db", str(db_path), "--to", postgres_url)
     assert code == 0, err
@@ -63,6 +69,8 @@ async def test_a_crawl_stopped_on_sqlite_continues_on_postgresql(
     with psycopg.connect(postgres_url) as conn:
         [schema] = conn.execute("SELECT nspname FROM pg_namespace"
                                 " WHERE nspname LIKE 'idempotent%'").fetchall()[0]
+        assert conn.execute(f'SELECT count(*) FROM "{schema}".meta'
+                            " WHERE key = 'frontier_counts'").fetchone() == (0,)
         assert conn.execute(
             f'SELECT count(*) FILTER (WHERE fingerprint IS NOT NULL),'
             f' count(*) FILTER (WHERE starts_with(data, \'{{"url":\')),'

@@ -103,3 +103,23 @@ async def test_a_line_logged_while_a_commit_is_on_its_way_counts_it_on_both_side
     assert [(int(m[5]), int(m[6])) for m in matches if m] == [
         (int(m[6]), int(m[6])) for m in matches if m], lines
     assert max(int(m[6]) for m in matches if m) > 0
+
+
+def test_a_line_showing_a_count_another_worker_kept_says_how_old_it_is(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from scrapy_idempotent.store.reads import RunTotals
+
+    caplog.set_level(logging.INFO, logger="scrapy_idempotent.progress")
+    crawler = get_crawler(ShopSpider, {"IDEMPOTENT_LOG_INTERVAL_SECONDS": 60})
+    extension = IdempotentLogStats.from_crawler(crawler)
+    extension.store = object()  # type: ignore[assignment]  # (the spider is open)
+    counts = {"pending": 7, "leased": 2, "done": 40, "failed": 1, "redirected": 3,
+              "records": 39}
+    extension._log_counts(((counts, 12.4), RunTotals(1, done=5)))
+    extension._log_counts(((counts, 0.0), RunTotals(1, done=5)))
+    lines = [r.getMessage() for r in caplog.records if r.name == "scrapy_idempotent.progress"]
+    assert lines[0].startswith("Frontier, counted 12 s ago: 7 pending, 2 leased, 43 done, "
+                               "1 failed; "), lines
+    assert "(39 stored)" in lines[0]
+    assert lines[1].startswith("Frontier: 7 pending, 2 leased, 43 done, 1 failed; "), lines
+    assert LINE.fullmatch(lines[1]), lines

@@ -1312,3 +1312,44 @@ def test_records_stored_before_the_scheme_was_recorded_are_of_the_first_scheme(m
     current.open(fingerprinter="x", record_id_scheme="2")
     assert current.meta()["record_id_scheme"] == "1"
     current.close()
+
+
+# -- counts shared by the crawl's workers ---------------------------------------------------
+
+
+def test_a_slow_count_is_shared_by_the_workers_while_it_is_young(make_store, clock,
+                                                                  monkeypatch):
+    from scrapy_idempotent.store import sql_runs
+
+    monkeypatch.setattr(sql_runs, "SHARED_COUNT_SECONDS", 0.0)  # every count is slow
+    first, _ = open_store(make_store, "w1")
+    second, _ = open_store(make_store, "w2")
+    enqueue(first, req("a"))
+    assert first.shared_counts(60) == (counts(pending=1), 0.0)
+    enqueue(second, req("b"))
+    clock.advance(10)
+    # the first worker's count, 10 s old: the second counts nothing
+    assert second.shared_counts(60) == (counts(pending=1), 10.0)
+    # older than asked for: counted again, and kept for the others
+    assert second.shared_counts(10) == (counts(pending=2), 0.0)
+    clock.advance(1)
+    assert first.shared_counts(60) == (counts(pending=2), 1.0)
+    # a count kept on a clock ahead of this one's is not taken
+    clock.advance(-5)
+    assert first.shared_counts(60) == (counts(pending=2), 0.0)
+
+
+def test_a_quick_count_is_not_kept_and_a_kept_value_not_ours_is_replaced(make_store,
+                                                                         monkeypatch):
+    from scrapy_idempotent.store import sql_runs
+
+    store, _ = open_store(make_store, "w1")
+    enqueue(store, req("a"))
+    assert store.shared_counts(60) == (counts(pending=1), 0.0)
+    assert "frontier_counts" not in store.meta()
+    monkeypatch.setattr(sql_runs, "SHARED_COUNT_SECONDS", 0.0)
+    with store._write() as cur:
+        store._set_meta(cur, "frontier_counts", '{"at": "soon"}')
+    assert store.shared_counts(60) == (counts(pending=1), 0.0)
+    assert store.shared_counts(60) == (counts(pending=1), 0.0)  # the kept one, just made
+    assert '"pending": 1' in store.meta()["frontier_counts"]

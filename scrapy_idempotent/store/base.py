@@ -388,6 +388,13 @@ class FrontierStore(ABC):
     def counts(self) -> dict[str, int]:
         """Frontier entries by state value, plus ``records``."""
 
+    def shared_counts(self, max_age: float) -> tuple[dict[str, int], float]:
+        """:meth:`counts` as the crawl's workers share them, with their age in seconds: a
+        backend whose count is slow on a large frontier keeps one, and answers with it
+        while it is younger than ``max_age`` (another worker's, or this one's), instead of
+        counting again. This one counts each time (age 0)."""
+        return self.counts(), 0.0
+
     # -- the outbox ------------------------------------------------------------------------
 
     @abstractmethod

@@ -141,7 +141,7 @@ class PostgreSQLOperatorQueries(PostgreSQLConnections):
                         " SET value = EXCLUDED.value",
                         [(r["key"], r["value"]) for r in rows
                          if r["key"] not in ("application", "schema_version",
-                                             "frontier_id")])
+                                             "frontier_id", "frontier_counts")])
                 elif table == "runs":
                     runs.extend(rows)
                     self._copy(cur, "runs", ("run_id", "started_at", "finished_at", "reason"),
