@@ -9,8 +9,8 @@ Every ``IDEMPOTENT_LOG_INTERVAL_SECONDS`` (default 60; 0 disables it) one INFO l
 The frontier counts are the whole frontier's (every worker), read with the store's
 ``counts()`` (its partial indexes of the states); done includes redirected entries. Where a
 count is slow (a frontier of millions of requests), the workers share it
-(:meth:`~.FrontierStore.shared_counts`): a line counts again only when the count kept is
-older than half the interval, and a line showing another's count says how old it is
+(:meth:`~.FrontierStore.shared_counts`): a line counts again only when the count another
+worker kept is older than half the interval, and a line showing it says how old it is
 (``Frontier, counted 12 s ago: ...``). Records and rates
 are this crawl's, from the ``idempotent/...`` stats: pages are requests completed (done,
 failed or redirected), records are items upserted (inserted, updated or unchanged), both per

@@ -1337,6 +1337,10 @@ def test_a_slow_count_is_shared_by_the_workers_while_it_is_young(make_store, clo
     # a count kept on a clock ahead of this one's is not taken
     clock.advance(-5)
     assert first.shared_counts(60) == (counts(pending=2), 0.0)
+    # nor a worker's own: its lines count as before
+    enqueue(second, req("c"))
+    assert first.shared_counts(60) == (counts(pending=3), 0.0)
+    assert second.shared_counts(60) == (counts(pending=3), 0.0)
 
 
 def test_a_quick_count_is_not_kept_and_a_kept_value_not_ours_is_replaced(make_store,
@@ -1351,5 +1355,6 @@ def test_a_quick_count_is_not_kept_and_a_kept_value_not_ours_is_replaced(make_st
     with store._write() as cur:
         store._set_meta(cur, "frontier_counts", '{"at": "soon"}')
     assert store.shared_counts(60) == (counts(pending=1), 0.0)
-    assert store.shared_counts(60) == (counts(pending=1), 0.0)  # the kept one, just made
     assert '"pending": 1' in store.meta()["frontier_counts"]
+    enqueue(store, req("b"))
+    assert store.shared_counts(60) == (counts(pending=2), 0.0)  # its own: counted again

@@ -43,6 +43,8 @@ SHARED_COUNT_SECONDS = 0.1
 class SqlRuns(SqlDialect):
     """The database's metadata, runs, progress samples and feeds (a mixin of ``SqlStore``)."""
 
+    _worker: str | None = None  #: the worker of the store's session
+
     # -- the database's metadata ----------------------------------------------------------
 
     def _claim_meta(self, cur: Any, fingerprinter: str, identity: CrawlIdentity | None,
@@ -177,26 +179,31 @@ class SqlRuns(SqlDialect):
     def counts(self) -> dict[str, int]: ...
 
     def shared_counts(self, max_age: float) -> tuple[dict[str, int], float]:
-        """The count kept in ``meta`` (``frontier_counts``: when, on the store's clock, how
-        long it took, the counts) while younger than ``max_age``; else a count now, kept
-        when it took at least :data:`SHARED_COUNT_SECONDS`. A count that cannot be kept
-        (the database busy) is answered all the same."""
+        """The count another worker kept in ``meta`` (``frontier_counts``: when, on the
+        store's clock, by which worker, how long it took, the counts) while younger than
+        ``max_age``; else a count now, kept when it took at least
+        :data:`SHARED_COUNT_SECONDS`. A worker does not take its own count back (its lines
+        are as exact as they were), and a count that cannot be kept (the database busy) is
+        answered all the same."""
         now = self.clock()
+        worker = self._worker or ""
         for (raw,) in self._crawl_select(
                 "SELECT value FROM meta WHERE key = 'frontier_counts'"):
             try:
                 kept = json.loads(raw)
                 age = now - float(kept["at"])
+                by = str(kept["worker"])
                 counts = {str(name): int(n) for name, n in kept["counts"].items()}
             except (ValueError, KeyError, TypeError, AttributeError):
                 break  # not one this release wrote: counted again, and replaced
-            if 0 <= age < max_age:
+            if 0 <= age < max_age and by != worker:
                 return counts, age
         started = time.perf_counter()
         counts = self.counts()
         took = time.perf_counter() - started
         if took >= SHARED_COUNT_SECONDS:
-            value = json.dumps({"at": now, "seconds": round(took, 3), "counts": counts})
+            value = json.dumps({"at": now, "worker": worker, "seconds": round(took, 3),
+                                "counts": counts})
             with (contextlib.suppress(StoreError),
                   self._write("keeping the frontier's counts") as cur):
                 self._set_meta(cur, "frontier_counts", value)
