@@ -11,7 +11,8 @@ The frontier counts are the whole frontier's (every worker), read with the store
 count is slow (a frontier of millions of requests), the workers share it
 (:meth:`~.FrontierStore.shared_counts`): a line counts again only when the count another
 worker kept is older than half the interval, and a line showing it says how old it is
-(``Frontier, counted 12 s ago: ...``). Records and rates
+(``Frontier, counted 12 s ago: ...``); a worker whose own count took a second or more
+counts again only once twenty times as long has passed. Records and rates
 are this crawl's, from the ``idempotent/...`` stats: pages are requests completed (done,
 failed or redirected), records are items upserted (inserted, updated or unchanged), both per
 minute over the last interval. The run's pages and items are every crawl's and worker's of
@@ -49,6 +50,13 @@ __all__ = ["IdempotentLogStats"]
 
 logger = logging.getLogger(__name__)
 
+#: A count of the frontier that took this worker at least this long (seconds) is made again
+#: only once :data:`COUNT_SHARE` times as long has passed; the lines in between show it with
+#: its age. The count runs on the writer's thread, whose commits wait meanwhile: at most a
+#: twentieth of the worker's time goes to it (a lone worker on a frontier of millions).
+SLOW_COUNT_SECONDS = 1.0
+COUNT_SHARE = 20
+
 _PAGE_STATS = ("idempotent/requests/done", "idempotent/requests/failed",
                "idempotent/requests/redirected")
 _RECORD_STATS = ("idempotent/records/inserted", "idempotent/records/updated",
@@ -68,6 +76,10 @@ class IdempotentLogStats:
         self.store: FrontierStore | None = None
         self.task: task.LoopingCall | None = None
         self._previous = (0.0, 0, 0)  # (monotonic time, pages, records) at the last line
+        #: this worker's last slow count: (its counts, when it started, how long it took);
+        #: read and written on the writer's thread only
+        self._slow_count: tuple[dict[str, int], float, float] | None = None
+        self._clock = time.monotonic
 
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> Self:
@@ -116,13 +128,26 @@ class IdempotentLogStats:
             return None
 
         def read(store: FrontierStore) -> tuple[tuple[dict[str, int], float], RunTotals]:
-            return (store.shared_counts(self.interval_seconds / 2),
-                    store.run_totals(run_id))
+            return self._count(store), store.run_totals(run_id)
 
         counting = read_after_writes(self.crawler, type(self).__name__, read)
         if counting is None:
             return None
         return counting.addCallbacks(self._log_counts, self._no_line)
+
+    def _count(self, store: FrontierStore) -> tuple[dict[str, int], float]:
+        """The frontier's counts for a line and their age (on the writer's thread): this
+        worker's last slow count while :data:`COUNT_SHARE` times its time has not passed,
+        else the store's (a count another worker kept, or one now)."""
+        now = self._clock()
+        if self._slow_count is not None:
+            counts, started, took = self._slow_count
+            if now - started < COUNT_SHARE * took:
+                return counts, now - started
+        counts, age = store.shared_counts(self.interval_seconds / 2)
+        took = self._clock() - now
+        self._slow_count = (counts, now, took) if not age and took >= SLOW_COUNT_SECONDS else None
+        return counts, age
 
     def _no_line(self, failure: Failure) -> None:
         logger.debug("scrapy_idempotent: no progress line: cannot read the frontier: %s",

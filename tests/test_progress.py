@@ -123,3 +123,34 @@ def test_a_line_showing_a_count_another_worker_kept_says_how_old_it_is(
     assert "(39 stored)" in lines[0]
     assert lines[1].startswith("Frontier: 7 pending, 2 leased, 43 done, 1 failed; "), lines
     assert LINE.fullmatch(lines[1]), lines
+
+
+def test_a_worker_whose_count_is_slow_counts_again_only_after_twenty_times_as_long() -> None:
+    crawler = get_crawler(ShopSpider, {"IDEMPOTENT_LOG_INTERVAL_SECONDS": 60})
+    extension = IdempotentLogStats.from_crawler(crawler)
+    now = [1000.0]
+    extension._clock = lambda: now[0]
+
+    class Store:
+        """A frontier whose count takes ``took`` seconds of the clock."""
+
+        def __init__(self) -> None:
+            self.counted = 0
+            self.took = 3.0
+
+        def shared_counts(self, max_age: float) -> tuple[dict[str, int], float]:
+            assert max_age == 30
+            self.counted += 1
+            now[0] += self.took
+            return {"pending": self.counted}, 0.0
+
+    store = Store()
+    assert extension._count(store) == ({"pending": 1}, 0.0)  # type: ignore[arg-type]
+    now[0] += 54  # 57 s after it started: within 20 x 3 s
+    assert extension._count(store) == ({"pending": 1}, 57.0)  # type: ignore[arg-type]
+    now[0] += 3
+    assert extension._count(store) == ({"pending": 2}, 0.0)  # type: ignore[arg-type]
+    store.took = 0.5  # quick now: counted at each line
+    now[0] += 60
+    assert extension._count(store) == ({"pending": 3}, 0.0)  # type: ignore[arg-type]
+    assert extension._count(store) == ({"pending": 4}, 0.0)  # type: ignore[arg-type]
