@@ -12,7 +12,7 @@ from scrapy.utils.defer import deferred_f_from_coro_f
 from scrapy.utils.test import get_crawler
 
 from crawling import crawl_settings, run_crawl
-from scrapy_idempotent import ConfigError
+from scrapy_idempotent import ConfigError, progress
 from scrapy_idempotent.progress import IdempotentLogStats
 from shop.spiders.shop import ShopSpider
 
@@ -25,9 +25,11 @@ LINE = re.compile(
 
 @deferred_f_from_coro_f
 async def test_the_progress_line_is_logged_every_interval(
-    caplog: pytest.LogCaptureFixture, crawl_database: str
+    caplog: pytest.LogCaptureFixture, crawl_database: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     caplog.set_level(logging.INFO, logger="scrapy_idempotent.progress")
+    # each line counts (a count slowed a second by a loaded machine is not kept for the next)
+    monkeypatch.setattr(progress, "SLOW_COUNT_SECONDS", float("inf"))
     settings = crawl_settings(
         crawl_database, IDEMPOTENT_NATURAL_KEYS={"shop.items.ProductItem": "sku"},
         IDEMPOTENT_LOG_INTERVAL_SECONDS=0.1, CONCURRENT_REQUESTS=2,
@@ -62,7 +64,7 @@ def test_interval_zero_disables_it_and_a_bad_interval_is_refused() -> None:
 
 @deferred_f_from_coro_f
 async def test_a_line_logged_while_a_commit_is_on_its_way_counts_it_on_both_sides(
-    caplog: pytest.LogCaptureFixture, crawl_database: str
+    caplog: pytest.LogCaptureFixture, crawl_database: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A fresh database, one crawl: every line says as many inserted as stored, even one
     asked for when a batch is committed but its result has not reached the stats yet (the
@@ -72,6 +74,7 @@ async def test_a_line_logged_while_a_commit_is_on_its_way_counts_it_on_both_side
     from scrapy_idempotent import scrapy_compat
 
     caplog.set_level(logging.INFO, logger="scrapy_idempotent.progress")
+    monkeypatch.setattr(progress, "SLOW_COUNT_SECONDS", float("inf"))  # each line counts
     settings = crawl_settings(
         crawl_database, IDEMPOTENT_NATURAL_KEYS={"shop.items.ProductItem": "sku"},
         IDEMPOTENT_LOG_INTERVAL_SECONDS=86400, CONCURRENT_REQUESTS=2,
