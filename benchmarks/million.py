@@ -3,7 +3,7 @@ workers.
 
     python benchmarks/million.py [--pages N] [--store sqlite|postgresql|both]
         [--kills 0.25,0.45,0.75] [--workers 2] [--concurrency 32] [--database URL]
-        [--json OUT] [--package PATH] [--keep DIR]
+        [--json OUT] [--package PATH] [--keep DIR] [-s NAME=VALUE ...]
 
 The site: nginx on 127.0.0.1 (``apt-get install -y nginx``) answering from its configuration
 alone, no files: listing page ``/l/J/`` (J < N / 100) links its 99 products ``/l/J/0`` ..
@@ -30,6 +30,8 @@ live backends') and the page rate one server core would carry at that cost.
 
 Without ``--database`` the PostgreSQL server is a throwaway cluster of the tests'
 ``tests/postgres_server.py`` (fsync off, as in the tests), run as ``nobody`` under root.
+``--package PATH`` crawls with another copy of the package (``git archive`` of a commit);
+``-s NAME=VALUE`` gives every worker a Scrapy setting (``-s IDEMPOTENT_POLITENESS=worker``).
 """
 
 from __future__ import annotations
@@ -375,7 +377,7 @@ def check(rows: Any, n_pages: int) -> dict[str, Any]:
 
 def sqlite_run(args: argparse.Namespace, site: Site, work: Path) -> dict[str, Any]:
     db = work / "million.sqlite3"
-    result = run_crawl(args, site, work, str(db), 1, ())
+    result = run_crawl(args, site, work, str(db), 1, tuple(args.setting))
     result["store"] = "sqlite"
     sizes = {p.name: p.stat().st_size for p in work.glob("million.sqlite3*")}
     result["database_mb"] = round(sum(sizes.values()) / 2**20, 1)
@@ -397,7 +399,7 @@ def postgresql_run(args: argparse.Namespace, site: Site, work: Path) -> dict[str
     def crawl(url: str, postmaster: int | None) -> dict[str, Any]:
         server = (lambda: server_cpu(postmaster)) if postmaster else None
         result = run_crawl(args, site, work, f"{url}?schema=million", args.workers,
-                           ("IDEMPOTENT_RUN_MODE=resume",), server)
+                           ("IDEMPOTENT_RUN_MODE=resume", *args.setting), server)
         result["store"] = "postgresql"
         with psycopg.connect(url, autocommit=True) as conn:
             result["database_mb"] = round(conn.execute(
@@ -439,6 +441,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the results here too")
     parser.add_argument("--package", type=Path, help="package root to put first on PYTHONPATH")
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it")
+    parser.add_argument("--setting", "-s", action="append", default=[], metavar="NAME=VALUE",
+                        help="a Scrapy setting of every worker (repeatable)")
     args = parser.parse_args()
     if args.pages % 100:
         raise SystemExit("--pages must be a multiple of 100")
