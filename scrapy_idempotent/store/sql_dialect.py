@@ -36,6 +36,8 @@ class SqlDialect(ABC):
     recrawl_seconds: float | None
     run_id: int | None
     clock: Callable[[], float]
+    #: the worker of this store's session (None before it begins)
+    _worker: str | None = None
 
     #: appended to a ``SELECT`` whose rows the transaction then changes (``FOR UPDATE``)
     LOCK_ROWS = ""

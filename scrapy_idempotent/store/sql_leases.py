@@ -18,8 +18,6 @@ class SqlLeases(SqlDialect):
     """A session's end and the leases' release and reads (a mixin of ``SqlStore``)."""
 
     slot_limits: SlotLimits | None
-    #: the worker of this store's session (None before it begins)
-    _worker: str | None = None
 
     def _lock_frontier(self, cur: Any) -> None:
         raise NotImplementedError

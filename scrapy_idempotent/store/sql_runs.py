@@ -43,8 +43,6 @@ SHARED_COUNT_SECONDS = 0.1
 class SqlRuns(SqlDialect):
     """The database's metadata, runs, progress samples and feeds (a mixin of ``SqlStore``)."""
 
-    _worker: str | None = None  #: the worker of the store's session
-
     # -- the database's metadata ----------------------------------------------------------
 
     def _claim_meta(self, cur: Any, fingerprinter: str, identity: CrawlIdentity | None,
