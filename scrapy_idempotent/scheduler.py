@@ -377,10 +377,9 @@ class IdempotentScheduler(BaseScheduler, IdempotentSchedulerMark):
         """Run every :meth:`before_session_end` hook; None when none failed, else the reason
         the close now has (``idempotent_feed_error`` when the feeds were not stored and the
         crawl had ``finished``)."""
-        finishing = False
-        if reason == "finished":
-            counts = self.store.counts()
-            finishing = not counts["pending"] and not counts["leased"]
+        # (whether anything is left, not how much: a count of a large frontier takes
+        # seconds, and the closing line counts it once more)
+        finishing = reason == "finished" and not self.store.unfinished()
         hook_failed = False
         failed_reason = None
         for hook in self._before_end:

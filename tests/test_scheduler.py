@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import scrapy
+from scrapy.utils.defer import deferred_f_from_coro_f, maybe_deferred_to_future
 
 from helpers.scheduler_harness import URLS, Harness, drain, finish
 from helpers.stored import (
@@ -349,3 +350,41 @@ def test_requests_waiting_to_be_given_back_are_pending(crawl_harness: Harness) -
     assert sorted(r.url for r in handed_out) == sorted(URLS[:4])
     assert frontier_counts(crawl_harness.database) == {"done": 4}
     assert not scheduler.has_pending_requests()
+
+
+
+@deferred_f_from_coro_f
+async def test_a_close_asks_whether_the_run_finished_without_counting_the_frontier(
+        crawl_harness: Harness) -> None:
+    # the hooks (the feeds) learn whether this close ends the run from one probe of each
+    # state's index; the frontier is counted once, for the closing line (a count of ten
+    # million requests takes seconds)
+    async def closed(scheduler: Any, reason: str) -> tuple[list[bool], int]:
+        told: list[bool] = []
+
+        async def hook(store: Any, run_id: int, finishing: bool) -> None:
+            told.append(finishing)
+
+        scheduler.before_session_end(hook)
+        counted = 0
+        count = scheduler.store.counts
+
+        def counting() -> dict[str, int]:
+            nonlocal counted
+            counted += 1
+            return count()
+
+        scheduler.store.counts = counting
+        crawl_harness.open.remove(scheduler)
+        await maybe_deferred_to_future(scheduler.close(reason))
+        return told, counted
+
+    first = crawl_harness.scheduler()
+    for url in URLS[:2]:
+        first.enqueue_request(scrapy.Request(url))
+    finish(first, first.next_request())
+    assert await closed(first, "finished") == ([False], 1)  # one request left pending
+    second = crawl_harness.scheduler()
+    finish(second, second.next_request())
+    assert await closed(second, "finished") == ([True], 1)
+    assert [run.reason for run in stored_runs(crawl_harness.database)] == ["finished"]

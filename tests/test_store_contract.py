@@ -1234,6 +1234,20 @@ def test_status_counts_the_workers_own_expired_leases_as_reclaimable(store, cloc
     assert store.status("w1") == FrontierStatus(claimable=False, leased_elsewhere=True)
 
 
+def test_unfinished_is_any_request_pending_or_leased_by_any_worker(store):
+    # what a close asks before its hooks (did the crawl finish?), answered as counts() would
+    assert store.unfinished() is False
+    enqueue(store, req("a"), req("b"))
+    assert store.unfinished() is True
+    claim(store, 2, worker="w2")  # leased elsewhere, nothing pending
+    assert store.counts() == counts(leased=2)
+    assert store.unfinished() is True
+    complete(store, "a", worker="w2")
+    complete(store, "b", RequestState.FAILED, worker="w2", error_kind="dns",
+             error_message="no such host")
+    assert store.unfinished() is False
+
+
 def test_a_feed_store_is_fenced_an_older_version_never_replaces_a_newer(store: Any) -> None:
     """store_feed: a version at a lower level than the one stored is refused (nothing done);
     equal or higher levels are stored, ``replace`` called inside the transaction; an error in

@@ -388,6 +388,12 @@ class FrontierStore(ABC):
     def counts(self) -> dict[str, int]:
         """Frontier entries by state value, plus ``records``."""
 
+    def unfinished(self) -> bool:
+        """Whether any request is pending or leased (all workers'): what a close asks to know
+        whether the crawl finished, without counting the frontier. This one counts."""
+        counts = self.counts()
+        return bool(counts[RequestState.PENDING.value] or counts[RequestState.LEASED.value])
+
     def shared_counts(self, max_age: float) -> tuple[dict[str, int], float]:
         """:meth:`counts` as the crawl's workers share them, with their age in seconds: a
         backend whose count is slow on a large frontier keeps one, and answers with it
