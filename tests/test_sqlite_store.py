@@ -388,3 +388,21 @@ def test_sqlite_a_units_statements_on_its_keys_find_their_rows_by_key(tmp_path, 
             assert "USING INDEX sqlite_autoindex_requests_1 (key=?)" in plan, (statement, plan)
     finally:
         store.close()
+
+
+def test_a_page_started_and_downloaded_in_one_unit_is_written_once(tmp_path, clock):
+    # its counters in one statement, not one a counter (each was a new version of the row
+    # on PostgreSQL, and a round trip)
+    store = SQLiteStore(str(tmp_path / "f.sqlite3"), clock=clock)
+    store.open(fingerprinter="x")
+    store.begin_session("w1", "auto")
+    try:
+        leased = _leased(store, requests=3, claimed=3)
+        statements: list[str] = []
+        store.conn.set_trace_callback(statements.append)
+        store.commit(UnitOfWork(started=leased, downloaded=leased), "w1")
+        store.conn.set_trace_callback(None)
+        updates = [s for s in statements if s.lstrip().startswith("UPDATE requests")]
+        assert len(updates) == 1, updates
+    finally:
+        store.close()

@@ -879,6 +879,19 @@ def test_downloads_count_each_sending_of_a_held_lease(make_store):
     assert (summary.downloads, summary.downloaded_again) == (3, 1)
 
 
+def test_a_unit_counts_starts_replays_and_downloads_of_its_requests_together(make_store):
+    """The counters of one unit, whatever mix of them a request has in it (they are written
+    together: one statement for the keys of one mix of increments)."""
+    store, _ = open_store(make_store, "w1")
+    enqueue(store, *(req(key) for key in "abcd"))
+    store.commit(UnitOfWork(claim=4), "w1")
+    store.commit(UnitOfWork(started=["a", "b", "d"], replayed=["b", "c"],
+                            downloaded=["a", "a", "b", "c", "d"]), "w1")
+    store.commit(UnitOfWork(started=["d"], downloaded=["d"]), "w1")
+    assert {e.key: (e.unfinished, e.replays, e.downloads) for e in entries(store)} == {
+        "a": (1, 0, 2), "b": (1, 1, 1), "c": (0, 1, 1), "d": (2, 0, 2)}
+
+
 def test_leases_put_back_never_started_count_no_attempt(make_store):
     """Claimed ahead and given back, or released unstarted at a clean stop: not on the wire."""
     store, _ = open_store(make_store, "w1")

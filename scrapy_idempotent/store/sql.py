@@ -200,11 +200,9 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
                 " ON CONFLICT (key) DO UPDATE SET data = excluded.data, body = excluded.body,"
                 " stored_at = excluded.stored_at"),
                 [(key, data, body, now) for key, data, body in responses])
-        started = [key for key in work.started if key not in lost]
-        self._leased_update(cur, "unfinished = unfinished + 1", started, worker)
-        self._leased_update(cur, "replays = replays + 1",
-                            [key for key in work.replayed if key not in lost], worker)
-        self._count_downloads(cur, [key for key in work.downloaded if key not in lost], worker)
+        self._add_counters(cur, [key for key in work.started if key not in lost],
+                           [key for key in work.replayed if key not in lost],
+                           [key for key in work.downloaded if key not in lost], worker)
         completing = self._complete(cur, work.completions, lost, worker, now)
         # claimed ahead, never handed out: their claim's attempt is taken back
         self._leased_update(cur, "state = 'pending', worker = NULL, leased_until = NULL,"
@@ -221,14 +219,28 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
                 or result.completed.get(RequestState.PENDING.value)):
             self._notify(cur)
 
-    def _count_downloads(self, cur: Any, keys: Sequence[str], worker: str) -> None:
-        """Add the network responses of ``keys`` (a key once per response) to their
-        requests' ``downloads``."""
-        by_count: dict[int, list[str]] = {}
-        for key, n in Counter(keys).items():
-            by_count.setdefault(n, []).append(key)
-        for n, same in sorted(by_count.items()):
-            self._leased_update(cur, f"downloads = downloads + {int(n)}", same, worker)
+    def _add_counters(self, cur: Any, started: Sequence[str], replayed: Sequence[str],
+                      downloaded: Sequence[str], worker: str) -> None:
+        """Count on the requests ``worker`` leases: ``started`` (``unfinished``, once a key),
+        ``replayed`` from the journal (``replays``, once a key) and each network response of
+        ``downloaded`` (``downloads``, a key once per response). One statement for the keys
+        of one combination of increments: a page's request is most often started and
+        downloaded in the same unit, its row then written once, not once a counter."""
+        increments: dict[str, list[int]] = {}
+        for key in started:
+            increments.setdefault(key, [0, 0, 0])[0] = 1
+        for key in replayed:
+            increments.setdefault(key, [0, 0, 0])[1] = 1
+        for key, n in Counter(downloaded).items():
+            increments.setdefault(key, [0, 0, 0])[2] = n
+        by_increments: dict[tuple[int, ...], list[str]] = {}
+        for key, added in increments.items():
+            by_increments.setdefault(tuple(added), []).append(key)
+        for added, keys in sorted(by_increments.items()):
+            self._leased_update(cur, ", ".join(
+                f"{column} = {column} + {int(n)}"
+                for column, n in zip(("unfinished", "replays", "downloads"), added) if n),
+                keys, worker)
 
     def _leased_update(self, cur: Any, assignments: str, keys: Sequence[str],
                        worker: str) -> None:
