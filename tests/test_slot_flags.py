@@ -227,6 +227,34 @@ def test_a_flag_cleared_by_a_claim_racing_a_commit_is_set_again(
     claimable(other, f"{SLOT}/2")
 
 
+def test_a_slow_repair_of_the_flags_is_made_again_only_after_twenty_times_as_long(
+        polite: Callable[..., FrontierStore], store_database: str, clock: FakeClock,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A claim that finds nothing to take reads every unflagged slot to repair their flags
+    (0.6 s at a million sites): after one that took a second, the worker's claims ask to
+    come back in 20 s instead of repairing again, and repair once they do."""
+    if not store_database.startswith("postgresql"):
+        pytest.skip("SQLite writes one transaction at a time: no race to repair")
+    from scrapy_idempotent.store import sql_politeness
+
+    store: Any = polite()
+    leased_and_unflagged(store, req(0))
+    repairs: list[float] = []
+    repair = store._flag_pending_slots
+    ticks = iter(range(0, 1000, 1))  # each reading a second later: a repair takes 1 s
+    monkeypatch.setattr(sql_politeness, "perf_counter", lambda: float(next(ticks)))
+    monkeypatch.setattr(store, "_flag_pending_slots",
+                        lambda cur: repairs.append(clock()) or repair(cur))
+    first = store.commit(UnitOfWork(claim=10), "w1")
+    assert (first.leased, len(repairs)) == ([], 1)
+    clock.advance(5)
+    again = store.commit(UnitOfWork(claim=10), "w1")
+    assert (again.leased, len(repairs), again.claim_again_in) == ([], 1, 15.0)
+    clock.advance(15)
+    assert store.commit(UnitOfWork(claim=10), "w1").leased == []
+    assert len(repairs) == 2
+
+
 def test_two_stores_racing_adds_and_claims_leave_no_request_unclaimable(
         polite: Callable[..., FrontierStore], store_database: str) -> None:
     """One store adds requests to 3 slots one page at a time while another claims and
