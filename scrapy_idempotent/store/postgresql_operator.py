@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ..exceptions import StoreError
 from .base import CrawlIdentity
-from .packing import pack, unpack
+from .packing import unpack
 from .postgresql_connection import PostgreSQLConnections
 from .postgresql_schema import (
     ALL_COUNTERS,
@@ -22,23 +22,11 @@ from .postgresql_schema import (
     schema_for,
 )
 from .reads import EngineSetting, IntegrityReport, RunSummary, SchemaInfo
-from .rules import stored_request_data
 
 if TYPE_CHECKING:
     import psycopg
 
 __all__ = ["PostgreSQLOperatorQueries"]
-
-
-def _stored_request(row: dict[str, object]) -> tuple[str, bytes | None]:
-    """The ``(data, packed)`` of a SQLite request row loaded, as a crawl stores them here
-    (``SqlDialect._stored_data``): its request, whole text (a row of an older release) or
-    packed whole (a BLOB), without its URL, packed again beside it where that is smaller."""
-    url, data = str(row["url"]), row["data"]
-    text = data if isinstance(data, str) else unpack(cast(bytes, data), url, str(row["key"]))
-    text = stored_request_data(text, url)
-    packed = pack(text, url)
-    return ("", packed) if packed is not None else (text, None)
 
 
 class PostgreSQLOperatorQueries(PostgreSQLConnections):
@@ -53,6 +41,7 @@ class PostgreSQLOperatorQueries(PostgreSQLConnections):
         def _stored_identity(self) -> dict[str, str]: ...
         def _check_identity(self, stored: dict[str, str], identity: CrawlIdentity) -> None: ...
         def _key(self, key: str | None) -> bytes | None: ...
+        def _stored_data(self, data: str, url: str | None) -> tuple[Any, ...]: ...
 
     # -- operator queries -------------------------------------------------------------------
 
@@ -157,7 +146,12 @@ class PostgreSQLOperatorQueries(PostgreSQLConnections):
                         row.setdefault("slot", "")
                         if row["fingerprint"] == row["key"]:  # stored only where it differs
                             row["fingerprint"] = None
-                        row["data"], row["packed"] = _stored_request(row)
+                        # stored as a crawl stores it: a row of an older release holds its
+                        # request whole (text), or packed whole (a BLOB)
+                        url, data = str(row["url"]), row["data"]
+                        row["data"], row["packed"] = self._stored_data(
+                            data if isinstance(data, str)
+                            else unpack(cast(bytes, data), url, str(row["key"])), url)
                         # the key columns as bytes (COPY would read text as escape-format
                         # bytea: its characters' bytes, another key), a non-hex key refused
                         for column in ("key", "fingerprint", "parent_key"):

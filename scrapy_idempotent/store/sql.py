@@ -234,13 +234,13 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
         for key, n in Counter(downloaded).items():
             increments.setdefault(key, [0, 0, 0])[2] = n
         by_increments: dict[tuple[int, ...], list[str]] = {}
-        for key, added in increments.items():
-            by_increments.setdefault(tuple(added), []).append(key)
+        for key, counts in increments.items():
+            by_increments.setdefault(tuple(counts), []).append(key)
+        columns = ("unfinished", "replays", "downloads")
         for added, keys in sorted(by_increments.items()):
             self._leased_update(cur, ", ".join(
                 f"{column} = {column} + {int(n)}"
-                for column, n in zip(("unfinished", "replays", "downloads"), added) if n),
-                keys, worker)
+                for column, n in zip(columns, added, strict=True) if n), keys, worker)
 
     def _leased_update(self, cur: Any, assignments: str, keys: Sequence[str],
                        worker: str) -> None:
