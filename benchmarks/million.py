@@ -3,7 +3,7 @@ workers.
 
     python benchmarks/million.py [--pages N] [--store sqlite|postgresql|both]
         [--kills 0.25,0.45,0.75] [--workers 2] [--concurrency 32] [--database URL]
-        [--json OUT] [--package PATH] [--keep DIR] [-s NAME=VALUE ...]
+        [--json OUT] [--package PATH] [--keep DIR] [-s NAME=VALUE ...] [--statements N]
 
 The site: nginx on 127.0.0.1 (``apt-get install -y nginx``) answering from its configuration
 alone, no files: listing page ``/l/J/`` (J < N / 100) links its 99 products ``/l/J/0`` ..
@@ -32,6 +32,9 @@ Without ``--database`` the PostgreSQL server is a throwaway cluster of the tests
 ``tests/postgres_server.py`` (fsync off, as in the tests), run as ``nobody`` under root.
 ``--package PATH`` crawls with another copy of the package (``git archive`` of a commit);
 ``-s NAME=VALUE`` gives every worker a Scrapy setting (``-s IDEMPOTENT_POLITENESS=worker``).
+``--statements N`` (the throwaway cluster) loads ``pg_stat_statements`` and reports the crawl's
+statements: their execution time, calls, buffers and write-ahead log a page, and the N that
+took longest.
 """
 
 from __future__ import annotations
@@ -402,6 +405,8 @@ def postgresql_run(args: argparse.Namespace, site: Site, work: Path) -> dict[str
                            ("IDEMPOTENT_RUN_MODE=resume", *args.setting), server)
         result["store"] = "postgresql"
         with psycopg.connect(url, autocommit=True) as conn:
+            if args.statements:  # (before this benchmark's own reads below)
+                result["statements"] = statements(conn, args.pages, args.statements)
             result["database_mb"] = round(conn.execute(
                 "SELECT pg_database_size(current_database())").fetchone()[0] / 2**20, 1)
             conn.execute("SET search_path TO million")
@@ -423,10 +428,38 @@ def postgresql_run(args: argparse.Namespace, site: Site, work: Path) -> dict[str
     bindir = find_binaries()
     if bindir is None:
         raise SystemExit(INSTALL_HINT)
-    with running_cluster(bindir) as cluster:
+    settings = ("-c shared_preload_libraries=pg_stat_statements -c track_io_timing=on"
+                if args.statements else "")
+    with running_cluster(bindir, settings) as cluster:
         url = cluster.new_database()
+        if args.statements:
+            with psycopg.connect(url, autocommit=True) as conn:
+                conn.execute("CREATE EXTENSION pg_stat_statements")
+                conn.execute("SELECT pg_stat_statements_reset()")  # the crawl's alone
         postmaster = int((cluster.data / "postmaster.pid").read_text().split()[0])
         return crawl(url, postmaster)
+
+
+def statements(conn: Any, pages: int, top: int) -> dict[str, Any]:
+    """The server's statements over the crawl (``pg_stat_statements``, every database's
+    statement of the run): their execution time, buffers and write-ahead log a page, and the
+    ``top`` statements by execution time, each with its calls, rows and buffers a call."""
+    total = conn.execute(
+        "SELECT sum(total_exec_time), sum(calls), sum(shared_blks_hit + shared_blks_read),"
+        " sum(wal_bytes) FROM public.pg_stat_statements").fetchone()
+    rows = conn.execute(
+        "SELECT total_exec_time, calls, rows, shared_blks_hit + shared_blks_read,"
+        " left(regexp_replace(query, '\\s+', ' ', 'g'), 200) FROM public.pg_stat_statements"
+        " ORDER BY total_exec_time DESC LIMIT %s", (top,)).fetchall()
+    return {
+        "exec_ms_per_page": round(float(total[0]) / pages, 3),
+        "calls_per_page": round(int(total[1]) / pages, 2),
+        "buffers_per_page": round(int(total[2]) / pages, 1),
+        "wal_bytes_per_page": round(int(total[3]) / pages),
+        "top": [{"exec_ms_per_page": round(ms / pages, 4), "calls": calls, "rows": n,
+                 "buffers_per_call": round(buffers / max(calls, 1), 1), "query": query}
+                for ms, calls, n, buffers, query in rows],
+    }
 
 
 def main() -> None:
@@ -443,6 +476,9 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it")
     parser.add_argument("--setting", "-s", action="append", default=[], metavar="NAME=VALUE",
                         help="a Scrapy setting of every worker (repeatable)")
+    parser.add_argument("--statements", type=int, default=0, metavar="N",
+                        help="PostgreSQL (the throwaway cluster): the server's statements"
+                        " (pg_stat_statements): totals a page and the N slowest")
     args = parser.parse_args()
     if args.pages % 100:
         raise SystemExit("--pages must be a multiple of 100")

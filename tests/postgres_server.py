@@ -76,8 +76,9 @@ class PostgresCluster:
     :meth:`new_database` makes an empty database per test.
     """
 
-    def __init__(self, bindir: Path) -> None:
+    def __init__(self, bindir: Path, settings: str = "") -> None:
         self.bindir = bindir
+        self.settings = settings  #: more ``-c name=value`` options of the server
         self.password = secrets.token_hex(8)
         self.port = 0
         self.base = Path(tempfile.mkdtemp(prefix="idempotent-pg-"))
@@ -137,7 +138,8 @@ class PostgresCluster:
             # killed by the tests in a way that loses what the OS received
             options = (f"-h 127.0.0.1 -p {self.port} -k {self.base} -c fsync=off "
                        "-c full_page_writes=off -c max_connections=200 "
-                       "-c shared_buffers=64MB -c listen_addresses=127.0.0.1")
+                       "-c shared_buffers=64MB -c listen_addresses=127.0.0.1"
+                       f" {self.settings}").rstrip()
             try:
                 self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w",
                           "-t", "120", "-o", options, "start")
@@ -196,8 +198,8 @@ def _watch(bindir: Path, base: Path, uid: int | None) -> None:
 
 
 @contextlib.contextmanager
-def running_cluster(bindir: Path) -> Iterator[PostgresCluster]:
-    cluster = PostgresCluster(bindir)
+def running_cluster(bindir: Path, settings: str = "") -> Iterator[PostgresCluster]:
+    cluster = PostgresCluster(bindir, settings)
     try:
         cluster.init()
         cluster.start()
