@@ -3,11 +3,14 @@ permissions, WAL mode. What every backend must do is in ``test_store_contract.py
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import sqlite3
 import stat
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -327,23 +330,41 @@ def _leased(store: SQLiteStore, *, requests: int, claimed: int) -> list[str]:
     return [lease.key for lease in store.commit(UnitOfWork(claim=claimed), "w1").leased]
 
 
+@contextlib.contextmanager
+def _worker_store(path: Path, clock: Any) -> Iterator[SQLiteStore]:
+    """A store at ``path`` with worker w1's session begun; closed after."""
+    store = SQLiteStore(str(path), clock=clock)
+    store.open(fingerprinter="x")
+    store.begin_session("w1", "auto")
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def _traced(store: SQLiteStore, *calls: Callable[[], object]) -> list[str]:
+    """The SQL statements ``calls`` make on ``store``'s connection."""
+    statements: list[str] = []
+    store.conn.set_trace_callback(statements.append)
+    try:
+        for call in calls:
+            call()
+    finally:
+        store.conn.set_trace_callback(None)
+    return statements
+
+
 def test_sqlite_a_finishing_session_reads_no_request_it_does_not_need(tmp_path, clock):
     # the last session's close asks whether any request is pending or leased before it marks
     # the run finished: each state's partial index answers; a read of the table went through
     # every done request (most of a second at two million)
     from scrapy_idempotent.store import Completion, RequestState
 
-    store = SQLiteStore(str(tmp_path / "f.sqlite3"), clock=clock)
-    store.open(fingerprinter="x")
-    store.begin_session("w1", "auto")
-    try:
+    with _worker_store(tmp_path / "f.sqlite3", clock) as store:
         leased = _leased(store, requests=50, claimed=50)
         store.commit(UnitOfWork(completions=[Completion(k, RequestState.DONE)
                                              for k in leased]), "w1")
-        statements: list[str] = []
-        store.conn.set_trace_callback(statements.append)
-        store.end_session("w1", "finished")
-        store.conn.set_trace_callback(None)
+        statements = _traced(store, lambda: store.end_session("w1", "finished"))
         assert store.runs()[-1].finished_at is not None
         reads = [s for s in statements if s.lstrip().startswith("SELECT")
                  and "FROM requests" in s]
@@ -352,8 +373,6 @@ def test_sqlite_a_finishing_session_reads_no_request_it_does_not_need(tmp_path, 
             plan = [str(row[3]) for row in store.conn.execute(
                 f"EXPLAIN QUERY PLAN {statement}")]
             assert "SCAN requests" not in plan, (statement, plan)
-    finally:
-        store.close()
 
 
 def test_sqlite_a_units_statements_on_its_keys_find_their_rows_by_key(tmp_path, clock):
@@ -362,22 +381,17 @@ def test_sqlite_a_units_statements_on_its_keys_find_their_rows_by_key(tmp_path, 
     # give-back) look each key up, and never read every row the worker leases
     from scrapy_idempotent.store import Completion, RequestState
 
-    store = SQLiteStore(str(tmp_path / "f.sqlite3"), clock=clock)
-    store.open(fingerprinter="x")
-    store.begin_session("w1", "auto")
-    try:
+    with _worker_store(tmp_path / "f.sqlite3", clock) as store:
         leased = _leased(store, requests=200, claimed=100)
-        statements: list[str] = []
-        store.conn.set_trace_callback(statements.append)
-        store.commit(UnitOfWork(started=leased[:3], downloaded=leased[:2],
-                                replayed=leased[2:3], give_back=leased[3:4],
-                                responses=[(leased[0], "{}", b"body")]), "w1")
-        store.commit(UnitOfWork(completions=[Completion(leased[0], RequestState.DONE)],
-                                requests=[NewRequest(key="child", fingerprint="child",
-                                                     url="https://a/child", priority=0,
-                                                     data="{}", parent_key=leased[0])]),
-                     "w1")
-        store.conn.set_trace_callback(None)
+        statements = _traced(
+            store,
+            lambda: store.commit(UnitOfWork(started=leased[:3], downloaded=leased[:2],
+                                            replayed=leased[2:3], give_back=leased[3:4],
+                                            responses=[(leased[0], "{}", b"body")]), "w1"),
+            lambda: store.commit(UnitOfWork(
+                completions=[Completion(leased[0], RequestState.DONE)],
+                requests=[NewRequest(key="child", fingerprint="child", url="https://a/child",
+                                     priority=0, data="{}", parent_key=leased[0])]), "w1"))
         on_keys = [s for s in statements if "json_each" in s and "worker" in s
                    and ("FROM requests" in s or s.startswith("UPDATE requests"))]
         assert len(on_keys) >= 5
@@ -386,23 +400,14 @@ def test_sqlite_a_units_statements_on_its_keys_find_their_rows_by_key(tmp_path, 
                 f"EXPLAIN QUERY PLAN {statement}"))
             assert "requests_leased" not in plan, (statement, plan)
             assert "USING INDEX sqlite_autoindex_requests_1 (key=?)" in plan, (statement, plan)
-    finally:
-        store.close()
 
 
 def test_a_page_started_and_downloaded_in_one_unit_is_written_once(tmp_path, clock):
     # its counters in one statement, not one a counter (each was a new version of the row
     # on PostgreSQL, and a round trip)
-    store = SQLiteStore(str(tmp_path / "f.sqlite3"), clock=clock)
-    store.open(fingerprinter="x")
-    store.begin_session("w1", "auto")
-    try:
+    with _worker_store(tmp_path / "f.sqlite3", clock) as store:
         leased = _leased(store, requests=3, claimed=3)
-        statements: list[str] = []
-        store.conn.set_trace_callback(statements.append)
-        store.commit(UnitOfWork(started=leased, downloaded=leased), "w1")
-        store.conn.set_trace_callback(None)
+        statements = _traced(store, lambda: store.commit(
+            UnitOfWork(started=leased, downloaded=leased), "w1"))
         updates = [s for s in statements if s.lstrip().startswith("UPDATE requests")]
         assert len(updates) == 1, updates
-    finally:
-        store.close()
