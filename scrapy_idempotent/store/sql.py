@@ -654,13 +654,6 @@ class SqlStore(SqlRuns, SqlLeases, SqlKnownRequests, SqlPoliteness, SqlOperatorQ
             " AS ahead", (count,))[0][0]
         return bool(found >= count)
 
-    def unfinished(self) -> bool:
-        # one probe of each state's partial index (a count of them reads every entry)
-        (busy,) = self._crawl_select(
-            "SELECT EXISTS (SELECT 1 FROM requests WHERE state = 'pending')"
-            " OR EXISTS (SELECT 1 FROM requests WHERE state = 'leased')")[0]
-        return bool(busy)
-
     def counts(self) -> dict[str, int]:
         # Exact, in one statement (one snapshot), without reading the rows: every count but
         # done's is answered by a partial index of its state (the few failed and redirected

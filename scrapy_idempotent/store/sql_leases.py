@@ -19,6 +19,12 @@ class SqlLeases(SqlDialect):
 
     slot_limits: SlotLimits | None
 
+    #: whether any request is pending or leased: one probe of each state's partial index
+    #: (``state IN (...)`` is neither's condition: it read the table, every done request of
+    #: it; a count reads every entry of them)
+    UNFINISHED = ("SELECT EXISTS (SELECT 1 FROM requests WHERE state = 'pending')"
+                  " OR EXISTS (SELECT 1 FROM requests WHERE state = 'leased')")
+
     def _lock_frontier(self, cur: Any) -> None:
         raise NotImplementedError
 
@@ -35,16 +41,16 @@ class SqlLeases(SqlDialect):
             cur.execute(self._q("UPDATE sessions SET ended_at = ?, reason = ?"
                                 " WHERE worker = ? AND ended_at IS NULL"), (now, reason, worker))
             if finishing:
-                # one probe of each partial index (state IN (...) is neither's condition:
-                # it read the table, every done request of it)
-                (busy,) = cur.execute(
-                    "SELECT EXISTS (SELECT 1 FROM requests WHERE state = 'pending')"
-                    " OR EXISTS (SELECT 1 FROM requests WHERE state = 'leased')").fetchall()[0]
+                (busy,) = cur.execute(self.UNFINISHED).fetchall()[0]
                 if not busy:
                     cur.execute(self._q("UPDATE runs SET finished_at = ?, reason = ?"
                                         " WHERE run_id = ? AND finished_at IS NULL"),
                                 (now, reason, self.run_id))
         return released
+
+    def unfinished(self) -> bool:
+        (busy,) = self._crawl_select(self.UNFINISHED)[0]
+        return bool(busy)
 
     def status(self, worker: str) -> FrontierStatus:
         claimable, elsewhere = self._crawl_select(
