@@ -1,7 +1,8 @@
 """Many workers on one PostgreSQL, by simulation: the store alone, no Scrapy, no downloads.
 
     python benchmarks/workers_sim.py [--workers 1,2,4,8,16,32] [--pages 20000] [--links 20]
-        [--known-links 0] [--batch 8] [--database URL] [--json FILE]
+        [--known-links 0] [--batch 8] [--sites 0] [--slot-concurrency 8] [--database URL]
+        [--json FILE]
 
 Each worker is a process that claims and commits pages through the package's store exactly as
 a crawl's writer does (``FrontierStore.commit``: a page's completion, its child requests and
@@ -10,6 +11,11 @@ between pages: the load is as high as the workers and the server can carry. The 
 list of listing pages, each linking ``--links`` product pages of its own (new requests) and
 ``--known-links`` links to products already known (rediscovered links); a product page stores
 one record and has ``--product-links`` links to products already known. ``--pages`` pages in all.
+With ``--sites N`` the listings are spread over N sites (a product on its listing's) and the
+claims keep the crawl-wide politeness a crawl has by default (``IDEMPOTENT_POLITENESS =
+"crawl"``): at most ``--slot-concurrency`` requests of a site leased at once, every worker's
+together; without, one site and no slot limits (claims take the frontier's head, as with
+``"worker"``).
 
 How a page's links are deduplicated (``--dedup``): ``commit`` hands every link to the page
 commit, whose lookups decide (the store's own backstop); ``scheduler`` does what a crawl's
@@ -63,8 +69,23 @@ sys.path.insert(0, str(ROOT / "tests"))
 SCHEMA = "workers_sim"
 
 
+#: the site count of ``--sites`` (0: one site, no politeness), and ``--links`` (a product's
+#: site is its listing's), set in each process before any request is made
+SITES = 0
+LINKS = 20
+
+
+def _host(kind: str, n: int) -> str:
+    """A page's site: ``shop.example``, or with ``--sites`` its listing's of
+    ``shop0.example`` ... (listings taken round the sites in turn)."""
+    if not SITES:
+        return "shop.example"
+    listing = n if kind == "l" else n // LINKS
+    return f"shop{listing % SITES}.example"
+
+
 def _url(kind: str, n: int) -> str:
-    return f"http://shop.example/{kind}/{n}"
+    return f"http://{_host(kind, n)}/{kind}/{n}"
 
 
 def _request_data(url: str) -> str:
@@ -80,8 +101,10 @@ def _new_request(kind: str, n: int, parent: str | None) -> Any:
 
     url = _url(kind, n)
     key = hashlib.sha1(url.encode()).hexdigest()
+    # the slot a crawl's scheduler gives it: the host (politeness keeps its limits only
+    # with --sites; without, the empty slot has none)
     return NewRequest(key=key, fingerprint=key, url=url, priority=0, data=_request_data(url),
-                      parent_key=parent)
+                      parent_key=parent, slot=_host(kind, n) if SITES else "")
 
 
 def _record(url: str) -> Any:
@@ -93,11 +116,14 @@ def _record(url: str) -> Any:
                   content_hash=hashlib.sha256(data.encode()).hexdigest())
 
 
-def _open(database: str, worker: str, mode: str) -> Any:
+def _open(database: str, worker: str, mode: str, slot_concurrency: int = 0) -> Any:
     from scrapy_idempotent.store import open_store
+    from scrapy_idempotent.store.values import SlotLimits
 
     store: Any = open_store(database, lease_seconds=600)
     store.open(fingerprinter="benchmarks.workers_sim")
+    if slot_concurrency:  # crawl-wide politeness, as the scheduler opens it
+        store.keep_slot_limits(SlotLimits(concurrency=slot_concurrency))
     store.begin_session(worker, mode)
     return store
 
@@ -161,16 +187,19 @@ class _Dedup:
 
 def child(database: str, worker: str, links: int, known_links: int, listings: int,
           batch: int, dedup_mode: str = "commit", redis_url: str | None = None,
-          product_links: int = 0, known_memory: int | None = None) -> dict[str, Any]:
+          product_links: int = 0, known_memory: int | None = None, sites: int = 0,
+          slot_concurrency: int = 8) -> dict[str, Any]:
     """One worker: claim and commit pages until the frontier has none left."""
+    global SITES, LINKS
     from scrapy_idempotent.store import sql_known
     from scrapy_idempotent.store.base import Completion, RequestState, UnitOfWork
 
     if known_memory is not None:
         sql_known.KNOWN_DONE_ENTRIES = sql_known.KNOWN_PENDING_ENTRIES = known_memory
+    SITES, LINKS = sites, links
 
     rng = random.Random(worker)
-    store = _open(database, worker, "resume")
+    store = _open(database, worker, "resume", slot_concurrency if sites else 0)
     dedup = _Dedup(store, dedup_mode, redis_url)
     leased: list[Any] = []
     latencies: list[float] = []
@@ -218,9 +247,11 @@ def child(database: str, worker: str, links: int, known_links: int, listings: in
             "lookups": dedup.lookups, "fast_hits": dedup.fast_hits}
 
 
-def _seed(database: str, listings: int) -> None:
+def _seed(database: str, listings: int, sites: int, links: int) -> None:
+    global SITES, LINKS
     from scrapy_idempotent.store.base import UnitOfWork
 
+    SITES, LINKS = sites, links
     store = _open(database, "seed-host:1:1", "fresh")
     starts = [_new_request("l", n, None) for n in range(listings)]
     for i in range(0, len(starts), 10_000):
@@ -261,10 +292,11 @@ def run(url: str, workers: int, args: argparse.Namespace,
 
         redis.Redis.from_url(args.redis).flushdb()  # the throwaway server's memory
     listings = max(1, args.pages // (args.links + 1))
-    _seed(database, listings)
+    _seed(database, listings, args.sites, args.links)
     with psycopg.connect(url, autocommit=True) as conn:
         before = conn.execute(_DATABASE_STATS).fetchone()
     waits: list[int] = []
+    slot_leases: list[int] = []  #: with --sites: the most leases one site had, per sample
     stop = threading.Event()
 
     def sample_locks() -> None:
@@ -273,6 +305,11 @@ def run(url: str, workers: int, args: argparse.Namespace,
                 (n,) = conn.execute("SELECT count(*) FROM pg_locks WHERE NOT granted"
                                     ).fetchone() or (0,)
                 waits.append(int(n))
+                if args.sites:
+                    (most,) = conn.execute(
+                        f"SELECT coalesce(max(n), 0) FROM (SELECT count(*) AS n FROM {SCHEMA}"
+                        ".requests WHERE state = 'leased' GROUP BY slot) AS s").fetchone()
+                    slot_leases.append(int(most))
                 stop.wait(0.1)
 
     sampler = threading.Thread(target=sample_locks, daemon=True)
@@ -284,7 +321,8 @@ def run(url: str, workers: int, args: argparse.Namespace,
         [sys.executable, str(HERE), "--child", database, f"sim-host:{n}:{n}",
          str(args.links), str(args.known_links), str(listings), str(args.batch),
          args.dedup, args.redis or "", str(args.product_links),
-         "" if args.known_memory is None else str(args.known_memory)],
+         "" if args.known_memory is None else str(args.known_memory), str(args.sites),
+         str(args.slot_concurrency)],
         stdout=subprocess.PIPE, text=True) for n in range(workers)]
     outputs = [json.loads(process.communicate()[0]) for process in processes]
     wall = time.monotonic() - began
@@ -316,11 +354,15 @@ def run(url: str, workers: int, args: argparse.Namespace,
         "server_rows_per_page": round((after[3] - before[3]) / pages, 1),
         "idle_claims": sum(o["idle_claims"] for o in outputs),
         "dedup": args.dedup, "known_memory": args.known_memory,
+        "sites": args.sites, "slot_concurrency": args.slot_concurrency if args.sites else None,
+        # politeness held: the most requests of one site leased at once in any sample
+        "slot_leases_max": max(slot_leases, default=0) if args.sites else None,
         "links_asked": sum(o["lookups"] for o in outputs),
         "fast_layer_hits": sum(o["fast_hits"] for o in outputs),
         "redis_cpu_ms_per_page": round(1000 * redis_cpu / pages, 3) if args.redis_pid else None,
         "exact": states == {"done": expected_pages} and pages == expected_pages
-        and records == listings * args.links,
+        and records == listings * args.links
+        and (not args.sites or max(slot_leases, default=0) <= args.slot_concurrency),
         "load": round(os.getloadavg()[0], 2),
     }
 
@@ -328,10 +370,11 @@ def run(url: str, workers: int, args: argparse.Namespace,
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
         (database, worker, links, known, listings, batch, mode, redis_url, product_links,
-         memory) = sys.argv[2:12]
+         memory, sites, slot_concurrency) = sys.argv[2:14]
         print(json.dumps(child(database, worker, int(links), int(known), int(listings),
                                int(batch), mode, redis_url or None, int(product_links),
-                               int(memory) if memory else None)))
+                               int(memory) if memory else None, int(sites),
+                               int(slot_concurrency))))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", default="1,2,4,8,16,32")
@@ -344,6 +387,13 @@ def main() -> None:
     parser.add_argument("--known-memory", type=int,
                         help="entries of each kind the worker's memory of known entries keeps")
     parser.add_argument("--batch", type=int, default=8, help="leases each worker keeps")
+    parser.add_argument("--sites", type=int, default=0,
+                        help="sites the listings are spread over, with crawl-wide politeness "
+                        "(the default IDEMPOTENT_POLITENESS); 0: one site, claims take the "
+                        "frontier's head (worker politeness)")
+    parser.add_argument("--slot-concurrency", type=int, default=8,
+                        help="with --sites: a site's requests leased at once, all workers "
+                        "together (CONCURRENT_REQUESTS_PER_DOMAIN)")
     parser.add_argument("--database", help="a postgresql:// URL (default: a throwaway cluster)")
     parser.add_argument("--dedup", choices=DEDUP_MODES, default="commit",
                         help="how a listing's links are deduplicated (see above)")
@@ -399,14 +449,15 @@ def _measure_all(args: argparse.Namespace, measure: Any) -> None:
 
 def _print_table(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print("\n| workers | pages/s | server CPU ms/page | worker CPU ms/page | commit ms p50 / p95 "
-          "/ p99 | lock waits max / mean | deadlocks | rollbacks | exact | load |\n"
-          "|---:|---:|---:|---:|---|---|---:|---:|---|---:|")
+          "/ p99 | lock waits max / mean | deadlocks | rollbacks | a site's leases max "
+          "| exact | load |\n|---:|---:|---:|---:|---|---|---:|---:|---:|---|---:|")
     for r in results:
         c = r["commit_ms"]
         print(f"| {r['workers']} | {r['pages_per_s']} | {r['server_cpu_ms_per_page']} | "
               f"{r['worker_cpu_ms_per_page']} | {c['p50']} / {c['p95']} / {c['p99']} | "
               f"{r['lock_waits_max']} / {r['lock_waits_mean']} | {r['deadlocks']} | "
-              f"{r['rollbacks']} | {r['exact']} | {r['load']} |")
+              f"{r['rollbacks']} | {r['slot_leases_max'] if r['sites'] else '-'} | "
+              f"{r['exact']} | {r['load']} |")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 
