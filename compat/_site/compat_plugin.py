@@ -24,6 +24,9 @@ import pytest
 from idempotent_forced import EVENTS_ENV, FORCE_ENV, POSTGRESQL_ENV
 
 ALLOWLIST_ENV = "SCRAPY_IDEMPOTENT_COMPAT_ALLOWLIST"
+#: the file in the events directory naming the tests that failed, not allow-listed (one node
+#: id a line), for ``compat/run.py`` to run again without the add-on
+FAILED_FILE = "FAILED_TESTS"
 IDEMPOTENT_SCHEDULER = "scrapy_idempotent.scheduler.IdempotentScheduler"
 
 
@@ -162,6 +165,8 @@ class CompatReport:
             write(f"allow-listed {nodeid}: {self.allowlist[entry] if entry else ''}")
         for nodeid in self.failed:
             write(f"FAILED (not allow-listed) {nodeid}")
+        Path(os.environ[EVENTS_ENV], FAILED_FILE).write_text(
+            "".join(f"{nodeid}\n" for nodeid in self.failed), encoding="utf-8")
         for nodeid in self.allowlisted_passed:
             write(f"ALLOW-LISTED BUT PASSED (stale entry?) {nodeid}")
         for entry in sorted(set(self.allowlist) - self.matched):
@@ -176,5 +181,19 @@ class CompatReport:
                 Path(os.environ[EVENTS_ENV], "PROOF_FAILED").touch()
 
 
+#: Scrapy's suite makes warnings errors, as ours does; as in ours (pyproject.toml), a
+#: deprecation raised where Scrapy and its libraries call each other is not one. Named by
+#: its message too: ``pytest.warns`` raises again the warnings it did not expect without
+#: their module. w3lib 2.6 deprecated parameters Scrapy passes when it infers a response's
+#: encoding, which the add-on's response journal reads (``Response.to_dict()``).
+LIBRARIES_OWN_DEPRECATIONS = (
+    r"ignore::DeprecationWarning:(scrapy|twisted|w3lib|parsel|itemadapter)\.",
+    "ignore:The default_encoding and auto_detect_fun parameters of"
+    " w3lib.encoding.html_to_unicode:DeprecationWarning",
+)
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    for line in LIBRARIES_OWN_DEPRECATIONS:
+        config.addinivalue_line("filterwarnings", line)
     config.pluginmanager.register(CompatReport(config), "scrapy_idempotent_compat_report")
