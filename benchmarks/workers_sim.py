@@ -1,8 +1,8 @@
 """Many workers on one PostgreSQL, by simulation: the store alone, no Scrapy, no downloads.
 
     python benchmarks/workers_sim.py [--workers 1,2,4,8,16,32] [--pages 20000] [--links 20]
-        [--known-links 0] [--batch 8] [--sites 0] [--slot-concurrency 8] [--database URL]
-        [--json FILE]
+        [--known-links 0] [--batch 8] [--sites 0] [--slot-concurrency 8] [--history 0]
+        [--database URL] [--json FILE]
 
 Each worker is a process that claims and commits pages through the package's store exactly as
 a crawl's writer does (``FrontierStore.commit``: a page's completion, its child requests and
@@ -15,7 +15,11 @@ With ``--sites N`` the listings are spread over N sites (a product on its listin
 claims keep the crawl-wide politeness a crawl has by default (``IDEMPOTENT_POLITENESS =
 "crawl"``): at most ``--slot-concurrency`` requests of a site leased at once, every worker's
 together; without, one site and no slot limits (claims take the frontier's head, as with
-``"worker"``).
+``"worker"``). ``--history N`` puts N done requests of an earlier crawl in the frontier first
+(through the write path) and gathers the table's statistics: on a frontier of a few thousand
+requests the planner rightly reads the whole table for some statements, which a frontier at
+depth reads by their indexes, so without it the server's reads a page are a small
+frontier's.
 
 How a page's links are deduplicated (``--dedup``): ``commit`` hands every link to the page
 commit, whose lookups decide (the store's own backstop); ``scheduler`` does what a crawl's
@@ -247,12 +251,24 @@ def child(database: str, worker: str, links: int, known_links: int, listings: in
             "lookups": dedup.lookups, "fast_hits": dedup.fast_hits}
 
 
-def _seed(database: str, listings: int, sites: int, links: int) -> None:
+def _seed(database: str, listings: int, sites: int, links: int, history: int = 0) -> None:
     global SITES, LINKS
-    from scrapy_idempotent.store.base import UnitOfWork
+    from scrapy_idempotent.store.base import Completion, RequestState, UnitOfWork
 
     SITES, LINKS = sites, links
-    store = _open(database, "seed-host:1:1", "fresh")
+    if history:
+        # an earlier crawl's requests, done, through the write path: the frontier's table at
+        # a size where the planner reads it by its indexes, as a crawl at depth does
+        store = _open(database, "history-host:1:1", "fresh")
+        for i in range(0, history, 10_000):
+            batch = [_new_request("h", n, None) for n in range(i, min(i + 10_000, history))]
+            store.commit(UnitOfWork(requests=batch), "history-host:1:1")
+            leased = store.commit(UnitOfWork(claim=len(batch)), "history-host:1:1").leased
+            store.commit(UnitOfWork(completions=[Completion(r.key, RequestState.DONE)
+                                                 for r in leased]), "history-host:1:1")
+        store.end_session("history-host:1:1", "finished")
+        store.close()
+    store = _open(database, "seed-host:1:1", "resume" if history else "fresh")
     starts = [_new_request("l", n, None) for n in range(listings)]
     for i in range(0, len(starts), 10_000):
         store.commit(UnitOfWork(requests=starts[i:i + 10_000]), "seed-host:1:1")
@@ -292,8 +308,10 @@ def run(url: str, workers: int, args: argparse.Namespace,
 
         redis.Redis.from_url(args.redis).flushdb()  # the throwaway server's memory
     listings = max(1, args.pages // (args.links + 1))
-    _seed(database, listings, args.sites, args.links)
+    _seed(database, listings, args.sites, args.links, args.history)
     with psycopg.connect(url, autocommit=True) as conn:
+        if args.history:  # its statistics, as autovacuum keeps them at depth
+            conn.execute(f"ANALYZE {SCHEMA}.requests")
         before = conn.execute(_DATABASE_STATS).fetchone()
     waits: list[int] = []
     slot_leases: list[int] = []  #: with --sites: the most leases one site had, per sample
@@ -301,15 +319,21 @@ def run(url: str, workers: int, args: argparse.Namespace,
 
     def sample_locks() -> None:
         with psycopg.connect(url, autocommit=True) as conn:
+            # the sites' leases through the leased requests' index, once a second: a few
+            # hundred rows a second at most, beside the thousands a page the crawl reads
+            # (a sequential scan ten times a second would count among the server's reads)
+            conn.execute("SET enable_seqscan = off")
+            samples = 0
             while not stop.is_set():
                 (n,) = conn.execute("SELECT count(*) FROM pg_locks WHERE NOT granted"
                                     ).fetchone() or (0,)
                 waits.append(int(n))
-                if args.sites:
+                if args.sites and samples % 10 == 0:
                     (most,) = conn.execute(
                         f"SELECT coalesce(max(n), 0) FROM (SELECT count(*) AS n FROM {SCHEMA}"
                         ".requests WHERE state = 'leased' GROUP BY slot) AS s").fetchone()
                     slot_leases.append(int(most))
+                samples += 1
                 stop.wait(0.1)
 
     sampler = threading.Thread(target=sample_locks, daemon=True)
@@ -354,13 +378,14 @@ def run(url: str, workers: int, args: argparse.Namespace,
         "server_rows_per_page": round((after[3] - before[3]) / pages, 1),
         "idle_claims": sum(o["idle_claims"] for o in outputs),
         "dedup": args.dedup, "known_memory": args.known_memory,
-        "sites": args.sites, "slot_concurrency": args.slot_concurrency if args.sites else None,
+        "history": args.history, "sites": args.sites,
+        "slot_concurrency": args.slot_concurrency if args.sites else None,
         # politeness held: the most requests of one site leased at once in any sample
         "slot_leases_max": max(slot_leases, default=0) if args.sites else None,
         "links_asked": sum(o["lookups"] for o in outputs),
         "fast_layer_hits": sum(o["fast_hits"] for o in outputs),
         "redis_cpu_ms_per_page": round(1000 * redis_cpu / pages, 3) if args.redis_pid else None,
-        "exact": states == {"done": expected_pages} and pages == expected_pages
+        "exact": states == {"done": expected_pages + args.history} and pages == expected_pages
         and records == listings * args.links
         and (not args.sites or max(slot_leases, default=0) <= args.slot_concurrency),
         "load": round(os.getloadavg()[0], 2),
@@ -394,6 +419,10 @@ def main() -> None:
     parser.add_argument("--slot-concurrency", type=int, default=8,
                         help="with --sites: a site's requests leased at once, all workers "
                         "together (CONCURRENT_REQUESTS_PER_DOMAIN)")
+    parser.add_argument("--history", type=int, default=0,
+                        help="requests of an earlier crawl, done, in the frontier before the "
+                        "workers start (and its statistics): a frontier at depth, whose "
+                        "statements the planner runs by their indexes")
     parser.add_argument("--database", help="a postgresql:// URL (default: a throwaway cluster)")
     parser.add_argument("--dedup", choices=DEDUP_MODES, default="commit",
                         help="how a listing's links are deduplicated (see above)")
