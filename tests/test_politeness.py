@@ -545,3 +545,28 @@ def test_the_crawls_limits_pause_a_dead_workers_slots_for_the_first_backoff() ->
         **SETTINGS, "IDEMPOTENT_POLITENESS": "crawl", "IDEMPOTENT_BACKOFF_SECONDS": 7}),
         Spider(name="s"))
     assert config.slot_limits.dead_worker_pause_seconds == 7.0
+
+
+def test_a_start_writes_its_limits_into_the_slots_and_a_slots_own_are_kept(
+        polite: Callable[..., FrontierStore]) -> None:
+    """Each worker's start writes its limits into every slot (the crawl's limits are those
+    of the worker that started last); a slot with limits of its own (``DOWNLOAD_SLOTS``)
+    keeps them; a slot added since the start gets them."""
+    a = polite("w1")
+    a.commit(UnitOfWork(requests=[req(slot, 1) for slot in
+                                  ("a.example", "b.example", "slow.example")]), "w1")
+
+    def limits() -> dict[str, tuple[int, float]]:
+        rows = a._select(  # type: ignore[attr-defined]
+            "SELECT slot, concurrency, delay FROM slots WHERE slot <> '' ORDER BY slot")
+        return {slot: (concurrency, delay) for slot, concurrency, delay in rows}
+
+    assert limits() == {"a.example": (2, 0.0), "b.example": (2, 0.0),
+                        "slow.example": (1, 5.0)}
+    polite("w2", SlotLimits(concurrency=6, delay_seconds=0.5,
+                            per_slot=(("slow.example", 1, 5.0), ("new.example", None, 2.0))))
+    assert limits() == {"a.example": (6, 0.5), "b.example": (6, 0.5),
+                        "new.example": (6, 2.0), "slow.example": (1, 5.0)}
+    polite("w3")  # the first limits again: new.example no longer has its own
+    assert limits() == {"a.example": (2, 0.0), "b.example": (2, 0.0),
+                        "new.example": (2, 0.0), "slow.example": (1, 5.0)}

@@ -6,6 +6,7 @@ server restarts, a wrong password."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -695,6 +696,63 @@ def test_a_claim_that_finds_a_slots_row_locked_by_another_claim_asks_again_soon(
     with slot_row_held():
         result = a.commit(UnitOfWork(claim=4), "w1")
     assert result.leased == [] and result.claim_again_in == 10.0
+
+
+def test_workers_starting_with_the_crawls_limits_write_and_wait_for_no_slot(
+        make: Callable[..., PostgreSQLStore], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each worker's start writes its limits into the slots. Workers starting together (a
+    deploy, a scale-up of 32) with the crawl's limits write no slot's row: the start waits for
+    no claim holding one (it rewrote and locked every slot, and 32 starts at once deadlocked
+    with each other and the claims), and a broad crawl's start does not rewrite a million
+    slots. A start whose transaction the server ends (a deadlock: limits changed while
+    claims run) is tried again."""
+    from scrapy_idempotent.store import sql_politeness
+    from scrapy_idempotent.store.base import SlotLimits
+
+    limits = SlotLimits(concurrency=4)
+    a = make(heartbeat_seconds=None)
+    a.open(fingerprinter="f", identity=SHOP)
+    a.begin_session("w1", "auto")
+    a.keep_slot_limits(limits)
+    a.commit(UnitOfWork(requests=[dataclasses.replace(req(f"p{n}"), slot=f"s{n}")
+                                  for n in range(3)]), "w1")
+    b = make(heartbeat_seconds=None, busy_timeout_seconds=0.5)
+    b.open(fingerprinter="f", identity=SHOP)
+    b.begin_session("w2", "auto")
+    with psycopg.connect(a.url) as conn:  # a claim of s1, its transaction not committed
+        conn.execute(f'SET search_path TO "{a.schema}"')
+        conn.execute("SELECT 1 FROM slots WHERE slot = 's1' FOR UPDATE")
+        b.keep_slot_limits(limits)  # no wait: nothing to write
+        versions = conn.execute("SELECT slot, xmin::text FROM slots ORDER BY slot").fetchall()
+        b.keep_slot_limits(limits)
+        assert conn.execute("SELECT slot, xmin::text FROM slots ORDER BY slot"
+                            ).fetchall() == versions
+        conn.rollback()
+    b.keep_slot_limits(SlotLimits(concurrency=6))  # changed: written
+    assert a._select("SELECT DISTINCT concurrency FROM slots WHERE slot <> ''") == [(6,)]
+
+    attempts: list[str] = []
+    ended = [1]  # how many of the transactions the server ends
+    write = b._write
+
+    @contextlib.contextmanager
+    def deadlocking(doing: str = "writing", **options: Any) -> Iterator[Any]:
+        attempts.append(doing)
+        with write(doing, **options) as cur:
+            yield cur
+            if len(attempts) <= ended[0]:
+                raise StoreBusy("deadlock detected (a test's)")
+
+    monkeypatch.setattr(b, "_write", deadlocking)
+    b.keep_slot_limits(SlotLimits(concurrency=5))
+    assert len(attempts) == 2
+    assert a._select("SELECT DISTINCT concurrency FROM slots WHERE slot <> ''") == [(5,)]
+    attempts.clear()
+    ended[0] = 99
+    with pytest.raises(StoreBusy):
+        b.keep_slot_limits(SlotLimits(concurrency=7))
+    assert len(attempts) == sql_politeness.SLOT_LIMITS_ATTEMPTS
+    assert a._select("SELECT DISTINCT concurrency FROM slots WHERE slot <> ''") == [(5,)]
 
 
 def test_a_statement_timeout_is_worth_retrying_and_writes_nothing(

@@ -8,6 +8,7 @@ from __future__ import annotations
 from time import perf_counter
 from typing import Any
 
+from ..exceptions import StoreBusy
 from .base import CommitResult, RobotsTxt, SlotLimits, SlotState
 from .rules import (
     SLOT_WANTED_RECHECK_SECONDS,
@@ -30,6 +31,10 @@ def _limits_of(limits: SlotLimits, slot: str) -> tuple[int, float]:
                     delay if delay is not None else limits.delay_seconds)
     return limits.concurrency, limits.delay_seconds
 
+
+#: times a worker's start tries to write the crawl's limits into the slots when the server
+#: ends its transaction (a deadlock with a claim, limits changed meanwhile)
+SLOT_LIMITS_ATTEMPTS = 3
 
 #: A claim that found nothing to take repairs the slots' flags of pending requests; after a
 #: repair that took FLAGS_REPAIR_SLOW_SECONDS or more (some 80,000 sites), the worker's
@@ -252,14 +257,32 @@ class SqlPoliteness(SqlDialect):
         self.slot_limits = limits
         if limits is None:
             return
-        with self._write("setting the download slots' limits") as cur:
-            cur.execute(self._q("UPDATE slots SET concurrency = ?, delay = ? WHERE slot <> ''"),
-                        (limits.concurrency, limits.delay_seconds))
-            for slot, _, _ in limits.per_slot:
-                cur.execute(self._q(
-                    "INSERT INTO slots (slot, concurrency, delay) VALUES (?, ?, ?)"
-                    " ON CONFLICT (slot) DO UPDATE SET concurrency = excluded.concurrency,"
-                    " delay = excluded.delay"), (slot, *_limits_of(limits, slot)))
+        # Only the rows whose limits differ are written (and locked): a worker starting with
+        # the crawl's limits writes none, so workers starting together neither wait for
+        # each other nor for the claims, and a start does not rewrite every slot of a broad
+        # crawl. Limits that change can still meet a claim's locks in another order: the
+        # server ends one of the two, and this is tried again.
+        own = sorted({slot for slot, _, _ in limits.per_slot})
+        for attempt in range(1, SLOT_LIMITS_ATTEMPTS + 1):
+            try:
+                with self._write("setting the download slots' limits") as cur:
+                    cur.execute(self._q(
+                        "UPDATE slots SET concurrency = ?, delay = ? WHERE slot <> ''"
+                        + (f" AND slot NOT IN ({', '.join('?' * len(own))})" if own else "")
+                        + " AND (concurrency <> ? OR delay <> ?)"),
+                        (limits.concurrency, limits.delay_seconds, *own, limits.concurrency,
+                         limits.delay_seconds))
+                    for slot in own:  # (in one order: the slots' locks taken in it)
+                        cur.execute(self._q(
+                            "INSERT INTO slots (slot, concurrency, delay) VALUES (?, ?, ?)"
+                            " ON CONFLICT (slot) DO UPDATE SET concurrency = excluded.concurrency,"
+                            " delay = excluded.delay WHERE slots.concurrency <>"
+                            " excluded.concurrency OR slots.delay <> excluded.delay"),
+                            (slot, *_limits_of(limits, slot)))
+                return
+            except StoreBusy:
+                if attempt == SLOT_LIMITS_ATTEMPTS:
+                    raise
 
     def pause_slot(self, slot: str, *, retry_after: float | None, first_seconds: float,
                    max_seconds: float, jitter: float = 0.0) -> float:
