@@ -214,8 +214,9 @@ def child(database: str, worker: str, links: int, known_links: int, listings: in
     leased.extend(result.leased)
     while True:
         if not leased:
-            status = store.counts()
-            if not status.get("pending") and not status.get("leased"):
+            # whether the crawl is over: a probe of the pending and leased requests' indexes,
+            # not counts() (every request read, at each idle claim of every worker)
+            if not store.unfinished():
                 break
             idle_claims += 1
             time.sleep(0.01)
