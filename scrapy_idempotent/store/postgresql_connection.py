@@ -13,7 +13,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..exceptions import StoreBusy, StoreError
@@ -35,6 +35,22 @@ MIN_SERVER_VERSION = 140000
 READ_DEADLINE_SECONDS = 2.0
 #: id(connection) -> (pid, start time) of its server process
 conn_backends: dict[int, tuple[int, Any]] = {}
+#: round trips that measure this process's clock against the server's at each connection;
+#: the quickest decides, and one of at most OFFSET_GOOD_ROUND_TRIP seconds ends the measure
+OFFSET_ROUND_TRIPS = 5
+OFFSET_GOOD_ROUND_TRIP = 0.002
+
+
+def clock_offset(samples: Iterable[tuple[float, float, float]]) -> float:
+    """The server's clock minus this process's, from ``(sent, server, received)`` round
+    trips (this process's clock when the question left and when the answer came, the
+    server's in between): the quickest round trip's, its server time against the trip's
+    midpoint. A trip is off by at most half its length, and a slow one (the process or the
+    server descheduled on a loaded machine: hundreds of milliseconds) would put every time
+    this process compares with the server's off by as much: a claim would take a site whose
+    pause another worker wrote before the pause ends."""
+    sent, server, received = min(samples, key=lambda sample: sample[2] - sample[0])
+    return server - (sent + received) / 2
 
 
 def check_server_version(version_num: int, shown_url: str) -> None:
@@ -201,11 +217,7 @@ class PostgreSQLConnections:
                 conn.execute("SELECT set_config('search_path', %s, false)",
                              (f'"{self.schema}"',))
             if self._fixed_clock is None:
-                observed_before = observation_clock()
-                (server,) = conn.execute(
-                    "SELECT extract(epoch FROM clock_timestamp())::float8").fetchone() or (0,)
-                self._observed_offset = (
-                    float(server) - (observed_before + observation_clock()) / 2)
+                self._observed_offset = clock_offset(self._round_trips(conn))
             self._connected_since = self.clock()  # (again) after a break: see reclaim_expired
         except psycopg.Error as exc:
             conn.close()
@@ -213,6 +225,19 @@ class PostgreSQLConnections:
         with self._lock:
             self._connections.append(conn)
         return conn
+
+    @staticmethod
+    def _round_trips(conn: psycopg.Connection[Any]) -> Iterator[tuple[float, float, float]]:
+        """Up to :data:`OFFSET_ROUND_TRIPS` round trips reading the server's clock (see
+        :func:`clock_offset`), fewer once one is quick."""
+        for _ in range(OFFSET_ROUND_TRIPS):
+            sent = observation_clock()
+            (server,) = conn.execute(
+                "SELECT extract(epoch FROM clock_timestamp())::float8").fetchone() or (0,)
+            received = observation_clock()
+            yield sent, float(server), received
+            if received - sent <= OFFSET_GOOD_ROUND_TRIP:
+                return
 
     def _end_orphans(self, conn: psycopg.Connection[Any]) -> None:
         """End the server processes of connections this store lost: a transaction of theirs
